@@ -1,0 +1,8 @@
+// thdpack/thdpack.h: includes the whole public API.
+#ifndef THDPACK_THDPACK_H_
+#define THDPACK_THDPACK_H_
+
+#include "thdpack/status.h"
+#include "thdpack/version.h"
+
+#endif  // THDPACK_THDPACK_H_

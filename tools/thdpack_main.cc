@@ -1,0 +1,17 @@
+// thdpack: the command line. Uses only the public API.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "thdpack/thdpack.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"thdpack: the data plane of packed-sequence (THD) distributed training"};
+  app.set_version_flag("--version", std::string("thdpack ") + thdpack::kVersion);
+  app.require_subcommand(0, 1);
+  CLI11_PARSE(app, argc, argv);
+  if (app.get_subcommands().empty()) {
+    std::fputs(app.help().c_str(), stdout);
+  }
+  return 0;
+}
