@@ -2,6 +2,7 @@
 #ifndef THDPACK_THDPACK_H_
 #define THDPACK_THDPACK_H_
 
+#include "thdpack/sample.h"
 #include "thdpack/status.h"
 #include "thdpack/version.h"
 

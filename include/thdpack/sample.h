@@ -1,0 +1,51 @@
+// thdpack/sample.h: the unit of data, a sample (id, tokens[L], target_mask[L]).
+//
+// target_mask[j] = 1 when token j is a training target: the loss includes predicting token j
+// from tokens 0..j-1 (token-aligned, as AReaL's loss_mask). Token 0 is never predicted, so
+// n_targets = sum(target_mask[1:L]). An empty target_mask means "all ones" (pretraining).
+//
+// Thread-safety: plain values.
+#ifndef THDPACK_SAMPLE_H_
+#define THDPACK_SAMPLE_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace thdpack {
+
+// Token ids are held as int32 inside the library (vocabularies are far below 2^31); the
+// Python/PyTorch edge widens them to int64.
+using TokenId = int32_t;
+
+// An owning sample, as data sources produce it.
+struct Sample {
+  int64_t id = 0;
+  std::vector<TokenId> tokens;       // [L], L >= 1
+  std::vector<uint8_t> target_mask;  // [L] of 0/1, or empty for all ones
+};
+
+// A non-owning view of a sample, as packing consumes it.
+struct SampleView {
+  int64_t id = 0;
+  std::span<const TokenId> tokens;       // [L]
+  std::span<const uint8_t> target_mask;  // [L] or empty for all ones
+
+  SampleView() = default;
+  SampleView(int64_t sample_id, std::span<const TokenId> t, std::span<const uint8_t> m = {})
+      : id(sample_id), tokens(t), target_mask(m) {}
+  SampleView(const Sample& s) : id(s.id), tokens(s.tokens), target_mask(s.target_mask) {}  // NOLINT
+};
+
+// Loss-token count of a sample: sum(target_mask[1:L]), or L-1 when the mask is empty.
+inline int64_t NumTargets(const SampleView& s) {
+  if (s.tokens.empty()) return 0;
+  if (s.target_mask.empty()) return static_cast<int64_t>(s.tokens.size()) - 1;
+  int64_t n = 0;
+  for (size_t j = 1; j < s.target_mask.size(); ++j) n += s.target_mask[j] != 0;
+  return n;
+}
+
+}  // namespace thdpack
+
+#endif  // THDPACK_SAMPLE_H_
