@@ -2,8 +2,10 @@
 #ifndef THDPACK_THDPACK_H_
 #define THDPACK_THDPACK_H_
 
+#include "thdpack/cost.h"
 #include "thdpack/sample.h"
 #include "thdpack/status.h"
+#include "thdpack/topology.h"
 #include "thdpack/version.h"
 
 #endif  // THDPACK_THDPACK_H_

@@ -1,0 +1,100 @@
+// thdpack/cost.h: the cost model and training FLOPs (DESIGN.md section 3).
+//
+// cost(P) = a*P + b*P^2 for a sequence of padded length P (compute runs on padded tokens):
+// b*P^2 is causal attention (half of the full square), a*P everything linear in tokens.
+// A sequence sharded over CP ranks costs cost(P)/CP per rank.
+//
+// Training FLOPs of one step (forward + backward = 3x forward) of a dense decoder with l layers,
+// hidden h, n_h query heads, n_kv key/value heads (head size h/n_h), gated feed-forward f (three
+// matrices) and vocabulary V:
+//   flops = 3 * ( 2*l*(h*h + 2*h*h*n_kv/n_h + h*h + 3*h*f) * sum P
+//               + 2*h*V * sum P
+//               + 2*l*h * sum P^2 )
+// which is Megatron's num_floating_point_operations for this family (its attention term is
+// 6*l*h*sum s^2). The cost model of a model is its FLOPs: a and b are the two coefficients.
+//
+// Thread-safety: plain values and pure functions.
+#ifndef THDPACK_COST_H_
+#define THDPACK_COST_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+// Dimensions of a dense decoder.
+struct ModelDims {
+  int64_t layers = 0;       // l
+  int64_t hidden = 0;       // h
+  int64_t heads = 0;        // n_h
+  int64_t kv_heads = 0;     // n_kv
+  int64_t ffn_hidden = 0;   // f (gated: three matrices)
+  int64_t vocab = 0;        // V
+};
+
+// Llama-2 7B: l=32, h=4096, n_h=n_kv=32, f=11008, V=32000.
+inline constexpr ModelDims kLlama2_7B{32, 4096, 32, 32, 11008, 32000};
+// Llama-3 8B: l=32, h=4096, n_h=32, n_kv=8, f=14336, V=128256.
+inline constexpr ModelDims kLlama3_8B{32, 4096, 32, 8, 14336, 128256};
+
+// REQUIRES (checked): all dims >= 1, h divisible by n_h, n_h divisible by n_kv.
+[[nodiscard]] Status ValidateModelDims(const ModelDims& dims);
+
+// Per-token (a) and per-squared-token (b) training FLOPs of a model; exact integers for every
+// realistic model (checked against int64 overflow).
+struct FlopsCoefficients {
+  int64_t per_token = 0;      // 3 * (2*l*(h*h + 2*h*h*n_kv/n_h + h*h + 3*h*f) + 2*h*V)
+  int64_t per_token_sq = 0;   // 3 * 2*l*h
+};
+[[nodiscard]] Result<FlopsCoefficients> ComputeFlopsCoefficients(const ModelDims& dims);
+
+// The cost model. Defaults to `tokens` (a=1, b=0): balance padded tokens.
+struct CostModel {
+  double a = 1.0;
+  double b = 0.0;
+  std::string name = "tokens";  // for reports: "tokens", "llama2-7b", "a,b", ...
+
+  // cost(P) for one padded sequence on one replica (not divided by CP).
+  double SequenceCost(int64_t padded_length) const {
+    const double p = static_cast<double>(padded_length);
+    return a * p + b * p * p;
+  }
+  // Cost of a set of sequences given sum P and sum P^2.
+  double Cost(int64_t sum_p, double sum_p_sq) const {
+    return a * static_cast<double>(sum_p) + b * sum_p_sq;
+  }
+};
+
+// The FLOPs model of `dims` as a cost model (a, b = its FLOPs coefficients).
+[[nodiscard]] Result<CostModel> CostModelFromDims(const ModelDims& dims, std::string name = "");
+
+// Parses a cost spec:
+//   "tokens"                    a=1, b=0
+//   "llama2-7b", "llama3-8b"    the presets above
+//   "A,B"                       two non-negative numbers, a and b (not both zero)
+//   "l=32,h=4096,nh=32,nkv=8,f=14336,v=128256"   any dimensions (all six keys)
+// Errors name the spec and what is wrong.
+[[nodiscard]] Result<CostModel> ParseCostSpec(std::string_view spec);
+// The dimensions behind a FLOPs-capable spec (a preset or dimensions), for FLOPs reporting;
+// NotFound for "tokens" and "A,B".
+[[nodiscard]] Result<ModelDims> ParseModelDims(std::string_view spec);
+
+// Sums over the sequences described by a cu_seqlens array (n+1 offsets).
+struct LengthSums {
+  int64_t count = 0;   // n
+  int64_t sum = 0;     // sum P
+  int64_t sum_sq = 0;  // sum P^2
+};
+// REQUIRES (checked): starts at 0, non-decreasing; sum_sq must fit int64.
+[[nodiscard]] Result<LengthSums> SumsFromCuSeqlens(std::span<const int32_t> cu_seqlens);
+
+// Training FLOPs of a step (double: totals of whole epochs exceed 2^63).
+double TrainingFlops(const FlopsCoefficients& coef, int64_t sum_p, double sum_p_sq);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_COST_H_
