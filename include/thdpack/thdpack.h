@@ -3,6 +3,7 @@
 #define THDPACK_THDPACK_H_
 
 #include "thdpack/cost.h"
+#include "thdpack/data.h"
 #include "thdpack/sample.h"
 #include "thdpack/status.h"
 #include "thdpack/topology.h"

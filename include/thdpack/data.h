@@ -1,0 +1,232 @@
+// thdpack/data.h: streaming data sources (DESIGN.md section 2).
+//
+// A SampleSource yields the samples of a data set one at a time, in a fixed order, epoch after
+// epoch. Next() gives whole samples (tokens and target mask); NextLength() gives only
+// (id, L, n_targets), which is all that planning needs, and for every source except `jsonl` it
+// touches no token (lengths and histogram files never expand tokens; Megatron datasets read
+// only their index). Both advance the same cursor.
+//
+// Sources, by spec string (see OpenSource and docs/data_sources.md):
+//   mock                the built-in lognormal mock (kDefaultMockConfig)
+//   mock:FILE.json      Megatron's mock SFT config: a lognormal draw or a lengths file
+//   lengths:FILE        one positive length per line (tokens are mock)
+//   histogram:FILE      `length,count` rows after a header (tokens are mock)
+//   jsonl:FILE          one JSON object per line: "input_ids", optional "loss_mask"
+//   megatron:PREFIX     Megatron-LM indexed dataset PREFIX.idx + PREFIX.bin (MMIDIDX v1)
+//
+// Sample ids. The k-th sample a source returns since it was opened (k = 0, 1, ...) has id k:
+// ids keep counting across Reset(), so after full epochs the id of the sample at position i of
+// epoch e is e * size + i. Ids are therefore unique for the life of a source.
+//
+// Order. Samples come in file order (mock: index order), the same every epoch, unless
+// SourceOptions::shuffle asks for a seeded permutation (a different one each epoch).
+//
+// Errors. Every malformed input is reported as a Status naming the file, the line (text files)
+// or byte offset / document (binary files) and the rule broken. Opening a source validates what
+// can be validated without reading every token: whole lengths and histogram files, the whole
+// Megatron index. A source that returned an error is broken: every later call returns the same
+// error.
+//
+// Thread-safety: a SampleSource is not thread-safe (it holds a cursor); use one per thread.
+// The free functions are pure and thread-safe.
+#ifndef THDPACK_DATA_H_
+#define THDPACK_DATA_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "thdpack/megatron_dataset.h"  // the writer and format of `megatron` sources
+#include "thdpack/sample.h"
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+// Vocabulary that mock tokens are drawn from when SourceOptions::vocab_size is 0.
+inline constexpr int64_t kDefaultMockVocab = 32000;
+// Samples per epoch of a lognormal mock when SourceOptions::mock_num_samples is 0.
+inline constexpr int64_t kDefaultMockNumSamples = 65536;
+// Lengths are int32 everywhere in thdpack (cu_seqlens are int32).
+inline constexpr int64_t kMaxSampleLength = 2147483647;
+
+struct SourceOptions {
+  // Vocabulary size V. 0 (default) = unknown: token ids read from files are only checked to be
+  // in [0, 2^31), and mock tokens are drawn from [0, kDefaultMockVocab). When > 0, every token
+  // id read must be in [0, V) and mock tokens are drawn from [0, V).
+  int64_t vocab_size = 0;
+  // Seed of mock lengths, mock tokens and shuffling. Default 1234.
+  uint64_t seed = 1234;
+  // Samples per epoch of a lognormal mock (`mock`, or `mock:FILE` in "distribution" mode).
+  // 0 (default) = kDefaultMockNumSamples. Ignored by every other source.
+  int64_t mock_num_samples = 0;
+  // Visit the samples of each epoch in a seeded pseudo-random order (a different permutation
+  // for every epoch, from (seed, epoch)); no data is loaded to do it. Default false: file order.
+  // Not available for `jsonl` (a streaming file has no random access): opening one with
+  // shuffle = true is an error.
+  bool shuffle = false;
+};
+
+// What planning needs of a sample.
+struct SampleLength {
+  int64_t id = 0;
+  int64_t length = 0;     // L >= 1
+  int64_t n_targets = 0;  // sum(target_mask[1:L]); L - 1 without a mask
+};
+
+// The streaming interface every source implements.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+
+  // The next sample of this epoch, or nullopt at the end of the epoch (call Reset() to start
+  // the next one). Samples have L >= 1; target_mask is empty (all ones) unless the source has
+  // one.
+  [[nodiscard]] virtual Result<std::optional<Sample>> Next() = 0;
+
+  // Like Next() (same cursor, same ids), but only (id, L, n_targets). Token values are not
+  // read, and so not checked, except by `jsonl`, which parses its whole line.
+  [[nodiscard]] virtual Result<std::optional<SampleLength>> NextLength() = 0;
+
+  // Rewinds to the start of the next epoch (also allowed before the end of this one). Ids keep
+  // counting from where they were.
+  [[nodiscard]] virtual Status Reset() = 0;
+
+  // Samples per epoch when known: always, except for `jsonl` before its first full pass.
+  virtual std::optional<int64_t> size_hint() const = 0;
+
+  // 0 for the first pass, +1 at every Reset().
+  virtual int64_t epoch() const = 0;
+
+  // The spec the source was opened with, e.g. "jsonl:/data/train.jsonl", for messages.
+  virtual const std::string& spec() const = 0;
+};
+
+// Opens a source from its spec string (table at the top of this file). An unknown kind or an
+// empty path is an InvalidArgument error that names the spec.
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenSource(std::string_view spec,
+                                                               const SourceOptions& options = {});
+
+// ---------------------------------------------------------------------------------------------
+// mock
+
+// Megatron's mock SFT config. Two modes:
+//   {"mode":"distribution","type":"lognormal","min_seq_len":a,"max_seq_len":b,
+//    "mean_seq_len":m,"lognormal_sigma":s}
+//     L = int(clip(exp(mu + s*z), a, b)), z ~ N(0,1), mu = ln(m) - s^2/2 (so E[exp] = m).
+//   {"mode":"file","path":"lengths.csv"}
+//     lengths one per line; a relative path is resolved against the JSON file's folder; a
+//     first line that does not start with a digit or sign is a header.
+struct MockConfig {
+  enum class Mode { kDistribution, kFile };
+  Mode mode = Mode::kDistribution;
+  // Distribution mode (REQUIRES 1 <= min_seq_len <= max_seq_len <= kMaxSampleLength,
+  // mean_seq_len > 0, lognormal_sigma >= 0, all finite).
+  int64_t min_seq_len = 0;
+  int64_t max_seq_len = 0;
+  double mean_seq_len = 0;
+  double lognormal_sigma = 0;
+  // File mode: the lengths file, already resolved against the JSON file's folder.
+  std::string path;
+};
+
+// The built-in default mock (`mock` without a file): lognormal, min 16, max 16384, mean 2048,
+// sigma 1.0 - a long-tailed SFT-like mix where about 0.5% of the draws hit the 16K cap.
+inline const MockConfig kDefaultMockConfig{MockConfig::Mode::kDistribution, 16, 16384, 2048.0,
+                                           1.0, ""};
+
+// Parses and validates a mock config JSON file; errors name the file and the field.
+[[nodiscard]] Result<MockConfig> ReadMockConfigFile(const std::string& path);
+// Same for JSON text; `name` stands for the file in messages, `base_dir` resolves "path".
+[[nodiscard]] Result<MockConfig> ParseMockConfig(std::string_view json_text,
+                                                 std::string_view name,
+                                                 std::string_view base_dir);
+// REQUIRES config valid (as ParseMockConfig checks). Distribution mode only: the length of
+// sample `index` of a lognormal mock. A pure function of (config, seed, index), identical on
+// every platform whose libm is correctly rounded for exp/log/cos (glibc).
+int64_t MockLength(const MockConfig& config, uint64_t seed, int64_t index);
+
+// Mock tokens of sample `id`: L pseudo-random ids in [0, vocab), a pure function of
+// (seed, id, L, vocab) with integer arithmetic only (identical on every platform), so any rank
+// can regenerate any sample. REQUIRES length >= 0, vocab >= 1.
+std::vector<TokenId> MockTokens(uint64_t seed, int64_t id, int64_t length, int64_t vocab);
+// Same, into a caller-provided span of L tokens.
+void FillMockTokens(uint64_t seed, int64_t id, int64_t vocab, std::span<TokenId> out);
+
+// Opens a mock source for a parsed config (the factory's `mock` and `mock:FILE`).
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenMockSource(const MockConfig& config,
+                                                                   const SourceOptions& options,
+                                                                   std::string spec = "mock");
+
+// ---------------------------------------------------------------------------------------------
+// lengths and histograms (planning data; tokens are MockTokens(seed, id, L, vocab))
+
+// Reads a lengths file: one integer in [1, kMaxSampleLength] per line, surrounding spaces and
+// a trailing '\r' ignored, a blank last line allowed (blank lines elsewhere are errors). When
+// allow_header, a first line that does not start with a digit or sign is a header and skipped.
+// Errors name file:line and the text.
+[[nodiscard]] Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path,
+                                                          bool allow_header = true);
+
+struct HistogramRow {
+  int64_t length = 0;  // in [1, kMaxSampleLength]
+  int64_t count = 0;   // >= 0
+};
+struct Histogram {
+  std::vector<HistogramRow> rows;  // lengths strictly increasing
+  int64_t num_sequences = 0;       // sum of counts
+  int64_t num_tokens = 0;          // sum of length * count
+};
+
+// Reads a `length,count` histogram: a header line (required, not numeric), then one row per
+// line, lengths strictly increasing, counts >= 0 (zero rows allowed); totals must fit int64.
+// Errors name file:line and the text.
+[[nodiscard]] Result<Histogram> ReadHistogramFile(const std::string& path);
+
+// A source over a histogram: row after row, `count` samples of `length` each (or a seeded
+// permutation of them with shuffle). Holds the rows only, never one entry per sequence.
+class HistogramSource : public SampleSource {
+ public:
+  virtual const Histogram& histogram() const = 0;
+};
+
+// REQUIRES: the file holds at least one sample (an error otherwise, as for every source).
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenLengthsSource(
+    const std::string& path, const SourceOptions& options = {});
+[[nodiscard]] Result<std::unique_ptr<HistogramSource>> OpenHistogramSource(
+    const std::string& path, const SourceOptions& options = {});
+
+// ---------------------------------------------------------------------------------------------
+// jsonl
+
+// Opens a JSON-lines file. Each non-blank line is an object with "input_ids" (non-empty array
+// of integers in [0, vocab) or [0, 2^31)) and optional "loss_mask" (array of 0/1, same length,
+// token-aligned like target_mask); other keys are ignored. Whitespace-only lines are skipped
+// (they still count in line numbers). Read line by line; nothing but the current line is held.
+// A file without any sample is an error at the end of the first pass.
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenJsonlSource(
+    const std::string& path, const SourceOptions& options = {});
+
+// Parses one JSONL line into *out (tokens and target_mask; id untouched). `where` names the
+// line in messages ("FILE:LINE"). vocab_size as in SourceOptions. Exposed for tests and tools.
+[[nodiscard]] Status ParseJsonlLine(std::string_view line, int64_t vocab_size,
+                                    std::string_view where, Sample* out);
+// The plain nlohmann_json parser that ParseJsonlLine's fast path is checked against.
+[[nodiscard]] Status ParseJsonlLineReference(std::string_view line, int64_t vocab_size,
+                                             std::string_view where, Sample* out);
+
+// ---------------------------------------------------------------------------------------------
+// megatron
+
+// Opens PREFIX.idx and PREFIX.bin (both memory-mapped, read-only) and validates the whole
+// index against both file sizes; each document (one or more sequences, concatenated) is a
+// sample. See thdpack/megatron_dataset.h for the format and the writer.
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenMegatronSource(
+    const std::string& prefix, const SourceOptions& options = {});
+
+}  // namespace thdpack
+
+#endif  // THDPACK_DATA_H_

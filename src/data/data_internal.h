@@ -1,0 +1,218 @@
+// src/data/data_internal.h: helpers shared by the data sources (not public API).
+//
+// - LineReader: a text file read line by line (getline), RAII.
+// - MappedFile: a whole file memory-mapped read-only, RAII.
+// - SplitMix64 / Permutation: the portable integer generators behind mocks and shuffling.
+// - IndexedSource: the SampleSource of every source with random access (all but jsonl).
+//
+// Thread-safety: as SampleSource (one object per thread); the generators are pure.
+#ifndef THDPACK_SRC_DATA_DATA_INTERNAL_H_
+#define THDPACK_SRC_DATA_DATA_INTERNAL_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "thdpack/data.h"
+#include "thdpack/status.h"
+
+namespace thdpack::data_internal {
+
+// "open FILE: No such file or directory" style text for the current errno.
+std::string ErrnoText(std::string_view what, std::string_view path);
+
+// Checks the options every source shares: vocab_size in [0, 2^31 - 1], mock_num_samples >= 0.
+[[nodiscard]] Status ValidateOptions(std::string_view spec, const SourceOptions& options);
+
+// Parses a whole string_view as a decimal int64 (optional leading '+' or '-'); nullopt on any
+// other character, an empty text or overflow.
+std::optional<int64_t> ParseInt64(std::string_view text);
+// Strips spaces, tabs and '\r' at both ends.
+std::string_view Trim(std::string_view text);
+// At most `max` characters of text, with "..." when cut, for error messages.
+std::string Excerpt(std::string_view text, size_t max = 60);
+
+class LineReader {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<LineReader>> Open(const std::string& path);
+  ~LineReader();
+  LineReader(const LineReader&) = delete;
+  LineReader& operator=(const LineReader&) = delete;
+
+  // Reads the next line, without its '\n'; false at the end of the file. The view is valid
+  // until the next call.
+  [[nodiscard]] Result<bool> ReadLine(std::string_view* line);
+  // 1-based number of the last line read (0 before the first).
+  int64_t line_number() const { return line_number_; }
+  [[nodiscard]] Status Rewind();
+  const std::string& path() const { return path_; }
+
+ private:
+  LineReader() = default;
+  std::string path_;
+  FILE* file_ = nullptr;
+  char* buffer_ = nullptr;  // owned by getline (malloc), freed in the destructor
+  size_t capacity_ = 0;
+  int64_t line_number_ = 0;
+};
+
+class MappedFile {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<MappedFile>> Open(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  std::span<const uint8_t> bytes() const { return {data_, size_}; }
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile() = default;
+  std::string path_;
+  const uint8_t* data_ = nullptr;  // null for an empty file (mmap cannot map 0 bytes)
+  size_t size_ = 0;
+};
+
+// SplitMix64 (Steele, Lea, Flood 2014): one 64-bit mix step.
+inline uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t state) : state_(state) {}
+  uint64_t Next() {
+    state_ += 0x9E3779B97F4A7C15ULL;
+    uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in (0, 1]: 53 random bits, never 0 (safe for log).
+  double NextUnitOpenZero() { return static_cast<double>((Next() >> 11) + 1) * 0x1.0p-53; }
+
+ private:
+  uint64_t state_;
+};
+
+// A pseudo-random bijection of [0, n) keyed by `key`: a 4-round Feistel network on the
+// smallest even number of bits covering n, walked until the value falls inside [0, n).
+class Permutation {
+ public:
+  Permutation(uint64_t n, uint64_t key);
+  uint64_t operator()(uint64_t i) const;
+
+ private:
+  uint64_t n_;
+  uint64_t key_;
+  int half_bits_;
+  uint64_t half_mask_;
+};
+
+// A source with random access by index in [0, size). Derived classes give LengthAt and FillAt;
+// this template holds the cursor, epoch, ids, shuffling and the sticky error. Interface is
+// SampleSource or an interface derived from it (HistogramSource).
+template <typename Interface>
+class IndexedSource : public Interface {
+ public:
+  Result<std::optional<Sample>> Next() final {
+    if (!error_.ok()) return error_;
+    if (position_ >= size_) return std::optional<Sample>();
+    Sample sample;
+    sample.id = next_id_;
+    Status s = FillAt(IndexOf(position_), next_id_, &sample);
+    if (!s.ok()) {
+      error_ = s;
+      return s;
+    }
+    ++position_;
+    ++next_id_;
+    return std::optional<Sample>(std::move(sample));
+  }
+
+  Result<std::optional<SampleLength>> NextLength() final {
+    if (!error_.ok()) return error_;
+    if (position_ >= size_) return std::optional<SampleLength>();
+    Result<SampleLength> r = LengthAt(IndexOf(position_));
+    if (!r.ok()) {
+      error_ = r.status();
+      return error_;
+    }
+    SampleLength out = *r;
+    out.id = next_id_;
+    ++position_;
+    ++next_id_;
+    return std::optional<SampleLength>(out);
+  }
+
+  Status Reset() final {
+    if (!error_.ok()) return error_;
+    position_ = 0;
+    ++epoch_;
+    if (options_.shuffle) MakePermutation();
+    return Status::Ok();
+  }
+
+  std::optional<int64_t> size_hint() const final { return size_; }
+  int64_t epoch() const final { return epoch_; }
+  const std::string& spec() const final { return spec_; }
+
+ protected:
+  // REQUIRES size >= 1 (the factories check).
+  IndexedSource(std::string spec, int64_t size, const SourceOptions& options)
+      : spec_(std::move(spec)), size_(size), options_(options) {
+    if (options_.shuffle) MakePermutation();
+  }
+
+  // Length and n_targets of the sample at `index` (the id is set by the caller).
+  virtual Result<SampleLength> LengthAt(int64_t index) const = 0;
+  // Tokens and mask of the sample at `index`, whose id is `id`.
+  virtual Status FillAt(int64_t index, int64_t id, Sample* out) const = 0;
+
+  const SourceOptions& options() const { return options_; }
+  int64_t mock_vocab() const {
+    return options_.vocab_size > 0 ? options_.vocab_size : kDefaultMockVocab;
+  }
+  // Mock tokens of length L for sample `id`, target_mask empty (all ones).
+  void FillMock(int64_t id, int64_t length, Sample* out) const {
+    out->tokens.resize(static_cast<size_t>(length));
+    FillMockTokens(options_.seed, id, mock_vocab(), out->tokens);
+    out->target_mask.clear();
+  }
+
+ private:
+  void MakePermutation() {
+    permutation_.emplace(static_cast<uint64_t>(size_),
+                         Mix64(options_.seed ^ Mix64(0x5348554646ULL + static_cast<uint64_t>(epoch_))));
+  }
+  int64_t IndexOf(int64_t position) const {
+    if (!permutation_) return position;
+    return static_cast<int64_t>((*permutation_)(static_cast<uint64_t>(position)));
+  }
+
+  std::string spec_;
+  int64_t size_;
+  SourceOptions options_;
+  int64_t position_ = 0;  // in the current epoch
+  int64_t epoch_ = 0;
+  int64_t next_id_ = 0;
+  std::optional<Permutation> permutation_;
+  Status error_;
+};
+
+// Lengths from a file or memory, tokens from MockTokens (lengths:, and mock in file mode).
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> MakeLengthsVectorSource(
+    std::string spec, std::vector<int32_t> lengths, const SourceOptions& options);
+
+}  // namespace thdpack::data_internal
+
+#endif  // THDPACK_SRC_DATA_DATA_INTERNAL_H_

@@ -1,0 +1,82 @@
+// src/data/data_test_util.h: helpers for the data source tests (a scratch folder, file I/O).
+#ifndef THDPACK_SRC_DATA_DATA_TEST_UTIL_H_
+#define THDPACK_SRC_DATA_DATA_TEST_UTIL_H_
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+namespace thdpack::testing_util {
+
+// A fresh folder under $TMPDIR (or /tmp), removed with everything in it on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/thdpack_data_XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data()) != nullptr) path_ = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline void WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+inline std::vector<uint8_t> ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+inline void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes, size_t n) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(n));
+}
+inline void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  WriteBytes(path, bytes, bytes.size());
+}
+
+// True when `text` contains `part` (for readable EXPECTs on messages).
+inline bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+inline std::string SharedDataDir() {
+#ifdef THDPACK_SHARED_DATA_DIR
+  return THDPACK_SHARED_DATA_DIR;
+#else
+  return "";
+#endif
+}
+
+// The shared data file `name`, or "" when the folder is not there (the test then skips).
+inline std::string SharedDataFile(const std::string& name) {
+  const std::string dir = SharedDataDir();
+  if (dir.empty()) return "";
+  const std::string path = dir + "/" + name;
+  return std::filesystem::exists(path) ? path : "";
+}
+
+}  // namespace thdpack::testing_util
+
+#endif  // THDPACK_SRC_DATA_DATA_TEST_UTIL_H_

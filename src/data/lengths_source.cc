@@ -1,0 +1,197 @@
+// The planning sources: `lengths:FILE` (one length per line) and `histogram:FILE`
+// (`length,count` rows). Tokens are mock; a histogram is never expanded to one entry per
+// sequence.
+#include <algorithm>
+
+#include "data/data_internal.h"
+#include "thdpack/data.h"
+
+namespace thdpack {
+
+using data_internal::Excerpt;
+using data_internal::IndexedSource;
+using data_internal::LineReader;
+using data_internal::ParseInt64;
+using data_internal::Trim;
+
+namespace {
+
+std::string Where(const std::string& path, int64_t line) {
+  return path + ":" + std::to_string(line);
+}
+
+bool StartsLikeNumber(std::string_view text) {
+  return !text.empty() && ((text[0] >= '0' && text[0] <= '9') || text[0] == '+' || text[0] == '-');
+}
+
+// Parses a length field: an integer in [1, kMaxSampleLength].
+Status ParseLength(std::string_view field, const std::string& where, std::string_view what,
+                   int64_t* out) {
+  const std::optional<int64_t> v = ParseInt64(field);
+  if (!v) {
+    return Status::InvalidArgument(where + ": " + std::string(what) + " is not an integer: \"" +
+                                   Excerpt(field) + "\"");
+  }
+  if (*v < 1) {
+    return Status::InvalidArgument(where + ": " + std::string(what) + " must be >= 1, got " +
+                                   std::to_string(*v));
+  }
+  if (*v > kMaxSampleLength) {
+    return Status::OutOfRange(where + ": " + std::string(what) + " " + std::to_string(*v) +
+                              " exceeds 2147483647 (lengths are int32)");
+  }
+  *out = *v;
+  return Status::Ok();
+}
+
+class HistogramSourceImpl final : public IndexedSource<HistogramSource> {
+ public:
+  HistogramSourceImpl(std::string spec, Histogram histogram, const SourceOptions& options)
+      : IndexedSource(std::move(spec), histogram.num_sequences, options),
+        histogram_(std::move(histogram)) {
+    ends_.reserve(histogram_.rows.size());
+    int64_t end = 0;
+    for (const HistogramRow& row : histogram_.rows) {
+      end += row.count;  // cannot overflow: ReadHistogramFile checked the total
+      ends_.push_back(end);
+    }
+  }
+
+  const Histogram& histogram() const override { return histogram_; }
+
+ protected:
+  Result<SampleLength> LengthAt(int64_t index) const override {
+    const int64_t length = LengthOf(index);
+    return SampleLength{0, length, length - 1};
+  }
+  Status FillAt(int64_t index, int64_t id, Sample* out) const override {
+    FillMock(id, LengthOf(index), out);
+    return Status::Ok();
+  }
+
+ private:
+  // The row holding sample `index`: the first whose cumulative end exceeds it (rows with a
+  // zero count have the same end as the row before and are never chosen).
+  int64_t LengthOf(int64_t index) const {
+    const auto it = std::upper_bound(ends_.begin(), ends_.end(), index);
+    return histogram_.rows[static_cast<size_t>(it - ends_.begin())].length;
+  }
+
+  Histogram histogram_;
+  std::vector<int64_t> ends_;  // cumulative counts, one per row
+};
+
+}  // namespace
+
+Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path, bool allow_header) {
+  THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<LineReader> reader, LineReader::Open(path));
+  std::vector<int32_t> lengths;
+  int64_t first_blank = 0;  // line number of the first blank line (0: none yet)
+  std::string_view line;
+  while (true) {
+    THDPACK_ASSIGN_OR_RETURN(bool more, reader->ReadLine(&line));
+    if (!more) break;
+    const int64_t n = reader->line_number();
+    const std::string_view text = Trim(line);
+    if (text.empty()) {
+      if (first_blank == 0) first_blank = n;
+      continue;
+    }
+    if (first_blank != 0) {
+      return Status::InvalidArgument(Where(path, first_blank) +
+                                     ": blank line inside the file (only trailing blank lines "
+                                     "are allowed)");
+    }
+    if (n == 1 && allow_header && !StartsLikeNumber(text)) continue;  // header
+    int64_t length = 0;
+    THDPACK_RETURN_IF_ERROR(ParseLength(text, Where(path, n), "length", &length));
+    lengths.push_back(static_cast<int32_t>(length));
+  }
+  return lengths;
+}
+
+Result<Histogram> ReadHistogramFile(const std::string& path) {
+  THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<LineReader> reader, LineReader::Open(path));
+  Histogram h;
+  int64_t first_blank = 0;
+  bool header_seen = false;
+  std::string_view line;
+  while (true) {
+    THDPACK_ASSIGN_OR_RETURN(bool more, reader->ReadLine(&line));
+    if (!more) break;
+    const int64_t n = reader->line_number();
+    const std::string where = Where(path, n);
+    const std::string_view text = Trim(line);
+    if (text.empty()) {
+      if (first_blank == 0) first_blank = n;
+      continue;
+    }
+    if (first_blank != 0) {
+      return Status::InvalidArgument(Where(path, first_blank) +
+                                     ": blank line inside the file (only trailing blank lines "
+                                     "are allowed)");
+    }
+    if (!header_seen) {
+      if (StartsLikeNumber(text)) {
+        return Status::InvalidArgument(where + ": missing header line (expected \"length,count\"), "
+                                       "got \"" + Excerpt(text) + "\"");
+      }
+      header_seen = true;
+      continue;
+    }
+    const size_t comma = text.find(',');
+    if (comma == std::string_view::npos || text.find(',', comma + 1) != std::string_view::npos) {
+      return Status::InvalidArgument(where + ": expected two fields \"length,count\", got \"" +
+                                     Excerpt(text) + "\"");
+    }
+    HistogramRow row;
+    THDPACK_RETURN_IF_ERROR(ParseLength(Trim(text.substr(0, comma)), where, "length", &row.length));
+    const std::string_view count_text = Trim(text.substr(comma + 1));
+    const std::optional<int64_t> count = ParseInt64(count_text);
+    if (!count) {
+      return Status::InvalidArgument(where + ": count is not an integer: \"" +
+                                     Excerpt(count_text) + "\"");
+    }
+    if (*count < 0) {
+      return Status::InvalidArgument(where + ": count must be >= 0, got " + std::to_string(*count));
+    }
+    row.count = *count;
+    if (!h.rows.empty() && row.length <= h.rows.back().length) {
+      return Status::InvalidArgument(where + ": lengths must be strictly increasing (" +
+                                     std::to_string(row.length) + " after " +
+                                     std::to_string(h.rows.back().length) + ")");
+    }
+    int64_t tokens = 0;
+    if (__builtin_add_overflow(h.num_sequences, row.count, &h.num_sequences) ||
+        __builtin_mul_overflow(row.length, row.count, &tokens) ||
+        __builtin_add_overflow(h.num_tokens, tokens, &h.num_tokens)) {
+      return Status::OutOfRange(where + ": total count or tokens overflow int64");
+    }
+    h.rows.push_back(row);
+  }
+  if (!header_seen) {
+    return Status::InvalidArgument(path + ": empty file (expected a \"length,count\" header)");
+  }
+  return h;
+}
+
+Result<std::unique_ptr<SampleSource>> OpenLengthsSource(const std::string& path,
+                                                        const SourceOptions& options) {
+  const std::string spec = "lengths:" + path;
+  THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec, options));
+  THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> lengths, ReadLengthsFile(path, true));
+  return data_internal::MakeLengthsVectorSource(spec, std::move(lengths), options);
+}
+
+Result<std::unique_ptr<HistogramSource>> OpenHistogramSource(const std::string& path,
+                                                             const SourceOptions& options) {
+  const std::string spec = "histogram:" + path;
+  THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec, options));
+  THDPACK_ASSIGN_OR_RETURN(Histogram h, ReadHistogramFile(path));
+  if (h.num_sequences == 0) {
+    return Status::InvalidArgument(path + ": histogram holds no sequences (every count is 0)");
+  }
+  return std::unique_ptr<HistogramSource>(new HistogramSourceImpl(spec, std::move(h), options));
+}
+
+}  // namespace thdpack

@@ -1,0 +1,39 @@
+// OpenSource: the spec-string factory the command line uses.
+#include "data/data_internal.h"
+#include "thdpack/data.h"
+
+namespace thdpack {
+
+Result<std::unique_ptr<SampleSource>> OpenSource(std::string_view spec,
+                                                 const SourceOptions& options) {
+  const std::string spec_text(spec);
+  if (spec == "mock") return OpenMockSource(kDefaultMockConfig, options, spec_text);
+  const size_t colon = spec.find(':');
+  const std::string_view kind = spec.substr(0, colon);
+  const std::string path(colon == std::string_view::npos ? std::string_view() : spec.substr(colon + 1));
+  const bool known = kind == "mock" || kind == "lengths" || kind == "histogram" ||
+                     kind == "jsonl" || kind == "megatron";
+  if (!known) {
+    return Status::InvalidArgument("unknown data source \"" + spec_text +
+                                   "\" (expected mock, mock:FILE.json, lengths:FILE, "
+                                   "histogram:FILE, jsonl:FILE or megatron:PREFIX)");
+  }
+  if (path.empty()) {
+    return Status::InvalidArgument("data source \"" + spec_text + "\" needs a path after \"" +
+                                   std::string(kind) + ":\"");
+  }
+  if (kind == "mock") {
+    THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec_text, options));
+    THDPACK_ASSIGN_OR_RETURN(MockConfig config, ReadMockConfigFile(path));
+    return OpenMockSource(config, options, spec_text);
+  }
+  if (kind == "lengths") return OpenLengthsSource(path, options);
+  if (kind == "histogram") {
+    THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<HistogramSource> h, OpenHistogramSource(path, options));
+    return std::unique_ptr<SampleSource>(std::move(h));
+  }
+  if (kind == "jsonl") return OpenJsonlSource(path, options);
+  return OpenMegatronSource(path, options);
+}
+
+}  // namespace thdpack
