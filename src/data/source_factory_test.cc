@@ -51,7 +51,9 @@ TEST(SourceFactoryTest, OpensEveryKind) {
     ASSERT_TRUE(first.ok()) << first.status().ToString();
     ASSERT_TRUE(first->has_value());
     EXPECT_EQ((*first)->id, 0);
-    if (spec != "mock") EXPECT_EQ((*first)->tokens.size(), 4u) << spec;
+    if (spec != "mock") {
+      EXPECT_EQ((*first)->tokens.size(), 4u) << spec;
+    }
   }
   SourceOptions bad;
   bad.vocab_size = int64_t{1} << 40;
