@@ -4,7 +4,9 @@
 
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
+#include "thdpack/pack.h"
 #include "thdpack/sample.h"
+#include "thdpack/shard.h"
 #include "thdpack/status.h"
 #include "thdpack/topology.h"
 #include "thdpack/version.h"

@@ -1,0 +1,141 @@
+// thdpack/pack.h: packing variable-length samples into one THD microbatch (DESIGN.md section 5),
+// and the fused pack + CP shard that writes each CP rank's arrays straight from the samples.
+//
+// Layout of a packed microbatch of n sequences, T tokens after padding:
+//   P_i = roundup(L_i, m * extra_alignment), m = (CP > 1 ? 2*CP : 1). With sp and TP > 1 the
+//   total must also make T/CP a multiple of TP: the LAST sequence absorbs that tail padding (so
+//   no extra sequence appears, and no sequence is padded to 2*CP*TP).
+//   tokens[T]        sequences concatenated; padding slots hold pad_id.
+//   position_ids[T]  0..P_i-1 inside each sequence (restart at 0, continue through padding).
+//   labels[T]        position j of sample s: tokens_s[j+1] when j+1 < L_s, else kIgnoreIndex.
+//   loss_mask[T]     target_mask_s[j+1] when j+1 < L_s, else 0. Labels never cross a
+//                    sequence boundary: the last real token and the padding predict nothing.
+//   cu_seqlens[n+1], cu_seqlens_padded[n+1]: int32, from 0, GLOBAL (TransformerEngine divides
+//   by CP itself). max_seqlen: the largest PADDED length (TransformerEngine's semantics).
+//   n_valid = sum(loss_mask) = sum over samples of n_targets.
+// Worked example, lengths 7 and 3, CP = 2: P = 8 and 4, cu_seqlens = [0,7,10],
+// cu_seqlens_padded = [0,8,12], max_seqlen = 8. docs/layout.md has the arrays written out.
+//
+// The CP shard of any of these arrays is the zigzag of thdpack/shard.h; the fused functions
+// below produce exactly CpShard(Pack(...).array, cu_seqlens_padded, CP, r) without building the
+// [T] arrays, which is the data plane's fast path.
+//
+// Legend (DESIGN.md): T packed tokens after padding, n sequences, CP, TP group sizes.
+// Thread-safety: pure functions; concurrent calls are safe when output spans do not overlap.
+#ifndef THDPACK_PACK_H_
+#define THDPACK_PACK_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "thdpack/sample.h"
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+// Label of a position that predicts nothing (PyTorch's cross-entropy ignore_index).
+inline constexpr TokenId kIgnoreIndex = -100;
+
+struct PackOptions {
+  int cp_size = 1;              // CP, >= 1. CP > 1 pads every sequence to a multiple of 2*CP.
+  int tp_size = 1;              // TP, >= 1. Matters only with sp.
+  bool sp = false;              // sequence parallelism: T/CP must be a multiple of TP.
+  int64_t extra_alignment = 1;  // >= 1; every P_i is also a multiple of it (times 2*CP).
+  TokenId pad_id = 0;           // token written into padding slots.
+};
+
+struct Layout {
+  std::vector<int32_t> cu_seqlens;         // [n+1] real offsets, from 0
+  std::vector<int32_t> cu_seqlens_padded;  // [n+1] padded offsets, from 0, GLOBAL
+  int32_t max_seqlen = 0;                  // largest PADDED length (TransformerEngine)
+  int64_t total_tokens = 0;                // T = cu_seqlens_padded[n]
+};
+
+// The layout of a microbatch of sequences of real lengths `lengths` [n], in order.
+// REQUIRES (InvalidArgument naming the argument, index and rule otherwise): n >= 1, every
+// length >= 1, cp_size >= 1, tp_size >= 1, extra_alignment >= 1. OutOfRange when T (or a
+// padding quantum) does not fit int32.
+[[nodiscard]] Result<Layout> ComputeLayout(std::span<const int64_t> lengths,
+                                           const PackOptions& options);
+
+struct PackedMicrobatch {
+  std::vector<TokenId> tokens;        // [T]
+  std::vector<int32_t> position_ids;  // [T]
+  std::vector<TokenId> labels;        // [T]
+  std::vector<uint8_t> loss_mask;     // [T] of 0/1
+  std::vector<int32_t> cu_seqlens;         // [n+1]
+  std::vector<int32_t> cu_seqlens_padded;  // [n+1]
+  int32_t max_seqlen = 0;                  // largest padded length
+  int64_t n_valid = 0;                     // sum(loss_mask)
+};
+
+// Packs samples, in order, into one microbatch. The value API: it allocates the [T] arrays.
+// REQUIRES: ComputeLayout's rules on the samples' lengths; every sample's target_mask is
+// empty (all ones) or holds L values of 0/1. Errors name the sample's position and id.
+[[nodiscard]] Result<PackedMicrobatch> Pack(std::span<const SampleView> samples,
+                                            const PackOptions& options);
+
+// Destination of the writers below: caller-owned arrays of one microbatch ([T]) or of one CP
+// shard ([T/CP]). An EMPTY span means "do not produce this array" (the first pipeline stage
+// needs tokens and position_ids, the last labels and loss_mask); a non-empty one must have
+// exactly the expected size.
+struct PackBuffers {
+  std::span<TokenId> tokens;
+  std::span<int32_t> position_ids;
+  std::span<TokenId> labels;
+  std::span<uint8_t> loss_mask;
+};
+
+// Hot path of Pack: writes the [T] arrays into out without allocating; returns n_valid.
+// layout: normally ComputeLayout of the samples' lengths with the same options. Any layout is
+// accepted whose cu_seqlens match the samples' lengths exactly and whose padded lengths are
+// >= the real ones, divisible by 2*CP (CP > 1), with T/CP a multiple of TP under sp, and
+// total_tokens == cu_seqlens_padded[n]; anything else is InvalidArgument.
+// REQUIRES: the samples as for Pack; out's non-empty spans of size T, not overlapping the
+// samples.
+[[nodiscard]] Result<int64_t> PackInto(std::span<const SampleView> samples, const Layout& layout,
+                                       const PackOptions& options, const PackBuffers& out);
+
+// Fused pack + CP shard (the fast path): writes CP rank cp_rank's [T/CP] arrays, equal to
+// CpShard of Pack's arrays, reading only the parts of the samples that rank keeps (plus one
+// pass over the target masks to validate them and count n_valid). Returns the WHOLE
+// microbatch's n_valid (the same on every CP rank: a share of the loss denominator N).
+// REQUIRES: as PackInto with spans of size T/CP, and 0 <= cp_rank < options.cp_size.
+[[nodiscard]] Result<int64_t> PackShardInto(std::span<const SampleView> samples,
+                                            const Layout& layout, const PackOptions& options,
+                                            int cp_rank, const PackBuffers& out);
+
+// Fused pack + CP shard for every CP rank in one pass over the samples: out[r] receives rank
+// r's [T/CP] arrays (a loader that sends every rank its shard). Returns the microbatch n_valid.
+// REQUIRES: as PackShardInto; out.size() == options.cp_size.
+[[nodiscard]] Result<int64_t> PackShardAllInto(std::span<const SampleView> samples,
+                                               const Layout& layout, const PackOptions& options,
+                                               std::span<const PackBuffers> out);
+
+// One CP rank's share of a packed microbatch, each array [T/CP] in zigzag order.
+struct PackedShard {
+  int cp_rank = 0;
+  std::vector<TokenId> tokens;
+  std::vector<int32_t> position_ids;
+  std::vector<TokenId> labels;
+  std::vector<uint8_t> loss_mask;
+};
+
+// A packed microbatch as CP ranks hold it: the global metadata plus the requested shards.
+struct ShardedMicrobatch {
+  Layout layout;                    // GLOBAL cu_seqlens, cu_seqlens_padded, max_seqlen, T
+  int64_t n_valid = 0;              // of the whole microbatch
+  std::vector<PackedShard> shards;  // PackAndShard: one; PackAndShardAll: CP, in rank order
+};
+
+// Value API of the fused path: ComputeLayout + PackShardInto for one rank.
+[[nodiscard]] Result<ShardedMicrobatch> PackAndShard(std::span<const SampleView> samples,
+                                                     const PackOptions& options, int cp_rank);
+// Value API of the fused path for every CP rank.
+[[nodiscard]] Result<ShardedMicrobatch> PackAndShardAll(std::span<const SampleView> samples,
+                                                        const PackOptions& options);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_PACK_H_
