@@ -10,5 +10,6 @@
 #include "thdpack/status.h"
 #include "thdpack/topology.h"
 #include "thdpack/version.h"
+#include "thdpack/wire.h"
 
 #endif  // THDPACK_THDPACK_H_
