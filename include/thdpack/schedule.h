@@ -1,0 +1,260 @@
+// thdpack/schedule.h: which sample goes to which data-parallel replica and microbatch
+// (DESIGN.md sections 4, 5 and 10).
+//
+// Input: the (id, L, n_targets) of every sample of one step, in a fixed order (loader 0's
+// samples first), and ScheduleOptions. Output: a Plan - M microbatches on every replica (the
+// same M everywhere, as pipeline schedules require) and, for every (replica d, microbatch m), an
+// ordered, non-empty list of sample ids - plus the ids left out by the oversize policy.
+//
+// Padding rule (must equal the packing code's, ComputeLayout in pack.h): sequence i of real
+// length L_i occupies P_i = roundup(L_i, SequenceAlignment(cp, extra_alignment)) tokens; a
+// microbatch holds T = MicrobatchPaddedTokens(sum P_i, ...) tokens (with SP and TP > 1, T is
+// rounded up so that T/CP is a multiple of TP, keeping the last sequence's own alignment; the
+// last sequence absorbs that tail). Budget:
+// T <= CP * max_tokens_per_rank for every microbatch of every replica.
+//
+// Costs use padded lengths: cost(P) = a*P + b*P^2 from the cost model. Every cost in a Plan's
+// figures is PER RANK: a replica's microbatch is sharded over its CP ranks, so each rank computes
+// cost(P)/CP of every sequence (DESIGN.md section 3). imbalance is a ratio and is the same either
+// way.
+//
+// Invariants of every Plan that Schedule returns (ValidatePlan checks them):
+//   - every sample appears exactly once, or is listed in `skipped` (oversize policy kSkip);
+//   - no microbatch exceeds the budget; M >= 1 and M is a multiple of microbatch_multiple (k);
+//     M equals num_microbatches when the caller fixed it;
+//   - every (replica, microbatch) list is non-empty;
+//   - the Plan is a pure function of (samples, options): the same bytes on every rank and every
+//     run, so ranks may each compute it instead of broadcasting it. Ties are broken by sample id;
+//     no unordered container's order reaches the output; no threads are used.
+//
+// Thread-safety: pure functions of their arguments; safe to call concurrently.
+#ifndef THDPACK_SCHEDULE_H_
+#define THDPACK_SCHEDULE_H_
+
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "thdpack/cost.h"
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+// What the scheduler needs to know about one sample.
+struct SampleLength {
+  int64_t id = 0;         // unique within a step
+  int64_t length = 0;     // L >= 1, real tokens
+  int64_t n_targets = 0;  // loss tokens, 0 <= n_targets <= L (normally L - 1 or fewer)
+};
+
+struct ScheduleOptions {
+  // A sample whose padded length alone exceeds the microbatch budget.
+  enum class OversizePolicy {
+    kError,  // InvalidArgument naming the sample id, its length and the budget
+    kSkip,   // left out of the plan and listed in Plan::skipped (never silently)
+  };
+  enum class Scheduler {
+    kSequential,  // Megatron-LM's dp_balanced: next-fit in arrival order (without its assert)
+    kBalanced,    // cost-aware: smallest straggler cost, then fewest microbatches
+  };
+
+  int dp_size = 1;                 // DP >= 1
+  int cp_size = 1;                 // CP >= 1
+  int tp_size = 1;                 // TP >= 1 (matters only with sp)
+  bool sp = false;                 // sequence parallelism: T/CP must be a multiple of TP
+  int64_t extra_alignment = 1;     // >= 1, multiplies the sequence alignment
+  // REQUIRED (> 0): padded tokens one CP rank may hold in one microbatch. A replica's
+  // microbatch holds at most CP * max_tokens_per_rank padded tokens, which must fit int32.
+  int64_t max_tokens_per_rank = 0;
+  CostModel cost;                  // default "tokens" (a=1, b=0); a, b >= 0, not both 0
+  int microbatch_multiple = 1;     // k >= 1: M is a multiple of k (pipeline / VPP groups)
+  int num_microbatches = 0;        // 0: the scheduler chooses M; else M fixed (multiple of k)
+  OversizePolicy oversize = OversizePolicy::kError;
+  Scheduler scheduler = Scheduler::kBalanced;
+  // Balanced only, free M: how many values of M (M_min, M_min + k, ...) are tried at most.
+  // The search also stops as soon as a plan within 1% of the lower bound is found, since no
+  // larger M could then improve the straggler by more than 1%.
+  int max_microbatch_search = 8;
+};
+
+// "sequential" / "balanced", "error" / "skip".
+std::string_view SchedulerName(ScheduleOptions::Scheduler scheduler);
+std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy policy);
+// Inverse of the names above; InvalidArgument naming the text otherwise.
+[[nodiscard]] Result<ScheduleOptions::Scheduler> ParseSchedulerName(std::string_view name);
+[[nodiscard]] Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name);
+
+// ---- The padding rule (DESIGN.md section 5). Mirrors ComputeLayout in pack.h. ----
+
+// Every sequence is padded to a multiple of (CP > 1 ? 2*CP : 1) * extra_alignment.
+inline int64_t SequenceAlignment(int cp_size, int64_t extra_alignment) {
+  return (cp_size > 1 ? 2 * static_cast<int64_t>(cp_size) : 1) * extra_alignment;
+}
+// P = roundup(L, SequenceAlignment(...)). REQUIRES: L >= 0, alignment >= 1, no overflow.
+inline int64_t PaddedSequenceLength(int64_t length, int cp_size, int64_t extra_alignment) {
+  const int64_t m = SequenceAlignment(cp_size, extra_alignment);
+  return (length + m - 1) / m * m;
+}
+// The quantum a microbatch's T is a multiple of: the sequence alignment, and with SP and
+// TP > 1 also CP*TP (so T/CP is a multiple of TP) - their lcm, so that the last sequence keeps
+// its own alignment after absorbing the tail.
+inline int64_t MicrobatchTokenQuantum(int cp_size, int tp_size, bool sp, int64_t extra_alignment) {
+  const int64_t q = SequenceAlignment(cp_size, extra_alignment);
+  if (!sp || tp_size <= 1) return q;
+  return std::lcm(q, static_cast<int64_t>(cp_size) * tp_size);
+}
+// The padded token count T of a microbatch whose sequences' padded lengths sum to
+// `sum_padded`: rounded up to MicrobatchTokenQuantum (a no-op without SP, where the sum is
+// already a multiple of the sequence alignment); the last sequence absorbs the difference.
+// This is ComputeLayout's total_tokens in pack.h.
+inline int64_t MicrobatchPaddedTokens(int64_t sum_padded, int cp_size, int tp_size, bool sp,
+                                      int64_t extra_alignment) {
+  const int64_t q = MicrobatchTokenQuantum(cp_size, tp_size, sp, extra_alignment);
+  return (sum_padded + q - 1) / q * q;
+}
+// The padded tokens one replica's microbatch may hold: CP * max_tokens_per_rank.
+inline int64_t MicrobatchBudget(const ScheduleOptions& o) {
+  return static_cast<int64_t>(o.cp_size) * o.max_tokens_per_rank;
+}
+// The same rule with the options' cp_size, tp_size, sp and extra_alignment.
+inline int64_t MicrobatchPaddedTokens(int64_t sum_padded, const ScheduleOptions& o) {
+  return MicrobatchPaddedTokens(sum_padded, o.cp_size, o.tp_size, o.sp, o.extra_alignment);
+}
+
+// ---- The plan. ----
+
+// Assignment of samples to (replica, microbatch), stored flat: the list of (d, m) is
+// sample_ids[offsets[d*M + m] .. offsets[d*M + m + 1]).
+struct Plan {
+  int num_microbatches = 0;                // M
+  int dp_size = 0;                         // DP
+  std::vector<int64_t> sample_ids;         // every scheduled id once
+  std::vector<int64_t> offsets;            // [DP*M + 1], offsets[0] = 0
+  std::vector<int64_t> skipped;            // oversize ids left out, in input order
+  ScheduleOptions::Scheduler scheduler = ScheduleOptions::Scheduler::kBalanced;  // who made it
+
+  // The ordered ids of microbatch m on replica d. REQUIRES: 0 <= d < DP, 0 <= m < M.
+  std::span<const int64_t> Microbatch(int d, int m) const {
+    const size_t k = static_cast<size_t>(d) * static_cast<size_t>(num_microbatches) +
+                     static_cast<size_t>(m);
+    return std::span<const int64_t>(sample_ids).subspan(
+        static_cast<size_t>(offsets[k]), static_cast<size_t>(offsets[k + 1] - offsets[k]));
+  }
+};
+
+// Schedules one step. Errors (InvalidArgument unless noted), each naming what is wrong:
+//   - an option out of range; duplicate ids; L < 1; n_targets outside [0, L];
+//   - oversize policy kError and a sample whose padded length exceeds the budget (names the id,
+//     its length, its padded length and the budget);
+//   - fewer (non-skipped) samples than DP * k, or than DP * M for a fixed M ("too few samples");
+//   - a fixed M into which the samples cannot be packed.
+// Runs in O(n log n) (balanced) or O(n log n) for the sort plus O(n) (sequential).
+[[nodiscard]] Result<Plan> Schedule(std::span<const SampleLength> samples,
+                                    const ScheduleOptions& options);
+
+// Checks every invariant listed at the top of this file for `plan` against the inputs it was
+// made from (except determinism, which needs two runs). OK or the first violation found.
+[[nodiscard]] Status ValidatePlan(std::span<const SampleLength> samples,
+                                  const ScheduleOptions& options, const Plan& plan);
+
+// ---- Figures of a plan (DESIGN.md section 10). All costs per rank (see top of file). ----
+
+struct MicrobatchFigures {
+  int64_t n_samples = 0;
+  int64_t real_tokens = 0;    // sum L
+  int64_t padded_tokens = 0;  // T, SP tail included
+  int64_t sum_sq = 0;         // sum P^2, the last sequence's P including the SP tail
+  int64_t n_loss_tokens = 0;  // sum n_targets
+  double cost = 0;            // sum cost(P)/CP, P as in sum_sq
+};
+
+struct ReplicaFigures {
+  double cost = 0;                            // sum of its microbatch costs: its step time
+  std::vector<MicrobatchFigures> microbatches;  // [M]
+};
+
+struct PlanFigures {
+  int num_microbatches = 0;
+  int64_t n_samples = 0;   // scheduled
+  int64_t n_skipped = 0;
+  int64_t real_tokens = 0;
+  int64_t padded_tokens = 0;
+  int64_t sum_sq = 0;
+  int64_t n_loss_tokens = 0;
+  double total_cost = 0;        // sum over replicas
+  double max_replica_cost = 0;  // the straggler
+  // max(sum_i cost(P_i)/CP / DP, max_i cost(P_i)/CP) over the scheduled samples, with the
+  // per-sequence padded lengths P_i (no SP tail: that depends on the plan).
+  double lower_bound = 0;
+  double imbalance = 0;         // max_replica_cost / lower_bound
+  double pad_fraction = 0;      // 1 - real_tokens / padded_tokens
+  double fill = 0;              // padded_tokens / (M * DP * CP * max_tokens_per_rank)
+  // Largest (max - min microbatch cost) inside one replica: the pipeline-bubble figure.
+  double max_microbatch_spread = 0;
+  std::vector<ReplicaFigures> replicas;  // [DP]
+};
+
+// Figures of `plan`. REQUIRES: ValidatePlan(samples, options, plan) is OK (checked: its error
+// is returned otherwise). OutOfRange if sum_sq overflows int64.
+[[nodiscard]] Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
+                                                     const ScheduleOptions& options,
+                                                     const Plan& plan);
+
+// ---- Fast path from a length histogram (no per-sample expansion). ----
+
+struct LengthCount {
+  int64_t length = 0;  // L >= 1
+  int64_t count = 0;   // >= 0
+};
+
+// One kind of pack (microbatch) and how many packs of that kind there are.
+struct PackPattern {
+  std::vector<int64_t> lengths;  // real lengths of its sequences, in decreasing order
+  int64_t count = 0;             // packs with exactly this content
+  int64_t padded_tokens = 0;     // T of one such pack
+};
+
+struct HistogramPacking {
+  std::vector<PackPattern> patterns;  // deterministic order (the order they were closed)
+  int64_t num_packs = 0;
+  int64_t n_sequences = 0;       // packed
+  int64_t n_skipped = 0;         // oversize sequences left out (policy kSkip)
+  std::vector<LengthCount> skipped;  // their lengths and counts
+  int64_t real_tokens = 0;
+  int64_t padded_tokens = 0;
+  // ceil(sum P / usable budget): no packing needs fewer packs. The usable budget is the
+  // largest sum of P a pack may hold (the budget, rounded down to CP*TP with SP).
+  int64_t lower_bound = 0;
+  // real_tokens / (num_packs * budget): the figure Krell et al. call efficiency.
+  double efficiency = 0;
+};
+
+// Packs a histogram into the fewest microbatches of MicrobatchBudget(options) tokens it finds,
+// by best-fit decreasing over counts: sequences longest first; each goes to the open pack with
+// the least room that still holds it (a new pack when none does), moved in bulk - all packs
+// with the same room take the same decision at once. Uses cp_size, tp_size, sp,
+// extra_alignment, max_tokens_per_rank and oversize; ignores dp_size, the cost model, k and
+// the scheduler. O(R * B) with R histogram rows and B = budget / alignment distinct rooms, and
+// independent of the number of sequences. Equal in pack count to best-fit decreasing on the
+// expanded samples (and so to Schedule with DP = 1, k = 1, tokens cost).
+// Errors: L < 1 or count < 0 (naming the row); oversize rows under kError.
+[[nodiscard]] Result<HistogramPacking> PackHistogram(std::span<const LengthCount> histogram,
+                                                     const ScheduleOptions& options);
+
+// The samples a histogram stands for: ids 0, 1, ... in row order (count ids per row),
+// n_targets = L - 1. REQUIRES: the histogram is valid (as PackHistogram checks).
+std::vector<SampleLength> ExpandHistogram(std::span<const LengthCount> histogram);
+
+// The Plan of a histogram packing on DP = 1 (one microbatch per pack, patterns in order), with
+// the ids of ExpandHistogram(histogram): each length's ids are handed out in increasing order.
+// REQUIRES (checked): `packing` came from PackHistogram(histogram, options), options.dp_size
+// == 1 and num_packs is a multiple of microbatch_multiple.
+[[nodiscard]] Result<Plan> HistogramPackingToPlan(std::span<const LengthCount> histogram,
+                                                  const HistogramPacking& packing,
+                                                  const ScheduleOptions& options);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_SCHEDULE_H_

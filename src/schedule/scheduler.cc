@@ -1,0 +1,397 @@
+// Scheduling entry points shared by both schedulers: option and input validation, the oversize
+// policy, ValidatePlan and the figures of a plan.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "schedule/scheduler_internal.h"
+#include "thdpack/schedule.h"
+
+namespace thdpack {
+namespace internal {
+namespace {
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+// Sorted (id, index) pairs for id lookups without an unordered container.
+std::vector<std::pair<int64_t, int64_t>> SortedIds(std::span<const SampleLength> samples) {
+  std::vector<std::pair<int64_t, int64_t>> v(samples.size());
+  for (size_t i = 0; i < samples.size(); ++i) v[i] = {samples[i].id, static_cast<int64_t>(i)};
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// Index of `id` in `sorted`, or -1.
+int64_t FindId(const std::vector<std::pair<int64_t, int64_t>>& sorted, int64_t id) {
+  auto it = std::lower_bound(sorted.begin(), sorted.end(), std::make_pair(id, int64_t{-1}));
+  if (it == sorted.end() || it->first != id) return -1;
+  return it->second;
+}
+
+}  // namespace
+
+double PreparedStep::LowerBound(int dp_size) const {
+  return std::max(total_cost / static_cast<double>(dp_size), max_cost);
+}
+
+Status ValidateOptions(const ScheduleOptions& o) {
+  auto bad = [](const std::string& what) {
+    return Status::InvalidArgument("schedule options: " + what);
+  };
+  if (o.dp_size < 1) return bad("dp_size = " + Str(o.dp_size) + " must be >= 1");
+  if (o.cp_size < 1) return bad("cp_size = " + Str(o.cp_size) + " must be >= 1");
+  if (o.tp_size < 1) return bad("tp_size = " + Str(o.tp_size) + " must be >= 1");
+  if (o.extra_alignment < 1 || o.extra_alignment > (int64_t{1} << 30)) {
+    return bad("extra_alignment = " + Str(o.extra_alignment) + " must be in [1, 2^30]");
+  }
+  if (o.max_tokens_per_rank < 1) {
+    return bad("max_tokens_per_rank = " + Str(o.max_tokens_per_rank) +
+               " must be >= 1 (it is required)");
+  }
+  if (o.max_tokens_per_rank > std::numeric_limits<int32_t>::max() / o.cp_size) {
+    return bad("CP * max_tokens_per_rank = " + Str(o.cp_size) + " * " +
+               Str(o.max_tokens_per_rank) + " must fit int32 (a microbatch's T is int32)");
+  }
+  if (o.microbatch_multiple < 1) {
+    return bad("microbatch_multiple = " + Str(o.microbatch_multiple) + " must be >= 1");
+  }
+  if (o.num_microbatches < 0 || o.num_microbatches % o.microbatch_multiple != 0) {
+    return bad("num_microbatches = " + Str(o.num_microbatches) +
+               " must be 0 (free) or a positive multiple of microbatch_multiple = " +
+               Str(o.microbatch_multiple));
+  }
+  if (o.max_microbatch_search < 1) {
+    return bad("max_microbatch_search = " + Str(o.max_microbatch_search) + " must be >= 1");
+  }
+  if (!std::isfinite(o.cost.a) || !std::isfinite(o.cost.b) || o.cost.a < 0 || o.cost.b < 0 ||
+      (o.cost.a == 0 && o.cost.b == 0)) {
+    return bad("cost model '" + o.cost.name + "': a = " + std::to_string(o.cost.a) +
+               ", b = " + std::to_string(o.cost.b) + " must be finite, >= 0 and not both 0");
+  }
+  if (static_cast<int64_t>(o.dp_size) * o.microbatch_multiple > std::numeric_limits<int32_t>::max()) {
+    return bad("dp_size * microbatch_multiple must fit int32");
+  }
+  return Status::Ok();
+}
+
+int64_t UsableCapacity(const ScheduleOptions& o) {
+  // sum P is a multiple of the sequence alignment, so roundup(sum, Q) <= budget exactly when
+  // sum <= floor(budget / Q) * Q, Q the microbatch quantum.
+  const int64_t q = MicrobatchTokenQuantum(o.cp_size, o.tp_size, o.sp, o.extra_alignment);
+  return MicrobatchBudget(o) / q * q;
+}
+
+Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
+                                 const ScheduleOptions& o) {
+  PreparedStep step;
+  step.capacity = UsableCapacity(o);
+  const int64_t budget = MicrobatchBudget(o);
+  const int64_t align = SequenceAlignment(o.cp_size, o.extra_alignment);
+  const size_t n = samples.size();
+  if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return Status::InvalidArgument("schedule: " + std::to_string(n) +
+                                   " samples in one step; at most 2^31 - 1 are supported");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const SampleLength& s = samples[i];
+    if (s.length < 1 || s.length > (int64_t{1} << 50)) {
+      return Status::InvalidArgument("schedule: sample id " + Str(s.id) + " (position " +
+                                     std::to_string(i) + ") has length " + Str(s.length) +
+                                     "; lengths must be in [1, 2^50]");
+    }
+    if (s.n_targets < 0 || s.n_targets > s.length) {
+      return Status::InvalidArgument("schedule: sample id " + Str(s.id) + " has n_targets = " +
+                                     Str(s.n_targets) + " outside [0, L = " + Str(s.length) +
+                                     "]");
+    }
+  }
+  {
+    const auto sorted = SortedIds(samples);
+    for (size_t i = 1; i < sorted.size(); ++i) {
+      if (sorted[i].first == sorted[i - 1].first) {
+        return Status::InvalidArgument(
+            "schedule: sample id " + Str(sorted[i].first) + " appears twice (positions " +
+            Str(sorted[i - 1].second) + " and " + Str(sorted[i].second) +
+            "); ids must be unique within a step");
+      }
+    }
+  }
+  step.ids.reserve(n);
+  step.length.reserve(n);
+  step.padded.reserve(n);
+  step.cost.reserve(n);
+  const double cp = static_cast<double>(o.cp_size);
+  for (size_t i = 0; i < n; ++i) {
+    const SampleLength& s = samples[i];
+    const int64_t p = PaddedSequenceLength(s.length, o.cp_size, o.extra_alignment);
+    if (p > step.capacity) {
+      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+        std::string padded = "padded " + Str(p) + " with alignment " + Str(align);
+        if (p <= budget) {
+          padded += ", " + Str(MicrobatchPaddedTokens(p, o)) +
+                    " with the SP tail to a multiple of " + Str(MicrobatchTokenQuantum(o.cp_size, o.tp_size, o.sp, o.extra_alignment));
+        }
+        return Status::InvalidArgument(
+            "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (" + padded +
+            "), over the microbatch budget " + Str(budget) + " = CP " + Str(o.cp_size) +
+            " x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
+            " (oversize policy 'error'; 'skip' leaves such samples out)");
+      }
+      step.skipped.push_back(s.id);
+      continue;
+    }
+    step.ids.push_back(s.id);
+    step.length.push_back(s.length);
+    step.padded.push_back(p);
+    const double c = o.cost.SequenceCost(p) / cp;
+    step.cost.push_back(c);
+    step.total_padded += p;
+    step.total_cost += c;
+    step.max_cost = std::max(step.max_cost, c);
+  }
+  return step;
+}
+
+Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& o) {
+  const int64_t need = static_cast<int64_t>(o.dp_size) *
+                       (o.num_microbatches > 0 ? o.num_microbatches : o.microbatch_multiple);
+  if (static_cast<int64_t>(step.size()) >= need) return Status::Ok();
+  std::string why = o.num_microbatches > 0
+                        ? "DP " + Str(o.dp_size) + " x M " + Str(o.num_microbatches)
+                        : "DP " + Str(o.dp_size) + " x k " + Str(o.microbatch_multiple);
+  std::string skipped;
+  if (!step.skipped.empty()) skipped = " (after skipping " + Str(step.skipped.size()) + " oversize)";
+  return Status::InvalidArgument("schedule: too few samples: " + Str(step.size()) + skipped +
+                                 " for " + why + " = " + Str(need) +
+                                 " microbatches, each of which needs at least one sample");
+}
+
+MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded, const ScheduleOptions& o) {
+  MicrobatchCost r;
+  int64_t sum = 0;
+  for (int64_t p : padded) sum += p;
+  r.padded_tokens = MicrobatchPaddedTokens(sum, o);
+  const int64_t tail = r.padded_tokens - sum;
+  double cost = 0;
+  for (size_t j = 0; j < padded.size(); ++j) {
+    const int64_t p = padded[j] + (j + 1 == padded.size() ? tail : 0);
+    int64_t sq = 0;
+    if (__builtin_mul_overflow(p, p, &sq) || __builtin_add_overflow(r.sum_sq, sq, &r.sum_sq)) {
+      r.overflow = true;
+    }
+    cost += o.cost.SequenceCost(p);
+  }
+  r.cost = cost / static_cast<double>(o.cp_size);
+  return r;
+}
+
+AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOptions& o,
+                                     const Assignment& a) {
+  AssignmentCost r;
+  std::vector<int64_t> buf;
+  const int m_count = a.num_microbatches;
+  for (int d = 0; d < a.dp_size; ++d) {
+    double replica = 0;
+    double lo = std::numeric_limits<double>::infinity();
+    double hi = 0;
+    for (int m = 0; m < m_count; ++m) {
+      const size_t g = static_cast<size_t>(d) * m_count + m;
+      buf.clear();
+      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) buf.push_back(step.padded[a.items[k]]);
+      const double c = ComputeMicrobatchCost(buf, o).cost;
+      replica += c;
+      lo = std::min(lo, c);
+      hi = std::max(hi, c);
+    }
+    r.max_replica_cost = std::max(r.max_replica_cost, replica);
+    if (m_count > 0) r.max_spread = std::max(r.max_spread, hi - lo);
+  }
+  return r;
+}
+
+Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who) {
+  Plan plan;
+  plan.num_microbatches = a.num_microbatches;
+  plan.dp_size = a.dp_size;
+  plan.offsets = a.offsets;
+  plan.sample_ids.resize(a.items.size());
+  for (size_t k = 0; k < a.items.size(); ++k) plan.sample_ids[k] = step.ids[a.items[k]];
+  plan.skipped = step.skipped;
+  plan.scheduler = who;
+  return plan;
+}
+
+}  // namespace internal
+
+std::string_view SchedulerName(ScheduleOptions::Scheduler s) {
+  return s == ScheduleOptions::Scheduler::kSequential ? "sequential" : "balanced";
+}
+
+std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy p) {
+  return p == ScheduleOptions::OversizePolicy::kError ? "error" : "skip";
+}
+
+Result<ScheduleOptions::Scheduler> ParseSchedulerName(std::string_view name) {
+  if (name == "sequential") return ScheduleOptions::Scheduler::kSequential;
+  if (name == "balanced") return ScheduleOptions::Scheduler::kBalanced;
+  return Status::InvalidArgument("scheduler '" + std::string(name) +
+                                 "': expected 'sequential' or 'balanced'");
+}
+
+Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name) {
+  if (name == "error") return ScheduleOptions::OversizePolicy::kError;
+  if (name == "skip") return ScheduleOptions::OversizePolicy::kSkip;
+  return Status::InvalidArgument("oversize policy '" + std::string(name) +
+                                 "': expected 'error' or 'skip'");
+}
+
+Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptions& options) {
+  THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
+  THDPACK_ASSIGN_OR_RETURN(internal::PreparedStep step, internal::PrepareStep(samples, options));
+  THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(step, options));
+  if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
+    THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
+                             internal::ScheduleSequential(step, options, options.num_microbatches));
+    return internal::ToPlan(step, a, ScheduleOptions::Scheduler::kSequential);
+  }
+  ScheduleOptions::Scheduler chosen = ScheduleOptions::Scheduler::kBalanced;
+  THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
+                           internal::ScheduleBalanced(step, options, &chosen));
+  return internal::ToPlan(step, a, chosen);
+}
+
+Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions& options,
+                    const Plan& plan) {
+  using internal::Str;
+  THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
+  auto bad = [](const std::string& what) { return Status::InvalidArgument("invalid plan: " + what); };
+  const int64_t dp = options.dp_size;
+  const int64_t m_count = plan.num_microbatches;
+  if (plan.dp_size != options.dp_size) {
+    return bad("dp_size " + Str(plan.dp_size) + " != options.dp_size " + Str(dp));
+  }
+  if (m_count < 1) return bad("num_microbatches = " + Str(m_count) + " < 1");
+  if (m_count % options.microbatch_multiple != 0) {
+    return bad("M = " + Str(m_count) + " is not a multiple of k = " +
+               Str(options.microbatch_multiple));
+  }
+  if (options.num_microbatches > 0 && m_count != options.num_microbatches) {
+    return bad("M = " + Str(m_count) + " but the caller fixed M = " +
+               Str(options.num_microbatches));
+  }
+  if (plan.offsets.size() != static_cast<size_t>(dp * m_count + 1) || plan.offsets[0] != 0 ||
+      plan.offsets.back() != static_cast<int64_t>(plan.sample_ids.size())) {
+    return bad("offsets must have DP*M+1 entries from 0 to the number of ids");
+  }
+  const auto sorted = internal::SortedIds(samples);
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i].first == sorted[i - 1].first) return bad("duplicate input id " + Str(sorted[i].first));
+  }
+  const int64_t capacity = internal::UsableCapacity(options);
+  const int64_t budget = MicrobatchBudget(options);
+  std::vector<uint8_t> seen(samples.size(), 0);
+  for (int64_t d = 0; d < dp; ++d) {
+    for (int64_t m = 0; m < m_count; ++m) {
+      const int64_t g = d * m_count + m;
+      if (plan.offsets[g + 1] <= plan.offsets[g]) {
+        return bad("microbatch " + Str(m) + " of replica " + Str(d) + " is empty");
+      }
+      int64_t sum = 0;
+      for (int64_t k = plan.offsets[g]; k < plan.offsets[g + 1]; ++k) {
+        const int64_t id = plan.sample_ids[k];
+        const int64_t i = internal::FindId(sorted, id);
+        if (i < 0) return bad("id " + Str(id) + " is not an input sample");
+        if (seen[i]) return bad("id " + Str(id) + " appears twice");
+        seen[i] = 1;
+        sum += PaddedSequenceLength(samples[i].length, options.cp_size, options.extra_alignment);
+      }
+      const int64_t t = MicrobatchPaddedTokens(sum, options);
+      if (sum > capacity || t > budget) {
+        return bad("microbatch " + Str(m) + " of replica " + Str(d) + " holds T = " + Str(t) +
+                   " padded tokens, over the budget " + Str(budget));
+      }
+    }
+  }
+  for (int64_t id : plan.skipped) {
+    const int64_t i = internal::FindId(sorted, id);
+    if (i < 0) return bad("skipped id " + Str(id) + " is not an input sample");
+    if (seen[i]) return bad("id " + Str(id) + " is both scheduled and skipped (or skipped twice)");
+    seen[i] = 2;
+    const int64_t p = PaddedSequenceLength(samples[i].length, options.cp_size, options.extra_alignment);
+    if (options.oversize != ScheduleOptions::OversizePolicy::kSkip) {
+      return bad("id " + Str(id) + " was skipped but the oversize policy is 'error'");
+    }
+    if (p <= capacity) return bad("id " + Str(id) + " was skipped but fits the budget");
+  }
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (!seen[i]) return bad("sample id " + Str(samples[i].id) + " is neither scheduled nor skipped");
+  }
+  return Status::Ok();
+}
+
+Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
+                                       const ScheduleOptions& options, const Plan& plan) {
+  THDPACK_RETURN_IF_ERROR(ValidatePlan(samples, options, plan));
+  const auto sorted = internal::SortedIds(samples);
+  PlanFigures f;
+  const int m_count = plan.num_microbatches;
+  f.num_microbatches = m_count;
+  f.n_skipped = static_cast<int64_t>(plan.skipped.size());
+  f.replicas.resize(options.dp_size);
+  const double cp = static_cast<double>(options.cp_size);
+  double total_seq_cost = 0;
+  double max_seq_cost = 0;
+  std::vector<int64_t> padded;
+  for (int d = 0; d < options.dp_size; ++d) {
+    ReplicaFigures& r = f.replicas[d];
+    r.microbatches.resize(m_count);
+    double lo = std::numeric_limits<double>::infinity();
+    double hi = 0;
+    for (int m = 0; m < m_count; ++m) {
+      MicrobatchFigures& mb = r.microbatches[m];
+      padded.clear();
+      for (int64_t id : plan.Microbatch(d, m)) {
+        const SampleLength& s = samples[internal::FindId(sorted, id)];
+        const int64_t p = PaddedSequenceLength(s.length, options.cp_size, options.extra_alignment);
+        padded.push_back(p);
+        mb.real_tokens += s.length;
+        mb.n_loss_tokens += s.n_targets;
+        const double c = options.cost.SequenceCost(p) / cp;
+        total_seq_cost += c;
+        max_seq_cost = std::max(max_seq_cost, c);
+      }
+      mb.n_samples = static_cast<int64_t>(padded.size());
+      const internal::MicrobatchCost mc = internal::ComputeMicrobatchCost(padded, options);
+      if (mc.overflow || __builtin_add_overflow(f.sum_sq, mc.sum_sq, &f.sum_sq)) {
+        return Status::OutOfRange("plan figures: sum of P^2 overflows int64");
+      }
+      mb.padded_tokens = mc.padded_tokens;
+      mb.sum_sq = mc.sum_sq;
+      mb.cost = mc.cost;
+      r.cost += mb.cost;
+      lo = std::min(lo, mb.cost);
+      hi = std::max(hi, mb.cost);
+      f.n_samples += mb.n_samples;
+      f.real_tokens += mb.real_tokens;
+      f.padded_tokens += mb.padded_tokens;
+      f.n_loss_tokens += mb.n_loss_tokens;
+    }
+    f.total_cost += r.cost;
+    f.max_replica_cost = std::max(f.max_replica_cost, r.cost);
+    f.max_microbatch_spread = std::max(f.max_microbatch_spread, hi - lo);
+  }
+  f.lower_bound = std::max(total_seq_cost / static_cast<double>(options.dp_size), max_seq_cost);
+  f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;
+  f.pad_fraction = f.padded_tokens > 0
+                       ? 1.0 - static_cast<double>(f.real_tokens) / static_cast<double>(f.padded_tokens)
+                       : 0.0;
+  f.fill = static_cast<double>(f.padded_tokens) /
+           (static_cast<double>(m_count) * options.dp_size * static_cast<double>(MicrobatchBudget(options)));
+  return f;
+}
+
+}  // namespace thdpack

@@ -1,0 +1,666 @@
+// The balanced (cost-aware) scheduler.
+//
+// A replica's step cost is the sum of its samples' costs whatever microbatch they are in, so
+// the problem splits in two: which replica gets which samples (that sets the straggler), and,
+// inside a replica, which microbatch gets which sample (that must respect the token budget,
+// leave no microbatch empty, and should even out microbatch costs for the pipeline).
+//
+// For one M (BalancedAtM):
+//   A. LPT with best fit. Samples in decreasing padded length (= decreasing cost; ties by id)
+//      go to the replica of least cost (a heap) whose M bins can still hold them, into the bin
+//      of that replica with the least room that fits (best fit, the choice that keeps packing
+//      feasible near a full budget). A replica with no room for the current sample is parked
+//      in a second heap keyed by its largest room, and comes back once the samples get small
+//      enough: every sample costs O(log DP + bin lookup), never a scan over all replicas.
+//   B. Count repair: a replica with fewer than M samples takes the cheapest sample of the
+//      costliest replica that has more than M (into an empty bin: always fits).
+//   C. Local search between the straggler and the other replicas: the single move or swap of
+//      samples that most lowers max(cost of the straggler, cost of the other), keeping the
+//      token budget and at least M samples per replica; repeated until no move helps, the
+//      straggler is within 0.01% of the lower bound, or a fixed work budget (counted in
+//      candidate evaluations, never in time) runs out.
+//   D. Inside each replica, the samples are refilled into the M microbatches by cost (LPT:
+//      next sample into the cheapest microbatch that has room), which evens out microbatch
+//      costs and fills every microbatch; if that does not fit, the best-fit bins of A-C are
+//      kept and an empty microbatch takes the smallest sample of the fullest one.
+//
+// The M search (ScheduleBalanced): M from the fewest the tokens need (rounded up to k), then
+// M + k, ... at most max_microbatch_search values, stopping at the first plan within 1% of the
+// lower bound (no larger M can be more than 1% better). The sequential plan (at the same fixed
+// M, or at its own M) is a candidate too, so a fixed-M balanced plan is never worse than the
+// sequential one. Choice: the least straggler cost C*; among plans within 1% of C*, the fewest
+// microbatches; then the least straggler cost; then the least microbatch spread.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <queue>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/check.h"
+#include "schedule/scheduler_internal.h"
+
+namespace thdpack::internal {
+namespace {
+
+// Above this many microbatches per replica, bins are kept in ordered sets; below, a linear
+// scan over a replica's bins is faster.
+constexpr int kLinearBinsMax = 32;
+// Relative tolerance of the "within 1%" rule of the objective.
+constexpr double kNearBest = 1.01;
+// Work budget of the local search, in candidate evaluations (plus 2 per sample): fixed, so
+// the result does not depend on the machine.
+constexpr int64_t kLocalSearchBaseBudget = 1'000'000;
+// The local search stops once the straggler is this close to the lower bound (relative): a
+// smaller gain is below what any step time could show.
+constexpr double kLocalSearchTolerance = 1e-4;
+
+// Free room of the M bins of every replica, with best-fit queries.
+class ReplicaBins {
+ public:
+  ReplicaBins(int dp, int m, int64_t capacity)
+      : m_(m), use_sets_(m > kLinearBinsMax), free_(static_cast<size_t>(dp) * m, capacity) {
+    if (use_sets_) {
+      sets_.resize(dp);
+      for (int r = 0; r < dp; ++r) {
+        for (int b = 0; b < m; ++b) sets_[r].insert({capacity, b});
+      }
+    }
+  }
+
+  int64_t Free(int r, int b) const { return free_[Index(r, b)]; }
+
+  // The bin of replica r with the least room >= p (ties: lowest index), or -1.
+  int BestFit(int r, int64_t p) const {
+    if (use_sets_) {
+      auto it = sets_[r].lower_bound({p, -1});
+      return it == sets_[r].end() ? -1 : it->second;
+    }
+    int best = -1;
+    int64_t best_free = std::numeric_limits<int64_t>::max();
+    const int64_t* f = &free_[Index(r, 0)];
+    for (int b = 0; b < m_; ++b) {
+      if (f[b] >= p && f[b] < best_free) {
+        best = b;
+        best_free = f[b];
+      }
+    }
+    return best;
+  }
+
+  int64_t MaxFree(int r) const {
+    if (use_sets_) return sets_[r].empty() ? 0 : sets_[r].rbegin()->first;
+    const int64_t* f = &free_[Index(r, 0)];
+    return *std::max_element(f, f + m_);
+  }
+
+  // Room of bin (r, b) changes by -delta.
+  void Take(int r, int b, int64_t delta) {
+    const size_t k = Index(r, b);
+    if (use_sets_) {
+      auto node = sets_[r].extract({free_[k], b});
+      THDPACK_DCHECK(!node.empty());
+      node.value().first = free_[k] - delta;
+      sets_[r].insert(std::move(node));
+    }
+    free_[k] -= delta;
+    THDPACK_DCHECK(free_[k] >= 0);
+  }
+
+ private:
+  size_t Index(int r, int b) const { return static_cast<size_t>(r) * m_ + b; }
+
+  int m_;
+  bool use_sets_;
+  std::vector<int64_t> free_;                             // [DP*M]
+  std::vector<std::set<std::pair<int64_t, int>>> sets_;   // per replica: (room, bin)
+};
+
+// (cost, index) min-heap entries; the index breaks ties, so heaps are deterministic.
+struct CostKey {
+  double cost;
+  int index;
+  bool operator>(const CostKey& o) const {
+    return cost != o.cost ? cost > o.cost : index > o.index;
+  }
+};
+using MinCostHeap = std::priority_queue<CostKey, std::vector<CostKey>, std::greater<CostKey>>;
+
+// (room, index) entries of the parking heap: largest room first, ties by lowest index.
+struct RoomKey {
+  int64_t room;
+  int index;
+  bool operator<(const RoomKey& o) const {
+    return room != o.room ? room < o.room : index > o.index;
+  }
+};
+using MaxRoomHeap = std::priority_queue<RoomKey>;
+
+// The samples by rank: decreasing padded length (= decreasing cost), ties by id. The
+// scheduler works on ranks so that its passes read these arrays in order.
+struct SortedStep {
+  std::vector<int32_t> order;   // rank -> PreparedStep index
+  std::vector<int64_t> padded;  // by rank
+  std::vector<double> cost;     // by rank
+};
+
+SortedStep SortStep(const PreparedStep& step) {
+  struct Key {
+    int64_t padded;
+    int64_t id;
+    int32_t index;
+  };
+  const size_t n = step.size();
+  std::vector<Key> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i] = {step.padded[i], step.ids[i], static_cast<int32_t>(i)};
+  std::sort(keys.begin(), keys.end(), [](const Key& x, const Key& y) {
+    return x.padded != y.padded ? x.padded > y.padded : x.id < y.id;
+  });
+  SortedStep s;
+  s.order.resize(n);
+  s.padded.resize(n);
+  s.cost.resize(n);
+  for (size_t k = 0; k < n; ++k) {
+    s.order[k] = keys[k].index;
+    s.padded[k] = keys[k].padded;
+    s.cost[k] = step.cost[keys[k].index];
+  }
+  return s;
+}
+
+class BalancedAtM {
+ public:
+  BalancedAtM(const PreparedStep& step, const ScheduleOptions& o, const SortedStep& sorted, int m)
+      : step_(step),
+        o_(o),
+        tails_matter_(o.sp && o.tp_size > 1),
+        order_(sorted.order),
+        padded_(sorted.padded),
+        cost_of_(sorted.cost),
+        dp_(o.dp_size),
+        m_(m),
+        bins_(o.dp_size, m, step.capacity),
+        replica_of_(step.size(), -1),
+        bin_of_(step.size(), -1),
+        cost_(o.dp_size, 0.0),
+        count_(o.dp_size, 0),
+        items_of_(o.dp_size) {}
+
+  // Runs A-D; false when some sample finds no room at this M.
+  bool Run(Assignment* out) {
+    if (!PlaceLpt()) return false;
+    BuildItemLists();
+    RepairCounts();
+    if (dp_ > 1) LocalSearch();
+    FillMicrobatches();
+    Emit(out);
+    return true;
+  }
+
+ private:
+  void Place(int32_t i, int r, int b) {
+    replica_of_[i] = r;
+    bin_of_[i] = b;
+    bins_.Take(r, b, padded_[i]);
+    cost_[r] += cost_of_[i];
+    ++count_[r];
+  }
+  void Unplace(int32_t i) {
+    const int r = replica_of_[i];
+    bins_.Take(r, bin_of_[i], -padded_[i]);
+    cost_[r] -= cost_of_[i];
+    --count_[r];
+    replica_of_[i] = -1;
+    bin_of_[i] = -1;
+  }
+
+  // A: LPT over replicas, best fit inside the chosen replica.
+  bool PlaceLpt() {
+    MinCostHeap heap;
+    MaxRoomHeap parked;
+    for (int r = 0; r < dp_; ++r) heap.push({0.0, r});
+    const int32_t n = static_cast<int32_t>(step_.size());
+    for (int32_t i = 0; i < n; ++i) {
+      const int64_t p = padded_[i];
+      while (!parked.empty() && parked.top().room >= p) {
+        const int r = parked.top().index;
+        parked.pop();
+        heap.push({cost_[r], r});
+      }
+      while (true) {
+        if (heap.empty()) return false;
+        const int r = heap.top().index;
+        heap.pop();
+        const int b = bins_.BestFit(r, p);
+        if (b < 0) {
+          parked.push({bins_.MaxFree(r), r});
+          continue;
+        }
+        Place(i, r, b);
+        heap.push({cost_[r], r});
+        break;
+      }
+    }
+    return true;
+  }
+
+  // items_of_[r]: the samples of replica r by rank (= decreasing cost, ties by id).
+  void BuildItemLists() {
+    for (auto& v : items_of_) v.clear();
+    const int32_t n = static_cast<int32_t>(step_.size());
+    for (int32_t i = 0; i < n; ++i) items_of_[replica_of_[i]].push_back(i);
+  }
+
+  void InsertItem(int r, int32_t i) {
+    auto& v = items_of_[r];
+    v.insert(std::lower_bound(v.begin(), v.end(), i), i);
+  }
+  void EraseItem(int r, int32_t i) {
+    auto& v = items_of_[r];
+    auto it = std::lower_bound(v.begin(), v.end(), i);
+    THDPACK_DCHECK(it != v.end() && *it == i);
+    v.erase(it);
+  }
+
+  void MoveItem(int32_t i, int to_r, int to_b) {
+    const int from = replica_of_[i];
+    EraseItem(from, i);
+    Unplace(i);
+    Place(i, to_r, to_b);
+    InsertItem(to_r, i);
+  }
+
+  // B: every replica needs at least M samples (one per microbatch).
+  void RepairCounts() {
+    for (int r = 0; r < dp_; ++r) {
+      while (count_[r] < m_) {
+        int donor = -1;
+        for (int q = 0; q < dp_; ++q) {
+          if (count_[q] > m_ && (donor < 0 || cost_[q] > cost_[donor])) donor = q;
+        }
+        THDPACK_DCHECK(donor >= 0);  // n >= DP*M was checked by the caller
+        if (donor < 0) return;
+        const int32_t x = items_of_[donor].back();
+        // Fewer samples than bins: some bin of r is empty and holds any single sample.
+        int empty_bin = -1;
+        for (int b = 0; b < m_ && empty_bin < 0; ++b) {
+          if (bins_.Free(r, b) == step_.capacity) empty_bin = b;
+        }
+        if (empty_bin < 0) empty_bin = bins_.BestFit(r, padded_[x]);
+        THDPACK_DCHECK(empty_bin >= 0);
+        if (empty_bin < 0) return;
+        MoveItem(x, r, empty_bin);
+      }
+    }
+  }
+
+  // C: moves and swaps between the straggler and the others.
+  void LocalSearch() {
+    const double lower_bound = step_.LowerBound(dp_);
+    int64_t budget = kLocalSearchBaseBudget + 2 * static_cast<int64_t>(step_.size());
+    const int max_iterations = 64 + 8 * dp_;
+    std::vector<std::pair<double, int>> others;
+    others.reserve(dp_);
+    for (int iteration = 0; iteration < max_iterations && budget > 0; ++iteration) {
+      int a = 0;
+      for (int r = 1; r < dp_; ++r) {
+        if (cost_[r] > cost_[a]) a = r;
+      }
+      const double cost_a = cost_[a];
+      if (cost_a <= lower_bound * (1 + kLocalSearchTolerance)) return;
+      const double eps = 1e-12 * cost_a;
+      others.clear();
+      for (int r = 0; r < dp_; ++r) {
+        if (r != a) others.push_back({cost_[r], r});
+      }
+      std::sort(others.begin(), others.end());
+
+      double best_gain = eps;
+      int32_t best_x = -1, best_y = -1;
+      int best_r = -1, best_bin = -1;
+      const auto& items_a = items_of_[a];
+      for (const auto& [cost_b, b] : others) {
+        const double diff = cost_a - cost_b;
+        if (diff / 2 <= best_gain) break;
+        const auto& items_b = items_of_[b];
+        // Moves of one sample a -> b: gain min(c, diff - c), best near c = diff/2.
+        if (count_[a] > m_) {
+          // items_a is by decreasing cost: first position with cost <= diff/2.
+          auto it = std::partition_point(items_a.begin(), items_a.end(), [&](int32_t i) {
+            return cost_of_[i] > diff / 2;
+          });
+          const ptrdiff_t pos = it - items_a.begin();
+          for (ptrdiff_t k = std::max<ptrdiff_t>(0, pos - 2);
+               k < std::min<ptrdiff_t>(static_cast<ptrdiff_t>(items_a.size()), pos + 2); ++k) {
+            --budget;
+            const int32_t x = items_a[k];
+            const double c = cost_of_[x];
+            const double gain = std::min(c, diff - c);
+            if (gain <= best_gain) continue;
+            const int bin = bins_.BestFit(b, padded_[x]);
+            if (bin < 0) continue;
+            best_gain = gain;
+            best_x = x;
+            best_y = -1;
+            best_r = b;
+            best_bin = bin;
+          }
+        }
+        // Swaps x (in a) <-> y (in b), c_x > c_y: d = c_x - c_y, gain min(d, diff - d).
+        for (const int32_t x : items_a) {
+          const double cx = cost_of_[x];
+          if (cx <= best_gain) break;  // d < c_x, so no swap with this or a cheaper x helps
+          const double want = cx - diff / 2;
+          auto it = std::partition_point(items_b.begin(), items_b.end(), [&](int32_t i) {
+            return cost_of_[i] > want;
+          });
+          const ptrdiff_t pos = it - items_b.begin();
+          for (ptrdiff_t k = std::max<ptrdiff_t>(0, pos - 2);
+               k < std::min<ptrdiff_t>(static_cast<ptrdiff_t>(items_b.size()), pos + 2); ++k) {
+            --budget;
+            const int32_t y = items_b[k];
+            const double d = cx - cost_of_[y];
+            if (d <= 0) continue;
+            const double gain = std::min(d, diff - d);
+            if (gain <= best_gain) continue;
+            const int64_t px = padded_[x];
+            const int64_t py = padded_[y];
+            // y takes x's place in a; x takes y's place in b, or another bin of b with room.
+            if (bins_.Free(a, bin_of_[x]) + px < py) continue;
+            int bin = bin_of_[y];
+            if (bins_.Free(b, bin) + py < px) {
+              bin = bins_.BestFit(b, px);
+              if (bin < 0) continue;
+            }
+            best_gain = gain;
+            best_x = x;
+            best_y = y;
+            best_r = b;
+            best_bin = bin;
+          }
+          if (budget <= 0) break;
+        }
+        if (budget <= 0) break;
+      }
+      if (best_x < 0) return;
+      if (best_y < 0) {
+        MoveItem(best_x, best_r, best_bin);
+      } else {
+        const int bin_x = bin_of_[best_x];
+        // Free y's room first, so x fits where y was.
+        EraseItem(best_r, best_y);
+        Unplace(best_y);
+        MoveItem(best_x, best_r, best_bin);
+        Place(best_y, a, bin_x);
+        InsertItem(a, best_y);
+      }
+    }
+  }
+
+  // D: inside each replica, refill the microbatches by cost.
+  void FillMicrobatches() {
+    std::vector<double> mb_cost(m_);
+    std::vector<int64_t> room(m_);
+    std::vector<int> new_bin;
+    for (int r = 0; r < dp_; ++r) {
+      const auto& items = items_of_[r];
+      std::fill(mb_cost.begin(), mb_cost.end(), 0.0);
+      std::fill(room.begin(), room.end(), step_.capacity);
+      new_bin.assign(items.size(), -1);
+      MinCostHeap heap;
+      MaxRoomHeap parked;
+      for (int b = 0; b < m_; ++b) heap.push({0.0, b});
+      bool ok = true;
+      for (size_t k = 0; k < items.size() && ok; ++k) {
+        const int64_t p = padded_[items[k]];
+        while (!parked.empty() && parked.top().room >= p) {
+          const int b = parked.top().index;
+          parked.pop();
+          heap.push({mb_cost[b], b});
+        }
+        while (true) {
+          if (heap.empty()) {
+            ok = false;
+            break;
+          }
+          const int b = heap.top().index;
+          heap.pop();
+          if (room[b] < p) {
+            parked.push({room[b], b});
+            continue;
+          }
+          new_bin[k] = b;
+          room[b] -= p;
+          mb_cost[b] += cost_of_[items[k]];
+          heap.push({mb_cost[b], b});
+          break;
+        }
+      }
+      if (!ok) {
+        FillEmptyBins(r);
+        continue;
+      }
+      // The first M samples each opened an empty microbatch (cost 0 comes first), so none is
+      // empty when the replica has >= M samples.
+      if (!tails_matter_) {
+        for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = new_bin[k];
+        continue;
+      }
+      // With SP tails the arrangement changes the replica's cost: keep the refill only when
+      // it is not dearer than the best-fit bins (the straggler comes before the spread).
+      FillEmptyBins(r);
+      std::vector<int> kept(items.size());
+      for (size_t k = 0; k < items.size(); ++k) kept[k] = bin_of_[items[k]];
+      const double kept_cost = ExactReplicaCost(r);
+      for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = new_bin[k];
+      if (kept_cost < ExactReplicaCost(r)) {
+        for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = kept[k];
+      }
+    }
+  }
+
+  // The cost of replica r with its current bins, SP tails included, each microbatch in
+  // arrival order (as Emit lays it out).
+  double ExactReplicaCost(int r) const {
+    std::vector<std::vector<int32_t>> per_bin(m_);
+    for (int32_t i : items_of_[r]) per_bin[bin_of_[i]].push_back(i);
+    double total = 0;
+    std::vector<int64_t> padded;
+    for (auto& bin : per_bin) {
+      for (int32_t& i : bin) i = order_[i];  // rank -> arrival index
+      std::sort(bin.begin(), bin.end());
+      padded.clear();
+      for (int32_t i : bin) padded.push_back(step_.padded[i]);
+      total += ComputeMicrobatchCost(padded, o_).cost;
+    }
+    return total;
+  }
+
+  // Fallback of D: keep the best-fit bins; an empty bin takes the smallest sample of the bin
+  // with the most samples (a single sample always fits an empty bin).
+  void FillEmptyBins(int r) {
+    std::vector<std::vector<int32_t>> per_bin(m_);
+    for (int32_t i : items_of_[r]) per_bin[bin_of_[i]].push_back(i);  // by rank
+    for (int b = 0; b < m_; ++b) {
+      if (!per_bin[b].empty()) continue;
+      int donor = 0;
+      for (int q = 1; q < m_; ++q) {
+        if (per_bin[q].size() > per_bin[donor].size()) donor = q;
+      }
+      THDPACK_DCHECK(per_bin[donor].size() >= 2);
+      const int32_t x = per_bin[donor].back();
+      per_bin[donor].pop_back();
+      per_bin[b].push_back(x);
+      bin_of_[x] = b;
+    }
+  }
+
+  // Groups in (replica, microbatch) order; inside a microbatch, arrival order (ranks mapped
+  // back to PreparedStep indices).
+  void Emit(Assignment* out) {
+    const size_t groups = static_cast<size_t>(dp_) * m_;
+    out->dp_size = dp_;
+    out->num_microbatches = m_;
+    out->offsets.assign(groups + 1, 0);
+    const int32_t n = static_cast<int32_t>(step_.size());
+    for (int32_t i = 0; i < n; ++i) {
+      ++out->offsets[static_cast<size_t>(replica_of_[i]) * m_ + bin_of_[i] + 1];
+    }
+    for (size_t g = 0; g < groups; ++g) out->offsets[g + 1] += out->offsets[g];
+    std::vector<int64_t> cursor(out->offsets.begin(), out->offsets.end() - 1);
+    out->items.assign(n, 0);
+    for (int32_t i = 0; i < n; ++i) {
+      out->items[cursor[static_cast<size_t>(replica_of_[i]) * m_ + bin_of_[i]]++] = order_[i];
+    }
+    for (size_t g = 0; g < groups; ++g) {
+      std::sort(out->items.begin() + out->offsets[g], out->items.begin() + out->offsets[g + 1]);
+    }
+  }
+
+  const PreparedStep& step_;
+  const ScheduleOptions& o_;
+  const bool tails_matter_;
+  const std::vector<int32_t>& order_;   // rank -> PreparedStep index
+  const std::vector<int64_t>& padded_;  // by rank
+  const std::vector<double>& cost_of_;  // by rank
+  const int dp_;
+  const int m_;
+  ReplicaBins bins_;
+  std::vector<int> replica_of_;   // [n]
+  std::vector<int> bin_of_;       // [n]
+  std::vector<double> cost_;      // [DP]
+  std::vector<int64_t> count_;    // [DP]
+  std::vector<std::vector<int32_t>> items_of_;  // [DP], by rank
+};
+
+struct Candidate {
+  Assignment assignment;
+  AssignmentCost cost;
+  ScheduleOptions::Scheduler who;
+};
+
+}  // namespace
+
+int64_t BestFitDecreasingBins(const PreparedStep& step) {
+  std::vector<int64_t> sizes(step.padded);
+  std::sort(sizes.begin(), sizes.end(), std::greater<int64_t>());
+  std::multiset<int64_t> rooms;
+  int64_t bins = 0;
+  for (int64_t p : sizes) {
+    auto it = rooms.lower_bound(p);
+    if (it == rooms.end()) {
+      ++bins;
+      rooms.insert(step.capacity - p);
+    } else {
+      auto node = rooms.extract(it);
+      node.value() -= p;
+      rooms.insert(std::move(node));
+    }
+  }
+  return bins;
+}
+
+Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOptions& o,
+                                    ScheduleOptions::Scheduler* chosen) {
+  const int32_t n = static_cast<int32_t>(step.size());
+  const int64_t dp = o.dp_size;
+  const int64_t k = o.microbatch_multiple;
+  const SortedStep sorted = SortStep(step);
+
+  const double lower_bound = step.LowerBound(o.dp_size);
+  const int64_t max_m = n / dp;  // every microbatch needs a sample
+  int64_t m_lo = 0;
+  if (o.num_microbatches > 0) {
+    m_lo = o.num_microbatches;
+  } else {
+    m_lo = std::max<int64_t>(1, (step.total_padded + dp * step.capacity - 1) / (dp * step.capacity));
+    m_lo = (m_lo + k - 1) / k * k;
+  }
+
+  std::vector<Candidate> candidates;
+  std::vector<int64_t> tried;
+  bool hinted = false;
+  for (int64_t m = m_lo; static_cast<int>(tried.size()) < o.max_microbatch_search && m <= max_m;) {
+    tried.push_back(m);
+    Assignment a;
+    BalancedAtM run(step, o, sorted, static_cast<int>(m));
+    if (run.Run(&a)) {
+      const AssignmentCost c = ComputeAssignmentCost(step, o, a);
+      candidates.push_back({std::move(a), c, ScheduleOptions::Scheduler::kBalanced});
+      if (c.max_replica_cost <= kNearBest * lower_bound) break;
+    } else if (!hinted && o.num_microbatches == 0) {
+      // Best-fit decreasing over all samples tells roughly how many microbatches the tokens
+      // really need; skip the values below it.
+      hinted = true;
+      const int64_t bins = BestFitDecreasingBins(step);
+      const int64_t hint = ((bins + dp - 1) / dp + k - 1) / k * k;
+      if (hint > m + k) {
+        m = hint;
+        continue;
+      }
+    }
+    if (o.num_microbatches > 0) break;
+    m += k;
+  }
+  {
+    auto seq = ScheduleSequential(step, o, o.num_microbatches);
+    if (seq.ok()) {
+      const AssignmentCost c = ComputeAssignmentCost(step, o, *seq);
+      candidates.push_back({std::move(seq).value(), c, ScheduleOptions::Scheduler::kSequential});
+    }
+  }
+  if (candidates.empty()) {
+    const std::string budget = std::to_string(MicrobatchBudget(o));
+    if (o.num_microbatches > 0) {
+      return Status::InvalidArgument(
+          "balanced: the " + std::to_string(n) + " samples do not fit M = " +
+          std::to_string(o.num_microbatches) + " microbatches of " + budget +
+          " padded tokens on each of DP = " + std::to_string(dp) +
+          " replicas (neither cost-aware best fit nor next-fit found room)");
+    }
+    if (m_lo > max_m) {
+      return Status::InvalidArgument(
+          "balanced: too few samples: their padded tokens need at least M = " +
+          std::to_string(m_lo) + " microbatches of " + budget + " tokens per replica, i.e. " +
+          std::to_string(m_lo * dp) + " non-empty microbatches on DP = " + std::to_string(dp) +
+          ", but there are only " + std::to_string(n) + " samples");
+    }
+    std::string list;
+    for (int64_t m : tried) list += (list.empty() ? "" : ", ") + std::to_string(m);
+    return Status::InvalidArgument(
+        "balanced: no plan found for M in {" + list + "} (microbatches of " + budget +
+        " padded tokens, DP = " + std::to_string(dp) +
+        "): raise max_microbatch_search or max_tokens_per_rank");
+  }
+  double best = std::numeric_limits<double>::infinity();
+  for (const Candidate& c : candidates) best = std::min(best, c.cost.max_replica_cost);
+  const double limit = best * kNearBest + 1e-12 * std::abs(best);
+  int pick = -1;
+  for (int i = 0; i < static_cast<int>(candidates.size()); ++i) {
+    const Candidate& c = candidates[i];
+    if (c.cost.max_replica_cost > limit) continue;
+    if (pick < 0) {
+      pick = i;
+      continue;
+    }
+    const Candidate& p = candidates[pick];
+    if (c.assignment.num_microbatches != p.assignment.num_microbatches) {
+      if (c.assignment.num_microbatches < p.assignment.num_microbatches) pick = i;
+      continue;
+    }
+    if (c.cost.max_replica_cost != p.cost.max_replica_cost) {
+      if (c.cost.max_replica_cost < p.cost.max_replica_cost) pick = i;
+      continue;
+    }
+    if (c.cost.max_spread < p.cost.max_spread) pick = i;
+  }
+  *chosen = candidates[pick].who;
+  return std::move(candidates[pick].assignment);
+}
+
+}  // namespace thdpack::internal

@@ -1,0 +1,96 @@
+// Internal pieces shared by the schedulers (not part of the public API).
+//
+// Every scheduler works on a PreparedStep: the samples that survived validation and the
+// oversize policy, in input (arrival) order, indexed 0..n-1, with their padded lengths and
+// per-rank costs. It produces an Assignment: groups of those indices per (replica, microbatch),
+// turned into a Plan of ids at the end.
+#ifndef THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_
+#define THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "thdpack/schedule.h"
+
+namespace thdpack::internal {
+
+struct PreparedStep {
+  std::vector<int64_t> ids;      // [n] kept samples, input order
+  std::vector<int64_t> length;   // [n] L
+  std::vector<int64_t> padded;   // [n] P
+  std::vector<double> cost;      // [n] cost(P) / CP
+  std::vector<int64_t> skipped;  // oversize ids left out, input order
+  // The largest sum of P one microbatch may hold: the budget, rounded down to a multiple of
+  // CP*TP with SP (MicrobatchPaddedTokens(sum) <= budget  <=>  sum <= capacity).
+  int64_t capacity = 0;
+  int64_t total_padded = 0;      // sum P
+  double total_cost = 0;         // sum cost
+  double max_cost = 0;           // max cost
+  size_t size() const { return ids.size(); }
+  // max(total_cost / DP, max_cost): no plan has a smaller straggler.
+  double LowerBound(int dp_size) const;
+};
+
+// Checks the options (ranges, overflow) and names the first bad one.
+[[nodiscard]] Status ValidateOptions(const ScheduleOptions& options);
+
+// The usable sum-of-P capacity of a microbatch (see PreparedStep::capacity).
+int64_t UsableCapacity(const ScheduleOptions& options);
+
+// Validates the samples (ids unique, L >= 1, n_targets in [0, L]) and applies the oversize
+// policy. REQUIRES: ValidateOptions(options) is OK.
+[[nodiscard]] Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
+                                               const ScheduleOptions& options);
+
+// "too few samples" check shared by the schedulers: n >= DP * k.
+[[nodiscard]] Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& options);
+
+// Groups of PreparedStep indices: group (d, m) is items[offsets[d*M+m] .. offsets[d*M+m+1]),
+// in the order they will appear in the Plan.
+struct Assignment {
+  int num_microbatches = 0;
+  int dp_size = 0;
+  std::vector<int32_t> items;
+  std::vector<int64_t> offsets;
+};
+
+// Exact per-rank costs of an assignment (the SP tail charged to each microbatch's last
+// sequence, as packing lays it out).
+struct AssignmentCost {
+  double max_replica_cost = 0;
+  double max_spread = 0;  // largest max-min microbatch cost inside one replica
+};
+AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOptions& options,
+                                     const Assignment& a);
+
+// Cost of one microbatch of padded lengths `padded` (in order), per rank, the SP tail on the
+// last sequence. Also returns T and sum P^2 (false on int64 overflow of sum P^2).
+struct MicrobatchCost {
+  int64_t padded_tokens = 0;
+  int64_t sum_sq = 0;
+  double cost = 0;
+  bool overflow = false;
+};
+MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded,
+                                     const ScheduleOptions& options);
+
+Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who);
+
+// Megatron-LM dp_balanced semantics (see scheduler_sequential.cc). fixed_m = 0: free M.
+[[nodiscard]] Result<Assignment> ScheduleSequential(const PreparedStep& step,
+                                                    const ScheduleOptions& options, int fixed_m);
+
+// The cost-aware scheduler with its M search (see scheduler_balanced.cc).
+[[nodiscard]] Result<Assignment> ScheduleBalanced(const PreparedStep& step,
+                                                  const ScheduleOptions& options,
+                                                  ScheduleOptions::Scheduler* chosen);
+
+// Best-fit decreasing bin count of the step's padded lengths into `capacity`: the plain
+// per-sample reference of the histogram fast path, also the balanced search's hint for M.
+int64_t BestFitDecreasingBins(const PreparedStep& step);
+
+}  // namespace thdpack::internal
+
+#endif  // THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_

@@ -1,0 +1,88 @@
+// The sequential scheduler: Megatron-LM's `dp_balanced` (DpBalancedScheduler.
+// get_groups_and_subsamples in megatron/core/datasets/data_schedule.py), without its assert.
+//
+//   1. Next-fit in arrival order: a group takes samples while its padded total stays within
+//      the budget; the sample that does not fit starts the next group.
+//   2. The group count G is padded up to a multiple of DP*k (or to M*DP for a fixed M) by
+//      walking the groups from the rearmost ORIGINAL group towards group 0: a group with more
+//      than one sample gives up its last sample, which becomes a new single-sample group at the
+//      end; a single-sample group is passed over. Megatron asserts when the walk would reach
+//      group 0 ("Not enough samples to move" - older versions even when group 0 itself could
+//      still donate); here group 0 donates like any other, and the only failure is having
+//      fewer samples than groups to fill, reported as "too few samples".
+//   3. Group g = m*DP + d goes to replica d as microbatch m.
+//
+// O(n). Splitting only removes samples from groups, so every group stays within the budget.
+#include <string>
+#include <vector>
+
+#include "schedule/scheduler_internal.h"
+
+namespace thdpack::internal {
+
+Result<Assignment> ScheduleSequential(const PreparedStep& step, const ScheduleOptions& o,
+                                      int fixed_m) {
+  const int32_t n = static_cast<int32_t>(step.size());
+  // Next-fit; groups kept as vectors because splitting pops from the back of any of them.
+  std::vector<std::vector<int32_t>> groups;
+  int64_t sum = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    if (groups.empty() || sum + step.padded[i] > step.capacity) {
+      groups.emplace_back();
+      sum = 0;
+    }
+    groups.back().push_back(i);
+    sum += step.padded[i];
+  }
+  const int64_t dp = o.dp_size;
+  const int64_t g = static_cast<int64_t>(groups.size());
+  int64_t target = 0;
+  if (fixed_m > 0) {
+    target = dp * fixed_m;
+    if (g > target) {
+      return Status::InvalidArgument(
+          "sequential: next-fit in arrival order needs " + std::to_string(g) +
+          " microbatches of " + std::to_string(MicrobatchBudget(o)) + " tokens, more than M " +
+          std::to_string(fixed_m) + " x DP " + std::to_string(dp) + " = " +
+          std::to_string(target));
+    }
+  } else {
+    const int64_t multiple = dp * o.microbatch_multiple;
+    target = (g + multiple - 1) / multiple * multiple;
+  }
+  if (target > n) {
+    return Status::InvalidArgument(
+        "sequential: too few samples: " + std::to_string(n) + " samples cannot fill " +
+        std::to_string(target) + " non-empty microbatches (next-fit made " + std::to_string(g) +
+        ", padded to a multiple of DP x k = " + std::to_string(dp * o.microbatch_multiple) +
+        (fixed_m > 0 ? ", fixed M = " + std::to_string(fixed_m) : std::string()) + ")");
+  }
+  int64_t to_move = target - g;
+  for (int64_t i = g - 1; to_move > 0; ) {
+    // target <= n guarantees enough multi-sample groups among the original ones.
+    if (groups[i].size() > 1) {
+      const int32_t moved = groups[i].back();
+      groups[i].pop_back();
+      groups.push_back({moved});
+      --to_move;
+    } else {
+      --i;
+    }
+  }
+  Assignment a;
+  a.dp_size = o.dp_size;
+  a.num_microbatches = static_cast<int>(target / dp);
+  a.items.reserve(n);
+  a.offsets.reserve(target + 1);
+  a.offsets.push_back(0);
+  for (int64_t d = 0; d < dp; ++d) {
+    for (int64_t m = 0; m < a.num_microbatches; ++m) {
+      const auto& group = groups[m * dp + d];
+      a.items.insert(a.items.end(), group.begin(), group.end());
+      a.offsets.push_back(static_cast<int64_t>(a.items.size()));
+    }
+  }
+  return a;
+}
+
+}  // namespace thdpack::internal

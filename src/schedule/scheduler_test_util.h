@@ -1,0 +1,78 @@
+// Helpers shared by the scheduling tests: random steps, the shared data files, and a small
+// CSV/lengths reader for them (test-only; the library's data readers live in src/data).
+#ifndef THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
+#define THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "thdpack/schedule.h"
+
+namespace thdpack::testing_util {
+
+inline std::string SharedDataPath(const std::string& name) {
+  return std::string(THDPACK_SHARED_DATA_DIR) + "/" + name;
+}
+
+// `length,count` rows after a header line; empty on any problem (the test then fails).
+inline std::vector<LengthCount> ReadHistogramCsv(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<LengthCount> rows;
+  std::string line;
+  if (!std::getline(in, line)) return {};
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    std::istringstream ss(line);
+    LengthCount row;
+    char comma = 0;
+    if (!(ss >> row.length >> comma >> row.count) || comma != ',') return {};
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+// One length per line.
+inline std::vector<int64_t> ReadLengths(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<int64_t> out;
+  int64_t v = 0;
+  while (in >> v) out.push_back(v);
+  return out;
+}
+
+// Samples with ids that are NOT their positions (a shuffled, spread-out set), so tests catch
+// index/id mix-ups.
+inline std::vector<SampleLength> WithIds(const std::vector<int64_t>& lengths, uint64_t seed) {
+  std::vector<int64_t> ids(lengths.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<SampleLength> out(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    out[i] = {ids[i] * 7 + 3, lengths[i], std::max<int64_t>(0, lengths[i] - 1 - (ids[i] % 3))};
+  }
+  return out;
+}
+
+// Long-tailed random lengths in [1, max_length].
+inline std::vector<int64_t> RandomLengths(std::mt19937_64& rng, size_t n, int64_t max_length) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<int64_t> out(n);
+  for (auto& l : out) {
+    // Log-uniform: many short samples, a few close to max_length.
+    const double x = std::exp(u(rng) * std::log(static_cast<double>(max_length)));
+    l = std::clamp<int64_t>(static_cast<int64_t>(x), 1, max_length);
+  }
+  return out;
+}
+
+}  // namespace thdpack::testing_util
+
+#endif  // THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
