@@ -24,7 +24,7 @@
 
 namespace {
 
-using thdpack::LengthCount;
+using thdpack::HistogramRow;
 using thdpack::Plan;
 using thdpack::PlanFigures;
 using thdpack::SampleLength;
@@ -53,14 +53,14 @@ double ThreadCpuSeconds() {
 
 // `length,count` after a header line (a small local reader; the library's readers are
 // elsewhere).
-bool ReadHistogram(const std::string& path, std::vector<LengthCount>* rows) {
+bool ReadHistogram(const std::string& path, std::vector<HistogramRow>* rows) {
   std::ifstream in(path);
   std::string line;
   if (!std::getline(in, line)) return false;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     std::istringstream ss(line);
-    LengthCount r;
+    HistogramRow r;
     char comma = 0;
     if (!(ss >> r.length >> comma >> r.count) || comma != ',') return false;
     rows->push_back(r);
@@ -82,7 +82,7 @@ std::string WithCommas(int64_t v) {
 }
 
 void WikipediaHistogram(const std::string& dir) {
-  std::vector<LengthCount> h;
+  std::vector<HistogramRow> h;
   if (!ReadHistogram(dir + "/wikipedia_512_histogram.csv", &h)) {
     std::printf("cannot read %s/wikipedia_512_histogram.csv\n", dir.c_str());
     return;

@@ -6,6 +6,7 @@
 #include "thdpack/data.h"
 #include "thdpack/pack.h"
 #include "thdpack/sample.h"
+#include "thdpack/schedule.h"
 #include "thdpack/shard.h"
 #include "thdpack/status.h"
 #include "thdpack/topology.h"

@@ -42,9 +42,9 @@ struct Row {
   int64_t count;
 };
 
-Status ValidateHistogram(std::span<const LengthCount> histogram) {
+Status ValidateHistogram(std::span<const HistogramRow> histogram) {
   for (size_t r = 0; r < histogram.size(); ++r) {
-    const LengthCount& h = histogram[r];
+    const HistogramRow& h = histogram[r];
     if (h.length < 1 || h.length > (int64_t{1} << 50) || h.count < 0) {
       return Status::InvalidArgument("histogram row " + std::to_string(r) + " (length " +
                                      std::to_string(h.length) + ", count " +
@@ -57,19 +57,19 @@ Status ValidateHistogram(std::span<const LengthCount> histogram) {
 
 }  // namespace
 
-std::vector<SampleLength> ExpandHistogram(std::span<const LengthCount> histogram) {
+std::vector<SampleLength> ExpandHistogram(std::span<const HistogramRow> histogram) {
   std::vector<SampleLength> out;
   int64_t total = 0;
-  for (const LengthCount& h : histogram) total += h.count;
+  for (const HistogramRow& h : histogram) total += h.count;
   out.reserve(static_cast<size_t>(total));
   int64_t id = 0;
-  for (const LengthCount& h : histogram) {
+  for (const HistogramRow& h : histogram) {
     for (int64_t j = 0; j < h.count; ++j) out.push_back({id++, h.length, h.length - 1});
   }
   return out;
 }
 
-Result<HistogramPacking> PackHistogram(std::span<const LengthCount> histogram,
+Result<HistogramPacking> PackHistogram(std::span<const HistogramRow> histogram,
                                        const ScheduleOptions& options) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   THDPACK_RETURN_IF_ERROR(ValidateHistogram(histogram));
@@ -79,7 +79,7 @@ Result<HistogramPacking> PackHistogram(std::span<const LengthCount> histogram,
 
   std::vector<Row> rows;
   for (size_t r = 0; r < histogram.size(); ++r) {
-    const LengthCount& h = histogram[r];
+    const HistogramRow& h = histogram[r];
     if (h.count == 0) continue;
     const int64_t p = PaddedSequenceLength(h.length, options.cp_size, options.extra_alignment);
     if (p > capacity) {
@@ -182,7 +182,7 @@ Result<HistogramPacking> PackHistogram(std::span<const LengthCount> histogram,
   return out;
 }
 
-Result<Plan> HistogramPackingToPlan(std::span<const LengthCount> histogram,
+Result<Plan> HistogramPackingToPlan(std::span<const HistogramRow> histogram,
                                     const HistogramPacking& packing,
                                     const ScheduleOptions& options) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
@@ -201,7 +201,7 @@ Result<Plan> HistogramPackingToPlan(std::span<const LengthCount> histogram,
   std::map<int64_t, std::deque<std::pair<int64_t, int64_t>>> ids_of;
   {
     int64_t id = 0;
-    for (const LengthCount& h : histogram) {
+    for (const HistogramRow& h : histogram) {
       if (h.count > 0) ids_of[h.length].push_back({id, h.count});
       id += h.count;
     }
@@ -244,7 +244,7 @@ Result<Plan> HistogramPackingToPlan(std::span<const LengthCount> histogram,
   for (const auto& [length, ranges] : ids_of) {
     for (const auto& [first, count] : ranges) {
       const bool skipped = std::any_of(packing.skipped.begin(), packing.skipped.end(),
-                                       [&](const LengthCount& s) { return s.length == length; });
+                                       [&](const HistogramRow& s) { return s.length == length; });
       if (!skipped) {
         return Status::InvalidArgument("HistogramPackingToPlan: " + std::to_string(count) +
                                        " sequences of length " + std::to_string(length) +

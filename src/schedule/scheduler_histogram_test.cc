@@ -22,7 +22,7 @@ ScheduleOptions Budget(int64_t budget) {
 // Capacity 10; lengths 6,6,4,2,2,2. Best-fit decreasing: 6 -> A (room 4), 6 -> B (4),
 // 4 -> A (0), 2 -> B (2), 2 -> B (0), 2 -> new C (8): packs {6,4} {6,2,2} {2}.
 TEST(HistogramTest, SmallCaseByHand) {
-  const std::vector<LengthCount> h = {{2, 3}, {4, 1}, {6, 2}};
+  const std::vector<HistogramRow> h = {{2, 3}, {4, 1}, {6, 2}};
   auto p = PackHistogram(h, Budget(10));
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(p->num_packs, 3);
@@ -42,7 +42,7 @@ TEST(HistogramTest, SmallCaseByHand) {
 // Bulk moves: 1000 sequences of 3 and 1000 of 5 into 16: best fit per sequence gives 5,5,5 ->
 // room 1 (333 packs + one with a single 5), then the 3s: 5 of them per new pack.
 TEST(HistogramTest, BulkMatchesPerSample) {
-  const std::vector<LengthCount> h = {{3, 1000}, {5, 1000}};
+  const std::vector<HistogramRow> h = {{3, 1000}, {5, 1000}};
   auto p = PackHistogram(h, Budget(16));
   ASSERT_TRUE(p.ok());
   const auto samples = ExpandHistogram(h);
@@ -68,7 +68,7 @@ TEST(HistogramTest, EqualsThePerSamplePathOnRandomHistograms) {
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;
     o.max_microbatch_search = 1000;
     const int64_t budget = MicrobatchBudget(o);
-    std::vector<LengthCount> h;
+    std::vector<HistogramRow> h;
     const int rows = 1 + static_cast<int>(rng() % 12);
     for (int r = 0; r < rows; ++r) {
       h.push_back({1 + static_cast<int64_t>(rng() % (budget + budget / 4)),
@@ -108,7 +108,7 @@ TEST(HistogramTest, EqualsThePerSamplePathOnRandomHistograms) {
 }
 
 TEST(HistogramTest, OversizeRows) {
-  const std::vector<LengthCount> h = {{5, 2}, {50, 3}, {7, 1}};
+  const std::vector<HistogramRow> h = {{5, 2}, {50, 3}, {7, 1}};
   auto e = PackHistogram(h, Budget(20));
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("row 1: length 50"), std::string::npos)
@@ -124,7 +124,7 @@ TEST(HistogramTest, OversizeRows) {
   EXPECT_EQ(plan->skipped, (std::vector<int64_t>{2, 3, 4}));
   EXPECT_TRUE(ValidatePlan(ExpandHistogram(h), o, *plan).ok());
 
-  auto bad = PackHistogram(std::vector<LengthCount>{{0, 3}}, Budget(20));
+  auto bad = PackHistogram(std::vector<HistogramRow>{{0, 3}}, Budget(20));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("row 0"), std::string::npos);
 }

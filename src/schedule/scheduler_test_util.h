@@ -22,15 +22,15 @@ inline std::string SharedDataPath(const std::string& name) {
 }
 
 // `length,count` rows after a header line; empty on any problem (the test then fails).
-inline std::vector<LengthCount> ReadHistogramCsv(const std::string& path) {
+inline std::vector<HistogramRow> ReadHistogramCsv(const std::string& path) {
   std::ifstream in(path);
-  std::vector<LengthCount> rows;
+  std::vector<HistogramRow> rows;
   std::string line;
   if (!std::getline(in, line)) return {};
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     std::istringstream ss(line);
-    LengthCount row;
+    HistogramRow row;
     char comma = 0;
     if (!(ss >> row.length >> comma >> row.count) || comma != ',') return {};
     rows.push_back(row);
