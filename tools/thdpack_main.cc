@@ -3,15 +3,21 @@
 
 #include <cstdio>
 
+#include "commands.h"
 #include "thdpack/thdpack.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"thdpack: the data plane of packed-sequence (THD) distributed training"};
+  CLI::App app{
+      "thdpack: the data plane of packed-sequence (THD) distributed training.\n"
+      "Shows what your sequences do at a given topology: padding, context-parallel zigzag\n"
+      "shards, sequence-parallel splits."};
   app.set_version_flag("--version", std::string("thdpack ") + thdpack::kVersion);
   app.require_subcommand(0, 1);
+  int exit_code = 0;
+  thdpack::tools::AddLayoutCommand(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   if (app.get_subcommands().empty()) {
     std::fputs(app.help().c_str(), stdout);
   }
-  return 0;
+  return exit_code;
 }
