@@ -3,6 +3,7 @@
 #   make test   install what is missing, build, and pass every test (also under ASan + UBSan)
 JOBS ?= $(shell nproc)
 BUILD ?= build
+WITH_MPI ?= ON
 ASAN_BUILD ?= build-asan
 CMAKE_FLAGS ?=
 
@@ -14,7 +15,7 @@ deps:
 	@bash scripts/install_deps.sh
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTHDPACK_WITH_MPI=$(WITH_MPI) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -24,13 +25,13 @@ test-unit: build
 
 # Sanitizers in a build folder of their own; flags are given here, never forced by CMakeLists.
 $(ASAN_BUILD)/CMakeCache.txt:
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF \
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_WITH_MPI=$(WITH_MPI) \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
 test-asan: deps $(ASAN_BUILD)/CMakeCache.txt
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ctest --output-on-failure -j $(JOBS) -E '^package\.'
+	  ctest --output-on-failure -j $(JOBS) -E '^package\.' -LE mpi
 
 test: test-unit test-asan
 

@@ -7,6 +7,7 @@ packages=(
   g++ make cmake pkg-config
   libgtest-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
+  libopenmpi-dev openmpi-bin
 )
 
 missing=()

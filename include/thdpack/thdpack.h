@@ -2,6 +2,7 @@
 #ifndef THDPACK_THDPACK_H_
 #define THDPACK_THDPACK_H_
 
+#include "thdpack/comm.h"
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
 #include "thdpack/pack.h"
