@@ -1,13 +1,46 @@
 // Run under mpirun (ctest: `mpirun -np 8 thdpack_mpi_check`): the process-group checks of
-// tests/comm_checks.h on the MPI backend. Exits 0 when every check passed on every rank, 1
-// otherwise; each rank prints its first failure.
+// tests/comm_checks.h and the distributed-step checks of tests/step_checks.h (the eight
+// topologies, with and without SP, both data-on modes) on the MPI backend, plus the failure
+// path (a sample over the budget on one loader). Exits 0 when every check passed on every rank,
+// 1 otherwise; each rank prints its first failure.
 #include <cstdio>
 #include <string>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
 #include "comm_checks.h"
+#include "step_checks.h"
 #include "thdpack/comm.h"
 
 namespace {
+
+using thdpack::Status;
+
+// A sample over the budget read by the loader of replica 1 only: it must fail there and come
+// back as kAborted naming that loader on every other rank.
+Status CheckOversizeFailure(thdpack::ProcessGroup& world, const std::string& lengths_file) {
+  auto topo = *thdpack::Topology::Create(2, 1, 2, 2);
+  thdpack::StepRunnerOptions o;
+  o.data = "lengths:" + lengths_file;
+  o.global_batch = 16;
+  o.schedule.max_tokens_per_rank = 1000;
+  THDPACK_ASSIGN_OR_RETURN(auto runner, thdpack::StepRunner::Create(world, topo, o));
+  Status s = runner->Next().status();
+  const thdpack::Coord c = *topo.CoordOf(world.rank());
+  const bool reads_it = c.dp == 1 && c.tp == 0 && c.pp == 0;
+  if (reads_it && (s.code() != thdpack::StatusCode::kInvalidArgument ||
+                   s.message().find("sample id 5") == std::string::npos)) {
+    return Status::Internal("the loader holding the bad sample got " + s.ToString());
+  }
+  if (!reads_it && (s.code() != thdpack::StatusCode::kAborted ||
+                    s.message().find("sample id 5") == std::string::npos)) {
+    return Status::Internal("a peer of the failed loader got " + s.ToString());
+  }
+  return Status::Ok();
+}
 
 int Run() {
   auto world_or = thdpack::MpiWorld();
@@ -24,18 +57,42 @@ int Run() {
       {"process group", thdpack::testing::CheckProcessGroup},
       {"status agreement", thdpack::testing::CheckAgreement},
   };
+  // Test data, written by rank 0 into a scratch folder whose name all ranks learn.
+  int64_t pid = static_cast<int64_t>(getpid());
+  if (!world.BroadcastValues(std::span<int64_t>(&pid, 1), 0).ok()) return 1;
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("thdpack_mpi_check_" + std::to_string(pid))).string();
+  const std::string jsonl = dir + "/steps.jsonl", lengths = dir + "/oversize.lengths";
+  if (world.rank() == 0) {
+    std::filesystem::create_directories(dir);
+    thdpack::testing::WriteStepTestJsonl(jsonl, 50, 200, 11);
+    std::ofstream out(lengths);
+    for (int i = 0; i < 16; ++i) out << (i == 5 ? 5000 : 50) << "\n";
+  }
+  if (!world.Barrier().ok()) return 1;
+
   int failures = 0;
-  for (const Check& c : checks) {
-    thdpack::Status s = c.fn(world);
+  auto report = [&](const std::string& name, const Status& s) {
     // Every rank learns whether any rank failed this check, so all exit with the same code.
-    thdpack::Status agreed = thdpack::AgreeOnStatus(world, s, c.name);
-    if (!s.ok()) {
-      std::fprintf(stderr, "rank %d: %s: %s\n", world.rank(), c.name, s.ToString().c_str());
-    }
+    Status agreed = thdpack::AgreeOnStatus(world, s, name);
+    if (!s.ok()) std::fprintf(stderr, "rank %d: %s: %s\n", world.rank(), name.c_str(), s.ToString().c_str());
     if (!agreed.ok()) ++failures;
     if (world.rank() == 0) {
-      std::printf("%s on %d MPI ranks: %s\n", c.name, world.size(), agreed.ok() ? "ok" : "FAILED");
+      std::printf("%s on %d MPI ranks: %s\n", name.c_str(), world.size(), agreed.ok() ? "ok" : "FAILED");
     }
+  };
+  for (const Check& c : checks) report(c.name, c.fn(world));
+  for (const auto& k : thdpack::testing::AllStepCases()) {
+    report("step " + thdpack::testing::CaseName(k),
+           thdpack::testing::RunAndVerifyCase(world, k, jsonl, 24, 3));
+  }
+  report("step global batch = whole source",
+         thdpack::testing::RunAndVerifyCase(world, {2, 2, 2, 1, true, thdpack::DataOn::kTp0}, jsonl, 0, 2));
+  report("oversize sample on one loader", CheckOversizeFailure(world, lengths));
+  (void)world.Barrier();
+  if (world.rank() == 0) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
   }
   return failures == 0 ? 0 : 1;
 }

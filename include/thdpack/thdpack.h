@@ -10,6 +10,7 @@
 #include "thdpack/schedule.h"
 #include "thdpack/shard.h"
 #include "thdpack/status.h"
+#include "thdpack/step_runner.h"
 #include "thdpack/topology.h"
 #include "thdpack/version.h"
 #include "thdpack/wire.h"

@@ -1,0 +1,154 @@
+// thdpack/step_runner.h: the distributed step (DESIGN.md section 7) - every rank ends a step with
+// its own microbatches (CP-local tensors, global metadata) and the step figures.
+//
+// One step, with the default `--data-on tp0` (loaders are the ranks tp=0, cp=0, pp=0 of each
+// replica; phases in order, each named as in RankStep::phases):
+//   read      each loader reads its share of the global batch: sample i of the step, in source
+//             order, belongs to loader i % DP. Samples are checked as they are read (the oversize
+//             rule of section 4 with policy `error`), so a bad sample fails on its own loader.
+//   lengths   (id, L, n_targets) all-gathered among the loaders: 12 bytes a sample (three int32:
+//             the id as an offset from the step's first id, L, n_targets).
+//   plan      every loader computes the same Plan (Schedule of thdpack/schedule.h) from the same
+//             samples in the same order (loader 0's first); debug builds compare a hash of the
+//             plan across loaders.
+//   exchange  all-to-all-v among the loaders: each sample's tokens (int32) - and its target mask
+//             (one byte a token) when it is not all ones - go to the replica the plan chose; a
+//             sample that stays is not sent.
+//   pack      each loader packs its replica's microbatches and CP-shards them in one pass
+//             (PackShardAllInto), and encodes the replica's StepMeta (thdpack/wire.h).
+//   deliver   the loader broadcasts the encoded metadata to every other rank of its replica
+//             (every stage, every TP rank) and sends each CP shard to the TP ranks that use it:
+//             tokens and position ids to the first stage, labels and loss_mask to the last.
+// With `--data-on all` every rank reads its replica's share itself and builds its own tensors:
+// read, lengths, plan, exchange and pack run on every rank (within its DP group); no deliver.
+//
+// Failures: every phase ends with AgreeOnStatus over the world before any rank waits for data a
+// failed rank would send, so an error on one rank (bad sample, budget overflow, a schedule
+// error, corrupt metadata) returns as an error on every rank - its own status on the failed
+// rank, kAborted naming it elsewhere - and no rank hangs.
+//
+// Thread-safety: a StepRunner belongs to one rank; use it from that rank's thread only.
+#ifndef THDPACK_STEP_RUNNER_H_
+#define THDPACK_STEP_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "thdpack/comm.h"
+#include "thdpack/data.h"
+#include "thdpack/pack.h"
+#include "thdpack/schedule.h"
+#include "thdpack/status.h"
+#include "thdpack/topology.h"
+#include "thdpack/wire.h"
+
+namespace thdpack {
+
+enum class DataOn {
+  kTp0,  // one loader per replica, at (tp=0, cp=0, pp=0); the default
+  kAll,  // every rank reads and builds its own tensors (NeMo-RL / verl style)
+};
+// "tp0" / "all", and the inverse (InvalidArgument naming the text).
+std::string_view DataOnName(DataOn mode);
+[[nodiscard]] Result<DataOn> ParseDataOn(std::string_view text);
+
+struct StepRunnerOptions {
+  // The source spec (thdpack/data.h) and its options; every reading rank opens its own copy.
+  std::string data = "mock";
+  SourceOptions source;
+  // Samples per step over all replicas; 0 = the whole source (one epoch) per step.
+  int64_t global_batch = 0;
+  // dp_size, cp_size and tp_size are taken from the topology (values set here are ignored);
+  // everything else as documented in thdpack/schedule.h (max_tokens_per_rank is required).
+  ScheduleOptions schedule;
+  TokenId pad_id = 0;
+  DataOn data_on = DataOn::kTp0;
+  // Compare a hash of the plan across loaders (an extra 16-byte all-reduce). Default: on in
+  // debug builds (NDEBUG unset).
+  bool check_plan_hash =
+#ifdef NDEBUG
+      false;
+#else
+      true;
+#endif
+  // For tests of the failure path: the loader of this replica flips one byte of the encoded
+  // metadata before sending it (-1, the default: never).
+  int corrupt_metadata_of_replica = -1;
+};
+
+// One microbatch as one rank holds it. Shapes: T padded tokens of the microbatch, n sequences.
+struct LocalMicrobatch {
+  // Every rank of every stage: the GLOBAL layout (TransformerEngine's THD attention takes it).
+  std::vector<int32_t> cu_seqlens;         // [n+1]
+  std::vector<int32_t> cu_seqlens_padded;  // [n+1]
+  int32_t max_seqlen = 0;                  // largest padded length
+  int64_t n_valid = 0;                     // loss tokens of the whole microbatch
+  int64_t total_tokens = 0;                // T
+  int64_t local_tokens = 0;                // T/CP
+  // The first stage only (empty elsewhere): this CP rank's zigzag shard, [T/CP].
+  std::vector<TokenId> tokens;
+  std::vector<int32_t> position_ids;
+  // The last stage only (empty elsewhere): [T/CP], CP-sharded, not SP-split.
+  std::vector<TokenId> labels;
+  std::vector<uint8_t> loss_mask;
+  // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
+  // whole range (0, T/CP).
+  std::pair<int64_t, int64_t> sp_range{0, 0};
+};
+
+// Time and bytes of one phase on one rank.
+struct PhaseStats {
+  std::string name;        // read, lengths, plan, exchange, pack, deliver, agree
+  double seconds = 0;
+  int64_t bytes_sent = 0;  // ProcessGroup::bytes_sent rule (thdpack/comm.h)
+};
+
+// What one rank holds after a step.
+struct RankStep {
+  int64_t step = 0;   // 0, 1, ...
+  int64_t epoch = 0;  // the source's epoch when the step's first sample was read
+  Coord coord;
+  bool is_loader = false;     // read and planned (every rank with DataOn::kAll)
+  bool first_stage = false;   // pp == 0
+  bool last_stage = false;    // pp == PP-1
+  // This replica's metadata as every rank of the replica holds it (decoded from the wire on
+  // non-loaders): microbatch layouts, the replica's token sums, the GLOBAL loss-token count N
+  // (n_loss_tokens), skipped ids, epoch.
+  StepMeta meta;
+  std::vector<LocalMicrobatch> microbatches;  // [M]
+  // Loaders only (empty elsewhere): the step's samples in scheduling order (loader 0's first)
+  // and the plan every loader computed from them - what the step figures are made of.
+  std::vector<SampleLength> samples;
+  Plan plan;
+  // Per phase, in order; "agree" collects the status agreements between phases.
+  std::vector<PhaseStats> phases;
+  int64_t bytes_sent() const;
+};
+
+// One rank's step loop. Collective: every rank of `world` creates its runner, and calls Next()
+// the same number of times.
+class StepRunner {
+ public:
+  // Splits the groups it needs from `world` (which must outlive the runner) and opens the source
+  // on reading ranks. REQUIRES: world.size() == topology.world_size(),
+  // options.schedule.max_tokens_per_rank > 0. Errors (agreed over the world) name the option.
+  [[nodiscard]] static Result<std::unique_ptr<StepRunner>> Create(
+      ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options);
+  ~StepRunner();
+
+  // Runs the next step. Every rank gets either its RankStep or an error (see the top).
+  [[nodiscard]] Result<RankStep> Next();
+
+ private:
+  class Impl;
+  explicit StepRunner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace thdpack
+
+#endif  // THDPACK_STEP_RUNNER_H_

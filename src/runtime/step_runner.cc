@@ -1,0 +1,695 @@
+// The distributed step of thdpack/step_runner.h. Phase by phase as documented there; every
+// phase that can fail on one rank ends with AgreeOnStatus over the world before any rank waits
+// on data from another.
+#include "thdpack/step_runner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include "common/check.h"
+#include "thdpack/shard.h"
+
+namespace thdpack {
+
+std::string_view DataOnName(DataOn mode) { return mode == DataOn::kAll ? "all" : "tp0"; }
+
+Result<DataOn> ParseDataOn(std::string_view text) {
+  if (text == "tp0") return DataOn::kTp0;
+  if (text == "all") return DataOn::kAll;
+  return Status::InvalidArgument("--data-on: \"" + std::string(text) +
+                                 "\" is not a mode: expected tp0 or all");
+}
+
+int64_t RankStep::bytes_sent() const {
+  int64_t n = 0;
+  for (const PhaseStats& p : phases) n += p.bytes_sent;
+  return n;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Message tags of the shard delivery (one message per array per microbatch).
+constexpr int kTagTokens = 1;
+constexpr int kTagPositions = 2;
+constexpr int kTagLabels = 3;
+constexpr int kTagMask = 4;
+
+// A sample's token payload on the wire: int32 tokens, then one mask byte a token when the mask
+// is not all ones (n_targets != L - 1; target_mask[0] is never used, so such a mask is
+// equivalent to the empty one).
+bool SendsMask(const SampleLength& s) { return s.n_targets != s.length - 1; }
+int64_t PayloadBytes(const SampleLength& s) {
+  return s.length * static_cast<int64_t>(sizeof(TokenId)) + (SendsMask(s) ? s.length : 0);
+}
+
+uint64_t HashPlan(const Plan& plan) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(v) >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(plan.num_microbatches);
+  mix(plan.dp_size);
+  for (int64_t v : plan.offsets) mix(v);
+  for (int64_t v : plan.sample_ids) mix(v);
+  for (int64_t v : plan.skipped) mix(v);
+  return h;
+}
+
+// A received sample: views into the exchange buffer.
+struct SampleRef {
+  const TokenId* tokens = nullptr;
+  const uint8_t* mask = nullptr;  // null: all ones
+  int64_t length = 0;
+};
+
+}  // namespace
+
+class StepRunner::Impl {
+ public:
+  Impl(ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options)
+      : world_(world), topo_(topology), opts_(options) {}
+
+  Status Init();
+  Result<RankStep> Next();
+
+ private:
+  // Phase bookkeeping: time and the bytes of the data groups; agreements counted apart.
+  void BeginPhase(RankStep& out, const char* name) {
+    out.phases.push_back(PhaseStats{name, 0, 0});
+    phase_start_ = Clock::now();
+    phase_bytes_ = DataBytes();
+  }
+  void EndPhase(RankStep& out) {
+    out.phases.back().seconds = std::chrono::duration<double>(Clock::now() - phase_start_).count();
+    out.phases.back().bytes_sent = DataBytes() - phase_bytes_;
+  }
+  int64_t DataBytes() const {
+    int64_t n = 0;
+    if (loaders_) n += loaders_->bytes_sent();
+    if (replica_) n += replica_->bytes_sent();
+    return n;
+  }
+  Status Agree(const Status& local, const char* context) {
+    const auto t0 = Clock::now();
+    const int64_t b0 = world_.bytes_sent();
+    Status s = AgreeOnStatus(world_, local, context);
+    agree_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    agree_bytes_ += world_.bytes_sent() - b0;
+    return s;
+  }
+
+  Status ReadShare(RankStep& out);
+  Status ExchangeLengths(RankStep& out);
+  Status MakePlan(RankStep& out);
+  Status ExchangeTokens(RankStep& out);
+  Status PackReplica(RankStep& out);
+  Status Deliver();
+  Status ReceiveShards(RankStep& out);
+  void FinishLocal(RankStep& out);
+
+  ProcessGroup& world_;
+  Topology topo_;
+  StepRunnerOptions opts_;
+  Coord coord_;
+  bool reader_ = false;  // reads and plans (a loader)
+  std::unique_ptr<SampleSource> source_;
+  std::unique_ptr<ProcessGroup> loaders_;  // the loaders exchanging lengths and tokens
+  std::unique_ptr<ProcessGroup> replica_;  // tp0: every rank of this replica, loader first
+  int64_t step_ = 0;
+
+  // Per-step state.
+  Clock::time_point phase_start_;
+  int64_t phase_bytes_ = 0;
+  double agree_seconds_ = 0;
+  int64_t agree_bytes_ = 0;
+  std::vector<Sample> own_;             // this loader's share, in source order
+  int64_t first_id_ = 0;
+  std::vector<int64_t> loader_offset_;  // [DP+1]: loader d's samples at positions [o_d, o_{d+1})
+  std::vector<int> replica_of_;         // [n]: the replica the plan chose per position (-1 skip)
+  std::vector<int64_t> position_of_offset_;  // [n]: id - first_id -> scheduling position
+  std::vector<std::byte> recv_buffer_;
+  std::vector<SampleRef> refs_;         // [n]: where each of this replica's samples lives
+  // Loader's packed shards: [M][CP].
+  std::vector<std::vector<PackedShard>> shards_;
+  std::vector<uint8_t> meta_bytes_;
+};
+
+Status StepRunner::Impl::Init() {
+  Status local;
+  if (world_.size() != topo_.world_size()) {
+    local = Status::InvalidArgument("StepRunner: the world has " + std::to_string(world_.size()) +
+                                    " ranks, the topology " + topo_.ToString() + " needs " +
+                                    std::to_string(topo_.world_size()));
+  } else if (opts_.schedule.max_tokens_per_rank <= 0) {
+    local = Status::InvalidArgument("StepRunner: max_tokens_per_rank = " +
+                                    std::to_string(opts_.schedule.max_tokens_per_rank) +
+                                    " must be > 0");
+  } else if (opts_.global_batch < 0) {
+    local = Status::InvalidArgument("StepRunner: global_batch = " +
+                                    std::to_string(opts_.global_batch) +
+                                    " must be >= 0 (0 = the whole source)");
+  }
+  if (local.ok()) {
+    auto c = topo_.CoordOf(world_.rank());
+    if (!c.ok()) {
+      local = c.status();
+    } else {
+      coord_ = *c;
+      opts_.schedule.dp_size = topo_.dp_size();
+      opts_.schedule.cp_size = topo_.cp_size();
+      opts_.schedule.tp_size = topo_.tp_size();
+      reader_ = opts_.data_on == DataOn::kAll ||
+                (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0);
+      if (reader_) {
+        auto src = OpenSource(opts_.data, opts_.source);
+        if (src.ok()) {
+          source_ = std::move(*src);
+        } else {
+          local = src.status();
+        }
+      }
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "opening the step runner"));
+
+  // Loaders: with tp0 the DP group at tp = cp = pp = 0; with all, every DP group.
+  std::vector<std::vector<int>> loader_groups;
+  if (opts_.data_on == DataOn::kAll) {
+    loader_groups = topo_.AllGroups(GroupKind::kDp);
+  } else {
+    THDPACK_ASSIGN_OR_RETURN(auto g, topo_.GroupOf(GroupKind::kDp, 0));
+    loader_groups.push_back(std::move(g));
+  }
+  THDPACK_ASSIGN_OR_RETURN(loaders_, world_.Split(loader_groups));
+  if (reader_ && (!loaders_ || loaders_->rank() != coord_.dp)) {
+    return Status::Internal("StepRunner: loader group position differs from the dp index");
+  }
+  if (opts_.data_on == DataOn::kTp0) {
+    // Replica d: every rank with that dp, its loader first, then the others by global rank.
+    std::vector<std::vector<int>> replicas(static_cast<size_t>(topo_.dp_size()));
+    for (int d = 0; d < topo_.dp_size(); ++d) {
+      THDPACK_ASSIGN_OR_RETURN(int loader, topo_.RankOf(Coord{0, 0, d, 0}));
+      replicas[static_cast<size_t>(d)].push_back(loader);
+    }
+    for (int r = 0; r < topo_.world_size(); ++r) {
+      THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(r));
+      if (c.tp == 0 && c.cp == 0 && c.pp == 0) continue;
+      replicas[static_cast<size_t>(c.dp)].push_back(r);
+    }
+    THDPACK_ASSIGN_OR_RETURN(replica_, world_.Split(replicas));
+  }
+  return Status::Ok();
+}
+
+// Reads this loader's share: sample i of the step (source order) belongs to loader i % DP. The
+// others are skipped with NextLength (which touches no token for every source but jsonl).
+Status StepRunner::Impl::ReadShare(RankStep& out) {
+  own_.clear();
+  const int dp = topo_.dp_size();
+  const int me = coord_.dp;
+  const int64_t budget = MicrobatchBudget(opts_.schedule);
+  if (opts_.global_batch == 0 && step_ > 0) THDPACK_RETURN_IF_ERROR(source_->Reset());
+  int64_t i = 0;
+  int64_t read_since_reset = -1;  // -1: no reset yet in this step
+  while (opts_.global_batch == 0 || i < opts_.global_batch) {
+    SampleLength len;
+    std::optional<Sample> sample;
+    bool got = false;
+    if (i % dp == me) {
+      THDPACK_ASSIGN_OR_RETURN(auto s, source_->Next());
+      if (s) {
+        got = true;
+        len = SampleLength{s->id, static_cast<int64_t>(s->tokens.size()), NumTargets(*s)};
+        sample = std::move(*s);
+      }
+    } else {
+      THDPACK_ASSIGN_OR_RETURN(auto s, source_->NextLength());
+      if (s) {
+        got = true;
+        len = *s;
+      }
+    }
+    if (!got) {
+      if (opts_.global_batch == 0) break;
+      if (read_since_reset == 0) {
+        return Status::InvalidArgument("source " + source_->spec() + " holds no sample");
+      }
+      THDPACK_RETURN_IF_ERROR(source_->Reset());
+      read_since_reset = 0;
+      continue;
+    }
+    if (read_since_reset >= 0) ++read_since_reset;
+    if (i == 0) {
+      first_id_ = len.id;
+      out.epoch = source_->epoch();
+    } else if (len.id != first_id_ + i) {
+      return Status::Internal("source " + source_->spec() + ": sample " + std::to_string(i) +
+                              " of step " + std::to_string(step_) + " has id " +
+                              std::to_string(len.id) + ", expected consecutive ids from " +
+                              std::to_string(first_id_));
+    }
+    if (sample) {
+      // Checked where it is read, so the error names the loader that holds the sample.
+      const int64_t padded = MicrobatchPaddedTokens(
+          PaddedSequenceLength(len.length, topo_.cp_size(), opts_.schedule.extra_alignment),
+          opts_.schedule);
+      if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kError && padded > budget) {
+        return Status::InvalidArgument(
+            "sample id " + std::to_string(len.id) + " (step " + std::to_string(step_) +
+            ", source " + source_->spec() + ", read by loader dp=" + std::to_string(me) +
+            "): length " + std::to_string(len.length) + " pads to " + std::to_string(padded) +
+            " tokens, over the microbatch budget CP * max_tokens_per_rank = " +
+            std::to_string(budget));
+      }
+      own_.push_back(std::move(*sample));
+    }
+    ++i;
+  }
+  if (i == 0) return Status::InvalidArgument("source " + source_->spec() + " holds no sample");
+  if (i > INT32_MAX) {
+    return Status::OutOfRange("step " + std::to_string(step_) + " holds " + std::to_string(i) +
+                              " samples: at most 2^31 - 1 per step");
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::ExchangeLengths(RankStep& out) {
+  const int dp = topo_.dp_size();
+  std::vector<int64_t> counts(static_cast<size_t>(dp));
+  const int64_t mine = static_cast<int64_t>(own_.size());
+  THDPACK_RETURN_IF_ERROR(
+      loaders_->AllGatherValues(std::span<const int64_t>(&mine, 1), std::span<int64_t>(counts)));
+  loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
+  for (int d = 0; d < dp; ++d) {
+    loader_offset_[static_cast<size_t>(d) + 1] = loader_offset_[static_cast<size_t>(d)] + counts[static_cast<size_t>(d)];
+  }
+  const int64_t n = loader_offset_.back();
+  std::vector<int32_t> send;
+  send.reserve(3 * own_.size());
+  for (const Sample& s : own_) {
+    send.push_back(static_cast<int32_t>(s.id - first_id_));
+    send.push_back(static_cast<int32_t>(s.tokens.size()));
+    send.push_back(static_cast<int32_t>(NumTargets(s)));
+  }
+  std::vector<int32_t> recv(static_cast<size_t>(3 * n));
+  std::vector<int64_t> c(static_cast<size_t>(dp)), dsp(static_cast<size_t>(dp));
+  for (int d = 0; d < dp; ++d) {
+    c[static_cast<size_t>(d)] = 3 * counts[static_cast<size_t>(d)];
+    dsp[static_cast<size_t>(d)] = 3 * loader_offset_[static_cast<size_t>(d)];
+  }
+  THDPACK_RETURN_IF_ERROR(loaders_->AllGatherVValues(std::span<const int32_t>(send),
+                                                     std::span<int32_t>(recv), c, dsp));
+  out.samples.resize(static_cast<size_t>(n));
+  position_of_offset_.assign(static_cast<size_t>(n), -1);
+  for (int64_t p = 0; p < n; ++p) {
+    const int32_t off = recv[3 * p];
+    if (off < 0 || off >= n || position_of_offset_[static_cast<size_t>(off)] != -1) {
+      return Status::Internal("length exchange: sample offset " + std::to_string(off) +
+                              " out of range or repeated");
+    }
+    position_of_offset_[static_cast<size_t>(off)] = p;
+    out.samples[static_cast<size_t>(p)] = SampleLength{first_id_ + off, recv[3 * p + 1], recv[3 * p + 2]};
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::MakePlan(RankStep& out) {
+  THDPACK_ASSIGN_OR_RETURN(out.plan, Schedule(out.samples, opts_.schedule));
+  if (opts_.check_plan_hash) {
+    const uint64_t h = HashPlan(out.plan);
+    const int64_t lo = static_cast<int64_t>(h & 0xffffffffu), hi = static_cast<int64_t>(h >> 32);
+    std::vector<int64_t> v = {lo, hi, -lo, -hi};
+    THDPACK_RETURN_IF_ERROR(loaders_->AllReduceInt64(std::span<int64_t>(v), ReduceOp::kMin));
+    if (v[0] != lo || v[1] != hi || v[2] != -lo || v[3] != -hi) {
+      return Status::Internal("plan of step " + std::to_string(step_) +
+                              " differs between loaders (hash check)");
+    }
+  }
+  replica_of_.assign(out.samples.size(), -1);
+  for (int d = 0; d < out.plan.dp_size; ++d) {
+    for (int m = 0; m < out.plan.num_microbatches; ++m) {
+      for (int64_t id : out.plan.Microbatch(d, m)) {
+        replica_of_[static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)])] = d;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::ExchangeTokens(RankStep& out) {
+  const int dp = topo_.dp_size();
+  const int me = coord_.dp;
+  const auto& samples = out.samples;
+  const size_t udp = static_cast<size_t>(dp);
+  std::vector<int64_t> sc(udp, 0), sd(udp, 0), rc(udp, 0), rd(udp, 0);
+  const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
+  for (size_t k = 0; k < own_.size(); ++k) {
+    const int e = replica_of_[static_cast<size_t>(my_begin) + k];
+    if (e >= 0 && e != me) sc[static_cast<size_t>(e)] += PayloadBytes(samples[static_cast<size_t>(my_begin) + k]);
+  }
+  for (int s = 0; s < dp; ++s) {
+    if (s == me) continue;
+    for (int64_t p = loader_offset_[static_cast<size_t>(s)]; p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
+      if (replica_of_[static_cast<size_t>(p)] == me) rc[static_cast<size_t>(s)] += PayloadBytes(samples[static_cast<size_t>(p)]);
+    }
+  }
+  for (size_t j = 1; j < udp; ++j) {
+    sd[j] = sd[j - 1] + sc[j - 1];
+    rd[j] = rd[j - 1] + rc[j - 1];
+  }
+  std::vector<std::byte> send(static_cast<size_t>(sd[udp - 1] + sc[udp - 1]));
+  std::vector<int64_t> cursor = sd;
+  for (size_t k = 0; k < own_.size(); ++k) {
+    const int e = replica_of_[static_cast<size_t>(my_begin) + k];
+    if (e < 0 || e == me) continue;
+    const Sample& s = own_[k];
+    std::byte* dst = send.data() + cursor[static_cast<size_t>(e)];
+    std::memcpy(dst, s.tokens.data(), s.tokens.size() * sizeof(TokenId));
+    dst += s.tokens.size() * sizeof(TokenId);
+    if (SendsMask(samples[static_cast<size_t>(my_begin) + k])) {
+      std::memcpy(dst, s.target_mask.data(), s.target_mask.size());
+    }
+    cursor[static_cast<size_t>(e)] += PayloadBytes(samples[static_cast<size_t>(my_begin) + k]);
+  }
+  recv_buffer_.assign(static_cast<size_t>(rd[udp - 1] + rc[udp - 1]), std::byte{0});
+  THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
+
+  // Where each sample of this replica lives now.
+  refs_.assign(samples.size(), SampleRef{});
+  for (size_t k = 0; k < own_.size(); ++k) {
+    if (replica_of_[static_cast<size_t>(my_begin) + k] != me) continue;
+    const Sample& s = own_[k];
+    refs_[static_cast<size_t>(my_begin) + k] =
+        SampleRef{s.tokens.data(), s.target_mask.empty() ? nullptr : s.target_mask.data(),
+                  static_cast<int64_t>(s.tokens.size())};
+  }
+  for (int s = 0; s < dp; ++s) {
+    if (s == me) continue;
+    int64_t at = rd[static_cast<size_t>(s)];
+    for (int64_t p = loader_offset_[static_cast<size_t>(s)]; p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
+      if (replica_of_[static_cast<size_t>(p)] != me) continue;
+      const SampleLength& len = samples[static_cast<size_t>(p)];
+      SampleRef ref;
+      ref.length = len.length;
+      ref.tokens = reinterpret_cast<const TokenId*>(recv_buffer_.data() + at);
+      if (SendsMask(len)) ref.mask = reinterpret_cast<const uint8_t*>(ref.tokens + len.length);
+      refs_[static_cast<size_t>(p)] = ref;
+      at += PayloadBytes(len);
+    }
+  }
+  return Status::Ok();
+}
+
+// Packs this replica's microbatches: the loader (tp0) every CP rank's shards, a rank with
+// DataOn::kAll only its own; and the replica's StepMeta.
+Status StepRunner::Impl::PackReplica(RankStep& out) {
+  const int me = coord_.dp;
+  const int cp = topo_.cp_size();
+  const Plan& plan = out.plan;
+  PackOptions po;
+  po.cp_size = cp;
+  po.tp_size = topo_.tp_size();
+  po.sp = opts_.schedule.sp;
+  po.extra_alignment = opts_.schedule.extra_alignment;
+  po.pad_id = opts_.pad_id;
+  StepMeta& meta = out.meta;
+  meta = StepMeta{};
+  meta.step = static_cast<uint64_t>(step_);
+  meta.epoch = static_cast<uint64_t>(out.epoch);
+  meta.dp_size = topo_.dp_size();
+  meta.replica = me;
+  meta.cp_size = cp;
+  meta.tp_size = topo_.tp_size();
+  meta.sp = opts_.schedule.sp;
+  meta.pad_multiple = SequenceAlignment(cp, opts_.schedule.extra_alignment);
+  meta.skipped_ids = plan.skipped;
+  for (size_t p = 0; p < out.samples.size(); ++p) {
+    if (replica_of_[p] >= 0) meta.n_loss_tokens += out.samples[p].n_targets;
+  }
+  const bool tp0 = opts_.data_on == DataOn::kTp0;
+  const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
+  shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
+  std::vector<SampleView> views;
+  std::vector<int64_t> lengths;
+  for (int m = 0; m < plan.num_microbatches; ++m) {
+    views.clear();
+    lengths.clear();
+    for (int64_t id : plan.Microbatch(me, m)) {
+      const SampleRef& r = refs_[static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)])];
+      views.emplace_back(id, std::span<const TokenId>(r.tokens, static_cast<size_t>(r.length)),
+                         r.mask ? std::span<const uint8_t>(r.mask, static_cast<size_t>(r.length))
+                                : std::span<const uint8_t>());
+      lengths.push_back(r.length);
+    }
+    THDPACK_ASSIGN_OR_RETURN(Layout layout, ComputeLayout(lengths, po));
+    const size_t local = static_cast<size_t>(layout.total_tokens / cp);
+    auto& shards = shards_[static_cast<size_t>(m)];
+    std::vector<PackBuffers> bufs;
+    const int first_cp = tp0 ? 0 : coord_.cp;
+    const int n_cp = tp0 ? cp : 1;
+    for (int c = 0; c < n_cp; ++c) {
+      PackedShard sh;
+      sh.cp_rank = first_cp + c;
+      const bool want_first = tp0 || first, want_last = tp0 || last;
+      if (want_first) {
+        sh.tokens.resize(local);
+        sh.position_ids.resize(local);
+      }
+      if (want_last) {
+        sh.labels.resize(local);
+        sh.loss_mask.resize(local);
+      }
+      shards.push_back(std::move(sh));
+    }
+    for (auto& sh : shards) {
+      bufs.push_back(PackBuffers{sh.tokens, sh.position_ids, sh.labels, sh.loss_mask});
+    }
+    int64_t n_valid = 0;
+    if (tp0) {
+      THDPACK_ASSIGN_OR_RETURN(n_valid, PackShardAllInto(views, layout, po, bufs));
+    } else {
+      THDPACK_ASSIGN_OR_RETURN(n_valid, PackShardInto(views, layout, po, coord_.cp, bufs[0]));
+    }
+    MicrobatchMeta mm;
+    mm.cu_seqlens = std::move(layout.cu_seqlens);
+    mm.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
+    mm.max_seqlen = layout.max_seqlen;
+    mm.n_valid = n_valid;
+    meta.real_tokens += mm.cu_seqlens.back();
+    meta.padded_tokens += mm.cu_seqlens_padded.back();
+    for (size_t i = 0; i + 1 < mm.cu_seqlens_padded.size(); ++i) {
+      const int64_t p = mm.cu_seqlens_padded[i + 1] - mm.cu_seqlens_padded[i];
+      meta.sum_sq += p * p;
+    }
+    meta.microbatches.push_back(std::move(mm));
+  }
+  if (tp0) {
+    THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
+  } else {
+    THDPACK_RETURN_IF_ERROR(ValidateStepMeta(meta));
+  }
+  return Status::Ok();
+}
+
+// tp0: metadata from the loader (replica position 0) to every other rank of the replica.
+Status StepRunner::Impl::Deliver() {
+  int64_t size = static_cast<int64_t>(meta_bytes_.size());
+  THDPACK_RETURN_IF_ERROR(replica_->BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  if (size < 0 || size > (int64_t{1} << 32)) {
+    return Status::Corruption("step metadata size " + std::to_string(size) + " out of range");
+  }
+  if (replica_->rank() == 0) {
+    std::vector<uint8_t> wire = meta_bytes_;
+    if (opts_.corrupt_metadata_of_replica == coord_.dp && !wire.empty()) {
+      wire[wire.size() / 2] ^= 0x10;  // a test of the failure path flips one bit
+    }
+    THDPACK_RETURN_IF_ERROR(replica_->BroadcastValues(std::span<uint8_t>(wire), 0));
+    return Status::Ok();
+  }
+  meta_bytes_.assign(static_cast<size_t>(size), 0);
+  THDPACK_RETURN_IF_ERROR(replica_->BroadcastValues(std::span<uint8_t>(meta_bytes_), 0));
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::ReceiveShards(RankStep& out) {
+  const int pp_last = topo_.pp_size() - 1;
+  if (replica_->rank() == 0) {
+    // The loader sends, microbatch by microbatch, each member what its stage needs.
+    for (size_t m = 0; m < shards_.size(); ++m) {
+      for (int j = 1; j < replica_->size(); ++j) {
+        THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(replica_->ranks()[static_cast<size_t>(j)]));
+        const PackedShard& sh = shards_[m][static_cast<size_t>(c.cp)];
+        if (c.pp == 0) {
+          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const TokenId>(sh.tokens), j, kTagTokens));
+          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const int32_t>(sh.position_ids), j, kTagPositions));
+        }
+        if (c.pp == pp_last) {
+          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const TokenId>(sh.labels), j, kTagLabels));
+          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const uint8_t>(sh.loss_mask), j, kTagMask));
+        }
+      }
+    }
+    // The loader keeps CP rank 0's shard.
+    for (auto& per_m : shards_) {
+      PackedShard keep = std::move(per_m[0]);
+      per_m.clear();
+      per_m.push_back(std::move(keep));
+    }
+    return Status::Ok();
+  }
+  shards_.assign(out.meta.microbatches.size(), {});
+  for (size_t m = 0; m < shards_.size(); ++m) {
+    const size_t local = static_cast<size_t>(out.meta.microbatches[m].cu_seqlens_padded.back() /
+                                             topo_.cp_size());
+    PackedShard sh;
+    sh.cp_rank = coord_.cp;
+    if (coord_.pp == 0) {
+      sh.tokens.resize(local);
+      sh.position_ids.resize(local);
+      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<TokenId>(sh.tokens), 0, kTagTokens));
+      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
+    }
+    if (coord_.pp == pp_last) {
+      sh.labels.resize(local);
+      sh.loss_mask.resize(local);
+      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<TokenId>(sh.labels), 0, kTagLabels));
+      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(sh.loss_mask), 0, kTagMask));
+    }
+    shards_[m].push_back(std::move(sh));
+  }
+  return Status::Ok();
+}
+
+// Every rank: its LocalMicrobatch list from the metadata and its shards.
+void StepRunner::Impl::FinishLocal(RankStep& out) {
+  const int cp = topo_.cp_size();
+  out.microbatches.clear();
+  for (size_t m = 0; m < out.meta.microbatches.size(); ++m) {
+    const MicrobatchMeta& mm = out.meta.microbatches[m];
+    LocalMicrobatch lm;
+    lm.cu_seqlens = mm.cu_seqlens;
+    lm.cu_seqlens_padded = mm.cu_seqlens_padded;
+    lm.max_seqlen = mm.max_seqlen;
+    lm.n_valid = mm.n_valid;
+    lm.total_tokens = mm.cu_seqlens_padded.back();
+    lm.local_tokens = lm.total_tokens / cp;
+    if (m < shards_.size() && !shards_[m].empty()) {
+      PackedShard& sh = shards_[m][0];
+      if (out.first_stage) {
+        lm.tokens = std::move(sh.tokens);
+        lm.position_ids = std::move(sh.position_ids);
+      }
+      if (out.last_stage) {
+        lm.labels = std::move(sh.labels);
+        lm.loss_mask = std::move(sh.loss_mask);
+      }
+    }
+    lm.sp_range = {0, lm.local_tokens};
+    if (opts_.schedule.sp) {
+      auto r = SpRange(lm.local_tokens, topo_.tp_size(), coord_.tp);
+      if (r.ok()) lm.sp_range = *r;  // ComputeLayout guarantees divisibility under SP
+    }
+    out.microbatches.push_back(std::move(lm));
+  }
+}
+
+Result<RankStep> StepRunner::Impl::Next() {
+  RankStep out;
+  out.step = step_;
+  out.coord = coord_;
+  out.is_loader = reader_;
+  out.first_stage = coord_.pp == 0;
+  out.last_stage = coord_.pp == topo_.pp_size() - 1;
+  agree_seconds_ = 0;
+  agree_bytes_ = 0;
+  shards_.clear();
+  meta_bytes_.clear();
+  const bool tp0 = opts_.data_on == DataOn::kTp0;
+
+  Status local;
+  BeginPhase(out, "read");
+  if (reader_) local = ReadShare(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "read"));
+
+  BeginPhase(out, "lengths");
+  if (reader_) local = ExchangeLengths(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "lengths"));
+
+  BeginPhase(out, "plan");
+  if (reader_) local = MakePlan(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "plan"));
+
+  BeginPhase(out, "exchange");
+  if (reader_) local = ExchangeTokens(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "exchange"));
+
+  BeginPhase(out, "pack");
+  if (reader_) local = PackReplica(out);
+  EndPhase(out);
+  own_.clear();  // packed: the samples are no longer needed
+  THDPACK_RETURN_IF_ERROR(Agree(local, "pack"));
+
+  BeginPhase(out, "deliver");
+  if (tp0) {
+    local = Deliver();
+    if (local.ok() && replica_->rank() != 0) {
+      auto meta = DecodeStepMeta(meta_bytes_);
+      if (!meta.ok()) {
+        local = meta.status().WithContext("step " + std::to_string(step_) +
+                                          " metadata received from the loader of replica " +
+                                          std::to_string(coord_.dp));
+      } else if (meta->dp_size != topo_.dp_size() || meta->replica != coord_.dp ||
+                 meta->cp_size != topo_.cp_size() || meta->tp_size != topo_.tp_size() ||
+                 meta->sp != opts_.schedule.sp || meta->step != static_cast<uint64_t>(step_)) {
+        local = Status::InvalidArgument(
+            "step metadata received by rank " + std::to_string(world_.rank()) +
+            " does not match its topology " + topo_.ToString() + " (replica " +
+            std::to_string(meta->replica) + ", DP " + std::to_string(meta->dp_size) + ", CP " +
+            std::to_string(meta->cp_size) + ", TP " + std::to_string(meta->tp_size) + ", step " +
+            std::to_string(meta->step) + ")");
+      } else {
+        out.meta = std::move(*meta);
+        out.epoch = static_cast<int64_t>(out.meta.epoch);
+      }
+    }
+    // Nobody waits for shards until every rank holds good metadata.
+    Status agreed = Agree(local, "deliver metadata");
+    if (!agreed.ok()) {
+      EndPhase(out);
+      return agreed;
+    }
+    local = ReceiveShards(out);
+  }
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "deliver"));
+  FinishLocal(out);
+  out.phases.push_back(PhaseStats{"agree", agree_seconds_, agree_bytes_});
+  ++step_;
+  return out;
+}
+
+StepRunner::StepRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StepRunner::~StepRunner() = default;
+
+Result<std::unique_ptr<StepRunner>> StepRunner::Create(ProcessGroup& world,
+                                                       const Topology& topology,
+                                                       const StepRunnerOptions& options) {
+  auto impl = std::make_unique<Impl>(world, topology, options);
+  THDPACK_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<StepRunner>(new StepRunner(std::move(impl)));
+}
+
+Result<RankStep> StepRunner::Next() { return impl_->Next(); }
+
+}  // namespace thdpack

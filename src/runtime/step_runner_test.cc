@@ -1,0 +1,192 @@
+// The distributed step on the thread backend: the eight topologies, with and without
+// SP, in both data-on modes, checked against a plain reference (tests/step_checks.h; the same
+// checks run under mpirun in tests/mpi_check.cc); and the failure path: an error on one rank
+// reaches every rank, and nothing hangs.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "step_checks.h"
+#include "thdpack/step_runner.h"
+
+namespace thdpack {
+namespace {
+
+class ScratchFile {
+ public:
+  explicit ScratchFile(const std::string& name)
+      : path_((std::filesystem::temp_directory_path() /
+               (name + "_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+                "_" + std::to_string(reinterpret_cast<uintptr_t>(this))))
+                  .string()) {}
+  ~ScratchFile() {
+    std::error_code ec;
+    std::filesystem::remove(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void ExpectAllOk(const std::vector<Status>& statuses) {
+  for (size_t r = 0; r < statuses.size(); ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r].ToString();
+  }
+}
+
+class StepCaseTest : public ::testing::TestWithParam<testing::StepCase> {};
+
+// Three steps of 24 samples from a 50-sample file: the third wraps into epoch 1.
+TEST_P(StepCaseTest, MatchesReference) {
+  ScratchFile file("thdpack_step_test.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 50, 200, 11);
+  const testing::StepCase k = GetParam();
+  ExpectAllOk(RunOnThreads(8, [&](ProcessGroup& world) {
+    return testing::RunAndVerifyCase(world, k, file.path(), 24, 3);
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, StepCaseTest, ::testing::ValuesIn(testing::AllStepCases()),
+                         [](const auto& info) { return testing::CaseName(info.param); });
+
+// --global-batch all: the whole file is one step, the next step the next epoch.
+TEST(StepRunner, WholeSourcePerStep) {
+  ScratchFile file("thdpack_step_all.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 30, 150, 5);
+  for (const testing::StepCase k : {testing::StepCase{2, 2, 2, 1, true, DataOn::kTp0},
+                                    testing::StepCase{1, 2, 2, 2, false, DataOn::kAll}}) {
+    ExpectAllOk(RunOnThreads(8, [&](ProcessGroup& world) {
+      return testing::RunAndVerifyCase(world, k, file.path(), 0, 2);
+    }));
+  }
+}
+
+// Other world sizes: 1 rank, and 4 ranks as (1,2,2,1).
+TEST(StepRunner, SmallWorlds) {
+  ScratchFile file("thdpack_step_small.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 20, 100, 3);
+  ExpectAllOk(RunOnThreads(1, [&](ProcessGroup& world) {
+    return testing::RunAndVerifyCase(world, {1, 1, 1, 1, false, DataOn::kTp0}, file.path(), 8, 3);
+  }));
+  ExpectAllOk(RunOnThreads(4, [&](ProcessGroup& world) {
+    return testing::RunAndVerifyCase(world, {1, 2, 2, 1, true, DataOn::kTp0}, file.path(), 8, 3);
+  }));
+}
+
+// Runs one step of `o` on 8 threads and returns each rank's status.
+std::vector<Status> RunOneStep(const Topology& topo, const StepRunnerOptions& o) {
+  return RunOnThreads(8, [&](ProcessGroup& world) -> Status {
+    THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, topo, o));
+    return runner->Next().status();
+  });
+}
+
+// A sample over the budget, read by one loader only: that loader reports it, every other rank
+// gets kAborted naming it, and nothing hangs.
+TEST(StepRunner, OversizeSampleOnOneLoaderFailsEveryRank) {
+  ScratchFile file("thdpack_step_oversize.lengths");
+  {
+    std::ofstream out(file.path());
+    for (int i = 0; i < 16; ++i) out << (i == 5 ? 5000 : 50) << "\n";
+  }
+  for (DataOn mode : {DataOn::kTp0, DataOn::kAll}) {
+    auto topo = *Topology::Create(2, 1, 2, 2);  // loaders are ranks 0 (dp 0) and 2 (dp 1)
+    StepRunnerOptions o;
+    o.data = "lengths:" + file.path();
+    o.global_batch = 16;
+    o.schedule.max_tokens_per_rank = 1000;
+    o.data_on = mode;
+    auto statuses = RunOneStep(topo, o);
+    // Sample 5 is read by loader 5 % 2 = 1, i.e. the ranks with dp = 1.
+    for (int r = 0; r < 8; ++r) {
+      const Coord c = *topo.CoordOf(r);
+      const bool reads_it = c.dp == 1 && (mode == DataOn::kAll || (c.tp == 0 && c.pp == 0));
+      const Status& s = statuses[static_cast<size_t>(r)];
+      if (reads_it) {
+        EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << r << ": " << s.ToString();
+        EXPECT_NE(s.message().find("sample id 5"), std::string::npos) << s.ToString();
+        EXPECT_NE(s.message().find("over the microbatch budget"), std::string::npos);
+      } else {
+        EXPECT_EQ(s.code(), StatusCode::kAborted) << r << ": " << s.ToString();
+        EXPECT_NE(s.message().find("(read) failed"), std::string::npos) << s.ToString();
+        EXPECT_NE(s.message().find("sample id 5"), std::string::npos) << s.ToString();
+      }
+    }
+  }
+}
+
+// Corrupt metadata on the wire: the receivers of replica 1 detect it, everyone gets an error.
+TEST(StepRunner, CorruptMetadataFailsEveryRank) {
+  ScratchFile file("thdpack_step_corrupt.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 20, 100, 9);
+  auto topo = *Topology::Create(2, 2, 2, 1);
+  StepRunnerOptions o;
+  o.data = "jsonl:" + file.path();
+  o.global_batch = 16;
+  o.schedule.max_tokens_per_rank = 256;
+  o.corrupt_metadata_of_replica = 1;
+  auto statuses = RunOneStep(topo, o);
+  int corruption = 0;
+  for (int r = 0; r < 8; ++r) {
+    const Status& s = statuses[static_cast<size_t>(r)];
+    EXPECT_FALSE(s.ok()) << "rank " << r;
+    const Coord c = *topo.CoordOf(r);
+    if (c.dp == 1 && !(c.tp == 0 && c.cp == 0)) {
+      EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+      EXPECT_NE(s.message().find("metadata received from the loader of replica 1"),
+                std::string::npos) << s.ToString();
+      ++corruption;
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+    }
+  }
+  EXPECT_EQ(corruption, 3);
+}
+
+// A schedule error that every loader sees (too few samples for DP = 8) reaches non-loaders.
+TEST(StepRunner, ScheduleErrorReachesNonLoaders) {
+  ScratchFile file("thdpack_step_few.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 20, 100, 9);
+  auto topo = *Topology::Create(1, 1, 4, 2);
+  StepRunnerOptions o;
+  o.data = "jsonl:" + file.path();
+  o.global_batch = 3;  // fewer than DP = 4
+  o.schedule.max_tokens_per_rank = 256;
+  auto statuses = RunOneStep(topo, o);
+  for (int r = 0; r < 8; ++r) {
+    const Status& s = statuses[static_cast<size_t>(r)];
+    const Coord c = *topo.CoordOf(r);
+    if (c.pp == 0) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+      EXPECT_NE(s.message().find("rank 0 (plan) failed"), std::string::npos) << s.ToString();
+    }
+  }
+}
+
+TEST(StepRunner, BadOptionsAreErrors) {
+  auto topo = *Topology::Create(2, 2, 2, 1);
+  StepRunnerOptions o;  // max_tokens_per_rank missing
+  auto statuses = RunOnThreads(8, [&](ProcessGroup& world) {
+    return StepRunner::Create(world, topo, o).status();
+  });
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("max_tokens_per_rank"), std::string::npos) << s.ToString();
+  }
+  o.schedule.max_tokens_per_rank = 100;
+  statuses = RunOnThreads(4, [&](ProcessGroup& world) {
+    return StepRunner::Create(world, topo, o).status();
+  });
+  for (const Status& s : statuses) {
+    EXPECT_NE(s.message().find("needs 8"), std::string::npos) << s.ToString();
+  }
+  EXPECT_EQ(ParseDataOn("tp1").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace thdpack
