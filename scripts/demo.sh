@@ -17,3 +17,9 @@ run layout --lengths 7,3 --cp 2 --tp 4 --sp
 run layout --lengths 4000,1200,813 --cp 4 --tp 2 --sp
 # Machine-readable form.
 run layout --lengths 7,3 --cp 2 --json
+
+echo
+echo "== thdpack run: the distributed step on 8 thread ranks (TP=2 CP=2 DP=2), built-in mock data =="
+run run --backend threads --tp 2 --cp 2 --dp 2
+# One step's figures as JSON (totals only): bytes each rank sent per phase, time per phase.
+run run --backend threads --tp 2 --cp 2 --dp 2 --steps 1 --json --summary-only

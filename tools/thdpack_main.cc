@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   int exit_code = 0;
   thdpack::tools::AddLayoutCommand(app, &exit_code);
+  thdpack::tools::AddRunCommand(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   if (app.get_subcommands().empty()) {
     std::fputs(app.help().c_str(), stdout);
