@@ -13,7 +13,8 @@
 //             plan across loaders.
 //   exchange  all-to-all-v among the loaders: each sample's tokens (int32) - and its target mask
 //             (one byte a token) when it is not all ones - go to the replica the plan chose; a
-//             sample that stays is not sent.
+//             sample that stays is not sent. Each loader-to-loader block is padded to a
+//             multiple of 4 bytes (token arrays stay aligned in the receive buffer).
 //   pack      each loader packs its replica's microbatches and CP-shards them in one pass
 //             (PackShardAllInto), and encodes the replica's StepMeta (thdpack/wire.h).
 //   deliver   the loader broadcasts the encoded metadata to every other rank of its replica
@@ -26,6 +27,8 @@
 // failed rank would send, so an error on one rank (bad sample, budget overflow, a schedule
 // error, corrupt metadata) returns as an error on every rank - its own status on the failed
 // rank, kAborted naming it elsewhere - and no rank hangs.
+//
+// After Next() returns an error the runner is mid-step: destroy it (on every rank).
 //
 // Thread-safety: a StepRunner belongs to one rank; use it from that rank's thread only.
 #ifndef THDPACK_STEP_RUNNER_H_

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <string>
 
-#include "common/check.h"
 #include "thdpack/shard.h"
 
 namespace thdpack {
@@ -343,40 +342,55 @@ Status StepRunner::Impl::MakePlan(RankStep& out) {
   return Status::Ok();
 }
 
+// The all-to-all-v of sample payloads among the loaders. The block from loader s to loader e
+// holds, for the samples s read that the plan sends to e (scheduling order), first all their
+// int32 tokens, then the masks of those that send one, padded to a multiple of 4 bytes so that
+// every block, and so every token array, stays 4-byte aligned in the receive buffer.
 Status StepRunner::Impl::ExchangeTokens(RankStep& out) {
   const int dp = topo_.dp_size();
   const int me = coord_.dp;
   const auto& samples = out.samples;
   const size_t udp = static_cast<size_t>(dp);
-  std::vector<int64_t> sc(udp, 0), sd(udp, 0), rc(udp, 0), rd(udp, 0);
-  const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
-  for (size_t k = 0; k < own_.size(); ++k) {
-    const int e = replica_of_[static_cast<size_t>(my_begin) + k];
-    if (e >= 0 && e != me) sc[static_cast<size_t>(e)] += PayloadBytes(samples[static_cast<size_t>(my_begin) + k]);
-  }
-  for (int s = 0; s < dp; ++s) {
-    if (s == me) continue;
+  auto positions = [&](int s, int e) {  // scheduling positions of block s -> e
+    std::vector<int64_t> ps;
     for (int64_t p = loader_offset_[static_cast<size_t>(s)]; p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
-      if (replica_of_[static_cast<size_t>(p)] == me) rc[static_cast<size_t>(s)] += PayloadBytes(samples[static_cast<size_t>(p)]);
+      if (replica_of_[static_cast<size_t>(p)] == e) ps.push_back(p);
     }
+    return ps;
+  };
+  auto block_bytes = [&](const std::vector<int64_t>& ps) {
+    int64_t b = 0;
+    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)]);
+    return (b + 3) / 4 * 4;
+  };
+  std::vector<int64_t> sc(udp, 0), sd(udp, 0), rc(udp, 0), rd(udp, 0);
+  std::vector<std::vector<int64_t>> send_ps(udp), recv_ps(udp);
+  for (int e = 0; e < dp; ++e) {
+    if (e == me) continue;
+    send_ps[static_cast<size_t>(e)] = positions(me, e);
+    sc[static_cast<size_t>(e)] = block_bytes(send_ps[static_cast<size_t>(e)]);
+    recv_ps[static_cast<size_t>(e)] = positions(e, me);
+    rc[static_cast<size_t>(e)] = block_bytes(recv_ps[static_cast<size_t>(e)]);
   }
   for (size_t j = 1; j < udp; ++j) {
     sd[j] = sd[j - 1] + sc[j - 1];
     rd[j] = rd[j - 1] + rc[j - 1];
   }
-  std::vector<std::byte> send(static_cast<size_t>(sd[udp - 1] + sc[udp - 1]));
-  std::vector<int64_t> cursor = sd;
-  for (size_t k = 0; k < own_.size(); ++k) {
-    const int e = replica_of_[static_cast<size_t>(my_begin) + k];
-    if (e < 0 || e == me) continue;
-    const Sample& s = own_[k];
-    std::byte* dst = send.data() + cursor[static_cast<size_t>(e)];
-    std::memcpy(dst, s.tokens.data(), s.tokens.size() * sizeof(TokenId));
-    dst += s.tokens.size() * sizeof(TokenId);
-    if (SendsMask(samples[static_cast<size_t>(my_begin) + k])) {
-      std::memcpy(dst, s.target_mask.data(), s.target_mask.size());
+  const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
+  std::vector<std::byte> send(static_cast<size_t>(sd[udp - 1] + sc[udp - 1]), std::byte{0});
+  for (int e = 0; e < dp; ++e) {
+    std::byte* dst = send.data() + sd[static_cast<size_t>(e)];
+    for (int64_t p : send_ps[static_cast<size_t>(e)]) {
+      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
+      std::memcpy(dst, x.tokens.data(), x.tokens.size() * sizeof(TokenId));
+      dst += x.tokens.size() * sizeof(TokenId);
     }
-    cursor[static_cast<size_t>(e)] += PayloadBytes(samples[static_cast<size_t>(my_begin) + k]);
+    for (int64_t p : send_ps[static_cast<size_t>(e)]) {
+      if (!SendsMask(samples[static_cast<size_t>(p)])) continue;
+      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
+      std::memcpy(dst, x.target_mask.data(), x.target_mask.size());
+      dst += x.target_mask.size();
+    }
   }
   recv_buffer_.assign(static_cast<size_t>(rd[udp - 1] + rc[udp - 1]), std::byte{0});
   THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
@@ -385,23 +399,24 @@ Status StepRunner::Impl::ExchangeTokens(RankStep& out) {
   refs_.assign(samples.size(), SampleRef{});
   for (size_t k = 0; k < own_.size(); ++k) {
     if (replica_of_[static_cast<size_t>(my_begin) + k] != me) continue;
-    const Sample& s = own_[k];
+    const Sample& x = own_[k];
     refs_[static_cast<size_t>(my_begin) + k] =
-        SampleRef{s.tokens.data(), s.target_mask.empty() ? nullptr : s.target_mask.data(),
-                  static_cast<int64_t>(s.tokens.size())};
+        SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
+                  static_cast<int64_t>(x.tokens.size())};
   }
   for (int s = 0; s < dp; ++s) {
     if (s == me) continue;
-    int64_t at = rd[static_cast<size_t>(s)];
-    for (int64_t p = loader_offset_[static_cast<size_t>(s)]; p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
-      if (replica_of_[static_cast<size_t>(p)] != me) continue;
+    const std::byte* at = recv_buffer_.data() + rd[static_cast<size_t>(s)];
+    for (int64_t p : recv_ps[static_cast<size_t>(s)]) {
+      const int64_t L = samples[static_cast<size_t>(p)].length;
+      refs_[static_cast<size_t>(p)] = SampleRef{reinterpret_cast<const TokenId*>(at), nullptr, L};
+      at += L * static_cast<int64_t>(sizeof(TokenId));
+    }
+    for (int64_t p : recv_ps[static_cast<size_t>(s)]) {
       const SampleLength& len = samples[static_cast<size_t>(p)];
-      SampleRef ref;
-      ref.length = len.length;
-      ref.tokens = reinterpret_cast<const TokenId*>(recv_buffer_.data() + at);
-      if (SendsMask(len)) ref.mask = reinterpret_cast<const uint8_t*>(ref.tokens + len.length);
-      refs_[static_cast<size_t>(p)] = ref;
-      at += PayloadBytes(len);
+      if (!SendsMask(len)) continue;
+      refs_[static_cast<size_t>(p)].mask = reinterpret_cast<const uint8_t*>(at);
+      at += len.length;
     }
   }
   return Status::Ok();
