@@ -345,11 +345,15 @@ inline std::string CaseName(const StepCase& k) {
 }
 
 // Runs `steps` steps of one case on `world` and verifies each. Collective.
-inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std::string& jsonl,
-                               int64_t global_batch, int steps) {
+// `data` is a jsonl file path, or any source spec containing ':'.
+inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std::string& data,
+                               int64_t global_batch, int steps,
+                               ScheduleOptions::OversizePolicy oversize =
+                                   ScheduleOptions::OversizePolicy::kError) {
   THDPACK_ASSIGN_OR_RETURN(Topology topo, Topology::Create(k.tp, k.cp, k.dp, k.pp));
   StepRunnerOptions o;
-  o.data = "jsonl:" + jsonl;
+  o.data = data.find(':') == std::string::npos ? "jsonl:" + data : data;
+  o.schedule.oversize = oversize;
   o.global_batch = global_batch;
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.sp = k.sp;

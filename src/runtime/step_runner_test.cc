@@ -76,6 +76,21 @@ TEST(StepRunner, SmallWorlds) {
   }));
 }
 
+// Oversize policy skip: the samples over the budget are left out, reported, and every other
+// sample still arrives exactly once.
+TEST(StepRunner, OversizeSkipLeavesSamplesOutAndSaysSo) {
+  ScratchFile file("thdpack_step_skip.lengths");
+  {
+    std::ofstream out(file.path());
+    for (int i = 0; i < 30; ++i) out << (i % 7 == 3 ? 900 : 20 + 5 * i) << "\n";
+  }
+  ExpectAllOk(RunOnThreads(8, [&](ProcessGroup& world) {
+    return testing::RunAndVerifyCase(world, {1, 2, 2, 2, false, DataOn::kTp0},
+                                     "lengths:" + file.path(), 20, 2,
+                                     ScheduleOptions::OversizePolicy::kSkip);
+  }));
+}
+
 // Runs one step of `o` on 8 threads and returns each rank's status.
 std::vector<Status> RunOneStep(const Topology& topo, const StepRunnerOptions& o) {
   return RunOnThreads(8, [&](ProcessGroup& world) -> Status {
