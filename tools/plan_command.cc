@@ -359,9 +359,9 @@ int RunPlan(const PlanArgs& args) {
               static_cast<long long>(summary.n_steps), summary.n_steps == 1 ? "" : "s",
               static_cast<long long>(summary.first_epoch),
               static_cast<long long>(summary.last_epoch));
-  std::printf("  microbatches       %lld (at most %lld in a step)\n",
-              static_cast<long long>(summary.num_microbatches),
-              static_cast<long long>(summary.max_num_microbatches));
+  std::printf("  microbatches       %s (at most %s in a step)\n",
+              Thousands(summary.num_microbatches).c_str(),
+              Thousands(summary.max_num_microbatches).c_str());
   std::printf("  samples            %s scheduled, %s skipped\n",
               Thousands(summary.n_samples).c_str(), Thousands(summary.n_skipped).c_str());
   std::printf("  tokens             %s real, %s padded, %s loss tokens\n",
