@@ -1,7 +1,8 @@
 # Run by CTest with -DTHDPACK=<thdpack binary> [-DMPIRUN=<mpirun command, ;-separated>]:
 # `thdpack run` as a user sees it. The figures of `run --json` (everything but time_*) must be
 # identical between the thread and MPI backends, bytes_sent included (its rule depends only on
-# what is sent), and between runs; bad arguments give a clear error and a non-zero exit.
+# what is sent), and between runs; each step object must be `thdpack plan --json`'s for the
+# same inputs plus bytes_sent and time_*; bad arguments give a clear error and a non-zero exit.
 
 cmake_minimum_required(VERSION 3.20)
 
@@ -108,6 +109,56 @@ if(MPIRUN)
     message(FATAL_ERROR "--data-on all: MPI and thread backends differ")
   endif()
 endif()
+
+# run --json against plan --json for the same inputs: run prints plan's step object byte for
+# byte and only appends bytes_sent and time_* (both use thdpack/figures.h). A lengths file of
+# 100 samples, 5 steps of 25: the last step starts epoch 1. Both data-on modes, SP on and off.
+file(MAKE_DIRECTORY ${WORK_DIR})
+set(lengths_text "")
+foreach(i RANGE 1 100)
+  math(EXPR v "(${i} * 7919) % 3000 + 1")
+  string(APPEND lengths_text "${v}\n")
+endforeach()
+file(WRITE ${WORK_DIR}/lengths.txt "${lengths_text}")
+# Each variant: "<options of both>|<data-on mode of run>".
+foreach(variant "--sp|tp0" "--sp|all" "--scheduler;sequential|all" "--summary-only|tp0")
+  string(REPLACE "|" ";" parts "${variant}")
+  list(GET parts -1 data_on)
+  list(REMOVE_AT parts -1)
+  set(extra ${parts})
+  set(inputs --data lengths:${WORK_DIR}/lengths.txt --tp 2 --cp 2 --dp 2 --global-batch 25
+             --steps 5 --max-tokens-per-rank 4096 --json ${extra})
+  execute_process(COMMAND ${THDPACK} plan ${inputs} RESULT_VARIABLE rc OUTPUT_VARIABLE plan_out
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "plan ${inputs}: ${rc} ${err}")
+  endif()
+  execute_process(COMMAND ${THDPACK} run ${inputs} --data-on ${data_on} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE run_out
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "run ${inputs}: ${rc} ${err}")
+  endif()
+  foreach(k RANGE 0 4)
+    math(EXPR plan_line "${k} + 1")  # line 0 of plan's report is {"steps":[
+    get_line(p "${plan_out}" ${plan_line})
+    string(REGEX REPLACE "\\]?,$" "" p "${p}")
+    get_line(r "${run_out}" ${k})
+    string(FIND "${r}" ",\"bytes_sent\":" cut)
+    if(cut EQUAL -1)
+      message(FATAL_ERROR "run step ${k} has no bytes_sent: ${r}")
+    endif()
+    string(SUBSTRING "${r}" 0 ${cut} r_figures)
+    string(APPEND r_figures "}")
+    if(NOT r_figures STREQUAL p)
+      message(FATAL_ERROR "${variant}: step ${k} of run differs from plan:\nrun:  ${r_figures}\nplan: ${p}")
+    endif()
+  endforeach()
+  string(JSON epoch GET "${r}" epoch)
+  if(NOT epoch EQUAL 1)
+    message(FATAL_ERROR "step 4 should start epoch 1: ${r}")
+  endif()
+endforeach()
 
 # The table form.
 execute_process(COMMAND ${THDPACK} run --tp 2 --cp 2 --dp 2 --global-batch 16 --steps 1

@@ -23,6 +23,7 @@
 #include "thdpack/comm.h"
 #include "thdpack/pack.h"
 #include "thdpack/shard.h"
+#include "thdpack/step.h"
 #include "thdpack/step_runner.h"
 
 namespace thdpack::testing {
@@ -133,6 +134,24 @@ inline Status VerifyRankStep(ProcessGroup& world, const Topology& topo,
       return Status::Internal(who + ": role flags");
     }
     if (loader) {
+      // The step as `thdpack plan` reads it (StepReader) has the same samples, order and epoch.
+      THDPACK_ASSIGN_OR_RETURN(auto src, OpenSource(options.data, options.source));
+      THDPACK_ASSIGN_OR_RETURN(auto reader,
+                               StepReader::Create(src.get(), options.global_batch, topo.dp_size()));
+      StepSamples planned;
+      for (int64_t s = 0; s <= step; ++s) {
+        THDPACK_ASSIGN_OR_RETURN(planned, reader.Next());
+      }
+      if (planned.epoch != got.epoch || planned.samples.size() != got.samples.size()) {
+        return Status::Internal(who + ": epoch or sample count differs from StepReader's");
+      }
+      for (size_t i = 0; i < planned.samples.size(); ++i) {
+        if (planned.samples[i].id != got.samples[i].id ||
+            planned.samples[i].length != got.samples[i].length ||
+            planned.samples[i].n_targets != got.samples[i].n_targets) {
+          return Status::Internal(who + ": sample " + std::to_string(i) + " differs from StepReader's");
+        }
+      }
       if (got.samples.size() != ref.samples.size()) return Status::Internal(who + ": sample count");
       for (size_t i = 0; i < ref.samples.size(); ++i) {
         const auto& a = got.samples[i];

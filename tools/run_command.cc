@@ -13,6 +13,7 @@
 #include "run_figures.h"
 #include "thdpack/comm.h"
 #include "thdpack/cost.h"
+#include "thdpack/figures.h"
 #include "thdpack/step_runner.h"
 #include "thdpack/topology.h"
 
@@ -24,7 +25,7 @@ struct RunArgs {
   int tp = 1, cp = 1, dp = 1, pp = 1;
   bool sp = false;
   std::string data = "mock";
-  std::string global_batch = "128";
+  std::string global_batch = "256";
   int64_t steps = 3;
   int64_t max_tokens_per_rank = 16384;
   std::string data_on = "tp0";
@@ -32,7 +33,7 @@ struct RunArgs {
   bool summary_only = false;
   std::string scheduler = "balanced";
   std::string oversize = "error";
-  std::string cost = "tokens";
+  std::string cost = "llama2-7b";
   int64_t align = 1;
   int microbatch_multiple = 1;
   int num_microbatches = 0;
@@ -88,11 +89,7 @@ Result<Setup> MakeSetup(const RunArgs& a) {
   THDPACK_ASSIGN_OR_RETURN(o.schedule.oversize, ParseOversizePolicy(a.oversize));
   THDPACK_ASSIGN_OR_RETURN(o.schedule.cost, ParseCostSpec(a.cost));
   THDPACK_ASSIGN_OR_RETURN(o.data_on, ParseDataOn(a.data_on));
-  std::optional<FlopsCoefficients> flops;
-  if (auto dims = ParseModelDims(a.cost); dims.ok()) {
-    THDPACK_ASSIGN_OR_RETURN(FlopsCoefficients f, ComputeFlopsCoefficients(*dims));
-    flops = f;
-  }
+  THDPACK_ASSIGN_OR_RETURN(std::optional<FlopsCoefficients> flops, FlopsFromCostSpec(a.cost));
   return Setup{std::move(topo), std::move(o), flops};
 }
 

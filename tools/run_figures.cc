@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "thdpack/figures.h"
+
 namespace thdpack::tools {
 namespace {
 
@@ -28,44 +30,13 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
   schedule.dp_size = topo.dp_size();
   schedule.cp_size = topo.cp_size();
   schedule.tp_size = topo.tp_size();
-  THDPACK_ASSIGN_OR_RETURN(PlanFigures f, ComputePlanFigures(step.samples, schedule, step.plan));
-  std::optional<double> step_flops;
-  if (flops) step_flops = TrainingFlops(*flops, f.padded_tokens, static_cast<double>(f.sum_sq));
+  // The figures `thdpack plan` prints for the same inputs (thdpack/figures.h).
+  THDPACK_ASSIGN_OR_RETURN(StepFigures sf, ComputeStepFigures(step.step, step.epoch, step.samples,
+                                                              schedule, step.plan, flops));
+  const PlanFigures& f = sf.plan;
   double total_seconds = 0;
   for (double s : phases.seconds) total_seconds += s;
   if (json) {
-    nlohmann::ordered_json j;
-    j["step"] = step.step;
-    j["epoch"] = step.epoch;
-    j["num_microbatches"] = f.num_microbatches;
-    j["n_samples"] = f.n_samples;
-    j["n_skipped"] = f.n_skipped;
-    j["real_tokens"] = f.real_tokens;
-    j["padded_tokens"] = f.padded_tokens;
-    j["sum_sq"] = f.sum_sq;
-    j["n_loss_tokens"] = f.n_loss_tokens;
-    j["imbalance"] = f.imbalance;
-    j["pad_fraction"] = f.pad_fraction;
-    j["fill"] = f.fill;
-    j["flops"] = step_flops ? nlohmann::ordered_json(*step_flops) : nlohmann::ordered_json(nullptr);
-    j["skipped"] = step.plan.skipped;
-    if (!summary_only) {
-      nlohmann::ordered_json reps = nlohmann::ordered_json::array();
-      for (int d = 0; d < static_cast<int>(f.replicas.size()); ++d) {
-        const ReplicaFigures& r = f.replicas[static_cast<size_t>(d)];
-        nlohmann::ordered_json mbs = nlohmann::ordered_json::array();
-        for (int m = 0; m < static_cast<int>(r.microbatches.size()); ++m) {
-          const MicrobatchFigures& mf = r.microbatches[static_cast<size_t>(m)];
-          auto ids = step.plan.Microbatch(d, m);
-          mbs.push_back({{"samples", std::vector<int64_t>(ids.begin(), ids.end())},
-                         {"real_tokens", mf.real_tokens},
-                         {"padded_tokens", mf.padded_tokens},
-                         {"cost", mf.cost}});
-        }
-        reps.push_back({{"cost", r.cost}, {"microbatches", std::move(mbs)}});
-      }
-      j["replicas"] = std::move(reps);
-    }
     nlohmann::ordered_json bytes;
     std::vector<int64_t> total(phases.bytes.empty() ? 0 : phases.bytes[0].size(), 0);
     for (size_t k = 0; k < phases.names.size(); ++k) {
@@ -73,12 +44,13 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
       for (size_t r = 0; r < total.size(); ++r) total[r] += phases.bytes[k][r];
     }
     bytes["total"] = total;
-    j["bytes_sent"] = std::move(bytes);
+    JsonFields extra;
+    extra.emplace_back("bytes_sent", bytes.dump());
     for (size_t k = 0; k < phases.names.size(); ++k) {
-      j["time_" + phases.names[k]] = phases.seconds[k];
+      extra.emplace_back("time_" + phases.names[k], nlohmann::json(phases.seconds[k]).dump());
     }
-    j["time_step"] = total_seconds;
-    return j.dump() + "\n";
+    extra.emplace_back("time_step", nlohmann::json(total_seconds).dump());
+    return StepFiguresJson(sf, summary_only, extra) + "\n";
   }
   int64_t max_sent = 0;
   if (!phases.bytes.empty()) {
