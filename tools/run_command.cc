@@ -174,9 +174,13 @@ int RunRun(const RunArgs& args) {
     auto statuses = RunOnThreads(setup->topo.world_size(), [&](ProcessGroup& world) {
       return RankLoop(world, args, *setup);
     });
-    if (!statuses[0].ok()) {
-      std::fprintf(stderr, "thdpack run: rank 0: %s\n", statuses[0].ToString().c_str());
-      return 1;
+    // Rank 0's error names the rank that failed first; report another rank's only if rank 0
+    // has none.
+    for (size_t r = 0; r < statuses.size(); ++r) {
+      if (!statuses[r].ok()) {
+        std::fprintf(stderr, "thdpack run: rank %zu: %s\n", r, statuses[r].ToString().c_str());
+        return 1;
+      }
     }
     return 0;
   }
