@@ -319,6 +319,12 @@ int RunPlan(const PlanArgs& args) {
     auto figures = ComputeStepFigures(step->step, step->epoch, step->samples, options, *plan,
                                       *flops);
     if (!figures.ok()) return fail(figures.status());
+    // Per-sample detail is printed only by --json without --summary-only, and drawn for the
+    // first kMaxSvgSteps steps: drop it otherwise, so long runs keep only totals in memory.
+    if ((!args.json || args.summary_only) && steps.size() >= kMaxSvgSteps) {
+      figures->sample_ids.clear();
+      figures->plan.replicas.clear();
+    }
     steps.push_back(std::move(figures).value());
   }
   if (progress) std::fprintf(stderr, "\r%60s\r", "");
