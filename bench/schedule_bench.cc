@@ -4,8 +4,10 @@
 //   1. Wikipedia-512 histogram (Krell et al.), all 16,279,552 sequences into packs of 512:
 //      packs, efficiency and time of the histogram fast path next to the published LPFHP and
 //      SPFHP figures and the lower bound.
-//   2. WLB-LLM document lengths, llama2-7b cost, consecutive chunks of the file as steps:
-//      imbalance (straggler / lower bound) of balanced and sequential per step.
+//   2. WLB-LLM document lengths, llama2-7b cost, global batch 512 and 2048 read as `thdpack plan`
+//      reads steps (StepReader, first epoch), DP in {8, 64}, (CP=1, 131072 per rank) and
+//      (CP=4, 32768 per rank): imbalance (straggler / lower bound) of balanced and sequential
+//      per step; the goal is balanced within 2% on every step (column steps>1.02).
 //   3. Scheduling time of 16K, 64K and 1M Wikipedia documents, DP=512, CP=8, 32768 per rank.
 //
 // Usage: schedule_bench [DATA_DIR]   (default: the shared data folder of the source tree)
@@ -20,7 +22,9 @@
 #include <vector>
 
 #include "thdpack/cost.h"
+#include "thdpack/data.h"
 #include "thdpack/schedule.h"
+#include "thdpack/step.h"
 
 namespace {
 
@@ -168,12 +172,23 @@ void WlbllmImbalance(const std::string& dir) {
         StepStats bal, seq;
         double time_bal = 0;
         bool failed = false;
+        // Steps as `thdpack plan` reads them: StepReader over the lengths source (sample i of
+        // a step goes to loader i mod DP; loader 0's samples first).
+        auto source = thdpack::OpenSource("lengths:" + dir + "/wlbllm_doc_lengths.txt");
+        if (!source.ok()) {
+          std::printf("%s\n", source.status().ToString().c_str());
+          return;
+        }
+        auto reader = thdpack::StepReader::Create(source->get(), gbs, dp);
+        if (!reader.ok()) return;
         for (int step = 0; step < steps && !failed; ++step) {
-          std::vector<SampleLength> samples(gbs);
-          for (int i = 0; i < gbs; ++i) {
-            const int64_t id = static_cast<int64_t>(step) * gbs + i;
-            samples[i] = {id, lengths[id], lengths[id] - 1};
+          auto read = reader->Next();
+          if (!read.ok()) {
+            std::printf("  step %d: %s\n", step, read.status().ToString().c_str());
+            failed = true;
+            break;
           }
+          const std::vector<SampleLength>& samples = read->samples;
           for (auto kind : {ScheduleOptions::Scheduler::kBalanced,
                             ScheduleOptions::Scheduler::kSequential}) {
             o.scheduler = kind;

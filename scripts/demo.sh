@@ -3,6 +3,8 @@
 set -euo pipefail
 build=${1:-build}
 thdpack="$build/thdpack"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+data="$repo/../shared/data"
 run() {
   echo
   echo "\$ thdpack $*"
@@ -17,3 +19,24 @@ run layout --lengths 7,3 --cp 2 --tp 4 --sp
 run layout --lengths 4000,1200,813 --cp 4 --tp 2 --sp
 # Machine-readable form.
 run layout --lengths 7,3 --cp 2 --json
+
+echo
+echo "== thdpack plan: balance, padding, microbatches and FLOPs of a data set at a topology =="
+# Built-in defaults: 3 steps of 256 lognormal mock samples, DP=4, CP=2, 16384 tokens per rank,
+# balanced scheduler, llama2-7b cost; the chart of per-replica load goes to an SVG file.
+run plan --svg "$build/plan_demo.svg"
+# The same steps with Megatron-LM's arrival-order scheduler: the straggler shows in imbalance.
+run plan --scheduler sequential --summary-only
+if [[ -d "$data" ]]; then
+  # Real long-tail document lengths (WLB-LLM), DP=8, CP=4: balanced, then sequential.
+  run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
+    --max-tokens-per-rank 32768 --global-batch 512 --steps 4
+  run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
+    --max-tokens-per-rank 32768 --global-batch 512 --steps 4 --scheduler sequential --summary-only
+  # The SQuAD-384 histogram packed into microbatches of 384 tokens (one epoch, one step).
+  run plan --data "histogram:$data/squad_384_histogram.csv" --dp 1 --cp 1 \
+    --max-tokens-per-rank 384 --global-batch all --steps 1 --cost tokens --summary-only
+else
+  echo
+  echo "(skipping the real-data plans: $data not found)"
+fi

@@ -9,6 +9,7 @@
 namespace thdpack::tools {
 
 void AddLayoutCommand(CLI::App& app, int* exit_code);
+void AddPlanCommand(CLI::App& app, int* exit_code);
 
 }  // namespace thdpack::tools
 

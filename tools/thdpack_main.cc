@@ -9,12 +9,13 @@
 int main(int argc, char** argv) {
   CLI::App app{
       "thdpack: the data plane of packed-sequence (THD) distributed training.\n"
-      "Shows what your sequences do at a given topology: padding, context-parallel zigzag\n"
-      "shards, sequence-parallel splits."};
+      "Shows what your data does at a given topology: balance, padding, microbatches, FLOPs\n"
+      "(plan), context-parallel zigzag shards and sequence-parallel splits (layout)."};
   app.set_version_flag("--version", std::string("thdpack ") + thdpack::kVersion);
   app.require_subcommand(0, 1);
   int exit_code = 0;
   thdpack::tools::AddLayoutCommand(app, &exit_code);
+  thdpack::tools::AddPlanCommand(app, &exit_code);
   CLI11_PARSE(app, argc, argv);
   if (app.get_subcommands().empty()) {
     std::fputs(app.help().c_str(), stdout);

@@ -4,11 +4,13 @@
 
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
+#include "thdpack/figures.h"
 #include "thdpack/pack.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
 #include "thdpack/shard.h"
 #include "thdpack/status.h"
+#include "thdpack/step.h"
 #include "thdpack/topology.h"
 #include "thdpack/version.h"
 #include "thdpack/wire.h"

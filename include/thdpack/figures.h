@@ -1,0 +1,108 @@
+// thdpack/figures.h: the figures of a step and their JSON (DESIGN.md section 10), one schema
+// for `thdpack plan` and `thdpack run`.
+//
+// Per step (JSON keys in this order): step, epoch, num_microbatches, n_samples, n_skipped,
+// skipped (ids left out by the oversize policy: never silent), real_tokens, padded_tokens,
+// sum_sq, n_loss_tokens, imbalance, pad_fraction, fill, flops (null when the cost model has no
+// model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, then - unless
+// summary_only - replicas: [{cost, microbatches: [{samples, real_tokens, padded_tokens, cost}]}],
+// then the caller's extra fields (`run` adds bytes_sent, loss, time_*, ...). Costs are per rank
+// (schedule.h); flops are the whole step's (all replicas, DESIGN.md section 3).
+//
+// Determinism: numbers are printed by one formatter (integers exactly; doubles as the shortest
+// text that reads back to the same double), so the same figures always give the same bytes and
+// `plan` and `run` JSON compare byte for byte apart from the fields `run` adds.
+//
+// Thread-safety: pure functions.
+#ifndef THDPACK_FIGURES_H_
+#define THDPACK_FIGURES_H_
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "thdpack/cost.h"
+#include "thdpack/schedule.h"
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+struct StepFigures {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  PlanFigures plan;
+  // Training FLOPs of the step (all replicas): TrainingFlops(coef, padded_tokens, sum_sq);
+  // 0 when no FLOPs model was given (printed as null).
+  double flops = 0;
+  bool has_flops = false;
+  // M * DP * CP * max_tokens_per_rank: the padded tokens the step could have held (for fill).
+  int64_t capacity_tokens = 0;
+  std::vector<int64_t> skipped;                          // ids, in input order
+  std::vector<std::vector<std::vector<int64_t>>> sample_ids;  // [replica][microbatch] ids
+};
+
+// The FLOPs coefficients behind a cost spec (cost.h): a value for presets and dimensions
+// ("llama2-7b", "llama3-8b", "l=..,h=..,..."), nullopt for "tokens" and "A,B". Errors: a bad
+// spec (naming it).
+[[nodiscard]] Result<std::optional<FlopsCoefficients>> FlopsFromCostSpec(std::string_view spec);
+
+// Figures of one scheduled step. `samples` and `options` are what `plan` was made from.
+// Errors: those of ComputePlanFigures (an invalid plan).
+[[nodiscard]] Result<StepFigures> ComputeStepFigures(
+    int64_t step, int64_t epoch, std::span<const SampleLength> samples,
+    const ScheduleOptions& options, const Plan& plan,
+    const std::optional<FlopsCoefficients>& flops);
+
+// Totals and extremes over steps.
+struct SummaryFigures {
+  int64_t n_steps = 0;
+  int64_t first_epoch = 0;   // epoch of the first step
+  int64_t last_epoch = 0;    // epoch of the last step
+  int64_t num_microbatches = 0;      // total over steps
+  int64_t max_num_microbatches = 0;
+  int64_t n_samples = 0;
+  int64_t n_skipped = 0;
+  int64_t real_tokens = 0;
+  int64_t padded_tokens = 0;
+  double sum_sq = 0;          // double: whole-run totals may exceed int64
+  int64_t n_loss_tokens = 0;
+  int64_t capacity_tokens = 0;
+  double mean_imbalance = 0;  // mean over steps
+  double max_imbalance = 0;
+  double pad_fraction = 0;    // 1 - real_tokens / padded_tokens over all steps
+  double fill = 0;            // padded_tokens / capacity_tokens over all steps
+  double flops = 0;           // total; has_flops when every step has FLOPs
+  bool has_flops = false;
+  double max_microbatch_spread = 0;
+};
+
+SummaryFigures Summarize(std::span<const StepFigures> steps);
+
+// Raw JSON values appended to an object: {"key", "<JSON text>"}. The text is inserted as is
+// (the caller makes it valid JSON); keys must not repeat the standard ones.
+using JsonFields = std::vector<std::pair<std::string, std::string>>;
+
+// One step's JSON object on one line, no trailing newline.
+std::string StepFiguresJson(const StepFigures& f, bool summary_only,
+                            std::span<const std::pair<std::string, std::string>> extra_fields = {});
+
+// Summary keys, in order: n_steps, first_epoch, last_epoch, num_microbatches,
+// max_num_microbatches, n_samples, n_skipped, real_tokens, padded_tokens, sum_sq,
+// n_loss_tokens, mean_imbalance, max_imbalance, pad_fraction, fill, flops (or null),
+// max_microbatch_spread, then extra_fields.
+std::string SummaryFiguresJson(const SummaryFigures& s,
+                               std::span<const std::pair<std::string, std::string>> extra_fields = {});
+
+// The whole report: {"steps":[<step>,\n<step>...],\n"summary":{...}} plus a final newline,
+// one step object per line. step_extra_fields is empty or holds one JsonFields per step.
+std::string PlanReportJson(std::span<const StepFigures> steps, const SummaryFigures& summary,
+                           bool summary_only, std::span<const JsonFields> step_extra_fields = {},
+                           std::span<const std::pair<std::string, std::string>> summary_extra_fields = {});
+
+}  // namespace thdpack
+
+#endif  // THDPACK_FIGURES_H_

@@ -1,0 +1,85 @@
+// thdpack/step.h: reading one training step's samples from a source (DESIGN.md section 2,
+// "Reading a step").
+//
+// `--global-batch N` means N samples per step for all DP replicas together. Sample i of the
+// step (i = 0..N-1, in source order) is read by loader i mod DP. Sources are read in order and
+// wrap around at their end (Reset(): the next epoch). `--global-batch all` (global_batch = 0)
+// puts one whole epoch of the source in each step.
+//
+// The samples of a step are handed to the scheduler in SCHEDULING order: loader 0's samples
+// first (source positions 0, DP, 2*DP, ...), then loader 1's (1, DP+1, ...), and so on - the
+// fixed order DESIGN.md section 4 asks for. Every rank that reads the same source with the same
+// arguments gets the same StepSamples, so ranks may each schedule instead of broadcasting.
+//
+// Sample ids are the source's ids: they keep counting across epochs, so they are unique within
+// a step (and for the life of the source) even when a step wraps around.
+//
+// Thread-safety: a StepReader holds the source's cursor; use one per thread.
+#ifndef THDPACK_STEP_H_
+#define THDPACK_STEP_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "thdpack/data.h"
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+struct StepSamples {
+  int64_t step = 0;   // 0, 1, ... in the order Next() returned them
+  int64_t epoch = 0;  // the source's epoch (0 = first pass) when the step's first sample was read
+  // The step's samples in scheduling order (see top of file).
+  std::vector<SampleLength> samples;
+};
+
+class StepReader {
+ public:
+  // `source` is not owned and must outlive the reader; the reader must be its only user.
+  // global_batch: N >= 1 samples per step, or 0 for "all" (one whole epoch per step: read with
+  // NextLength() until the end of the epoch, then Reset()). dp_size >= 1.
+  // Errors (InvalidArgument): null source, global_batch < 0, dp_size < 1.
+  [[nodiscard]] static Result<StepReader> Create(SampleSource* source, int64_t global_batch,
+                                                 int dp_size);
+
+  // The next step: N lengths read with NextLength(), wrapping around (Reset) at the end of the
+  // source. Errors: the source's own errors (file, line, rule), and InvalidArgument naming the
+  // spec when the source holds no sample at all.
+  [[nodiscard]] Result<StepSamples> Next();
+
+  // The loader that reads sample `index_in_step` (its position in SOURCE order within the
+  // step): index_in_step mod DP.
+  int64_t LoaderOf(int64_t index_in_step) const { return index_in_step % dp_size_; }
+
+  int64_t global_batch() const { return global_batch_; }
+  int dp_size() const { return dp_size_; }
+
+ private:
+  StepReader(SampleSource* source, int64_t global_batch, int dp_size)
+      : source_(source), global_batch_(global_batch), dp_size_(dp_size) {}
+
+  SampleSource* source_ = nullptr;
+  int64_t global_batch_ = 0;
+  int dp_size_ = 1;
+  int64_t next_step_ = 0;
+};
+
+// Positions (in source order, 0..n-1) of the samples that `loader` reads in a step of n
+// samples: loader, loader + DP, loader + 2*DP, ... < n, increasing. REQUIRES: n >= 0,
+// dp_size >= 1, 0 <= loader < dp_size.
+std::vector<int64_t> LoaderIndices(int64_t n, int dp_size, int loader);
+
+// How many samples `loader` reads in a step of n samples: the size of LoaderIndices(...).
+// Loader d's samples are the contiguous run [LoaderOffset(n, dp, d), + LoaderCount(n, dp, d))
+// of StepSamples::samples. REQUIRES as LoaderIndices.
+int64_t LoaderCount(int64_t n, int dp_size, int loader);
+int64_t LoaderOffset(int64_t n, int dp_size, int loader);
+
+// Reorders the n samples of a step from source order into scheduling order (loader 0's first,
+// each loader's in source order). REQUIRES: dp_size >= 1.
+std::vector<SampleLength> ToSchedulingOrder(const std::vector<SampleLength>& source_order,
+                                            int dp_size);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_STEP_H_

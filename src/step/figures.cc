@@ -1,0 +1,193 @@
+// Step figures and their JSON (one schema for `plan` and `run`).
+#include "thdpack/figures.h"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+namespace thdpack {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// Appends `"key":raw` fields to the JSON text of an object ("{...}").
+std::string AppendRawFields(std::string object_text,
+                            std::span<const std::pair<std::string, std::string>> fields) {
+  if (fields.empty()) return object_text;
+  object_text.pop_back();  // the closing brace
+  bool first = object_text.size() == 1;  // "{" alone: an empty object
+  for (const auto& [key, raw] : fields) {
+    if (!first) object_text += ',';
+    first = false;
+    object_text += Json(key).dump();
+    object_text += ':';
+    object_text += raw;
+  }
+  object_text += '}';
+  return object_text;
+}
+
+}  // namespace
+
+Result<std::optional<FlopsCoefficients>> FlopsFromCostSpec(std::string_view spec) {
+  THDPACK_RETURN_IF_ERROR(ParseCostSpec(spec).status());
+  Result<ModelDims> dims = ParseModelDims(spec);
+  if (!dims.ok()) {
+    if (dims.status().code() == StatusCode::kNotFound) return std::optional<FlopsCoefficients>();
+    return dims.status();
+  }
+  THDPACK_ASSIGN_OR_RETURN(FlopsCoefficients coef, ComputeFlopsCoefficients(*dims));
+  return std::optional<FlopsCoefficients>(coef);
+}
+
+Result<StepFigures> ComputeStepFigures(int64_t step, int64_t epoch,
+                                       std::span<const SampleLength> samples,
+                                       const ScheduleOptions& options, const Plan& plan,
+                                       const std::optional<FlopsCoefficients>& flops) {
+  StepFigures f;
+  f.step = step;
+  f.epoch = epoch;
+  THDPACK_ASSIGN_OR_RETURN(f.plan, ComputePlanFigures(samples, options, plan));
+  if (flops.has_value()) {
+    f.has_flops = true;
+    f.flops = TrainingFlops(*flops, f.plan.padded_tokens, static_cast<double>(f.plan.sum_sq));
+  }
+  f.capacity_tokens = static_cast<int64_t>(plan.num_microbatches) * plan.dp_size *
+                      MicrobatchBudget(options);
+  f.skipped = plan.skipped;
+  f.sample_ids.resize(static_cast<size_t>(plan.dp_size));
+  for (int d = 0; d < plan.dp_size; ++d) {
+    auto& replica = f.sample_ids[static_cast<size_t>(d)];
+    replica.reserve(static_cast<size_t>(plan.num_microbatches));
+    for (int m = 0; m < plan.num_microbatches; ++m) {
+      std::span<const int64_t> ids = plan.Microbatch(d, m);
+      replica.emplace_back(ids.begin(), ids.end());
+    }
+  }
+  return f;
+}
+
+SummaryFigures Summarize(std::span<const StepFigures> steps) {
+  SummaryFigures s;
+  s.n_steps = static_cast<int64_t>(steps.size());
+  if (steps.empty()) return s;
+  s.first_epoch = steps.front().epoch;
+  s.last_epoch = steps.back().epoch;
+  s.has_flops = true;
+  double imbalance_sum = 0;
+  for (const StepFigures& f : steps) {
+    const PlanFigures& p = f.plan;
+    s.num_microbatches += p.num_microbatches;
+    s.max_num_microbatches = std::max<int64_t>(s.max_num_microbatches, p.num_microbatches);
+    s.n_samples += p.n_samples;
+    s.n_skipped += p.n_skipped;
+    s.real_tokens += p.real_tokens;
+    s.padded_tokens += p.padded_tokens;
+    s.sum_sq += static_cast<double>(p.sum_sq);
+    s.n_loss_tokens += p.n_loss_tokens;
+    s.capacity_tokens += f.capacity_tokens;
+    imbalance_sum += p.imbalance;
+    s.max_imbalance = std::max(s.max_imbalance, p.imbalance);
+    s.max_microbatch_spread = std::max(s.max_microbatch_spread, p.max_microbatch_spread);
+    s.has_flops = s.has_flops && f.has_flops;
+    s.flops += f.flops;
+  }
+  if (!s.has_flops) s.flops = 0;
+  s.mean_imbalance = imbalance_sum / static_cast<double>(steps.size());
+  s.pad_fraction = s.padded_tokens > 0 ? 1.0 - static_cast<double>(s.real_tokens) /
+                                                   static_cast<double>(s.padded_tokens)
+                                       : 0.0;
+  s.fill = s.capacity_tokens > 0
+               ? static_cast<double>(s.padded_tokens) / static_cast<double>(s.capacity_tokens)
+               : 0.0;
+  return s;
+}
+
+std::string StepFiguresJson(const StepFigures& f, bool summary_only,
+                            std::span<const std::pair<std::string, std::string>> extra_fields) {
+  const PlanFigures& p = f.plan;
+  Json j;
+  j["step"] = f.step;
+  j["epoch"] = f.epoch;
+  j["num_microbatches"] = p.num_microbatches;
+  j["n_samples"] = p.n_samples;
+  j["n_skipped"] = p.n_skipped;
+  j["skipped"] = f.skipped;
+  j["real_tokens"] = p.real_tokens;
+  j["padded_tokens"] = p.padded_tokens;
+  j["sum_sq"] = p.sum_sq;
+  j["n_loss_tokens"] = p.n_loss_tokens;
+  j["imbalance"] = p.imbalance;
+  j["pad_fraction"] = p.pad_fraction;
+  j["fill"] = p.fill;
+  j["flops"] = f.has_flops ? Json(f.flops) : Json(nullptr);
+  j["lower_bound"] = p.lower_bound;
+  j["max_replica_cost"] = p.max_replica_cost;
+  j["max_microbatch_spread"] = p.max_microbatch_spread;
+  if (!summary_only) {
+    Json replicas = Json::array();
+    for (size_t d = 0; d < p.replicas.size(); ++d) {
+      const ReplicaFigures& r = p.replicas[d];
+      Json rj;
+      rj["cost"] = r.cost;
+      Json mbs = Json::array();
+      for (size_t m = 0; m < r.microbatches.size(); ++m) {
+        const MicrobatchFigures& mb = r.microbatches[m];
+        Json mj;
+        mj["samples"] = d < f.sample_ids.size() && m < f.sample_ids[d].size()
+                            ? Json(f.sample_ids[d][m])
+                            : Json::array();
+        mj["real_tokens"] = mb.real_tokens;
+        mj["padded_tokens"] = mb.padded_tokens;
+        mj["cost"] = mb.cost;
+        mbs.push_back(std::move(mj));
+      }
+      rj["microbatches"] = std::move(mbs);
+      replicas.push_back(std::move(rj));
+    }
+    j["replicas"] = std::move(replicas);
+  }
+  return AppendRawFields(j.dump(), extra_fields);
+}
+
+std::string SummaryFiguresJson(const SummaryFigures& s,
+                               std::span<const std::pair<std::string, std::string>> extra_fields) {
+  Json j;
+  j["n_steps"] = s.n_steps;
+  j["first_epoch"] = s.first_epoch;
+  j["last_epoch"] = s.last_epoch;
+  j["num_microbatches"] = s.num_microbatches;
+  j["max_num_microbatches"] = s.max_num_microbatches;
+  j["n_samples"] = s.n_samples;
+  j["n_skipped"] = s.n_skipped;
+  j["real_tokens"] = s.real_tokens;
+  j["padded_tokens"] = s.padded_tokens;
+  j["sum_sq"] = s.sum_sq;
+  j["n_loss_tokens"] = s.n_loss_tokens;
+  j["mean_imbalance"] = s.mean_imbalance;
+  j["max_imbalance"] = s.max_imbalance;
+  j["pad_fraction"] = s.pad_fraction;
+  j["fill"] = s.fill;
+  j["flops"] = s.has_flops ? Json(s.flops) : Json(nullptr);
+  j["max_microbatch_spread"] = s.max_microbatch_spread;
+  return AppendRawFields(j.dump(), extra_fields);
+}
+
+std::string PlanReportJson(std::span<const StepFigures> steps, const SummaryFigures& summary,
+                           bool summary_only, std::span<const JsonFields> step_extra_fields,
+                           std::span<const std::pair<std::string, std::string>> summary_extra_fields) {
+  std::string out = "{\"steps\":[";
+  for (size_t i = 0; i < steps.size(); ++i) {
+    out += i == 0 ? "\n" : ",\n";
+    if (i < step_extra_fields.size()) {
+      out += StepFiguresJson(steps[i], summary_only, step_extra_fields[i]);
+    } else {
+      out += StepFiguresJson(steps[i], summary_only);
+    }
+  }
+  out += "],\n\"summary\":";
+  out += SummaryFiguresJson(summary, summary_extra_fields);
+  out += "}\n";
+  return out;
+}
+
+}  // namespace thdpack

@@ -1,0 +1,229 @@
+// StepReader: steps of N samples in scheduling order, wrap-around into the next epoch, "all".
+// Expected ids and orders are worked out by hand from the rule "sample i of the step is read
+// by loader i mod DP; loader 0's samples first".
+#include "thdpack/step.h"
+
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "data/data_test_util.h"
+
+namespace thdpack {
+namespace {
+
+using testing_util::TempDir;
+using testing_util::WriteText;
+
+std::vector<int64_t> Ids(const StepSamples& s) {
+  std::vector<int64_t> out;
+  for (const SampleLength& x : s.samples) out.push_back(x.id);
+  return out;
+}
+std::vector<int64_t> Lengths(const StepSamples& s) {
+  std::vector<int64_t> out;
+  for (const SampleLength& x : s.samples) out.push_back(x.length);
+  return out;
+}
+
+class StepReaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path_ = dir_.File("five.txt");
+    WriteText(path_, "10\n20\n30\n40\n50\n");
+    auto source = OpenLengthsSource(path_);
+    ASSERT_TRUE(source.ok()) << source.status().ToString();
+    source_ = std::move(source).value();
+  }
+  TempDir dir_;
+  std::string path_;
+  std::unique_ptr<SampleSource> source_;
+};
+
+TEST_F(StepReaderTest, StepsInSchedulingOrderWrapIntoTheNextEpoch) {
+  auto reader = StepReader::Create(source_.get(), 4, 2);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  // Step 0: ids 0..3 (lengths 10..40); loader 0 reads positions 0, 2, loader 1 reads 1, 3.
+  auto s0 = reader->Next();
+  ASSERT_TRUE(s0.ok()) << s0.status().ToString();
+  EXPECT_EQ(s0->step, 0);
+  EXPECT_EQ(s0->epoch, 0);
+  EXPECT_EQ(Ids(*s0), (std::vector<int64_t>{0, 2, 1, 3}));
+  EXPECT_EQ(Lengths(*s0), (std::vector<int64_t>{10, 30, 20, 40}));
+  EXPECT_EQ(s0->samples[0].n_targets, 9);
+  // Step 1: id 4 (length 50, epoch 0), then the source wraps: ids 5, 6, 7 (10, 20, 30).
+  auto s1 = reader->Next();
+  ASSERT_TRUE(s1.ok());
+  EXPECT_EQ(s1->step, 1);
+  EXPECT_EQ(s1->epoch, 0);
+  EXPECT_EQ(Ids(*s1), (std::vector<int64_t>{4, 6, 5, 7}));
+  EXPECT_EQ(Lengths(*s1), (std::vector<int64_t>{50, 20, 10, 30}));
+  // Step 2: ids 8, 9 (40, 50), wrap, 10, 11 (10, 20); starts in epoch 1.
+  auto s2 = reader->Next();
+  ASSERT_TRUE(s2.ok());
+  EXPECT_EQ(s2->epoch, 1);
+  EXPECT_EQ(Ids(*s2), (std::vector<int64_t>{8, 10, 9, 11}));
+  EXPECT_EQ(Lengths(*s2), (std::vector<int64_t>{40, 10, 50, 20}));
+}
+
+TEST_F(StepReaderTest, StepEndingAtTheEpochEndStartsTheNextInTheNextEpoch) {
+  auto reader = StepReader::Create(source_.get(), 5, 3);
+  ASSERT_TRUE(reader.ok());
+  auto s0 = reader->Next();
+  ASSERT_TRUE(s0.ok());
+  EXPECT_EQ(s0->epoch, 0);
+  // DP=3: loader 0 reads 0, 3; loader 1 reads 1, 4; loader 2 reads 2.
+  EXPECT_EQ(Ids(*s0), (std::vector<int64_t>{0, 3, 1, 4, 2}));
+  auto s1 = reader->Next();
+  ASSERT_TRUE(s1.ok());
+  EXPECT_EQ(s1->epoch, 1);
+  EXPECT_EQ(Ids(*s1), (std::vector<int64_t>{5, 8, 6, 9, 7}));
+  EXPECT_EQ(reader->LoaderOf(4), 1);
+  EXPECT_EQ(reader->LoaderOf(2), 2);
+}
+
+TEST_F(StepReaderTest, AllIsOneEpochPerStep) {
+  auto reader = StepReader::Create(source_.get(), 0, 2);
+  ASSERT_TRUE(reader.ok());
+  auto s0 = reader->Next();
+  ASSERT_TRUE(s0.ok());
+  EXPECT_EQ(s0->epoch, 0);
+  EXPECT_EQ(Ids(*s0), (std::vector<int64_t>{0, 2, 4, 1, 3}));
+  auto s1 = reader->Next();
+  ASSERT_TRUE(s1.ok());
+  EXPECT_EQ(s1->step, 1);
+  EXPECT_EQ(s1->epoch, 1);
+  EXPECT_EQ(Ids(*s1), (std::vector<int64_t>{5, 7, 9, 6, 8}));
+}
+
+TEST_F(StepReaderTest, GlobalBatchLargerThanTheSourceSpansEpochs) {
+  auto reader = StepReader::Create(source_.get(), 12, 1);
+  ASSERT_TRUE(reader.ok());
+  auto s0 = reader->Next();
+  ASSERT_TRUE(s0.ok());
+  EXPECT_EQ(s0->epoch, 0);
+  EXPECT_EQ(Lengths(*s0),
+            (std::vector<int64_t>{10, 20, 30, 40, 50, 10, 20, 30, 40, 50, 10, 20}));
+  EXPECT_EQ(s0->samples.back().id, 11);
+  auto s1 = reader->Next();
+  ASSERT_TRUE(s1.ok());
+  EXPECT_EQ(s1->epoch, 2);
+  EXPECT_EQ(s1->samples.front().id, 12);
+  EXPECT_EQ(s1->samples.front().length, 30);
+}
+
+// A source that never yields a sample.
+class EmptySource : public SampleSource {
+ public:
+  Result<std::optional<Sample>> Next() override { return std::optional<Sample>(); }
+  Result<std::optional<SampleLength>> NextLength() override {
+    return std::optional<SampleLength>();
+  }
+  Status Reset() override {
+    ++epoch_;
+    return Status::Ok();
+  }
+  std::optional<int64_t> size_hint() const override { return 0; }
+  int64_t epoch() const override { return epoch_; }
+  const std::string& spec() const override { return spec_; }
+
+ private:
+  int64_t epoch_ = 0;
+  std::string spec_ = "empty:nothing";
+};
+
+TEST(StepReader, EmptySourceIsAnErrorNamingTheSpec) {
+  EmptySource source;
+  for (int64_t n : {int64_t{0}, int64_t{4}}) {
+    auto reader = StepReader::Create(&source, n, 2);
+    ASSERT_TRUE(reader.ok());
+    auto s = reader->Next();
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.status().message().find("empty:nothing"), std::string::npos)
+        << s.status().ToString();
+    EXPECT_NE(s.status().message().find("no samples"), std::string::npos);
+  }
+}
+
+TEST(StepReader, BadArguments) {
+  EmptySource source;
+  EXPECT_FALSE(StepReader::Create(nullptr, 4, 1).ok());
+  EXPECT_FALSE(StepReader::Create(&source, -1, 1).ok());
+  EXPECT_FALSE(StepReader::Create(&source, 4, 0).ok());
+}
+
+TEST(LoaderIndices, HandWorked) {
+  EXPECT_EQ(LoaderIndices(7, 3, 0), (std::vector<int64_t>{0, 3, 6}));
+  EXPECT_EQ(LoaderIndices(7, 3, 1), (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(LoaderIndices(7, 3, 2), (std::vector<int64_t>{2, 5}));
+  EXPECT_EQ(LoaderIndices(2, 4, 3), (std::vector<int64_t>{}));
+  EXPECT_EQ(LoaderCount(7, 3, 0), 3);
+  EXPECT_EQ(LoaderCount(7, 3, 2), 2);
+  EXPECT_EQ(LoaderCount(2, 4, 2), 0);
+  EXPECT_EQ(LoaderOffset(7, 3, 0), 0);
+  EXPECT_EQ(LoaderOffset(7, 3, 1), 3);
+  EXPECT_EQ(LoaderOffset(7, 3, 2), 5);
+  std::vector<SampleLength> v;
+  for (int64_t i = 0; i < 7; ++i) v.push_back({100 + i, 1 + i, i});
+  const std::vector<SampleLength> s = ToSchedulingOrder(v, 3);
+  std::vector<int64_t> ids;
+  for (const SampleLength& x : s) ids.push_back(x.id);
+  EXPECT_EQ(ids, (std::vector<int64_t>{100, 103, 106, 101, 104, 102, 105}));
+}
+
+}  // namespace
+}  // namespace thdpack
+
+namespace thdpack {
+namespace {
+
+// Random files, batch sizes and DP against a plain reference: step s holds the samples at
+// global positions s*N .. s*N + N - 1 of the endless sequence of epochs (id = position, length
+// = file[position mod size], epoch = the first one's position / size), and loader d gets
+// positions with (position - s*N) mod DP = d, in order.
+TEST(StepReaderRandom, MatchesThePlainRule) {
+  std::mt19937_64 rng(20260);
+  testing_util::TempDir dir;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int size = 1 + static_cast<int>(rng() % 23);
+    std::vector<int64_t> file(static_cast<size_t>(size));
+    std::string text;
+    for (int64_t& v : file) {
+      v = 1 + static_cast<int64_t>(rng() % 1000);
+      text += std::to_string(v) + "\n";
+    }
+    const std::string path = dir.File("t" + std::to_string(trial) + ".txt");
+    testing_util::WriteText(path, text);
+    auto source = OpenLengthsSource(path);
+    ASSERT_TRUE(source.ok());
+    const int dp = 1 + static_cast<int>(rng() % 6);
+    const bool all = rng() % 5 == 0;
+    const int64_t n = all ? size : 1 + static_cast<int64_t>(rng() % 40);
+    auto reader = StepReader::Create(source->get(), all ? 0 : n, dp);
+    ASSERT_TRUE(reader.ok());
+    for (int64_t s = 0; s < 4; ++s) {
+      auto step = reader->Next();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      ASSERT_EQ(static_cast<int64_t>(step->samples.size()), n);
+      EXPECT_EQ(step->step, s);
+      EXPECT_EQ(step->epoch, s * n / size);
+      size_t k = 0;
+      for (int d = 0; d < dp; ++d) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (i % dp != d) continue;
+          const int64_t pos = s * n + i;
+          const SampleLength& got = step->samples[k++];
+          EXPECT_EQ(got.id, pos);
+          EXPECT_EQ(got.length, file[static_cast<size_t>(pos % size)]);
+          EXPECT_EQ(got.n_targets, got.length - 1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace thdpack

@@ -1,0 +1,196 @@
+# Run by CTest with -DTHDPACK=<thdpack binary> -DWORK_DIR=<scratch folder>: checks `thdpack plan`
+# as a user sees it. Every expected figure is worked out by hand in the comments.
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+file(WRITE "${WORK_DIR}/four.txt" "3\n5\n2\n6\n")
+file(WRITE "${WORK_DIR}/five.txt" "3\n5\n2\n6\n40\n")
+
+function(run_plan out_var)
+  execute_process(COMMAND ${THDPACK} plan ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "thdpack plan ${ARGN} failed (${rc}): ${err}")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
+endfunction()
+
+# Expects a nonzero exit and every remaining argument after `--expect` in stderr.
+function(expect_error)
+  cmake_parse_arguments(E "" "" "ARGS;EXPECT" ${ARGN})
+  execute_process(COMMAND ${THDPACK} plan ${E_ARGS} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  if(rc EQUAL 0)
+    message(FATAL_ERROR "thdpack plan ${E_ARGS} should fail; printed: ${out}")
+  endif()
+  foreach(part IN LISTS E_EXPECT)
+    string(FIND "${err}" "${part}" pos)
+    if(pos EQUAL -1)
+      message(FATAL_ERROR "thdpack plan ${E_ARGS}: message lacks \"${part}\": ${err}")
+    endif()
+  endforeach()
+endfunction()
+
+function(expect_json json expected)
+  string(JSON got GET "${json}" ${ARGN})
+  string(REGEX REPLACE "[ \n]" "" got "${got}")
+  if(NOT got STREQUAL "${expected}")
+    message(FATAL_ERROR "${ARGN}: expected ${expected}, got ${got}\nin ${json}")
+  endif()
+endfunction()
+
+# Lengths 3, 5, 2, 6 (ids 0..3, loss tokens L - 1 = 12 in all) at DP=2, CP=2: padded to
+# multiples of 2*CP = 4 -> 4, 8, 4, 8 (24 padded tokens, sum P^2 = 160); a replica's microbatch
+# holds CP * 8 = 16. Scheduling order: loader 0 reads ids 0, 2; loader 1 reads 1, 3 -> 0, 2, 1, 3.
+# sequential (next-fit, capacity 16): [0, 2, 1] (4+4+8 = 16), then [3] (8); 2 groups = DP, so
+# M = 1: replica 0 = [0, 2, 1] cost (16)/CP = 8 per rank, replica 1 = [3] cost 4. Lower bound
+# max(24/2/2, 8/2) = 6: imbalance 8/6. pad_fraction 1 - 16/24, fill 24 / (1*2*2*8) = 0.75.
+set(shape --data lengths:${WORK_DIR}/four.txt --dp 2 --cp 2 --max-tokens-per-rank 8
+          --global-batch all --steps 1)
+set(common ${shape} --cost tokens)
+run_plan(j ${common} --scheduler sequential --json)
+expect_json("${j}" 1 steps 0 num_microbatches)
+expect_json("${j}" 4 steps 0 n_samples)
+expect_json("${j}" 0 steps 0 n_skipped)
+expect_json("${j}" 16 steps 0 real_tokens)
+expect_json("${j}" 24 steps 0 padded_tokens)
+expect_json("${j}" 160 steps 0 sum_sq)
+expect_json("${j}" 12 steps 0 n_loss_tokens)
+expect_json("${j}" 1.3333333333333333 steps 0 imbalance)
+expect_json("${j}" 0.75 steps 0 fill)
+string(JSON flops_type TYPE "${j}" steps 0 flops)
+if(NOT flops_type STREQUAL "NULL")
+  message(FATAL_ERROR "flops with the tokens cost: expected null, got ${flops_type}")
+endif()
+expect_json("${j}" [0,2,1] steps 0 replicas 0 microbatches 0 samples)
+expect_json("${j}" 10 steps 0 replicas 0 microbatches 0 real_tokens)
+expect_json("${j}" 16 steps 0 replicas 0 microbatches 0 padded_tokens)
+expect_json("${j}" 8.0 steps 0 replicas 0 cost)
+expect_json("${j}" [3] steps 0 replicas 1 microbatches 0 samples)
+expect_json("${j}" 4.0 steps 0 replicas 1 cost)
+expect_json("${j}" 1 summary n_steps)
+
+# balanced: the split 12 / 12 (P) exists ([0, 1] and [2, 3], or [0, 3] and [1, 2]): imbalance 1,
+# still one microbatch, every id once.
+run_plan(j ${common} --json --svg ${WORK_DIR}/plan.svg)
+expect_json("${j}" 1.0 steps 0 imbalance)
+expect_json("${j}" 1 steps 0 num_microbatches)
+expect_json("${j}" 6.0 steps 0 replicas 0 cost)
+expect_json("${j}" 6.0 steps 0 replicas 1 cost)
+string(JSON a GET "${j}" steps 0 replicas 0 microbatches 0 samples)
+string(JSON b GET "${j}" steps 0 replicas 1 microbatches 0 samples)
+string(REGEX MATCHALL "[0-9]+" ids "${a} ${b}")
+list(SORT ids)
+if(NOT ids STREQUAL "0;1;2;3")
+  message(FATAL_ERROR "balanced plan does not hold every id once: ${a} ${b}")
+endif()
+
+# The chart: a well-formed SVG with one <rect class="mb"> per (replica, microbatch) = 2.
+file(READ "${WORK_DIR}/plan.svg" svg)
+string(FIND "${svg}" "<svg xmlns=\"http://www.w3.org/2000/svg\"" pos)
+if(pos EQUAL -1)
+  message(FATAL_ERROR "no <svg> root in plan.svg")
+endif()
+string(FIND "${svg}" "</svg>" pos)
+if(pos EQUAL -1)
+  message(FATAL_ERROR "plan.svg is not closed")
+endif()
+string(REGEX MATCHALL "<rect class=\"mb\"" rects "${svg}")
+list(LENGTH rects n)
+if(NOT n EQUAL 2)
+  message(FATAL_ERROR "expected 2 microbatch rects, got ${n}")
+endif()
+foreach(word "lower bound" "DP replica" "cost per rank" "microbatch")
+  string(FIND "${svg}" "${word}" pos)
+  if(pos EQUAL -1)
+    message(FATAL_ERROR "plan.svg lacks the label \"${word}\"")
+  endif()
+endforeach()
+find_program(XMLLINT xmllint)
+if(XMLLINT)
+  execute_process(COMMAND ${XMLLINT} --noout "${WORK_DIR}/plan.svg" RESULT_VARIABLE rc
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "plan.svg is not well-formed XML: ${err}")
+  endif()
+endif()
+
+# Steps and epochs: global batch 2 at DP=1 over 4 samples: steps read ids 0-1, 2-3, then the
+# source wraps: ids 4-5 (lengths 3, 5 again) in epoch 1. Step 2: P 4 + 8 on one replica.
+run_plan(j --data lengths:${WORK_DIR}/four.txt --dp 1 --cp 2 --max-tokens-per-rank 8
+         --global-batch 2 --steps 3 --cost tokens --json)
+expect_json("${j}" 0 steps 1 epoch)
+expect_json("${j}" 1 steps 2 epoch)
+expect_json("${j}" [4,5] steps 2 replicas 0 microbatches 0 samples)
+expect_json("${j}" 12 steps 2 padded_tokens)
+expect_json("${j}" 24 summary real_tokens)  # (3+5) + (2+6) + (3+5)
+
+# Oversize: length 40 (id 4) exceeds 16. Default policy: an error naming the sample and the
+# options to change. With skip, every epoch (global batch all, 2 steps) reports the skipped id:
+# 4, then 9 (ids keep counting), and the four others are planned as above.
+expect_error(ARGS --data lengths:${WORK_DIR}/five.txt --dp 2 --cp 2 --max-tokens-per-rank 8
+                  --global-batch all
+             EXPECT "sample id 4" "--max-tokens-per-rank" "--oversize skip")
+run_plan(j --data lengths:${WORK_DIR}/five.txt --dp 2 --cp 2 --max-tokens-per-rank 8
+         --global-batch all --steps 2 --oversize skip --cost tokens --json --summary-only)
+expect_json("${j}" 1 steps 0 n_skipped)
+expect_json("${j}" [4] steps 0 skipped)
+expect_json("${j}" [9] steps 1 skipped)
+expect_json("${j}" 1 steps 1 epoch)
+expect_json("${j}" 24 steps 1 padded_tokens)
+expect_json("${j}" 2 summary n_skipped)
+expect_json("${j}" 8 summary n_samples)
+string(FIND "${j}" "replicas" pos)
+if(NOT pos EQUAL -1)
+  message(FATAL_ERROR "--summary-only JSON still has replicas: ${j}")
+endif()
+
+# FLOPs with llama2-7b: 39642464256 per padded token + 786432 per squared padded token
+# (DESIGN.md section 3 with l=32, h=4096, f=11008, V=32000): 39642464256*24 + 786432*160.
+run_plan(j ${shape} --cost llama2-7b --json --summary-only)
+expect_json("${j}" 951544971264.0 steps 0 flops)
+
+# The readable table and summary.
+run_plan(t ${common} --scheduler sequential)
+foreach(part "imbalance" "1.3333" "75.00" "summary over 1 step" "33.33%")
+  string(FIND "${t}" "${part}" pos)
+  if(pos EQUAL -1)
+    message(FATAL_ERROR "table lacks \"${part}\":\n${t}")
+  endif()
+endforeach()
+run_plan(t ${common} --summary-only)
+string(FIND "${t}" "padded tokens" pos)
+if(NOT pos EQUAL -1)
+  message(FATAL_ERROR "--summary-only still prints the per-step table:\n${t}")
+endif()
+
+# The defaults run (built-in mock) and print 3 steps.
+run_plan(j --json --summary-only)
+expect_json("${j}" 3 summary n_steps)
+expect_json("${j}" 768 summary n_samples)
+
+# A JSONL source with a loss mask: sample 0 has tokens 1,2,3 and mask 0,1,1 (targets: tokens 1
+# and 2, token 0 is never predicted) -> 2 loss tokens; sample 1 (no mask) has L - 1 = 1. Both fit
+# one microbatch of 8 at DP=1: real 5, padded 5, sum_sq 9 + 4 = 13.
+file(WRITE "${WORK_DIR}/two.jsonl"
+  "{\"input_ids\":[1,2,3],\"loss_mask\":[0,1,1]}\n{\"input_ids\":[4,5]}\n")
+run_plan(j --data jsonl:${WORK_DIR}/two.jsonl --dp 1 --cp 1 --max-tokens-per-rank 8
+         --global-batch all --steps 1 --cost tokens --json)
+expect_json("${j}" 3 steps 0 n_loss_tokens)
+expect_json("${j}" 5 steps 0 real_tokens)
+expect_json("${j}" 13 steps 0 sum_sq)
+expect_json("${j}" [0,1] steps 0 replicas 0 microbatches 0 samples)
+
+# Errors name the option.
+expect_error(ARGS --data lengths:${WORK_DIR}/missing.txt EXPECT "--data" "missing.txt")
+expect_error(ARGS --data bogus:x EXPECT "--data" "bogus:x")
+expect_error(ARGS --cost bogus EXPECT "--cost" "bogus")
+expect_error(ARGS --global-batch ten EXPECT "--global-batch" "ten")
+expect_error(ARGS --global-batch 3 EXPECT "too few samples" "--global-batch")
+expect_error(ARGS --max-tokens-per-rank 0 EXPECT "--max-tokens-per-rank")
+expect_error(ARGS --dp 0 EXPECT "--dp")
+expect_error(ARGS --scheduler fastest EXPECT "--scheduler" "fastest")
+expect_error(ARGS --oversize drop EXPECT "--oversize" "drop")
+expect_error(ARGS --steps 0 EXPECT "--steps")
+expect_error(ARGS --microbatch-multiple 2 --num-microbatches 3 EXPECT "--num-microbatches")
+expect_error(ARGS --svg ${WORK_DIR}/no/such/dir/x.svg EXPECT "--svg")
