@@ -1,11 +1,12 @@
-// The fast cross-entropy: rows split over threads; each row read once in chunks of kChunk
-// logits. Per chunk: convert to float (bf16 -> float is exact) while taking the chunk max, then
-// e = exp(z - chunk max) with a vectorised polynomial exp, summing e and e*(z - chunk max); the
-// chunk sums are merged into the row's running (max, sum, shifted sum) - the online softmax,
-// rescaled per chunk rather than per element. With the gradient, e is kept in a per-thread
-// row scratch (V floats, cache-resident) and the second pass writes
-// grad = e * exp(chunk max - lse) * scale (minus scale at the label) in the logits' dtype, so
-// every logit costs one exp and the logits are read from memory once.
+// The fast cross-entropy: rows split over threads; each row read once, in chunks of kChunk
+// logits. Per chunk, one pass converts to float (bf16 -> float is exact) and takes
+// e = exp(z - ref) with a vectorised polynomial exp, summing e and e*(z - ref), where ref is
+// the row's running max so far (a chunk whose own max lies more than kSlack above it is redone
+// relative to its max); the chunk sums merge into the row's (max, sum, shifted sum) - the
+// online softmax, rescaled per chunk rather than per element. With the gradient, e is kept in
+// a per-thread row scratch (V floats, cache-resident) and a second pass writes
+// grad = e * exp(ref - lse) * scale (minus scale at the label) in the logits' dtype, while
+// prefetching the next row: every logit costs one exp and the logits are read from memory once.
 //
 // Vectors are GCC vector extensions of 16 floats: one zmm on AVX-512, two ymm on AVX2, four
 // xmm on the x86-64 baseline. The kernels are compiled for each of these (target_clones) and
@@ -122,11 +123,41 @@ THDPACK_INLINE float HSum(v16f v) {
   return a[0] + a[1];
 }
 
-// Forward of one row (and, with kGrad, its gradient). buf: kChunk floats; scratch: V rounded up
-// to kL floats; chunk_max: one float per chunk.
+// One pass over a chunk: e = exp(z - ref) (0 where z = -inf), sums of e and e*(z - ref), the
+// chunk max; with kGrad the e are kept in scratch. The last partial vector comes from tail
+// (padded with -inf).
+struct ChunkSums {
+  v16f s, w, max;
+};
 template <typename In, bool kGrad>
-THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* buf, float* scratch,
-                             float* chunk_max) {
+THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
+                                 float ref, float* scratch) {
+  const v16f vref = Splat(ref);
+  const v16f ninf = Splat(kNegInf);
+  const v16f zero = Splat(0.0f);
+  ChunkSums c{zero, zero, ninf};
+  for (int64_t j = 0; j < nv; j += kL) {
+    const v16f z = j < full ? Load(src + j) : Load(tail);
+    c.max = z > c.max ? z : c.max;
+    const v16f d = z - vref;
+    const v16f e = z == ninf ? zero : Exp16(d);
+    c.s += e;
+    c.w += z == ninf ? zero : e * d;
+    if constexpr (kGrad) Store(scratch + j, e);
+  }
+  return c;
+}
+
+// Forward of one row (and, with kGrad, its gradient). Each chunk is read once: its exps are
+// taken relative to the row's running max so far (for the first chunk, its first vector's
+// max), and only when the chunk's own max exceeds that reference by more than kSlack (a
+// large logit late in the row) is the chunk redone relative to its max. The row state
+// (M, S, W) is always relative to the exact running max. tail: kL floats; scratch: V rounded
+// up to kL floats; chunk_ref: one float per chunk (the reference its exps are relative to).
+constexpr float kSlack = 16.0f;  // e^16 ~ 8.9e6: chunk sums stay far below FLT_MAX
+template <typename In, bool kGrad>
+THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scratch,
+                             float* chunk_ref) {
   const int64_t V = job.vocab;
   const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
   float M = kNegInf, S = 0.0f, W = 0.0f;
@@ -134,34 +165,36 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* buf, float* scrat
   for (int64_t c0 = 0; c0 < V; c0 += kChunk, ++ci) {
     const int64_t n = std::min(kChunk, V - c0);
     const int64_t nv = (n + kL - 1) / kL * kL;
-    v16f mx = Splat(kNegInf);
-    int64_t i = 0;
-    for (; i + kL <= n; i += kL) {
-      const v16f z = Load(row + c0 + i);
-      Store(buf + i, z);
-      mx = z > mx ? z : mx;
+    const int64_t full = n / kL * kL;
+    if (full < n) {
+      for (int64_t k = 0; k < kL; ++k) tail[k] = full + k < n ? ToFloat(row[c0 + full + k]) : kNegInf;
     }
-    if (i < n) {
-      for (int64_t k = i; k < nv; ++k) buf[k] = k < n ? ToFloat(row[c0 + k]) : kNegInf;
-      const v16f z = Load(buf + i);
-      mx = z > mx ? z : mx;
+    float ref = M;
+    if (ref == kNegInf) ref = HMax(full > 0 ? Load(row + c0) : Load(tail));
+    float* sc_out = kGrad ? scratch + c0 : nullptr;
+    ChunkSums c;
+    if (ref != kNegInf) c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+    float m = ref == kNegInf ? kNegInf : HMax(c.max);
+    if (ref == kNegInf || m > ref + kSlack) {
+      // No usable reference yet, or one too far below this chunk's max: redo it exactly.
+      if (ref == kNegInf) {
+        v16f mx = Splat(kNegInf);
+        for (int64_t j = 0; j < nv; j += kL) {
+          const v16f z = j < full ? Load(row + c0 + j) : Load(tail);
+          mx = z > mx ? z : mx;
+        }
+        m = HMax(mx);
+      }
+      if (m == kNegInf) {  // every logit of the chunk is -inf: it adds nothing
+        if constexpr (kGrad) std::fill(scratch + c0, scratch + c0 + nv, 0.0f);
+        chunk_ref[ci] = kNegInf;
+        continue;
+      }
+      ref = m;
+      c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
     }
-    const float m = HMax(mx);
-    const v16f vm = Splat(m);
-    const v16f ninf = Splat(kNegInf);
-    const v16f zero = Splat(0.0f);
-    v16f vs = zero, vw = zero;
-    for (int64_t j = 0; j < nv; j += kL) {
-      const v16f z = Load(buf + j);
-      const v16f d = z - vm;
-      const v16f e = z == ninf ? zero : Exp16(d);
-      vs += e;
-      vw += z == ninf ? zero : e * d;
-      if constexpr (kGrad) Store(scratch + c0 + j, e);
-    }
-    chunk_max[ci] = m;
-    if (m == kNegInf) continue;  // every logit of the chunk is -inf: it adds nothing
-    const float sc = HSum(vs), wc = HSum(vw);
+    chunk_ref[ci] = ref;
+    const float sc = HSum(c.s), wc = HSum(c.w);
     if (m > M) {
       if (M == kNegInf) {
         S = 0.0f;
@@ -173,27 +206,33 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* buf, float* scrat
       }
       M = m;
     }
-    const float b = std::exp(m - M);
+    const float b = std::exp(ref - M);  // ref <= M
     S += b * sc;
-    W += b * (wc + (m - M) * sc);
+    W += b * (wc + (ref - M) * sc);
   }
   job.stats[t] = RowStats{M, S, W};
   if constexpr (kGrad) {
     const float lse = M + std::log(S);
     const float scale = static_cast<float>(job.scale);
     In* out = reinterpret_cast<In*>(job.grad) + t * V;
+    const In* next_row = row + V;  // prefetching past the end is harmless
     ci = 0;
     for (int64_t c0 = 0; c0 < V; c0 += kChunk, ++ci) {
       const int64_t n = std::min(kChunk, V - c0);
-      const float f = chunk_max[ci] == kNegInf ? 0.0f : std::exp(chunk_max[ci] - lse) * scale;
+      const float f = chunk_ref[ci] == kNegInf ? 0.0f : std::exp(chunk_ref[ci] - lse) * scale;
       const v16f vf = Splat(f);
       int64_t j = 0;
-      for (; j + kL <= n; j += kL) Store(out + c0 + j, Load(scratch + c0 + j) * vf);
+      for (; j + kL <= n; j += kL) {
+        // Pull the next row towards the cache while this one is written out: the reads of
+        // the next forward then overlap these stores instead of following them.
+        __builtin_prefetch(next_row + c0 + j, 0, 1);
+        Store(out + c0 + j, Load(scratch + c0 + j) * vf);
+      }
       for (; j < n; ++j) FromFloat(out + c0 + j, scratch[c0 + j] * f);
     }
     const int64_t y = job.labels[t] - job.vocab_start;
     if (y >= 0 && y < V) {
-      const float f = std::exp(chunk_max[y / kChunk] - lse) * scale;
+      const float f = std::exp(chunk_ref[y / kChunk] - lse) * scale;
       FromFloat(out + y, scratch[y] * f - scale);
     }
   }
@@ -203,7 +242,7 @@ template <typename In>
 THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end) {
   const int64_t V = job.vocab;
   const int64_t n_chunks = (V + kChunk - 1) / kChunk;
-  std::vector<float> buf(kChunk);
+  std::vector<float> tail(kL);
   std::vector<float> scratch(job.grad ? static_cast<size_t>((V + kL - 1) / kL * kL) : 0);
   std::vector<float> chunk_max(static_cast<size_t>(n_chunks));
   for (int64_t t = begin; t < end; ++t) {
@@ -214,9 +253,9 @@ THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end)
       continue;
     }
     if (job.grad) {
-      RowFloat<In, true>(job, t, buf.data(), scratch.data(), chunk_max.data());
+      RowFloat<In, true>(job, t, tail.data(), scratch.data(), chunk_max.data());
     } else {
-      RowFloat<In, false>(job, t, buf.data(), nullptr, chunk_max.data());
+      RowFloat<In, false>(job, t, tail.data(), nullptr, chunk_max.data());
     }
   }
 }

@@ -364,6 +364,48 @@ TEST(CrossEntropyTest, MinusInfinityLogitsHaveZeroProbability) {
   }
 }
 
+// Rows shaped to reach every branch of the chunked pass: a first chunk far below a later
+// one (the chunk is redone relative to its own max), a chunk of only -inf, a row starting
+// with -inf, and a last partial vector.
+TEST(CrossEntropyTest, LateLargeLogitsAndMinusInfinityChunks) {
+  for (LogitsDtype d : kAllDtypes) {
+    SCOPED_TRACE(LogitsDtypeName(d));
+    const int64_t T = 4, V = 3 * 2048 + 37;
+    Logits l(d, T, V);
+    std::mt19937_64 rng(8);
+    std::normal_distribution<double> z(0.0, 1.0);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t v = 0; v < V; ++v) {
+        double x = z(rng);
+        if (t == 0) x += v < 2048 ? -30.0 : (v == 5000 ? 40.0 : 0.0);
+        if (t == 1 && v >= 2048 && v < 4096) x = -INFINITY;
+        if (t == 2 && v < 40) x = -INFINITY;
+        if (t == 3 && v == V - 1) x = 25.0;
+        l.Set(t * V + v, x);
+      }
+    }
+    const std::vector<int64_t> labels = {5000, 17, 6000, V - 1};
+    CrossEntropyOptions o;
+    o.with_grad = true;
+    o.normalizer = 4;
+    auto g = GradBuffer(l);
+    auto gr = GradBuffer(l);
+    auto r = CrossEntropy(l.View(), {{}, labels, {}, {}}, o, g);
+    auto rr = CrossEntropyReference(l.View(), {{}, labels, {}, {}}, o, gr);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_TRUE(rr.ok());
+    const Tol tol = TolFor(d);
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_NEAR(r->logprobs[t], rr->logprobs[t], tol.value * (1 + std::abs(rr->logprobs[t])));
+      EXPECT_NEAR(r->entropy[t], rr->entropy[t], tol.value * (1 + std::abs(rr->entropy[t])));
+    }
+    for (int64_t i = 0; i < T * V; ++i) {
+      const double a = Get(d, g, i), b = Get(d, gr, i);
+      ASSERT_NEAR(a, b, tol.grad_rel * std::abs(b) + tol.grad_abs * 0.25) << i;
+    }
+  }
+}
+
 // Vocab-parallel: split the columns over TP ranks (uneven splits too), run the three phases,
 // and compare with the unsplit CrossEntropy.
 TEST(VocabParallelTest, EqualsNonParallelForTpOneToFour) {
