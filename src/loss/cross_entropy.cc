@@ -66,7 +66,8 @@ THDPACK_INLINE v16f Splat(float x) { return v16f{} + x; }
 // exp(x) for x <= ~0 (and a little above): Cephes' expf polynomial after range reduction by
 // ln 2, 2^n built in the exponent bits. Inputs below -87 are clamped (exp(-87) ~ 1.6e-38; the
 // callers zero the lanes whose logit is -inf). NaN stays NaN. Relative error ~2 ulp.
-THDPACK_INLINE v16f Exp16(v16f x) {
+THDPACK_INLINE v16f Exp16(const v16f& x_in) {
+  v16f x = x_in;
   const v16f lo = Splat(-87.0f);
   x = x < lo ? lo : x;
   const v16f magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
@@ -96,8 +97,8 @@ THDPACK_INLINE v16f Load(const uint16_t* p) {
   const v16u u = __builtin_convertvector(h, v16u) << 16;
   return (v16f)u;
 }
-THDPACK_INLINE void Store(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
-THDPACK_INLINE void Store(uint16_t* p, v16f v) {
+THDPACK_INLINE void Store(float* p, const v16f& v) { std::memcpy(p, &v, sizeof(v)); }
+THDPACK_INLINE void Store(uint16_t* p, const v16f& v) {
   const v16u u = (v16u)v;
   const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
   const v16h h = __builtin_convertvector(rounded, v16h);
@@ -108,12 +109,12 @@ THDPACK_INLINE float ToFloat(uint16_t x) { return BFloat16{x}.ToFloat(); }
 THDPACK_INLINE void FromFloat(float* p, float v) { *p = v; }
 THDPACK_INLINE void FromFloat(uint16_t* p, float v) { *p = BFloat16::FromFloat(v).bits; }
 
-THDPACK_INLINE float HMax(v16f v) {
+THDPACK_INLINE float HMax(const v16f& v) {
   float m = v[0];
   for (int i = 1; i < kL; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-THDPACK_INLINE float HSum(v16f v) {
+THDPACK_INLINE float HSum(const v16f& v) {
   // Pairwise, fixed order.
   float a[8];
   for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
