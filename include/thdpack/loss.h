@@ -166,7 +166,8 @@ struct CrossEntropyResult {
 // One TP rank's partial of one token, relative to its local max m over its columns:
 //   max = m, sum_exp = sum exp(z - m), sum_exp_shifted = sum exp(z - m) * (z - m),
 //   target_logit = z[label - vocab_start] when the label is among this rank's columns, else
-//   -inf. An uncounted token has max = -inf and the other fields 0.
+//   -inf. An uncounted token (and a counted one whose local columns are all -inf) has
+//   max = -inf, sum_exp = sum_exp_shifted = 0; an uncounted token also target_logit = -inf.
 struct VocabPartial {
   double max = 0;
   double sum_exp = 0;
