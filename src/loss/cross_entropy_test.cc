@@ -501,6 +501,30 @@ TEST(VocabParallelTest, TargetOnNoRankOrTwoRanksIsAnError) {
   EXPECT_NEAR(ok->result.loss_sum, std::log(2.0) - 0.5, 1e-15);
 }
 
+TEST(VocabParallelTest, GradRejectsMismatchedLseAndPartialSizes) {
+  Logits l(LogitsDtype::kFloat32, 2, 5);
+  const std::vector<int64_t> labels = {1, 7};
+  CrossEntropyOptions o;
+  o.with_grad = true;
+  o.normalizer = 2;
+  o.vocab_start = 5;
+  o.vocab_total = 10;
+  auto g = GradBuffer(l);
+  const std::vector<double> lse1 = {0.0};
+  Status s = VocabParallelGrad(l.View(), {{}, labels, {}, {}}, lse1, o, g);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("lse has 1"), std::string::npos) << s.ToString();
+  const std::vector<double> lse_nan = {0.0, std::nan("")};
+  s = VocabParallelGrad(l.View(), {{}, labels, {}, {}}, lse_nan, o, g);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("lse[1]"), std::string::npos) << s.ToString();
+  std::vector<VocabPartial> a(2), b(3);
+  std::vector<std::span<const VocabPartial>> views = {a, b};
+  auto c = CombineVocabPartials(views, {{}, labels, {}, {}});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("partials[1] has 3"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad input.
 
