@@ -62,6 +62,9 @@ inline bool Contains(const std::string& text, const std::string& part) {
 }
 
 inline std::string SharedDataDir() {
+  if (const char* env = std::getenv("THDPACK_DATA_DIR"); env != nullptr && *env != '\0') {
+    return env;
+  }
 #ifdef THDPACK_SHARED_DATA_DIR
   return THDPACK_SHARED_DATA_DIR;
 #else

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -17,8 +19,13 @@
 
 namespace thdpack::testing_util {
 
+// The shared data file `name` (from $THDPACK_DATA_DIR, else ../shared/data next to the
+// repository), or "" when it is not there: the real-data tests then skip, saying so.
 inline std::string SharedDataPath(const std::string& name) {
-  return std::string(THDPACK_SHARED_DATA_DIR) + "/" + name;
+  const char* env = std::getenv("THDPACK_DATA_DIR");
+  const std::string dir = (env != nullptr && *env != '\0') ? env : THDPACK_SHARED_DATA_DIR;
+  const std::string path = dir + "/" + name;
+  return std::filesystem::exists(path) ? path : "";
 }
 
 // `length,count` rows after a header line; empty on any problem (the test then fails).
