@@ -5,6 +5,9 @@ JOBS ?= $(shell nproc)
 BUILD ?= build
 ASAN_BUILD ?= build-asan
 CMAKE_FLAGS ?=
+# The Python module is built for Debian's interpreter (NumPy and PyTorch live there), whatever
+# python3 comes first on PATH.
+PYTHON ?= /usr/bin/python3
 
 .PHONY: all deps build test test-unit test-asan demo bench clean
 
@@ -14,7 +17,7 @@ deps:
 	@bash scripts/install_deps.sh
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE=$(PYTHON) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -24,7 +27,7 @@ test-unit: build
 
 # Sanitizers in a build folder of their own; flags are given here, never forced by CMakeLists.
 $(ASAN_BUILD)/CMakeCache.txt:
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF \
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
 test-asan: deps $(ASAN_BUILD)/CMakeCache.txt

@@ -40,3 +40,13 @@ else
   echo
   echo "(skipping the real-data plans: $data not found)"
 fi
+
+# The Python module (built for Debian's /usr/bin/python3 when its dependencies are there): a tiny
+# LM trained over DP=2 x CP=2 gloo processes on thdpack's plan, packing, shards and loss, each
+# step checked against a single process.
+if [ -d "$build/python/thdpack" ]; then
+  echo
+  echo "\$ python/examples/train_tiny.py --dp 2 --cp 2 --steps 4 --check"
+  PYTHONPATH="$build/python" OMP_NUM_THREADS=1 /usr/bin/python3 python/examples/train_tiny.py \
+    --dp 2 --cp 2 --steps 4 --check
+fi

@@ -7,6 +7,7 @@ packages=(
   g++ make cmake pkg-config
   libgtest-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
+  pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
 )
 
 missing=()
