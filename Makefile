@@ -6,6 +6,9 @@ BUILD ?= build
 WITH_MPI ?= ON
 ASAN_BUILD ?= build-asan
 CMAKE_FLAGS ?=
+# The Python module is built for Debian's interpreter (NumPy and PyTorch live there), whatever
+# python3 comes first on PATH.
+PYTHON ?= /usr/bin/python3
 
 .PHONY: all deps build test test-unit test-asan demo bench clean
 
@@ -15,7 +18,8 @@ deps:
 	@bash scripts/install_deps.sh
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTHDPACK_WITH_MPI=$(WITH_MPI) $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE=$(PYTHON) \
+	  -DTHDPACK_WITH_MPI=$(WITH_MPI) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -25,7 +29,8 @@ test-unit: build
 
 # Sanitizers in a build folder of their own; flags are given here, never forced by CMakeLists.
 $(ASAN_BUILD)/CMakeCache.txt:
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_WITH_MPI=$(WITH_MPI) \
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF \
+	  -DTHDPACK_WITH_MPI=$(WITH_MPI) \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
 test-asan: deps $(ASAN_BUILD)/CMakeCache.txt

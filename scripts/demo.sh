@@ -3,6 +3,8 @@
 set -euo pipefail
 build=${1:-build}
 thdpack="$build/thdpack"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+data="$repo/../shared/data"
 run() {
   echo
   echo "\$ thdpack $*"
@@ -17,6 +19,37 @@ run layout --lengths 7,3 --cp 2 --tp 4 --sp
 run layout --lengths 4000,1200,813 --cp 4 --tp 2 --sp
 # Machine-readable form.
 run layout --lengths 7,3 --cp 2 --json
+
+echo
+echo "== thdpack plan: balance, padding, microbatches and FLOPs of a data set at a topology =="
+# Built-in defaults: 3 steps of 256 lognormal mock samples, DP=4, CP=2, 16384 tokens per rank,
+# balanced scheduler, llama2-7b cost; the chart of per-replica load goes to an SVG file.
+run plan --svg "$build/plan_demo.svg"
+# The same steps with Megatron-LM's arrival-order scheduler: the straggler shows in imbalance.
+run plan --scheduler sequential --summary-only
+if [[ -d "$data" ]]; then
+  # Real long-tail document lengths (WLB-LLM), DP=8, CP=4: balanced, then sequential.
+  run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
+    --max-tokens-per-rank 32768 --global-batch 512 --steps 4
+  run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
+    --max-tokens-per-rank 32768 --global-batch 512 --steps 4 --scheduler sequential --summary-only
+  # The SQuAD-384 histogram packed into microbatches of 384 tokens (one epoch, one step).
+  run plan --data "histogram:$data/squad_384_histogram.csv" --dp 1 --cp 1 \
+    --max-tokens-per-rank 384 --global-batch all --steps 1 --cost tokens --summary-only
+else
+  echo
+  echo "(skipping the real-data plans: $data not found)"
+fi
+
+# The Python module (built for Debian's /usr/bin/python3 when its dependencies are there): a tiny
+# LM trained over DP=2 x CP=2 gloo processes on thdpack's plan, packing, shards and loss, each
+# step checked against a single process.
+if [ -d "$build/python/thdpack" ]; then
+  echo
+  echo "\$ python/examples/train_tiny.py --dp 2 --cp 2 --steps 4 --check"
+  PYTHONPATH="$build/python" OMP_NUM_THREADS=1 /usr/bin/python3 python/examples/train_tiny.py \
+    --dp 2 --cp 2 --steps 4 --check
+fi
 
 echo
 echo "== thdpack run: the distributed step on 8 thread ranks (TP=2 CP=2 DP=2), built-in mock data =="

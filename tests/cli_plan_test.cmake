@@ -169,6 +169,18 @@ run_plan(j --json --summary-only)
 expect_json("${j}" 3 summary n_steps)
 expect_json("${j}" 768 summary n_samples)
 
+# A JSONL source with a loss mask: sample 0 has tokens 1,2,3 and mask 0,1,1 (targets: tokens 1
+# and 2, token 0 is never predicted) -> 2 loss tokens; sample 1 (no mask) has L - 1 = 1. Both fit
+# one microbatch of 8 at DP=1: real 5, padded 5, sum_sq 9 + 4 = 13.
+file(WRITE "${WORK_DIR}/two.jsonl"
+  "{\"input_ids\":[1,2,3],\"loss_mask\":[0,1,1]}\n{\"input_ids\":[4,5]}\n")
+run_plan(j --data jsonl:${WORK_DIR}/two.jsonl --dp 1 --cp 1 --max-tokens-per-rank 8
+         --global-batch all --steps 1 --cost tokens --json)
+expect_json("${j}" 3 steps 0 n_loss_tokens)
+expect_json("${j}" 5 steps 0 real_tokens)
+expect_json("${j}" 13 steps 0 sum_sq)
+expect_json("${j}" [0,1] steps 0 replicas 0 microbatches 0 samples)
+
 # Errors name the option.
 expect_error(ARGS --data lengths:${WORK_DIR}/missing.txt EXPECT "--data" "missing.txt")
 expect_error(ARGS --data bogus:x EXPECT "--data" "bogus:x")

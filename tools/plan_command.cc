@@ -111,7 +111,7 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const PlanArgs& args,
                                    "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
   constexpr int kPaletteSize = 10;
   const size_t n_panels = std::min(steps.size(), kMaxSvgSteps);
-  const double left = 90, right = 170, top = 50, panel_h = 260, gap = 70;
+  const double left = 100, right = 200, top = 50, panel_h = 260, gap = 70;
   const double plot_w = std::max(400.0, std::min(1600.0, 14.0 * args.dp));
   const double width = left + plot_w + right;
   const double height = top + n_panels * (panel_h + gap) + 20;
@@ -157,8 +157,8 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const PlanArgs& args,
       s += "<text x=\"" + Num(left - 6) + "\" y=\"" + Num(y + 4) + "\" text-anchor=\"end\">" +
            Num(v) + "</text>\n";
     }
-    s += "<text x=\"" + Num(left - 70) + "\" y=\"" + Num(y0 + panel_h / 2) +
-         "\" transform=\"rotate(-90 " + Num(left - 70) + " " + Num(y0 + panel_h / 2) +
+    s += "<text x=\"" + Num(left - 85) + "\" y=\"" + Num(y0 + panel_h / 2) +
+         "\" transform=\"rotate(-90 " + Num(left - 85) + " " + Num(y0 + panel_h / 2) +
          ")\" text-anchor=\"middle\">cost per rank</text>\n";
     s += "<text x=\"" + Num(left + plot_w / 2) + "\" y=\"" + Num(y0 + panel_h + 32) +
          "\" text-anchor=\"middle\">DP replica</text>\n";
@@ -206,7 +206,7 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const PlanArgs& args,
     s += "</g>\n";
   }
   // Legend: microbatch colours.
-  const double lx = left + plot_w + 20;
+  const double lx = left + plot_w + 100;
   s += "<g class=\"legend\">\n<text x=\"" + Num(lx) + "\" y=\"" + Num(top + 40) +
        "\" font-weight=\"bold\">microbatch</text>\n";
   const int shown = std::min(max_m, kPaletteSize);
@@ -319,6 +319,12 @@ int RunPlan(const PlanArgs& args) {
     auto figures = ComputeStepFigures(step->step, step->epoch, step->samples, options, *plan,
                                       *flops);
     if (!figures.ok()) return fail(figures.status());
+    // Per-sample detail is printed only by --json without --summary-only, and drawn for the
+    // first kMaxSvgSteps steps: drop it otherwise, so long runs keep only totals in memory.
+    if ((!args.json || args.summary_only) && steps.size() >= kMaxSvgSteps) {
+      figures->sample_ids.clear();
+      figures->plan.replicas.clear();
+    }
     steps.push_back(std::move(figures).value());
   }
   if (progress) std::fprintf(stderr, "\r%60s\r", "");

@@ -6,6 +6,8 @@
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
 #include "thdpack/figures.h"
+#include "thdpack/loss.h"
+#include "thdpack/memory.h"
 #include "thdpack/pack.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <random>
 #include <vector>
 
 namespace thdpack {
@@ -154,6 +155,60 @@ TEST(StepFigures, InvalidPlanIsAnError) {
   Plan bad = HandPlan();
   bad.sample_ids = {10, 12, 11, 11};  // 13 missing, 11 twice
   EXPECT_FALSE(ComputeStepFigures(0, 0, samples, HandOptions(), bad, std::nullopt).ok());
+}
+
+}  // namespace
+}  // namespace thdpack
+
+namespace thdpack {
+namespace {
+
+// Random steps through Schedule: sample_ids are the plan's lists, capacity and FLOPs equal a
+// plain loop over the samples (P = L rounded up to 2*CP; no SP, so no tail).
+TEST(StepFiguresRandom, IdsCapacityAndFlopsMatchAPlainLoop) {
+  std::mt19937_64 rng(777);
+  const auto coef = FlopsFromCostSpec("llama3-8b");
+  ASSERT_TRUE(coef.ok() && coef->has_value());
+  for (int trial = 0; trial < 40; ++trial) {
+    ScheduleOptions o;
+    o.dp_size = 1 + static_cast<int>(rng() % 5);
+    o.cp_size = 1 + static_cast<int>(rng() % 4);
+    o.max_tokens_per_rank = 256 + static_cast<int64_t>(rng() % 2048);
+    o.scheduler = rng() % 2 ? ScheduleOptions::Scheduler::kBalanced
+                            : ScheduleOptions::Scheduler::kSequential;
+    const int n = o.dp_size * (1 + static_cast<int>(rng() % 12));
+    std::vector<SampleLength> samples;
+    for (int i = 0; i < n; ++i) {
+      const int64_t len = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(
+                                                      o.max_tokens_per_rank * o.cp_size - 8));
+      samples.push_back({1000 + 3 * i, len, len - 1});
+    }
+    auto plan = Schedule(samples, o);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    auto f = ComputeStepFigures(trial, 0, samples, o, *plan, *coef);
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    const int64_t align = o.cp_size > 1 ? 2 * o.cp_size : 1;
+    double flops = 0;
+    for (const SampleLength& s : samples) {
+      const double p = static_cast<double>((s.length + align - 1) / align * align);
+      flops += static_cast<double>((*coef)->per_token) * p +
+               static_cast<double>((*coef)->per_token_sq) * p * p;
+    }
+    EXPECT_NEAR(f->flops, flops, 1e-9 * flops);
+    EXPECT_EQ(f->capacity_tokens, static_cast<int64_t>(plan->num_microbatches) * o.dp_size *
+                                      o.cp_size * o.max_tokens_per_rank);
+    ASSERT_EQ(f->sample_ids.size(), static_cast<size_t>(o.dp_size));
+    for (int d = 0; d < o.dp_size; ++d) {
+      ASSERT_EQ(f->sample_ids[d].size(), static_cast<size_t>(plan->num_microbatches));
+      for (int m = 0; m < plan->num_microbatches; ++m) {
+        const auto ids = plan->Microbatch(d, m);
+        EXPECT_EQ(f->sample_ids[d][m], std::vector<int64_t>(ids.begin(), ids.end()));
+      }
+    }
+    const auto j = nlohmann::json::parse(StepFiguresJson(*f, false));
+    EXPECT_EQ(j["replicas"].size(), static_cast<size_t>(o.dp_size));
+    EXPECT_EQ(j["n_samples"], n);
+  }
 }
 
 }  // namespace

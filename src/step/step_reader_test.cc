@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,57 @@ TEST(LoaderIndices, HandWorked) {
   std::vector<int64_t> ids;
   for (const SampleLength& x : s) ids.push_back(x.id);
   EXPECT_EQ(ids, (std::vector<int64_t>{100, 103, 106, 101, 104, 102, 105}));
+}
+
+}  // namespace
+}  // namespace thdpack
+
+namespace thdpack {
+namespace {
+
+// Random files, batch sizes and DP against a plain reference: step s holds the samples at
+// global positions s*N .. s*N + N - 1 of the endless sequence of epochs (id = position, length
+// = file[position mod size], epoch = the first one's position / size), and loader d gets
+// positions with (position - s*N) mod DP = d, in order.
+TEST(StepReaderRandom, MatchesThePlainRule) {
+  std::mt19937_64 rng(20260);
+  testing_util::TempDir dir;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int size = 1 + static_cast<int>(rng() % 23);
+    std::vector<int64_t> file(static_cast<size_t>(size));
+    std::string text;
+    for (int64_t& v : file) {
+      v = 1 + static_cast<int64_t>(rng() % 1000);
+      text += std::to_string(v) + "\n";
+    }
+    const std::string path = dir.File("t" + std::to_string(trial) + ".txt");
+    testing_util::WriteText(path, text);
+    auto source = OpenLengthsSource(path);
+    ASSERT_TRUE(source.ok());
+    const int dp = 1 + static_cast<int>(rng() % 6);
+    const bool all = rng() % 5 == 0;
+    const int64_t n = all ? size : 1 + static_cast<int64_t>(rng() % 40);
+    auto reader = StepReader::Create(source->get(), all ? 0 : n, dp);
+    ASSERT_TRUE(reader.ok());
+    for (int64_t s = 0; s < 4; ++s) {
+      auto step = reader->Next();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      ASSERT_EQ(static_cast<int64_t>(step->samples.size()), n);
+      EXPECT_EQ(step->step, s);
+      EXPECT_EQ(step->epoch, s * n / size);
+      size_t k = 0;
+      for (int d = 0; d < dp; ++d) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (i % dp != d) continue;
+          const int64_t pos = s * n + i;
+          const SampleLength& got = step->samples[k++];
+          EXPECT_EQ(got.id, pos);
+          EXPECT_EQ(got.length, file[static_cast<size_t>(pos % size)]);
+          EXPECT_EQ(got.n_targets, got.length - 1);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""A tiny causal language model trained on packed (THD) batches from thdpack, over
+torch.distributed (gloo, CPU) with DP x CP processes, checked against a single process.
+
+thdpack does the data plane: it schedules each step's samples over the DP replicas and their
+microbatches, packs each microbatch (labels never cross a sequence boundary), gives every CP
+rank its zigzag shard, and provides the CP-local loss (each (dp, cp) rank's share is
+local_sum / N, N the step's global loss-token count) and the step statistics. torch does the
+model and the communication: K/V are all-gathered within the CP group, and parameter
+gradients are SUMMED over DP x CP (the shares are designed for a sum).
+
+The single-process run trains the same model on the same samples, built with plain torch/NumPy
+(one sequence-aware causal attention over the whole batch, F.cross_entropy, mean over loss
+tokens): the losses, statistics and parameters must agree to float64 rounding.
+
+  /usr/bin/python3 python/examples/train_tiny.py --dp 2 --cp 2 --steps 4 --check
+(with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import thdpack
+import thdpack.torch as tt
+
+VOCAB = 48
+HIDDEN = 16
+SEED = 1234
+LR = 0.5
+
+
+def step_samples(step, global_batch):
+    """The samples of one step: ids, token arrays (int32) and target masks (uint8), the same on
+    every rank (mock tokens are a pure function of (seed, id))."""
+    first = step * global_batch
+    lengths = thdpack.mock_lengths(first + global_batch, min_seq_len=2, max_seq_len=40,
+                                   mean_seq_len=14, sigma=0.7, seed=SEED)[first:]
+    ids = np.arange(first, first + global_batch, dtype=np.int64)
+    tokens = [thdpack.mock_tokens(SEED, int(i), int(L), VOCAB) for i, L in zip(ids, lengths)]
+    masks = []
+    for L in lengths:  # SFT-like: the first third is prompt (no loss)
+        m = np.ones(int(L), np.uint8)
+        m[: int(L) // 3] = 0
+        masks.append(m)
+    n_targets = np.array([int(m[1:].sum()) for m in masks], np.int64)
+    return ids, lengths.astype(np.int64), n_targets, tokens, masks
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + learned positions, one single-head causal attention block, an MLP, a head."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(SEED)
+
+        def w(*shape, scale):
+            return torch.nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64) * scale)
+
+        self.emb = w(VOCAB, HIDDEN, scale=0.5)
+        self.pos = w(64, HIDDEN, scale=0.1)
+        self.wq, self.wk, self.wv, self.wo = (w(HIDDEN, HIDDEN, scale=HIDDEN ** -0.5)
+                                              for _ in range(4))
+        self.w1 = w(HIDDEN, 2 * HIDDEN, scale=HIDDEN ** -0.5)
+        self.w2 = w(2 * HIDDEN, HIDDEN, scale=(2 * HIDDEN) ** -0.5)
+        self.head = w(HIDDEN, VOCAB, scale=HIDDEN ** -0.5)
+
+    def forward(self, tokens, position_ids, attend):
+        """attend(q, k, v) -> [t, HIDDEN]: the attention of the local queries."""
+        x = self.emb[tokens] + self.pos[position_ids]
+        x = x + attend(x @ self.wq, x @ self.wk, x @ self.wv) @ self.wo
+        x = x + torch.tanh(x @ self.w1) @ self.w2
+        return x @ self.head
+
+
+def causal_attention(q, k, v, q_pos, k_pos, q_seq, k_seq):
+    """Attention of queries q at global positions q_pos over keys at k_pos: a key is visible
+    when it is in the same sequence and not after the query."""
+    scores = (q @ k.T) / math.sqrt(q.shape[-1])
+    visible = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+class _GatherCp(torch.autograd.Function):
+    """All-gather over the CP group whose backward sums every rank's gradient of its part."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp_size, cp_rank):
+        parts = [torch.empty_like(x) for _ in range(cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.cp_rank = group, cp_rank
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.cp_rank], None, None, None
+
+
+def schedule_step(lengths, n_targets, ids, dp, cp):
+    return thdpack.schedule(lengths, n_targets, ids, dp_size=dp, cp_size=cp,
+                            max_tokens_per_rank=48, scheduler="balanced", cost="1,0.05")
+
+
+def worker(rank, dp, cp, steps, global_batch, port, out_path):
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=dp * cp)
+    dp_rank, cp_rank = divmod(rank, cp)  # Megatron's order with TP = 1: cp fastest
+    cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]
+    cp_group = cp_groups[dp_rank]
+    model = TinyLM()
+    results = []
+    for step in range(steps):
+        ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
+        by_id = {int(i): k for k, i in enumerate(ids)}
+        plan = schedule_step(lengths, n_targets, ids, dp, cp)  # every rank computes the same plan
+        n_loss = plan.figures["n_loss_tokens"]  # N: the global loss-token count of the step
+        stats = tt.LossStatistics()
+        for p in model.parameters():
+            p.grad = None
+        for m in range(plan.num_microbatches):
+            mb = [by_id[int(i)] for i in plan.microbatch(dp_rank, m)]
+            packed = thdpack.pack([tokens[k] for k in mb], [masks[k] for k in mb], cp_size=cp,
+                                  ids=[int(ids[k]) for k in mb])
+            cu, cup = packed["cu_seqlens"], packed["cu_seqlens_padded"]
+            local = {key: torch.from_numpy(thdpack.shard(packed[key], cup, cp, cp_rank))
+                     for key in ("tokens", "position_ids", "labels", "loss_mask")}
+            # Global positions and sequence of every token, for the sequence-aware causal mask.
+            seq = torch.from_numpy(np.repeat(np.arange(len(mb)), np.diff(cup)))
+            q_pos = tt.partition_indices(cup, cp, cp_rank)
+            k_pos = torch.arange(int(cup[-1]))
+
+            def attend(q, k, v):
+                if cp > 1:  # K/V of the whole microbatch, back in global order
+                    k = tt.unshard(list(_GatherCp.apply(k, cp_group, cp, cp_rank)), cup)
+                    v = tt.unshard(list(_GatherCp.apply(v, cp_group, cp, cp_rank)), cup)
+                return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
+
+            logits = model(local["tokens"], local["position_ids"], attend)
+            share = tt.local_loss(logits, local["labels"], local["loss_mask"], n_loss)
+            share.backward()
+            stats.add_shard(logits.detach(), local["labels"], local["loss_mask"], cu, cup,
+                            cp_size=cp, cp_rank=cp_rank, cp_group=cp_group if cp > 1 else None)
+        # The shares are designed for a SUM over DP x CP (here the whole world).
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(grads)
+        summary = stats.summary(group=dist.group.WORLD)
+        offset = 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * grads[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        summary["num_microbatches"] = plan.num_microbatches
+        summary["param_sum"] = float(sum(p.sum() for p in model.parameters()))
+        results.append(summary)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def single_process(steps, global_batch):
+    """The reference: one batch per step with every sample, plain torch, no thdpack packing,
+    sharding or loss."""
+    torch.set_num_threads(1)
+    model = TinyLM()
+    results = []
+    for step in range(steps):
+        ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
+        tok = torch.from_numpy(np.concatenate(tokens).astype(np.int64))
+        pos = torch.cat([torch.arange(int(L)) for L in lengths])
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.from_numpy(lengths))
+        # Next-token labels inside each sequence; the last token of a sequence predicts nothing.
+        labels = torch.cat([torch.cat([torch.from_numpy(t[1:].astype(np.int64)),
+                                       torch.tensor([0])]) for t in tokens])
+        target = torch.cat([torch.cat([torch.from_numpy(m[1:].astype(np.float64)),
+                                       torch.tensor([0.0])]) for m in masks])
+        idx = torch.arange(tok.numel())
+        logits = model(tok, pos, lambda q, k, v: causal_attention(q, k, v, idx, idx, seq, seq))
+        per_token = F.cross_entropy(logits, labels, reduction="none")
+        n_loss = int(target.sum())
+        for p in model.parameters():
+            p.grad = None
+        loss = (per_token * target).sum() / n_loss
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+            logp = torch.log_softmax(logits, -1)
+            entropy = float((-(logp.exp() * logp).sum(-1) * target).sum()) / n_loss
+            seq_sum = torch.zeros(len(lengths), dtype=torch.float64).index_add_(
+                0, seq, per_token * target)
+            seq_n = torch.from_numpy(n_targets).double()
+            has = seq_n > 0
+            ppl = float(torch.exp(seq_sum[has] / seq_n[has]).mean())
+        results.append({"n_tokens": int(lengths.sum()), "n_loss_tokens": n_loss,
+                        "loss": float(loss), "ppl": ppl, "entropy": entropy,
+                        "param_sum": float(sum(p.sum() for p in model.parameters()))})
+    return results
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=12)
+    ap.add_argument("--check", action="store_true",
+                    help="also train in one process and compare (relative tolerance --rtol)")
+    ap.add_argument("--rtol", type=float, default=1e-9)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.spawn(worker, args=(args.dp, args.cp, args.steps, args.global_batch, free_port(), out),
+                 nprocs=args.dp * args.cp, join=True)
+        with open(out) as f:
+            multi = json.load(f)
+    print(f"DP={args.dp} CP={args.cp}: {args.steps} steps of {args.global_batch} samples")
+    single = single_process(args.steps, args.global_batch) if args.check else None
+    failures = 0
+    for s, r in enumerate(multi):
+        line = (f"step {s}: microbatches {r['num_microbatches']} tokens {r['n_tokens']} "
+                f"loss tokens {r['n_loss_tokens']} loss {r['loss']:.12f} ppl {r['ppl']:.6f} "
+                f"entropy {r['entropy']:.6f}")
+        if single is not None:
+            ref = single[s]
+            worst = 0.0
+            for key in ("loss", "ppl", "entropy", "param_sum"):
+                worst = max(worst, abs(r[key] - ref[key]) / max(abs(ref[key]), 1e-300))
+            exact = all(r[k] == ref[k] for k in ("n_tokens", "n_loss_tokens"))
+            ok = exact and worst <= args.rtol
+            failures += not ok
+            line += f" | single {ref['loss']:.12f} max rel diff {worst:.2e} {'OK' if ok else 'FAIL'}"
+        print(line, flush=True)
+    if single is not None:
+        print("check:", "FAIL" if failures else "OK (multi-process equals single-process)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

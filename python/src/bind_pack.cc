@@ -1,0 +1,174 @@
+// python/src/bind_pack.cc: THD packing (pack.h). Outputs use the dtypes of DESIGN.md section 5
+// at the Python edge: tokens, labels, position_ids int64; loss_mask float32; cu_seqlens int32.
+#include <limits>
+#include <string>
+
+#include "common.h"
+#include "thdpack/pack.h"
+
+namespace thdpack::python {
+namespace {
+
+// The samples of a pack call as SampleViews. int32 token arrays and uint8/bool masks are viewed
+// in place; int64 token arrays are narrowed into `storage` (checked to fit int32).
+struct SampleArgs {
+  std::vector<SampleView> views;
+  std::vector<std::vector<TokenId>> storage;
+  std::vector<py::array> keep;  // the arrays viewed, alive for the call
+};
+
+SampleArgs ReadSamples(const py::sequence& samples, const py::object& target_masks,
+                       const py::object& ids) {
+  SampleArgs out;
+  const size_t n = py::len(samples);
+  if (n == 0) throw py::value_error("samples: empty list; a microbatch holds at least one sample");
+  py::sequence masks;
+  if (!target_masks.is_none()) {
+    masks = target_masks.cast<py::sequence>();
+    if (py::len(masks) != n) {
+      throw py::value_error("target_masks: has " + std::to_string(py::len(masks)) +
+                            " entries, samples has " + std::to_string(n) +
+                            ": one per sample (None for all ones) expected");
+    }
+  }
+  std::vector<int64_t> id_values(n);
+  for (size_t i = 0; i < n; ++i) id_values[i] = static_cast<int64_t>(i);
+  if (!ids.is_none()) {
+    py::sequence s = ids.cast<py::sequence>();
+    if (py::len(s) != n) {
+      throw py::value_error("ids: has " + std::to_string(py::len(s)) + " entries, samples has " +
+                            std::to_string(n));
+    }
+    for (size_t i = 0; i < n; ++i) id_values[i] = s[i].cast<int64_t>();
+  }
+  out.views.resize(n);
+  out.storage.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string name = "samples[" + std::to_string(i) + "]";
+    py::array a = AsArray(samples[i], name);
+    std::span<const TokenId> tokens;
+    if (HasDtype<int32_t>(a)) {
+      tokens = View1D<int32_t>(a, name);
+    } else if (HasDtype<int64_t>(a)) {
+      auto wide = View1D<int64_t>(a, name);
+      std::vector<TokenId> narrow(wide.size());
+      for (size_t j = 0; j < wide.size(); ++j) {
+        if (wide[j] < 0 || wide[j] > std::numeric_limits<TokenId>::max()) {
+          throw py::value_error(name + "[" + std::to_string(j) + "] = " + std::to_string(wide[j]) +
+                                ": token ids must lie in [0, 2^31)");
+        }
+        narrow[j] = static_cast<TokenId>(wide[j]);
+      }
+      out.storage.push_back(std::move(narrow));
+      tokens = out.storage.back();
+    } else {
+      throw py::value_error(name + ": got a " + DescribeArray(a) +
+                            ", expected int32 (viewed in place) or int64 token ids");
+    }
+    out.keep.push_back(a);
+    std::span<const uint8_t> mask;
+    if (!target_masks.is_none() && !masks[i].is_none()) {
+      const std::string mname = "target_masks[" + std::to_string(i) + "]";
+      py::array ma = AsArray(masks[i], mname);
+      if (HasDtype<bool>(ma)) {
+        auto b = View1D<bool>(ma, mname);
+        mask = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(b.data()), b.size());
+      } else {
+        mask = View1D<uint8_t>(ma, mname);
+      }
+      out.keep.push_back(ma);
+    }
+    out.views[i] = SampleView(id_values[i], tokens, mask);
+  }
+  return out;
+}
+
+PackOptions MakeOptions(int cp_size, int tp_size, bool sp, int64_t pad_id,
+                        int64_t extra_alignment) {
+  PackOptions o;
+  o.cp_size = cp_size;
+  o.tp_size = tp_size;
+  o.sp = sp;
+  o.extra_alignment = extra_alignment;
+  if (pad_id < 0 || pad_id > std::numeric_limits<TokenId>::max()) {
+    throw py::value_error("pad_id = " + std::to_string(pad_id) + ": must lie in [0, 2^31)");
+  }
+  o.pad_id = static_cast<TokenId>(pad_id);
+  return o;
+}
+
+py::array_t<float> MaskToFloat(std::span<const uint8_t> m) { return Widen<float>(m); }
+
+}  // namespace
+
+void BindPack(py::module_& m) {
+  m.attr("IGNORE_INDEX") = kIgnoreIndex;
+
+  m.def(
+      "pack",
+      [](const py::sequence& samples, const py::object& target_masks, int cp_size, int tp_size,
+         bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& ids) {
+        SampleArgs args = ReadSamples(samples, target_masks, ids);
+        const PackOptions o = MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment);
+        Result<PackedMicrobatch> r = Status::Internal("not run");
+        {
+          py::gil_scoped_release release;
+          r = Pack(args.views, o);
+        }
+        PackedMicrobatch p = ValueOrThrow(std::move(r));
+        py::dict d;
+        d["tokens"] = Widen<int64_t>(std::span<const TokenId>(p.tokens));
+        d["labels"] = Widen<int64_t>(std::span<const TokenId>(p.labels));
+        d["position_ids"] = Widen<int64_t>(std::span<const int32_t>(p.position_ids));
+        d["loss_mask"] = MaskToFloat(p.loss_mask);
+        d["cu_seqlens"] = ToNumpy(std::move(p.cu_seqlens));
+        d["cu_seqlens_padded"] = ToNumpy(std::move(p.cu_seqlens_padded));
+        d["max_seqlen"] = p.max_seqlen;
+        d["n_valid"] = p.n_valid;
+        return d;
+      },
+      py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
+      py::arg("cp_size") = 1, py::arg("tp_size") = 1, py::arg("sp") = false,
+      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("ids") = py::none(),
+      R"doc(Packs samples, in order, into one THD microbatch (DESIGN.md section 5).
+
+samples: list of 1-D token arrays (int32 viewed in place, or int64). target_masks: None, or a
+list with one uint8/bool array of L values of 0/1 per sample (None entries mean all ones).
+ids: sample ids for error messages (default 0..n-1).
+Returns a dict: tokens, labels, position_ids (int64 [T]), loss_mask (float32 [T]),
+cu_seqlens, cu_seqlens_padded (int32 [n+1], global), max_seqlen (largest padded length),
+n_valid (sum of loss_mask). Labels are -100 where nothing is predicted.)doc");
+
+  m.def(
+      "pack_shard",
+      [](const py::sequence& samples, const py::object& target_masks, int cp_size, int cp_rank,
+         int tp_size, bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& ids) {
+        SampleArgs args = ReadSamples(samples, target_masks, ids);
+        const PackOptions o = MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment);
+        Result<ShardedMicrobatch> r = Status::Internal("not run");
+        {
+          py::gil_scoped_release release;
+          r = PackAndShard(args.views, o, cp_rank);
+        }
+        ShardedMicrobatch s = ValueOrThrow(std::move(r));
+        PackedShard& sh = s.shards.at(0);
+        py::dict d;
+        d["tokens"] = Widen<int64_t>(std::span<const TokenId>(sh.tokens));
+        d["labels"] = Widen<int64_t>(std::span<const TokenId>(sh.labels));
+        d["position_ids"] = Widen<int64_t>(std::span<const int32_t>(sh.position_ids));
+        d["loss_mask"] = MaskToFloat(sh.loss_mask);
+        d["cu_seqlens"] = ToNumpy(std::move(s.layout.cu_seqlens));
+        d["cu_seqlens_padded"] = ToNumpy(std::move(s.layout.cu_seqlens_padded));
+        d["max_seqlen"] = s.layout.max_seqlen;
+        d["n_valid"] = s.n_valid;
+        return d;
+      },
+      py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
+      py::arg("cp_size"), py::arg("cp_rank"), py::arg("tp_size") = 1, py::arg("sp") = false,
+      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("ids") = py::none(),
+      R"doc(Fused pack + CP shard: CP rank cp_rank's [T/CP] arrays (equal to shard() of pack()'s
+arrays) plus the GLOBAL cu_seqlens, cu_seqlens_padded, max_seqlen and the whole microbatch's
+n_valid, without building the [T] arrays.)doc");
+}
+
+}  // namespace thdpack::python

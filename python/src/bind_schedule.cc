@@ -1,0 +1,202 @@
+// python/src/bind_schedule.cc: thdpack.schedule (schedule.h) and the plan with its figures
+// (DESIGN.md section 10).
+#include <optional>
+#include <string>
+
+#include "common.h"
+#include "thdpack/cost.h"
+#include "thdpack/schedule.h"
+
+namespace thdpack::python {
+namespace {
+
+// Reads an integer array argument of int32 or int64 dtype (no other dtype is accepted).
+std::vector<int64_t> IntArray(const py::handle& obj, const std::string& name) {
+  py::array a = AsArray(obj, name);
+  if (HasDtype<int64_t>(a)) {
+    auto v = View1D<int64_t>(a, name);
+    return std::vector<int64_t>(v.begin(), v.end());
+  }
+  if (HasDtype<int32_t>(a)) {
+    auto v = View1D<int32_t>(a, name);
+    return std::vector<int64_t>(v.begin(), v.end());
+  }
+  throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected an int64 or int32 array");
+}
+
+py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<double> flops) {
+  py::dict d;
+  d["num_microbatches"] = f.num_microbatches;
+  d["n_samples"] = f.n_samples;
+  d["n_skipped"] = f.n_skipped;
+  d["real_tokens"] = f.real_tokens;
+  d["padded_tokens"] = f.padded_tokens;
+  d["sum_sq"] = f.sum_sq;
+  d["n_loss_tokens"] = f.n_loss_tokens;
+  d["total_cost"] = f.total_cost;
+  d["max_replica_cost"] = f.max_replica_cost;
+  d["lower_bound"] = f.lower_bound;
+  d["imbalance"] = f.imbalance;
+  d["pad_fraction"] = f.pad_fraction;
+  d["fill"] = f.fill;
+  d["max_microbatch_spread"] = f.max_microbatch_spread;
+  d["flops"] = flops ? py::cast(*flops) : py::none();
+  py::list replicas;
+  for (size_t r = 0; r < f.replicas.size(); ++r) {
+    py::dict rd;
+    rd["cost"] = f.replicas[r].cost;
+    py::list mbs;
+    for (size_t m = 0; m < f.replicas[r].microbatches.size(); ++m) {
+      const MicrobatchFigures& mf = f.replicas[r].microbatches[m];
+      py::dict md;
+      auto ids = plan.Microbatch(static_cast<int>(r), static_cast<int>(m));
+      md["samples"] = ToNumpy(std::vector<int64_t>(ids.begin(), ids.end()));
+      md["n_samples"] = mf.n_samples;
+      md["real_tokens"] = mf.real_tokens;
+      md["padded_tokens"] = mf.padded_tokens;
+      md["sum_sq"] = mf.sum_sq;
+      md["n_loss_tokens"] = mf.n_loss_tokens;
+      md["cost"] = mf.cost;
+      mbs.append(md);
+    }
+    rd["microbatches"] = mbs;
+    replicas.append(rd);
+  }
+  d["replicas"] = replicas;
+  return d;
+}
+
+// What thdpack.schedule returns: the Plan, its figures and the options it was made with.
+struct PyPlan {
+  Plan plan;
+  py::dict figures;
+};
+
+}  // namespace
+
+void BindSchedule(py::module_& m) {
+  py::class_<PyPlan>(m, "Plan",
+                     "Assignment of sample ids to (replica, microbatch), and its figures.")
+      .def_property_readonly("num_microbatches", [](const PyPlan& p) { return p.plan.num_microbatches; })
+      .def_property_readonly("dp_size", [](const PyPlan& p) { return p.plan.dp_size; })
+      .def_property_readonly("scheduler", [](const PyPlan& p) { return std::string(SchedulerName(p.plan.scheduler)); })
+      .def_property_readonly("sample_ids", [](const PyPlan& p) {
+        return ToNumpy(std::vector<int64_t>(p.plan.sample_ids));
+      }, "Every scheduled id once, replica-major then microbatch (int64).")
+      .def_property_readonly("offsets", [](const PyPlan& p) {
+        return ToNumpy(std::vector<int64_t>(p.plan.offsets));
+      }, "[DP*M + 1]: microbatch (d, m) is sample_ids[offsets[d*M+m]:offsets[d*M+m+1]].")
+      .def_property_readonly("skipped", [](const PyPlan& p) {
+        return ToNumpy(std::vector<int64_t>(p.plan.skipped));
+      }, "Oversize ids left out (oversize='skip'), in input order (int64).")
+      .def_property_readonly("figures", [](const PyPlan& p) { return p.figures; },
+                             "The figures of DESIGN.md section 10 (costs per rank).")
+      .def("microbatch", [](const PyPlan& p, int replica, int microbatch) {
+        if (replica < 0 || replica >= p.plan.dp_size) {
+          throw py::value_error("microbatch: replica " + std::to_string(replica) +
+                                " outside [0, " + std::to_string(p.plan.dp_size) + ")");
+        }
+        if (microbatch < 0 || microbatch >= p.plan.num_microbatches) {
+          throw py::value_error("microbatch: microbatch " + std::to_string(microbatch) +
+                                " outside [0, " + std::to_string(p.plan.num_microbatches) + ")");
+        }
+        auto ids = p.plan.Microbatch(replica, microbatch);
+        return ToNumpy(std::vector<int64_t>(ids.begin(), ids.end()));
+      }, py::arg("replica"), py::arg("microbatch"),
+         "The ordered sample ids of microbatch `microbatch` on replica `replica` (int64).")
+      .def("__repr__", [](const PyPlan& p) {
+        return "<thdpack.Plan dp_size=" + std::to_string(p.plan.dp_size) +
+               " num_microbatches=" + std::to_string(p.plan.num_microbatches) + " samples=" +
+               std::to_string(p.plan.sample_ids.size()) + " skipped=" +
+               std::to_string(p.plan.skipped.size()) + ">";
+      });
+
+  m.def(
+      "schedule",
+      [](const py::handle& lengths_obj, const py::handle& n_targets_obj, const py::handle& ids_obj,
+         int dp_size, int cp_size, int tp_size, bool sp, int64_t max_tokens_per_rank,
+         const std::string& scheduler, const std::string& cost, int microbatch_multiple,
+         int num_microbatches, const std::string& oversize, int64_t extra_alignment) {
+        std::vector<int64_t> lengths = IntArray(lengths_obj, "lengths");
+        std::vector<int64_t> n_targets;
+        if (!n_targets_obj.is_none()) {
+          n_targets = IntArray(n_targets_obj, "n_targets");
+          if (n_targets.size() != lengths.size()) {
+            throw py::value_error("n_targets: has " + std::to_string(n_targets.size()) +
+                                  " entries, lengths has " + std::to_string(lengths.size()) +
+                                  ": one per sample expected");
+          }
+        }
+        std::vector<int64_t> ids;
+        if (!ids_obj.is_none()) {
+          ids = IntArray(ids_obj, "ids");
+          if (ids.size() != lengths.size()) {
+            throw py::value_error("ids: has " + std::to_string(ids.size()) +
+                                  " entries, lengths has " + std::to_string(lengths.size()) +
+                                  ": one per sample expected");
+          }
+        }
+        ScheduleOptions o;
+        o.dp_size = dp_size;
+        o.cp_size = cp_size;
+        o.tp_size = tp_size;
+        o.sp = sp;
+        o.max_tokens_per_rank = max_tokens_per_rank;
+        o.scheduler = ValueOrThrow(ParseSchedulerName(scheduler));
+        o.cost = ValueOrThrow(ParseCostSpec(cost));
+        o.microbatch_multiple = microbatch_multiple;
+        o.num_microbatches = num_microbatches;
+        o.oversize = ValueOrThrow(ParseOversizePolicy(oversize));
+        o.extra_alignment = extra_alignment;
+        std::optional<FlopsCoefficients> coef;
+        if (auto dims = ParseModelDims(cost); dims.ok()) {
+          coef = ValueOrThrow(ComputeFlopsCoefficients(*dims));
+        }
+        std::vector<SampleLength> samples(lengths.size());
+        for (size_t i = 0; i < lengths.size(); ++i) {
+          samples[i].id = ids.empty() ? static_cast<int64_t>(i) : ids[i];
+          samples[i].length = lengths[i];
+          samples[i].n_targets = n_targets.empty() ? lengths[i] - 1 : n_targets[i];
+        }
+        Status status;
+        Plan plan;
+        PlanFigures figures;
+        {
+          py::gil_scoped_release release;
+          Result<Plan> p = Schedule(samples, o);
+          if (!p.ok()) {
+            status = p.status();
+          } else {
+            plan = std::move(p).value();
+            Result<PlanFigures> f = ComputePlanFigures(samples, o, plan);
+            if (!f.ok()) status = f.status();
+            else figures = std::move(f).value();
+          }
+        }
+        ThrowIfError(status);
+        PyPlan out;
+        out.plan = std::move(plan);
+        std::optional<double> flops;
+        if (coef) {
+          flops = TrainingFlops(*coef, figures.padded_tokens, static_cast<double>(figures.sum_sq));
+        }
+        out.figures = FiguresToDict(figures, out.plan, flops);
+        return out;
+      },
+      py::arg("lengths"), py::arg("n_targets") = py::none(), py::arg("ids") = py::none(),
+      py::kw_only(), py::arg("dp_size"), py::arg("cp_size") = 1, py::arg("tp_size") = 1,
+      py::arg("sp") = false, py::arg("max_tokens_per_rank"), py::arg("scheduler") = "balanced",
+      py::arg("cost") = "tokens", py::arg("microbatch_multiple") = 1,
+      py::arg("num_microbatches") = 0, py::arg("oversize") = "error",
+      py::arg("extra_alignment") = 1,
+      R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
+
+lengths: int64 or int32 [n], the real length L of every sample (L >= 1).
+n_targets: loss tokens per sample (default L - 1). ids: sample ids (default 0..n-1).
+Options as ScheduleOptions in thdpack/schedule.h; scheduler "balanced" or "sequential",
+cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=.."),
+oversize "error" or "skip", num_microbatches 0 to let the scheduler choose.
+Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
+}
+
+}  // namespace thdpack::python

@@ -1,0 +1,134 @@
+// python/src/bind_wire.cc: the step metadata and its wire format (wire.h).
+//
+// Python form of StepMeta: keyword arguments / a dict with the field names of wire.h;
+// microbatches is a list of dicts with cu_seqlens and cu_seqlens_padded (int32 arrays), n_valid
+// and optionally max_seqlen (so a pack() result can be passed as is). Totals left out are
+// computed from the microbatches.
+#include <algorithm>
+#include <string>
+
+#include "common.h"
+#include "thdpack/wire.h"
+
+namespace thdpack::python {
+namespace {
+
+std::vector<int32_t> CopyInt32(const py::handle& obj, const std::string& name) {
+  auto v = View1D<int32_t>(obj, name);
+  return std::vector<int32_t>(v.begin(), v.end());
+}
+
+py::dict ToDict(StepMeta meta) {
+  py::dict d;
+  d["step"] = meta.step;
+  d["epoch"] = meta.epoch;
+  d["dp_size"] = meta.dp_size;
+  d["replica"] = meta.replica;
+  d["cp_size"] = meta.cp_size;
+  d["tp_size"] = meta.tp_size;
+  d["sp"] = meta.sp;
+  d["pad_multiple"] = meta.pad_multiple;
+  py::list mbs;
+  for (MicrobatchMeta& mb : meta.microbatches) {
+    py::dict md;
+    md["cu_seqlens"] = ToNumpy(std::move(mb.cu_seqlens));
+    md["cu_seqlens_padded"] = ToNumpy(std::move(mb.cu_seqlens_padded));
+    md["max_seqlen"] = mb.max_seqlen;
+    md["n_valid"] = mb.n_valid;
+    mbs.append(md);
+  }
+  d["microbatches"] = mbs;
+  d["real_tokens"] = meta.real_tokens;
+  d["padded_tokens"] = meta.padded_tokens;
+  d["sum_sq"] = meta.sum_sq;
+  d["n_loss_tokens"] = meta.n_loss_tokens;
+  d["skipped_ids"] = ToNumpy(std::move(meta.skipped_ids));
+  return d;
+}
+
+}  // namespace
+
+void BindWire(py::module_& m) {
+  m.def(
+      "encode_metadata",
+      [](const py::sequence& microbatches, uint64_t step, uint64_t epoch, int32_t dp_size,
+         int32_t replica, int32_t cp_size, int32_t tp_size, bool sp, py::object pad_multiple,
+         py::object n_loss_tokens, py::object real_tokens, py::object padded_tokens,
+         py::object sum_sq, const py::object& skipped_ids) {
+        StepMeta meta;
+        meta.step = step;
+        meta.epoch = epoch;
+        meta.dp_size = dp_size;
+        meta.replica = replica;
+        meta.cp_size = cp_size;
+        meta.tp_size = tp_size;
+        meta.sp = sp;
+        meta.pad_multiple = pad_multiple.is_none() ? (cp_size > 1 ? 2 * int64_t{cp_size} : 1)
+                                                   : pad_multiple.cast<int64_t>();
+        int64_t real = 0, padded = 0, sq = 0, valid = 0;
+        for (size_t i = 0; i < py::len(microbatches); ++i) {
+          const std::string name = "microbatches[" + std::to_string(i) + "]";
+          py::dict d = microbatches[i].cast<py::dict>();
+          for (const char* key : {"cu_seqlens", "cu_seqlens_padded", "n_valid"}) {
+            if (!d.contains(key)) throw py::value_error(name + ": missing key '" + key + "'");
+          }
+          MicrobatchMeta mb;
+          mb.cu_seqlens = CopyInt32(d["cu_seqlens"], name + "['cu_seqlens']");
+          mb.cu_seqlens_padded = CopyInt32(d["cu_seqlens_padded"], name + "['cu_seqlens_padded']");
+          mb.n_valid = d["n_valid"].cast<int64_t>();
+          int32_t largest = 0;
+          for (size_t k = 0; k + 1 < mb.cu_seqlens_padded.size(); ++k) {
+            const int64_t p = int64_t{mb.cu_seqlens_padded[k + 1]} - mb.cu_seqlens_padded[k];
+            largest = std::max<int32_t>(largest, static_cast<int32_t>(p));
+            sq += p * p;
+          }
+          mb.max_seqlen = d.contains("max_seqlen") ? d["max_seqlen"].cast<int32_t>() : largest;
+          if (!mb.cu_seqlens.empty()) real += mb.cu_seqlens.back();
+          if (!mb.cu_seqlens_padded.empty()) padded += mb.cu_seqlens_padded.back();
+          valid += mb.n_valid;
+          meta.microbatches.push_back(std::move(mb));
+        }
+        meta.real_tokens = real_tokens.is_none() ? real : real_tokens.cast<int64_t>();
+        meta.padded_tokens = padded_tokens.is_none() ? padded : padded_tokens.cast<int64_t>();
+        meta.sum_sq = sum_sq.is_none() ? sq : sum_sq.cast<int64_t>();
+        meta.n_loss_tokens = n_loss_tokens.is_none() ? valid : n_loss_tokens.cast<int64_t>();
+        if (!skipped_ids.is_none()) {
+          for (auto h : skipped_ids.cast<py::sequence>()) meta.skipped_ids.push_back(h.cast<int64_t>());
+        }
+        std::vector<uint8_t> bytes = ValueOrThrow(EncodeStepMeta(meta));
+        return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      },
+      py::arg("microbatches"), py::kw_only(), py::arg("step") = 0, py::arg("epoch") = 0,
+      py::arg("dp_size") = 1, py::arg("replica") = 0, py::arg("cp_size") = 1,
+      py::arg("tp_size") = 1, py::arg("sp") = false, py::arg("pad_multiple") = py::none(),
+      py::arg("n_loss_tokens") = py::none(), py::arg("real_tokens") = py::none(),
+      py::arg("padded_tokens") = py::none(), py::arg("sum_sq") = py::none(),
+      py::arg("skipped_ids") = py::none(),
+      R"doc(Encodes one replica's step metadata (DESIGN.md section 6) into bytes.
+
+microbatches: list of dicts with cu_seqlens, cu_seqlens_padded (int32 [n+1], global),
+n_valid and optionally max_seqlen (a pack() result works as is). n_loss_tokens: the GLOBAL
+loss-token count N of the step (default: this replica's sum of n_valid). pad_multiple defaults
+to 2*cp_size (1 without CP); real_tokens, padded_tokens and sum_sq default to their sums.
+ValueError naming the field and the rule when the metadata is inconsistent.)doc");
+
+  m.def(
+      "decode_metadata",
+      [](const py::bytes& data) {
+        std::string_view view = data;
+        std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(view.data()), view.size());
+        Result<StepMeta> r = Status::Internal("not run");
+        {
+          py::gil_scoped_release release;
+          r = DecodeStepMeta(bytes);
+        }
+        return ToDict(ValueOrThrow(std::move(r)));
+      },
+      py::arg("data"),
+      R"doc(Decodes bytes from encode_metadata into a dict with the fields of encode_metadata
+(microbatches as dicts of int32 arrays). Any corrupt, truncated or foreign input raises
+ValueError with the byte offset and the rule broken; a newer version raises ValueError
+('Unimplemented').)doc");
+}
+
+}  // namespace thdpack::python

@@ -1,0 +1,10 @@
+"""pytest setup: the module is imported from the build tree (PYTHONPATH=<build>/python, as
+ctest sets it); a clear error otherwise instead of a confusing ImportError deep in a test."""
+import os
+import sys
+
+try:
+    import thdpack  # noqa: F401
+except ImportError as e:  # pragma: no cover
+    raise SystemExit(f"cannot import thdpack ({e}); run with PYTHONPATH=<build>/python "
+                     f"(sys.executable={sys.executable}, PYTHONPATH={os.environ.get('PYTHONPATH')})")

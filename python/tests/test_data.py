@@ -1,0 +1,58 @@
+"""Data sources and FLOPs from Python, checked against values worked out independently."""
+import json
+
+import numpy as np
+import pytest
+
+import thdpack
+
+
+def test_read_jsonl(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n"
+                    + json.dumps({"input_ids": [9]}) + "\n")
+    samples = thdpack.read_jsonl(str(path))
+    assert [s["id"] for s in samples] == [0, 1]
+    assert samples[0]["tokens"].dtype == np.int32 and samples[0]["tokens"].tolist() == [5, 6, 7]
+    assert samples[0]["target_mask"].tolist() == [0, 1, 1]
+    assert samples[1]["target_mask"] is None
+    assert len(thdpack.read_jsonl(str(path), limit=1)) == 1
+    lengths = thdpack.read_lengths("jsonl:" + str(path))
+    assert lengths["lengths"].tolist() == [3, 1] and lengths["n_targets"].tolist() == [2, 0]
+    # The samples go straight into pack.
+    p = thdpack.pack([s["tokens"] for s in samples], [s["target_mask"] for s in samples])
+    assert p["n_valid"] == 2
+
+
+def test_read_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, -3]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        thdpack.read_jsonl(str(path))
+    with pytest.raises((OSError, ValueError), match="missing"):
+        thdpack.read_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+def test_mock_lengths_equal_the_mock_source():
+    a = thdpack.mock_lengths(200, seed=7)
+    b = thdpack.read_lengths("mock", seed=7, mock_num_samples=200)
+    assert a.dtype == np.int64 and a.tolist() == b["lengths"].tolist()
+    assert a.min() >= 16 and a.max() <= 16384
+    small = thdpack.mock_lengths(1000, min_seq_len=2, max_seq_len=40, mean_seq_len=14, sigma=0.7)
+    assert small.min() >= 2 and small.max() <= 40 and 8 < small.mean() < 20
+    t = thdpack.mock_tokens(1234, 5, 50, 100)
+    assert t.dtype == np.int32 and len(t) == 50 and t.min() >= 0 and t.max() < 100
+    assert t.tolist() == thdpack.mock_tokens(1234, 5, 50, 100).tolist()
+
+
+def test_flops_by_hand():
+    l, h, nh, nkv, f, v = 32, 4096, 32, 32, 11008, 32000  # Llama-2 7B
+    per_token = 3 * (2 * l * (h * h + 2 * h * h * nkv // nh + h * h + 3 * h * f) + 2 * h * v)
+    per_token_sq = 3 * 2 * l * h
+    assert thdpack.flops_coefficients("llama2-7b") == (per_token, per_token_sq)
+    cu = np.array([0, 100, 300], np.int32)
+    expected = per_token * 300 + per_token_sq * (100 ** 2 + 200 ** 2)
+    assert thdpack.flops("llama2-7b", cu) == pytest.approx(expected, rel=1e-15)
+    assert thdpack.cost_model("2,0.5")["a"] == 2.0
+    with pytest.raises(ValueError):
+        thdpack.flops("tokens", cu)  # no model dimensions behind "tokens"

@@ -1,0 +1,81 @@
+"""schedule(): the invariants of thdpack/schedule.h checked from Python on random inputs."""
+import numpy as np
+import pytest
+
+import thdpack
+
+
+def padded_tokens(lengths, cp_size, tp_size=1, sp=False):
+    """The padding rule of DESIGN.md section 5, written independently."""
+    m = 2 * cp_size if cp_size > 1 else 1
+    total = sum(-(-int(L) // m) * m for L in lengths)
+    if sp and tp_size > 1:
+        q = np.lcm(m, cp_size * tp_size)
+        total = -(-total // q) * q
+    return total
+
+
+@pytest.mark.parametrize("scheduler", ["balanced", "sequential"])
+@pytest.mark.parametrize("dp,cp,tp,sp,k", [(1, 1, 1, False, 1), (2, 2, 1, False, 1),
+                                          (4, 1, 1, False, 2), (3, 4, 2, True, 1)])
+def test_invariants(scheduler, dp, cp, tp, sp, k):
+    rng = np.random.default_rng(dp * 100 + cp * 10 + k)
+    for trial in range(5):
+        n = int(rng.integers(dp * k * 2, 200))
+        lengths = rng.integers(1, 300, size=n)
+        budget_per_rank = 512
+        plan = thdpack.schedule(lengths, dp_size=dp, cp_size=cp, tp_size=tp, sp=sp,
+                                max_tokens_per_rank=budget_per_rank, scheduler=scheduler,
+                                microbatch_multiple=k)
+        m = plan.num_microbatches
+        assert m >= 1 and m % k == 0 and plan.dp_size == dp
+        seen = []
+        for d in range(dp):
+            for mb in range(m):
+                ids = plan.microbatch(d, mb)
+                assert ids.dtype == np.int64 and len(ids) > 0
+                assert padded_tokens(lengths[ids], cp, tp, sp) <= cp * budget_per_rank
+                fig = plan.figures["replicas"][d]["microbatches"][mb]
+                assert fig["samples"].tolist() == ids.tolist()
+                assert fig["real_tokens"] == int(lengths[ids].sum())
+                assert fig["padded_tokens"] == padded_tokens(lengths[ids], cp, tp, sp)
+                seen += ids.tolist()
+        assert sorted(seen) == list(range(n))  # every sample exactly once
+        f = plan.figures
+        assert f["num_microbatches"] == m and f["n_samples"] == n and f["n_skipped"] == 0
+        assert f["real_tokens"] == int(lengths.sum())
+        assert f["n_loss_tokens"] == int((lengths - 1).sum())
+        assert f["imbalance"] >= 1.0 - 1e-12
+        again = thdpack.schedule(lengths, dp_size=dp, cp_size=cp, tp_size=tp, sp=sp,
+                                 max_tokens_per_rank=budget_per_rank, scheduler=scheduler,
+                                 microbatch_multiple=k)
+        assert again.sample_ids.tolist() == plan.sample_ids.tolist()  # deterministic
+        assert again.offsets.tolist() == plan.offsets.tolist()
+
+
+def test_n_targets_ids_skip_and_flops():
+    lengths = np.array([10, 2000, 30, 40, 50], np.int32)
+    plan = thdpack.schedule(lengths, n_targets=np.array([3, 0, 5, 7, 9]),
+                            ids=np.array([100, 101, 102, 103, 104]), dp_size=2,
+                            max_tokens_per_rank=100, oversize="skip", cost="llama2-7b")
+    assert plan.skipped.tolist() == [101]
+    assert sorted(plan.sample_ids.tolist()) == [100, 102, 103, 104]
+    f = plan.figures
+    assert f["n_loss_tokens"] == 3 + 5 + 7 + 9
+    a, b = thdpack.flops_coefficients("llama2-7b")
+    assert f["flops"] == pytest.approx(a * f["padded_tokens"] + b * f["sum_sq"], rel=1e-12)
+    assert thdpack.flops("llama2-7b", padded_tokens=f["padded_tokens"], sum_sq=f["sum_sq"]) == \
+        pytest.approx(f["flops"], rel=1e-12)
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError, match="2000"):
+        thdpack.schedule(np.array([10, 2000]), dp_size=1, max_tokens_per_rank=100)
+    with pytest.raises(ValueError, match="lengths.*float64"):
+        thdpack.schedule(np.array([1.0, 2.0]), dp_size=1, max_tokens_per_rank=100)
+    with pytest.raises(ValueError, match="too few"):
+        thdpack.schedule(np.array([5]), dp_size=2, max_tokens_per_rank=100)
+    with pytest.raises(ValueError, match="scheduler"):
+        thdpack.schedule(np.array([5, 6]), dp_size=1, max_tokens_per_rank=100, scheduler="x")
+    with pytest.raises(TypeError):
+        thdpack.schedule(np.array([5, 6]), dp_size=1)  # max_tokens_per_rank is required

@@ -1,0 +1,36 @@
+"""thdpack: the data plane of packed-sequence (THD) distributed LLM training.
+
+Scheduling over DP replicas and microbatches, THD packing, CP zigzag and SP sharding, the step
+metadata wire format and the CP-local cross-entropy, on NumPy arrays (no copies of the
+arguments; dtypes and contiguity are checked and a ValueError names what is wrong).
+``thdpack.torch`` holds the same loss semantics and sharding as torch operations on any device.
+
+Communication stays in the framework (torch.distributed): thdpack computes who gets what.
+"""
+from ._thdpack import (  # noqa: F401
+    IGNORE_INDEX,
+    Plan,
+    __version__,
+    cost_model,
+    cp_partition_indices,
+    cross_entropy,
+    decode_metadata,
+    encode_metadata,
+    flops,
+    flops_coefficients,
+    gradient_factor,
+    local_cu_seqlens_padded,
+    local_position_ids,
+    mock_lengths,
+    mock_tokens,
+    pack,
+    pack_shard,
+    read_jsonl,
+    read_lengths,
+    read_megatron,
+    schedule,
+    shard,
+    sp_range,
+    sp_split,
+    unshard,
+)

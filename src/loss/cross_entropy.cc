@@ -1,0 +1,592 @@
+// The fast cross-entropy: rows split over threads; each row read once, in chunks of kChunk
+// logits. Per chunk, one pass converts to float (bf16 -> float is exact) and takes
+// e = exp(z - ref) with a vectorised polynomial exp, summing e and e*(z - ref), where ref is
+// the row's running max so far (a chunk whose own max lies more than kSlack above it is redone
+// relative to its max); the chunk sums merge into the row's (max, sum, shifted sum) - the
+// online softmax, rescaled per chunk rather than per element. With the gradient, e is kept in
+// a per-thread row scratch (V floats, cache-resident) and a second pass writes
+// grad = e * exp(ref - lse) * scale (minus scale at the label) in the logits' dtype, while
+// prefetching the next row: every logit costs one exp and the logits are read from memory once.
+//
+// Vectors are GCC vector extensions of 16 floats: one zmm on AVX-512, two ymm on AVX2, four
+// xmm on the x86-64 baseline. The kernels are compiled for each of these (target_clones) and
+// picked at load time, so the build stays portable. Lane sums are reduced in a fixed order: a
+// token's values do not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "loss/loss_internal.h"
+
+// The vectors below never cross a function boundary that is not inlined.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(THDPACK_NO_TARGET_CLONES)
+#define THDPACK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define THDPACK_CLONES
+#endif
+#define THDPACK_INLINE inline __attribute__((always_inline))
+
+namespace thdpack {
+namespace {
+
+using loss_internal::Prepared;
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+constexpr int64_t kL = 16;
+constexpr int64_t kChunk = 2048;  // a multiple of kL; 8 KiB of floats stays in L1
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Per-row online softmax state relative to m: s = sum exp(z - m), w = sum exp(z - m)*(z - m).
+struct RowStats {
+  double m = 0, s = 0, w = 0;
+};
+
+// What one pass over rows needs.
+struct Job {
+  const std::byte* logits = nullptr;
+  int64_t vocab = 0;            // V (local columns)
+  const int64_t* labels = nullptr;  // [T] global label, -1 uncounted
+  int64_t vocab_start = 0;
+  std::byte* grad = nullptr;    // null: no gradient
+  double scale = 0;             // grad_scale / N
+  const double* lse = nullptr;  // gradient-only pass: per-token lse
+  RowStats* stats = nullptr;    // forward: per-token output
+};
+
+THDPACK_INLINE v16f Splat(float x) { return v16f{} + x; }
+
+// exp(x) for x <= ~0 (and a little above): Cephes' expf polynomial after range reduction by
+// ln 2, 2^n built in the exponent bits. Inputs below -87 are clamped (exp(-87) ~ 1.6e-38; the
+// callers zero the lanes whose logit is -inf). NaN stays NaN. Relative error ~2 ulp.
+THDPACK_INLINE v16f Exp16(const v16f& x_in) {
+  v16f x = x_in;
+  const v16f lo = Splat(-87.0f);
+  x = x < lo ? lo : x;
+  const v16f magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v16f n = (x * 1.44269504088896341f + magic) - magic;
+  v16f r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16f p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * (r * r) + r + 1.0f;
+  const v16i ni = __builtin_convertvector(n, v16i);
+  const v16i bits = (ni + 127) << 23;
+  return y * (v16f)bits;
+}
+
+THDPACK_INLINE v16f Load(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+THDPACK_INLINE v16f Load(const uint16_t* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16u u = __builtin_convertvector(h, v16u) << 16;
+  return (v16f)u;
+}
+THDPACK_INLINE void Store(float* p, const v16f& v) { std::memcpy(p, &v, sizeof(v)); }
+THDPACK_INLINE void Store(uint16_t* p, const v16f& v) {
+  const v16u u = (v16u)v;
+  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  const v16h h = __builtin_convertvector(rounded, v16h);
+  std::memcpy(p, &h, sizeof(h));
+}
+THDPACK_INLINE float ToFloat(float x) { return x; }
+THDPACK_INLINE float ToFloat(uint16_t x) { return BFloat16{x}.ToFloat(); }
+THDPACK_INLINE void FromFloat(float* p, float v) { *p = v; }
+THDPACK_INLINE void FromFloat(uint16_t* p, float v) { *p = BFloat16::FromFloat(v).bits; }
+
+THDPACK_INLINE float HMax(const v16f& v) {
+  float m = v[0];
+  for (int i = 1; i < kL; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+THDPACK_INLINE float HSum(const v16f& v) {
+  // Pairwise, fixed order.
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) a[i] += a[i + 4];
+  a[0] += a[2];
+  a[1] += a[3];
+  return a[0] + a[1];
+}
+
+// One pass over a chunk: e = exp(z - ref) (0 where z = -inf), sums of e and e*(z - ref), the
+// chunk max; with kGrad the e are kept in scratch. The last partial vector comes from tail
+// (padded with -inf).
+struct ChunkSums {
+  v16f s, w, max;
+};
+template <typename In, bool kGrad>
+THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
+                                 float ref, float* scratch) {
+  const v16f vref = Splat(ref);
+  const v16f ninf = Splat(kNegInf);
+  const v16f zero = Splat(0.0f);
+  ChunkSums c{zero, zero, ninf};
+  for (int64_t j = 0; j < nv; j += kL) {
+    const v16f z = j < full ? Load(src + j) : Load(tail);
+    c.max = z > c.max ? z : c.max;
+    const v16f d = z - vref;
+    const v16f e = z == ninf ? zero : Exp16(d);
+    c.s += e;
+    c.w += z == ninf ? zero : e * d;
+    if constexpr (kGrad) Store(scratch + j, e);
+  }
+  return c;
+}
+
+// Forward of one row (and, with kGrad, its gradient). Each chunk is read once: its exps are
+// taken relative to the row's running max so far (for the first chunk, its first vector's
+// max), and only when the chunk's own max exceeds that reference by more than kSlack (a
+// large logit late in the row) is the chunk redone relative to its max. The row state
+// (M, S, W) is always relative to the exact running max. tail: kL floats; scratch: V rounded
+// up to kL floats; chunk_ref: one float per chunk (the reference its exps are relative to).
+constexpr float kSlack = 16.0f;  // e^16 ~ 8.9e6: chunk sums stay far below FLT_MAX
+template <typename In, bool kGrad>
+THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scratch,
+                             float* chunk_ref) {
+  const int64_t V = job.vocab;
+  const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
+  float M = kNegInf, S = 0.0f, W = 0.0f;
+  int64_t ci = 0;
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk, ++ci) {
+    const int64_t n = std::min(kChunk, V - c0);
+    const int64_t nv = (n + kL - 1) / kL * kL;
+    const int64_t full = n / kL * kL;
+    if (full < n) {
+      for (int64_t k = 0; k < kL; ++k) tail[k] = full + k < n ? ToFloat(row[c0 + full + k]) : kNegInf;
+    }
+    float ref = M;
+    if (ref == kNegInf) ref = HMax(full > 0 ? Load(row + c0) : Load(tail));
+    float* sc_out = kGrad ? scratch + c0 : nullptr;
+    ChunkSums c;
+    if (ref != kNegInf) c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+    float m = ref == kNegInf ? kNegInf : HMax(c.max);
+    if (ref == kNegInf || m > ref + kSlack) {
+      // No usable reference yet, or one too far below this chunk's max: redo it exactly.
+      if (ref == kNegInf) {
+        v16f mx = Splat(kNegInf);
+        for (int64_t j = 0; j < nv; j += kL) {
+          const v16f z = j < full ? Load(row + c0 + j) : Load(tail);
+          mx = z > mx ? z : mx;
+        }
+        m = HMax(mx);
+      }
+      if (m == kNegInf) {  // every logit of the chunk is -inf: it adds nothing
+        if constexpr (kGrad) std::fill(scratch + c0, scratch + c0 + nv, 0.0f);
+        chunk_ref[ci] = kNegInf;
+        continue;
+      }
+      ref = m;
+      c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+    }
+    chunk_ref[ci] = ref;
+    const float sc = HSum(c.s), wc = HSum(c.w);
+    if (m > M) {
+      if (M == kNegInf) {
+        S = 0.0f;
+        W = 0.0f;
+      } else {
+        const float a = std::exp(M - m);
+        W = a * (W + (M - m) * S);
+        S = a * S;
+      }
+      M = m;
+    }
+    const float b = std::exp(ref - M);  // ref <= M
+    S += b * sc;
+    W += b * (wc + (ref - M) * sc);
+  }
+  job.stats[t] = RowStats{M, S, W};
+  if constexpr (kGrad) {
+    const float lse = M + std::log(S);
+    const float scale = static_cast<float>(job.scale);
+    In* out = reinterpret_cast<In*>(job.grad) + t * V;
+    const In* next_row = row + V;  // prefetching past the end is harmless
+    ci = 0;
+    for (int64_t c0 = 0; c0 < V; c0 += kChunk, ++ci) {
+      const int64_t n = std::min(kChunk, V - c0);
+      const float f = chunk_ref[ci] == kNegInf ? 0.0f : std::exp(chunk_ref[ci] - lse) * scale;
+      const v16f vf = Splat(f);
+      int64_t j = 0;
+      for (; j + kL <= n; j += kL) {
+        // Pull the next row towards the cache while this one is written out: the reads of
+        // the next forward then overlap these stores instead of following them.
+        __builtin_prefetch(next_row + c0 + j, 0, 1);
+        Store(out + c0 + j, Load(scratch + c0 + j) * vf);
+      }
+      for (; j < n; ++j) FromFloat(out + c0 + j, scratch[c0 + j] * f);
+    }
+    const int64_t y = job.labels[t] - job.vocab_start;
+    if (y >= 0 && y < V) {
+      const float f = std::exp(chunk_ref[y / kChunk] - lse) * scale;
+      FromFloat(out + y, scratch[y] * f - scale);
+    }
+  }
+}
+
+template <typename In>
+THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end) {
+  const int64_t V = job.vocab;
+  const int64_t n_chunks = (V + kChunk - 1) / kChunk;
+  std::vector<float> tail(kL);
+  std::vector<float> scratch(job.grad ? static_cast<size_t>((V + kL - 1) / kL * kL) : 0);
+  std::vector<float> chunk_max(static_cast<size_t>(n_chunks));
+  for (int64_t t = begin; t < end; ++t) {
+    if (job.labels[t] < 0) {
+      if (job.grad) {
+        std::memset(job.grad + t * V * int64_t{sizeof(In)}, 0, static_cast<size_t>(V) * sizeof(In));
+      }
+      continue;
+    }
+    if (job.grad) {
+      RowFloat<In, true>(job, t, tail.data(), scratch.data(), chunk_max.data());
+    } else {
+      RowFloat<In, false>(job, t, tail.data(), nullptr, chunk_max.data());
+    }
+  }
+}
+
+// Gradient only (vocab-parallel phase 3): grad = exp(z - lse) * scale, minus scale at the label.
+template <typename In>
+THDPACK_INLINE void GradRowsFloat(const Job& job, int64_t begin, int64_t end) {
+  const int64_t V = job.vocab;
+  const v16f ninf = Splat(kNegInf);
+  const v16f zero = Splat(0.0f);
+  const float scale = static_cast<float>(job.scale);
+  const v16f vscale = Splat(scale);
+  for (int64_t t = begin; t < end; ++t) {
+    const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
+    In* out = reinterpret_cast<In*>(job.grad) + t * V;
+    if (job.labels[t] < 0) {
+      std::memset(out, 0, static_cast<size_t>(V) * sizeof(In));
+      continue;
+    }
+    const float lse = static_cast<float>(job.lse[t]);
+    const v16f vl = Splat(lse);
+    int64_t j = 0;
+    for (; j + kL <= V; j += kL) {
+      const v16f z = Load(row + j);
+      Store(out + j, z == ninf ? zero : Exp16(z - vl) * vscale);
+    }
+    for (; j < V; ++j) {
+      const float z = ToFloat(row[j]);
+      FromFloat(out + j, z == kNegInf ? 0.0f : std::exp(z - lse) * scale);
+    }
+    const int64_t y = job.labels[t] - job.vocab_start;
+    if (y >= 0 && y < V) {
+      FromFloat(out + y, std::exp(ToFloat(row[y]) - lse) * scale - scale);
+    }
+  }
+}
+
+THDPACK_CLONES void ForwardRowsF32(const Job& job, int64_t begin, int64_t end) {
+  ForwardRowsFloat<float>(job, begin, end);
+}
+THDPACK_CLONES void ForwardRowsBF16(const Job& job, int64_t begin, int64_t end) {
+  ForwardRowsFloat<uint16_t>(job, begin, end);
+}
+THDPACK_CLONES void GradRowsF32(const Job& job, int64_t begin, int64_t end) {
+  GradRowsFloat<float>(job, begin, end);
+}
+THDPACK_CLONES void GradRowsBF16(const Job& job, int64_t begin, int64_t end) {
+  GradRowsFloat<uint16_t>(job, begin, end);
+}
+
+// float64: the same chunked online shape in double, scalar (a verification dtype).
+void ForwardRowsF64(const Job& job, int64_t begin, int64_t end) {
+  const int64_t V = job.vocab;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  std::vector<double> chunk_max(static_cast<size_t>((V + kChunk - 1) / kChunk));
+  for (int64_t t = begin; t < end; ++t) {
+    const double* row = reinterpret_cast<const double*>(job.logits) + t * V;
+    double* out = job.grad ? reinterpret_cast<double*>(job.grad) + t * V : nullptr;
+    if (job.labels[t] < 0) {
+      if (out) std::fill(out, out + V, 0.0);
+      continue;
+    }
+    double M = -kInf, S = 0, W = 0;
+    int64_t ci = 0;
+    for (int64_t c0 = 0; c0 < V; c0 += kChunk, ++ci) {
+      const int64_t n = std::min(kChunk, V - c0);
+      double m = -kInf;
+      for (int64_t j = 0; j < n; ++j) m = row[c0 + j] > m ? row[c0 + j] : m;
+      chunk_max[ci] = m;
+      if (m == -kInf) continue;
+      double sc = 0, wc = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double z = row[c0 + j];
+        if (z == -kInf) continue;
+        const double e = std::exp(z - m);
+        sc += e;
+        wc += e * (z - m);
+      }
+      if (m > M) {
+        if (M == -kInf) {
+          S = W = 0;
+        } else {
+          const double a = std::exp(M - m);
+          W = a * (W + (M - m) * S);
+          S = a * S;
+        }
+        M = m;
+      }
+      const double b = std::exp(m - M);
+      S += b * sc;
+      W += b * (wc + (m - M) * sc);
+    }
+    job.stats[t] = RowStats{M, S, W};
+    if (out) {
+      const double lse = M + std::log(S);
+      const int64_t y = job.labels[t] - job.vocab_start;
+      for (int64_t j = 0; j < V; ++j) {
+        const double p = row[j] == -kInf ? 0.0 : std::exp(row[j] - lse);
+        out[j] = (j == y ? p - 1.0 : p) * job.scale;
+      }
+    }
+  }
+}
+
+void GradRowsF64(const Job& job, int64_t begin, int64_t end) {
+  const int64_t V = job.vocab;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (int64_t t = begin; t < end; ++t) {
+    const double* row = reinterpret_cast<const double*>(job.logits) + t * V;
+    double* out = reinterpret_cast<double*>(job.grad) + t * V;
+    if (job.labels[t] < 0) {
+      std::fill(out, out + V, 0.0);
+      continue;
+    }
+    const int64_t y = job.labels[t] - job.vocab_start;
+    for (int64_t j = 0; j < V; ++j) {
+      const double p = row[j] == -kInf ? 0.0 : std::exp(row[j] - job.lse[t]);
+      out[j] = (j == y ? p - 1.0 : p) * job.scale;
+    }
+  }
+}
+
+void RunForward(LogitsDtype dtype, const Job& job, int64_t rows, int threads) {
+  loss_internal::ParallelRows(rows, threads, [&](int64_t b, int64_t e) {
+    switch (dtype) {
+      case LogitsDtype::kFloat32: ForwardRowsF32(job, b, e); break;
+      case LogitsDtype::kBFloat16: ForwardRowsBF16(job, b, e); break;
+      case LogitsDtype::kFloat64: ForwardRowsF64(job, b, e); break;
+    }
+  });
+}
+
+double Scale(const CrossEntropyOptions& options) {
+  return options.normalizer > 0 ? options.grad_scale / static_cast<double>(options.normalizer)
+                                : 0.0;
+}
+
+// The logit of token t's label (in this shard's columns), as the kernel saw it.
+double TargetLogit(const LogitsView& logits, const Prepared& p, int64_t t) {
+  const int64_t i = t * p.vocab_size + (p.labels[t] - p.vocab_start);
+  switch (logits.dtype) {
+    case LogitsDtype::kFloat32: return reinterpret_cast<const float*>(logits.data.data())[i];
+    case LogitsDtype::kBFloat16:
+      return BFloat16{reinterpret_cast<const uint16_t*>(logits.data.data())[i]}.ToFloat();
+    case LogitsDtype::kFloat64: return reinterpret_cast<const double*>(logits.data.data())[i];
+  }
+  return 0;
+}
+
+Status NonFinite(const char* fn, int64_t t) {
+  return Status::InvalidArgument(std::string(fn) + ": logits row " + std::to_string(t) +
+                                 " has a non-finite log-sum-exp: a counted token's logits must "
+                                 "be finite (and not all -inf)");
+}
+
+}  // namespace
+
+Result<CrossEntropyResult> CrossEntropy(const LogitsView& logits, const TokenTargets& targets,
+                                        const CrossEntropyOptions& options,
+                                        std::span<std::byte> grad) {
+  THDPACK_ASSIGN_OR_RETURN(
+      Prepared p, loss_internal::Prepare("CrossEntropy", logits, targets, options,
+                                         loss_internal::Mode::kFull, options.with_grad, grad));
+  const int64_t T = p.num_tokens;
+  std::vector<RowStats> stats(static_cast<size_t>(T));
+  Job job;
+  job.logits = logits.data.data();
+  job.vocab = p.vocab_size;
+  job.labels = p.labels.data();
+  job.grad = options.with_grad ? grad.data() : nullptr;
+  job.scale = Scale(options);
+  job.stats = stats.data();
+  RunForward(logits.dtype, job, T, loss_internal::ResolveThreads(options.num_threads, T));
+  CrossEntropyResult r;
+  r.logprobs.assign(static_cast<size_t>(T), 0.0);
+  r.entropy.assign(static_cast<size_t>(T), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (p.labels[t] < 0) continue;
+    const RowStats& s = stats[t];
+    const double log_s = std::log(s.s);
+    const double lse = s.m + log_s;
+    if (!std::isfinite(lse) || !std::isfinite(s.w)) return NonFinite("CrossEntropy", t);
+    r.logprobs[t] = TargetLogit(logits, p, t) - lse;
+    r.entropy[t] = log_s - s.w / s.s;
+  }
+  loss_internal::Summarise(p, &r);
+  return r;
+}
+
+Result<std::vector<VocabPartial>> VocabParallelPartials(const LogitsView& logits,
+                                                        const TokenTargets& targets,
+                                                        const CrossEntropyOptions& options) {
+  THDPACK_ASSIGN_OR_RETURN(
+      Prepared p, loss_internal::Prepare("VocabParallelPartials", logits, targets, options,
+                                         loss_internal::Mode::kVocabParallel, false, {}));
+  const int64_t T = p.num_tokens;
+  std::vector<RowStats> stats(static_cast<size_t>(T));
+  Job job;
+  job.logits = logits.data.data();
+  job.vocab = p.vocab_size;
+  job.labels = p.labels.data();
+  job.vocab_start = p.vocab_start;
+  job.stats = stats.data();
+  RunForward(logits.dtype, job, T, loss_internal::ResolveThreads(options.num_threads, T));
+  std::vector<VocabPartial> out(static_cast<size_t>(T));
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (int64_t t = 0; t < T; ++t) {
+    if (p.labels[t] < 0) {
+      out[t] = VocabPartial{-kInf, 0, 0, -kInf};
+      continue;
+    }
+    const RowStats& s = stats[t];
+    if (std::isnan(s.m) || std::isnan(s.s) || std::isnan(s.w) || s.m == kInf ||
+        std::isinf(s.w)) {
+      return NonFinite("VocabParallelPartials", t);
+    }
+    const int64_t col = p.labels[t] - p.vocab_start;
+    const double target = (col >= 0 && col < p.vocab_size) ? TargetLogit(logits, p, t) : -kInf;
+    out[t] = VocabPartial{s.m, s.s, s.w, target};
+  }
+  return out;
+}
+
+Result<VocabParallelCombined> CombineVocabPartials(
+    std::span<const std::span<const VocabPartial>> partials, const TokenTargets& targets) {
+  if (partials.empty()) {
+    return Status::InvalidArgument(
+        "CombineVocabPartials: partials is empty: pass one span per TP rank");
+  }
+  const int64_t T = static_cast<int64_t>(partials[0].size());
+  for (size_t r = 0; r < partials.size(); ++r) {
+    if (static_cast<int64_t>(partials[r].size()) != T) {
+      return Status::InvalidArgument(
+          "CombineVocabPartials: partials[" + std::to_string(r) + "] has " +
+          std::to_string(partials[r].size()) + " tokens, partials[0] has " + std::to_string(T) +
+          ": every TP rank holds the same tokens");
+    }
+  }
+  // The labels and mask decide which tokens count; the vocabulary range was checked in phase
+  // 1 (here any label >= 0 is accepted; exactly one rank must hold it).
+  LogitsView shape;
+  shape.dtype = LogitsDtype::kFloat64;
+  shape.num_tokens = T;
+  shape.vocab_size = 1;
+  std::vector<double> dummy;  // Prepare checks logits bytes; give it a view of the right size
+  dummy.resize(static_cast<size_t>(T));
+  shape.data = std::as_bytes(std::span<const double>(dummy));
+  CrossEntropyOptions opts;
+  opts.vocab_total = std::numeric_limits<int64_t>::max();
+  THDPACK_ASSIGN_OR_RETURN(
+      Prepared p, loss_internal::Prepare("CombineVocabPartials", shape, targets, opts,
+                                         loss_internal::Mode::kVocabParallel, false, {}));
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  VocabParallelCombined c;
+  c.lse.assign(static_cast<size_t>(T), 0.0);
+  c.result.logprobs.assign(static_cast<size_t>(T), 0.0);
+  c.result.entropy.assign(static_cast<size_t>(T), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (p.labels[t] < 0) continue;
+    double M = -kInf;
+    int found = 0;
+    double target = 0;
+    for (const auto& part : partials) {
+      M = std::max(M, part[t].max);
+      if (part[t].target_logit != -kInf) {
+        ++found;
+        target = part[t].target_logit;
+      }
+    }
+    if (found != 1) {
+      return Status::InvalidArgument(
+          "CombineVocabPartials: token " + std::to_string(t) + " (label " +
+          std::to_string(p.labels[t]) + ") has its target logit on " + std::to_string(found) +
+          " TP ranks: exactly one rank's columns must hold each counted label");
+    }
+    double S = 0, W = 0;
+    for (const auto& part : partials) {
+      const VocabPartial& q = part[t];
+      if (q.max == -kInf) continue;
+      const double b = std::exp(q.max - M);
+      S += b * q.sum_exp;
+      W += b * (q.sum_exp_shifted + (q.max - M) * q.sum_exp);
+    }
+    const double log_s = std::log(S);
+    const double lse = M + log_s;
+    if (!std::isfinite(lse) || !std::isfinite(W)) return NonFinite("CombineVocabPartials", t);
+    c.lse[t] = lse;
+    c.result.logprobs[t] = target - lse;
+    c.result.entropy[t] = log_s - W / S;
+  }
+  loss_internal::Summarise(p, &c.result);
+  return c;
+}
+
+Status VocabParallelGrad(const LogitsView& logits, const TokenTargets& targets,
+                         std::span<const double> lse, const CrossEntropyOptions& options,
+                         std::span<std::byte> grad) {
+  THDPACK_ASSIGN_OR_RETURN(
+      Prepared p, loss_internal::Prepare("VocabParallelGrad", logits, targets, options,
+                                         loss_internal::Mode::kVocabParallel, true, grad));
+  const int64_t T = p.num_tokens;
+  if (static_cast<int64_t>(lse.size()) != T) {
+    return Status::InvalidArgument("VocabParallelGrad: lse has " + std::to_string(lse.size()) +
+                                   " entries: it must have one per token, T = " +
+                                   std::to_string(T));
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (p.labels[t] >= 0 && !std::isfinite(lse[t])) {
+      return Status::InvalidArgument("VocabParallelGrad: lse[" + std::to_string(t) +
+                                     "] is not finite: pass CombineVocabPartials' lse");
+    }
+  }
+  Job job;
+  job.logits = logits.data.data();
+  job.vocab = p.vocab_size;
+  job.labels = p.labels.data();
+  job.vocab_start = p.vocab_start;
+  job.grad = grad.data();
+  job.scale = Scale(options);
+  job.lse = lse.data();
+  const LogitsDtype dtype = logits.dtype;
+  loss_internal::ParallelRows(T, loss_internal::ResolveThreads(options.num_threads, T),
+                              [&](int64_t b, int64_t e) {
+                                switch (dtype) {
+                                  case LogitsDtype::kFloat32: GradRowsF32(job, b, e); break;
+                                  case LogitsDtype::kBFloat16: GradRowsBF16(job, b, e); break;
+                                  case LogitsDtype::kFloat64: GradRowsF64(job, b, e); break;
+                                }
+                              });
+  return Status::Ok();
+}
+
+}  // namespace thdpack
