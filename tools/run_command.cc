@@ -14,6 +14,7 @@
 #include "thdpack/comm.h"
 #include "thdpack/cost.h"
 #include "thdpack/figures.h"
+#include "thdpack/probe.h"
 #include "thdpack/step_runner.h"
 #include "thdpack/topology.h"
 
@@ -41,6 +42,10 @@ struct RunArgs {
   bool shuffle = false;
   int64_t vocab = 0;
   int64_t mock_samples = 0;
+  // --verify: the probe model on every microbatch, checked against one rank (thdpack/probe.h).
+  bool verify = false;
+  ProbeConfig probe;
+  double verify_tolerance = 1e-9;
 };
 
 // The phases of RankStep::phases, in order (the step runner's names).
@@ -51,6 +56,7 @@ struct Setup {
   Topology topo;
   StepRunnerOptions options;
   std::optional<FlopsCoefficients> flops;
+  std::optional<ProbeModel> probe;  // with --verify
 };
 
 Result<Setup> MakeSetup(const RunArgs& a) {
@@ -90,7 +96,17 @@ Result<Setup> MakeSetup(const RunArgs& a) {
   THDPACK_ASSIGN_OR_RETURN(o.schedule.cost, ParseCostSpec(a.cost));
   THDPACK_ASSIGN_OR_RETURN(o.data_on, ParseDataOn(a.data_on));
   THDPACK_ASSIGN_OR_RETURN(std::optional<FlopsCoefficients> flops, FlopsFromCostSpec(a.cost));
-  return Setup{std::move(topo), std::move(o), flops};
+  std::optional<ProbeModel> probe;
+  if (a.verify) {
+    auto model = ProbeModel::Create(a.probe);
+    if (!model.ok()) return model.status().WithContext("--probe-*");
+    probe.emplace(std::move(*model));
+    if (!(a.verify_tolerance >= 0)) {
+      return Status::InvalidArgument("--verify-tolerance: " + std::to_string(a.verify_tolerance) +
+                                     " must be >= 0");
+    }
+  }
+  return Setup{std::move(topo), std::move(o), flops, std::move(probe)};
 }
 
 // Draws "[#####.....] step 3/10" on stderr, only when stderr is a terminal.
@@ -117,14 +133,75 @@ class ProgressBar {
   bool on_;
 };
 
+// --verify on one rank: the probe over the step's microbatches, and on rank 0 the single-rank
+// reference of the same global batch (read the plain way from a source of its own), agreed over
+// the world so that a mismatch stops every rank.
+class Verifier {
+ public:
+  static Result<std::unique_ptr<Verifier>> Create(ProcessGroup& world, const Setup& setup,
+                                                  double tolerance) {
+    auto v = std::unique_ptr<Verifier>(new Verifier(world, setup, tolerance));
+    THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, setup.topo, *setup.probe,
+                                                            setup.options.schedule.sp));
+    Status local = Status::Ok();
+    if (world.rank() == 0) {
+      auto src = OpenSource(setup.options.data, setup.options.source);
+      if (src.ok()) {
+        v->plain_ = std::move(*src);
+      } else {
+        local = src.status();
+      }
+    }
+    THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "verify setup"));
+    return v;
+  }
+
+  // The step's probe figures (the same on every rank), checked against the reference.
+  Result<LossSummary> Check(const RankStep& step) {
+    THDPACK_ASSIGN_OR_RETURN(LossSummary got, probe_->Forward(step));
+    Status local = Status::Ok();
+    if (world_.rank() == 0) local = CompareWithReference(step, got);
+    THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "verify"));
+    return got;
+  }
+
+ private:
+  Verifier(ProcessGroup& world, const Setup& setup, double tolerance)
+      : world_(world), setup_(setup), tolerance_(tolerance) {}
+
+  Status CompareWithReference(const RankStep& step, const LossSummary& got) {
+    THDPACK_ASSIGN_OR_RETURN(std::vector<Sample> samples,
+                             ReadStepSamplesPlain(*plain_, setup_.options.global_batch,
+                                                  step.meta.skipped_ids));
+    std::vector<SampleView> views(samples.begin(), samples.end());
+    THDPACK_ASSIGN_OR_RETURN(LossStats ref, ProbeReferenceLoss(*setup_.probe, views));
+    return CompareLossSummaries(got, Finalize(ref), tolerance_)
+        .WithContext("--verify, step " + std::to_string(step.step));
+  }
+
+  ProcessGroup& world_;
+  const Setup& setup_;
+  double tolerance_;
+  std::unique_ptr<ProbeRunner> probe_;
+  std::unique_ptr<SampleSource> plain_;
+};
+
 // One rank's loop. Rank 0 prints; the others send it their per-phase bytes and times.
 Status RankLoop(ProcessGroup& world, const RunArgs& args, const Setup& setup) {
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, setup.topo, setup.options));
+  std::unique_ptr<Verifier> verifier;
+  if (setup.probe) {
+    THDPACK_ASSIGN_OR_RETURN(verifier, Verifier::Create(world, setup, args.verify_tolerance));
+  }
   const bool printer = world.rank() == 0;
   ProgressBar bar(args.steps);
   const size_t n = static_cast<size_t>(world.size());
   for (int64_t s = 0; s < args.steps; ++s) {
     THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
+    std::optional<LossSummary> loss;
+    if (verifier) {
+      THDPACK_ASSIGN_OR_RETURN(loss, verifier->Check(step));
+    }
     // Per-rank phase figures to everyone (rank 0 prints them).
     std::vector<int64_t> my_bytes(kNumPhases, 0);
     std::vector<double> my_times(kNumPhases, 0);
@@ -155,7 +232,7 @@ Status RankLoop(ProcessGroup& world, const RunArgs& args, const Setup& setup) {
     }
     THDPACK_ASSIGN_OR_RETURN(std::string line,
                              FormatStep(step, setup.options.schedule, setup.topo, setup.flops,
-                                        table, args.json, args.summary_only));
+                                        table, args.json, args.summary_only, loss));
     bar.Clear();
     std::fputs(line.c_str(), stdout);
     std::fflush(stdout);
@@ -246,6 +323,22 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--shuffle", a->shuffle, "Visit each epoch in a seeded random order");
   cmd->add_option("--vocab", a->vocab, "Vocabulary size (0: unknown)")->capture_default_str();
   cmd->add_option("--mock-samples", a->mock_samples, "Samples per epoch of a lognormal mock (0: default)")
+      ->capture_default_str();
+  cmd->add_flag("--verify", a->verify,
+                "Run the probe model (thdpack/probe.h) on every microbatch and check loss, ppl, "
+                "entropy and token counts against one rank computing each sample alone; meant "
+                "for small data (attention is computed exactly, in fp64)");
+  cmd->add_option("--probe-layers", a->probe.layers, "Probe model layers (split over PP stages)")
+      ->capture_default_str();
+  cmd->add_option("--probe-hidden", a->probe.hidden, "Probe model hidden size")
+      ->capture_default_str();
+  cmd->add_option("--probe-heads", a->probe.heads, "Probe model attention heads")
+      ->capture_default_str();
+  cmd->add_option("--probe-vocab", a->probe.vocab_size,
+                  "Probe model vocabulary (token ids and labels are taken mod it)")
+      ->capture_default_str();
+  cmd->add_option("--verify-tolerance", a->verify_tolerance,
+                  "Largest relative difference from the reference for loss, ppl and entropy")
       ->capture_default_str();
   cmd->callback([a, exit_code] { *exit_code = RunRun(*a); });
 }

@@ -26,7 +26,8 @@ std::string HumanBytes(double b) {
 Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                                const Topology& topo,
                                const std::optional<FlopsCoefficients>& flops,
-                               const PhaseTable& phases, bool json, bool summary_only) {
+                               const PhaseTable& phases, bool json, bool summary_only,
+                               const std::optional<LossSummary>& loss) {
   schedule.dp_size = topo.dp_size();
   schedule.cp_size = topo.cp_size();
   schedule.tp_size = topo.tp_size();
@@ -45,6 +46,14 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
     }
     bytes["total"] = total;
     JsonFields extra;
+    if (loss) {
+      extra.emplace_back("loss", nlohmann::json(loss->loss).dump());
+      extra.emplace_back("ppl", loss->ppl ? nlohmann::json(*loss->ppl).dump() : "null");
+      extra.emplace_back("entropy", nlohmann::json(loss->entropy).dump());
+      // The probe's real-token count (n_loss_tokens is already a standard key: the probe checks
+      // that the tokens it counted equal it).
+      extra.emplace_back("n_tokens", nlohmann::json(loss->n_tokens).dump());
+    }
     extra.emplace_back("bytes_sent", bytes.dump());
     for (size_t k = 0; k < phases.names.size(); ++k) {
       extra.emplace_back("time_" + phases.names[k], nlohmann::json(phases.seconds[k]).dump());
@@ -72,7 +81,17 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                 static_cast<long long>(f.padded_tokens), 100 * f.pad_fraction, 100 * f.fill,
                 f.imbalance, HumanBytes(static_cast<double>(max_sent)).c_str(),
                 1000 * total_seconds);
-  return std::string(buf);
+  std::string line(buf);
+  if (loss) {
+    // "... | 215.9 ms\n" -> "... | 215.9 ms | probe loss 4.6 ppl 101.2 entropy 4.5 (verified)\n"
+    line.pop_back();
+    char lb[160];
+    std::snprintf(lb, sizeof lb, " | probe loss %.6f ppl %s entropy %.6f (verified)\n",
+                  loss->loss, loss->ppl ? std::to_string(*loss->ppl).c_str() : "null",
+                  loss->entropy);
+    line += lb;
+  }
+  return line;
 }
 
 }  // namespace thdpack::tools

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "thdpack/cost.h"
+#include "thdpack/loss.h"
 #include "thdpack/schedule.h"
 #include "thdpack/step_runner.h"
 #include "thdpack/topology.h"
@@ -21,12 +22,15 @@ struct PhaseTable {
   std::vector<double> seconds;              // [phase]
 };
 
-// REQUIRES: step.is_loader (its samples and plan are filled). A line ending in '\n'.
+// REQUIRES: step.is_loader (its samples and plan are filled). A line ending in '\n'. loss, with
+// --verify: the probe's figures, added as loss, ppl (null when undefined), entropy, n_tokens,
+// n_loss_tokens.
 [[nodiscard]] Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                                              const Topology& topo,
                                              const std::optional<FlopsCoefficients>& flops,
                                              const PhaseTable& phases, bool json,
-                                             bool summary_only);
+                                             bool summary_only,
+                                             const std::optional<LossSummary>& loss = {});
 
 }  // namespace thdpack::tools
 

@@ -1,0 +1,106 @@
+# Run by CTest with -DTHDPACK=<thdpack> -DJSON_CLOSE=<thdpack_json_close> -DWORK_DIR=<dir>
+# [-DMPIEXEC=<mpirun>]: `thdpack run --verify --json` gives the same loss, ppl, entropy and token
+# counts (relative difference below 1e-9) at every topology as on one rank, on the thread
+# backend and under mpirun. Each run also checks itself against a single-rank computation of
+# the same global batch (the run fails otherwise); this test compares the runs with each other.
+
+cmake_minimum_required(VERSION 3.20)
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+# 40 JSON-lines samples, lengths 2..91, tokens from arithmetic, a prompt mask on every third.
+set(text "")
+foreach(i RANGE 0 39)
+  math(EXPR len "(${i} * 37) % 90 + 2")
+  math(EXPR last "${len} - 1")
+  set(ids "")
+  set(mask "")
+  math(EXPR prompt "${len} / 3")
+  foreach(j RANGE 0 ${last})
+    math(EXPR t "(${i} * 131 + ${j} * 17 + (${j} * ${j}) % 7) % 1000")
+    if(j LESS prompt)
+      set(m 0)
+    else()
+      set(m 1)
+    endif()
+    if(j EQUAL 0)
+      set(ids "${t}")
+      set(mask "${m}")
+    else()
+      string(APPEND ids ",${t}")
+      string(APPEND mask ",${m}")
+    endif()
+  endforeach()
+  math(EXPR third "${i} % 3")
+  if(third EQUAL 1)
+    string(APPEND text "{\"input_ids\":[${ids}],\"loss_mask\":[${mask}]}\n")
+  else()
+    string(APPEND text "{\"input_ids\":[${ids}]}\n")
+  endif()
+endforeach()
+file(WRITE ${WORK_DIR}/verify.jsonl "${text}")
+
+set(common --data jsonl:${WORK_DIR}/verify.jsonl --global-batch 16 --steps 3
+           --max-tokens-per-rank 256 --verify --json --summary-only)
+set(keys loss,ppl,entropy,n_tokens,n_loss_tokens,real_tokens)
+
+function(verify_run name)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${name}: ${ARGN}\nfailed (${rc}): ${err}")
+  endif()
+  if(NOT out MATCHES "\"loss\":" OR NOT out MATCHES "\"ppl\":[0-9]")
+    message(FATAL_ERROR "${name}: no loss or ppl in the output:\n${out}")
+  endif()
+  file(WRITE ${WORK_DIR}/${name}.json "${out}")
+endfunction()
+
+function(expect_close name)
+  execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/one.json ${WORK_DIR}/${name}.json
+                  RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${name} differs from one rank:\n${err}")
+  endif()
+endfunction()
+
+verify_run(one ${THDPACK} run --backend threads ${common})
+
+# "tp,cp,dp,pp[,sp]"
+foreach(topo "1,2,2,1" "2,2,2,1,sp" "1,1,2,4" "2,2,1,2")
+  string(REPLACE "," ";" t "${topo}")
+  list(GET t 0 tp)
+  list(GET t 1 cp)
+  list(GET t 2 dp)
+  list(GET t 3 pp)
+  set(args --tp ${tp} --cp ${cp} --dp ${dp} --pp ${pp})
+  list(LENGTH t n)
+  if(n EQUAL 5)
+    list(APPEND args --sp)
+  endif()
+  string(REPLACE "," "_" name "${topo}")
+  math(EXPR world "${tp} * ${cp} * ${dp} * ${pp}")
+  verify_run(threads_${name} ${THDPACK} run --backend threads ${args} ${common})
+  expect_close(threads_${name})
+  verify_run(threads_all_${name} ${THDPACK} run --backend threads ${args} ${common} --data-on all)
+  expect_close(threads_all_${name})
+  if(MPIEXEC)
+    verify_run(mpi_${name} ${MPIEXEC} --allow-run-as-root --oversubscribe --mca btl self,vader
+               -np ${world} ${THDPACK} run --backend mpi ${args} ${common})
+    expect_close(mpi_${name})
+  endif()
+endforeach()
+
+# The comparison itself can fail: another probe model gives other figures.
+verify_run(other ${THDPACK} run --backend threads ${common} --probe-vocab 255)
+execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/one.json ${WORK_DIR}/other.json
+                RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "json_close found no difference between two probe models")
+endif()
+
+# Bad probe options are clear errors.
+execute_process(COMMAND ${THDPACK} run --verify --probe-hidden 30 --probe-heads 4
+                RESULT_VARIABLE rc ERROR_VARIABLE err OUTPUT_VARIABLE out)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "hidden = 30")
+  message(FATAL_ERROR "expected an error for --probe-hidden 30: rc=${rc} ${err}")
+endif()
+message(STATUS "thdpack run --verify: all checks passed")
