@@ -56,3 +56,15 @@ echo "== thdpack run: the distributed step on 8 thread ranks (TP=2 CP=2 DP=2), b
 run run --backend threads --tp 2 --cp 2 --dp 2
 # One step's figures as JSON (totals only): bytes each rank sent per phase, time per phase.
 run run --backend threads --tp 2 --cp 2 --dp 2 --steps 1 --json --summary-only
+
+echo
+echo "== thdpack run --verify: a probe model over every microbatch, checked against one rank =="
+# Short lognormal samples (the probe computes attention exactly, in fp64): TP=2 with SP, CP=2,
+# DP=2, then a 4-stage pipeline; loss, ppl and entropy must equal a single-rank computation of
+# each sample alone (relative difference below 1e-9), or the run fails.
+verify_mock="$build/verify_mock.json"
+echo '{"mode":"distribution","type":"lognormal","min_seq_len":8,"max_seq_len":400,"mean_seq_len":120,"lognormal_sigma":0.8}' >"$verify_mock"
+run run --backend threads --tp 2 --cp 2 --dp 2 --sp --verify --data "mock:$verify_mock" \
+  --global-batch 32 --steps 2 --max-tokens-per-rank 1024
+run run --backend threads --dp 2 --pp 4 --verify --data "mock:$verify_mock" \
+  --global-batch 32 --steps 2 --max-tokens-per-rank 2048
