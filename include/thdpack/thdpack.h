@@ -8,6 +8,7 @@
 #include "thdpack/figures.h"
 #include "thdpack/loss.h"
 #include "thdpack/memory.h"
+#include "thdpack/memory_report.h"
 #include "thdpack/pack.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
