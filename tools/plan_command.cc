@@ -1,6 +1,7 @@
 // thdpack plan: what a data set does to balance, padding, microbatch count and FLOPs at a given
 // topology, step by step, without any GPU. Reads steps with StepReader, schedules them with
-// Schedule, and prints StepFigures (the same figures and JSON that `thdpack run` prints).
+// Schedule, and prints StepFigures (the same figures and JSON that `thdpack run` prints), with
+// each step's memory figures (thdpack/memory_report.h) as the JSON field `memory`.
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,8 +15,10 @@
 #include <vector>
 
 #include "commands.h"
+#include "memory_args.h"
 #include "thdpack/data.h"
 #include "thdpack/figures.h"
+#include "thdpack/memory_report.h"
 #include "thdpack/schedule.h"
 #include "thdpack/step.h"
 #include "thdpack/topology.h"
@@ -44,6 +47,7 @@ struct PlanArgs {
   bool json = false;
   bool summary_only = false;
   std::string svg;
+  MemoryArgs memory;
 };
 
 // The figures of the steps drawn in the SVG (the first kMaxSvgSteps).
@@ -222,6 +226,29 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const PlanArgs& args,
   return s;
 }
 
+// The summary's memory lines: the logits of the step with the largest microbatch, the buffers of
+// the step whose busiest replica holds the most (the first such step on ties).
+void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
+                        const std::vector<StepFigures>& steps) {
+  size_t largest = 0, fullest = 0;
+  for (size_t k = 1; k < memory.size(); ++k) {
+    if (memory[k].logits && memory[k].logits->total_tokens > memory[largest].logits->total_tokens) {
+      largest = k;
+    }
+    if (memory[k].buffers.total > memory[fullest].buffers.total) fullest = k;
+  }
+  if (memory.empty()) return;
+  if (memory[largest].logits) {
+    std::printf("  logits per rank    %s\n", LogitsLine(*memory[largest].logits).c_str());
+  } else {
+    std::printf("  logits per rank    - (no vocabulary: pass --vocab-size or a model --cost)\n");
+  }
+  const StepMemoryFigures& b = memory[fullest];
+  std::printf("  buffers per rank   %s held by thdpack (step %lld, replica %d, %d microbatch%s)\n",
+              BinaryBytes(b.buffers.total).c_str(), static_cast<long long>(steps[fullest].step),
+              b.busiest_replica, b.num_microbatches, b.num_microbatches == 1 ? "" : "es");
+}
+
 int RunPlan(const PlanArgs& args) {
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "thdpack plan: %s\n", s.message().c_str());
@@ -267,6 +294,8 @@ int RunPlan(const PlanArgs& args) {
   if (!cost.ok()) return fail(Fail("--cost", cost.status().message()));
   auto flops = FlopsFromCostSpec(args.cost);
   if (!flops.ok()) return fail(Fail("--cost", flops.status().message()));
+  auto memory_options = ResolveMemoryOptions(args.memory, args.cost);
+  if (!memory_options.ok()) return fail(memory_options.status());
 
   SourceOptions source_options;
   source_options.seed = args.seed;
@@ -292,6 +321,8 @@ int RunPlan(const PlanArgs& args) {
   const bool progress = isatty(STDERR_FILENO) != 0 && args.steps > 1;
   std::vector<StepFigures> steps;
   steps.reserve(static_cast<size_t>(std::min<int64_t>(args.steps, 1 << 20)));
+  std::vector<StepMemoryFigures> memory;  // [step]
+  memory.reserve(steps.capacity());
   for (int64_t k = 0; k < args.steps; ++k) {
     if (progress) {
       const int width = 30;
@@ -319,6 +350,9 @@ int RunPlan(const PlanArgs& args) {
     auto figures = ComputeStepFigures(step->step, step->epoch, step->samples, options, *plan,
                                       *flops);
     if (!figures.ok()) return fail(figures.status());
+    auto step_memory = ComputeStepMemory(step->samples, options, *plan, *memory_options);
+    if (!step_memory.ok()) return fail(step_memory.status());
+    memory.push_back(std::move(step_memory).value());
     // Per-sample detail is printed only by --json without --summary-only, and drawn for the
     // first kMaxSvgSteps steps: drop it otherwise, so long runs keep only totals in memory.
     if ((!args.json || args.summary_only) && steps.size() >= kMaxSvgSteps) {
@@ -338,7 +372,11 @@ int RunPlan(const PlanArgs& args) {
   }
 
   if (args.json) {
-    std::cout << PlanReportJson(steps, summary, args.summary_only);
+    std::vector<JsonFields> step_fields(memory.size());
+    for (size_t k = 0; k < memory.size(); ++k) {
+      step_fields[k].emplace_back("memory", StepMemoryJson(memory[k]));
+    }
+    std::cout << PlanReportJson(steps, summary, args.summary_only, step_fields);
     return 0;
   }
 
@@ -379,6 +417,7 @@ int RunPlan(const PlanArgs& args) {
   std::printf("  fill               %.2f%% of M * DP * CP * max tokens per rank\n",
               100 * summary.fill);
   std::printf("  training FLOPs     %s\n", Flops(summary.has_flops, summary.flops).c_str());
+  PrintMemorySummary(memory, steps);
   for (const StepFigures& f : steps) {
     if (f.skipped.empty()) continue;
     std::printf("  step %lld skipped %zu oversize sample(s), ids:", static_cast<long long>(f.step),
@@ -450,6 +489,7 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--svg", args->svg,
                   "Write a stacked-bar chart of per-replica, per-microbatch cost (first 8 "
                   "steps) to this file");
+  AddMemoryOptions(cmd, &args->memory, /*profile=*/false);
   cmd->callback([args, exit_code] { *exit_code = RunPlan(*args); });
 }
 
