@@ -2,6 +2,7 @@
 // printing per-step figures (a table line, or one JSON object per step with --json).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -10,10 +11,12 @@
 #include <vector>
 
 #include "commands.h"
+#include "memory_args.h"
 #include "run_figures.h"
 #include "thdpack/comm.h"
 #include "thdpack/cost.h"
 #include "thdpack/figures.h"
+#include "thdpack/memory_report.h"
 #include "thdpack/probe.h"
 #include "thdpack/step_runner.h"
 #include "thdpack/topology.h"
@@ -46,6 +49,8 @@ struct RunArgs {
   bool verify = false;
   ProbeConfig probe;
   double verify_tolerance = 1e-9;
+  // The memory report: figures per step, and per-rank files at --memory-profile-steps.
+  MemoryArgs memory;
 };
 
 // The phases of RankStep::phases, in order (the step runner's names).
@@ -57,7 +62,17 @@ struct Setup {
   StepRunnerOptions options;
   std::optional<FlopsCoefficients> flops;
   std::optional<ProbeModel> probe;  // with --verify
+  MemoryReportOptions memory{};
+  std::vector<int64_t> profile_steps{};  // sorted
 };
+
+// The memory report's options and the steps at which every rank writes its profile.
+Status SetUpMemory(const RunArgs& a, Setup& setup) {
+  THDPACK_ASSIGN_OR_RETURN(setup.memory, ResolveMemoryOptions(a.memory, a.cost));
+  THDPACK_ASSIGN_OR_RETURN(setup.profile_steps,
+                           ParseProfileSteps(a.memory.profile_steps, a.steps));
+  return Status::Ok();
+}
 
 Result<Setup> MakeSetup(const RunArgs& a) {
   THDPACK_ASSIGN_OR_RETURN(Topology topo, Topology::Create(a.tp, a.cp, a.dp, a.pp));
@@ -106,7 +121,9 @@ Result<Setup> MakeSetup(const RunArgs& a) {
                                      " must be >= 0");
     }
   }
-  return Setup{std::move(topo), std::move(o), flops, std::move(probe)};
+  Setup setup{std::move(topo), std::move(o), flops, std::move(probe)};
+  THDPACK_RETURN_IF_ERROR(SetUpMemory(a, setup));
+  return setup;
 }
 
 // Draws "[#####.....] step 3/10" on stderr, only when stderr is a terminal.
@@ -186,6 +203,26 @@ class Verifier {
   std::unique_ptr<SampleSource> plain_;
 };
 
+// At a --memory-profile-steps step, this rank's memory profile file; a failure on any rank is
+// every rank's (collective at those steps only, which every rank knows alike).
+Status ProfileMemory(ProcessGroup& world, const RunArgs& args, const Setup& setup,
+                     const RankStep& step) {
+  if (!std::binary_search(setup.profile_steps.begin(), setup.profile_steps.end(), step.step)) {
+    return Status::Ok();
+  }
+  // Thread ranks share one process, and so its resident memory.
+  const int ranks_in_process = world.backend() == "threads" ? world.size() : 1;
+  Status local = Status::Ok();
+  auto figures = ComputeRankMemory(step, setup.topo, setup.memory);
+  if (figures.ok()) {
+    local = WriteMemoryProfile(args.memory.profile_dir, *figures, ranks_in_process)
+                .WithContext("--memory-profile-dir");
+  } else {
+    local = figures.status();
+  }
+  return AgreeOnStatus(world, local, "memory profile");
+}
+
 // One rank's loop. Rank 0 prints; the others send it their per-phase bytes and times.
 Status RankLoop(ProcessGroup& world, const RunArgs& args, const Setup& setup) {
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, setup.topo, setup.options));
@@ -198,6 +235,7 @@ Status RankLoop(ProcessGroup& world, const RunArgs& args, const Setup& setup) {
   const size_t n = static_cast<size_t>(world.size());
   for (int64_t s = 0; s < args.steps; ++s) {
     THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
+    THDPACK_RETURN_IF_ERROR(ProfileMemory(world, args, setup, step));
     std::optional<LossSummary> loss;
     if (verifier) {
       THDPACK_ASSIGN_OR_RETURN(loss, verifier->Check(step));
@@ -232,7 +270,8 @@ Status RankLoop(ProcessGroup& world, const RunArgs& args, const Setup& setup) {
     }
     THDPACK_ASSIGN_OR_RETURN(std::string line,
                              FormatStep(step, setup.options.schedule, setup.topo, setup.flops,
-                                        table, args.json, args.summary_only, loss));
+                                        table, args.json, args.summary_only, loss,
+                                        setup.memory));
     bar.Clear();
     std::fputs(line.c_str(), stdout);
     std::fflush(stdout);
@@ -340,6 +379,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--verify-tolerance", a->verify_tolerance,
                   "Largest relative difference from the reference for loss, ppl and entropy")
       ->capture_default_str();
+  AddMemoryOptions(cmd, &a->memory, /*profile=*/true);
   cmd->callback([a, exit_code] { *exit_code = RunRun(*a); });
 }
 

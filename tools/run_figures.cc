@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "memory_args.h"
 #include "thdpack/figures.h"
 
 namespace thdpack::tools {
@@ -27,7 +28,8 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                                const Topology& topo,
                                const std::optional<FlopsCoefficients>& flops,
                                const PhaseTable& phases, bool json, bool summary_only,
-                               const std::optional<LossSummary>& loss) {
+                               const std::optional<LossSummary>& loss,
+                               const std::optional<MemoryReportOptions>& memory) {
   schedule.dp_size = topo.dp_size();
   schedule.cp_size = topo.cp_size();
   schedule.tp_size = topo.tp_size();
@@ -35,6 +37,11 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
   THDPACK_ASSIGN_OR_RETURN(StepFigures sf, ComputeStepFigures(step.step, step.epoch, step.samples,
                                                               schedule, step.plan, flops));
   const PlanFigures& f = sf.plan;
+  std::optional<StepMemoryFigures> step_memory;
+  if (memory) {
+    THDPACK_ASSIGN_OR_RETURN(step_memory,
+                             ComputeStepMemory(step.samples, schedule, step.plan, *memory));
+  }
   double total_seconds = 0;
   for (double s : phases.seconds) total_seconds += s;
   if (json) {
@@ -46,6 +53,8 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
     }
     bytes["total"] = total;
     JsonFields extra;
+    // First, so that a step object up to here is plan's.
+    if (step_memory) extra.emplace_back("memory", StepMemoryJson(*step_memory));
     if (loss) {
       extra.emplace_back("loss", nlohmann::json(loss->loss).dump());
       extra.emplace_back("ppl", loss->ppl ? nlohmann::json(*loss->ppl).dump() : "null");
@@ -82,6 +91,13 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                 f.imbalance, HumanBytes(static_cast<double>(max_sent)).c_str(),
                 1000 * total_seconds);
   std::string line(buf);
+  if (step_memory && step_memory->logits) {
+    // "... | 215.9 ms\n" -> "... | 215.9 ms | logits/rank 18.55 GiB CP-local, 37.09 GiB gathered\n"
+    line.pop_back();
+    line += " | logits/rank " + BinaryBytes(step_memory->logits->bytes.local_total_bytes) +
+            " CP-local, " + BinaryBytes(step_memory->logits->bytes.gathered_total_bytes) +
+            " gathered\n";
+  }
   if (loss) {
     // "... | 215.9 ms\n" -> "... | 215.9 ms | probe loss 4.6 ppl 101.2 entropy 4.5 (verified)\n"
     line.pop_back();

@@ -9,6 +9,7 @@
 
 #include "thdpack/cost.h"
 #include "thdpack/loss.h"
+#include "thdpack/memory_report.h"
 #include "thdpack/schedule.h"
 #include "thdpack/step_runner.h"
 #include "thdpack/topology.h"
@@ -24,13 +25,17 @@ struct PhaseTable {
 
 // REQUIRES: step.is_loader (its samples and plan are filled). A line ending in '\n'. loss, with
 // --verify: the probe's figures, added as loss, ppl (null when undefined), entropy, n_tokens,
-// n_loss_tokens.
+// n_loss_tokens. memory: the step's memory figures (thdpack/memory_report.h), added first
+// as `memory` (the object `thdpack plan --json` prints) and, when the vocabulary is known, as
+// the logits bytes at the end of the table line.
 [[nodiscard]] Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                                              const Topology& topo,
                                              const std::optional<FlopsCoefficients>& flops,
                                              const PhaseTable& phases, bool json,
                                              bool summary_only,
-                                             const std::optional<LossSummary>& loss = {});
+                                             const std::optional<LossSummary>& loss = {},
+                                             const std::optional<MemoryReportOptions>& memory =
+                                                 std::nullopt);
 
 }  // namespace thdpack::tools
 
