@@ -181,7 +181,73 @@ expect_json("${j}" 5 steps 0 real_tokens)
 expect_json("${j}" 13 steps 0 sum_sq)
 expect_json("${j}" [0,1] steps 0 replicas 0 microbatches 0 samples)
 
+# Memory figures (docs/memory.md). One sequence of 131,072 tokens at CP = 2 fills one microbatch
+# of 2 x 65,536 tokens (131072 is a multiple of 2*CP = 4: no padding). Logits of a last-stage
+# rank, V = 151,936, bf16 (2 bytes): gathered over CP, T x V x 2 = 131072 x 151936 x 2 =
+# 39,829,110,784 bytes = 37.09375 GiB; CP-local, T/2 x V x 2 = 19,914,555,392 = 18.546875 GiB.
+# Buffers of the 65,536 local tokens: tokens, position_ids, labels 65536 x 4 = 262,144 each,
+# loss_mask 65,536, metadata 2 arrays x 2 offsets x 4 = 16, loss outputs 65536 x 17 =
+# 1,114,112: 1,966,096 bytes = 1.88 MiB.
+file(WRITE "${WORK_DIR}/long.txt" "131072\n")
+set(long --data lengths:${WORK_DIR}/long.txt --dp 1 --cp 2 --max-tokens-per-rank 65536
+         --global-batch all --steps 1)
+run_plan(t ${long} --vocab-size 151936 --logits-dtype bf16)
+foreach(part "logits per rank    37.09 GiB gathered over CP, 18.55 GiB CP-local (largest microbatch T=131072, V=151936, bf16)"
+             "buffers per rank   1.88 MiB held by thdpack (step 0, replica 0, 1 microbatch)")
+  string(FIND "${t}" "${part}" pos)
+  if(pos EQUAL -1)
+    message(FATAL_ERROR "summary lacks \"${part}\":\n${t}")
+  endif()
+endforeach()
+run_plan(j ${long} --vocab-size 151936 --logits-dtype bf16 --json)
+expect_json("${j}" 39829110784 steps 0 memory logits gathered_bytes)
+expect_json("${j}" 19914555392 steps 0 memory logits local_bytes)
+expect_json("${j}" 0 steps 0 memory logits local_grad_bytes)
+expect_json("${j}" 131072 steps 0 memory logits largest_microbatch_tokens)
+expect_json("${j}" 151936 steps 0 memory logits vocab_size)
+expect_json("${j}" bfloat16 steps 0 memory logits dtype)
+expect_json("${j}" 2 steps 0 memory logits cp_size)
+expect_json("${j}" 262144 steps 0 memory buffers_per_rank tokens)
+expect_json("${j}" 65536 steps 0 memory buffers_per_rank loss_mask)
+expect_json("${j}" 16 steps 0 memory buffers_per_rank metadata)
+expect_json("${j}" 1114112 steps 0 memory buffers_per_rank loss_outputs)
+expect_json("${j}" 1966096 steps 0 memory buffers_per_rank total)
+# The standard keys come first, unchanged; memory right after replicas, the last of them.
+# (CMake's JSON reader sorts members, so the order is checked on the text.)
+string(FIND "${j}" "}]}],\"memory\":{\"logits\":{" pos)
+if(pos EQUAL -1)
+  message(FATAL_ERROR "memory does not follow replicas: ${j}")
+endif()
+# The fused gradient doubles the totals; fp32 doubles the bytes; vocab-parallel TP = 2 holds
+# ceil(151936 / 2) = 75,968 columns: 65536 x 75968 x 2 = 9,957,277,696 CP-local.
+run_plan(j ${long} --vocab-size 151936 --fused-grad --json)
+expect_json("${j}" 39829110784 steps 0 memory logits local_total_bytes)
+expect_json("${j}" 79658221568 steps 0 memory logits gathered_total_bytes)
+run_plan(j ${long} --vocab-size 151936 --logits-dtype fp32 --json)
+expect_json("${j}" 79658221568 steps 0 memory logits gathered_bytes)
+run_plan(j ${long} --vocab-size 151936 --tp 2 --json)
+expect_json("${j}" 9957277696 steps 0 memory logits local_bytes)
+# V from the cost model: llama3-8b has 128,256 (131072/2 x 128256 x 2 = 16,810,770,432);
+# dimensions give their v=; tokens has none (logits null, and the summary says so).
+run_plan(j ${long} --cost llama3-8b --json)
+expect_json("${j}" 128256 steps 0 memory logits vocab_size)
+expect_json("${j}" 16810770432 steps 0 memory logits local_bytes)
+run_plan(j ${long} --cost l=2,h=64,nh=4,nkv=4,f=128,v=1000 --json)
+expect_json("${j}" 1000 steps 0 memory logits vocab_size)
+run_plan(j ${long} --cost tokens --json)
+string(JSON type TYPE "${j}" steps 0 memory logits)
+if(NOT type STREQUAL "NULL")
+  message(FATAL_ERROR "logits without a vocabulary: expected null, got ${type}")
+endif()
+run_plan(t ${long} --cost tokens)
+string(FIND "${t}" "logits per rank    - (no vocabulary" pos)
+if(pos EQUAL -1)
+  message(FATAL_ERROR "summary without a vocabulary:\n${t}")
+endif()
+
 # Errors name the option.
+expect_error(ARGS --logits-dtype fp16 EXPECT "--logits-dtype" "fp16")
+expect_error(ARGS --vocab-size -1 EXPECT "--vocab-size")
 expect_error(ARGS --data lengths:${WORK_DIR}/missing.txt EXPECT "--data" "missing.txt")
 expect_error(ARGS --data bogus:x EXPECT "--data" "bogus:x")
 expect_error(ARGS --cost bogus EXPECT "--cost" "bogus")
