@@ -160,6 +160,137 @@ foreach(variant "--sp|tp0" "--sp|all" "--scheduler;sequential|all" "--summary-on
   endif()
 endforeach()
 
+# Memory profiles (docs/memory.md): with --memory-profile-steps 0,1 every rank writes
+# DIR/step_<N>/rank<R>_pp<p>_dp<d>_cp<c>_tp<t>.json at steps 0 and 1, and only there. At TP=2
+# CP=2 DP=2 (tp fastest) rank r is tp r%2, cp (r/2)%2, dp r/4: 2 steps x 8 ranks = 16 files.
+# Each file's figures follow from the step's JSON: a rank of replica d holds, per microbatch m of
+# padded length P and n sequences, P/2 tokens (CP = 2): tokens, position_ids and labels 4 bytes
+# each, loss_mask 1, metadata 2 x (n+1) x 4. Logits (llama2-7b: V = 32000, bf16, TP = 2:
+# 16000 columns) of its largest microbatch T: T/2 x 16000 x 2 = 16000 T CP-local, 32000 T
+# gathered.
+function(check_profiles dir run_out ranks_in_process)
+  file(GLOB_RECURSE files RELATIVE ${dir} ${dir}/*)
+  list(SORT files)
+  set(expected "")
+  foreach(s 0 1)
+    foreach(r RANGE 0 7)
+      math(EXPR tp "${r} % 2")
+      math(EXPR cp "(${r} / 2) % 2")
+      math(EXPR dp "${r} / 4")
+      list(APPEND expected "step_${s}/rank${r}_pp0_dp${dp}_cp${cp}_tp${tp}.json")
+    endforeach()
+  endforeach()
+  list(SORT expected)
+  if(NOT files STREQUAL expected)
+    message(FATAL_ERROR "profile files in ${dir}:\n${files}\nexpected:\n${expected}")
+  endif()
+  foreach(s 0 1)
+    get_line(line "${run_out}" ${s})
+    foreach(r RANGE 0 7)
+      math(EXPR tp "${r} % 2")
+      math(EXPR cp "(${r} / 2) % 2")
+      math(EXPR dp "${r} / 4")
+      set(sum 0)
+      set(largest 0)
+      set(metadata 0)
+      string(JSON n_mb LENGTH "${line}" replicas ${dp} microbatches)
+      math(EXPR last_mb "${n_mb} - 1")
+      foreach(m RANGE ${last_mb})
+        string(JSON p GET "${line}" replicas ${dp} microbatches ${m} padded_tokens)
+        string(JSON n LENGTH "${line}" replicas ${dp} microbatches ${m} samples)
+        math(EXPR sum "${sum} + ${p}")
+        math(EXPR metadata "${metadata} + 2 * (${n} + 1) * 4")
+        if(p GREATER largest)
+          set(largest ${p})
+        endif()
+      endforeach()
+      file(READ "${dir}/step_${s}/rank${r}_pp0_dp${dp}_cp${cp}_tp${tp}.json" f)
+      math(EXPR tokens "${sum} / 2 * 4")
+      math(EXPR mask "${sum} / 2")
+      math(EXPR total "3 * ${tokens} + ${mask} + ${metadata}")
+      math(EXPR local "16000 * ${largest}")
+      math(EXPR gathered "32000 * ${largest}")
+      foreach(check "${s};step" "${r};rank" "0;pp" "${dp};dp" "${cp};cp" "${tp};tp"
+                    "${n_mb};num_microbatches"
+                    "${tokens};held_bytes;tokens" "${tokens};held_bytes;position_ids"
+                    "${tokens};held_bytes;labels" "${mask};held_bytes;loss_mask"
+                    "${metadata};held_bytes;metadata" "${total};held_bytes;total"
+                    "${largest};logits;largest_microbatch_tokens" "32000;logits;vocab_size"
+                    "bfloat16;logits;dtype" "2;logits;tp_size" "${local};logits;local_bytes"
+                    "${gathered};logits;gathered_bytes"
+                    "${ranks_in_process};process;ranks_in_process")
+        list(GET check 0 want)
+        list(SUBLIST check 1 -1 path)
+        string(JSON got GET "${f}" ${path})
+        if(NOT got STREQUAL want)
+          message(FATAL_ERROR "step ${s} rank ${r}: ${path} is ${got}, expected ${want}:\n${f}")
+        endif()
+      endforeach()
+      string(JSON peak GET "${f}" process peak_rss_bytes)
+      string(JSON rss GET "${f}" process rss_bytes)
+      if(NOT rss GREATER 0 OR peak LESS rss)
+        message(FATAL_ERROR "step ${s} rank ${r}: peak ${peak}, rss ${rss}")
+      endif()
+      string(JSON note ERROR_VARIABLE no_note GET "${f}" process note)
+      if(ranks_in_process GREATER 1 AND no_note)
+        message(FATAL_ERROR "${ranks_in_process} ranks in one process and no note: ${f}")
+      elseif(ranks_in_process EQUAL 1 AND NOT no_note)
+        message(FATAL_ERROR "a note with one rank a process: ${f}")
+      endif()
+    endforeach()
+  endforeach()
+endfunction()
+
+set(profile --tp 2 --cp 2 --dp 2 --global-batch 32 --steps 3 --max-tokens-per-rank 8192
+            --mock-samples 64 --json --memory-profile-steps 1,0)
+file(REMOVE_RECURSE ${WORK_DIR}/profile_threads)
+run_json(out ${THDPACK} run --backend threads ${profile}
+         --memory-profile-dir ${WORK_DIR}/profile_threads)
+check_profiles(${WORK_DIR}/profile_threads "${out}" 8)
+# The step JSON carries plan's memory object (same V, dtype and TP).
+get_line(first "${out}" 0)
+string(JSON v GET "${first}" memory logits vocab_size)
+string(JSON tp GET "${first}" memory logits tp_size)
+if(NOT v EQUAL 32000 OR NOT tp EQUAL 2)
+  message(FATAL_ERROR "step memory object: V ${v}, TP ${tp}: ${first}")
+endif()
+if(MPIRUN)
+  file(REMOVE_RECURSE ${WORK_DIR}/profile_mpi)
+  run_json(out ${MPIRUN} ${THDPACK} run --backend mpi ${profile}
+           --memory-profile-dir ${WORK_DIR}/profile_mpi)
+  check_profiles(${WORK_DIR}/profile_mpi "${out}" 1)
+endif()
+
+# PP = 2 (TP = 1, CP = 2, DP = 1: rank = cp + 2 pp): the first stage holds tokens and
+# position_ids and no logits; the last stage labels, loss_mask and the logits.
+file(REMOVE_RECURSE ${WORK_DIR}/profile_pp)
+execute_process(COMMAND ${THDPACK} run --cp 2 --pp 2 --global-batch 16 --steps 1
+                --mock-samples 40 --memory-profile-steps 0
+                --memory-profile-dir ${WORK_DIR}/profile_pp
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "run --pp 2 with a memory profile: ${rc} ${err}")
+endif()
+file(GLOB_RECURSE files RELATIVE ${WORK_DIR}/profile_pp ${WORK_DIR}/profile_pp/*)
+list(SORT files)
+if(NOT files STREQUAL "step_0/rank0_pp0_dp0_cp0_tp0.json;step_0/rank1_pp0_dp0_cp1_tp0.json;step_0/rank2_pp1_dp0_cp0_tp0.json;step_0/rank3_pp1_dp0_cp1_tp0.json")
+  message(FATAL_ERROR "PP = 2 profile files: ${files}")
+endif()
+file(READ ${WORK_DIR}/profile_pp/step_0/rank1_pp0_dp0_cp1_tp0.json first_stage)
+file(READ ${WORK_DIR}/profile_pp/step_0/rank3_pp1_dp0_cp1_tp0.json last_stage)
+string(JSON labels GET "${first_stage}" held_bytes labels)
+string(JSON tokens GET "${first_stage}" held_bytes tokens)
+string(JSON logits TYPE "${first_stage}" logits)
+if(NOT labels EQUAL 0 OR NOT tokens GREATER 0 OR NOT logits STREQUAL "NULL")
+  message(FATAL_ERROR "first stage: labels ${labels}, tokens ${tokens}, logits ${logits}")
+endif()
+string(JSON labels GET "${last_stage}" held_bytes labels)
+string(JSON position_ids GET "${last_stage}" held_bytes position_ids)
+string(JSON logits TYPE "${last_stage}" logits)
+if(NOT labels EQUAL tokens OR NOT position_ids EQUAL 0 OR NOT logits STREQUAL "OBJECT")
+  message(FATAL_ERROR "last stage: labels ${labels}, position_ids ${position_ids}, logits ${logits}")
+endif()
+
 # The table form.
 execute_process(COMMAND ${THDPACK} run --tp 2 --cp 2 --dp 2 --global-batch 16 --steps 1
                 --mock-samples 40 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -182,5 +313,28 @@ execute_process(COMMAND ${THDPACK} run --dp 2 --tp 2 --max-tokens-per-rank 2000 
                 RESULT_VARIABLE rc ERROR_VARIABLE err OUTPUT_VARIABLE out)
 if(NOT rc EQUAL 1 OR NOT err MATCHES "over the microbatch budget")
   message(FATAL_ERROR "expected a budget error: rc=${rc} ${err}")
+endif()
+execute_process(COMMAND ${THDPACK} run --memory-profile-steps 0,x RESULT_VARIABLE rc
+                ERROR_VARIABLE err OUTPUT_VARIABLE out)
+if(rc EQUAL 0 OR NOT err MATCHES "--memory-profile-steps: \"0,x\"")
+  message(FATAL_ERROR "expected an error for --memory-profile-steps 0,x: rc=${rc} ${err}")
+endif()
+execute_process(COMMAND ${THDPACK} run --steps 2 --memory-profile-steps 2 RESULT_VARIABLE rc
+                ERROR_VARIABLE err OUTPUT_VARIABLE out)
+if(rc EQUAL 0 OR NOT err MATCHES "--memory-profile-steps: step 2 is not run")
+  message(FATAL_ERROR "expected an error for a step past --steps: rc=${rc} ${err}")
+endif()
+execute_process(COMMAND ${THDPACK} run --logits-dtype fp16 RESULT_VARIABLE rc
+                ERROR_VARIABLE err OUTPUT_VARIABLE out)
+if(rc EQUAL 0 OR NOT err MATCHES "--logits-dtype")
+  message(FATAL_ERROR "expected an error for --logits-dtype fp16: rc=${rc} ${err}")
+endif()
+# A profile folder that cannot be made (a file is in the way): every rank stops, the path named.
+file(WRITE ${WORK_DIR}/not_a_folder "x")
+execute_process(COMMAND ${THDPACK} run --tp 2 --steps 1 --memory-profile-steps 0
+                --memory-profile-dir ${WORK_DIR}/not_a_folder RESULT_VARIABLE rc
+                ERROR_VARIABLE err OUTPUT_VARIABLE out)
+if(NOT rc EQUAL 1 OR NOT err MATCHES "--memory-profile-dir: .*not_a_folder/step_0")
+  message(FATAL_ERROR "expected an error naming the profile folder: rc=${rc} ${err}")
 endif()
 message(STATUS "thdpack run: all checks passed")
