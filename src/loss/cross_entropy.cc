@@ -130,9 +130,10 @@ THDPACK_INLINE float HSum(const v16f& v) {
 struct ChunkSums {
   v16f s, w, max;
 };
+// The exact pass: -inf logits (padded vocabulary columns, the tail) are masked to 0.
 template <typename In, bool kGrad>
-THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
-                                 float ref, float* scratch) {
+THDPACK_INLINE ChunkSums ExpPassMasked(const In* src, int64_t full, int64_t nv, const float* tail,
+                                       float ref, float* scratch) {
   const v16f vref = Splat(ref);
   const v16f ninf = Splat(kNegInf);
   const v16f zero = Splat(0.0f);
@@ -145,6 +146,39 @@ THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const 
     c.s += e;
     c.w += z == ninf ? zero : e * d;
     if constexpr (kGrad) Store(scratch + j, e);
+  }
+  return c;
+}
+// The common case, a chunk of finite logits: no masking in the loop (two selects and a compare
+// fewer per vector), only the chunk's min tracked; a chunk that holds -inf is redone by
+// ExpPassMasked. The full vectors only; the caller adds the tail with ExpPassMasked.
+template <typename In, bool kGrad>
+THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
+                                 float ref, float* scratch) {
+  const v16f vref = Splat(ref);
+  const v16f ninf = Splat(kNegInf);
+  const v16f zero = Splat(0.0f);
+  ChunkSums c{zero, zero, ninf};
+  v16f mn = Splat(std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < full; j += kL) {
+    const v16f z = Load(src + j);
+    c.max = z > c.max ? z : c.max;
+    mn = z < mn ? z : mn;
+    const v16f d = z - vref;
+    const v16f e = Exp16(d);
+    c.s += e;
+    c.w += e * d;
+    if constexpr (kGrad) Store(scratch + j, e);
+  }
+  bool has_ninf = false;
+  for (int i = 0; i < kL; ++i) has_ninf |= mn[i] == kNegInf;
+  if (has_ninf) return ExpPassMasked<In, kGrad>(src, full, nv, tail, ref, scratch);
+  if (full < nv) {
+    const ChunkSums t = ExpPassMasked<In, kGrad>(nullptr, 0, kL, tail, ref,
+                                                 kGrad ? scratch + full : nullptr);
+    c.s += t.s;
+    c.w += t.w;
+    c.max = t.max > c.max ? t.max : c.max;
   }
   return c;
 }
