@@ -130,6 +130,9 @@ std::vector<StepMeta> BuildSteps(const std::vector<int64_t>& lengths, const Conf
 
 struct Row {
   double bytes_per_seq = 0, naive_per_seq = 0, seq_per_step = 0;
+  // Least-squares fit of message bytes against sequences per message over the steps: the
+  // slope is the cost of one more sequence, the intercept the per-message fixed part.
+  double marginal_per_seq = 0, fixed_bytes = 0;
   double enc_seq_s = 0, dec_seq_s = 0, msg_s = 0, mb_s = 0;
   size_t steps = 0;
 };
@@ -153,6 +156,7 @@ Row Measure(const std::vector<StepMeta>& steps, double min_time) {
   row.steps = steps.size();
   std::vector<std::vector<uint8_t>> encoded(steps.size());
   size_t bytes = 0, sequences = 0, naive = 0;
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
   for (size_t s = 0; s < steps.size(); ++s) {
     auto e = thdpack::EncodeStepMeta(steps[s]);
     if (!e.ok()) {
@@ -166,10 +170,22 @@ Row Measure(const std::vector<StepMeta>& steps, double min_time) {
       std::exit(1);
     }
     bytes += encoded[s].size();
+    size_t n = 0;
     for (const auto& mb : steps[s].microbatches) {
-      sequences += mb.cu_seqlens.size() - 1;
+      n += mb.cu_seqlens.size() - 1;
       naive += 2 * 4 * mb.cu_seqlens.size();
     }
+    sequences += n;
+    const double x = static_cast<double>(n), y = static_cast<double>(encoded[s].size());
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  const double k = static_cast<double>(steps.size());
+  if (k * sxx - sx * sx > 0) {
+    row.marginal_per_seq = (k * sxy - sx * sy) / (k * sxx - sx * sx);
+    row.fixed_bytes = (sy - row.marginal_per_seq * sx) / k;
   }
   if (sequences == 0) return row;
   row.bytes_per_seq = static_cast<double>(bytes) / static_cast<double>(sequences);
@@ -246,11 +262,13 @@ int main(int argc, char** argv) {
   std::printf("Step metadata on the wire (thdpack/wire.h v%d): %d microbatches per step, next-fit\n"
               "in file order, documents over the microbatch budget skipped (sent as ids).\n"
               "naive = two int32 cu_seqlens arrays per microbatch (8 bytes/sequence + 8).\n"
+              "marg. B/seq and fixed B: least-squares fit of message bytes against sequences per\n"
+              "message over the steps (the cost of one more sequence, and of the message itself).\n"
               "Throughput: one thread; msg/s and MB/s are for encode + decode of each message.\n\n",
               thdpack::kStepMetaVersion, kMicrobatchesPerStep);
-  std::printf("%-10s %3s %-7s %6s %6s %8s %7s %7s %6s %9s %9s %9s %8s\n", "dataset", "CP",
-              "TP/SP", "mb tok", "steps", "seq/step", "B/seq", "naive", "ratio", "enc Mseq/s",
-              "dec Mseq/s", "rt msg/s", "rt MB/s");
+  std::printf("%-10s %3s %-7s %6s %6s %8s %7s %6s %7s %7s %6s %9s %9s %9s %8s\n", "dataset",
+              "CP", "TP/SP", "mb tok", "steps", "seq/step", "B/seq", "marg.", "fixed B", "naive",
+              "ratio", "enc Mseq/s", "dec Mseq/s", "rt msg/s", "rt MB/s");
   const char* datasets[] = {"wlbllm", "wikipedia"};
   const Config configs[] = {
       {1, 1, false, 32 << 10}, {1, 1, false, 128 << 10}, {2, 1, false, 32 << 10},
@@ -269,10 +287,11 @@ int main(int argc, char** argv) {
       const Row r = Measure(steps, min_time);
       char tpsp[16];
       std::snprintf(tpsp, sizeof(tpsp), "%d/%s", cfg.tp, cfg.sp ? "sp" : "-");
-      std::printf("%-10s %3d %-7s %5lldK %6zu %8.1f %7.3f %7.3f %5.2fx %9.2f %9.2f %9.0f %8.1f\n",
+      std::printf("%-10s %3d %-7s %5lldK %6zu %8.1f %7.3f %6.3f %7.1f %7.3f %5.2fx %9.2f %9.2f "
+                  "%9.0f %8.1f\n",
                   from_file ? name : "lognormal", cfg.cp, tpsp,
                   static_cast<long long>(cfg.capacity >> 10), r.steps, r.seq_per_step,
-                  r.bytes_per_seq, r.naive_per_seq, r.naive_per_seq / r.bytes_per_seq,
+                  r.bytes_per_seq, r.marginal_per_seq, r.fixed_bytes, r.naive_per_seq, r.naive_per_seq / r.bytes_per_seq,
                   r.enc_seq_s / 1e6, r.dec_seq_s / 1e6, r.msg_s, r.mb_s);
     }
   }
