@@ -14,11 +14,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "thdpack/comm.h"
 #include "thdpack/pack.h"
@@ -27,6 +30,27 @@
 #include "thdpack/step_runner.h"
 
 namespace thdpack::testing {
+
+// A file path under the temporary folder, unique to this process and object, removed (if
+// created) on destruction.
+class ScratchFile {
+ public:
+  explicit ScratchFile(const std::string& name)
+      : path_((std::filesystem::temp_directory_path() /
+               (name + "_" + std::to_string(::getpid()) + "_" +
+                std::to_string(reinterpret_cast<uintptr_t>(this))))
+                  .string()) {}
+  ~ScratchFile() {
+    std::error_code ec;
+    std::filesystem::remove(path_, ec);
+  }
+  ScratchFile(const ScratchFile&) = delete;
+  ScratchFile& operator=(const ScratchFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 // A JSON-lines file of n samples with lengths in [1, max_len], random tokens in [0, 1000),
 // and a loss_mask (zeros on a prompt prefix) on every third sample.

@@ -18,21 +18,7 @@ namespace {
 
 using testing::StepCase;
 
-class ScratchFile {
- public:
-  explicit ScratchFile(const std::string& name)
-      : path_((std::filesystem::temp_directory_path() /
-               (name + "_" + std::to_string(reinterpret_cast<uintptr_t>(this))))
-                  .string()) {}
-  ~ScratchFile() {
-    std::error_code ec;
-    std::filesystem::remove(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using testing::ScratchFile;
 
 ProbeModel SmallModel(int layers = 4) {
   ProbeConfig c;

@@ -14,22 +14,7 @@
 namespace thdpack {
 namespace {
 
-class ScratchFile {
- public:
-  explicit ScratchFile(const std::string& name)
-      : path_((std::filesystem::temp_directory_path() /
-               (name + "_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-                "_" + std::to_string(reinterpret_cast<uintptr_t>(this))))
-                  .string()) {}
-  ~ScratchFile() {
-    std::error_code ec;
-    std::filesystem::remove(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using testing::ScratchFile;
 
 void ExpectAllOk(const std::vector<Status>& statuses) {
   for (size_t r = 0; r < statuses.size(); ++r) {
