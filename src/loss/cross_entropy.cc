@@ -63,27 +63,30 @@ struct Job {
 
 THDPACK_INLINE v16f Splat(float x) { return v16f{} + x; }
 
-// exp(x) for x <= ~0 (and a little above): Cephes' expf polynomial after range reduction by
-// ln 2, 2^n built in the exponent bits. Inputs below -87 are clamped (exp(-87) ~ 1.6e-38; the
-// callers zero the lanes whose logit is -inf). NaN stays NaN. Relative error ~2 ulp.
+// exp(x) for x <= ~0 (and a little above): range reduction x = n ln2 + r (|r| <= ln2/2, ln2 in
+// two parts), then a degree-6 polynomial fitted for relative error (max 1.9e-9 in exact
+// arithmetic, so float rounding dominates: at most 1.06 ulp with FMA, checked on every float
+// in [-87, 16) against exp in double), and 2^n built in the exponent bits. n is
+// rounded by adding 1.5 * 2^23, whose float bits then hold n in the low bits: (bits + 127) << 23
+// is 2^n, with no float-to-int conversion. Inputs below -87 are clamped (exp(-87) ~ 1.6e-38;
+// the callers zero the lanes whose logit is -inf); the clamp keeps NaN, so NaN stays NaN.
 THDPACK_INLINE v16f Exp16(const v16f& x_in) {
-  v16f x = x_in;
   const v16f lo = Splat(-87.0f);
-  x = x < lo ? lo : x;
-  const v16f magic = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16f n = (x * 1.44269504088896341f + magic) - magic;
+  const v16f x = lo > x_in ? lo : x_in;  // maxps(lo, x): NaN passes through
+  const v16f magic = Splat(12582912.0f);  // 1.5 * 2^23
+  const v16f nf = x * 1.44269504088896341f + magic;  // round(x / ln2) in the low mantissa bits
+  const v16f n = nf - magic;
   v16f r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  v16f p = Splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16f y = p * (r * r) + r + 1.0f;
-  const v16i ni = __builtin_convertvector(n, v16i);
-  const v16i bits = (ni + 127) << 23;
-  return y * (v16f)bits;
+  v16f p = Splat(1.383684576e-3f);
+  p = p * r + 8.374815807e-3f;
+  p = p * r + 4.166822508e-2f;
+  p = p * r + 1.666641980e-1f;
+  p = p * r + 4.999999106e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16u bits = ((v16u)nf + 127u) << 23;
+  return p * (v16f)bits;
 }
 
 THDPACK_INLINE v16f Load(const float* p) {
