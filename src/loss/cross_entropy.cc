@@ -4,18 +4,21 @@
 // the row's running max so far (a chunk whose own max lies more than kSlack above it is redone
 // relative to its max); the chunk sums merge into the row's (max, sum, shifted sum) - the
 // online softmax, rescaled per chunk rather than per element. With the gradient, e is kept in
-// a per-thread row scratch (V floats, cache-resident) and a second pass writes
-// grad = e * exp(ref - lse) * scale (minus scale at the label) in the logits' dtype, while
-// prefetching the next row: every logit costs one exp and the logits are read from memory once.
+// a per-thread row scratch (V floats, cache-resident) and grad = e * exp(ref - lse) * scale
+// (minus scale at the label) is written in the logits' dtype chunk by chunk while the NEXT row
+// is read (two scratch rows): the memory-bound stores overlap the compute-bound exps. Every
+// logit costs one exp and the logits are read from memory once.
 //
 // Vectors are GCC vector extensions of 16 floats: one zmm on AVX-512, two ymm on AVX2, four
 // xmm on the x86-64 baseline. The kernels are compiled for each of these (target_clones) and
 // picked at load time, so the build stays portable. Lane sums are reduced in a fixed order: a
 // token's values do not depend on the thread count.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "loss/loss_internal.h"
@@ -26,6 +29,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(THDPACK_NO_TARGET_CLONES)
 #define THDPACK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define THDPACK_NATIVE_BF16 1
 #else
 #define THDPACK_CLONES
 #endif
@@ -107,6 +111,22 @@ THDPACK_INLINE void Store(uint16_t* p, const v16f& v) {
   const v16h h = __builtin_convertvector(rounded, v16h);
   std::memcpy(p, &h, sizeof(h));
 }
+// The gradient store: with kNative (bf16 only, in the AVX-512 function below, run only where
+// the CPU has AVX512-BF16) one vcvtneps2bf16 does the round to nearest even that Store does with
+// integer operations; the results are the same bits except below 2^-126 (float denormals),
+// which the instruction flushes to 0.
+template <bool kNative, typename Out>
+THDPACK_INLINE void StoreGrad(Out* p, const v16f& v) {
+#ifdef THDPACK_NATIVE_BF16
+  if constexpr (kNative && std::is_same_v<Out, uint16_t>) {
+    v16h h;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(v));
+    std::memcpy(p, &h, sizeof(h));
+    return;
+  }
+#endif
+  Store(p, v);
+}
 THDPACK_INLINE float ToFloat(float x) { return x; }
 THDPACK_INLINE float ToFloat(uint16_t x) { return BFloat16{x}.ToFloat(); }
 THDPACK_INLINE void FromFloat(float* p, float v) { *p = v; }
@@ -128,7 +148,8 @@ THDPACK_INLINE float HSum(const v16f& v) {
 }
 
 // One pass over a chunk: e = exp(z - ref) (0 where z = -inf), sums of e and e*(z - ref), the
-// chunk max; with kGrad the e are kept in scratch. The last partial vector comes from tail
+// chunk max; with kGrad the e are kept in scratch (and ExpPass also writes a pending row's
+// gradient, pin * pf to pout, on the full vectors). The last partial vector comes from tail
 // (padded with -inf).
 struct ChunkSums {
   v16f s, w, max;
@@ -155,9 +176,11 @@ THDPACK_INLINE ChunkSums ExpPassMasked(const In* src, int64_t full, int64_t nv, 
 // The common case, a chunk of finite logits: no masking in the loop (two selects and a compare
 // fewer per vector), only the chunk's min tracked; a chunk that holds -inf is redone by
 // ExpPassMasked. The full vectors only; the caller adds the tail with ExpPassMasked.
-template <typename In, bool kGrad>
+template <typename In, bool kGrad, bool kNative = false>
 THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
-                                 float ref, float* scratch) {
+                                 float ref, float* scratch, In* pout = nullptr,
+                                 const float* pin = nullptr, float pf = 0) {
+  const v16f vpf = Splat(pf);
   const v16f vref = Splat(ref);
   const v16f ninf = Splat(kNegInf);
   const v16f zero = Splat(0.0f);
@@ -171,7 +194,10 @@ THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const 
     const v16f e = Exp16(d);
     c.s += e;
     c.w += e * d;
-    if constexpr (kGrad) Store(scratch + j, e);
+    if constexpr (kGrad) {
+      Store(scratch + j, e);
+      if (pout != nullptr) StoreGrad<kNative>(pout + j, Load(pin + j) * vpf);
+    }
   }
   bool has_ninf = false;
   for (int i = 0; i < kL; ++i) has_ninf |= mn[i] == kNegInf;
@@ -186,16 +212,65 @@ THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const 
   return c;
 }
 
-// Forward of one row (and, with kGrad, its gradient). Each chunk is read once: its exps are
+// A row whose gradient is still to be written: its exps (scratch, relative to chunk_ref per
+// chunk) and lse. It is written while the NEXT row is read, vector for vector with the next
+// row's exps, so that the stores of one row overlap the exps of the next (the forward is
+// compute-bound, the gradient's writes memory-bound) instead of following them. Measured on
+// one core (bf16, T = 2048): 14% faster at V = 151936, 4.5% at V = 32000.
+template <typename In, bool kNative>
+struct PendingGrad {
+  In* out = nullptr;  // null: nothing pending
+  const float* scratch = nullptr;
+  const float* chunk_ref = nullptr;
+  float lse = 0;
+  float scale = 0;
+  int64_t vocab = 0;
+  int64_t label = -1;  // the label's local column, or -1 when it is not in this shard
+
+  THDPACK_INLINE float Factor(int64_t ci) const {
+    return chunk_ref[ci] == kNegInf ? 0.0f : std::exp(chunk_ref[ci] - lse) * scale;
+  }
+  // grad = e * exp(ref - lse) * scale on chunk ci.
+  THDPACK_INLINE void WriteChunk(int64_t ci) const {
+    const int64_t c0 = ci * kChunk;
+    const int64_t n = std::min(kChunk, vocab - c0);
+    const float f = Factor(ci);
+    const v16f vf = Splat(f);
+    int64_t j = 0;
+    for (; j + kL <= n; j += kL) StoreGrad<kNative>(out + c0 + j, Load(scratch + c0 + j) * vf);
+    for (; j < n; ++j) FromFloat(out + c0 + j, scratch[c0 + j] * f);
+  }
+  // Elements [from, n) of chunk ci, one by one (from: the vectors already written).
+  THDPACK_INLINE void WriteRest(int64_t ci, int64_t from) const {
+    const int64_t c0 = ci * kChunk;
+    const int64_t n = std::min(kChunk, vocab - c0);
+    const float f = Factor(ci);
+    for (int64_t j = from; j < n; ++j) FromFloat(out + c0 + j, scratch[c0 + j] * f);
+  }
+  // After every chunk: minus scale at the label; nothing pending afterwards.
+  THDPACK_INLINE void Finish() {
+    if (label >= 0) FromFloat(out + label, scratch[label] * Factor(label / kChunk) - scale);
+    out = nullptr;
+  }
+  THDPACK_INLINE void WriteAll() {
+    for (int64_t ci = 0; ci * kChunk < vocab; ++ci) WriteChunk(ci);
+    Finish();
+  }
+};
+
+// Forward of one row (with kGrad, its exps kept for the gradient, and the pending row's
+// gradient written along the way). Each chunk is read once: its exps are
 // taken relative to the row's running max so far (for the first chunk, its first vector's
 // max), and only when the chunk's own max exceeds that reference by more than kSlack (a
 // large logit late in the row) is the chunk redone relative to its max. The row state
 // (M, S, W) is always relative to the exact running max. tail: kL floats; scratch: V rounded
-// up to kL floats; chunk_ref: one float per chunk (the reference its exps are relative to).
+// up to kL floats; chunk_ref: one float per chunk (the reference its exps are relative to);
+// pending (kGrad): the previous row's gradient, written and finished here (rows have the same
+// number of chunks).
 constexpr float kSlack = 16.0f;  // e^16 ~ 8.9e6: chunk sums stay far below FLT_MAX
-template <typename In, bool kGrad>
+template <typename In, bool kGrad, bool kNative>
 THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scratch,
-                             float* chunk_ref) {
+                             float* chunk_ref, PendingGrad<In, kNative>* pending) {
   const int64_t V = job.vocab;
   const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
   float M = kNegInf, S = 0.0f, W = 0.0f;
@@ -210,8 +285,21 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scra
     float ref = M;
     if (ref == kNegInf) ref = HMax(full > 0 ? Load(row + c0) : Load(tail));
     float* sc_out = kGrad ? scratch + c0 : nullptr;
+    // The pending row's gradient on the same columns is written vector by vector alongside
+    // this chunk's first pass (on its own when there is none).
+    const bool pend = kGrad && pending->out != nullptr;
     ChunkSums c;
-    if (ref != kNegInf) c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+    if (ref != kNegInf) {
+      if (pend) {
+        c = ExpPass<In, kGrad, kNative>(row + c0, full, nv, tail, ref, sc_out, pending->out + c0,
+                               pending->scratch + c0, pending->Factor(ci));
+        pending->WriteRest(ci, full);
+      } else {
+        c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+      }
+    } else if (pend) {
+      pending->WriteChunk(ci);
+    }
     float m = ref == kNegInf ? kNegInf : HMax(c.max);
     if (ref == kNegInf || m > ref + kSlack) {
       // No usable reference yet, or one too far below this chunk's max: redo it exactly.
@@ -250,39 +338,32 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scra
   }
   job.stats[t] = RowStats{M, S, W};
   if constexpr (kGrad) {
-    const float lse = M + std::log(S);
-    const float scale = static_cast<float>(job.scale);
-    In* out = reinterpret_cast<In*>(job.grad) + t * V;
-    const In* next_row = row + V;  // prefetching past the end is harmless
-    ci = 0;
-    for (int64_t c0 = 0; c0 < V; c0 += kChunk, ++ci) {
-      const int64_t n = std::min(kChunk, V - c0);
-      const float f = chunk_ref[ci] == kNegInf ? 0.0f : std::exp(chunk_ref[ci] - lse) * scale;
-      const v16f vf = Splat(f);
-      int64_t j = 0;
-      for (; j + kL <= n; j += kL) {
-        // Pull the next row towards the cache while this one is written out: the reads of
-        // the next forward then overlap these stores instead of following them.
-        __builtin_prefetch(next_row + c0 + j, 0, 1);
-        Store(out + c0 + j, Load(scratch + c0 + j) * vf);
-      }
-      for (; j < n; ++j) FromFloat(out + c0 + j, scratch[c0 + j] * f);
-    }
+    if (pending->out != nullptr) pending->Finish();
     const int64_t y = job.labels[t] - job.vocab_start;
-    if (y >= 0 && y < V) {
-      const float f = std::exp(chunk_ref[y / kChunk] - lse) * scale;
-      FromFloat(out + y, scratch[y] * f - scale);
-    }
+    *pending = PendingGrad<In, kNative>{reinterpret_cast<In*>(job.grad) + t * V,
+                               scratch,
+                               chunk_ref,
+                               M + std::log(S),
+                               static_cast<float>(job.scale),
+                               V,
+                               (y >= 0 && y < V) ? y : -1};
   }
 }
 
-template <typename In>
+template <typename In, bool kNative = false>
 THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end) {
   const int64_t V = job.vocab;
   const int64_t n_chunks = (V + kChunk - 1) / kChunk;
   std::vector<float> tail(kL);
-  std::vector<float> scratch(job.grad ? static_cast<size_t>((V + kL - 1) / kL * kL) : 0);
-  std::vector<float> chunk_max(static_cast<size_t>(n_chunks));
+  // With the gradient, two row buffers: one row's exps are written out as gradient while the
+  // next row's are computed into the other.
+  const size_t scratch_size = job.grad ? static_cast<size_t>((V + kL - 1) / kL * kL) : 0;
+  std::vector<float> scratch[2] = {std::vector<float>(scratch_size),
+                                   std::vector<float>(scratch_size)};
+  std::vector<float> chunk_ref[2] = {std::vector<float>(static_cast<size_t>(n_chunks)),
+                                     std::vector<float>(static_cast<size_t>(n_chunks))};
+  PendingGrad<In, kNative> pending;
+  int cur = 0;
   for (int64_t t = begin; t < end; ++t) {
     if (job.labels[t] < 0) {
       if (job.grad) {
@@ -291,11 +372,14 @@ THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end)
       continue;
     }
     if (job.grad) {
-      RowFloat<In, true>(job, t, tail.data(), scratch.data(), chunk_max.data());
+      RowFloat<In, true, kNative>(job, t, tail.data(), scratch[cur].data(), chunk_ref[cur].data(),
+                         &pending);
+      cur ^= 1;
     } else {
-      RowFloat<In, false>(job, t, tail.data(), nullptr, chunk_max.data());
+      RowFloat<In, false, kNative>(job, t, tail.data(), nullptr, chunk_ref[0].data(), nullptr);
     }
   }
+  if (pending.out != nullptr) pending.WriteAll();
 }
 
 // Gradient only (vocab-parallel phase 3): grad = exp(z - lse) * scale, minus scale at the label.
@@ -337,6 +421,14 @@ THDPACK_CLONES void ForwardRowsF32(const Job& job, int64_t begin, int64_t end) {
 THDPACK_CLONES void ForwardRowsBF16(const Job& job, int64_t begin, int64_t end) {
   ForwardRowsFloat<uint16_t>(job, begin, end);
 }
+#ifdef THDPACK_NATIVE_BF16
+// The bf16 forward with the AVX512-BF16 gradient store (see StoreGrad); called only where the
+// CPU has every feature of x86-64-v4 and AVX512-BF16 (NativeBf16Store).
+__attribute__((target("arch=x86-64-v4"))) void ForwardRowsBF16Native(const Job& job,
+                                                                     int64_t begin, int64_t end) {
+  ForwardRowsFloat<uint16_t, true>(job, begin, end);
+}
+#endif
 THDPACK_CLONES void GradRowsF32(const Job& job, int64_t begin, int64_t end) {
   GradRowsFloat<float>(job, begin, end);
 }
@@ -420,7 +512,15 @@ void RunForward(LogitsDtype dtype, const Job& job, int64_t rows, int threads) {
   loss_internal::ParallelRows(rows, threads, [&](int64_t b, int64_t e) {
     switch (dtype) {
       case LogitsDtype::kFloat32: ForwardRowsF32(job, b, e); break;
-      case LogitsDtype::kBFloat16: ForwardRowsBF16(job, b, e); break;
+      case LogitsDtype::kBFloat16:
+#ifdef THDPACK_NATIVE_BF16
+        if (job.grad != nullptr && loss_internal::NativeBf16Store()) {
+          ForwardRowsBF16Native(job, b, e);
+          break;
+        }
+#endif
+        ForwardRowsBF16(job, b, e);
+        break;
       case LogitsDtype::kFloat64: ForwardRowsF64(job, b, e); break;
     }
   });
@@ -449,7 +549,24 @@ Status NonFinite(const char* fn, int64_t t) {
                                  "be finite (and not all -inf)");
 }
 
+std::atomic<bool> force_portable_bf16{false};
+
 }  // namespace
+
+namespace loss_internal {
+bool NativeBf16Store() {
+#ifdef THDPACK_NATIVE_BF16
+  static const bool cpu =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512bf16");
+  return cpu && !force_portable_bf16.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+void ForcePortableBf16Store(bool portable) { force_portable_bf16.store(portable); }
+}  // namespace loss_internal
 
 Result<CrossEntropyResult> CrossEntropy(const LogitsView& logits, const TokenTargets& targets,
                                         const CrossEntropyOptions& options,

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "loss/loss_internal.h"
 #include "thdpack/loss.h"
 
 namespace thdpack {
@@ -629,6 +630,38 @@ TEST(CrossEntropyTest, GradientFactor) {
   EXPECT_EQ(*GradientFactor(true, 8, 4), 32.0);
   EXPECT_FALSE(GradientFactor(true, 0, 4).ok());
   EXPECT_FALSE(GradientFactor(true, 2, 0).ok());
+}
+
+}  // namespace
+}  // namespace thdpack
+
+namespace thdpack {
+namespace {
+
+// Where the CPU has AVX512-BF16 the bf16 gradient is rounded by vcvtneps2bf16; it must give the
+// same bits as the portable integer rounding (no value here is below 2^-126), and the same
+// forward figures.
+TEST(CrossEntropyTest, NativeBf16StoreMatchesPortable) {
+  if (!loss_internal::NativeBf16Store()) {
+    GTEST_SKIP() << "this CPU has no AVX512-BF16: only the portable bf16 store runs here";
+  }
+  std::mt19937_64 rng(77);
+  for (const int64_t V : {int64_t{5000}, int64_t{2048 * 3 + 7}, int64_t{31}}) {
+    Case c = RandomCase(rng, LogitsDtype::kBFloat16, 23, V);
+    CrossEntropyOptions o;
+    o.with_grad = true;
+    o.normalizer = 23;
+    o.num_threads = 2;
+    std::vector<std::byte> native = GradBuffer(c.logits), portable = GradBuffer(c.logits);
+    auto a = CrossEntropy(c.logits.View(), c.Targets(), o, native);
+    loss_internal::ForcePortableBf16Store(true);
+    auto b = CrossEntropy(c.logits.View(), c.Targets(), o, portable);
+    loss_internal::ForcePortableBf16Store(false);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->loss_sum, b->loss_sum);
+    EXPECT_EQ(a->entropy_sum, b->entropy_sum);
+    EXPECT_EQ(native, portable) << "V = " << V;
+  }
 }
 
 }  // namespace

@@ -49,6 +49,13 @@ void ParallelRows(int64_t rows, int threads, const std::function<void(int64_t, i
 // Fills result's per-token arrays from per-token (logprob, entropy) and sums in token order.
 void Summarise(const Prepared& p, CrossEntropyResult* result);
 
+// The bf16 gradient store of the fast path: on CPUs with AVX512-BF16 it rounds with
+// vcvtneps2bf16 (round to nearest even, as the portable integer rounding does, except that
+// values below 2^-126 become 0). True when that store is in use.
+bool NativeBf16Store();
+// For tests and benchmarks: force the portable store (true), or allow the native one again.
+void ForcePortableBf16Store(bool portable);
+
 }  // namespace thdpack::loss_internal
 
 #endif  // THDPACK_LOSS_LOSS_INTERNAL_H_
