@@ -81,18 +81,23 @@ Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text, int64_t st
   return out;
 }
 
-std::string BinaryBytes(int64_t bytes) {
-  static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
+std::string FormatBytes(double bytes, bool binary) {
+  static const char* const kBinary[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  static const char* const kDecimal[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  const double base = binary ? 1024 : 1000;
+  double v = bytes;
   int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
+  while (v >= base && u < 5) {
+    v /= base;
     ++u;
   }
   char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, kUnits[u]);
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v,
+                binary ? kBinary[u] : kDecimal[u]);
   return buf;
 }
+
+std::string BinaryBytes(int64_t bytes) { return FormatBytes(static_cast<double>(bytes), true); }
 
 std::string_view ShortDtypeName(LogitsDtype dtype) {
   switch (dtype) {

@@ -38,6 +38,8 @@ void AddMemoryOptions(CLI::App* cmd, MemoryArgs* args, bool profile);
 [[nodiscard]] Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text,
                                                              int64_t steps);
 
+// "12 B", "1.50 KiB" (binary: powers of 1024) or "1.50 KB" (decimal: powers of 1000).
+std::string FormatBytes(double bytes, bool binary);
 // Bytes in binary units: "512 B", "1.50 KiB", "1.88 MiB", "37.09 GiB".
 std::string BinaryBytes(int64_t bytes);
 

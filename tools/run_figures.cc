@@ -8,21 +8,6 @@
 #include "thdpack/figures.h"
 
 namespace thdpack::tools {
-namespace {
-
-std::string HumanBytes(double b) {
-  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
-  int u = 0;
-  while (b >= 1000 && u < 4) {
-    b /= 1000;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
-  return buf;
-}
-
-}  // namespace
 
 Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                                const Topology& topo,
@@ -88,7 +73,7 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                 f.n_skipped ? (", " + std::to_string(f.n_skipped) + " skipped").c_str() : "",
                 f.num_microbatches, topo.dp_size(), static_cast<long long>(f.real_tokens),
                 static_cast<long long>(f.padded_tokens), 100 * f.pad_fraction, 100 * f.fill,
-                f.imbalance, HumanBytes(static_cast<double>(max_sent)).c_str(),
+                f.imbalance, FormatBytes(static_cast<double>(max_sent), false).c_str(),
                 1000 * total_seconds);
   std::string line(buf);
   if (step_memory && step_memory->logits) {
