@@ -12,29 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "hand_plan.h"
+
 namespace thdpack {
 namespace {
 
 // Samples (id: L) 10: 3, 11: 5, 12: 2, 13: 6; DP = 2, CP = 2 (P = multiples of 4: 4, 8, 4, 8).
 // Replica 0 = [10, 12]: T = 4 + 4 = 8, 4 local tokens; replica 1 = [11, 13]: T = 16, 8 local.
-std::vector<SampleLength> HandSamples() {
-  return {{10, 3, 2}, {11, 5, 4}, {12, 2, 1}, {13, 6, 5}};
-}
-ScheduleOptions HandOptions() {
-  ScheduleOptions o;
-  o.dp_size = 2;
-  o.cp_size = 2;
-  o.max_tokens_per_rank = 8;
-  return o;
-}
-Plan HandPlan() {
-  Plan p;
-  p.num_microbatches = 1;
-  p.dp_size = 2;
-  p.sample_ids = {10, 12, 11, 13};
-  p.offsets = {0, 2, 4};
-  return p;
-}
+using testing::HandOptions;
+using testing::HandPlan;
+using testing::HandSamples;
 
 // Replica 1 (8 local tokens, 2 sequences): tokens, position_ids, labels 8 x 4 = 32 bytes each,
 // loss_mask 8, metadata 2 arrays x 3 offsets x 4 = 24, loss outputs 8 x 17 = 136; total

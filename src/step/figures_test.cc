@@ -15,27 +15,14 @@
 #include <random>
 #include <vector>
 
+#include "hand_plan.h"
+
 namespace thdpack {
 namespace {
 
-std::vector<SampleLength> HandSamples() {
-  return {{10, 3, 2}, {11, 5, 4}, {12, 2, 1}, {13, 6, 5}};
-}
-ScheduleOptions HandOptions() {
-  ScheduleOptions o;
-  o.dp_size = 2;
-  o.cp_size = 2;
-  o.max_tokens_per_rank = 8;
-  return o;
-}
-Plan HandPlan() {
-  Plan p;
-  p.num_microbatches = 1;
-  p.dp_size = 2;
-  p.sample_ids = {10, 12, 11, 13};
-  p.offsets = {0, 2, 4};
-  return p;
-}
+using testing::HandOptions;
+using testing::HandPlan;
+using testing::HandSamples;
 
 // Llama-2 7B FLOPs coefficients worked out from DESIGN.md section 3 (h = 4096, l = 32,
 // f = 11008, V = 32000, n_kv = n_h): per token 3 * (64 * (4*4096^2 + 3*4096*11008) +
