@@ -5,8 +5,8 @@
 // relative to its max); the chunk sums merge into the row's (max, sum, shifted sum) - the
 // online softmax, rescaled per chunk rather than per element. With the gradient, e is kept in
 // a per-thread row scratch (V floats, cache-resident) and grad = e * exp(ref - lse) * scale
-// (minus scale at the label) is written in the logits' dtype chunk by chunk while the NEXT row
-// is read (two scratch rows): the memory-bound stores overlap the compute-bound exps. Every
+// (minus scale at the label) is written in the logits' dtype vector by vector inside the NEXT
+// row's first pass (two scratch rows): the memory-bound stores overlap the compute-bound exps. Every
 // logit costs one exp and the logits are read from memory once.
 //
 // Vectors are GCC vector extensions of 16 floats: one zmm on AVX-512, two ymm on AVX2, four

@@ -6,25 +6,21 @@
 #include <set>
 #include <string>
 
+#include "data/data_internal.h"
 #include "probe/probe_internal.h"
 #include "thdpack/probe.h"
 
 namespace thdpack {
 namespace {
 
+using data_internal::Mix64;
+
 // Weight tensors of one layer, in storage order.
 enum LayerTensor : int { kNorm1 = 0, kWq, kWk, kWv, kWo, kNorm2, kW1, kW2, kNumLayerTensors };
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Uniform in [-1, 1) from (seed, tensor, index): integer arithmetic, then one exact scaling.
 double Uniform(uint64_t seed, uint64_t tensor, uint64_t index) {
-  const uint64_t h = SplitMix64(SplitMix64(seed ^ (tensor * 0xd6e8feb86659fd93ull)) + index);
+  const uint64_t h = Mix64(Mix64(seed ^ (tensor * 0xd6e8feb86659fd93ull)) + index);
   return static_cast<double>(h >> 11) * 0x1.0p-52 - 1.0;
 }
 
