@@ -35,6 +35,7 @@ namespace {
 
 using thdpack::PackBuffers;
 using thdpack::PackOptions;
+using thdpack::ParallelLayout;
 using thdpack::SampleView;
 using thdpack::TokenId;
 
@@ -165,7 +166,7 @@ int main(int argc, char** argv) {
               "x memcpy");
 
   for (int cp : {1, 2, 4, 8}) {
-    const PackOptions options{.cp_size = cp};
+    const PackOptions options{.parallel = ParallelLayout::Create(cp).value()};
     auto layout_or = thdpack::ComputeLayout(lengths, options);
     if (!layout_or.ok()) Fail("ComputeLayout", layout_or.status());
     const thdpack::Layout layout = *layout_or;

@@ -29,6 +29,7 @@
 namespace {
 
 using thdpack::HistogramRow;
+using thdpack::ParallelLayout;
 using thdpack::Plan;
 using thdpack::PlanFigures;
 using thdpack::SampleLength;
@@ -166,7 +167,7 @@ void WlbllmImbalance(const std::string& dir) {
       for (auto [cp, budget] : {std::pair<int, int64_t>{1, 131072}, {4, 32768}}) {
         ScheduleOptions o;
         o.dp_size = dp;
-        o.cp_size = cp;
+        o.parallel = ParallelLayout::Create(cp).value();
         o.max_tokens_per_rank = budget;
         o.cost = *cost;
         StepStats bal, seq;
@@ -241,7 +242,7 @@ void SchedulingTime(const std::string& dir) {
     }
     ScheduleOptions o;
     o.dp_size = 512;
-    o.cp_size = 8;
+    o.parallel = ParallelLayout::Create(8).value();
     o.max_tokens_per_rank = 32768;
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;
     for (auto kind : {ScheduleOptions::Scheduler::kBalanced, ScheduleOptions::Scheduler::kSequential}) {

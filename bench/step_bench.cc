@@ -73,6 +73,7 @@ int main(int argc, char** argv) {
   o.data = "mock";
   o.global_batch = global_batch;
   o.schedule.max_tokens_per_rank = 32768;
+  o.schedule.parallel = *ParallelLayout::Create(topo.cp_size(), topo.tp_size());
   o.check_plan_hash = false;
 
   const int W = topo.world_size();

@@ -79,10 +79,7 @@ std::vector<StepMeta> BuildSteps(const std::vector<int64_t>& lengths, const Conf
     step.step = steps.size();
     step.dp_size = 8;
     step.replica = 3;
-    step.cp_size = cfg.cp;
-    step.tp_size = cfg.tp;
-    step.sp = cfg.sp;
-    step.pad_multiple = c;
+    step.parallel = thdpack::ParallelLayout::Create(cfg.cp, cfg.tp, cfg.sp).value();  // m = c
   };
   auto close_microbatch = [&] {
     if (len.empty()) return;

@@ -19,7 +19,7 @@ inline std::vector<SampleLength> HandSamples() {
 inline ScheduleOptions HandOptions() {
   ScheduleOptions o;
   o.dp_size = 2;
-  o.cp_size = 2;
+  o.parallel = ParallelLayout::Create(2).value();
   o.max_tokens_per_rank = 8;
   return o;
 }

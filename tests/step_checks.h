@@ -31,6 +31,13 @@
 
 namespace thdpack::testing {
 
+// The parallel layout a StepRunner on `topo` needs (its CP and TP), with SP and the extra
+// alignment of the case.
+inline Result<ParallelLayout> TopologyLayout(const Topology& topo, bool sp,
+                                             int64_t extra_alignment = 1) {
+  return ParallelLayout::Create(topo.cp_size(), topo.tp_size(), sp, extra_alignment);
+}
+
 // A file path under the temporary folder, unique to this process and object, removed (if
 // created) on destruction.
 class ScratchFile {
@@ -117,8 +124,10 @@ inline Result<ReferenceStep> ReadReferenceStep(const StepRunnerOptions& options,
   for (Sample& x : in_order) ref.by_id.emplace(x.id, std::move(x));
   ScheduleOptions so = options.schedule;
   so.dp_size = dp;
-  so.cp_size = topo.cp_size();
-  so.tp_size = topo.tp_size();
+  // From the topology, not from the runner's options: the reference does not trust them.
+  THDPACK_ASSIGN_OR_RETURN(so.parallel,
+                           TopologyLayout(topo, options.schedule.parallel.sp(),
+                                          options.schedule.parallel.extra_alignment()));
   THDPACK_ASSIGN_OR_RETURN(ref.plan, Schedule(ref.samples, so));
   return ref;
 }
@@ -208,11 +217,14 @@ inline Status VerifyRankStep(ProcessGroup& world, const Topology& topo,
       return Status::Internal(who + ": step metadata totals");
     }
     PackOptions po;
-    po.cp_size = topo.cp_size();
-    po.tp_size = topo.tp_size();
-    po.sp = options.schedule.sp;
-    po.extra_alignment = options.schedule.extra_alignment;
+    THDPACK_ASSIGN_OR_RETURN(po.parallel,
+                             TopologyLayout(topo, options.schedule.parallel.sp(),
+                                            options.schedule.parallel.extra_alignment()));
     po.pad_id = options.pad_id;
+    if (meta.parallel != po.parallel) {
+      return Status::Internal(who + ": step metadata layout " + meta.parallel.ToString() +
+                              ", expected " + po.parallel.ToString());
+    }
     int64_t real = 0, padded = 0;
     for (int m = 0; m < M; ++m) {
       const std::string mb = who + " microbatch " + std::to_string(m);
@@ -254,7 +266,7 @@ inline Status VerifyRankStep(ProcessGroup& world, const Topology& topo,
         return Status::Internal(mb + ": an earlier stage holds labels");
       }
       std::pair<int64_t, int64_t> sp{0, T / cp};
-      if (options.schedule.sp) {
+      if (options.schedule.parallel.sp()) {
         THDPACK_ASSIGN_OR_RETURN(sp, SpRange(T / cp, topo.tp_size(), c.tp));
       }
       if (lm.sp_range != sp) return Status::Internal(mb + ": sp_range");
@@ -399,7 +411,7 @@ inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std
   o.schedule.oversize = oversize;
   o.global_batch = global_batch;
   o.schedule.max_tokens_per_rank = 256;
-  o.schedule.sp = k.sp;
+  THDPACK_ASSIGN_OR_RETURN(o.schedule.parallel, TopologyLayout(topo, k.sp));
   o.data_on = k.data_on;
   o.check_plan_hash = true;
   o.pad_id = 7;

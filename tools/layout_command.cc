@@ -94,11 +94,10 @@ int RunLayout(const LayoutArgs& args) {
   };
   auto lengths = ParseLengths(args.lengths);
   if (!lengths.ok()) return fail(lengths.status());
+  auto parallel = ParallelLayout::Create(args.cp, args.tp, args.sp, args.align);
+  if (!parallel.ok()) return fail(parallel.status().WithContext("--cp/--tp/--sp/--align"));
   PackOptions opts;
-  opts.cp_size = args.cp;
-  opts.tp_size = args.tp;
-  opts.sp = args.sp;
-  opts.extra_alignment = args.align;
+  opts.parallel = *parallel;
   auto layout = ComputeLayout(*lengths, opts);
   if (!layout.ok()) return fail(layout.status());
 

@@ -305,12 +305,11 @@ int RunPlan(const PlanArgs& args) {
   auto reader = StepReader::Create(source->get(), *global_batch, args.dp);
   if (!reader.ok()) return fail(reader.status());
 
+  auto parallel = ParallelLayout::Create(args.cp, args.tp, args.sp, args.align);
+  if (!parallel.ok()) return fail(Fail("--cp/--tp/--sp/--align", parallel.status().message()));
   ScheduleOptions options;
   options.dp_size = args.dp;
-  options.cp_size = args.cp;
-  options.tp_size = args.tp;
-  options.sp = args.sp;
-  options.extra_alignment = args.align;
+  options.parallel = *parallel;
   options.max_tokens_per_rank = args.max_tokens_per_rank;
   options.cost = *cost;
   options.microbatch_multiple = args.microbatch_multiple;

@@ -101,9 +101,10 @@ Result<Setup> MakeSetup(const RunArgs& a) {
   if (a.steps < 1) {
     return Status::InvalidArgument("--steps: " + std::to_string(a.steps) + " must be >= 1");
   }
-  o.schedule.sp = a.sp;
+  auto parallel = ParallelLayout::Create(a.cp, a.tp, a.sp, a.align);
+  if (!parallel.ok()) return parallel.status().WithContext("--cp/--tp/--sp/--align");
+  o.schedule.parallel = *parallel;
   o.schedule.max_tokens_per_rank = a.max_tokens_per_rank;
-  o.schedule.extra_alignment = a.align;
   o.schedule.microbatch_multiple = a.microbatch_multiple;
   o.schedule.num_microbatches = a.num_microbatches;
   THDPACK_ASSIGN_OR_RETURN(o.schedule.scheduler, ParseSchedulerName(a.scheduler));
@@ -159,7 +160,7 @@ class Verifier {
                                                   double tolerance) {
     auto v = std::unique_ptr<Verifier>(new Verifier(world, setup, tolerance));
     THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, setup.topo, *setup.probe,
-                                                            setup.options.schedule.sp));
+                                                            setup.options.schedule.parallel.sp()));
     Status local = Status::Ok();
     if (world.rank() == 0) {
       auto src = OpenSource(setup.options.data, setup.options.source);

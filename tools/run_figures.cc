@@ -16,8 +16,6 @@ Result<std::string> FormatStep(const RankStep& step, ScheduleOptions schedule,
                                const std::optional<LossSummary>& loss,
                                const std::optional<MemoryReportOptions>& memory) {
   schedule.dp_size = topo.dp_size();
-  schedule.cp_size = topo.cp_size();
-  schedule.tp_size = topo.tp_size();
   // The figures `thdpack plan` prints for the same inputs (thdpack/figures.h).
   THDPACK_ASSIGN_OR_RETURN(StepFigures sf, ComputeStepFigures(step.step, step.epoch, step.samples,
                                                               schedule, step.plan, flops));

@@ -1,10 +1,11 @@
 // thdpack/pack.h: packing variable-length samples into one THD microbatch (DESIGN.md section 5),
 // and the fused pack + CP shard that writes each CP rank's arrays straight from the samples.
 //
-// Layout of a packed microbatch of n sequences, T tokens after padding:
-//   P_i = roundup(L_i, m * extra_alignment), m = (CP > 1 ? 2*CP : 1). With sp and TP > 1 the
-//   total must also make T/CP a multiple of TP: the LAST sequence absorbs that tail padding (so
-//   no extra sequence appears, and no sequence is padded to 2*CP*TP).
+// Layout of a packed microbatch of n sequences, T tokens after padding (the padding rule of
+// thdpack/parallel_layout.h, with PackOptions::parallel):
+//   P_i = parallel.PaddedLength(L_i); T = parallel.MicrobatchTokens(sum P_i), the LAST sequence
+//   absorbing T - sum P_i (the SP tail: no extra sequence appears, and no sequence is padded to
+//   2*CP*TP). Each microbatch may be packed with its own parallel layout.
 //   tokens[T]        sequences concatenated; padding slots hold pad_id.
 //   position_ids[T]  0..P_i-1 inside each sequence (restart at 0, continue through padding).
 //   labels[T]        position j of sample s: tokens_s[j+1] when j+1 < L_s, else kIgnoreIndex.
@@ -29,6 +30,7 @@
 #include <span>
 #include <vector>
 
+#include "thdpack/parallel_layout.h"
 #include "thdpack/sample.h"
 #include "thdpack/status.h"
 
@@ -38,10 +40,7 @@ namespace thdpack {
 inline constexpr TokenId kIgnoreIndex = -100;
 
 struct PackOptions {
-  int cp_size = 1;              // CP, >= 1. CP > 1 pads every sequence to a multiple of 2*CP.
-  int tp_size = 1;              // TP, >= 1. Matters only with sp.
-  bool sp = false;              // sequence parallelism: T/CP must be a multiple of TP.
-  int64_t extra_alignment = 1;  // >= 1; every P_i is also a multiple of it (times 2*CP).
+  ParallelLayout parallel;      // CP, TP, SP, extra alignment: the padding rule. Default CP=1.
   TokenId pad_id = 0;           // token written into padding slots.
 };
 
@@ -54,8 +53,7 @@ struct Layout {
 
 // The layout of a microbatch of sequences of real lengths `lengths` [n], in order.
 // REQUIRES (InvalidArgument naming the argument, index and rule otherwise): n >= 1, every
-// length >= 1, cp_size >= 1, tp_size >= 1, extra_alignment >= 1. OutOfRange when T (or a
-// padding quantum) does not fit int32.
+// length >= 1. OutOfRange when T does not fit int32.
 [[nodiscard]] Result<Layout> ComputeLayout(std::span<const int64_t> lengths,
                                            const PackOptions& options);
 
@@ -90,7 +88,8 @@ struct PackBuffers {
 // Hot path of Pack: writes the [T] arrays into out without allocating; returns n_valid.
 // layout: normally ComputeLayout of the samples' lengths with the same options. Any layout is
 // accepted whose cu_seqlens match the samples' lengths exactly and whose padded lengths are
-// >= the real ones, divisible by 2*CP (CP > 1), with T/CP a multiple of TP under sp, and
+// >= the real ones, divisible by the zigzag multiple 2*CP (CP > 1), with T a multiple of CP*TP
+// when SP splits over TP, and
 // total_tokens == cu_seqlens_padded[n]; anything else is InvalidArgument.
 // REQUIRES: the samples as for Pack; out's non-empty spans of size T, not overlapping the
 // samples.
@@ -101,14 +100,14 @@ struct PackBuffers {
 // CpShard of Pack's arrays, reading only the parts of the samples that rank keeps (plus one
 // pass over the target masks to validate them and count n_valid). Returns the WHOLE
 // microbatch's n_valid (the same on every CP rank: a share of the loss denominator N).
-// REQUIRES: as PackInto with spans of size T/CP, and 0 <= cp_rank < options.cp_size.
+// REQUIRES: as PackInto with spans of size T/CP, and 0 <= cp_rank < CP.
 [[nodiscard]] Result<int64_t> PackShardInto(std::span<const SampleView> samples,
                                             const Layout& layout, const PackOptions& options,
                                             int cp_rank, const PackBuffers& out);
 
 // Fused pack + CP shard for every CP rank in one pass over the samples: out[r] receives rank
 // r's [T/CP] arrays (a loader that sends every rank its shard). Returns the microbatch n_valid.
-// REQUIRES: as PackShardInto; out.size() == options.cp_size.
+// REQUIRES: as PackShardInto; out.size() == CP.
 [[nodiscard]] Result<int64_t> PackShardAllInto(std::span<const SampleView> samples,
                                                const Layout& layout, const PackOptions& options,
                                                std::span<const PackBuffers> out);

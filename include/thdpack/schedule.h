@@ -6,12 +6,10 @@
 // same M everywhere, as pipeline schedules require) and, for every (replica d, microbatch m), an
 // ordered, non-empty list of sample ids - plus the ids left out by the oversize policy.
 //
-// Padding rule (must equal the packing code's, ComputeLayout in pack.h): sequence i of real
-// length L_i occupies P_i = roundup(L_i, SequenceAlignment(cp, extra_alignment)) tokens; a
-// microbatch holds T = MicrobatchPaddedTokens(sum P_i, ...) tokens (with SP and TP > 1, T is
-// rounded up so that T/CP is a multiple of TP, keeping the last sequence's own alignment; the
-// last sequence absorbs that tail). Budget:
-// T <= CP * max_tokens_per_rank for every microbatch of every replica.
+// Padding rule: thdpack/parallel_layout.h, with the options' `parallel` layout. Sequence i of
+// real length L_i occupies P_i = parallel.PaddedLength(L_i) tokens; a microbatch holds
+// T = parallel.MicrobatchTokens(sum P_i) tokens (the last sequence absorbs the SP tail). Budget:
+// T <= MicrobatchBudget(options) = CP * max_tokens_per_rank for every microbatch of every replica.
 //
 // Costs use padded lengths: cost(P) = a*P + b*P^2 from the cost model. Every cost in a Plan's
 // figures is PER RANK: a replica's microbatch is sharded over its CP ranks, so each rank computes
@@ -32,13 +30,13 @@
 #define THDPACK_SCHEDULE_H_
 
 #include <cstdint>
-#include <numeric>
 #include <span>
 #include <string_view>
 #include <vector>
 
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
+#include "thdpack/parallel_layout.h"
 #include "thdpack/status.h"
 
 namespace thdpack {
@@ -59,10 +57,9 @@ struct ScheduleOptions {
   };
 
   int dp_size = 1;                 // DP >= 1
-  int cp_size = 1;                 // CP >= 1
-  int tp_size = 1;                 // TP >= 1 (matters only with sp)
-  bool sp = false;                 // sequence parallelism: T/CP must be a multiple of TP
-  int64_t extra_alignment = 1;     // >= 1, multiplies the sequence alignment
+  // CP, TP, SP and extra alignment of every microbatch, and so the padding rule
+  // (thdpack/parallel_layout.h); validated where it was made. Default: CP = TP = 1.
+  ParallelLayout parallel;
   // REQUIRED (> 0): padded tokens one CP rank may hold in one microbatch. A replica's
   // microbatch holds at most CP * max_tokens_per_rank padded tokens, which must fit int32.
   int64_t max_tokens_per_rank = 0;
@@ -84,41 +81,9 @@ std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy policy);
 [[nodiscard]] Result<ScheduleOptions::Scheduler> ParseSchedulerName(std::string_view name);
 [[nodiscard]] Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name);
 
-// ---- The padding rule (DESIGN.md section 5). Mirrors ComputeLayout in pack.h. ----
-
-// Every sequence is padded to a multiple of (CP > 1 ? 2*CP : 1) * extra_alignment.
-inline int64_t SequenceAlignment(int cp_size, int64_t extra_alignment) {
-  return (cp_size > 1 ? 2 * static_cast<int64_t>(cp_size) : 1) * extra_alignment;
-}
-// P = roundup(L, SequenceAlignment(...)). REQUIRES: L >= 0, alignment >= 1, no overflow.
-inline int64_t PaddedSequenceLength(int64_t length, int cp_size, int64_t extra_alignment) {
-  const int64_t m = SequenceAlignment(cp_size, extra_alignment);
-  return (length + m - 1) / m * m;
-}
-// The quantum a microbatch's T is a multiple of: the sequence alignment, and with SP and
-// TP > 1 also CP*TP (so T/CP is a multiple of TP) - their lcm, so that the last sequence keeps
-// its own alignment after absorbing the tail.
-inline int64_t MicrobatchTokenQuantum(int cp_size, int tp_size, bool sp, int64_t extra_alignment) {
-  const int64_t q = SequenceAlignment(cp_size, extra_alignment);
-  if (!sp || tp_size <= 1) return q;
-  return std::lcm(q, static_cast<int64_t>(cp_size) * tp_size);
-}
-// The padded token count T of a microbatch whose sequences' padded lengths sum to
-// `sum_padded`: rounded up to MicrobatchTokenQuantum (a no-op without SP, where the sum is
-// already a multiple of the sequence alignment); the last sequence absorbs the difference.
-// This is ComputeLayout's total_tokens in pack.h.
-inline int64_t MicrobatchPaddedTokens(int64_t sum_padded, int cp_size, int tp_size, bool sp,
-                                      int64_t extra_alignment) {
-  const int64_t q = MicrobatchTokenQuantum(cp_size, tp_size, sp, extra_alignment);
-  return (sum_padded + q - 1) / q * q;
-}
 // The padded tokens one replica's microbatch may hold: CP * max_tokens_per_rank.
 inline int64_t MicrobatchBudget(const ScheduleOptions& o) {
-  return static_cast<int64_t>(o.cp_size) * o.max_tokens_per_rank;
-}
-// The same rule with the options' cp_size, tp_size, sp and extra_alignment.
-inline int64_t MicrobatchPaddedTokens(int64_t sum_padded, const ScheduleOptions& o) {
-  return MicrobatchPaddedTokens(sum_padded, o.cp_size, o.tp_size, o.sp, o.extra_alignment);
+  return o.parallel.MicrobatchBudget(o.max_tokens_per_rank);
 }
 
 // ---- The plan. ----
@@ -229,8 +194,8 @@ struct HistogramPacking {
 // Packs a histogram into the fewest microbatches of MicrobatchBudget(options) tokens it finds,
 // by best-fit decreasing over counts: sequences longest first; each goes to the open pack with
 // the least room that still holds it (a new pack when none does), moved in bulk - all packs
-// with the same room take the same decision at once. Uses cp_size, tp_size, sp,
-// extra_alignment, max_tokens_per_rank and oversize; ignores dp_size, the cost model, k and
+// with the same room take the same decision at once. Uses the parallel layout,
+// max_tokens_per_rank and oversize; ignores dp_size, the cost model, k and
 // the scheduler. O(R * B) with R histogram rows and B = budget / alignment distinct rooms, and
 // independent of the number of sequences. Equal in pack count to best-fit decreasing on the
 // expanded samples (and so to Schedule with DP = 1, k = 1, tokens cost).

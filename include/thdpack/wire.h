@@ -22,6 +22,7 @@
 #include <span>
 #include <vector>
 
+#include "thdpack/parallel_layout.h"
 #include "thdpack/status.h"
 
 namespace thdpack {
@@ -31,7 +32,8 @@ namespace thdpack {
 //
 // Notation: n sequences in a microbatch, real lengths L_i = cu_seqlens[i+1] - cu_seqlens[i],
 // padded lengths P_i = cu_seqlens_padded[i+1] - cu_seqlens_padded[i], T = cu_seqlens_padded[n],
-// m = pad_multiple, c = (cp_size > 1 ? 2 * cp_size : 1) the zigzag multiple.
+// m = parallel.sequence_alignment() (the wire's pad_multiple), c = parallel.zigzag_multiple()
+// (2*CP when CP > 1, else 1): the padding rule of thdpack/parallel_layout.h.
 
 // The layout of one packed microbatch of one replica (DESIGN.md section 5).
 struct MicrobatchMeta {
@@ -56,11 +58,10 @@ struct StepMeta {
   uint64_t epoch = 0;         // passes over the source so far, any 64-bit value
   int32_t dp_size = 1;        // DP: number of replicas, >= 1
   int32_t replica = 0;        // dp: the replica these microbatches belong to, in [0, DP)
-  int32_t cp_size = 1;        // CP, >= 1
-  int32_t tp_size = 1;        // TP, >= 1
-  bool sp = false;            // sequence parallelism: every T is a multiple of CP * TP
-  // Per-sequence padding multiple m = c * extra_alignment: >= 1, <= INT32_MAX, a multiple of c.
-  int64_t pad_multiple = 1;
+  // CP, TP, SP and the per-sequence alignment m of every microbatch of this replica (valid by
+  // construction; version 1 carries it as cp_size, tp_size, an sp flag and pad_multiple = m).
+  // With sp every T is a multiple of CP * TP.
+  ParallelLayout parallel;
   // The M microbatches of this replica, M >= 1 (the same M on every replica), each n >= 1.
   std::vector<MicrobatchMeta> microbatches;
   int64_t real_tokens = 0;    // sum over microbatches of cu_seqlens[n]

@@ -86,10 +86,7 @@ SampleArgs ReadSamples(const py::sequence& samples, const py::object& target_mas
 PackOptions MakeOptions(int cp_size, int tp_size, bool sp, int64_t pad_id,
                         int64_t extra_alignment) {
   PackOptions o;
-  o.cp_size = cp_size;
-  o.tp_size = tp_size;
-  o.sp = sp;
-  o.extra_alignment = extra_alignment;
+  o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment);
   if (pad_id < 0 || pad_id > std::numeric_limits<TokenId>::max()) {
     throw py::value_error("pad_id = " + std::to_string(pad_id) + ": must lie in [0, 2^31)");
   }

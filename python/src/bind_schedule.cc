@@ -138,16 +138,13 @@ void BindSchedule(py::module_& m) {
         }
         ScheduleOptions o;
         o.dp_size = dp_size;
-        o.cp_size = cp_size;
-        o.tp_size = tp_size;
-        o.sp = sp;
+        o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment);
         o.max_tokens_per_rank = max_tokens_per_rank;
         o.scheduler = ValueOrThrow(ParseSchedulerName(scheduler));
         o.cost = ValueOrThrow(ParseCostSpec(cost));
         o.microbatch_multiple = microbatch_multiple;
         o.num_microbatches = num_microbatches;
         o.oversize = ValueOrThrow(ParseOversizePolicy(oversize));
-        o.extra_alignment = extra_alignment;
         std::optional<FlopsCoefficients> coef;
         if (auto dims = ParseModelDims(cost); dims.ok()) {
           coef = ValueOrThrow(ComputeFlopsCoefficients(*dims));

@@ -24,10 +24,10 @@ py::dict ToDict(StepMeta meta) {
   d["epoch"] = meta.epoch;
   d["dp_size"] = meta.dp_size;
   d["replica"] = meta.replica;
-  d["cp_size"] = meta.cp_size;
-  d["tp_size"] = meta.tp_size;
-  d["sp"] = meta.sp;
-  d["pad_multiple"] = meta.pad_multiple;
+  d["cp_size"] = meta.parallel.cp_size();
+  d["tp_size"] = meta.parallel.tp_size();
+  d["sp"] = meta.parallel.sp();
+  d["pad_multiple"] = meta.parallel.sequence_alignment();
   py::list mbs;
   for (MicrobatchMeta& mb : meta.microbatches) {
     py::dict md;
@@ -60,11 +60,11 @@ void BindWire(py::module_& m) {
         meta.epoch = epoch;
         meta.dp_size = dp_size;
         meta.replica = replica;
-        meta.cp_size = cp_size;
-        meta.tp_size = tp_size;
-        meta.sp = sp;
-        meta.pad_multiple = pad_multiple.is_none() ? (cp_size > 1 ? 2 * int64_t{cp_size} : 1)
-                                                   : pad_multiple.cast<int64_t>();
+        // pad_multiple None: the layout's own alignment (no extra alignment).
+        meta.parallel = ValueOrThrow(
+            pad_multiple.is_none()
+                ? ParallelLayout::Create(cp_size, tp_size, sp)
+                : ParallelLayout::FromWire(cp_size, tp_size, sp, pad_multiple.cast<int64_t>()));
         int64_t real = 0, padded = 0, sq = 0, valid = 0;
         for (size_t i = 0; i < py::len(microbatches); ++i) {
           const std::string name = "microbatches[" + std::to_string(i) + "]";

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "thdpack/parallel_layout.h"
 #include "thdpack/status.h"
 
 namespace thdpack::python {
@@ -33,6 +34,10 @@ T ValueOrThrow(Result<T> result) {
   ThrowIfError(result.status());
   return std::move(result).value();
 }
+
+// The ParallelLayout of the bindings' cp_size, tp_size, sp and extra_alignment arguments;
+// ValueError naming the rule otherwise (bind_layout.cc).
+ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_alignment);
 
 // "int32 array of shape (3, 4)" for messages.
 std::string DescribeArray(const py::array& a);
@@ -92,6 +97,7 @@ py::array_t<To> Widen(std::span<const From> v) {
 }
 
 // Area binders, one per binding file.
+void BindLayout(py::module_& m);
 void BindSchedule(py::module_& m);
 void BindPack(py::module_& m);
 void BindShard(py::module_& m);

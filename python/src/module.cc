@@ -56,6 +56,7 @@ PYBIND11_MODULE(_thdpack, m) {
   namespace tp = thdpack::python;
   m.doc() = "thdpack: scheduling, THD packing, CP/SP sharding, step metadata and CP-local loss";
   m.attr("__version__") = thdpack::kVersion;
+  tp::BindLayout(m);
   tp::BindSchedule(m);
   tp::BindPack(m);
   tp::BindShard(m);

@@ -9,6 +9,7 @@ Communication stays in the framework (torch.distributed): thdpack computes who g
 """
 from ._thdpack import (  # noqa: F401
     IGNORE_INDEX,
+    ParallelLayout,
     Plan,
     __version__,
     cost_model,

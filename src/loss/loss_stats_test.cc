@@ -121,7 +121,7 @@ LossStats RunSharded(const std::vector<std::vector<Sample>>& microbatches, int c
   for (const auto& samples : microbatches) {
     std::vector<SampleView> views(samples.begin(), samples.end());
     PackOptions po;
-    po.cp_size = cp;
+    po.parallel = ParallelLayout::Create(cp).value();
     auto mb = Pack(views, po);
     EXPECT_TRUE(mb.ok()) << mb.status().ToString();
     const int64_t T = mb->cu_seqlens_padded.back();

@@ -31,43 +31,6 @@ std::string SampleName(size_t i, const SampleView& s) {
   return "samples[" + Str(static_cast<int64_t>(i)) + "] (id " + Str(s.id) + ")";
 }
 
-Status ValidateOptions(const PackOptions& o) {
-  if (o.cp_size < 1) {
-    return Status::InvalidArgument("PackOptions.cp_size = " + Str(o.cp_size) + ": must be >= 1");
-  }
-  if (o.tp_size < 1) {
-    return Status::InvalidArgument("PackOptions.tp_size = " + Str(o.tp_size) + ": must be >= 1");
-  }
-  if (o.extra_alignment < 1) {
-    return Status::InvalidArgument("PackOptions.extra_alignment = " + Str(o.extra_alignment) +
-                                   ": must be >= 1");
-  }
-  const int64_t m = o.cp_size > 1 ? 2 * int64_t{o.cp_size} : 1;
-  if (o.extra_alignment > kInt32Max / m) {
-    return Status::OutOfRange("PackOptions.extra_alignment = " + Str(o.extra_alignment) +
-                              " times the CP quantum " + Str(m) +
-                              " exceeds int32: T must fit int32");
-  }
-  if (o.sp && int64_t{o.cp_size} * o.tp_size > kInt32Max) {
-    return Status::OutOfRange("PackOptions.cp_size * tp_size = " + Str(o.cp_size) + " * " +
-                              Str(o.tp_size) + " exceeds int32: T must fit int32");
-  }
-  return Status::Ok();
-}
-
-// The quantum every padded length is a multiple of: m * extra_alignment.
-int64_t SequenceQuantum(const PackOptions& o) {
-  return (o.cp_size > 1 ? 2 * int64_t{o.cp_size} : 1) * o.extra_alignment;
-}
-
-// The quantum T must be a multiple of: with sp and TP > 1, T/CP must be a multiple of TP, and
-// the last sequence must keep its own quantum after absorbing the tail, hence the lcm.
-int64_t TotalQuantum(const PackOptions& o) {
-  const int64_t q = SequenceQuantum(o);
-  if (!o.sp || o.tp_size == 1) return q;
-  return std::lcm(q, int64_t{o.cp_size} * o.tp_size);
-}
-
 // Sum of n bytes known to be 0/1, or'ing every byte into *bits so a caller can tell whether
 // any byte was larger. Eight bytes at a time: with bytes of 0/1, the top byte of w * 0x0101..
 // is their sum (at most 8, so no carry crosses a byte).
@@ -130,7 +93,6 @@ Result<int64_t> ValidateSamples(std::span<const SampleView> samples) {
 // Checks that layout describes these samples under these options (see PackInto's contract).
 Status ValidateLayout(std::span<const SampleView> samples, const Layout& layout,
                       const PackOptions& o) {
-  THDPACK_RETURN_IF_ERROR(ValidateOptions(o));
   const size_t n = samples.size();
   if (layout.cu_seqlens.size() != n + 1 || layout.cu_seqlens_padded.size() != n + 1) {
     return Status::InvalidArgument(
@@ -139,7 +101,7 @@ Status ValidateLayout(std::span<const SampleView> samples, const Layout& layout,
         " cu_seqlens_padded entries: both must hold n+1 = " + Str(int64_t(n + 1)) +
         " for " + Str(int64_t(n)) + " samples");
   }
-  THDPACK_RETURN_IF_ERROR(ValidateCuSeqlensPadded(layout.cu_seqlens_padded, o.cp_size)
+  THDPACK_RETURN_IF_ERROR(ValidateCuSeqlensPadded(layout.cu_seqlens_padded, o.parallel.cp_size())
                               .WithContext("layout"));
   const auto& cu = layout.cu_seqlens;
   const auto& cp = layout.cu_seqlens_padded;
@@ -173,11 +135,12 @@ Status ValidateLayout(std::span<const SampleView> samples, const Layout& layout,
     return Status::InvalidArgument("layout.max_seqlen = " + Str(layout.max_seqlen) +
                                    ": must be the largest padded length, " + Str(max_padded));
   }
-  if (o.sp && layout.total_tokens % (int64_t{o.cp_size} * o.tp_size) != 0) {
+  const int64_t cp_tp = int64_t{o.parallel.cp_size()} * o.parallel.tp_size();
+  if (o.parallel.splits_over_tp() && layout.total_tokens % cp_tp != 0) {
     return Status::InvalidArgument("layout.total_tokens = " + Str(layout.total_tokens) +
                                    ": with sp, T/CP must be a multiple of tp_size = " +
-                                   Str(o.tp_size) + " (T a multiple of CP*TP = " +
-                                   Str(int64_t{o.cp_size} * o.tp_size) + ")");
+                                   Str(o.parallel.tp_size()) + " (T a multiple of CP*TP = " +
+                                   Str(cp_tp) + ")");
   }
   return Status::Ok();
 }
@@ -269,11 +232,10 @@ inline void WriteShardOfSequence(const SampleView& s, int64_t padded, int cp, in
 }  // namespace
 
 Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions& options) {
-  THDPACK_RETURN_IF_ERROR(ValidateOptions(options));
   if (lengths.empty()) {
     return Status::InvalidArgument("lengths is empty: a microbatch needs at least one sequence");
   }
-  const int64_t q = SequenceQuantum(options);
+  const ParallelLayout& parallel = options.parallel;
   Layout layout;
   layout.cu_seqlens.resize(lengths.size() + 1);
   layout.cu_seqlens_padded.resize(lengths.size() + 1);
@@ -291,7 +253,7 @@ Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions
       return Status::OutOfRange("lengths[" + Str(int64_t(i)) + "] = " + Str(len) +
                                 ": exceeds int32, and T must fit int32");
     }
-    const int64_t padded = (len + q - 1) / q * q;
+    const int64_t padded = parallel.PaddedLength(len);
     real_total += len;
     total += padded;
     if (total > kInt32Max) {
@@ -303,8 +265,7 @@ Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions
     layout.cu_seqlens_padded[i + 1] = static_cast<int32_t>(total);
   }
   // SP: the last sequence absorbs the tail that makes T/CP a multiple of TP.
-  const int64_t tq = TotalQuantum(options);
-  const int64_t rounded = (total + tq - 1) / tq * tq;
+  const int64_t rounded = parallel.MicrobatchTokens(total);
   if (rounded > kInt32Max) {
     return Status::OutOfRange("T = " + Str(rounded) +
                               " padded tokens after the SP tail exceeds int32 (" +
@@ -339,7 +300,7 @@ Result<int64_t> PackShardInto(std::span<const SampleView> samples, const Layout&
                               const PackOptions& options, int cp_rank, const PackBuffers& out) {
   THDPACK_ASSIGN_OR_RETURN(const int64_t n_valid, ValidateSamples(samples));
   THDPACK_RETURN_IF_ERROR(ValidateLayout(samples, layout, options));
-  const int cp = options.cp_size;
+  const int cp = options.parallel.cp_size();
   if (cp_rank < 0 || cp_rank >= cp) {
     return Status::InvalidArgument("PackShardInto: cp_rank = " + Str(cp_rank) +
                                    ": must be in [0, cp_size = " + Str(cp) + ")");
@@ -359,7 +320,7 @@ Result<int64_t> PackShardAllInto(std::span<const SampleView> samples, const Layo
                                  const PackOptions& options, std::span<const PackBuffers> out) {
   THDPACK_ASSIGN_OR_RETURN(const int64_t n_valid, ValidateSamples(samples));
   THDPACK_RETURN_IF_ERROR(ValidateLayout(samples, layout, options));
-  const int cp = options.cp_size;
+  const int cp = options.parallel.cp_size();
   if (static_cast<int64_t>(out.size()) != cp) {
     return Status::InvalidArgument("PackShardAllInto: out has " + Str(int64_t(out.size())) +
                                    " entries: it needs one per CP rank, cp_size = " + Str(cp));
@@ -438,13 +399,14 @@ Result<ShardedMicrobatch> PackAndShard(std::span<const SampleView> samples,
   THDPACK_RETURN_IF_ERROR(ValidateSamples(samples).status());
   ShardedMicrobatch sm;
   THDPACK_ASSIGN_OR_RETURN(sm.layout, ComputeLayout(LengthsOf(samples), options));
-  if (cp_rank < 0 || cp_rank >= options.cp_size) {
+  if (cp_rank < 0 || cp_rank >= options.parallel.cp_size()) {
     return Status::InvalidArgument("PackAndShard: cp_rank = " + Str(cp_rank) +
-                                   ": must be in [0, cp_size = " + Str(options.cp_size) + ")");
+                                   ": must be in [0, cp_size = " +
+                                   Str(options.parallel.cp_size()) + ")");
   }
   sm.shards.resize(1);
   sm.shards[0].cp_rank = cp_rank;
-  Allocate(sm.shards[0], sm.layout.total_tokens / options.cp_size);
+  Allocate(sm.shards[0], sm.layout.total_tokens / options.parallel.cp_size());
   THDPACK_ASSIGN_OR_RETURN(
       sm.n_valid, PackShardInto(samples, sm.layout, options, cp_rank, BuffersOf(sm.shards[0])));
   return sm;
@@ -455,7 +417,7 @@ Result<ShardedMicrobatch> PackAndShardAll(std::span<const SampleView> samples,
   THDPACK_RETURN_IF_ERROR(ValidateSamples(samples).status());
   ShardedMicrobatch sm;
   THDPACK_ASSIGN_OR_RETURN(sm.layout, ComputeLayout(LengthsOf(samples), options));
-  const int cp = options.cp_size;
+  const int cp = options.parallel.cp_size();
   sm.shards.resize(static_cast<size_t>(cp));
   std::vector<PackBuffers> buffers(static_cast<size_t>(cp));
   for (int r = 0; r < cp; ++r) {

@@ -26,8 +26,11 @@ struct RefPacked {
 };
 
 // DESIGN.md section 5 word for word, one token at a time.
+// Reads only the layout's four fields, never its padding methods.
 RefPacked RefPack(const std::vector<Sample>& samples, const PackOptions& o) {
-  const int64_t q = (o.cp_size > 1 ? 2 * o.cp_size : 1) * o.extra_alignment;
+  const int cp = o.parallel.cp_size();
+  const int tp = o.parallel.tp_size();
+  const int64_t q = (cp > 1 ? 2 * cp : 1) * o.parallel.extra_alignment();
   std::vector<int64_t> padded;
   for (const Sample& s : samples) {
     int64_t p = static_cast<int64_t>(s.tokens.size());
@@ -36,9 +39,9 @@ RefPacked RefPack(const std::vector<Sample>& samples, const PackOptions& o) {
   }
   int64_t total = 0;
   for (int64_t p : padded) total += p;
-  if (o.sp) {
+  if (o.parallel.sp()) {
     // Grow the last sequence by whole quanta until T/CP is a multiple of TP.
-    while ((total / o.cp_size) % o.tp_size != 0 || total % o.cp_size != 0) {
+    while ((total / cp) % tp != 0 || total % cp != 0) {
       padded.back() += q;
       total += q;
     }
@@ -122,16 +125,12 @@ std::vector<Sample> RandomSamples(std::mt19937_64& rng) {
 PackOptions RandomOptions(std::mt19937_64& rng, int cp, int tp, bool sp) {
   static constexpr int64_t kAlign[] = {1, 1, 1, 2, 3, 8};
   static constexpr TokenId kPad[] = {0, 7, -1};
-  return PackOptions{.cp_size = cp,
-                     .tp_size = tp,
-                     .sp = sp,
-                     .extra_alignment = kAlign[rng() % 6],
+  return PackOptions{.parallel = ParallelLayout::Create(cp, tp, sp, kAlign[rng() % 6]).value(),
                      .pad_id = kPad[rng() % 3]};
 }
 
 std::string Describe(const PackOptions& o, int trial) {
-  return "cp " + std::to_string(o.cp_size) + " tp " + std::to_string(o.tp_size) + " sp " +
-         std::to_string(o.sp) + " align " + std::to_string(o.extra_alignment) + " trial " +
+  return o.parallel.ToString() + " pad " + std::to_string(o.pad_id) + " trial " +
          std::to_string(trial);
 }
 
@@ -265,7 +264,7 @@ TEST(PackShardTest, ManyRanksUseTheHeapPathToo) {
   std::mt19937_64 rng(5);
   const std::vector<Sample> samples = RandomSamples(rng);
   const std::vector<SampleView> views(samples.begin(), samples.end());
-  const PackOptions o{.cp_size = 80};
+  const PackOptions o{.parallel = ParallelLayout::Create(80).value()};
   const RefPacked ref = RefPack(samples, o);
   auto all = PackAndShardAll(views, o);
   ASSERT_TRUE(all.ok()) << all.status().ToString();

@@ -103,10 +103,7 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
   std::sort(length_of.begin(), length_of.end());
 
   PackOptions pack;
-  pack.cp_size = options.cp_size;
-  pack.tp_size = options.tp_size;
-  pack.sp = options.sp;
-  pack.extra_alignment = options.extra_alignment;
+  pack.parallel = options.parallel;
 
   StepMemoryFigures out;
   out.num_microbatches = m_count;
@@ -132,7 +129,7 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
                                            ", microbatch " + std::to_string(m));
       }
       THDPACK_ASSIGN_OR_RETURN(MicrobatchBufferBytes b,
-                               BufferBytes(layout->cu_seqlens_padded, options.cp_size));
+                               BufferBytes(layout->cu_seqlens_padded, options.parallel.cp_size()));
       Add(replica, b);
       largest_t = std::max(largest_t, layout->total_tokens);
     }
@@ -141,7 +138,8 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
       out.buffers = replica;
     }
   }
-  THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, options.cp_size, options.tp_size, memory));
+  THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, options.parallel.cp_size(),
+                                              options.parallel.tp_size(), memory));
   return out;
 }
 

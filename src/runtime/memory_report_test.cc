@@ -56,7 +56,7 @@ TEST(MemoryReportTest, StepFiguresOfAHandPlan) {
   // TP = 3 (vocab-parallel): ceil(10 / 3) = 4 columns: 16 x 4 x 4 = 256 and 128; the fused
   // gradient doubles the totals.
   ScheduleOptions tp3 = HandOptions();
-  tp3.tp_size = 3;
+  tp3.parallel = ParallelLayout::Create(tp3.parallel.cp_size(), 3).value();
   m.with_grad = true;
   auto g = ComputeStepMemory(HandSamples(), tp3, HandPlan(), m);
   ASSERT_TRUE(g.ok()) << g.status().ToString();
@@ -79,7 +79,7 @@ TEST(MemoryReportTest, StepFiguresOfAHandPlan) {
 // + metadata 2 x 2 x 4 = 16 + loss outputs 65,536 x 17 = 1,114,112: 1,966,096 bytes.
 TEST(MemoryReportTest, LongSequenceAtCp2) {
   ScheduleOptions o;
-  o.cp_size = 2;
+  o.parallel = ParallelLayout::Create(2).value();
   o.max_tokens_per_rank = 65536;
   Plan p;
   p.num_microbatches = 1;

@@ -150,6 +150,11 @@ Status StepRunner::Impl::Init() {
     local = Status::InvalidArgument("StepRunner: max_tokens_per_rank = " +
                                     std::to_string(opts_.schedule.max_tokens_per_rank) +
                                     " must be > 0");
+  } else if (const ParallelLayout& p = opts_.schedule.parallel;
+             p.cp_size() != topo_.cp_size() || p.tp_size() != topo_.tp_size()) {
+    local = Status::InvalidArgument("StepRunner: schedule.parallel " + p.ToString() +
+                                    " does not match the topology " + topo_.ToString() +
+                                    " (CP and TP must be the topology's)");
   } else if (opts_.global_batch < 0) {
     local = Status::InvalidArgument("StepRunner: global_batch = " +
                                     std::to_string(opts_.global_batch) +
@@ -162,8 +167,6 @@ Status StepRunner::Impl::Init() {
     } else {
       coord_ = *c;
       opts_.schedule.dp_size = topo_.dp_size();
-      opts_.schedule.cp_size = topo_.cp_size();
-      opts_.schedule.tp_size = topo_.tp_size();
       reader_ = opts_.data_on == DataOn::kAll ||
                 (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0);
       if (reader_) {
@@ -256,9 +259,8 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
     }
     if (sample) {
       // Checked where it is read, so the error names the loader that holds the sample.
-      const int64_t padded = MicrobatchPaddedTokens(
-          PaddedSequenceLength(len.length, topo_.cp_size(), opts_.schedule.extra_alignment),
-          opts_.schedule);
+      const ParallelLayout& parallel = opts_.schedule.parallel;
+      const int64_t padded = parallel.MicrobatchTokens(parallel.PaddedLength(len.length));
       if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kError && padded > budget) {
         return Status::InvalidArgument(
             "sample id " + std::to_string(len.id) + " (step " + std::to_string(step_) +
@@ -429,10 +431,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   const int cp = topo_.cp_size();
   const Plan& plan = out.plan;
   PackOptions po;
-  po.cp_size = cp;
-  po.tp_size = topo_.tp_size();
-  po.sp = opts_.schedule.sp;
-  po.extra_alignment = opts_.schedule.extra_alignment;
+  po.parallel = opts_.schedule.parallel;
   po.pad_id = opts_.pad_id;
   StepMeta& meta = out.meta;
   meta = StepMeta{};
@@ -440,10 +439,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   meta.epoch = static_cast<uint64_t>(out.epoch);
   meta.dp_size = topo_.dp_size();
   meta.replica = me;
-  meta.cp_size = cp;
-  meta.tp_size = topo_.tp_size();
-  meta.sp = opts_.schedule.sp;
-  meta.pad_multiple = SequenceAlignment(cp, opts_.schedule.extra_alignment);
+  meta.parallel = opts_.schedule.parallel;
   meta.skipped_ids = plan.skipped;
   for (size_t p = 0; p < out.samples.size(); ++p) {
     if (replica_of_[p] >= 0) meta.n_loss_tokens += out.samples[p].n_targets;
@@ -607,7 +603,7 @@ void StepRunner::Impl::FinishLocal(RankStep& out) {
       }
     }
     lm.sp_range = {0, lm.local_tokens};
-    if (opts_.schedule.sp) {
+    if (opts_.schedule.parallel.sp()) {
       auto r = SpRange(lm.local_tokens, topo_.tp_size(), coord_.tp);
       if (r.ok()) lm.sp_range = *r;  // ComputeLayout guarantees divisibility under SP
     }
@@ -665,13 +661,13 @@ Result<RankStep> StepRunner::Impl::Next() {
                                           " metadata received from the loader of replica " +
                                           std::to_string(coord_.dp));
       } else if (meta->dp_size != topo_.dp_size() || meta->replica != coord_.dp ||
-                 meta->cp_size != topo_.cp_size() || meta->tp_size != topo_.tp_size() ||
-                 meta->sp != opts_.schedule.sp || meta->step != static_cast<uint64_t>(step_)) {
+                 meta->parallel != opts_.schedule.parallel ||
+                 meta->step != static_cast<uint64_t>(step_)) {
         local = Status::InvalidArgument(
             "step metadata received by rank " + std::to_string(world_.rank()) +
             " does not match its topology " + topo_.ToString() + " (replica " +
-            std::to_string(meta->replica) + ", DP " + std::to_string(meta->dp_size) + ", CP " +
-            std::to_string(meta->cp_size) + ", TP " + std::to_string(meta->tp_size) + ", step " +
+            std::to_string(meta->replica) + ", DP " + std::to_string(meta->dp_size) + ", " +
+            meta->parallel.ToString() + ", step " +
             std::to_string(meta->step) + ")");
       } else {
         out.meta = std::move(*meta);

@@ -98,6 +98,7 @@ TEST(StepRunner, OversizeSampleOnOneLoaderFailsEveryRank) {
     o.data = "lengths:" + file.path();
     o.global_batch = 16;
     o.schedule.max_tokens_per_rank = 1000;
+    o.schedule.parallel = testing::TopologyLayout(topo, false).value();
     o.data_on = mode;
     auto statuses = RunOneStep(topo, o);
     // Sample 5 is read by loader 5 % 2 = 1, i.e. the ranks with dp = 1.
@@ -127,6 +128,7 @@ TEST(StepRunner, CorruptMetadataFailsEveryRank) {
   o.data = "jsonl:" + file.path();
   o.global_batch = 16;
   o.schedule.max_tokens_per_rank = 256;
+  o.schedule.parallel = testing::TopologyLayout(topo, false).value();
   o.corrupt_metadata_of_replica = 1;
   auto statuses = RunOneStep(topo, o);
   int corruption = 0;
@@ -155,6 +157,7 @@ TEST(StepRunner, ScheduleErrorReachesNonLoaders) {
   o.data = "jsonl:" + file.path();
   o.global_batch = 3;  // fewer than DP = 4
   o.schedule.max_tokens_per_rank = 256;
+  o.schedule.parallel = testing::TopologyLayout(topo, false).value();
   auto statuses = RunOneStep(topo, o);
   for (int r = 0; r < 8; ++r) {
     const Status& s = statuses[static_cast<size_t>(r)];
@@ -179,11 +182,27 @@ TEST(StepRunner, BadOptionsAreErrors) {
     EXPECT_NE(s.message().find("max_tokens_per_rank"), std::string::npos) << s.ToString();
   }
   o.schedule.max_tokens_per_rank = 100;
+  o.schedule.parallel = testing::TopologyLayout(topo, false).value();
   statuses = RunOnThreads(4, [&](ProcessGroup& world) {
     return StepRunner::Create(world, topo, o).status();
   });
   for (const Status& s : statuses) {
     EXPECT_NE(s.message().find("needs 8"), std::string::npos) << s.ToString();
+  }
+  // The schedule's layout must have the topology's CP and TP (TP = 2, CP = 2 here): a layout
+  // of another CP, or of another TP, is an error on every rank that names both.
+  for (const ParallelLayout& wrong :
+       {ParallelLayout::Create(1, 2).value(), ParallelLayout::Create(2, 1, true).value()}) {
+    o.schedule.parallel = wrong;
+    statuses = RunOnThreads(8, [&](ProcessGroup& world) {
+      return StepRunner::Create(world, topo, o).status();
+    });
+    for (const Status& s : statuses) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+      EXPECT_NE(s.message().find("schedule.parallel " + wrong.ToString()), std::string::npos)
+          << s.ToString();
+      EXPECT_NE(s.message().find(topo.ToString()), std::string::npos) << s.ToString();
+    }
   }
   EXPECT_EQ(ParseDataOn("tp1").status().code(), StatusCode::kInvalidArgument);
 }

@@ -43,17 +43,12 @@ Status ValidateOptions(const ScheduleOptions& o) {
     return Status::InvalidArgument("schedule options: " + what);
   };
   if (o.dp_size < 1) return bad("dp_size = " + Str(o.dp_size) + " must be >= 1");
-  if (o.cp_size < 1) return bad("cp_size = " + Str(o.cp_size) + " must be >= 1");
-  if (o.tp_size < 1) return bad("tp_size = " + Str(o.tp_size) + " must be >= 1");
-  if (o.extra_alignment < 1 || o.extra_alignment > (int64_t{1} << 30)) {
-    return bad("extra_alignment = " + Str(o.extra_alignment) + " must be in [1, 2^30]");
-  }
   if (o.max_tokens_per_rank < 1) {
     return bad("max_tokens_per_rank = " + Str(o.max_tokens_per_rank) +
                " must be >= 1 (it is required)");
   }
-  if (o.max_tokens_per_rank > std::numeric_limits<int32_t>::max() / o.cp_size) {
-    return bad("CP * max_tokens_per_rank = " + Str(o.cp_size) + " * " +
+  if (o.max_tokens_per_rank > std::numeric_limits<int32_t>::max() / o.parallel.cp_size()) {
+    return bad("CP * max_tokens_per_rank = " + Str(o.parallel.cp_size()) + " * " +
                Str(o.max_tokens_per_rank) + " must fit int32 (a microbatch's T is int32)");
   }
   if (o.microbatch_multiple < 1) {
@@ -79,10 +74,7 @@ Status ValidateOptions(const ScheduleOptions& o) {
 }
 
 int64_t UsableCapacity(const ScheduleOptions& o) {
-  // sum P is a multiple of the sequence alignment, so roundup(sum, Q) <= budget exactly when
-  // sum <= floor(budget / Q) * Q, Q the microbatch quantum.
-  const int64_t q = MicrobatchTokenQuantum(o.cp_size, o.tp_size, o.sp, o.extra_alignment);
-  return MicrobatchBudget(o) / q * q;
+  return o.parallel.UsableBudget(MicrobatchBudget(o));
 }
 
 Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
@@ -90,7 +82,7 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
   PreparedStep step;
   step.capacity = UsableCapacity(o);
   const int64_t budget = MicrobatchBudget(o);
-  const int64_t align = SequenceAlignment(o.cp_size, o.extra_alignment);
+  const int64_t align = o.parallel.sequence_alignment();
   const size_t n = samples.size();
   if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
     return Status::InvalidArgument("schedule: " + std::to_string(n) +
@@ -124,20 +116,20 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
   step.length.reserve(n);
   step.padded.reserve(n);
   step.cost.reserve(n);
-  const double cp = static_cast<double>(o.cp_size);
+  const double cp = static_cast<double>(o.parallel.cp_size());
   for (size_t i = 0; i < n; ++i) {
     const SampleLength& s = samples[i];
-    const int64_t p = PaddedSequenceLength(s.length, o.cp_size, o.extra_alignment);
+    const int64_t p = o.parallel.PaddedLength(s.length);
     if (p > step.capacity) {
       if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
         std::string padded = "padded " + Str(p) + " with alignment " + Str(align);
         if (p <= budget) {
-          padded += ", " + Str(MicrobatchPaddedTokens(p, o)) +
-                    " with the SP tail to a multiple of " + Str(MicrobatchTokenQuantum(o.cp_size, o.tp_size, o.sp, o.extra_alignment));
+          padded += ", " + Str(o.parallel.MicrobatchTokens(p)) +
+                    " with the SP tail to a multiple of " + Str(o.parallel.token_quantum());
         }
         return Status::InvalidArgument(
             "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (" + padded +
-            "), over the microbatch budget " + Str(budget) + " = CP " + Str(o.cp_size) +
+            "), over the microbatch budget " + Str(budget) + " = CP " + Str(o.parallel.cp_size()) +
             " x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
             " (oversize policy 'error'; 'skip' leaves such samples out)");
       }
@@ -174,7 +166,7 @@ MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded, const Sche
   MicrobatchCost r;
   int64_t sum = 0;
   for (int64_t p : padded) sum += p;
-  r.padded_tokens = MicrobatchPaddedTokens(sum, o);
+  r.padded_tokens = o.parallel.MicrobatchTokens(sum);
   const int64_t tail = r.padded_tokens - sum;
   double cost = 0;
   for (size_t j = 0; j < padded.size(); ++j) {
@@ -185,7 +177,7 @@ MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded, const Sche
     }
     cost += o.cost.SequenceCost(p);
   }
-  r.cost = cost / static_cast<double>(o.cp_size);
+  r.cost = cost / static_cast<double>(o.parallel.cp_size());
   return r;
 }
 
@@ -307,9 +299,9 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
         if (i < 0) return bad("id " + Str(id) + " is not an input sample");
         if (seen[i]) return bad("id " + Str(id) + " appears twice");
         seen[i] = 1;
-        sum += PaddedSequenceLength(samples[i].length, options.cp_size, options.extra_alignment);
+        sum += options.parallel.PaddedLength(samples[i].length);
       }
-      const int64_t t = MicrobatchPaddedTokens(sum, options);
+      const int64_t t = options.parallel.MicrobatchTokens(sum);
       if (sum > capacity || t > budget) {
         return bad("microbatch " + Str(m) + " of replica " + Str(d) + " holds T = " + Str(t) +
                    " padded tokens, over the budget " + Str(budget));
@@ -321,7 +313,7 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
     if (i < 0) return bad("skipped id " + Str(id) + " is not an input sample");
     if (seen[i]) return bad("id " + Str(id) + " is both scheduled and skipped (or skipped twice)");
     seen[i] = 2;
-    const int64_t p = PaddedSequenceLength(samples[i].length, options.cp_size, options.extra_alignment);
+    const int64_t p = options.parallel.PaddedLength(samples[i].length);
     if (options.oversize != ScheduleOptions::OversizePolicy::kSkip) {
       return bad("id " + Str(id) + " was skipped but the oversize policy is 'error'");
     }
@@ -342,7 +334,7 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
   f.num_microbatches = m_count;
   f.n_skipped = static_cast<int64_t>(plan.skipped.size());
   f.replicas.resize(options.dp_size);
-  const double cp = static_cast<double>(options.cp_size);
+  const double cp = static_cast<double>(options.parallel.cp_size());
   double total_seq_cost = 0;
   double max_seq_cost = 0;
   std::vector<int64_t> padded;
@@ -356,7 +348,7 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
       padded.clear();
       for (int64_t id : plan.Microbatch(d, m)) {
         const SampleLength& s = samples[internal::FindId(sorted, id)];
-        const int64_t p = PaddedSequenceLength(s.length, options.cp_size, options.extra_alignment);
+        const int64_t p = options.parallel.PaddedLength(s.length);
         padded.push_back(p);
         mb.real_tokens += s.length;
         mb.n_loss_tokens += s.n_targets;

@@ -178,7 +178,7 @@ class BalancedAtM {
   BalancedAtM(const PreparedStep& step, const ScheduleOptions& o, const SortedStep& sorted, int m)
       : step_(step),
         o_(o),
-        tails_matter_(o.sp && o.tp_size > 1),
+        tails_matter_(o.parallel.splits_over_tp()),
         order_(sorted.order),
         padded_(sorted.padded),
         cost_of_(sorted.cost),

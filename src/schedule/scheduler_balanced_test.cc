@@ -104,9 +104,10 @@ TEST(BalancedTest, NeverWorseThanSequentialAtTheSameM) {
   for (int trial = 0; trial < 120; ++trial) {
     ScheduleOptions o;
     o.dp_size = 1 + static_cast<int>(rng() % 12);
-    o.cp_size = std::vector<int>{1, 2, 4}[rng() % 3];
-    o.tp_size = std::vector<int>{1, 2, 4}[rng() % 3];
-    o.sp = rng() % 2;
+    const int cp = std::vector<int>{1, 2, 4}[rng() % 3];
+    const int tp = std::vector<int>{1, 2, 4}[rng() % 3];
+    const bool sp = rng() % 2;
+    o.parallel = ParallelLayout::Create(cp, tp, sp).value();
     o.max_tokens_per_rank = 256 + static_cast<int64_t>(rng() % 4096);
     o.microbatch_multiple = 1 + static_cast<int>(rng() % 2);
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;

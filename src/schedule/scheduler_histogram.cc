@@ -81,7 +81,7 @@ Result<HistogramPacking> PackHistogram(std::span<const HistogramRow> histogram,
   for (size_t r = 0; r < histogram.size(); ++r) {
     const HistogramRow& h = histogram[r];
     if (h.count == 0) continue;
-    const int64_t p = PaddedSequenceLength(h.length, options.cp_size, options.extra_alignment);
+    const int64_t p = options.parallel.PaddedLength(h.length);
     if (p > capacity) {
       if (options.oversize == ScheduleOptions::OversizePolicy::kError) {
         return Status::InvalidArgument(
@@ -169,7 +169,7 @@ Result<HistogramPacking> PackHistogram(std::span<const HistogramRow> histogram,
       std::reverse(pattern.lengths.begin(), pattern.lengths.end());
       const int64_t sum = nodes[c.node].padded_sum;
       pattern.padded_tokens =
-          MicrobatchPaddedTokens(sum, options);
+          options.parallel.MicrobatchTokens(sum);
       out.padded_tokens += pattern.padded_tokens * c.count;
       sum_padded += sum * c.count;
       out.patterns.push_back(std::move(pattern));

@@ -61,9 +61,10 @@ TEST(HistogramTest, EqualsThePerSamplePathOnRandomHistograms) {
   std::mt19937_64 rng(17);
   for (int trial = 0; trial < 60; ++trial) {
     ScheduleOptions o;
-    o.cp_size = std::vector<int>{1, 1, 2}[rng() % 3];
-    o.tp_size = std::vector<int>{1, 2, 4}[rng() % 3];
-    o.sp = rng() % 2;
+    const int cp = std::vector<int>{1, 1, 2}[rng() % 3];
+    const int tp = std::vector<int>{1, 2, 4}[rng() % 3];
+    const bool sp = rng() % 2;
+    o.parallel = ParallelLayout::Create(cp, tp, sp).value();
     o.max_tokens_per_rank = 32 + static_cast<int64_t>(rng() % 200);
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;
     o.max_microbatch_search = 1000;
@@ -96,12 +97,12 @@ TEST(HistogramTest, EqualsThePerSamplePathOnRandomHistograms) {
 
     // Schedule on DP=1 with the tokens cost is best-fit decreasing too (its sequential
     // candidate could only ever do better in arrival order).
-    SCOPED_TRACE(std::string("sp ") + (o.sp ? "on" : "off") + ", tp " + std::to_string(o.tp_size));
+    SCOPED_TRACE(o.parallel.ToString());
     auto per_sample = Schedule(samples, o);
     ASSERT_TRUE(per_sample.ok()) << per_sample.status().ToString();
     EXPECT_LE(per_sample->num_microbatches, packing->num_packs) << "trial " << trial;
     // (With SP, tails differ between plans: another plan with as many microbatches may win.)
-    if (per_sample->scheduler == ScheduleOptions::Scheduler::kBalanced && !o.sp) {
+    if (per_sample->scheduler == ScheduleOptions::Scheduler::kBalanced && !o.parallel.sp()) {
       EXPECT_EQ(per_sample->num_microbatches, packing->num_packs) << "trial " << trial;
     }
   }

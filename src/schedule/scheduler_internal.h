@@ -23,7 +23,7 @@ struct PreparedStep {
   std::vector<double> cost;      // [n] cost(P) / CP
   std::vector<int64_t> skipped;  // oversize ids left out, input order
   // The largest sum of P one microbatch may hold: the budget, rounded down to a multiple of
-  // CP*TP with SP (MicrobatchPaddedTokens(sum) <= budget  <=>  sum <= capacity).
+  // CP*TP with SP (MicrobatchTokens(sum) <= budget  <=>  sum <= capacity).
   int64_t capacity = 0;
   int64_t total_padded = 0;      // sum P
   double total_cost = 0;         // sum cost

@@ -31,23 +31,28 @@ std::vector<SampleLength> Simple(const std::vector<int64_t>& lengths, int64_t fi
   return out;
 }
 
+// The layout of these tests, known to be valid.
+ParallelLayout Parallel(int cp, int tp = 1, bool sp = false, int64_t extra_alignment = 1) {
+  return ParallelLayout::Create(cp, tp, sp, extra_alignment).value();
+}
+
 TEST(SchedulePaddingTest, SequenceAlignmentAndMicrobatchTokens) {
-  EXPECT_EQ(SequenceAlignment(1, 1), 1);
-  EXPECT_EQ(SequenceAlignment(4, 1), 8);
-  EXPECT_EQ(SequenceAlignment(4, 3), 24);
-  EXPECT_EQ(PaddedSequenceLength(7, 2, 1), 8);
-  EXPECT_EQ(PaddedSequenceLength(8, 2, 1), 8);
-  EXPECT_EQ(PaddedSequenceLength(5, 1, 1), 5);
+  EXPECT_EQ(Parallel(1).sequence_alignment(), 1);
+  EXPECT_EQ(Parallel(4).sequence_alignment(), 8);
+  EXPECT_EQ(Parallel(4, 1, false, 3).sequence_alignment(), 24);
+  EXPECT_EQ(Parallel(2).PaddedLength(7), 8);
+  EXPECT_EQ(Parallel(2).PaddedLength(8), 8);
+  EXPECT_EQ(Parallel(1).PaddedLength(5), 5);
   // No SP: the sum stands.
-  EXPECT_EQ(MicrobatchPaddedTokens(20, 2, 4, false, 1), 20);
+  EXPECT_EQ(Parallel(2, 4, false).MicrobatchTokens(20), 20);
   // SP, CP=2, TP=4: T multiple of lcm(4, 8) = 8.
-  EXPECT_EQ(MicrobatchPaddedTokens(20, 2, 4, true, 1), 24);
+  EXPECT_EQ(Parallel(2, 4, true).MicrobatchTokens(20), 24);
   // SP, CP=1, TP=3: multiple of 3.
-  EXPECT_EQ(MicrobatchPaddedTokens(10, 1, 3, true, 1), 12);
+  EXPECT_EQ(Parallel(1, 3, true).MicrobatchTokens(10), 12);
   // SP, CP=4 (alignment 8), TP=6: lcm(8, 24) = 24.
-  EXPECT_EQ(MicrobatchPaddedTokens(40, 4, 6, true, 1), 48);
+  EXPECT_EQ(Parallel(4, 6, true).MicrobatchTokens(40), 48);
   // SP with extra alignment 16, CP=2 (alignment 64), TP=2: lcm(64, 4) = 64.
-  EXPECT_EQ(MicrobatchPaddedTokens(128, 2, 2, true, 16), 128);
+  EXPECT_EQ(Parallel(2, 2, true, 16).MicrobatchTokens(128), 128);
 }
 
 // The rule must equal the packing code's ComputeLayout (pack.h).
@@ -55,24 +60,22 @@ TEST(SchedulePaddingTest, EqualsPackComputeLayout) {
   std::mt19937_64 rng(11);
   for (int trial = 0; trial < 300; ++trial) {
     PackOptions po;
-    po.cp_size = 1 + static_cast<int>(rng() % 4);
-    po.tp_size = 1 + static_cast<int>(rng() % 6);
-    po.sp = rng() % 2;
-    po.extra_alignment = 1 + static_cast<int64_t>(rng() % 3);
+    const int cp = 1 + static_cast<int>(rng() % 4);
+    const int tp = 1 + static_cast<int>(rng() % 6);
+    const bool sp = rng() % 2;
+    po.parallel = Parallel(cp, tp, sp, 1 + static_cast<int64_t>(rng() % 3));
     const auto lengths = RandomLengths(rng, 1 + rng() % 6, 300);
     auto layout = ComputeLayout(lengths, po);
     ASSERT_TRUE(layout.ok()) << layout.status().ToString();
     int64_t sum = 0;
     for (size_t i = 0; i < lengths.size(); ++i) {
-      const int64_t p = PaddedSequenceLength(lengths[i], po.cp_size, po.extra_alignment);
+      const int64_t p = po.parallel.PaddedLength(lengths[i]);
       if (i + 1 < lengths.size()) {
         EXPECT_EQ(layout->cu_seqlens_padded[i + 1] - layout->cu_seqlens_padded[i], p);
       }
       sum += p;
     }
-    EXPECT_EQ(layout->total_tokens,
-              MicrobatchPaddedTokens(sum, po.cp_size, po.tp_size, po.sp, po.extra_alignment))
-        << "cp " << po.cp_size << " tp " << po.tp_size << " sp " << po.sp;
+    EXPECT_EQ(layout->total_tokens, po.parallel.MicrobatchTokens(sum)) << po.parallel.ToString();
   }
 }
 
@@ -105,7 +108,7 @@ TEST(ScheduleOptionsTest, BadOptionsAreNamed) {
   EXPECT_TRUE(Contains(r.status().message(), "cost model"));
 
   o = ScheduleOptions();
-  o.cp_size = 8;
+  o.parallel = Parallel(8);
   o.max_tokens_per_rank = int64_t{1} << 30;
   r = Schedule(samples, o);
   ASSERT_FALSE(r.ok());
@@ -138,7 +141,7 @@ TEST(ScheduleOversizeTest, ErrorNamesTheSampleItsLengthAndTheBudget) {
   for (Sched s : {Sched::kSequential, Sched::kBalanced}) {
     ScheduleOptions o;
     o.scheduler = s;
-    o.cp_size = 2;
+    o.parallel = Parallel(2);
     o.max_tokens_per_rank = 50;  // budget 100
     auto samples = Simple({10, 20, 101, 30});
     auto r = Schedule(samples, o);
@@ -156,8 +159,7 @@ TEST(ScheduleOversizeTest, SpTailMakesASampleOversize) {
   // Budget 100, SP with CP=1, TP=8: a microbatch's T is a multiple of 8, so at most 96; a
   // sample of 98 fits the budget alone but not after the SP tail.
   ScheduleOptions o;
-  o.tp_size = 8;
-  o.sp = true;
+  o.parallel = Parallel(1, 8, true);
   o.max_tokens_per_rank = 100;
   auto r = Schedule(Simple({98, 10}), o);
   ASSERT_FALSE(r.ok());
@@ -216,10 +218,10 @@ TEST(PlanInvariantsTest, RandomStepsBothSchedulers) {
   for (int trial = 0; trial < 150; ++trial) {
     ScheduleOptions o;
     o.dp_size = 1 + static_cast<int>(rng() % 8);
-    o.cp_size = std::vector<int>{1, 1, 2, 4}[rng() % 4];
-    o.tp_size = std::vector<int>{1, 2, 3, 8}[rng() % 4];
-    o.sp = rng() % 2;
-    o.extra_alignment = std::vector<int64_t>{1, 1, 8}[rng() % 3];
+    const int cp = std::vector<int>{1, 1, 2, 4}[rng() % 4];
+    const int tp = std::vector<int>{1, 2, 3, 8}[rng() % 4];
+    const bool sp = rng() % 2;
+    o.parallel = Parallel(cp, tp, sp, std::vector<int64_t>{1, 1, 8}[rng() % 3]);
     o.max_tokens_per_rank = 64 + static_cast<int64_t>(rng() % 2000);
     o.microbatch_multiple = 1 + static_cast<int>(rng() % 3);
     o.oversize = Oversize::kSkip;
@@ -262,8 +264,7 @@ TEST(PlanInvariantsTest, SpTailKeepsTheBudget) {
   for (Sched s : {Sched::kSequential, Sched::kBalanced}) {
     ScheduleOptions o;
     o.scheduler = s;
-    o.tp_size = 8;
-    o.sp = true;
+    o.parallel = Parallel(1, 8, true);
     o.max_tokens_per_rank = 100;
     const auto samples = Simple({50, 47});
     auto plan = Schedule(samples, o);
@@ -276,9 +277,7 @@ TEST(PlanInvariantsTest, SpTailKeepsTheBudget) {
   }
   // CP=2, TP=4 (quantum 8), budget 2*51 = 102 -> T <= 96; padded lengths are multiples of 4.
   ScheduleOptions o;
-  o.cp_size = 2;
-  o.tp_size = 4;
-  o.sp = true;
+  o.parallel = Parallel(2, 4, true);
   o.max_tokens_per_rank = 51;
   o.dp_size = 2;
   std::mt19937_64 rng(5);
@@ -305,7 +304,7 @@ TEST(PlanDeterminismTest, SameBytesEveryTimeAndFromConcurrentCallers) {
   const auto samples = WithIds(RandomLengths(rng, 3000, 20000), 9);
   ScheduleOptions o;
   o.dp_size = 16;
-  o.cp_size = 2;
+  o.parallel = Parallel(2);
   o.max_tokens_per_rank = 16384;
   o.cost.b = 0.001;
   o.oversize = Oversize::kSkip;
@@ -335,7 +334,7 @@ TEST(PlanFiguresTest, SmallPlanByHand) {
   const auto samples = Simple({5, 3, 6, 2});
   ScheduleOptions o;
   o.dp_size = 2;
-  o.cp_size = 2;
+  o.parallel = Parallel(2);
   o.max_tokens_per_rank = 8;
   o.cost.a = 1;
   o.cost.b = 1;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "shard/copy_kernels.h"
+#include "thdpack/parallel_layout.h"
 
 namespace thdpack {
 namespace {
@@ -102,10 +103,11 @@ Status CheckDenseOptions(const char* fn, int64_t batch, int64_t seq_len,
     return Status::InvalidArgument(std::string(fn) + ": seq_len = " + Str(seq_len) +
                                    ": must be >= 1");
   }
-  if (o.cp_size > 1 && seq_len % (2 * int64_t{o.cp_size}) != 0) {
+  const int64_t zigzag = ParallelLayout::ZigzagMultiple(o.cp_size);
+  if (seq_len % zigzag != 0) {
     return Status::InvalidArgument(std::string(fn) + ": seq_len = " + Str(seq_len) +
-                                   ": must be divisible by 2*cp_size = " +
-                                   Str(2 * int64_t{o.cp_size}) + " for the zigzag");
+                                   ": must be divisible by 2*cp_size = " + Str(zigzag) +
+                                   " for the zigzag");
   }
   int64_t total = 0;
   if (__builtin_mul_overflow(batch, seq_len, &total)) {
@@ -128,7 +130,7 @@ Status ValidateCuSeqlensPadded(std::span<const int32_t> cu, int cp_size) {
   if (cu[0] != 0) {
     return Status::InvalidArgument("cu_seqlens_padded[0] = " + Str(cu[0]) + ": must be 0");
   }
-  const int64_t quantum = cp_size > 1 ? 2 * int64_t{cp_size} : 1;
+  const int64_t quantum = ParallelLayout::ZigzagMultiple(cp_size);
   for (size_t i = 1; i < cu.size(); ++i) {
     const int64_t len = int64_t{cu[i]} - cu[i - 1];
     if (len <= 0) {

@@ -159,7 +159,8 @@ TEST(StepFiguresRandom, IdsCapacityAndFlopsMatchAPlainLoop) {
   for (int trial = 0; trial < 40; ++trial) {
     ScheduleOptions o;
     o.dp_size = 1 + static_cast<int>(rng() % 5);
-    o.cp_size = 1 + static_cast<int>(rng() % 4);
+    const int cp = 1 + static_cast<int>(rng() % 4);
+    o.parallel = ParallelLayout::Create(cp).value();
     o.max_tokens_per_rank = 256 + static_cast<int64_t>(rng() % 2048);
     o.scheduler = rng() % 2 ? ScheduleOptions::Scheduler::kBalanced
                             : ScheduleOptions::Scheduler::kSequential;
@@ -167,14 +168,14 @@ TEST(StepFiguresRandom, IdsCapacityAndFlopsMatchAPlainLoop) {
     std::vector<SampleLength> samples;
     for (int i = 0; i < n; ++i) {
       const int64_t len = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(
-                                                      o.max_tokens_per_rank * o.cp_size - 8));
+                                                      o.max_tokens_per_rank * cp - 8));
       samples.push_back({1000 + 3 * i, len, len - 1});
     }
     auto plan = Schedule(samples, o);
     ASSERT_TRUE(plan.ok()) << plan.status().ToString();
     auto f = ComputeStepFigures(trial, 0, samples, o, *plan, *coef);
     ASSERT_TRUE(f.ok()) << f.status().ToString();
-    const int64_t align = o.cp_size > 1 ? 2 * o.cp_size : 1;
+    const int64_t align = cp > 1 ? 2 * cp : 1;
     double flops = 0;
     for (const SampleLength& s : samples) {
       const double p = static_cast<double>((s.length + align - 1) / align * align);
@@ -183,7 +184,7 @@ TEST(StepFiguresRandom, IdsCapacityAndFlopsMatchAPlainLoop) {
     }
     EXPECT_NEAR(f->flops, flops, 1e-9 * flops);
     EXPECT_EQ(f->capacity_tokens, static_cast<int64_t>(plan->num_microbatches) * o.dp_size *
-                                      o.cp_size * o.max_tokens_per_rank);
+                                      cp * o.max_tokens_per_rank);
     ASSERT_EQ(f->sample_ids.size(), static_cast<size_t>(o.dp_size));
     for (int d = 0; d < o.dp_size; ++d) {
       ASSERT_EQ(f->sample_ids[d].size(), static_cast<size_t>(plan->num_microbatches));

@@ -31,7 +31,6 @@ constexpr uint8_t kFlagSp = 0x01;
 constexpr size_t kMinMicrobatchBytes = 3;
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-int64_t ZigzagMultiple(int32_t cp_size) { return cp_size > 1 ? 2 * int64_t{cp_size} : 1; }
 
 std::string Mb(size_t m) { return "StepMeta.microbatches[" + std::to_string(m) + "]."; }
 std::string Seq(size_t i) { return " (sequence " + std::to_string(i) + ")"; }
@@ -57,8 +56,8 @@ Status ValidateMicrobatch(const StepMeta& meta, size_t m, int64_t* sum_sq) {
     return Invalid(Mb(m) + "cu_seqlens_padded[0] = " + Num(cup[0]) + ": must start at 0");
   }
   const size_t n = cu.size() - 1;
-  const int64_t pm = meta.pad_multiple;
-  const int64_t c = ZigzagMultiple(meta.cp_size);
+  const int64_t pm = meta.parallel.sequence_alignment();
+  const int64_t c = meta.parallel.zigzag_multiple();
   int64_t max_p = 0;
   int64_t sq = 0;  // <= T^2 < 2^62: no overflow inside one microbatch
   for (size_t i = 0; i < n; ++i) {
@@ -100,11 +99,11 @@ Status ValidateMicrobatch(const StepMeta& meta, size_t m, int64_t* sum_sq) {
                    ": must equal the largest padded length " + Num(max_p));
   }
   const int64_t t = cup[n];
-  if (meta.sp && t % (int64_t{meta.cp_size} * meta.tp_size) != 0) {
+  const int64_t cp_tp = int64_t{meta.parallel.cp_size()} * meta.parallel.tp_size();
+  if (meta.parallel.sp() && t % cp_tp != 0) {
     return Invalid(Mb(m) + "cu_seqlens_padded: total " + Num(t) +
-                   " is not a multiple of cp_size*tp_size = " +
-                   Num(int64_t{meta.cp_size} * meta.tp_size) + ", required with sp (T/CP a "
-                   "multiple of TP)");
+                   " is not a multiple of cp_size*tp_size = " + Num(cp_tp) +
+                   ", required with sp (T/CP a multiple of TP)");
   }
   const int64_t max_valid = int64_t{cu[n]} - static_cast<int64_t>(n);
   if (mb.n_valid < 0 || mb.n_valid > max_valid) {
@@ -122,14 +121,6 @@ Status ValidateStepMeta(const StepMeta& meta) {
   if (meta.replica < 0 || meta.replica >= meta.dp_size) {
     return Invalid("StepMeta.replica = " + Num(meta.replica) + ": must be in [0, dp_size = " +
                    Num(meta.dp_size) + ")");
-  }
-  if (meta.cp_size < 1) return Invalid("StepMeta.cp_size = " + Num(meta.cp_size) + ": must be >= 1");
-  if (meta.tp_size < 1) return Invalid("StepMeta.tp_size = " + Num(meta.tp_size) + ": must be >= 1");
-  const int64_t c = ZigzagMultiple(meta.cp_size);
-  if (meta.pad_multiple < 1 || meta.pad_multiple > kInt32Max || meta.pad_multiple % c != 0) {
-    return Invalid("StepMeta.pad_multiple = " + Num(meta.pad_multiple) +
-                   ": must be in [1, 2^31-1] and a multiple of " + Num(c) +
-                   " (2*cp_size when cp_size > 1)");
   }
   if (meta.microbatches.empty()) {
     return Invalid("StepMeta.microbatches is empty: a step has at least one microbatch");
@@ -250,10 +241,12 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   wire::PutVarint64(&out, meta.epoch);
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.dp_size));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.replica));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.cp_size));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.tp_size));
-  out.push_back(meta.sp ? kFlagSp : 0);
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.pad_multiple));
+  // The parallel layout, with the per-sequence alignment as pad_multiple (version 1 bytes).
+  const ParallelLayout& parallel = meta.parallel;
+  wire::PutVarint64(&out, static_cast<uint64_t>(parallel.cp_size()));
+  wire::PutVarint64(&out, static_cast<uint64_t>(parallel.tp_size()));
+  out.push_back(parallel.sp() ? kFlagSp : 0);
+  wire::PutVarint64(&out, static_cast<uint64_t>(parallel.sequence_alignment()));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.real_tokens));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.padded_tokens));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.sum_sq));
@@ -261,7 +254,7 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   wire::PutVarint64(&out, meta.microbatches.size());
   std::vector<uint32_t> lens, excess;
   for (const auto& mb : meta.microbatches) {
-    EncodeMicrobatch(mb, meta.pad_multiple, &lens, &excess, &out);
+    EncodeMicrobatch(mb, parallel.sequence_alignment(), &lens, &excess, &out);
   }
   wire::PutVarint64(&out, meta.skipped_ids.size());
   uint64_t prev = 0;
@@ -304,18 +297,24 @@ class BodyDecoderV1 {
     meta.dp_size = static_cast<int32_t>(v);
     THDPACK_RETURN_IF_ERROR(Varint("replica", kNoMb, kInt32Max, &v));
     meta.replica = static_cast<int32_t>(v);
-    THDPACK_RETURN_IF_ERROR(Varint("cp_size", kNoMb, kInt32Max, &v));
-    meta.cp_size = static_cast<int32_t>(v);
-    THDPACK_RETURN_IF_ERROR(Varint("tp_size", kNoMb, kInt32Max, &v));
-    meta.tp_size = static_cast<int32_t>(v);
+    uint64_t cp_size = 0, tp_size = 0, pad_multiple = 0;
+    THDPACK_RETURN_IF_ERROR(Varint("cp_size", kNoMb, kInt32Max, &cp_size));
+    if (cp_size < 1) return Error("cp_size", kNoMb, "is 0: must be >= 1");
+    THDPACK_RETURN_IF_ERROR(Varint("tp_size", kNoMb, kInt32Max, &tp_size));
+    if (tp_size < 1) return Error("tp_size", kNoMb, "is 0: must be >= 1");
     uint8_t flags = 0;
     THDPACK_RETURN_IF_ERROR(Byte("flags", kNoMb, &flags));
     if ((flags & ~kFlagSp) != 0) return Error("flags", kNoMb, "unknown bits set in " + Num(flags));
-    meta.sp = (flags & kFlagSp) != 0;
-    THDPACK_RETURN_IF_ERROR(Varint("pad_multiple", kNoMb, kInt32Max, &v));
-    // Needed before the microbatches (their padded lengths derive from it).
-    if (v < 1) return Error("pad_multiple", kNoMb, "is 0");
-    meta.pad_multiple = static_cast<int64_t>(v);
+    THDPACK_RETURN_IF_ERROR(Varint("pad_multiple", kNoMb, kInt32Max, &pad_multiple));
+    // Untrusted bytes: the layout's remaining rules (pad_multiple a multiple of 2*CP, the SP
+    // quantum within int32) are checked here, before the microbatches, whose padded lengths
+    // derive from it.
+    auto parallel = ParallelLayout::FromWire(static_cast<int64_t>(cp_size),
+                                             static_cast<int64_t>(tp_size),
+                                             (flags & kFlagSp) != 0,
+                                             static_cast<int64_t>(pad_multiple));
+    if (!parallel.ok()) return Error("pad_multiple", kNoMb, parallel.status().message());
+    meta.parallel = *parallel;
     THDPACK_RETURN_IF_ERROR(Varint("real_tokens", kNoMb, kInt64Max, &v));
     meta.real_tokens = static_cast<int64_t>(v);
     THDPACK_RETURN_IF_ERROR(Varint("padded_tokens", kNoMb, kInt64Max, &v));
@@ -331,7 +330,8 @@ class BodyDecoderV1 {
         Varint("num_microbatches", kNoMb, r_.remaining() / kMinMicrobatchBytes, &num_mb));
     meta.microbatches.resize(num_mb);
     for (size_t m = 0; m < num_mb; ++m) {
-      THDPACK_RETURN_IF_ERROR(DecodeMicrobatch(m, meta.pad_multiple, &meta.microbatches[m]));
+      THDPACK_RETURN_IF_ERROR(
+          DecodeMicrobatch(m, meta.parallel.sequence_alignment(), &meta.microbatches[m]));
     }
 
     uint64_t num_skipped = 0;

@@ -55,10 +55,7 @@ StepMeta GoldenStep() {
   meta.epoch = 0;
   meta.dp_size = 1;
   meta.replica = 0;
-  meta.cp_size = 2;
-  meta.tp_size = 1;
-  meta.sp = false;
-  meta.pad_multiple = 4;
+  meta.parallel = ParallelLayout::Create(2).value();  // pad_multiple 4
   meta.microbatches.push_back(MakeMicrobatch({3, 5}, {4, 8}, 6));
   FillTotals(&meta);
   meta.skipped_ids = {7};
@@ -73,10 +70,7 @@ StepMeta SmallExplicitStep() {
   meta.epoch = 1ull << 40;
   meta.dp_size = 4;
   meta.replica = 3;
-  meta.cp_size = 2;
-  meta.tp_size = 3;
-  meta.sp = true;
-  meta.pad_multiple = 4;
+  meta.parallel = ParallelLayout::Create(2, 3, true).value();  // pad_multiple 4
   // T = 4 + 12 + 8 = 24, a multiple of CP*TP = 6; the last carries 4 tail slots.
   meta.microbatches.push_back(MakeMicrobatch({1, 9, 2}, {4, 12, 8}, 8));
   // Sequence 0 padded by two extra multiples: explicit mode. T = 12 + 12 = 24.
@@ -98,11 +92,14 @@ StepMeta RandomStep(std::mt19937_64& rng, int max_log2 = 20, int max_n = 40) {
   const int32_t cps[] = {1, 2, 4, 8, 16};
   const int32_t tps[] = {1, 2, 4, 8};
   const int64_t extras[] = {1, 1, 2, 8, 64, 128};
-  meta.cp_size = cps[rng() % 5];
-  meta.tp_size = tps[rng() % 4];
-  meta.sp = rng() % 2 == 0;
-  const int64_t c = meta.cp_size > 1 ? 2 * meta.cp_size : 1;
-  meta.pad_multiple = c * extras[rng() % 6];
+  const int32_t cp = cps[rng() % 5];
+  const int32_t tp = tps[rng() % 4];
+  const bool sp = rng() % 2 == 0;
+  const int64_t extra = extras[rng() % 6];
+  meta.parallel = ParallelLayout::Create(cp, tp, sp, extra).value();
+  const int64_t c = cp > 1 ? 2 * cp : 1;
+  const int64_t pad_multiple = c * extra;
+  EXPECT_EQ(meta.parallel.sequence_alignment(), pad_multiple) << meta.parallel.ToString();
   const bool off_rule = rng() % 4 == 0;
   const int num_mb = static_cast<int>(rng() % 8) + 1;
   for (int m = 0; m < num_mb; ++m) {
@@ -112,9 +109,9 @@ StepMeta RandomStep(std::mt19937_64& rng, int max_log2 = 20, int max_n = 40) {
     for (int i = 0; i < n; ++i) {
       const int bits = static_cast<int>(rng() % (max_log2 + 1));
       len[i] = static_cast<int64_t>(rng() % (uint64_t{1} << bits)) + 1;
-      pad[i] = RoundUp(len[i], meta.pad_multiple);
+      pad[i] = RoundUp(len[i], pad_multiple);
       if (off_rule && i + 1 < n && rng() % 3 == 0) {
-        pad[i] += meta.pad_multiple * static_cast<int64_t>(rng() % 3);
+        pad[i] += pad_multiple * static_cast<int64_t>(rng() % 3);
       }
       real += len[i];
       total += pad[i];
@@ -125,8 +122,8 @@ StepMeta RandomStep(std::mt19937_64& rng, int max_log2 = 20, int max_n = 40) {
       pad[n - 1] += extra;
       total += extra;
     }
-    if (meta.sp) {
-      const int64_t unit = int64_t{meta.cp_size} * meta.tp_size;
+    if (sp) {
+      const int64_t unit = int64_t{cp} * tp;
       while (total % unit != 0) {
         pad[n - 1] += c;
         total += c;
@@ -288,9 +285,7 @@ TEST(WireRoundTripTest, ExtremeValues) {
   meta.epoch = std::numeric_limits<uint64_t>::max();
   meta.dp_size = std::numeric_limits<int32_t>::max();
   meta.replica = std::numeric_limits<int32_t>::max() - 1;
-  meta.cp_size = 1;
-  meta.tp_size = std::numeric_limits<int32_t>::max();
-  meta.pad_multiple = 1;
+  meta.parallel = ParallelLayout::Create(1, std::numeric_limits<int32_t>::max()).value();
   const int64_t max32 = std::numeric_limits<int32_t>::max();
   // One sequence of 2^31-1 tokens; lengths of 1 (Rice k = 0); one of each near the top.
   meta.microbatches.push_back(MakeMicrobatch({max32}, {max32}, max32 - 1));
@@ -311,8 +306,8 @@ TEST(WireRoundTripTest, TypicalLengthsTakeAtMostTwoBytesPerSequence) {
   std::lognormal_distribution<double> dist(std::log(4096.0) - sigma * sigma / 2, sigma);
   for (int cp : {1, 2, 4, 8}) {
     StepMeta meta;
-    meta.cp_size = cp;
-    meta.pad_multiple = cp > 1 ? 2 * cp : 1;
+    meta.parallel = ParallelLayout::Create(cp).value();
+    const int64_t pad_multiple = cp > 1 ? 2 * cp : 1;
     int64_t sequences = 0;
     for (int m = 0; m < 8; ++m) {
       std::vector<int64_t> len, pad;
@@ -320,7 +315,7 @@ TEST(WireRoundTripTest, TypicalLengthsTakeAtMostTwoBytesPerSequence) {
       while (total < 128 * 1024) {
         const int64_t l = std::clamp<int64_t>(static_cast<int64_t>(dist(rng)), 1, 65535);
         len.push_back(l);
-        pad.push_back(RoundUp(l, meta.pad_multiple));
+        pad.push_back(RoundUp(l, pad_multiple));
         total += pad.back();
       }
       sequences += static_cast<int64_t>(len.size());
@@ -555,6 +550,77 @@ TEST(WireCorruptionTest, TotalsAreCrossChecked) {
   EXPECT_TRUE(Contains(r.status(), "StepMeta.real_tokens")) << r.status().ToString();
 }
 
+// The layout fields on the wire (cp_size, tp_size, the flags' SP bit, pad_multiple) become a
+// ParallelLayout through ParallelLayout::FromWire before any microbatch is read: a value it
+// rejects is Corruption naming the field and the rule broken. (A StepMeta's layout is valid by
+// construction, so these rules, once ValidateStepMeta's, are checked here.)
+TEST(WireCorruptionTest, ParallelLayoutFields) {
+  // Golden body: step, epoch, dp_size, replica, cp_size, tp_size, flags, pad_multiple, ...
+  constexpr size_t kCp = kStepMetaHeaderSize + 4;
+  constexpr size_t kTp = kCp + 1;
+  constexpr size_t kPad = kCp + 3;
+  struct Case {
+    const char* name;
+    size_t pos;
+    uint8_t value;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"cp_size zero", kCp, 0, "(cp_size): is 0: must be >= 1"},
+      {"tp_size zero", kTp, 0, "(tp_size): is 0: must be >= 1"},
+      {"pad_multiple zero", kPad, 0, "pad_multiple = 0: must be in [1, 2^31) and a multiple of 4"},
+      {"pad_multiple not 2cp", kPad, 6,
+       "pad_multiple = 6: must be in [1, 2^31) and a multiple of 4 (2*cp_size when cp_size > 1)"},
+      {"cp_size 3 needs 6", kCp, 3, "pad_multiple = 4: must be in [1, 2^31) and a multiple of 6"},
+  };
+  for (const Case& c : cases) {
+    std::vector<uint8_t> msg = kGoldenBytes;
+    msg[c.pos] = c.value;
+    Reseal(&msg);
+    auto r = DecodeStepMeta(msg);
+    ASSERT_FALSE(r.ok()) << c.name;
+    const std::string what = std::string(c.name) + ": " + r.status().ToString();
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << what;
+    EXPECT_TRUE(Contains(r.status(), "step metadata: byte ")) << what;
+    EXPECT_TRUE(Contains(r.status(), c.expect)) << what;
+  }
+
+  // Multi-byte values: a body with the golden step's fields around the given layout.
+  auto body_with = [](uint64_t cp, uint64_t tp, uint8_t flags, uint64_t pad_multiple) {
+    const std::vector<uint8_t> golden = GoldenHeader();
+    std::vector<uint8_t> body(golden.begin(), golden.begin() + 4);  // step .. replica
+    wire::PutVarint64(&body, cp);
+    wire::PutVarint64(&body, tp);
+    body.push_back(flags);
+    wire::PutVarint64(&body, pad_multiple);
+    body.insert(body.end(), golden.begin() + 8, golden.end());  // real_tokens .. n_loss_tokens
+    body.insert(body.end(), {0x01, 0x02, 0x01, 0x22});  // the golden microbatch
+    body.insert(body.end(), {0x01, 0x0E});              // its skipped id
+    return Sealed(body);
+  };
+  // The golden layout written this way decodes: the cases below differ only in the layout.
+  auto golden = DecodeStepMeta(body_with(2, 1, 0, 4));
+  ASSERT_TRUE(golden.ok()) << golden.status().ToString();
+  EXPECT_EQ(*golden, GoldenStep());
+
+  auto huge = DecodeStepMeta(body_with(2, 1, 0, uint64_t{1} << 32));
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(huge.status(), "(pad_multiple): value 4294967296 exceeds its limit"))
+      << huge.status().ToString();
+  // Each field fits int32, but with SP the token quantum CP*TP does not: Create's OutOfRange
+  // arrives as Corruption.
+  auto quantum = DecodeStepMeta(body_with(65536, 65536, 0x01, 131072));
+  ASSERT_FALSE(quantum.ok());
+  EXPECT_EQ(quantum.status().code(), StatusCode::kCorruption) << quantum.status().ToString();
+  EXPECT_TRUE(Contains(quantum.status(), "cp_size * tp_size = 65536 * 65536 exceeds int32"))
+      << quantum.status().ToString();
+  // Without SP the same sizes are a valid layout; the step then fails on its padding instead.
+  auto no_sp = DecodeStepMeta(body_with(65536, 65536, 0x00, 131072));
+  ASSERT_FALSE(no_sp.ok());
+  EXPECT_FALSE(Contains(no_sp.status(), "cp_size * tp_size")) << no_sp.status().ToString();
+}
+
 TEST(WireCorruptionTest, NonZeroPaddingBitsAreRejected) {
   std::vector<uint8_t> msg = kGoldenBytes;
   msg[24] = 0xA2;  // the code byte 0x22 with padding bit 7 set
@@ -625,13 +691,8 @@ const RuleCase kRuleCases[] = {
     {"dp_size", [](StepMeta* m) { m->dp_size = 0; }, "StepMeta.dp_size = 0"},
     {"replica high", [](StepMeta* m) { m->replica = m->dp_size; }, "StepMeta.replica = 1"},
     {"replica negative", [](StepMeta* m) { m->replica = -1; }, "StepMeta.replica = -1"},
-    {"cp_size", [](StepMeta* m) { m->cp_size = 0; }, "StepMeta.cp_size = 0"},
-    {"tp_size", [](StepMeta* m) { m->tp_size = -2; }, "StepMeta.tp_size = -2"},
-    {"pad_multiple zero", [](StepMeta* m) { m->pad_multiple = 0; }, "StepMeta.pad_multiple = 0"},
-    {"pad_multiple not 2cp", [](StepMeta* m) { m->pad_multiple = 6; },
-     "StepMeta.pad_multiple = 6: must be in [1, 2^31-1] and a multiple of 4"},
-    {"pad_multiple huge", [](StepMeta* m) { m->pad_multiple = int64_t{1} << 32; },
-     "StepMeta.pad_multiple = 4294967296"},
+    // cp_size, tp_size and pad_multiple are a ParallelLayout, valid by construction: their
+    // rules are checked where bytes become a layout (WireCorruptionTest.ParallelLayoutFields).
     {"no microbatches", [](StepMeta* m) { m->microbatches.clear(); },
      "StepMeta.microbatches is empty"},
     {"no sequences", [](StepMeta* m) { Mb0(m).cu_seqlens = {0}; Mb0(m).cu_seqlens_padded = {0}; },
@@ -657,7 +718,7 @@ const RuleCase kRuleCases[] = {
      "(sequence 1): padded length 10 of the last sequence is not a multiple of 2*cp_size = 4"},
     {"max_seqlen", [](StepMeta* m) { Mb0(m).max_seqlen = 4; },
      "StepMeta.microbatches[0].max_seqlen = 4: must equal the largest padded length 8"},
-    {"sp total", [](StepMeta* m) { m->sp = true; m->tp_size = 8; },
+    {"sp total", [](StepMeta* m) { m->parallel = ParallelLayout::Create(2, 8, true).value(); },
      "StepMeta.microbatches[0].cu_seqlens_padded: total 12 is not a multiple of "
      "cp_size*tp_size = 16"},
     {"n_valid high", [](StepMeta* m) { Mb0(m).n_valid = 7; },

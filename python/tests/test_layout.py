@@ -1,0 +1,144 @@
+"""thdpack.ParallelLayout: the padding rule of thdpack/parallel_layout.h against a plain Python
+definition that searches for the smallest multiple, on fresh random inputs; pack() and schedule()
+follow the same rule; bad arguments raise ValueError naming the argument."""
+import random
+
+import numpy as np
+import pytest
+
+import thdpack
+
+
+def zigzag(cp):
+    """Every padded sequence splits into 2*CP zigzag chunks (CP > 1)."""
+    return 2 * cp if cp > 1 else 1
+
+
+def padded_by_search(length, cp, extra):
+    """The smallest P >= length that is a multiple of the zigzag multiple times extra."""
+    p = length
+    while p % (zigzag(cp) * extra) != 0:
+        p += 1
+    return p
+
+
+def tokens_by_search(sum_padded, cp, tp, sp, extra):
+    """The smallest T >= sum_padded that keeps the sequence alignment and, with SP over TP > 1,
+    splits into CP*TP equal parts."""
+    t = sum_padded
+    while t % (zigzag(cp) * extra) != 0 or (sp and tp > 1 and t % (cp * tp) != 0):
+        t += 1
+    return t
+
+
+def quantum_by_search(cp, tp, sp, extra):
+    """The smallest q >= 1 with every multiple of q a valid T."""
+    q = 1
+    while tokens_by_search(q, cp, tp, sp, extra) != q:
+        q += 1
+    return q
+
+
+def random_layout(rng):
+    return (int(rng.integers(1, 17)), int(rng.integers(1, 9)), bool(rng.integers(2)),
+            int(rng.choice([1, 1, 2, 3, 8])))
+
+
+def test_default_is_unsplit():
+    l = thdpack.ParallelLayout()
+    assert (l.cp_size, l.tp_size, l.sp, l.extra_alignment) == (1, 1, False, 1)
+    assert (l.zigzag_multiple, l.sequence_alignment, l.token_quantum) == (1, 1, 1)
+    assert l.padded_length(7) == 7 and l.microbatch_tokens(7) == 7
+    assert l == thdpack.ParallelLayout(cp_size=1)
+
+
+def test_worked_example():
+    # docs: lengths 7 and 3 at CP = 2 give P = 8 and 4, T = 12; with TP = 4 and SP, T = 16.
+    cp2 = thdpack.ParallelLayout(cp_size=2)
+    assert (cp2.padded_length(7), cp2.padded_length(3), cp2.microbatch_tokens(12)) == (8, 4, 12)
+    sp = thdpack.ParallelLayout(cp_size=2, tp_size=4, sp=True)
+    assert sp.token_quantum == 8 and sp.microbatch_tokens(12) == 16
+    assert "CP=2" in repr(sp) and "TP=4" in repr(sp)
+
+
+def test_rule_equals_search_on_random_inputs():
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    for trial in range(500):
+        cp, tp, sp, extra = random_layout(rng)
+        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra}"
+        l = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra)
+        assert (l.cp_size, l.tp_size, l.sp, l.extra_alignment) == (cp, tp, sp, extra), what
+        assert l.zigzag_multiple == zigzag(cp), what
+        assert l.sequence_alignment == padded_by_search(1, cp, extra), what
+        assert l.token_quantum == quantum_by_search(cp, tp, sp, extra), what
+        lengths = [int(x) for x in rng.integers(1, 3000, size=int(rng.integers(1, 6)))]
+        padded = [l.padded_length(n) for n in lengths]
+        assert padded == [padded_by_search(n, cp, extra) for n in lengths], what
+        assert l.padded_length(0) == 0, what
+        s = sum(padded)
+        assert l.microbatch_tokens(s) == tokens_by_search(s, cp, tp, sp, extra), what
+        # Any sum, not only one of padded lengths.
+        s = int(rng.integers(0, 10000))
+        assert l.microbatch_tokens(s) == tokens_by_search(s, cp, tp, sp, extra), what
+
+
+def test_pack_and_schedule_follow_the_layout():
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    for trial in range(60):
+        cp, tp, sp, extra = random_layout(rng)
+        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra}"
+        l = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra)
+        lengths = [int(x) for x in rng.integers(1, 200, size=int(rng.integers(1, 6)))]
+        samples = [np.arange(n, dtype=np.int32) for n in lengths]
+        p = thdpack.pack(samples, cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra)
+        got = np.diff(p["cu_seqlens_padded"]).tolist()
+        assert got[:-1] == [l.padded_length(n) for n in lengths[:-1]], what
+        assert int(p["cu_seqlens_padded"][-1]) == l.microbatch_tokens(
+            sum(l.padded_length(n) for n in lengths)), what
+        # One microbatch of at most this budget: the scheduler's T is the layout's.
+        plan = thdpack.schedule(np.array(lengths), dp_size=1, cp_size=cp, tp_size=tp, sp=sp,
+                                extra_alignment=extra, max_tokens_per_rank=1 << 20)
+        fig = plan.figures["replicas"][0]["microbatches"]
+        assert sum(mb["padded_tokens"] for mb in fig) == sum(
+            l.microbatch_tokens(sum(l.padded_length(lengths[i]) for i in mb["samples"]))
+            for mb in fig), what
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cp_size=0), "cp_size = 0"),
+    (dict(cp_size=-3), "cp_size = -3"),
+    (dict(tp_size=0), "tp_size = 0"),
+    (dict(cp_size=2, extra_alignment=0), "extra_alignment = 0"),
+    (dict(cp_size=4, extra_alignment=1 << 30), "extra_alignment = 1073741824.*int32"),
+    (dict(cp_size=65536, tp_size=65536, sp=True), r"cp_size \* tp_size = 65536 \* 65536"),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        thdpack.ParallelLayout(**kwargs)
+    # The bindings that take the same keyword arguments report the same error.
+    with pytest.raises(ValueError, match=match):
+        thdpack.pack([np.arange(5, dtype=np.int32)], **kwargs)
+    with pytest.raises(ValueError, match=match):
+        thdpack.schedule(np.array([5, 6]), dp_size=1, max_tokens_per_rank=100, **kwargs)
+
+
+def test_bad_lengths_raise_value_error_naming_them():
+    l = thdpack.ParallelLayout(cp_size=2)
+    with pytest.raises(ValueError, match="length = -1"):
+        l.padded_length(-1)
+    with pytest.raises(ValueError, match="sum_padded = -4"):
+        l.microbatch_tokens(-4)
+    with pytest.raises(ValueError, match="length = 4611686018427387905"):
+        l.padded_length((1 << 62) + 1)
+
+
+def test_encode_metadata_checks_pad_multiple_against_the_layout():
+    p = thdpack.pack([np.arange(7, dtype=np.int32)], cp_size=2)
+    with pytest.raises(ValueError, match="pad_multiple = 6.*multiple of 4"):
+        thdpack.encode_metadata([p], cp_size=2, pad_multiple=6)
+    with pytest.raises(ValueError, match="cp_size = 0"):
+        thdpack.encode_metadata([p], cp_size=0)
+    d = thdpack.decode_metadata(thdpack.encode_metadata([p], cp_size=2))
+    assert (d["cp_size"], d["tp_size"], d["sp"], d["pad_multiple"]) == (2, 1, False, 4)
