@@ -11,8 +11,8 @@
 //   memcpy            memcpy of as many bytes as "fused all ranks" writes
 // Every row includes ComputeLayout. Buffers are allocated and touched before timing; each row
 // reports the median of its repetitions. The fast path is checked against the reference before
-// it is timed. Lengths come from ../shared/data/wlbllm_doc_lengths.txt (or the file given as
-// argv[1]); without it, lognormal lengths of mean 4096.
+// it is timed. Lengths come from data/wlbllm_doc_lengths.txt of the source tree (or the file
+// given on the command line); if that cannot be read, lognormal lengths of mean 4096.
 //
 // Usage: pack_bench [--tokens N] [lengths_file]   (N real tokens per microbatch, default 2^20)
 // Prints a table; never fails on a time (it exits non-zero only if the fast path is wrong).
@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_data.h"
 #include "thdpack/pack.h"
 #include "thdpack/shard.h"
 
@@ -128,21 +129,9 @@ int main(int argc, char** argv) {
   }
   std::vector<int64_t> source;
   std::string origin;
-  const char* candidates[] = {"../shared/data/wlbllm_doc_lengths.txt",
-                              "../../shared/data/wlbllm_doc_lengths.txt",
-                              "/work/shared/data/wlbllm_doc_lengths.txt"};
-  if (!path.empty()) {
-    source = ReadLengths(path);
-    origin = path;
-  } else {
-    for (const char* c : candidates) {
-      source = ReadLengths(c);
-      if (!source.empty()) {
-        origin = c;
-        break;
-      }
-    }
-  }
+  if (path.empty()) path = thdpack_bench::DataDir() + "/wlbllm_doc_lengths.txt";
+  source = ReadLengths(path);
+  if (!source.empty()) origin = path;
   const std::vector<int64_t> lengths = MicrobatchLengths(source, target_tokens, &origin);
 
   // Samples: random tokens; SFT masks (a prompt of zeros, then ones) on every sample.

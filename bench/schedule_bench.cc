@@ -1,4 +1,4 @@
-// Scheduling benchmarks on the real sequence-length data in ../shared/data (see its README for
+// Scheduling benchmarks on the real sequence-length data in data/ (see data/README.md for
 // sources). Prints tables; never fails on a time.
 //
 //   1. Wikipedia-512 histogram (Krell et al.), all 16,279,552 sequences into packs of 512:
@@ -10,7 +10,7 @@
 //      per step; the goal is balanced within 2% on every step (column steps>1.02).
 //   3. Scheduling time of 16K, 64K and 1M Wikipedia documents, DP=512, CP=8, 32768 per rank.
 //
-// Usage: schedule_bench [DATA_DIR]   (default: the shared data folder of the source tree)
+// Usage: schedule_bench [DATA_DIR]   (default: data/ of the source tree)
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_data.h"
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
 #include "thdpack/schedule.h"
@@ -35,15 +36,6 @@ using thdpack::PlanFigures;
 using thdpack::SampleLength;
 using thdpack::ScheduleOptions;
 using Clock = std::chrono::steady_clock;
-
-// The shared data folder beside the source tree: <repo>/../shared/data, found from this file's
-// path (the build passes no data directory to benchmark programs).
-std::string DefaultDataDir() {
-  std::string here = __FILE__;                       // <repo>/bench/schedule_bench.cc
-  here = here.substr(0, here.find_last_of('/'));     // <repo>/bench
-  here = here.substr(0, here.find_last_of('/'));     // <repo>
-  return here + "/../shared/data";
-}
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -277,7 +269,7 @@ void SchedulingTime(const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string dir = argc > 1 ? argv[1] : DefaultDataDir();
+  const std::string dir = argc > 1 ? argv[1] : thdpack_bench::DataDir();
   WikipediaHistogram(dir);
   WlbllmImbalance(dir);
   SchedulingTime(dir);

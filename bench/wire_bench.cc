@@ -4,7 +4,7 @@
 // reference, table and hardware paths.
 //
 // Usage: wire_bench [--data_dir=DIR] [--max_docs=N] [--min_time=SECONDS]
-// DIR defaults to ../shared/data beside the source tree; a missing length file falls back to a
+// DIR defaults to data/ of the source tree; a missing length file falls back to a
 // lognormal with mean 4096 (said in the output). Prints tables; never fails on a time.
 #include <benchmark/benchmark.h>
 
@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench_data.h"
 #include "thdpack/wire.h"
 #include "wire/crc32c.h"
 
@@ -27,12 +28,6 @@ namespace {
 using thdpack::MicrobatchMeta;
 using thdpack::StepMeta;
 using Clock = std::chrono::steady_clock;
-
-std::string DefaultDataDir() {
-  std::string here = __FILE__;  // .../bench/wire_bench.cc
-  const size_t slash = here.rfind("/bench/");
-  return slash == std::string::npos ? "../shared/data" : here.substr(0, slash) + "/../shared/data";
-}
 
 // Lengths one per line; non-numeric lines (a header) are skipped.
 std::vector<int64_t> LoadLengths(const std::string& path, size_t max_docs, bool* from_file) {
@@ -242,7 +237,7 @@ void CrcTable(double min_time) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string data_dir = DefaultDataDir();
+  std::string data_dir = thdpack_bench::DataDir();
   size_t max_docs = 200000;
   double min_time = 0.2;
   for (int i = 1; i < argc; ++i) {

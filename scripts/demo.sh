@@ -4,7 +4,7 @@ set -euo pipefail
 build=${1:-build}
 thdpack="$build/thdpack"
 repo=$(cd "$(dirname "$0")/.." && pwd)
-data="$repo/../shared/data"
+data="$repo/data"   # real sequence-length data (data/README.md)
 run() {
   echo
   echo "\$ thdpack $*"
@@ -27,19 +27,14 @@ echo "== thdpack plan: balance, padding, microbatches and FLOPs of a data set at
 run plan --svg "$build/plan_demo.svg"
 # The same steps with Megatron-LM's arrival-order scheduler: the straggler shows in imbalance.
 run plan --scheduler sequential --summary-only
-if [[ -d "$data" ]]; then
-  # Real long-tail document lengths (WLB-LLM), DP=8, CP=4: balanced, then sequential.
-  run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
-    --max-tokens-per-rank 32768 --global-batch 512 --steps 4
-  run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
-    --max-tokens-per-rank 32768 --global-batch 512 --steps 4 --scheduler sequential --summary-only
-  # The SQuAD-384 histogram packed into microbatches of 384 tokens (one epoch, one step).
-  run plan --data "histogram:$data/squad_384_histogram.csv" --dp 1 --cp 1 \
-    --max-tokens-per-rank 384 --global-batch all --steps 1 --cost tokens --summary-only
-else
-  echo
-  echo "(skipping the real-data plans: $data not found)"
-fi
+# Real long-tail document lengths (WLB-LLM), DP=8, CP=4: balanced, then sequential.
+run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
+  --max-tokens-per-rank 32768 --global-batch 512 --steps 4
+run plan --data "lengths:$data/wlbllm_doc_lengths.txt" --dp 8 --cp 4 \
+  --max-tokens-per-rank 32768 --global-batch 512 --steps 4 --scheduler sequential --summary-only
+# The SQuAD-384 histogram packed into microbatches of 384 tokens (one epoch, one step).
+run plan --data "histogram:$data/squad_384_histogram.csv" --dp 1 --cp 1 \
+  --max-tokens-per-rank 384 --global-batch all --steps 1 --cost tokens --summary-only
 
 # The Python module (built for Debian's /usr/bin/python3 when its dependencies are there): a tiny
 # LM trained over DP=2 x CP=2 gloo processes on thdpack's plan, packing, shards and loss, each

@@ -61,24 +61,17 @@ inline bool Contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-inline std::string SharedDataDir() {
+// The folder of real data files: $THDPACK_DATA_DIR when set, else the repository's data/.
+inline std::string DataDir() {
   if (const char* env = std::getenv("THDPACK_DATA_DIR"); env != nullptr && *env != '\0') {
     return env;
   }
-#ifdef THDPACK_SHARED_DATA_DIR
-  return THDPACK_SHARED_DATA_DIR;
-#else
-  return "";
-#endif
+  return THDPACK_TEST_DATA_DIR;
 }
 
-// The shared data file `name`, or "" when the folder is not there (the test then skips).
-inline std::string SharedDataFile(const std::string& name) {
-  const std::string dir = SharedDataDir();
-  if (dir.empty()) return "";
-  const std::string path = dir + "/" + name;
-  return std::filesystem::exists(path) ? path : "";
-}
+// The real data file `name` (data/README.md lists them). It is part of the repository, so a
+// test that reads it fails when it is missing (the reader's error names the path).
+inline std::string DataFile(const std::string& name) { return DataDir() + "/" + name; }
 
 }  // namespace thdpack::testing_util
 

@@ -9,7 +9,7 @@ namespace thdpack {
 namespace {
 
 using testing_util::Contains;
-using testing_util::SharedDataFile;
+using testing_util::DataFile;
 using testing_util::TempDir;
 using testing_util::WriteText;
 
@@ -88,8 +88,7 @@ TEST(LengthsSourceTest, ErrorsNameFileLineAndText) {
 }
 
 TEST(LengthsSourceTest, RealWlbllmDocLengths) {
-  const std::string path = SharedDataFile("wlbllm_doc_lengths.txt");
-  if (path.empty()) GTEST_SKIP() << "shared data folder not found";
+  const std::string path = DataFile("wlbllm_doc_lengths.txt");
   auto v = ReadLengthsFile(path);
   ASSERT_TRUE(v.ok()) << v.status().ToString();
   EXPECT_EQ(v->size(), 99519u);
@@ -173,8 +172,7 @@ TEST(HistogramSourceTest, ErrorsNameFileLineAndRule) {
 }
 
 TEST(HistogramSourceTest, RealWikipediaHistogramAsRows) {
-  const std::string path = SharedDataFile("wikipedia_512_histogram.csv");
-  if (path.empty()) GTEST_SKIP() << "shared data folder not found";
+  const std::string path = DataFile("wikipedia_512_histogram.csv");
   auto s = OpenHistogramSource(path);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   const Histogram& h = (*s)->histogram();
@@ -192,8 +190,7 @@ TEST(HistogramSourceTest, RealWikipediaHistogramAsRows) {
 }
 
 TEST(HistogramSourceTest, RealSquadHistogramEnumerated) {
-  const std::string path = SharedDataFile("squad_384_histogram.csv");
-  if (path.empty()) GTEST_SKIP() << "shared data folder not found";
+  const std::string path = DataFile("squad_384_histogram.csv");
   auto h = ReadHistogramFile(path);
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   EXPECT_EQ(h->rows.size(), 348u);

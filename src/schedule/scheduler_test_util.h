@@ -1,4 +1,4 @@
-// Helpers shared by the scheduling tests: random steps, the shared data files, and a small
+// Helpers shared by the scheduling tests: random steps, the real data files, and a small
 // CSV/lengths reader for them (test-only; the library's data readers live in src/data).
 #ifndef THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
 #define THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -19,13 +18,12 @@
 
 namespace thdpack::testing_util {
 
-// The shared data file `name` (from $THDPACK_DATA_DIR, else ../shared/data next to the
-// repository), or "" when it is not there: the real-data tests then skip, saying so.
-inline std::string SharedDataPath(const std::string& name) {
+// The real data file `name` (data/README.md lists them): from $THDPACK_DATA_DIR when set, else
+// the repository's data/. It is part of the repository, so a missing file fails the test.
+inline std::string DataPath(const std::string& name) {
   const char* env = std::getenv("THDPACK_DATA_DIR");
-  const std::string dir = (env != nullptr && *env != '\0') ? env : THDPACK_SHARED_DATA_DIR;
-  const std::string path = dir + "/" + name;
-  return std::filesystem::exists(path) ? path : "";
+  const std::string dir = (env != nullptr && *env != '\0') ? env : THDPACK_TEST_DATA_DIR;
+  return dir + "/" + name;
 }
 
 // `length,count` rows after a header line; empty on any problem (the test then fails).
