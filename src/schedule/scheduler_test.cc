@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "schedule/scheduler_test_util.h"
-#include "thdpack/pack.h"
 #include "thdpack/schedule.h"
 
 namespace thdpack {
@@ -48,32 +47,6 @@ TEST(SchedulePaddingTest, SequenceAlignmentAndMicrobatchTokens) {
   EXPECT_EQ(MicrobatchPaddedTokens(40, 4, 6, true, 1), 48);
   // SP with extra alignment 16, CP=2 (alignment 64), TP=2: lcm(64, 4) = 64.
   EXPECT_EQ(MicrobatchPaddedTokens(128, 2, 2, true, 16), 128);
-}
-
-// The rule must equal the packing code's ComputeLayout (pack.h).
-TEST(SchedulePaddingTest, EqualsPackComputeLayout) {
-  std::mt19937_64 rng(11);
-  for (int trial = 0; trial < 300; ++trial) {
-    PackOptions po;
-    po.cp_size = 1 + static_cast<int>(rng() % 4);
-    po.tp_size = 1 + static_cast<int>(rng() % 6);
-    po.sp = rng() % 2;
-    po.extra_alignment = 1 + static_cast<int64_t>(rng() % 3);
-    const auto lengths = RandomLengths(rng, 1 + rng() % 6, 300);
-    auto layout = ComputeLayout(lengths, po);
-    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
-    int64_t sum = 0;
-    for (size_t i = 0; i < lengths.size(); ++i) {
-      const int64_t p = PaddedSequenceLength(lengths[i], po.cp_size, po.extra_alignment);
-      if (i + 1 < lengths.size()) {
-        EXPECT_EQ(layout->cu_seqlens_padded[i + 1] - layout->cu_seqlens_padded[i], p);
-      }
-      sum += p;
-    }
-    EXPECT_EQ(layout->total_tokens,
-              MicrobatchPaddedTokens(sum, po.cp_size, po.tp_size, po.sp, po.extra_alignment))
-        << "cp " << po.cp_size << " tp " << po.tp_size << " sp " << po.sp;
-  }
 }
 
 TEST(ScheduleOptionsTest, BadOptionsAreNamed) {
