@@ -8,7 +8,6 @@
 
 #include "comm_checks.h"
 #include "thdpack/comm.h"
-#include "thdpack/topology.h"
 
 namespace thdpack {
 namespace {
@@ -30,32 +29,6 @@ TEST_P(CommWorldSize, AgreeOnStatus) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, CommWorldSize, ::testing::Range(1, 9));
-
-// Groups of a topology, made by Split from Topology::AllGroups: membership and order match the
-// topology's lists, and a sum over each group is right.
-TEST(ThreadBackend, TopologyGroups) {
-  auto topo = Topology::Create(2, 2, 2, 1);
-  ASSERT_TRUE(topo.ok());
-  for (GroupKind kind : {GroupKind::kTp, GroupKind::kCp, GroupKind::kDp, GroupKind::kDpCp,
-                         GroupKind::kPp}) {
-    const auto groups = topo->AllGroups(kind);
-    auto statuses = RunOnThreads(topo->world_size(), [&](ProcessGroup& world) -> Status {
-      THDPACK_ASSIGN_OR_RETURN(auto g, world.Split(groups));
-      THDPACK_ASSIGN_OR_RETURN(auto expect, topo->GroupOf(kind, world.rank()));
-      if (!g || std::vector<int>(g->ranks().begin(), g->ranks().end()) != expect) {
-        return Status::Internal("membership");
-      }
-      auto coord = topo->CoordOf(world.rank());
-      if (g->rank() != topo->IndexInGroup(kind, *coord)) return Status::Internal("position");
-      std::vector<int64_t> v = {world.rank()};
-      THDPACK_RETURN_IF_ERROR(g->AllReduceInt64(std::span<int64_t>(v), ReduceOp::kSum));
-      int64_t sum = 0;
-      for (int x : expect) sum += x;
-      return v[0] == sum ? Status::Ok() : Status::Internal("sum");
-    });
-    ExpectAllOk(statuses);
-  }
-}
 
 // A rank that returns without taking part in a collective: its peers get kAborted naming it
 // instead of waiting forever.

@@ -2,7 +2,7 @@
 //
 // - LineReader: a text file read line by line (getline), RAII.
 // - MappedFile: a whole file memory-mapped read-only, RAII.
-// - SplitMix64 / Permutation: the portable integer generators behind mocks and shuffling.
+// - Permutation: the shuffling bijection (SplitMix64 and Mix64 come from common/splitmix64.h).
 // - IndexedSource: the SampleSource of every source with random access (all but jsonl).
 //
 // Thread-safety: as SampleSource (one object per thread); the generators are pure.
@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/splitmix64.h"
 #include "thdpack/data.h"
 #include "thdpack/status.h"
 
@@ -79,30 +80,9 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// SplitMix64 (Steele, Lea, Flood 2014): one 64-bit mix step.
-inline uint64_t Mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t state) : state_(state) {}
-  uint64_t Next() {
-    state_ += 0x9E3779B97F4A7C15ULL;
-    uint64_t z = state_;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-  }
-  // Uniform in (0, 1]: 53 random bits, never 0 (safe for log).
-  double NextUnitOpenZero() { return static_cast<double>((Next() >> 11) + 1) * 0x1.0p-53; }
-
- private:
-  uint64_t state_;
-};
+// The generators live in src/common/ (the probe seeds its weights with them too).
+using internal::Mix64;
+using internal::SplitMix64;
 
 // A pseudo-random bijection of [0, n) keyed by `key`: a 4-round Feistel network on the
 // smallest even number of bits covering n, walked until the value falls inside [0, n).

@@ -14,7 +14,7 @@
 #include <numeric>
 #include <string>
 
-#include "shard/copy_kernels.h"
+#include "common/copy_kernels.h"
 #include "thdpack/shard.h"
 
 namespace thdpack {

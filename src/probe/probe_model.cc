@@ -6,14 +6,14 @@
 #include <set>
 #include <string>
 
-#include "data/data_internal.h"
+#include "common/splitmix64.h"
 #include "probe/probe_internal.h"
 #include "thdpack/probe.h"
 
 namespace thdpack {
 namespace {
 
-using data_internal::Mix64;
+using internal::Mix64;
 
 // Weight tensors of one layer, in storage order.
 enum LayerTensor : int { kNorm1 = 0, kWq, kWk, kWv, kWo, kNorm2, kW1, kW2, kNumLayerTensors };

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "schedule/scheduler_test_util.h"
-#include "thdpack/pack.h"
 #include "thdpack/schedule.h"
 
 namespace thdpack {
@@ -53,30 +52,6 @@ TEST(SchedulePaddingTest, SequenceAlignmentAndMicrobatchTokens) {
   EXPECT_EQ(Parallel(4, 6, true).MicrobatchTokens(40), 48);
   // SP with extra alignment 16, CP=2 (alignment 64), TP=2: lcm(64, 4) = 64.
   EXPECT_EQ(Parallel(2, 2, true, 16).MicrobatchTokens(128), 128);
-}
-
-// The rule must equal the packing code's ComputeLayout (pack.h).
-TEST(SchedulePaddingTest, EqualsPackComputeLayout) {
-  std::mt19937_64 rng(11);
-  for (int trial = 0; trial < 300; ++trial) {
-    PackOptions po;
-    const int cp = 1 + static_cast<int>(rng() % 4);
-    const int tp = 1 + static_cast<int>(rng() % 6);
-    const bool sp = rng() % 2;
-    po.parallel = Parallel(cp, tp, sp, 1 + static_cast<int64_t>(rng() % 3));
-    const auto lengths = RandomLengths(rng, 1 + rng() % 6, 300);
-    auto layout = ComputeLayout(lengths, po);
-    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
-    int64_t sum = 0;
-    for (size_t i = 0; i < lengths.size(); ++i) {
-      const int64_t p = po.parallel.PaddedLength(lengths[i]);
-      if (i + 1 < lengths.size()) {
-        EXPECT_EQ(layout->cu_seqlens_padded[i + 1] - layout->cu_seqlens_padded[i], p);
-      }
-      sum += p;
-    }
-    EXPECT_EQ(layout->total_tokens, po.parallel.MicrobatchTokens(sum)) << po.parallel.ToString();
-  }
 }
 
 TEST(ScheduleOptionsTest, BadOptionsAreNamed) {

@@ -7,7 +7,7 @@
 #include <functional>
 #include <string>
 
-#include "shard/copy_kernels.h"
+#include "common/copy_kernels.h"
 #include "thdpack/parallel_layout.h"
 
 namespace thdpack {

@@ -3,8 +3,8 @@
 // into vector stores at -O2 without target flags (builds stay portable, DESIGN.md section 11).
 //
 // Thread-safety: pure functions on caller-owned memory.
-#ifndef THDPACK_SHARD_COPY_KERNELS_H_
-#define THDPACK_SHARD_COPY_KERNELS_H_
+#ifndef THDPACK_COMMON_COPY_KERNELS_H_
+#define THDPACK_COMMON_COPY_KERNELS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -47,4 +47,4 @@ inline void Set(void* dst, int value, size_t n) {
 
 }  // namespace thdpack::internal
 
-#endif  // THDPACK_SHARD_COPY_KERNELS_H_
+#endif  // THDPACK_COMMON_COPY_KERNELS_H_
