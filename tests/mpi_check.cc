@@ -27,6 +27,7 @@ Status CheckOversizeFailure(thdpack::ProcessGroup& world, const std::string& len
   o.data = "lengths:" + lengths_file;
   o.global_batch = 16;
   o.schedule.max_tokens_per_rank = 1000;
+  o.schedule.dp_size = o.schedule.tp_size = 2;  // the topology's
   THDPACK_ASSIGN_OR_RETURN(auto runner, thdpack::StepRunner::Create(world, topo, o));
   Status s = runner->Next().status();
   const thdpack::Coord c = *topo.CoordOf(world.rank());

@@ -400,6 +400,9 @@ inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std
   o.global_batch = global_batch;
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.sp = k.sp;
+  o.schedule.dp_size = k.dp;  // the topology's
+  o.schedule.cp_size = k.cp;
+  o.schedule.tp_size = k.tp;
   o.data_on = k.data_on;
   o.check_plan_hash = true;
   o.pad_id = 7;

@@ -63,4 +63,5 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindLoss(m);
   tp::BindCost(m);
   tp::BindData(m);
+  tp::BindJob(m);
 }

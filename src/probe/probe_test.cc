@@ -39,6 +39,9 @@ StepRunnerOptions CaseOptions(const StepCase& k, const std::string& jsonl) {
   o.global_batch = 24;
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.sp = k.sp;
+  o.schedule.dp_size = k.dp;  // the topology's
+  o.schedule.cp_size = k.cp;
+  o.schedule.tp_size = k.tp;
   o.data_on = k.data_on;
   o.check_plan_hash = true;
   o.pad_id = 7;  // padding must not matter

@@ -98,6 +98,8 @@ TEST(StepRunner, OversizeSampleOnOneLoaderFailsEveryRank) {
     o.data = "lengths:" + file.path();
     o.global_batch = 16;
     o.schedule.max_tokens_per_rank = 1000;
+    o.schedule.dp_size = 2;
+    o.schedule.tp_size = 2;
     o.data_on = mode;
     auto statuses = RunOneStep(topo, o);
     // Sample 5 is read by loader 5 % 2 = 1, i.e. the ranks with dp = 1.
@@ -127,6 +129,7 @@ TEST(StepRunner, CorruptMetadataFailsEveryRank) {
   o.data = "jsonl:" + file.path();
   o.global_batch = 16;
   o.schedule.max_tokens_per_rank = 256;
+  o.schedule.dp_size = o.schedule.cp_size = o.schedule.tp_size = 2;
   o.corrupt_metadata_of_replica = 1;
   auto statuses = RunOneStep(topo, o);
   int corruption = 0;
@@ -155,6 +158,7 @@ TEST(StepRunner, ScheduleErrorReachesNonLoaders) {
   o.data = "jsonl:" + file.path();
   o.global_batch = 3;  // fewer than DP = 4
   o.schedule.max_tokens_per_rank = 256;
+  o.schedule.dp_size = 4;
   auto statuses = RunOneStep(topo, o);
   for (int r = 0; r < 8; ++r) {
     const Status& s = statuses[static_cast<size_t>(r)];
@@ -184,6 +188,17 @@ TEST(StepRunner, BadOptionsAreErrors) {
   });
   for (const Status& s : statuses) {
     EXPECT_NE(s.message().find("needs 8"), std::string::npos) << s.ToString();
+  }
+  // A schedule whose sizes are not the topology's is an error, not silently replaced.
+  o.schedule.dp_size = 2;
+  o.schedule.cp_size = 2;
+  o.schedule.tp_size = 1;  // the topology's TP is 2
+  statuses = RunOnThreads(8, [&](ProcessGroup& world) {
+    return StepRunner::Create(world, topo, o).status();
+  });
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("must be the topology's"), std::string::npos) << s.ToString();
   }
   EXPECT_EQ(ParseDataOn("tp1").status().code(), StatusCode::kInvalidArgument);
 }
