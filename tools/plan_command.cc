@@ -58,16 +58,119 @@ std::string Num(double v) {
   return buf;
 }
 
-// A stacked-bar chart per step: one bar per replica, one <rect class="mb"> per (replica,
-// microbatch) stacked bottom-up in microbatch order, height = the microbatch's per-rank cost;
-// a dashed line at the lower bound; a y axis with ticks; a legend of microbatch colours.
+constexpr const char* kPalette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
+                                    "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
+constexpr int kPaletteSize = 10;
+// The chart's layout in pixels: margins, the height of a step's panel and the gap between.
+constexpr double kLeft = 100, kRight = 200, kTop = 50, kPanelHeight = 260, kGap = 70;
+
+// Panel k: one bar per replica, one <rect class="mb"> per (replica, microbatch) stacked
+// bottom-up in microbatch order, height = the microbatch's per-rank cost; a dashed line at the
+// lower bound; a y axis with ticks.
+std::string DrawPanel(const StepFigures& f, size_t k, double plot_w) {
+  const double left = kLeft, top = kTop, panel_h = kPanelHeight, gap = kGap;
+  std::string s;
+  const PlanFigures& p = f.plan;
+  const double y0 = top + k * (panel_h + gap) + 20;  // top of the plot area
+  const double ymax = std::max(p.max_replica_cost, p.lower_bound) * 1.08;
+  auto ypix = [&](double v) { return y0 + panel_h - (ymax > 0 ? v / ymax * panel_h : 0); };
+  char title[200];
+  std::snprintf(title, sizeof title,
+                "step %lld (epoch %lld): %d microbatches, imbalance %.4f, pad %.2f%%, fill "
+                "%.2f%%",
+                static_cast<long long>(f.step), static_cast<long long>(f.epoch),
+                p.num_microbatches, p.imbalance, 100 * p.pad_fraction, 100 * p.fill);
+  s += "<g class=\"step\" data-step=\"" + std::to_string(f.step) + "\">\n";
+  s += "<text x=\"" + Num(left) + "\" y=\"" + Num(y0 - 8) + "\" font-weight=\"bold\">" +
+       XmlEscape(title) + "</text>\n";
+  // Axes and ticks.
+  s += "<line x1=\"" + Num(left) + "\" y1=\"" + Num(y0) + "\" x2=\"" + Num(left) + "\" y2=\"" +
+       Num(y0 + panel_h) + "\" stroke=\"black\"/>\n";
+  s += "<line x1=\"" + Num(left) + "\" y1=\"" + Num(y0 + panel_h) + "\" x2=\"" +
+       Num(left + plot_w) + "\" y2=\"" + Num(y0 + panel_h) + "\" stroke=\"black\"/>\n";
+  for (int t = 0; t <= 4; ++t) {
+    const double v = ymax * t / 4.0;
+    const double y = ypix(v);
+    s += "<line x1=\"" + Num(left - 4) + "\" y1=\"" + Num(y) + "\" x2=\"" + Num(left) +
+         "\" y2=\"" + Num(y) + "\" stroke=\"black\"/>\n";
+    s += "<text x=\"" + Num(left - 6) + "\" y=\"" + Num(y + 4) + "\" text-anchor=\"end\">" +
+         Num(v) + "</text>\n";
+  }
+  s += "<text x=\"" + Num(left - 85) + "\" y=\"" + Num(y0 + panel_h / 2) +
+       "\" transform=\"rotate(-90 " + Num(left - 85) + " " + Num(y0 + panel_h / 2) +
+       ")\" text-anchor=\"middle\">cost per rank</text>\n";
+  s += "<text x=\"" + Num(left + plot_w / 2) + "\" y=\"" + Num(y0 + panel_h + 32) +
+       "\" text-anchor=\"middle\">DP replica</text>\n";
+  const int dp = static_cast<int>(p.replicas.size());
+  const double slot = plot_w / std::max(1, dp);
+  const double bar_w = std::max(1.0, slot * 0.8);
+  const int label_every = std::max(1, dp / 16);
+  for (int d = 0; d < dp; ++d) {
+    const ReplicaFigures& r = p.replicas[static_cast<size_t>(d)];
+    const double x = left + d * slot + (slot - bar_w) / 2;
+    double acc = 0;
+    for (size_t m = 0; m < r.microbatches.size(); ++m) {
+      const MicrobatchFigures& mb = r.microbatches[m];
+      const double ytop = ypix(acc + mb.cost);
+      const double h = ypix(acc) - ytop;
+      acc += mb.cost;
+      std::string ids;
+      if (d < static_cast<int>(f.sample_ids.size()) && m < f.sample_ids[d].size()) {
+        for (size_t i = 0; i < f.sample_ids[d][m].size() && i < 32; ++i) {
+          ids += (i ? "," : "") + std::to_string(f.sample_ids[d][m][i]);
+        }
+        if (f.sample_ids[d][m].size() > 32) ids += ",...";
+      }
+      s += "<rect class=\"mb\" x=\"" + Num(x) + "\" y=\"" + Num(ytop) + "\" width=\"" +
+           Num(bar_w) + "\" height=\"" + Num(std::max(0.0, h)) + "\" fill=\"" +
+           kPalette[m % kPaletteSize] + "\" stroke=\"white\" stroke-width=\"0.5\"><title>" +
+           XmlEscape("replica " + std::to_string(d) + ", microbatch " + std::to_string(m) +
+                     ": " + std::to_string(mb.n_samples) + " samples, " +
+                     std::to_string(mb.real_tokens) + " real / " +
+                     std::to_string(mb.padded_tokens) + " padded tokens, cost " +
+                     Num(mb.cost) + "; ids " + ids) +
+           "</title></rect>\n";
+    }
+    if (d % label_every == 0) {
+      s += "<text x=\"" + Num(x + bar_w / 2) + "\" y=\"" + Num(y0 + panel_h + 15) +
+           "\" text-anchor=\"middle\" font-size=\"10\">" + std::to_string(d) + "</text>\n";
+    }
+  }
+  const double lb = ypix(p.lower_bound);
+  s += "<line class=\"lower-bound\" x1=\"" + Num(left) + "\" y1=\"" + Num(lb) + "\" x2=\"" +
+       Num(left + plot_w) + "\" y2=\"" + Num(lb) +
+       "\" stroke=\"black\" stroke-dasharray=\"6,4\"/>\n";
+  s += "<text x=\"" + Num(left + plot_w + 6) + "\" y=\"" + Num(lb + 4) +
+       "\" font-size=\"11\">lower bound</text>\n";
+  s += "</g>\n";
+  return s;
+}
+
+// The legend of microbatch colours, right of the panels.
+std::string DrawLegend(int max_m, double plot_w) {
+  const double left = kLeft, top = kTop;
+  std::string s;
+  const double lx = left + plot_w + 100;
+  s += "<g class=\"legend\">\n<text x=\"" + Num(lx) + "\" y=\"" + Num(top + 40) +
+       "\" font-weight=\"bold\">microbatch</text>\n";
+  const int shown = std::min(max_m, kPaletteSize);
+  for (int m = 0; m < shown; ++m) {
+    const double y = top + 50 + m * 18;
+    s += "<rect x=\"" + Num(lx) + "\" y=\"" + Num(y) + "\" width=\"12\" height=\"12\" fill=\"" +
+         kPalette[m] + "\"/>\n";
+    std::string label = std::to_string(m);
+    if (max_m > kPaletteSize) label += " (+" + std::to_string(kPaletteSize) + "k)";
+    s += "<text x=\"" + Num(lx + 18) + "\" y=\"" + Num(y + 10) + "\">" + label + "</text>\n";
+  }
+  s += "</g>\n";
+  return s;
+}
+
+// A stacked-bar chart per step (DrawPanel) and a legend of microbatch colours.
 std::string DrawSvg(const std::vector<StepFigures>& steps, const JobOptions& args,
                     const std::string& cost_name) {
-  static const char* kPalette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
-                                   "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"};
-  constexpr int kPaletteSize = 10;
   const size_t n_panels = std::min(steps.size(), kMaxSvgSteps);
-  const double left = 100, right = 200, top = 50, panel_h = 260, gap = 70;
+  const double left = kLeft, right = kRight, top = kTop, panel_h = kPanelHeight, gap = kGap;
   const double plot_w = std::max(400.0, std::min(1600.0, 14.0 * args.dp));
   const double width = left + plot_w + right;
   const double height = top + n_panels * (panel_h + gap) + 20;
@@ -85,96 +188,9 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const JobOptions& arg
        "</text>\n";
   int max_m = 1;
   for (size_t k = 0; k < n_panels; ++k) max_m = std::max(max_m, steps[k].plan.num_microbatches);
-  for (size_t k = 0; k < n_panels; ++k) {
-    const StepFigures& f = steps[k];
-    const PlanFigures& p = f.plan;
-    const double y0 = top + k * (panel_h + gap) + 20;  // top of the plot area
-    const double ymax = std::max(p.max_replica_cost, p.lower_bound) * 1.08;
-    auto ypix = [&](double v) { return y0 + panel_h - (ymax > 0 ? v / ymax * panel_h : 0); };
-    char title[200];
-    std::snprintf(title, sizeof title,
-                  "step %lld (epoch %lld): %d microbatches, imbalance %.4f, pad %.2f%%, fill "
-                  "%.2f%%",
-                  static_cast<long long>(f.step), static_cast<long long>(f.epoch),
-                  p.num_microbatches, p.imbalance, 100 * p.pad_fraction, 100 * p.fill);
-    s += "<g class=\"step\" data-step=\"" + std::to_string(f.step) + "\">\n";
-    s += "<text x=\"" + Num(left) + "\" y=\"" + Num(y0 - 8) + "\" font-weight=\"bold\">" +
-         XmlEscape(title) + "</text>\n";
-    // Axes and ticks.
-    s += "<line x1=\"" + Num(left) + "\" y1=\"" + Num(y0) + "\" x2=\"" + Num(left) + "\" y2=\"" +
-         Num(y0 + panel_h) + "\" stroke=\"black\"/>\n";
-    s += "<line x1=\"" + Num(left) + "\" y1=\"" + Num(y0 + panel_h) + "\" x2=\"" +
-         Num(left + plot_w) + "\" y2=\"" + Num(y0 + panel_h) + "\" stroke=\"black\"/>\n";
-    for (int t = 0; t <= 4; ++t) {
-      const double v = ymax * t / 4.0;
-      const double y = ypix(v);
-      s += "<line x1=\"" + Num(left - 4) + "\" y1=\"" + Num(y) + "\" x2=\"" + Num(left) +
-           "\" y2=\"" + Num(y) + "\" stroke=\"black\"/>\n";
-      s += "<text x=\"" + Num(left - 6) + "\" y=\"" + Num(y + 4) + "\" text-anchor=\"end\">" +
-           Num(v) + "</text>\n";
-    }
-    s += "<text x=\"" + Num(left - 85) + "\" y=\"" + Num(y0 + panel_h / 2) +
-         "\" transform=\"rotate(-90 " + Num(left - 85) + " " + Num(y0 + panel_h / 2) +
-         ")\" text-anchor=\"middle\">cost per rank</text>\n";
-    s += "<text x=\"" + Num(left + plot_w / 2) + "\" y=\"" + Num(y0 + panel_h + 32) +
-         "\" text-anchor=\"middle\">DP replica</text>\n";
-    const int dp = static_cast<int>(p.replicas.size());
-    const double slot = plot_w / std::max(1, dp);
-    const double bar_w = std::max(1.0, slot * 0.8);
-    const int label_every = std::max(1, dp / 16);
-    for (int d = 0; d < dp; ++d) {
-      const ReplicaFigures& r = p.replicas[static_cast<size_t>(d)];
-      const double x = left + d * slot + (slot - bar_w) / 2;
-      double acc = 0;
-      for (size_t m = 0; m < r.microbatches.size(); ++m) {
-        const MicrobatchFigures& mb = r.microbatches[m];
-        const double ytop = ypix(acc + mb.cost);
-        const double h = ypix(acc) - ytop;
-        acc += mb.cost;
-        std::string ids;
-        if (d < static_cast<int>(f.sample_ids.size()) && m < f.sample_ids[d].size()) {
-          for (size_t i = 0; i < f.sample_ids[d][m].size() && i < 32; ++i) {
-            ids += (i ? "," : "") + std::to_string(f.sample_ids[d][m][i]);
-          }
-          if (f.sample_ids[d][m].size() > 32) ids += ",...";
-        }
-        s += "<rect class=\"mb\" x=\"" + Num(x) + "\" y=\"" + Num(ytop) + "\" width=\"" +
-             Num(bar_w) + "\" height=\"" + Num(std::max(0.0, h)) + "\" fill=\"" +
-             kPalette[m % kPaletteSize] + "\" stroke=\"white\" stroke-width=\"0.5\"><title>" +
-             XmlEscape("replica " + std::to_string(d) + ", microbatch " + std::to_string(m) +
-                       ": " + std::to_string(mb.n_samples) + " samples, " +
-                       std::to_string(mb.real_tokens) + " real / " +
-                       std::to_string(mb.padded_tokens) + " padded tokens, cost " +
-                       Num(mb.cost) + "; ids " + ids) +
-             "</title></rect>\n";
-      }
-      if (d % label_every == 0) {
-        s += "<text x=\"" + Num(x + bar_w / 2) + "\" y=\"" + Num(y0 + panel_h + 15) +
-             "\" text-anchor=\"middle\" font-size=\"10\">" + std::to_string(d) + "</text>\n";
-      }
-    }
-    const double lb = ypix(p.lower_bound);
-    s += "<line class=\"lower-bound\" x1=\"" + Num(left) + "\" y1=\"" + Num(lb) + "\" x2=\"" +
-         Num(left + plot_w) + "\" y2=\"" + Num(lb) +
-         "\" stroke=\"black\" stroke-dasharray=\"6,4\"/>\n";
-    s += "<text x=\"" + Num(left + plot_w + 6) + "\" y=\"" + Num(lb + 4) +
-         "\" font-size=\"11\">lower bound</text>\n";
-    s += "</g>\n";
-  }
-  // Legend: microbatch colours.
-  const double lx = left + plot_w + 100;
-  s += "<g class=\"legend\">\n<text x=\"" + Num(lx) + "\" y=\"" + Num(top + 40) +
-       "\" font-weight=\"bold\">microbatch</text>\n";
-  const int shown = std::min(max_m, kPaletteSize);
-  for (int m = 0; m < shown; ++m) {
-    const double y = top + 50 + m * 18;
-    s += "<rect x=\"" + Num(lx) + "\" y=\"" + Num(y) + "\" width=\"12\" height=\"12\" fill=\"" +
-         kPalette[m] + "\"/>\n";
-    std::string label = std::to_string(m);
-    if (max_m > kPaletteSize) label += " (+" + std::to_string(kPaletteSize) + "k)";
-    s += "<text x=\"" + Num(lx + 18) + "\" y=\"" + Num(y + 10) + "\">" + label + "</text>\n";
-  }
-  s += "</g>\n</svg>\n";
+  for (size_t k = 0; k < n_panels; ++k) s += DrawPanel(steps[k], k, plot_w);
+  s += DrawLegend(max_m, plot_w);
+  s += "</svg>\n";
   return s;
 }
 

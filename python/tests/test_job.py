@@ -115,9 +115,11 @@ def test_run_job_equals_the_command_line_and_plan(lengths_file, data_on):
 
 
 @needs_cli
-def test_run_job_verify_matches_the_command_line():
-    options = dict(tp=2, cp=2, dp=2, pp=2, global_batch=16, steps=2, mock_samples=40,
-                   max_tokens_per_rank=4096, cost="tokens", verify=True, probe_layers=2)
+def test_run_job_verify_matches_the_command_line(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text("".join(f"{(i * 37) % 150 + 2}\n" for i in range(40)))
+    options = dict(data=f"lengths:{path}", tp=2, cp=2, dp=2, pp=2, global_batch=16, steps=2,
+                   max_tokens_per_rank=1024, cost="tokens", verify=True, probe_layers=2)
     steps = thdpack.run_job(**options)
     cli = cli_json("run", **options)
     for got, want in zip(steps, cli):
