@@ -28,7 +28,6 @@ using namespace thdpack;
 
 namespace {
 
-const char* const kPhases[] = {"read", "lengths", "plan", "exchange", "pack", "deliver", "agree"};
 
 struct Minimum {
   int64_t lengths = 0, exchange = 0;
@@ -74,6 +73,7 @@ int main(int argc, char** argv) {
   o.global_batch = global_batch;
   o.schedule.max_tokens_per_rank = 32768;
   o.schedule.parallel = *ParallelLayout::Create(topo.cp_size(), topo.tp_size());
+  o.schedule.dp_size = 4;  // the topology's
   o.check_plan_hash = false;
 
   const int W = topo.world_size();
@@ -136,13 +136,13 @@ int main(int argc, char** argv) {
   std::printf("%-9s %12s %16s %16s %16s %10s\n", "phase", "time (ms)", "bytes/step", "max bytes/rank",
               "minimum bytes", "ratio");
   double total_time = 0, total_bytes = 0;
-  for (int k = 0; k < 7; ++k) {
+  for (int k = 0; k < kNumPhases; ++k) {
     double t = 0, bytes = 0, max_rank = 0;
     for (int s = 0; s < steps; ++s) {
       double slowest = 0;
       for (int r = 0; r < W; ++r) {
         for (const PhaseStats& p : stats[static_cast<size_t>(s)][static_cast<size_t>(r)]) {
-          if (p.name != kPhases[k]) continue;
+          if (static_cast<int>(p.phase) != k) continue;
           slowest = std::max(slowest, p.seconds);
           bytes += static_cast<double>(p.bytes_sent);
           max_rank = std::max(max_rank, static_cast<double>(p.bytes_sent));
@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
     const double minimum = k == 1 ? min_lengths : k == 3 ? min_exchange : k == 5 ? min_deliver : 0;
     char ratio[32] = "-";
     if (minimum > 0) std::snprintf(ratio, sizeof ratio, "%.4f", bytes / minimum);
-    std::printf("%-9s %12.3f %16.0f %16.0f %16.0f %10s\n", kPhases[k], 1000 * t, bytes, max_rank,
+    std::printf("%-9s %12.3f %16.0f %16.0f %16.0f %10s\n", std::string(PhaseName(static_cast<Phase>(k))).c_str(), 1000 * t, bytes, max_rank,
                 minimum, ratio);
   }
   const double min_total = min_lengths + min_exchange + min_deliver;

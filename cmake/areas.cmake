@@ -33,8 +33,9 @@ thdpack_area(pack     DEPS shard HEADERS pack.h)
 thdpack_area(loss     DEPS pack shard HEADERS loss.h memory.h)
 thdpack_area(step     DEPS data schedule HEADERS step.h figures.h LIBS nlohmann_json::nlohmann_json)
 thdpack_area(runtime  DEPS comm topology schedule pack shard wire step loss
-                      HEADERS step_runner.h memory_report.h LIBS nlohmann_json::nlohmann_json)
+                      HEADERS rank_step.h step_runner.h memory_report.h LIBS nlohmann_json::nlohmann_json)
 thdpack_area(probe    DEPS runtime loss shard comm data topology HEADERS probe.h)
+thdpack_area(job      DEPS probe runtime step schedule cost data comm topology HEADERS job.h)
 
 thdpack_umbrella(thdpack.h)
 thdpack_consumer(tools python/src)

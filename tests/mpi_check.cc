@@ -28,6 +28,7 @@ Status CheckOversizeFailure(thdpack::ProcessGroup& world, const std::string& len
   o.global_batch = 16;
   o.schedule.max_tokens_per_rank = 1000;
   THDPACK_ASSIGN_OR_RETURN(o.schedule.parallel, thdpack::testing::TopologyLayout(topo, false));
+  o.schedule.dp_size = 2;  // the topology's
   THDPACK_ASSIGN_OR_RETURN(auto runner, thdpack::StepRunner::Create(world, topo, o));
   Status s = runner->Next().status();
   const thdpack::Coord c = *topo.CoordOf(world.rank());

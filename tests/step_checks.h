@@ -412,6 +412,7 @@ inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std
   o.global_batch = global_batch;
   o.schedule.max_tokens_per_rank = 256;
   THDPACK_ASSIGN_OR_RETURN(o.schedule.parallel, TopologyLayout(topo, k.sp));
+  o.schedule.dp_size = k.dp;  // the topology's
   o.data_on = k.data_on;
   o.check_plan_hash = true;
   o.pad_id = 7;

@@ -9,7 +9,8 @@
 // [T, ceil(V/TP)] when they are gathered over the CP group first (LogitsMemoryBytes).
 //
 // Thread-safety: pure functions, except WriteMemoryProfile, which reads /proc/self/status and
-// writes one file; ranks may write their own files concurrently (distinct names).
+// writes one file (ranks may write their own files concurrently: distinct names), and
+// ProfileRankMemory, a collective of one rank.
 #ifndef THDPACK_MEMORY_REPORT_H_
 #define THDPACK_MEMORY_REPORT_H_
 
@@ -19,12 +20,13 @@
 #include <string>
 #include <string_view>
 
+#include "thdpack/comm.h"
 #include "thdpack/data.h"
 #include "thdpack/loss.h"
 #include "thdpack/memory.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
-#include "thdpack/step_runner.h"
+#include "thdpack/rank_step.h"
 #include "thdpack/topology.h"
 
 namespace thdpack {
@@ -135,6 +137,15 @@ std::string RankMemoryJson(const RankMemoryFigures& figures,
 // be made or the file cannot be written.
 [[nodiscard]] Status WriteMemoryProfile(std::string_view dir, const RankMemoryFigures& figures,
                                         int ranks_in_process);
+
+// `thdpack run --memory-profile-steps` on one rank: ComputeRankMemory and WriteMemoryProfile
+// under `dir` (ranks_in_process: world.size() on the threads backend, whose ranks share one
+// process and so its resident memory; 1 otherwise). Collective over `world`: a failure on any
+// rank is every rank's (AgreeOnStatus), so call it on every rank at the same steps. Errors: as
+// ComputeRankMemory; WriteMemoryProfile's IOError with the context "--memory-profile-dir".
+[[nodiscard]] Status ProfileRankMemory(ProcessGroup& world, const RankStep& step,
+                                       const Topology& topology,
+                                       const MemoryReportOptions& memory, std::string_view dir);
 
 }  // namespace thdpack
 

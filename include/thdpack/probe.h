@@ -12,7 +12,7 @@
 // tokens at positions 0..p of the same sequence. Labels are taken mod V (so any token ids
 // work with a small V); -100 stays the ignore index.
 //
-// Distributed (ProbeRunner), on what one rank holds after a step (thdpack/step_runner.h):
+// Distributed (ProbeRunner), on what one rank holds after a step (thdpack/rank_step.h):
 //   PP   layers split over the stages (stage s holds layers [s*L/PP, (s+1)*L/PP)); the first
 //        stage embeds its CP-local tokens, every stage sends its activations to the next
 //        (same tp, cp, dp), the last computes logits and the loss.
@@ -55,7 +55,7 @@
 #include "thdpack/loss.h"
 #include "thdpack/sample.h"
 #include "thdpack/status.h"
-#include "thdpack/step_runner.h"
+#include "thdpack/rank_step.h"
 #include "thdpack/topology.h"
 
 namespace thdpack {
@@ -118,7 +118,9 @@ class ProbeModel {
 
 // Reads one step's samples (tokens and masks) the plain way, for the reference: N samples in
 // source order with Next(), Reset() at the end of an epoch; global_batch 0 = the rest of the
-// epoch (then Reset). Samples whose id is in skipped_ids are left out.
+// epoch (then Reset). Samples whose id is in skipped_ids are left out. Separate from
+// StepReader (thdpack/step.h) ON PURPOSE: it is the independent reference the verifier
+// compares the step runner's reading against, so it must not share that code.
 [[nodiscard]] Result<std::vector<Sample>> ReadStepSamplesPlain(
     SampleSource& source, int64_t global_batch, std::span<const int64_t> skipped_ids);
 
@@ -145,6 +147,40 @@ class ProbeRunner {
   class Impl;
   explicit ProbeRunner(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+};
+
+// `thdpack run --verify` on one rank: the probe (ProbeRunner) over the microbatches of each
+// step, and on world rank 0 the single-rank reference of the same global batch, read the plain
+// way (ReadStepSamplesPlain) from a source of its own; the comparison is agreed over the world,
+// so a mismatch stops every rank. Collective like ProbeRunner: every rank creates one and calls
+// Check on every step, in order. Thread-safety: one rank's, as ProbeRunner.
+class StepVerifier {
+ public:
+  // data, source and global_batch: those the StepRunner reads (thdpack/step_runner.h); rank 0
+  // opens `data` again. world and model must outlive the verifier. tolerance >= 0: the relative
+  // tolerance of CompareLossSummaries. Errors (agreed over the world): as ProbeRunner::Create,
+  // the source's own, a negative tolerance (InvalidArgument).
+  [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
+      ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
+      const std::string& data, const SourceOptions& source, int64_t global_batch,
+      double tolerance);
+  ~StepVerifier();
+
+  // The step's probe figures (the same on every rank), checked against the reference. Errors:
+  // those of ProbeRunner::Forward; Internal naming the step and every figure that differs.
+  [[nodiscard]] Result<LossSummary> Check(const RankStep& step);
+
+ private:
+  StepVerifier(ProcessGroup& world, const ProbeModel& model, int64_t global_batch,
+               double tolerance);
+  Status CompareWithReference(const RankStep& step, const LossSummary& got);
+
+  ProcessGroup& world_;
+  const ProbeModel& model_;
+  int64_t global_batch_;
+  double tolerance_;
+  std::unique_ptr<ProbeRunner> probe_;
+  std::unique_ptr<SampleSource> plain_;  // rank 0 only
 };
 
 // Relative difference |a - b| / max(|a|, |b|), 0 when both are 0.

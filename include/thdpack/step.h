@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "thdpack/data.h"
+#include "thdpack/sample.h"
 #include "thdpack/status.h"
 
 namespace thdpack {
@@ -31,6 +32,15 @@ struct StepSamples {
   int64_t epoch = 0;  // the source's epoch (0 = first pass) when the step's first sample was read
   // The step's samples in scheduling order (see top of file).
   std::vector<SampleLength> samples;
+};
+
+// One loader's share of a step (StepReader::NextShare).
+struct StepShare {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  int64_t n = 0;         // samples in the step, every loader's together
+  int64_t first_id = 0;  // the id of the step's first sample (source order); ids are consecutive
+  std::vector<Sample> samples;  // the loader's own, in source order
 };
 
 class StepReader {
@@ -47,6 +57,15 @@ class StepReader {
   // spec when the source holds no sample at all.
   [[nodiscard]] Result<StepSamples> Next();
 
+  // Loader `loader`'s share of the next step, as the step runner reads it (one reader for
+  // `thdpack plan` and `thdpack run`): the same steps, epochs and wrap-around as Next(), but
+  // the loader's own samples (source positions loader, loader + DP, ... of the step) are read
+  // in full with SampleSource::Next and the others only with NextLength, which keeps every
+  // loader's cursor in step. REQUIRES 0 <= loader < dp_size. Errors: as Next(); Internal when
+  // the ids of a step are not consecutive (the runner addresses a sample by id - first_id);
+  // OutOfRange over 2^31 - 1 samples in a step.
+  [[nodiscard]] Result<StepShare> NextShare(int loader);
+
   // The loader that reads sample `index_in_step` (its position in SOURCE order within the
   // step): index_in_step mod DP.
   int64_t LoaderOf(int64_t index_in_step) const { return index_in_step % dp_size_; }
@@ -57,6 +76,12 @@ class StepReader {
  private:
   StepReader(SampleSource* source, int64_t global_batch, int dp_size)
       : source_(source), global_batch_(global_batch), dp_size_(dp_size) {}
+
+  // The one read loop of a step (Next and NextShare): the sample at source position i is read
+  // in full when full(i), else as its length, and handed to take(i, length, sample or null);
+  // wraps around at the end of the source. Returns the step's epoch. Defined in the .cc.
+  template <typename Full, typename Take>
+  Result<int64_t> ReadStep(const Full& full, const Take& take);
 
   SampleSource* source_ = nullptr;
   int64_t global_batch_ = 0;

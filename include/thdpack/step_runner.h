@@ -44,6 +44,7 @@
 #include "thdpack/comm.h"
 #include "thdpack/data.h"
 #include "thdpack/pack.h"
+#include "thdpack/rank_step.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
 #include "thdpack/topology.h"
@@ -65,8 +66,8 @@ struct StepRunnerOptions {
   SourceOptions source;
   // Samples per step over all replicas; 0 = the whole source (one epoch) per step.
   int64_t global_batch = 0;
-  // dp_size, cp_size and tp_size are taken from the topology (values set here are ignored);
-  // everything else as documented in thdpack/schedule.h (max_tokens_per_rank is required).
+  // As documented in thdpack/schedule.h (max_tokens_per_rank is required). dp_size, cp_size
+  // and tp_size must be the topology's (checked by Create); thdpack/job.h fills them.
   ScheduleOptions schedule;
   TokenId pad_id = 0;
   DataOn data_on = DataOn::kTp0;
@@ -83,54 +84,18 @@ struct StepRunnerOptions {
   int corrupt_metadata_of_replica = -1;
 };
 
-// One microbatch as one rank holds it. Shapes: T padded tokens of the microbatch, n sequences.
-struct LocalMicrobatch {
-  // Every rank of every stage: the GLOBAL layout (TransformerEngine's THD attention takes it).
-  std::vector<int32_t> cu_seqlens;         // [n+1]
-  std::vector<int32_t> cu_seqlens_padded;  // [n+1]
-  int32_t max_seqlen = 0;                  // largest padded length
-  int64_t n_valid = 0;                     // loss tokens of the whole microbatch
-  int64_t total_tokens = 0;                // T
-  int64_t local_tokens = 0;                // T/CP
-  // The first stage only (empty elsewhere): this CP rank's zigzag shard, [T/CP].
-  std::vector<TokenId> tokens;
-  std::vector<int32_t> position_ids;
-  // The last stage only (empty elsewhere): [T/CP], CP-sharded, not SP-split.
-  std::vector<TokenId> labels;
-  std::vector<uint8_t> loss_mask;
-  // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
-  // whole range (0, T/CP).
-  std::pair<int64_t, int64_t> sp_range{0, 0};
+// Per phase: the bytes each rank of the world sent and the slowest rank's seconds, gathered
+// from every rank (GatherPhases). Row k is Phase k.
+struct PhaseTable {
+  std::vector<std::vector<int64_t>> bytes;  // [kNumPhases][world size]
+  std::vector<double> seconds;              // [kNumPhases]: the largest over ranks
+  double total_seconds() const;             // sum of seconds
+  int64_t max_rank_bytes() const;           // the most bytes one rank sent over all phases
 };
 
-// Time and bytes of one phase on one rank.
-struct PhaseStats {
-  std::string name;        // read, lengths, plan, exchange, pack, deliver, agree
-  double seconds = 0;
-  int64_t bytes_sent = 0;  // ProcessGroup::bytes_sent rule (thdpack/comm.h)
-};
-
-// What one rank holds after a step.
-struct RankStep {
-  int64_t step = 0;   // 0, 1, ...
-  int64_t epoch = 0;  // the source's epoch when the step's first sample was read
-  Coord coord;
-  bool is_loader = false;     // read and planned (every rank with DataOn::kAll)
-  bool first_stage = false;   // pp == 0
-  bool last_stage = false;    // pp == PP-1
-  // This replica's metadata as every rank of the replica holds it (decoded from the wire on
-  // non-loaders): microbatch layouts, the replica's token sums, the GLOBAL loss-token count N
-  // (n_loss_tokens), skipped ids, epoch.
-  StepMeta meta;
-  std::vector<LocalMicrobatch> microbatches;  // [M]
-  // Loaders only (empty elsewhere): the step's samples in scheduling order (loader 0's first)
-  // and the plan every loader computed from them - what the step figures are made of.
-  std::vector<SampleLength> samples;
-  Plan plan;
-  // Per phase, in order; "agree" collects the status agreements between phases.
-  std::vector<PhaseStats> phases;
-  int64_t bytes_sent() const;
-};
+// Collective over `world`: every rank passes the RankStep its runner returned and gets the
+// table (the same on every rank). Two all-gathers of kNumPhases values.
+[[nodiscard]] Result<PhaseTable> GatherPhases(ProcessGroup& world, const RankStep& step);
 
 // One rank's step loop. Collective: every rank of `world` creates its runner, and calls Next()
 // the same number of times.
@@ -138,7 +103,8 @@ class StepRunner {
  public:
   // Splits the groups it needs from `world` (which must outlive the runner) and opens the source
   // on reading ranks. REQUIRES: world.size() == topology.world_size(),
-  // options.schedule.max_tokens_per_rank > 0. Errors (agreed over the world) name the option.
+  // options.schedule.max_tokens_per_rank > 0, options.schedule's dp_size, cp_size and tp_size
+  // equal to the topology's. Errors (agreed over the world) name the option.
   [[nodiscard]] static Result<std::unique_ptr<StepRunner>> Create(
       ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options);
   ~StepRunner();

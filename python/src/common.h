@@ -105,6 +105,7 @@ void BindWire(py::module_& m);
 void BindLoss(py::module_& m);
 void BindCost(py::module_& m);
 void BindData(py::module_& m);
+void BindJob(py::module_& m);
 
 }  // namespace thdpack::python
 

@@ -64,4 +64,5 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindLoss(m);
   tp::BindCost(m);
   tp::BindData(m);
+  tp::BindJob(m);
 }

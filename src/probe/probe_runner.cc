@@ -2,6 +2,7 @@
 // all-gathered K/V masked by global position, the SP split, the vocab-parallel loss and the
 // topology-invariant statistics.
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -348,5 +349,50 @@ Result<std::unique_ptr<ProbeRunner>> ProbeRunner::Create(ProcessGroup& world,
 }
 
 Result<LossSummary> ProbeRunner::Forward(const RankStep& step) { return impl_->Forward(step); }
+
+StepVerifier::StepVerifier(ProcessGroup& world, const ProbeModel& model, int64_t global_batch,
+                           double tolerance)
+    : world_(world), model_(model), global_batch_(global_batch), tolerance_(tolerance) {}
+StepVerifier::~StepVerifier() = default;
+
+Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
+    ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
+    const std::string& data, const SourceOptions& source, int64_t global_batch,
+    double tolerance) {
+  if (!(tolerance >= 0)) {
+    return Status::InvalidArgument("StepVerifier: tolerance " + std::to_string(tolerance) +
+                                   " must be >= 0");
+  }
+  auto v = std::unique_ptr<StepVerifier>(new StepVerifier(world, model, global_batch, tolerance));
+  THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, topology, model, sp));
+  Status local = Status::Ok();
+  if (world.rank() == 0) {
+    auto plain = OpenSource(data, source);
+    if (plain.ok()) {
+      v->plain_ = std::move(*plain);
+    } else {
+      local = plain.status();
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "verify setup"));
+  return v;
+}
+
+Result<LossSummary> StepVerifier::Check(const RankStep& step) {
+  THDPACK_ASSIGN_OR_RETURN(LossSummary got, probe_->Forward(step));
+  Status local = Status::Ok();
+  if (world_.rank() == 0) local = CompareWithReference(step, got);
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "verify"));
+  return got;
+}
+
+Status StepVerifier::CompareWithReference(const RankStep& step, const LossSummary& got) {
+  THDPACK_ASSIGN_OR_RETURN(std::vector<Sample> samples,
+                           ReadStepSamplesPlain(*plain_, global_batch_, step.meta.skipped_ids));
+  std::vector<SampleView> views(samples.begin(), samples.end());
+  THDPACK_ASSIGN_OR_RETURN(LossStats ref, ProbeReferenceLoss(model_, views));
+  return CompareLossSummaries(got, Finalize(ref), tolerance_)
+      .WithContext("--verify, step " + std::to_string(step.step));
+}
 
 }  // namespace thdpack

@@ -39,6 +39,7 @@ StepRunnerOptions CaseOptions(const StepCase& k, const std::string& jsonl) {
   o.global_batch = 24;
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.parallel = ParallelLayout::Create(k.cp, k.tp, k.sp).value();
+  o.schedule.dp_size = k.dp;  // the topology's
   o.data_on = k.data_on;
   o.check_plan_hash = true;
   o.pad_id = 7;  // padding must not matter

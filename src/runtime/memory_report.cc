@@ -264,4 +264,17 @@ Status WriteMemoryProfile(std::string_view dir, const RankMemoryFigures& figures
   return Status::Ok();
 }
 
+Status ProfileRankMemory(ProcessGroup& world, const RankStep& step, const Topology& topology,
+                         const MemoryReportOptions& memory, std::string_view dir) {
+  const int ranks_in_process = world.backend() == "threads" ? world.size() : 1;
+  Status local = Status::Ok();
+  auto figures = ComputeRankMemory(step, topology, memory);
+  if (figures.ok()) {
+    local = WriteMemoryProfile(dir, *figures, ranks_in_process).WithContext("--memory-profile-dir");
+  } else {
+    local = figures.status();
+  }
+  return AgreeOnStatus(world, local, "memory profile");
+}
+
 }  // namespace thdpack

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "thdpack/shard.h"
+#include "thdpack/step.h"
 
 namespace thdpack {
 
@@ -21,10 +23,67 @@ Result<DataOn> ParseDataOn(std::string_view text) {
                                  "\" is not a mode: expected tp0 or all");
 }
 
+std::string_view PhaseName(Phase phase) {
+  switch (phase) {
+    case Phase::kRead: return "read";
+    case Phase::kLengths: return "lengths";
+    case Phase::kPlan: return "plan";
+    case Phase::kExchange: return "exchange";
+    case Phase::kPack: return "pack";
+    case Phase::kDeliver: return "deliver";
+    case Phase::kAgree: return "agree";
+  }
+  return "invalid";
+}
+
 int64_t RankStep::bytes_sent() const {
   int64_t n = 0;
   for (const PhaseStats& p : phases) n += p.bytes_sent;
   return n;
+}
+
+double PhaseTable::total_seconds() const {
+  double t = 0;
+  for (double s : seconds) t += s;
+  return t;
+}
+
+int64_t PhaseTable::max_rank_bytes() const {
+  int64_t most = 0;
+  const size_t ranks = bytes.empty() ? 0 : bytes[0].size();
+  for (size_t r = 0; r < ranks; ++r) {
+    int64_t t = 0;
+    for (const auto& b : bytes) t += b[r];
+    most = std::max(most, t);
+  }
+  return most;
+}
+
+Result<PhaseTable> GatherPhases(ProcessGroup& world, const RankStep& step) {
+  constexpr size_t kPhases = kNumPhases;
+  std::vector<int64_t> my_bytes(kPhases, 0);
+  std::vector<double> my_times(kPhases, 0);
+  for (const PhaseStats& p : step.phases) {
+    my_bytes[static_cast<size_t>(p.phase)] = p.bytes_sent;
+    my_times[static_cast<size_t>(p.phase)] = p.seconds;
+  }
+  const size_t n = static_cast<size_t>(world.size());
+  std::vector<int64_t> bytes(n * kPhases);
+  std::vector<double> times(n * kPhases);
+  THDPACK_RETURN_IF_ERROR(world.AllGatherValues(std::span<const int64_t>(my_bytes),
+                                                std::span<int64_t>(bytes)));
+  THDPACK_RETURN_IF_ERROR(world.AllGatherValues(std::span<const double>(my_times),
+                                                std::span<double>(times)));
+  PhaseTable table;
+  table.bytes.assign(kPhases, std::vector<int64_t>(n, 0));
+  table.seconds.assign(kPhases, 0);
+  for (size_t k = 0; k < kPhases; ++k) {
+    for (size_t r = 0; r < n; ++r) {
+      table.bytes[k][r] = bytes[r * kPhases + k];
+      table.seconds[k] = std::max(table.seconds[k], times[r * kPhases + k]);
+    }
+  }
+  return table;
 }
 
 namespace {
@@ -80,8 +139,8 @@ class StepRunner::Impl {
 
  private:
   // Phase bookkeeping: time and the bytes of the data groups; agreements counted apart.
-  void BeginPhase(RankStep& out, const char* name) {
-    out.phases.push_back(PhaseStats{name, 0, 0});
+  void BeginPhase(RankStep& out, Phase phase) {
+    out.phases.push_back(PhaseStats{phase, 0, 0});
     phase_start_ = Clock::now();
     phase_bytes_ = DataBytes();
   }
@@ -119,6 +178,7 @@ class StepRunner::Impl {
   Coord coord_;
   bool reader_ = false;  // reads and plans (a loader)
   std::unique_ptr<SampleSource> source_;
+  std::optional<StepReader> steps_;  // reads source_ (reading ranks)
   std::unique_ptr<ProcessGroup> loaders_;  // the loaders exchanging lengths and tokens
   std::unique_ptr<ProcessGroup> replica_;  // tp0: every rank of this replica, loader first
   int64_t step_ = 0;
@@ -150,6 +210,10 @@ Status StepRunner::Impl::Init() {
     local = Status::InvalidArgument("StepRunner: max_tokens_per_rank = " +
                                     std::to_string(opts_.schedule.max_tokens_per_rank) +
                                     " must be > 0");
+  } else if (opts_.schedule.dp_size != topo_.dp_size()) {
+    local = Status::InvalidArgument("StepRunner: schedule dp_size = " +
+                                    std::to_string(opts_.schedule.dp_size) +
+                                    " must be the topology's " + topo_.ToString());
   } else if (const ParallelLayout& p = opts_.schedule.parallel;
              p.cp_size() != topo_.cp_size() || p.tp_size() != topo_.tp_size()) {
     local = Status::InvalidArgument("StepRunner: schedule.parallel " + p.ToString() +
@@ -166,13 +230,18 @@ Status StepRunner::Impl::Init() {
       local = c.status();
     } else {
       coord_ = *c;
-      opts_.schedule.dp_size = topo_.dp_size();
       reader_ = opts_.data_on == DataOn::kAll ||
                 (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0);
       if (reader_) {
         auto src = OpenSource(opts_.data, opts_.source);
         if (src.ok()) {
           source_ = std::move(*src);
+          auto steps = StepReader::Create(source_.get(), opts_.global_batch, topo_.dp_size());
+          if (steps.ok()) {
+            steps_.emplace(std::move(*steps));
+          } else {
+            local = steps.status();
+          }
         } else {
           local = src.status();
         }
@@ -210,73 +279,26 @@ Status StepRunner::Impl::Init() {
   return Status::Ok();
 }
 
-// Reads this loader's share: sample i of the step (source order) belongs to loader i % DP. The
-// others are skipped with NextLength (which touches no token for every source but jsonl).
+// This loader's share through the step reader `thdpack plan` uses; each of its samples is
+// checked here, so that an oversize error names the loader that holds the sample.
 Status StepRunner::Impl::ReadShare(RankStep& out) {
-  own_.clear();
-  const int dp = topo_.dp_size();
-  const int me = coord_.dp;
+  THDPACK_ASSIGN_OR_RETURN(StepShare share, steps_->NextShare(coord_.dp));
+  own_ = std::move(share.samples);
+  first_id_ = share.first_id;
+  out.epoch = share.epoch;
+  if (opts_.schedule.oversize != ScheduleOptions::OversizePolicy::kError) return Status::Ok();
   const int64_t budget = MicrobatchBudget(opts_.schedule);
-  if (opts_.global_batch == 0 && step_ > 0) THDPACK_RETURN_IF_ERROR(source_->Reset());
-  int64_t i = 0;
-  int64_t read_since_reset = -1;  // -1: no reset yet in this step
-  while (opts_.global_batch == 0 || i < opts_.global_batch) {
-    SampleLength len;
-    std::optional<Sample> sample;
-    bool got = false;
-    if (i % dp == me) {
-      THDPACK_ASSIGN_OR_RETURN(auto s, source_->Next());
-      if (s) {
-        got = true;
-        len = SampleLength{s->id, static_cast<int64_t>(s->tokens.size()), NumTargets(*s)};
-        sample = std::move(*s);
-      }
-    } else {
-      THDPACK_ASSIGN_OR_RETURN(auto s, source_->NextLength());
-      if (s) {
-        got = true;
-        len = *s;
-      }
-    }
-    if (!got) {
-      if (opts_.global_batch == 0) break;
-      if (read_since_reset == 0) {
-        return Status::InvalidArgument("source " + source_->spec() + " holds no sample");
-      }
-      THDPACK_RETURN_IF_ERROR(source_->Reset());
-      read_since_reset = 0;
-      continue;
-    }
-    if (read_since_reset >= 0) ++read_since_reset;
-    if (i == 0) {
-      first_id_ = len.id;
-      out.epoch = source_->epoch();
-    } else if (len.id != first_id_ + i) {
-      return Status::Internal("source " + source_->spec() + ": sample " + std::to_string(i) +
-                              " of step " + std::to_string(step_) + " has id " +
-                              std::to_string(len.id) + ", expected consecutive ids from " +
-                              std::to_string(first_id_));
-    }
-    if (sample) {
-      // Checked where it is read, so the error names the loader that holds the sample.
-      const ParallelLayout& parallel = opts_.schedule.parallel;
-      const int64_t padded = parallel.MicrobatchTokens(parallel.PaddedLength(len.length));
-      if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kError && padded > budget) {
-        return Status::InvalidArgument(
-            "sample id " + std::to_string(len.id) + " (step " + std::to_string(step_) +
-            ", source " + source_->spec() + ", read by loader dp=" + std::to_string(me) +
-            "): length " + std::to_string(len.length) + " pads to " + std::to_string(padded) +
-            " tokens, over the microbatch budget CP * max_tokens_per_rank = " +
-            std::to_string(budget));
-      }
-      own_.push_back(std::move(*sample));
-    }
-    ++i;
-  }
-  if (i == 0) return Status::InvalidArgument("source " + source_->spec() + " holds no sample");
-  if (i > INT32_MAX) {
-    return Status::OutOfRange("step " + std::to_string(step_) + " holds " + std::to_string(i) +
-                              " samples: at most 2^31 - 1 per step");
+  const ParallelLayout& parallel = opts_.schedule.parallel;
+  for (const Sample& x : own_) {
+    const int64_t length = static_cast<int64_t>(x.tokens.size());
+    const int64_t padded = parallel.MicrobatchTokens(parallel.PaddedLength(length));
+    if (padded <= budget) continue;
+    return Status::InvalidArgument(
+        "sample id " + std::to_string(x.id) + " (step " + std::to_string(step_) + ", source " +
+        source_->spec() + ", read by loader dp=" + std::to_string(coord_.dp) + "): length " +
+        std::to_string(length) + " pads to " + std::to_string(padded) +
+        " tokens, over the microbatch budget CP * max_tokens_per_rank = " +
+        std::to_string(budget));
   }
   return Status::Ok();
 }
@@ -625,33 +647,33 @@ Result<RankStep> StepRunner::Impl::Next() {
   const bool tp0 = opts_.data_on == DataOn::kTp0;
 
   Status local;
-  BeginPhase(out, "read");
+  BeginPhase(out, Phase::kRead);
   if (reader_) local = ReadShare(out);
   EndPhase(out);
   THDPACK_RETURN_IF_ERROR(Agree(local, "read"));
 
-  BeginPhase(out, "lengths");
+  BeginPhase(out, Phase::kLengths);
   if (reader_) local = ExchangeLengths(out);
   EndPhase(out);
   THDPACK_RETURN_IF_ERROR(Agree(local, "lengths"));
 
-  BeginPhase(out, "plan");
+  BeginPhase(out, Phase::kPlan);
   if (reader_) local = MakePlan(out);
   EndPhase(out);
   THDPACK_RETURN_IF_ERROR(Agree(local, "plan"));
 
-  BeginPhase(out, "exchange");
+  BeginPhase(out, Phase::kExchange);
   if (reader_) local = ExchangeTokens(out);
   EndPhase(out);
   THDPACK_RETURN_IF_ERROR(Agree(local, "exchange"));
 
-  BeginPhase(out, "pack");
+  BeginPhase(out, Phase::kPack);
   if (reader_) local = PackReplica(out);
   EndPhase(out);
   own_.clear();  // packed: the samples are no longer needed
   THDPACK_RETURN_IF_ERROR(Agree(local, "pack"));
 
-  BeginPhase(out, "deliver");
+  BeginPhase(out, Phase::kDeliver);
   if (tp0) {
     local = Deliver();
     if (local.ok() && replica_->rank() != 0) {
@@ -685,7 +707,7 @@ Result<RankStep> StepRunner::Impl::Next() {
   EndPhase(out);
   THDPACK_RETURN_IF_ERROR(Agree(local, "deliver"));
   FinishLocal(out);
-  out.phases.push_back(PhaseStats{"agree", agree_seconds_, agree_bytes_});
+  out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
   return out;
 }

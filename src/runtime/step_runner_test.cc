@@ -99,6 +99,7 @@ TEST(StepRunner, OversizeSampleOnOneLoaderFailsEveryRank) {
     o.global_batch = 16;
     o.schedule.max_tokens_per_rank = 1000;
     o.schedule.parallel = testing::TopologyLayout(topo, false).value();
+    o.schedule.dp_size = 2;
     o.data_on = mode;
     auto statuses = RunOneStep(topo, o);
     // Sample 5 is read by loader 5 % 2 = 1, i.e. the ranks with dp = 1.
@@ -129,6 +130,7 @@ TEST(StepRunner, CorruptMetadataFailsEveryRank) {
   o.global_batch = 16;
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.parallel = testing::TopologyLayout(topo, false).value();
+  o.schedule.dp_size = 2;
   o.corrupt_metadata_of_replica = 1;
   auto statuses = RunOneStep(topo, o);
   int corruption = 0;
@@ -158,6 +160,7 @@ TEST(StepRunner, ScheduleErrorReachesNonLoaders) {
   o.global_batch = 3;  // fewer than DP = 4
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.parallel = testing::TopologyLayout(topo, false).value();
+  o.schedule.dp_size = 4;
   auto statuses = RunOneStep(topo, o);
   for (int r = 0; r < 8; ++r) {
     const Status& s = statuses[static_cast<size_t>(r)];
@@ -191,6 +194,7 @@ TEST(StepRunner, BadOptionsAreErrors) {
   }
   // The schedule's layout must have the topology's CP and TP (TP = 2, CP = 2 here): a layout
   // of another CP, or of another TP, is an error on every rank that names both.
+  o.schedule.dp_size = topo.dp_size();
   for (const ParallelLayout& wrong :
        {ParallelLayout::Create(1, 2).value(), ParallelLayout::Create(2, 1, true).value()}) {
     o.schedule.parallel = wrong;
@@ -203,6 +207,16 @@ TEST(StepRunner, BadOptionsAreErrors) {
           << s.ToString();
       EXPECT_NE(s.message().find(topo.ToString()), std::string::npos) << s.ToString();
     }
+  }
+  // The same for DP: a schedule of another DP size is an error, not silently replaced.
+  o.schedule.parallel = testing::TopologyLayout(topo, false).value();
+  o.schedule.dp_size = 1;
+  statuses = RunOnThreads(8, [&](ProcessGroup& world) {
+    return StepRunner::Create(world, topo, o).status();
+  });
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("must be the topology's"), std::string::npos) << s.ToString();
   }
   EXPECT_EQ(ParseDataOn("tp1").status().code(), StatusCode::kInvalidArgument);
 }

@@ -1,4 +1,5 @@
 // StepReader: N samples per step from a streaming source, wrapping around at its end.
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -19,40 +20,93 @@ Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch
   return StepReader(source, global_batch, dp_size);
 }
 
+// The wrap-around lives here only. global_batch 0: one whole epoch, then Reset (the previous
+// "all" step ended with a Reset, so this starts an epoch). N >= 1: N samples, with a Reset at
+// the end of the source; two ends in a row with nothing between = an empty source.
+template <typename Full, typename Take>
+Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
+  const std::string empty_message =
+      "data source \"" + source_->spec() + "\" holds no samples (a step needs at least one)";
+  int64_t epoch = source_->epoch();
+  int64_t i = 0;
+  bool wrapped = false;  // the last read hit the end of the source
+  while (global_batch_ == 0 || i < global_batch_) {
+    std::optional<SampleLength> length;
+    std::optional<Sample> sample;
+    if (full(i)) {
+      THDPACK_ASSIGN_OR_RETURN(sample, source_->Next());
+      if (sample) {
+        length = SampleLength{sample->id, static_cast<int64_t>(sample->tokens.size()),
+                              NumTargets(*sample)};
+      }
+    } else {
+      THDPACK_ASSIGN_OR_RETURN(length, source_->NextLength());
+    }
+    if (!length.has_value()) {
+      if (global_batch_ == 0) break;
+      if (wrapped) return Status::InvalidArgument(empty_message);
+      THDPACK_RETURN_IF_ERROR(source_->Reset());
+      wrapped = true;
+      continue;
+    }
+    wrapped = false;
+    if (i == 0) epoch = source_->epoch();
+    THDPACK_RETURN_IF_ERROR(take(i, *length, sample ? &*sample : nullptr));
+    ++i;
+  }
+  if (i == 0) return Status::InvalidArgument(empty_message);
+  if (global_batch_ == 0) THDPACK_RETURN_IF_ERROR(source_->Reset());
+  return epoch;
+}
+
 Result<StepSamples> StepReader::Next() {
   StepSamples out;
   out.step = next_step_;
   std::vector<SampleLength> read;
-  const std::string empty_message =
-      "data source \"" + source_->spec() + "\" holds no samples (a step needs at least one)";
   if (global_batch_ == 0) {
-    // One whole epoch. The previous "all" step ended with a Reset, so this starts an epoch.
     if (std::optional<int64_t> hint = source_->size_hint(); hint.has_value() && *hint > 0) {
       read.reserve(static_cast<size_t>(*hint));
     }
-    out.epoch = source_->epoch();
-    while (true) {
-      THDPACK_ASSIGN_OR_RETURN(std::optional<SampleLength> s, source_->NextLength());
-      if (!s.has_value()) break;
-      read.push_back(*s);
-    }
-    if (read.empty()) return Status::InvalidArgument(empty_message);
-    THDPACK_RETURN_IF_ERROR(source_->Reset());
   } else {
     read.reserve(static_cast<size_t>(global_batch_));
-    while (static_cast<int64_t>(read.size()) < global_batch_) {
-      THDPACK_ASSIGN_OR_RETURN(std::optional<SampleLength> s, source_->NextLength());
-      if (!s.has_value()) {
-        // End of the epoch: wrap around. Two ends in a row with nothing between = empty source.
-        THDPACK_RETURN_IF_ERROR(source_->Reset());
-        THDPACK_ASSIGN_OR_RETURN(s, source_->NextLength());
-        if (!s.has_value()) return Status::InvalidArgument(empty_message);
-      }
-      if (read.empty()) out.epoch = source_->epoch();
-      read.push_back(*s);
-    }
   }
+  THDPACK_ASSIGN_OR_RETURN(
+      out.epoch, ReadStep([](int64_t) { return false; },
+                          [&read](int64_t, const SampleLength& s, Sample*) {
+                            read.push_back(s);
+                            return Status::Ok();
+                          }));
   out.samples = ToSchedulingOrder(read, dp_size_);
+  ++next_step_;
+  return out;
+}
+
+Result<StepShare> StepReader::NextShare(int loader) {
+  if (loader < 0 || loader >= dp_size_) {
+    return Status::InvalidArgument("StepReader::NextShare: loader " + std::to_string(loader) +
+                                   " is outside [0, DP = " + std::to_string(dp_size_) + ")");
+  }
+  StepShare out;
+  out.step = next_step_;
+  auto mine = [this, loader](int64_t i) { return i % dp_size_ == loader; };
+  auto take = [&](int64_t i, const SampleLength& s, Sample* sample) {
+    if (i == 0) {
+      out.first_id = s.id;
+    } else if (s.id != out.first_id + i) {
+      return Status::Internal("source " + source_->spec() + ": sample " + std::to_string(i) +
+                              " of step " + std::to_string(out.step) + " has id " +
+                              std::to_string(s.id) + ", expected consecutive ids from " +
+                              std::to_string(out.first_id));
+    }
+    if (i >= INT32_MAX) {
+      return Status::OutOfRange("step " + std::to_string(out.step) +
+                                " holds more than 2^31 - 1 samples");
+    }
+    if (sample != nullptr) out.samples.push_back(std::move(*sample));
+    out.n = i + 1;
+    return Status::Ok();
+  };
+  THDPACK_ASSIGN_OR_RETURN(out.epoch, ReadStep(mine, take));
   ++next_step_;
   return out;
 }

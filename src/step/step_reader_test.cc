@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -223,6 +224,69 @@ TEST(StepReaderRandom, MatchesThePlainRule) {
       }
     }
   }
+}
+
+// NextShare (the step runner's read) against Next (plan's) on fresh random inputs: every
+// loader's share is its run of Next's step (same ids, lengths, order), the shares together
+// are the step, and steps, epochs and wrap-around agree, "all" included.
+TEST(StepReaderShare, SharesOfEveryLoaderMakeNextsStep) {
+  std::mt19937_64 rng(std::random_device{}());
+  TempDir dir;
+  for (int trial = 0; trial < 30; ++trial) {
+    const int64_t size = 1 + static_cast<int64_t>(rng() % 30);
+    std::string text;
+    for (int64_t i = 0; i < size; ++i) text += std::to_string(1 + rng() % 100) + "\n";
+    const std::string path = dir.File("share" + std::to_string(trial) + ".txt");
+    WriteText(path, text);
+    const int dp = 1 + static_cast<int>(rng() % 5);
+    const int64_t global_batch = rng() % 4 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 40);
+    auto plan_source = OpenLengthsSource(path);
+    ASSERT_TRUE(plan_source.ok());
+    auto plan_reader = StepReader::Create(plan_source->get(), global_batch, dp);
+    ASSERT_TRUE(plan_reader.ok());
+    std::vector<std::unique_ptr<SampleSource>> sources;
+    std::vector<StepReader> loaders;
+    for (int d = 0; d < dp; ++d) {
+      auto src = OpenLengthsSource(path);
+      ASSERT_TRUE(src.ok());
+      sources.push_back(std::move(*src));
+      auto r = StepReader::Create(sources.back().get(), global_batch, dp);
+      ASSERT_TRUE(r.ok());
+      loaders.push_back(std::move(*r));
+    }
+    for (int64_t s = 0; s < 4; ++s) {
+      auto want = plan_reader->Next();
+      ASSERT_TRUE(want.ok()) << want.status().ToString();
+      const int64_t n = static_cast<int64_t>(want->samples.size());
+      for (int d = 0; d < dp; ++d) {
+        auto share = loaders[static_cast<size_t>(d)].NextShare(d);
+        ASSERT_TRUE(share.ok()) << share.status().ToString();
+        EXPECT_EQ(share->step, want->step);
+        EXPECT_EQ(share->epoch, want->epoch);
+        EXPECT_EQ(share->n, n);
+        ASSERT_EQ(static_cast<int64_t>(share->samples.size()), LoaderCount(n, dp, d));
+        const int64_t offset = LoaderOffset(n, dp, d);
+        for (size_t k = 0; k < share->samples.size(); ++k) {
+          const SampleLength& w = want->samples[static_cast<size_t>(offset) + k];
+          const Sample& got = share->samples[k];
+          EXPECT_EQ(got.id, w.id);
+          EXPECT_EQ(static_cast<int64_t>(got.tokens.size()), w.length);
+          EXPECT_EQ(got.id - share->first_id, d + static_cast<int64_t>(k) * dp);
+        }
+      }
+    }
+  }
+}
+
+TEST(StepReaderShare, LoaderOutsideDpIsAnError) {
+  TempDir dir;
+  WriteText(dir.File("one.txt"), "5\n");
+  auto src = OpenLengthsSource(dir.File("one.txt"));
+  ASSERT_TRUE(src.ok());
+  auto reader = StepReader::Create(src->get(), 1, 2);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader->NextShare(2).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reader->NextShare(-1).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,192 @@
+// thdpack/job.h: one job configuration for `thdpack plan`, `thdpack run` and the Python module
+// (thdpack.plan_job, thdpack.run_job), its one validation, and the cores of both commands.
+//
+// A job is a data source read in steps (thdpack/step.h), a topology, the scheduling options
+// and the cost model. JobOptions holds what a user gives, with documented defaults; ResolveJob
+// checks it once and turns it into a Job: the Topology, complete ScheduleOptions, the cost
+// model parsed once (cost, model dimensions, FLOPs coefficients) and the memory report's
+// options. Errors name the command-line option and the rule broken, e.g.
+// "--dp: must be >= 1, got 0", so that the command line prints them as they are.
+//
+// PlanJob plans every step of a job on one thread (no ranks: read, schedule, figures, memory
+// figures); RunJobOnRank is one rank's step loop on a ProcessGroup (StepRunner, the optional
+// verifier of thdpack/probe.h, memory profiles, phase timing). Both hand each step to a
+// callback as it is done, so a caller prints as it goes.
+//
+// Thread-safety: JobOptions and Job are plain values; PlanJob and the parsers are pure
+// functions (apart from reading the source); RunJobOnRank is collective over its world.
+#ifndef THDPACK_JOB_H_
+#define THDPACK_JOB_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "thdpack/comm.h"
+#include "thdpack/cost.h"
+#include "thdpack/data.h"
+#include "thdpack/figures.h"
+#include "thdpack/loss.h"
+#include "thdpack/memory_report.h"
+#include "thdpack/probe.h"
+#include "thdpack/schedule.h"
+#include "thdpack/status.h"
+#include "thdpack/step_runner.h"
+#include "thdpack/topology.h"
+
+namespace thdpack {
+
+// What a user gives. Each field is named after its command-line option.
+struct JobOptions {
+  std::string data = "mock";  // --data: a source spec (thdpack/data.h)
+  // --seed (default 1234), --shuffle (off), --vocab (0: unknown), --mock-samples (0: default).
+  SourceOptions source;
+  int tp = 1;  // --tp, >= 1
+  int cp = 1;  // --cp, >= 1
+  int dp = 1;  // --dp, >= 1
+  int pp = 1;  // --pp, >= 1
+  bool sp = false;                      // --sp: sequence parallelism
+  int64_t align = 1;                    // --align: extra per-sequence alignment, >= 1
+  int64_t max_tokens_per_rank = 16384;  // --max-tokens-per-rank, >= 1; CP times it fits int32
+  // --global-batch: samples per step over all replicas, >= 1, or 0 for "all" (one whole epoch
+  // per step). ParseGlobalBatch reads the option's text.
+  int64_t global_batch = 256;
+  // --steps, >= 1; nullopt (the default): 1 with global_batch 0 ("all"), else 3.
+  std::optional<int64_t> steps;
+  std::string scheduler = "balanced";  // --scheduler: balanced | sequential
+  // --cost: tokens | llama2-7b | llama3-8b | A,B | l=..,h=..,nh=..,nkv=..,f=..,v=.. (cost.h)
+  std::string cost = "llama2-7b";
+  int microbatch_multiple = 1;  // --microbatch-multiple, >= 1
+  int num_microbatches = 0;     // --num-microbatches: 0 (the scheduler chooses) or a multiple
+  std::string oversize = "error";  // --oversize: error | skip
+  TokenId pad_id = 0;              // the token id of padding
+  std::string data_on = "tp0";     // --data-on: tp0 | all (run only)
+  // The memory report (thdpack/memory_report.h): --vocab-size (0: the --cost model's V, none
+  // for tokens and A,B), --logits-dtype (bf16 | fp32 | fp64), --fused-grad.
+  int64_t vocab_size = 0;
+  std::string logits_dtype = "bf16";
+  bool fused_grad = false;
+  // Compare a hash of the plan across loaders (StepRunnerOptions). Default: on in debug builds.
+  bool check_plan_hash =
+#ifdef NDEBUG
+      false;
+#else
+      true;
+#endif
+};
+
+// A checked job: everything `plan` and `run` need, derived once from JobOptions.
+struct Job {
+  explicit Job(Topology t) : topology(std::move(t)) {}
+
+  JobOptions options;  // as given
+  Topology topology;
+  int64_t steps = 1;        // options.steps, or its default
+  ScheduleOptions schedule;  // complete: the topology's sizes, the cost model, the policies
+  // The cost spec, parsed once: the cost model is schedule.cost; the model's dimensions and
+  // FLOPs coefficients for presets and dimensions, nullopt for tokens and A,B.
+  std::optional<ModelDims> model;
+  std::optional<FlopsCoefficients> flops;
+  MemoryReportOptions memory;  // vocab_size from the model when not given
+  DataOn data_on = DataOn::kTp0;
+};
+
+// The one validation. Errors (InvalidArgument) name the option, e.g. "--dp: must be >= 1, got 0",
+// "--cost: ...", "--dp/--cp/--tp/--pp: ..." for a topology too large. Opens no source.
+[[nodiscard]] Result<Job> ResolveJob(const JobOptions& options);
+
+// The options of a StepRunner for this job (thdpack/step_runner.h).
+StepRunnerOptions RunnerOptions(const Job& job);
+
+// --global-batch: "all" -> 0, a positive decimal integer (at most 18 digits) -> itself.
+// Anything else: InvalidArgument `--global-batch: "<text>" is not a positive integer or "all"`.
+[[nodiscard]] Result<int64_t> ParseGlobalBatch(std::string_view text);
+
+// ---- plan ----
+
+// One planned step: its figures (figures.h) and memory figures (memory_report.h).
+struct PlannedStep {
+  StepFigures figures;
+  StepMemoryFigures memory;
+};
+
+// Called after each step is planned, before it is kept: it may print, or drop the step's
+// per-sample detail (figures.sample_ids, figures.plan.replicas) to keep long plans small; an
+// error stops the plan and is returned.
+using PlanStepCallback = std::function<Status(PlannedStep& step)>;
+
+struct JobPlan {
+  std::vector<StepFigures> steps;        // [job.steps]
+  std::vector<StepMemoryFigures> memory;  // [job.steps]
+  SummaryFigures summary;                 // Summarize(steps)
+};
+
+// Plans job.steps steps: StepReader over job.options.data, Schedule, ComputeStepFigures and
+// ComputeStepMemory. Errors: the source's ("--data: ..."), the scheduler's naming the step
+// and the options to change ("step 0: ... (raise --max-tokens-per-rank or --cp, or pass
+// --oversize skip)").
+[[nodiscard]] Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step = {});
+
+// `thdpack plan --json`: PlanReportJson (figures.h) with each step's `memory` field.
+std::string PlanJobJson(const JobPlan& plan, bool summary_only);
+
+// ---- run ----
+
+// What `run` adds to a job.
+struct RunOptions {
+  // --verify: the probe model over every microbatch, checked against one rank (probe.h).
+  bool verify = false;
+  ProbeConfig probe;              // --probe-layers, --probe-hidden, --probe-heads, --probe-vocab
+  double verify_tolerance = 1e-9;  // --verify-tolerance, >= 0
+  // --memory-profile-steps: at these steps every rank writes its memory profile under
+  // memory_profile_dir (memory_report.h); each in [0, job.steps).
+  std::vector<int64_t> memory_profile_steps;
+  std::string memory_profile_dir = "memory_profile";  // --memory-profile-dir
+};
+
+// Checked RunOptions.
+struct RunSetup {
+  RunOptions options;
+  std::optional<ProbeModel> probe;      // with verify
+  std::vector<int64_t> profile_steps;  // sorted, without repeats
+};
+
+// Errors name the option: "--probe-*: ...", "--verify-tolerance: ...", "--memory-profile-steps:
+// step 3 is not run (--steps 3 runs steps 0 to 2)".
+[[nodiscard]] Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options);
+
+// --memory-profile-steps: comma-separated step numbers (e.g. "0,1"); empty text: none. Errors:
+// InvalidArgument `--memory-profile-steps: "<text>" is not a comma-separated list ...`.
+[[nodiscard]] Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text);
+
+// One step of `run` as the printing rank (world rank 0) reports it.
+struct RunStepReport {
+  StepFigures figures;       // the figures `plan` prints for the same step
+  StepMemoryFigures memory;  // as in `plan`
+  PhaseTable phases;         // every rank's bytes and the slowest rank's seconds per phase
+  std::optional<LossSummary> loss;  // with verify: the probe's figures, checked
+  int dp_size = 1;
+};
+
+// Called on world rank 0 after each step (the other ranks go on to the next step's
+// collectives, so keep it short); an error stops rank 0, and the others with kAborted.
+using RunStepCallback = std::function<Status(const RunStepReport& step)>;
+
+// One rank's loop of job.steps steps: StepRunner::Next, the memory profile at the chosen
+// steps, the verifier, GatherPhases, and on rank 0 the step's figures and on_step. Collective:
+// every rank of `world` (world.size() == job.topology.world_size()) calls it with the same job.
+[[nodiscard]] Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
+                                  const RunStepCallback& on_step);
+
+// `thdpack run --json`'s line for a step (no newline): StepFiguresJson with, in order, memory,
+// loss, ppl, entropy, n_tokens (with verify), bytes_sent {<phase>: [per rank], total},
+// time_<phase> per phase and time_step.
+std::string RunStepJson(const RunStepReport& step, bool summary_only);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_JOB_H_

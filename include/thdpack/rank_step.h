@@ -1,0 +1,81 @@
+// thdpack/rank_step.h: what one rank holds after a distributed step (thdpack/step_runner.h
+// makes it; thdpack/probe.h and thdpack/memory_report.h read it), and the phases a step is timed
+// by.
+//
+// Thread-safety: plain values.
+#ifndef THDPACK_RANK_STEP_H_
+#define THDPACK_RANK_STEP_H_
+
+#include <cstdint>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "thdpack/data.h"
+#include "thdpack/sample.h"
+#include "thdpack/schedule.h"
+#include "thdpack/topology.h"
+#include "thdpack/wire.h"
+
+namespace thdpack {
+
+// The phases of one step, in the order they run (thdpack/step_runner.h describes each);
+// kAgree collects the status agreements between phases.
+enum class Phase { kRead, kLengths, kPlan, kExchange, kPack, kDeliver, kAgree };
+inline constexpr int kNumPhases = 7;
+// "read", "lengths", "plan", "exchange", "pack", "deliver", "agree": the names `thdpack run
+// --json` prints (bytes_sent.<name>, time_<name>).
+std::string_view PhaseName(Phase phase);
+
+// One microbatch as one rank holds it. Shapes: T padded tokens of the microbatch, n sequences.
+struct LocalMicrobatch {
+  // Every rank of every stage: the GLOBAL layout (TransformerEngine's THD attention takes it).
+  std::vector<int32_t> cu_seqlens;         // [n+1]
+  std::vector<int32_t> cu_seqlens_padded;  // [n+1]
+  int32_t max_seqlen = 0;                  // largest padded length
+  int64_t n_valid = 0;                     // loss tokens of the whole microbatch
+  int64_t total_tokens = 0;                // T
+  int64_t local_tokens = 0;                // T/CP
+  // The first stage only (empty elsewhere): this CP rank's zigzag shard, [T/CP].
+  std::vector<TokenId> tokens;
+  std::vector<int32_t> position_ids;
+  // The last stage only (empty elsewhere): [T/CP], CP-sharded, not SP-split.
+  std::vector<TokenId> labels;
+  std::vector<uint8_t> loss_mask;
+  // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
+  // whole range (0, T/CP).
+  std::pair<int64_t, int64_t> sp_range{0, 0};
+};
+
+// Time and bytes of one phase on one rank.
+struct PhaseStats {
+  Phase phase = Phase::kRead;
+  double seconds = 0;
+  int64_t bytes_sent = 0;  // ProcessGroup::bytes_sent rule (thdpack/comm.h)
+};
+
+// What one rank holds after a step.
+struct RankStep {
+  int64_t step = 0;   // 0, 1, ...
+  int64_t epoch = 0;  // the source's epoch when the step's first sample was read
+  Coord coord;
+  bool is_loader = false;     // read and planned (every rank with DataOn::kAll)
+  bool first_stage = false;   // pp == 0
+  bool last_stage = false;    // pp == PP-1
+  // This replica's metadata as every rank of the replica holds it (decoded from the wire on
+  // non-loaders): microbatch layouts, the replica's token sums, the GLOBAL loss-token count N
+  // (n_loss_tokens), skipped ids, epoch.
+  StepMeta meta;
+  std::vector<LocalMicrobatch> microbatches;  // [M]
+  // Loaders only (empty elsewhere): the step's samples in scheduling order (loader 0's first)
+  // and the plan every loader computed from them - what the step figures are made of.
+  std::vector<SampleLength> samples;
+  Plan plan;
+  // One entry per phase that ran, in Phase order (kAgree last).
+  std::vector<PhaseStats> phases;
+  int64_t bytes_sent() const;
+};
+
+}  // namespace thdpack
+
+#endif  // THDPACK_RANK_STEP_H_

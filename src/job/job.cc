@@ -1,0 +1,183 @@
+// The job configuration of thdpack/job.h: ResolveJob, the one validation of what `plan`, `run`
+// and the Python module share, and the parsers of the options whose text is theirs.
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "thdpack/job.h"
+
+namespace thdpack {
+namespace {
+
+Status Fail(const std::string& option, const std::string& message) {
+  return Status::InvalidArgument(option + ": " + message);
+}
+
+Status AtLeast(const std::string& option, int64_t value, int64_t least) {
+  if (value >= least) return Status::Ok();
+  return Fail(option, "must be >= " + std::to_string(least) + ", got " + std::to_string(value));
+}
+
+// The sizes and numbers, each error naming its option.
+Status CheckNumbers(const JobOptions& o) {
+  THDPACK_RETURN_IF_ERROR(AtLeast("--dp", o.dp, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--cp", o.cp, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--tp", o.tp, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--pp", o.pp, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--align", o.align, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--max-tokens-per-rank", o.max_tokens_per_rank, 1));
+  if (static_cast<int64_t>(o.cp) * o.max_tokens_per_rank > kMaxSampleLength) {
+    return Fail("--max-tokens-per-rank", "CP * max tokens per rank must fit int32");
+  }
+  if (o.global_batch < 0) {
+    return Fail("--global-batch", "must be >= 1, or 0 for \"all\", got " +
+                                      std::to_string(o.global_batch));
+  }
+  if (o.steps.has_value()) THDPACK_RETURN_IF_ERROR(AtLeast("--steps", *o.steps, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--microbatch-multiple", o.microbatch_multiple, 1));
+  if (o.num_microbatches < 0 || o.num_microbatches % o.microbatch_multiple != 0) {
+    return Fail("--num-microbatches",
+                "must be 0 (scheduler chooses) or a positive multiple of --microbatch-multiple (" +
+                    std::to_string(o.microbatch_multiple) + "), got " +
+                    std::to_string(o.num_microbatches));
+  }
+  return Status::Ok();
+}
+
+// The cost spec, parsed once: the cost model, and for presets and dimensions the model's
+// dimensions and FLOPs coefficients.
+Status ResolveCost(const std::string& spec, Job& job) {
+  Result<CostModel> cost = ParseCostSpec(spec);
+  if (!cost.ok()) return Fail("--cost", cost.status().message());
+  job.schedule.cost = std::move(*cost);
+  Result<ModelDims> dims = ParseModelDims(spec);
+  if (!dims.ok()) {
+    if (dims.status().code() == StatusCode::kNotFound) return Status::Ok();
+    return Fail("--cost", dims.status().message());
+  }
+  job.model = *dims;
+  Result<FlopsCoefficients> flops = ComputeFlopsCoefficients(*dims);
+  if (!flops.ok()) return Fail("--cost", flops.status().message());
+  job.flops = *flops;
+  return Status::Ok();
+}
+
+// The one place where the schedule's parallel layout (sizes, SP, alignment) comes from the job.
+Status FillSchedule(const JobOptions& o, Job& job) {
+  ScheduleOptions& s = job.schedule;
+  s.dp_size = job.topology.dp_size();
+  Result<ParallelLayout> parallel = ParallelLayout::Create(
+      job.topology.cp_size(), job.topology.tp_size(), o.sp, o.align);
+  if (!parallel.ok()) return Fail("--cp/--tp/--sp/--align", parallel.status().message());
+  s.parallel = *parallel;
+  s.max_tokens_per_rank = o.max_tokens_per_rank;
+  s.microbatch_multiple = o.microbatch_multiple;
+  s.num_microbatches = o.num_microbatches;
+  Result<ScheduleOptions::Scheduler> scheduler = ParseSchedulerName(o.scheduler);
+  if (!scheduler.ok()) return Fail("--scheduler", scheduler.status().message());
+  s.scheduler = *scheduler;
+  Result<ScheduleOptions::OversizePolicy> oversize = ParseOversizePolicy(o.oversize);
+  if (!oversize.ok()) return Fail("--oversize", oversize.status().message());
+  s.oversize = *oversize;
+  return ResolveCost(o.cost, job);
+}
+
+Status ResolveMemory(const JobOptions& o, Job& job) {
+  if (o.vocab_size < 0) {
+    return Status::InvalidArgument("--vocab-size: " + std::to_string(o.vocab_size) +
+                                   " must be >= 1, or 0 for the --cost model's vocabulary");
+  }
+  job.memory.vocab_size = o.vocab_size > 0 ? o.vocab_size : job.model ? job.model->vocab : 0;
+  Result<LogitsDtype> dtype = ParseLogitsDtype(o.logits_dtype);
+  if (!dtype.ok()) return dtype.status().WithContext("--logits-dtype");
+  job.memory.logits_dtype = *dtype;
+  job.memory.with_grad = o.fused_grad;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<Job> ResolveJob(const JobOptions& options) {
+  THDPACK_RETURN_IF_ERROR(CheckNumbers(options));
+  Result<Topology> topology = Topology::Create(options.tp, options.cp, options.dp, options.pp);
+  if (!topology.ok()) return Fail("--dp/--cp/--tp/--pp", topology.status().message());
+  Job job(std::move(*topology));
+  job.options = options;
+  job.steps = options.steps.value_or(options.global_batch == 0 ? 1 : 3);
+  THDPACK_RETURN_IF_ERROR(FillSchedule(options, job));
+  THDPACK_RETURN_IF_ERROR(ResolveMemory(options, job));
+  THDPACK_ASSIGN_OR_RETURN(job.data_on, ParseDataOn(options.data_on));
+  return job;
+}
+
+StepRunnerOptions RunnerOptions(const Job& job) {
+  StepRunnerOptions o;
+  o.data = job.options.data;
+  o.source = job.options.source;
+  o.global_batch = job.options.global_batch;
+  o.schedule = job.schedule;
+  o.pad_id = job.options.pad_id;
+  o.data_on = job.data_on;
+  o.check_plan_hash = job.options.check_plan_hash;
+  return o;
+}
+
+Result<int64_t> ParseGlobalBatch(std::string_view text) {
+  if (text == "all") return int64_t{0};
+  if (!text.empty() && text.size() <= 18 &&
+      text.find_first_not_of("0123456789") == std::string_view::npos) {
+    const int64_t v = std::stoll(std::string(text));
+    if (v >= 1) return v;
+  }
+  return Fail("--global-batch",
+              "\"" + std::string(text) + "\" is not a positive integer or \"all\"");
+}
+
+Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text) {
+  std::vector<int64_t> out;
+  if (text.empty()) return out;
+  const std::string bad = "\"" + std::string(text) +
+                          "\" is not a comma-separated list of step numbers (e.g. 0,1)";
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    const std::string_view item = text.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    if (item.empty() || item.size() > 18 ||
+        item.find_first_not_of("0123456789") != std::string_view::npos) {
+      return Fail("--memory-profile-steps", bad);
+    }
+    out.push_back(std::stoll(std::string(item)));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
+  RunSetup run;
+  run.options = options;
+  if (options.verify) {
+    Result<ProbeModel> model = ProbeModel::Create(options.probe);
+    if (!model.ok()) return model.status().WithContext("--probe-*");
+    run.probe.emplace(std::move(*model));
+    if (!(options.verify_tolerance >= 0)) {
+      return Fail("--verify-tolerance",
+                  std::to_string(options.verify_tolerance) + " must be >= 0");
+    }
+  }
+  run.profile_steps = options.memory_profile_steps;
+  std::sort(run.profile_steps.begin(), run.profile_steps.end());
+  run.profile_steps.erase(std::unique(run.profile_steps.begin(), run.profile_steps.end()),
+                          run.profile_steps.end());
+  for (int64_t step : run.profile_steps) {
+    if (step >= 0 && step < job.steps) continue;
+    return Fail("--memory-profile-steps",
+                "step " + std::to_string(step) + " is not run (--steps " +
+                    std::to_string(job.steps) + " runs steps 0 to " +
+                    std::to_string(job.steps - 1) + ")");
+  }
+  return run;
+}
+
+}  // namespace thdpack

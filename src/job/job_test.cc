@@ -1,0 +1,198 @@
+// The job configuration (thdpack/job.h): one validation whose errors name the option, the
+// step default of --global-batch all, the cost parsed once, and the run core against the plan
+// core: at several world sizes (threads), every step `run` reports has plan's figures.
+#include "thdpack/job.h"
+
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "data/data_test_util.h"
+
+namespace thdpack {
+namespace {
+
+using testing_util::TempDir;
+using testing_util::WriteText;
+
+void ExpectError(const JobOptions& o, const std::string& option) {
+  Result<Job> job = ResolveJob(o);
+  ASSERT_FALSE(job.ok()) << option;
+  EXPECT_EQ(job.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(job.status().message().rfind(option + ":", 0), 0u) << job.status().ToString();
+}
+
+TEST(Job, ErrorsNameTheOption) {
+  JobOptions o;
+  o.dp = 0;
+  ExpectError(o, "--dp");
+  Result<Job> job = ResolveJob(o);
+  EXPECT_EQ(job.status().message(), "--dp: must be >= 1, got 0");
+  o = JobOptions{};
+  o.max_tokens_per_rank = 0;
+  ExpectError(o, "--max-tokens-per-rank");
+  o = JobOptions{};
+  o.steps = 0;
+  ExpectError(o, "--steps");
+  o = JobOptions{};
+  o.cost = "bogus";
+  ExpectError(o, "--cost");
+  o = JobOptions{};
+  o.scheduler = "fastest";
+  ExpectError(o, "--scheduler");
+  o = JobOptions{};
+  o.oversize = "drop";
+  ExpectError(o, "--oversize");
+  o = JobOptions{};
+  o.microbatch_multiple = 2;
+  o.num_microbatches = 3;
+  ExpectError(o, "--num-microbatches");
+  o = JobOptions{};
+  o.logits_dtype = "fp16";
+  ExpectError(o, "--logits-dtype");
+  o = JobOptions{};
+  o.vocab_size = -1;
+  ExpectError(o, "--vocab-size");
+  o = JobOptions{};
+  o.data_on = "tp1";
+  ExpectError(o, "--data-on");
+}
+
+TEST(Job, GlobalBatchTextIsStrict) {
+  EXPECT_EQ(*ParseGlobalBatch("all"), 0);
+  EXPECT_EQ(*ParseGlobalBatch("12"), 12);
+  for (const char* bad : {"", "0", "-1", "ten", "12x", " 12", "1e3", "1234567890123456789"}) {
+    Result<int64_t> v = ParseGlobalBatch(bad);
+    ASSERT_FALSE(v.ok()) << bad;
+    EXPECT_EQ(v.status().message().rfind("--global-batch: \"" + std::string(bad) + "\"", 0), 0u)
+        << v.status().ToString();
+  }
+}
+
+TEST(Job, StepsDefaultToOneWithAllAndThreeOtherwise) {
+  JobOptions o;
+  EXPECT_EQ(ResolveJob(o)->steps, 3);
+  o.global_batch = 0;
+  EXPECT_EQ(ResolveJob(o)->steps, 1);
+  o.steps = 4;
+  EXPECT_EQ(ResolveJob(o)->steps, 4);
+}
+
+TEST(Job, ScheduleAndCostAreResolvedOnce) {
+  JobOptions o;
+  o.tp = 2;
+  o.cp = 4;
+  o.dp = 3;
+  o.sp = true;
+  o.align = 2;
+  o.cost = "llama3-8b";
+  Result<Job> job = ResolveJob(o);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->schedule.dp_size, 3);
+  EXPECT_EQ(job->schedule.parallel, ParallelLayout::Create(4, 2, true, 2).value());
+  EXPECT_EQ(job->schedule.cost.name, "llama3-8b");
+  ASSERT_TRUE(job->model.has_value());
+  EXPECT_EQ(job->memory.vocab_size, 128256);  // from the model
+  ASSERT_TRUE(job->flops.has_value());
+  EXPECT_EQ(job->flops->per_token_sq, 3 * 2 * 32 * 4096);
+  o.vocab_size = 1000;  // given: wins over the model's
+  EXPECT_EQ(ResolveJob(o)->memory.vocab_size, 1000);
+  o.cost = "1,0.5";
+  o.vocab_size = 0;
+  job = ResolveJob(o);
+  ASSERT_TRUE(job.ok());
+  EXPECT_FALSE(job->flops.has_value());
+  EXPECT_EQ(job->memory.vocab_size, 0);
+  const StepRunnerOptions r = RunnerOptions(*job);
+  EXPECT_EQ(r.schedule.parallel.cp_size(), 4);
+  EXPECT_EQ(r.global_batch, 256);
+}
+
+TEST(Job, RunProfileStepsAreChecked) {
+  Result<Job> job = ResolveJob(JobOptions{});
+  ASSERT_TRUE(job.ok());
+  RunOptions r;
+  r.memory_profile_steps = {2, 0, 2};
+  Result<RunSetup> run = ResolveRun(*job, r);
+  ASSERT_TRUE(run.ok());
+  EXPECT_EQ(run->profile_steps, (std::vector<int64_t>{0, 2}));
+  r.memory_profile_steps = {3};
+  run = ResolveRun(*job, r);
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.status().message().find("--memory-profile-steps: step 3 is not run"),
+            std::string::npos);
+  EXPECT_FALSE(ParseProfileSteps("0,x").ok());
+  EXPECT_EQ(*ParseProfileSteps("1,0"), (std::vector<int64_t>{1, 0}));
+  r = RunOptions{};
+  r.verify = true;
+  r.verify_tolerance = -1;
+  EXPECT_NE(ResolveRun(*job, r).status().message().find("--verify-tolerance"), std::string::npos);
+}
+
+// The run core and the plan core on fresh random jobs: rank 0's report of every step has the
+// figures plan computes for the same options, byte for byte in JSON; with verify, the loss.
+TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
+  std::mt19937_64 rng(std::random_device{}());
+  TempDir dir;
+  for (int trial = 0; trial < 6; ++trial) {
+    std::string text;
+    const int n = 20 + static_cast<int>(rng() % 40);
+    for (int i = 0; i < n; ++i) text += std::to_string(1 + rng() % 300) + "\n";
+    const std::string path = dir.File("lengths" + std::to_string(trial) + ".txt");
+    WriteText(path, text);
+    JobOptions o;
+    o.data = "lengths:" + path;
+    o.tp = 1 + static_cast<int>(rng() % 2);
+    o.cp = 1 + static_cast<int>(rng() % 2);
+    o.dp = 1 + static_cast<int>(rng() % 3);
+    o.pp = 1 + static_cast<int>(rng() % 2);
+    o.sp = rng() % 2 == 0;
+    o.max_tokens_per_rank = 512;
+    o.global_batch = rng() % 3 == 0 ? 0 : 8 + static_cast<int64_t>(rng() % 16);
+    o.steps = 2;
+    o.data_on = rng() % 2 == 0 ? "tp0" : "all";
+    o.check_plan_hash = true;
+    Result<Job> job = ResolveJob(o);
+    ASSERT_TRUE(job.ok()) << job.status().ToString();
+    Result<JobPlan> plan = PlanJob(*job);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    RunOptions r;
+    r.verify = trial % 2 == 0;
+    r.probe.layers = 2;
+    Result<RunSetup> run = ResolveRun(*job, r);
+    ASSERT_TRUE(run.ok());
+    std::vector<RunStepReport> reports;
+    std::mutex mu;
+    auto statuses = RunOnThreads(job->topology.world_size(), [&](ProcessGroup& world) {
+      return RunJobOnRank(world, *job, *run, [&](const RunStepReport& step) {
+        std::lock_guard<std::mutex> lock(mu);
+        reports.push_back(step);
+        return Status::Ok();
+      });
+    });
+    for (const Status& s : statuses) ASSERT_TRUE(s.ok()) << s.ToString();
+    ASSERT_EQ(reports.size(), 2u) << job->topology.ToString();
+    for (size_t k = 0; k < reports.size(); ++k) {
+      EXPECT_EQ(StepFiguresJson(reports[k].figures, false), StepFiguresJson(plan->steps[k], false))
+          << job->topology.ToString();
+      EXPECT_EQ(StepMemoryJson(reports[k].memory), StepMemoryJson(plan->memory[k]));
+      EXPECT_EQ(reports[k].loss.has_value(), r.verify);
+      ASSERT_EQ(reports[k].phases.bytes.size(), static_cast<size_t>(kNumPhases));
+      EXPECT_EQ(reports[k].phases.bytes[0].size(), static_cast<size_t>(job->topology.world_size()));
+      const std::string json = RunStepJson(reports[k], false);
+      EXPECT_NE(json.find("\"time_agree\":"), std::string::npos);
+      EXPECT_NE(json.find(",\"memory\":"), std::string::npos);
+    }
+  }
+}
+
+TEST(Job, PhaseNames) {
+  const char* names[] = {"read", "lengths", "plan", "exchange", "pack", "deliver", "agree"};
+  for (int k = 0; k < kNumPhases; ++k) EXPECT_EQ(PhaseName(static_cast<Phase>(k)), names[k]);
+}
+
+}  // namespace
+}  // namespace thdpack

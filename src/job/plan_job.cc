@@ -1,0 +1,71 @@
+// The core of `thdpack plan` (thdpack/job.h): steps read with StepReader, scheduled, and
+// turned into figures, one at a time.
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "thdpack/job.h"
+#include "thdpack/step.h"
+
+namespace thdpack {
+namespace {
+
+// A scheduler error of a step, with the options that would avoid it.
+Status ScheduleError(int64_t step, const Status& status) {
+  const std::string& m = status.message();
+  std::string hint;
+  if (m.find("budget") != std::string::npos) {
+    hint = " (raise --max-tokens-per-rank or --cp, or pass --oversize skip)";
+  } else if (m.find("too few") != std::string::npos) {
+    hint = " (raise --global-batch, or lower --dp, --microbatch-multiple or --num-microbatches)";
+  }
+  return Status::InvalidArgument("step " + std::to_string(step) + ": " + m + hint);
+}
+
+// One step: read, schedule, figures.
+Result<PlannedStep> PlanStep(const Job& job, StepReader& reader) {
+  Result<StepSamples> step = reader.Next();
+  if (!step.ok()) return Status::InvalidArgument("--data: " + step.status().message());
+  Result<Plan> plan = Schedule(step->samples, job.schedule);
+  if (!plan.ok()) return ScheduleError(step->step, plan.status());
+  PlannedStep out;
+  THDPACK_ASSIGN_OR_RETURN(out.figures, ComputeStepFigures(step->step, step->epoch,
+                                                           step->samples, job.schedule, *plan,
+                                                           job.flops));
+  THDPACK_ASSIGN_OR_RETURN(out.memory,
+                           ComputeStepMemory(step->samples, job.schedule, *plan, job.memory));
+  return out;
+}
+
+}  // namespace
+
+Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step) {
+  Result<std::unique_ptr<SampleSource>> source = OpenSource(job.options.data,
+                                                            job.options.source);
+  if (!source.ok()) return Status::InvalidArgument("--data: " + source.status().message());
+  THDPACK_ASSIGN_OR_RETURN(StepReader reader, StepReader::Create(source->get(),
+                                                                 job.options.global_batch,
+                                                                 job.topology.dp_size()));
+  JobPlan out;
+  out.steps.reserve(static_cast<size_t>(std::min<int64_t>(job.steps, 1 << 20)));
+  out.memory.reserve(out.steps.capacity());
+  for (int64_t k = 0; k < job.steps; ++k) {
+    THDPACK_ASSIGN_OR_RETURN(PlannedStep step, PlanStep(job, reader));
+    if (on_step) THDPACK_RETURN_IF_ERROR(on_step(step));
+    out.steps.push_back(std::move(step.figures));
+    out.memory.push_back(std::move(step.memory));
+  }
+  out.summary = Summarize(out.steps);
+  return out;
+}
+
+std::string PlanJobJson(const JobPlan& plan, bool summary_only) {
+  std::vector<JsonFields> step_fields(plan.memory.size());
+  for (size_t k = 0; k < plan.memory.size(); ++k) {
+    step_fields[k].emplace_back("memory", StepMemoryJson(plan.memory[k]));
+  }
+  return PlanReportJson(plan.steps, plan.summary, summary_only, step_fields);
+}
+
+}  // namespace thdpack

@@ -1,0 +1,96 @@
+#include "job_args.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+
+namespace thdpack::tools {
+
+void AddJobOptions(CLI::App* cmd, JobArgs* a) {
+  JobOptions& o = a->options;
+  cmd->add_option("--data", o.data,
+                  "Data source: mock | mock:FILE.json | lengths:FILE | histogram:FILE | "
+                  "jsonl:FILE | megatron:PREFIX")
+      ->capture_default_str();
+  cmd->add_option("--dp", o.dp, "Data-parallel size (replicas)")->capture_default_str();
+  cmd->add_option("--cp", o.cp, "Context-parallel size")->capture_default_str();
+  cmd->add_option("--tp", o.tp, "Tensor-parallel size (matters with --sp)")
+      ->capture_default_str();
+  cmd->add_option("--pp", o.pp, "Pipeline-parallel size (use --microbatch-multiple for "
+                                "pipeline groups)")
+      ->capture_default_str();
+  cmd->add_flag("--sp", o.sp, "Sequence parallelism: T/CP must be a multiple of TP");
+  cmd->add_option("--align", o.align,
+                  "Extra per-sequence alignment, multiplying the 2*CP padding multiple")
+      ->capture_default_str();
+  cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank,
+                  "Padded tokens one CP rank may hold in one microbatch")
+      ->capture_default_str();
+  cmd->add_option("--global-batch", a->global_batch,
+                  "Samples per step over all replicas, or \"all\" (one whole epoch per step)")
+      ->capture_default_str();
+  a->steps_option = cmd->add_option(
+      "--steps", a->steps,
+      "Steps (default 3, or 1 with --global-batch all; the source wraps into the next epoch)");
+  cmd->add_option("--scheduler", o.scheduler, "balanced | sequential")->capture_default_str();
+  cmd->add_option("--cost", o.cost,
+                  "Cost model: tokens | llama2-7b | llama3-8b | A,B | "
+                  "l=..,h=..,nh=..,nkv=..,f=..,v=.. (FLOPs are shown for models)")
+      ->capture_default_str();
+  cmd->add_option("--microbatch-multiple", o.microbatch_multiple,
+                  "The number of microbatches is a multiple of this (pipeline/VPP groups)")
+      ->capture_default_str();
+  cmd->add_option("--num-microbatches", o.num_microbatches,
+                  "Fix the number of microbatches (0: the scheduler chooses)")
+      ->capture_default_str();
+  cmd->add_option("--oversize", o.oversize,
+                  "A sample longer than CP * max tokens per rank: error | skip (reported)")
+      ->capture_default_str();
+  cmd->add_option("--seed", o.source.seed, "Seed of mock lengths and tokens and of --shuffle")
+      ->capture_default_str();
+  cmd->add_flag("--shuffle", o.source.shuffle, "Visit each epoch in a seeded random order");
+  cmd->add_option("--vocab", o.source.vocab_size,
+                  "Vocabulary of the data: token ids are checked to be below it (0: unknown)")
+      ->capture_default_str();
+  cmd->add_option("--mock-samples", o.source.mock_num_samples,
+                  "Samples per epoch of a lognormal mock (0: default)")
+      ->capture_default_str();
+  cmd->add_option("--vocab-size", o.vocab_size,
+                  "The model's vocabulary V for the logits memory figures (0: the --cost "
+                  "model's V; none for tokens and A,B)")
+      ->capture_default_str();
+  cmd->add_option("--logits-dtype", o.logits_dtype,
+                  "dtype of the logits in the memory figures: bf16, fp32 or fp64")
+      ->capture_default_str();
+  cmd->add_flag("--fused-grad", o.fused_grad,
+                "Count the logits gradient fused with the loss (a second buffer of the logits' "
+                "shape) in the memory figures");
+}
+
+Result<Job> ResolveJobArgs(const JobArgs& args) {
+  JobOptions options = args.options;
+  THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
+  if (args.steps_option != nullptr && args.steps_option->count() > 0) options.steps = args.steps;
+  return ResolveJob(options);
+}
+
+ProgressBar::ProgressBar(int64_t total)
+    : total_(total), on_(isatty(STDERR_FILENO) != 0 && total > 1) {}
+
+void ProgressBar::Clear() {
+  if (on_) std::fputs("\r\033[K", stderr);
+}
+
+void ProgressBar::Update(int64_t done) {
+  if (!on_) return;
+  const int width = 30;
+  const int filled = static_cast<int>(width * done / total_);
+  std::fprintf(stderr, "\r[%s%s] step %lld/%lld",
+               std::string(static_cast<size_t>(filled), '#').c_str(),
+               std::string(static_cast<size_t>(width - filled), '.').c_str(),
+               static_cast<long long>(done), static_cast<long long>(total_));
+  if (done == total_) std::fputs("\r\033[K", stderr);
+  std::fflush(stderr);
+}
+
+}  // namespace thdpack::tools
