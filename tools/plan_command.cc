@@ -19,6 +19,7 @@
 #include "thdpack/data.h"
 #include "thdpack/figures.h"
 #include "thdpack/memory_report.h"
+#include "thdpack/plan_step.h"
 #include "thdpack/schedule.h"
 #include "thdpack/step.h"
 #include "thdpack/topology.h"
@@ -331,6 +332,21 @@ int RunPlan(const PlanArgs& args) {
                    std::string(width - done, '.').c_str(), static_cast<long long>(k + 1),
                    static_cast<long long>(args.steps));
       std::fflush(stderr);
+    }
+    // A whole unshuffled histogram per step, no per-sample output: planned in bulk when
+    // PlanHistogramStep applies (thdpack/plan_step.h), else read sample by sample below.
+    auto* hist = dynamic_cast<HistogramSource*>(source->get());
+    if (hist && *global_batch == 0 && !args.shuffle && args.svg.empty() &&
+        (!args.json || args.summary_only)) {
+      auto planned = PlanHistogramStep(hist->histogram().rows, k, k,
+                                       k * hist->histogram().num_sequences, options, *flops,
+                                       *memory_options);
+      if (!planned.ok()) return fail(planned.status());
+      if (planned->has_value()) {
+        memory.push_back(std::move((*planned)->memory));
+        steps.push_back(std::move((*planned)->figures));
+        continue;
+      }
     }
     auto step = reader->Next();
     if (!step.ok()) return fail(Fail("--data", step.status().message()));

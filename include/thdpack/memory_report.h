@@ -73,6 +73,12 @@ struct StepMemoryFigures {
                                                           const Plan& plan,
                                                           const MemoryReportOptions& memory);
 
+// The same figures for a histogram step planned in bulk (PlanHistogram, DP = 1): each class's
+// layout is computed once and counted `count` times. Equal to ComputeStepMemory on the
+// expanded plan (tested). Errors: as ComputeStepMemory.
+[[nodiscard]] Result<StepMemoryFigures> ComputeHistogramStepMemory(
+    const HistogramPlan& plan, const ScheduleOptions& options, const MemoryReportOptions& memory);
+
 // {"logits":<LogitsFiguresJson or null>,"buffers_per_rank":{"replica","num_microbatches",
 // "tokens","position_ids","labels","loss_mask","metadata","loss_outputs","total"}} on one line:
 // the `memory` field of a step's figures (figures.h), identical in `plan` and `run`.

@@ -10,6 +10,7 @@
 #include "thdpack/memory.h"
 #include "thdpack/memory_report.h"
 #include "thdpack/pack.h"
+#include "thdpack/plan_step.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
 #include "thdpack/shard.h"
