@@ -129,7 +129,39 @@ struct CostKey {
     return cost != o.cost ? cost > o.cost : index > o.index;
   }
 };
-using MinCostHeap = std::priority_queue<CostKey, std::vector<CostKey>, std::greater<CostKey>>;
+// A min-heap of CostKey with ReplaceTop: the replica (or microbatch) that took a sample goes
+// back with one sift-down instead of a pop and a push (half the work of the LPT loops). Keys
+// are unique (the index), so the top is the same whatever the heap's inner layout.
+class MinCostHeap {
+ public:
+  bool empty() const { return v_.empty(); }
+  const CostKey& top() const { return v_.front(); }
+  void push(const CostKey& k) {
+    v_.push_back(k);
+    std::push_heap(v_.begin(), v_.end(), std::greater<CostKey>());
+  }
+  void pop() {
+    std::pop_heap(v_.begin(), v_.end(), std::greater<CostKey>());
+    v_.pop_back();
+  }
+  // Replaces the top by `k` and restores the heap.
+  void ReplaceTop(const CostKey& k) {
+    const size_t n = v_.size();
+    size_t hole = 0;
+    while (true) {
+      size_t child = 2 * hole + 1;
+      if (child >= n) break;
+      if (child + 1 < n && v_[child] > v_[child + 1]) ++child;
+      if (!(k > v_[child])) break;
+      v_[hole] = v_[child];
+      hole = child;
+    }
+    v_[hole] = k;
+  }
+
+ private:
+  std::vector<CostKey> v_;
+};
 
 // (room, index) entries of the parking heap: largest room first, ties by lowest index.
 struct RoomKey {
@@ -224,14 +256,14 @@ class BalancedAtM {
       while (true) {
         if (heap.empty()) return false;
         const int r = heap.top().index;
-        heap.pop();
         const int b = bins_.BestFit(r, p);
         if (b < 0) {
+          heap.pop();
           parked.push({bins_.MaxFree(r), r});
           continue;
         }
         Place(i, r, b);
-        heap.push({cost_[r], r});
+        heap.ReplaceTop({cost_[r], r});
         break;
       }
     }
@@ -418,15 +450,15 @@ class BalancedAtM {
             break;
           }
           const int b = heap.top().index;
-          heap.pop();
           if (room[b] < p) {
+            heap.pop();
             parked.push({room[b], b});
             continue;
           }
           new_bin[k] = b;
           room[b] -= p;
           mb_cost[b] += cost_of_[items[k]];
-          heap.push({mb_cost[b], b});
+          heap.ReplaceTop({mb_cost[b], b});
           break;
         }
       }
