@@ -30,6 +30,30 @@ std::vector<std::pair<int64_t, int64_t>> SortedIds(std::span<const SampleLength>
 
 }  // namespace
 
+// Whether two samples share an id: a bitmap over the ids when they are dense (1 bit per id, so
+// it stays in cache), else SampleIdIndex's sorted copy.
+bool HasDuplicateIds(std::span<const SampleLength> samples) {
+  if (samples.empty()) return false;
+  int64_t lo = samples[0].id, hi = samples[0].id;
+  for (const SampleLength& s : samples) {
+    lo = std::min(lo, s.id);
+    hi = std::max(hi, s.id);
+  }
+  const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
+  if (range == 0 || range > 64 * static_cast<uint64_t>(samples.size()) + 65536) {
+    return SampleIdIndex(samples).has_duplicates();
+  }
+  std::vector<uint64_t> bits(static_cast<size_t>((range + 63) / 64), 0);
+  for (const SampleLength& s : samples) {
+    const uint64_t k = static_cast<uint64_t>(s.id) - static_cast<uint64_t>(lo);
+    const uint64_t bit = uint64_t{1} << (k % 64);
+    uint64_t& word = bits[static_cast<size_t>(k / 64)];
+    if (word & bit) return true;
+    word |= bit;
+  }
+  return false;
+}
+
 }  // namespace internal
 
 SampleIdIndex::SampleIdIndex(std::span<const SampleLength> samples) {
@@ -164,7 +188,7 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
                                      "]");
     }
   }
-  if (SampleIdIndex(samples).has_duplicates()) {
+  if (HasDuplicateIds(samples)) {
     // The first duplicate in id order names the error (the table only says there is one).
     const auto sorted = SortedIds(samples);
     for (size_t i = 1; i < sorted.size(); ++i) {

@@ -45,6 +45,7 @@ TEST(SampleIdIndexTest, EqualsAMapOnRandomSamples) {
     for (const SampleLength& s : samples) first.emplace(s.id, s);
     const SampleIdIndex index(samples);
     EXPECT_EQ(index.has_duplicates(), first.size() != samples.size());
+    EXPECT_EQ(internal::HasDuplicateIds(samples), first.size() != samples.size());
     std::vector<uint8_t> used(static_cast<size_t>(index.num_slots()), 0);
     for (const auto& [id, s] : first) {
       const int64_t slot = index.Slot(id);

@@ -44,6 +44,10 @@ int64_t UsableCapacity(const ScheduleOptions& options);
 [[nodiscard]] Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
                                                const ScheduleOptions& options);
 
+// Whether two samples share an id (PrepareStep's check): a bitmap over dense ids, else
+// SampleIdIndex; compared with a std::map on random samples in the tests.
+bool HasDuplicateIds(std::span<const SampleLength> samples);
+
 // "too few samples" check shared by the schedulers: n >= DP * k.
 [[nodiscard]] Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& options);
 
