@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make bench: every benchmark program, one after another (they print tables; none fails on a
-# time). Usage: scripts/bench.sh BUILD_DIR
+# time), then the Python comparison scripts. Usage: scripts/bench.sh BUILD_DIR
 set -euo pipefail
 build=${1:-build}
 for b in "$build"/*_bench; do
@@ -9,3 +9,9 @@ for b in "$build"/*_bench; do
   "$b"
   echo
 done
+if [ -d "$build/python/thdpack" ]; then
+  here=$(cd "$(dirname "$0")/.." && pwd)
+  echo "== schedule_vs_python.py =="
+  PYTHONPATH="$build/python" /usr/bin/python3 "$here/bench/schedule_vs_python.py"
+  echo
+fi

@@ -286,14 +286,19 @@ Result<JobPlan> PlanWithProgress(const PlanArgs& args, const Job& job) {
   ProgressBar bar(job.steps);
   const bool keep_detail = args.json && !args.summary_only;
   int64_t done = 0;
-  Result<JobPlan> plan = PlanJob(job, [&](PlannedStep& step) {
-    if (!keep_detail && static_cast<size_t>(done) >= kMaxSvgSteps) {
-      step.figures.sample_ids.clear();
-      step.figures.plan.replicas.clear();
-    }
-    bar.Update(++done);
-    return Status::Ok();
-  });
+  // Without --json detail or --svg, no sample id is printed: plan may use the bulk path.
+  const bool sample_ids = keep_detail || !args.svg.empty();
+  Result<JobPlan> plan = PlanJob(
+      job,
+      [&](PlannedStep& step) {
+        if (!keep_detail && static_cast<size_t>(done) >= kMaxSvgSteps) {
+          step.figures.sample_ids.clear();
+          step.figures.plan.replicas.clear();
+        }
+        bar.Update(++done);
+        return Status::Ok();
+      },
+      sample_ids);
   if (!plan.ok()) bar.Clear();
   return plan;
 }

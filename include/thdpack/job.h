@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -126,10 +127,25 @@ struct JobPlan {
 };
 
 // Plans job.steps steps: StepReader over job.options.data, Schedule, ComputeStepFigures and
-// ComputeStepMemory. Errors: the source's ("--data: ..."), the scheduler's naming the step
-// and the options to change ("step 0: ... (raise --max-tokens-per-rank or --cp, or pass
-// --oversize skip)").
-[[nodiscard]] Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step = {});
+// ComputeStepMemory. With sample_ids false (the caller prints no per-sample detail), a step
+// that is one whole epoch of an unshuffled `histogram:` source is planned in bulk by
+// PlanHistogramStep wherever that is proven equal (no sample objects, no ids); else sample by
+// sample. Errors: the source's ("--data: ..."), the scheduler's naming the step and the options
+// to change ("step 0: ... (raise --max-tokens-per-rank or --cp, or pass --oversize skip)").
+[[nodiscard]] Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step = {},
+                                      bool sample_ids = true);
+
+// One whole epoch of a histogram as one step: sample ids first_id, first_id + 1, ... in row
+// order (an unshuffled histogram source with global batch "all": step k has first_id
+// k * number of sequences), planned by PlanHistogram (schedule.h). Equal to Schedule +
+// ComputeStepFigures + ComputeStepMemory on the expanded samples (integers exactly, doubles up
+// to the order of summation), but with no sample ids (figures.sample_ids and plan.replicas
+// empty). nullopt when PlanHistogram does not apply: the caller then schedules sample by
+// sample. Errors: those of PlanHistogram and ComputeHistogramStepMemory.
+[[nodiscard]] Result<std::optional<PlannedStep>> PlanHistogramStep(
+    std::span<const HistogramRow> histogram, int64_t step, int64_t epoch, int64_t first_id,
+    const ScheduleOptions& options, const std::optional<FlopsCoefficients>& flops,
+    const MemoryReportOptions& memory);
 
 // `thdpack plan --json`: PlanReportJson (figures.h) with each step's `memory` field.
 std::string PlanJobJson(const JobPlan& plan, bool summary_only);

@@ -66,14 +66,20 @@ struct StepMemoryFigures {
 };
 
 // The memory figures of a step whose plan is `plan` (made by Schedule from `samples` and
-// `options`): microbatch layouts by ComputeLayout (pack.h) with options' cp_size, tp_size, sp and
-// extra_alignment, as the packing code lays them out. Errors: a plan that names an id absent
+// `options`): microbatch layouts by ComputeLayout (pack.h) with options' parallel layout, as the packing
+// code lays them out. Errors: a plan that names an id absent
 // from `samples` or whose shape does not match (InvalidArgument), a vocab_size < 0 or a bad
 // dtype (naming it), overflow (OutOfRange).
 [[nodiscard]] Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> samples,
                                                           const ScheduleOptions& options,
                                                           const Plan& plan,
                                                           const MemoryReportOptions& memory);
+
+// The same figures for a histogram step planned in bulk (PlanHistogram, DP = 1): each class's
+// layout is computed once and counted `count` times. Equal to ComputeStepMemory on the
+// expanded plan (tested). Errors: as ComputeStepMemory.
+[[nodiscard]] Result<StepMemoryFigures> ComputeHistogramStepMemory(
+    const HistogramPlan& plan, const ScheduleOptions& options, const MemoryReportOptions& memory);
 
 // {"logits":<LogitsFiguresJson or null>,"buffers_per_rank":{"replica","num_microbatches",
 // "tokens","position_ids","labels","loss_mask","metadata","loss_outputs","total"}} on one line:

@@ -66,8 +66,9 @@ struct StepRunnerOptions {
   SourceOptions source;
   // Samples per step over all replicas; 0 = the whole source (one epoch) per step.
   int64_t global_batch = 0;
-  // As documented in thdpack/schedule.h (max_tokens_per_rank is required). dp_size, cp_size
-  // and tp_size must be the topology's (checked by Create); thdpack/job.h fills them.
+  // As documented in thdpack/schedule.h (max_tokens_per_rank is required). dp_size and
+  // the parallel layout's CP and TP must be the topology's (checked by Create); thdpack/job.h
+  // fills them.
   ScheduleOptions schedule;
   TokenId pad_id = 0;
   DataOn data_on = DataOn::kTp0;
@@ -103,7 +104,7 @@ class StepRunner {
  public:
   // Splits the groups it needs from `world` (which must outlive the runner) and opens the source
   // on reading ranks. REQUIRES: world.size() == topology.world_size(),
-  // options.schedule.max_tokens_per_rank > 0, options.schedule's dp_size, cp_size and tp_size
+  // options.schedule.max_tokens_per_rank > 0, options.schedule's dp_size and parallel CP and TP
   // equal to the topology's. Errors (agreed over the world) name the option.
   [[nodiscard]] static Result<std::unique_ptr<StepRunner>> Create(
       ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options);

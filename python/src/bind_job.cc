@@ -158,7 +158,7 @@ py::object PlanJobPy(const py::kwargs& kwargs) {
   Status status = Status::Ok();
   {
     py::gil_scoped_release release;
-    Result<JobPlan> plan = PlanJob(job);
+    Result<JobPlan> plan = PlanJob(job, {}, /*sample_ids=*/!summary_only);
     if (plan.ok()) {
       json = PlanJobJson(*plan, summary_only);
     } else {

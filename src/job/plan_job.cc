@@ -38,9 +38,22 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader) {
   return out;
 }
 
+// Step k of an unshuffled histogram source read one whole epoch per step, planned in bulk;
+// nullopt when the source is not one or PlanHistogramStep does not apply.
+Result<std::optional<PlannedStep>> PlanHistogramEpoch(const Job& job, SampleSource& source,
+                                                      int64_t k) {
+  const auto* hist = dynamic_cast<const HistogramSource*>(&source);
+  if (hist == nullptr || job.options.global_batch != 0 || job.options.source.shuffle) {
+    return std::optional<PlannedStep>();
+  }
+  const int64_t n = hist->histogram().num_sequences;
+  return PlanHistogramStep(hist->histogram().rows, k, k, k * n, job.schedule, job.flops,
+                           job.memory);
+}
+
 }  // namespace
 
-Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step) {
+Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step, bool sample_ids) {
   Result<std::unique_ptr<SampleSource>> source = OpenSource(job.options.data,
                                                             job.options.source);
   if (!source.ok()) return Status::InvalidArgument("--data: " + source.status().message());
@@ -51,7 +64,16 @@ Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step) {
   out.steps.reserve(static_cast<size_t>(std::min<int64_t>(job.steps, 1 << 20)));
   out.memory.reserve(out.steps.capacity());
   for (int64_t k = 0; k < job.steps; ++k) {
-    THDPACK_ASSIGN_OR_RETURN(PlannedStep step, PlanStep(job, reader));
+    std::optional<PlannedStep> bulk;
+    if (!sample_ids) {
+      THDPACK_ASSIGN_OR_RETURN(bulk, PlanHistogramEpoch(job, **source, k));
+    }
+    PlannedStep step;
+    if (bulk.has_value()) {
+      step = std::move(*bulk);
+    } else {
+      THDPACK_ASSIGN_OR_RETURN(step, PlanStep(job, reader));
+    }
     if (on_step) THDPACK_RETURN_IF_ERROR(on_step(step));
     out.steps.push_back(std::move(step.figures));
     out.memory.push_back(std::move(step.memory));

@@ -96,11 +96,8 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
                                    std::to_string(dp) + " x " + std::to_string(m_count) +
                                    " microbatches of its sample ids");
   }
-  // id -> length, sorted by id (ids are unique within a step).
-  std::vector<std::pair<int64_t, int64_t>> length_of;
-  length_of.reserve(samples.size());
-  for (const SampleLength& s : samples) length_of.emplace_back(s.id, s.length);
-  std::sort(length_of.begin(), length_of.end());
+  const SampleIdIndex index(samples);  // ids are unique within a step
+  const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
 
   PackOptions pack;
   pack.parallel = options.parallel;
@@ -113,15 +110,17 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
     MicrobatchBufferBytes replica;
     for (int m = 0; m < m_count; ++m) {
       lengths.clear();
-      for (int64_t id : plan.Microbatch(d, m)) {
-        auto it = std::lower_bound(length_of.begin(), length_of.end(), id,
-                                   [](const auto& e, int64_t v) { return e.first < v; });
-        if (it == length_of.end() || it->first != id) {
+      const size_t g = static_cast<size_t>(d) * static_cast<size_t>(m_count) + m;
+      for (int64_t k = plan.offsets[g]; k < plan.offsets[g + 1]; ++k) {
+        if (k + 16 < total) index.Prefetch(plan.sample_ids[static_cast<size_t>(k + 16)]);
+        const int64_t id = plan.sample_ids[static_cast<size_t>(k)];
+        const int64_t slot = index.Slot(id);
+        if (slot < 0) {
           return Status::InvalidArgument(f + ": the plan's sample id " + std::to_string(id) +
                                          " (replica " + std::to_string(d) + ", microbatch " +
                                          std::to_string(m) + ") is not among the samples");
         }
-        lengths.push_back(it->second);
+        lengths.push_back(index.Length(slot));
       }
       Result<Layout> layout = ComputeLayout(lengths, pack);
       if (!layout.ok()) {
@@ -140,6 +139,35 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
   }
   THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, options.parallel.cp_size(),
                                               options.parallel.tp_size(), memory));
+  return out;
+}
+
+Result<StepMemoryFigures> ComputeHistogramStepMemory(const HistogramPlan& plan,
+                                                     const ScheduleOptions& options,
+                                                     const MemoryReportOptions& memory) {
+  const std::string f = "ComputeHistogramStepMemory";
+  THDPACK_RETURN_IF_ERROR(ValidateOptions(memory, f));
+  PackOptions pack;
+  pack.parallel = options.parallel;
+  StepMemoryFigures out;
+  out.num_microbatches = plan.figures.num_microbatches;
+  int64_t largest_t = 0;
+  for (size_t c = 0; c < plan.classes.size(); ++c) {
+    const MicrobatchClass& mc = plan.classes[c];
+    Result<Layout> layout = ComputeLayout(mc.lengths, pack);
+    if (!layout.ok()) return layout.status().WithContext(f + ": class " + std::to_string(c));
+    THDPACK_ASSIGN_OR_RETURN(MicrobatchBufferBytes b,
+                             BufferBytes(layout->cu_seqlens_padded, options.parallel.cp_size()));
+    for (int64_t* field : {&b.tokens, &b.position_ids, &b.labels, &b.loss_mask, &b.metadata,
+                           &b.loss_outputs, &b.total}) {
+      if (__builtin_mul_overflow(*field, mc.count, field)) {
+        return Status::OutOfRange(f + ": buffer bytes overflow int64");
+      }
+    }
+    Add(out.buffers, b);
+    largest_t = std::max(largest_t, layout->total_tokens);
+  }
+  THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, options.parallel.cp_size(), options.parallel.tp_size(), memory));
   return out;
 }
 

@@ -17,6 +17,9 @@ namespace {
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
+// Passes over a plan look ids up this far ahead (SampleIdIndex::Prefetch).
+constexpr int64_t kPrefetchAhead = 16;
+
 // Sorted (id, index) pairs for id lookups without an unordered container.
 std::vector<std::pair<int64_t, int64_t>> SortedIds(std::span<const SampleLength> samples) {
   std::vector<std::pair<int64_t, int64_t>> v(samples.size());
@@ -25,14 +28,90 @@ std::vector<std::pair<int64_t, int64_t>> SortedIds(std::span<const SampleLength>
   return v;
 }
 
-// Index of `id` in `sorted`, or -1.
-int64_t FindId(const std::vector<std::pair<int64_t, int64_t>>& sorted, int64_t id) {
-  auto it = std::lower_bound(sorted.begin(), sorted.end(), std::make_pair(id, int64_t{-1}));
-  if (it == sorted.end() || it->first != id) return -1;
-  return it->second;
+}  // namespace
+
+// Whether two samples share an id: a bitmap over the ids when they are dense (1 bit per id, so
+// it stays in cache), else SampleIdIndex's sorted copy.
+bool HasDuplicateIds(std::span<const SampleLength> samples) {
+  if (samples.empty()) return false;
+  int64_t lo = samples[0].id, hi = samples[0].id;
+  for (const SampleLength& s : samples) {
+    lo = std::min(lo, s.id);
+    hi = std::max(hi, s.id);
+  }
+  const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
+  if (range == 0 || range > 64 * static_cast<uint64_t>(samples.size()) + 65536) {
+    return SampleIdIndex(samples).has_duplicates();
+  }
+  std::vector<uint64_t> bits(static_cast<size_t>((range + 63) / 64), 0);
+  for (const SampleLength& s : samples) {
+    const uint64_t k = static_cast<uint64_t>(s.id) - static_cast<uint64_t>(lo);
+    const uint64_t bit = uint64_t{1} << (k % 64);
+    uint64_t& word = bits[static_cast<size_t>(k / 64)];
+    if (word & bit) return true;
+    word |= bit;
+  }
+  return false;
 }
 
-}  // namespace
+}  // namespace internal
+
+SampleIdIndex::SampleIdIndex(std::span<const SampleLength> samples) {
+  const size_t n = samples.size();
+  if (n == 0) return;
+  int64_t lo = samples[0].id, hi = samples[0].id;
+  bool fits = true;
+  for (const SampleLength& s : samples) {
+    lo = std::min(lo, s.id);
+    hi = std::max(hi, s.id);
+    fits = fits && s.length >= 1 && s.length <= std::numeric_limits<int32_t>::max() &&
+           s.n_targets >= 0 && s.n_targets <= std::numeric_limits<int32_t>::max();
+  }
+  // Dense when the table holds at most about 4 entries per sample.
+  const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
+  if (fits && range != 0 && range <= 4 * static_cast<uint64_t>(n) + 1024) {
+    dense_ = true;
+    min_id_ = lo;
+    table_.assign(static_cast<size_t>(range), DenseEntry{0, 0});
+    constexpr size_t kAhead = 16;
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) {
+        __builtin_prefetch(&table_[static_cast<size_t>(static_cast<uint64_t>(samples[i + kAhead].id) -
+                                                       static_cast<uint64_t>(lo))], 1);
+      }
+      const SampleLength& s = samples[i];
+      DenseEntry& e = table_[static_cast<size_t>(static_cast<uint64_t>(s.id) -
+                                                 static_cast<uint64_t>(lo))];
+      if (e.length > 0) {
+        has_duplicates_ = true;
+      } else {
+        e = {static_cast<int32_t>(s.length), static_cast<int32_t>(s.n_targets)};
+      }
+    }
+    return;
+  }
+  sorted_.assign(samples.begin(), samples.end());
+  std::stable_sort(sorted_.begin(), sorted_.end(),
+                   [](const SampleLength& x, const SampleLength& y) { return x.id < y.id; });
+  size_t out = 0;
+  for (size_t i = 0; i < sorted_.size(); ++i) {
+    if (out > 0 && sorted_[out - 1].id == sorted_[i].id) {
+      has_duplicates_ = true;
+      continue;
+    }
+    sorted_[out++] = sorted_[i];
+  }
+  sorted_.resize(out);
+}
+
+int64_t SampleIdIndex::SortedSlot(int64_t id) const {
+  auto it = std::lower_bound(sorted_.begin(), sorted_.end(), id,
+                             [](const SampleLength& s, int64_t v) { return s.id < v; });
+  if (it == sorted_.end() || it->id != id) return -1;
+  return it - sorted_.begin();
+}
+
+namespace internal {
 
 double PreparedStep::LowerBound(int dp_size) const {
   return std::max(total_cost / static_cast<double>(dp_size), max_cost);
@@ -101,7 +180,8 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
                                      "]");
     }
   }
-  {
+  if (HasDuplicateIds(samples)) {
+    // The first duplicate in id order names the error (the table only says there is one).
     const auto sorted = SortedIds(samples);
     for (size_t i = 1; i < sorted.size(); ++i) {
       if (sorted[i].first == sorted[i - 1].first) {
@@ -256,9 +336,12 @@ Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptio
   return internal::ToPlan(step, a, chosen);
 }
 
-Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions& options,
-                    const Plan& plan) {
-  using internal::Str;
+namespace internal {
+namespace {
+
+// ValidatePlan with the index of `samples` already built (ComputePlanFigures reuses it).
+Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const SampleIdIndex& index,
+                             const ScheduleOptions& options, const Plan& plan) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   auto bad = [](const std::string& what) { return Status::InvalidArgument("invalid plan: " + what); };
   const int64_t dp = options.dp_size;
@@ -279,13 +362,16 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
       plan.offsets.back() != static_cast<int64_t>(plan.sample_ids.size())) {
     return bad("offsets must have DP*M+1 entries from 0 to the number of ids");
   }
-  const auto sorted = internal::SortedIds(samples);
-  for (size_t i = 1; i < sorted.size(); ++i) {
-    if (sorted[i].first == sorted[i - 1].first) return bad("duplicate input id " + Str(sorted[i].first));
+  if (index.has_duplicates()) {
+    const auto sorted = internal::SortedIds(samples);
+    for (size_t i = 1; i < sorted.size(); ++i) {
+      if (sorted[i].first == sorted[i - 1].first) return bad("duplicate input id " + Str(sorted[i].first));
+    }
   }
   const int64_t capacity = internal::UsableCapacity(options);
   const int64_t budget = MicrobatchBudget(options);
-  std::vector<uint8_t> seen(samples.size(), 0);
+  std::vector<uint8_t> seen(static_cast<size_t>(index.num_slots()), 0);
+  const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
   for (int64_t d = 0; d < dp; ++d) {
     for (int64_t m = 0; m < m_count; ++m) {
       const int64_t g = d * m_count + m;
@@ -294,12 +380,13 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
       }
       int64_t sum = 0;
       for (int64_t k = plan.offsets[g]; k < plan.offsets[g + 1]; ++k) {
+        if (k + kPrefetchAhead < total) index.Prefetch(plan.sample_ids[k + kPrefetchAhead]);
         const int64_t id = plan.sample_ids[k];
-        const int64_t i = internal::FindId(sorted, id);
+        const int64_t i = index.Slot(id);
         if (i < 0) return bad("id " + Str(id) + " is not an input sample");
         if (seen[i]) return bad("id " + Str(id) + " appears twice");
         seen[i] = 1;
-        sum += options.parallel.PaddedLength(samples[i].length);
+        sum += options.parallel.PaddedLength(index.Length(i));
       }
       const int64_t t = options.parallel.MicrobatchTokens(sum);
       if (sum > capacity || t > budget) {
@@ -309,28 +396,39 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
     }
   }
   for (int64_t id : plan.skipped) {
-    const int64_t i = internal::FindId(sorted, id);
+    const int64_t i = index.Slot(id);
     if (i < 0) return bad("skipped id " + Str(id) + " is not an input sample");
     if (seen[i]) return bad("id " + Str(id) + " is both scheduled and skipped (or skipped twice)");
     seen[i] = 2;
-    const int64_t p = options.parallel.PaddedLength(samples[i].length);
+    const int64_t p = options.parallel.PaddedLength(index.Length(i));
     if (options.oversize != ScheduleOptions::OversizePolicy::kSkip) {
       return bad("id " + Str(id) + " was skipped but the oversize policy is 'error'");
     }
     if (p <= capacity) return bad("id " + Str(id) + " was skipped but fits the budget");
   }
-  for (size_t i = 0; i < samples.size(); ++i) {
-    if (!seen[i]) return bad("sample id " + Str(samples[i].id) + " is neither scheduled nor skipped");
+  for (const SampleLength& s : samples) {
+    if (!seen[static_cast<size_t>(index.Slot(s.id))]) {
+      return bad("sample id " + Str(s.id) + " is neither scheduled nor skipped");
+    }
   }
   return Status::Ok();
 }
 
+}  // namespace
+}  // namespace internal
+
+Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions& options,
+                    const Plan& plan) {
+  return internal::ValidatePlanWithIndex(samples, SampleIdIndex(samples), options, plan);
+}
+
 Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
                                        const ScheduleOptions& options, const Plan& plan) {
-  THDPACK_RETURN_IF_ERROR(ValidatePlan(samples, options, plan));
-  const auto sorted = internal::SortedIds(samples);
+  const SampleIdIndex index(samples);
+  THDPACK_RETURN_IF_ERROR(internal::ValidatePlanWithIndex(samples, index, options, plan));
   PlanFigures f;
   const int m_count = plan.num_microbatches;
+  const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
   f.num_microbatches = m_count;
   f.n_skipped = static_cast<int64_t>(plan.skipped.size());
   f.replicas.resize(options.dp_size);
@@ -346,12 +444,17 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
     for (int m = 0; m < m_count; ++m) {
       MicrobatchFigures& mb = r.microbatches[m];
       padded.clear();
-      for (int64_t id : plan.Microbatch(d, m)) {
-        const SampleLength& s = samples[internal::FindId(sorted, id)];
-        const int64_t p = options.parallel.PaddedLength(s.length);
+      const int64_t end = plan.offsets[static_cast<size_t>(d) * m_count + m + 1];
+      for (int64_t k = plan.offsets[static_cast<size_t>(d) * m_count + m]; k < end; ++k) {
+        if (k + internal::kPrefetchAhead < total) {
+          index.Prefetch(plan.sample_ids[k + internal::kPrefetchAhead]);
+        }
+        const int64_t slot = index.Slot(plan.sample_ids[k]);
+        const int64_t length = index.Length(slot);
+        const int64_t p = options.parallel.PaddedLength(length);
         padded.push_back(p);
-        mb.real_tokens += s.length;
-        mb.n_loss_tokens += s.n_targets;
+        mb.real_tokens += length;
+        mb.n_loss_tokens += index.NTargets(slot);
         const double c = options.cost.SequenceCost(p) / cp;
         total_seq_cost += c;
         max_seq_cost = std::max(max_seq_cost, c);

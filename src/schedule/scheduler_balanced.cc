@@ -129,7 +129,39 @@ struct CostKey {
     return cost != o.cost ? cost > o.cost : index > o.index;
   }
 };
-using MinCostHeap = std::priority_queue<CostKey, std::vector<CostKey>, std::greater<CostKey>>;
+// A min-heap of CostKey with ReplaceTop: the replica (or microbatch) that took a sample goes
+// back with one sift-down instead of a pop and a push (half the work of the LPT loops). Keys
+// are unique (the index), so the top is the same whatever the heap's inner layout.
+class MinCostHeap {
+ public:
+  bool empty() const { return v_.empty(); }
+  const CostKey& top() const { return v_.front(); }
+  void push(const CostKey& k) {
+    v_.push_back(k);
+    std::push_heap(v_.begin(), v_.end(), std::greater<CostKey>());
+  }
+  void pop() {
+    std::pop_heap(v_.begin(), v_.end(), std::greater<CostKey>());
+    v_.pop_back();
+  }
+  // Replaces the top by `k` and restores the heap.
+  void ReplaceTop(const CostKey& k) {
+    const size_t n = v_.size();
+    size_t hole = 0;
+    while (true) {
+      size_t child = 2 * hole + 1;
+      if (child >= n) break;
+      if (child + 1 < n && v_[child] > v_[child + 1]) ++child;
+      if (!(k > v_[child])) break;
+      v_[hole] = v_[child];
+      hole = child;
+    }
+    v_[hole] = k;
+  }
+
+ private:
+  std::vector<CostKey> v_;
+};
 
 // (room, index) entries of the parking heap: largest room first, ties by lowest index.
 struct RoomKey {
@@ -150,25 +182,14 @@ struct SortedStep {
 };
 
 SortedStep SortStep(const PreparedStep& step) {
-  struct Key {
-    int64_t padded;
-    int64_t id;
-    int32_t index;
-  };
-  const size_t n = step.size();
-  std::vector<Key> keys(n);
-  for (size_t i = 0; i < n; ++i) keys[i] = {step.padded[i], step.ids[i], static_cast<int32_t>(i)};
-  std::sort(keys.begin(), keys.end(), [](const Key& x, const Key& y) {
-    return x.padded != y.padded ? x.padded > y.padded : x.id < y.id;
-  });
   SortedStep s;
-  s.order.resize(n);
+  s.order = SortByPaddedThenId(step);
+  const size_t n = s.order.size();
   s.padded.resize(n);
   s.cost.resize(n);
   for (size_t k = 0; k < n; ++k) {
-    s.order[k] = keys[k].index;
-    s.padded[k] = keys[k].padded;
-    s.cost[k] = step.cost[keys[k].index];
+    s.padded[k] = step.padded[static_cast<size_t>(s.order[k])];
+    s.cost[k] = step.cost[static_cast<size_t>(s.order[k])];
   }
   return s;
 }
@@ -235,14 +256,14 @@ class BalancedAtM {
       while (true) {
         if (heap.empty()) return false;
         const int r = heap.top().index;
-        heap.pop();
         const int b = bins_.BestFit(r, p);
         if (b < 0) {
+          heap.pop();
           parked.push({bins_.MaxFree(r), r});
           continue;
         }
         Place(i, r, b);
-        heap.push({cost_[r], r});
+        heap.ReplaceTop({cost_[r], r});
         break;
       }
     }
@@ -429,15 +450,15 @@ class BalancedAtM {
             break;
           }
           const int b = heap.top().index;
-          heap.pop();
           if (room[b] < p) {
+            heap.pop();
             parked.push({room[b], b});
             continue;
           }
           new_bin[k] = b;
           room[b] -= p;
           mb_cost[b] += cost_of_[items[k]];
-          heap.push({mb_cost[b], b});
+          heap.ReplaceTop({mb_cost[b], b});
           break;
         }
       }
@@ -513,12 +534,14 @@ class BalancedAtM {
     }
     for (size_t g = 0; g < groups; ++g) out->offsets[g + 1] += out->offsets[g];
     std::vector<int64_t> cursor(out->offsets.begin(), out->offsets.end() - 1);
+    // Walking the samples in arrival order fills every group already sorted (no sort per
+    // group): rank_of maps a PreparedStep index back to its rank.
+    std::vector<int32_t> rank_of(static_cast<size_t>(n));
+    for (int32_t i = 0; i < n; ++i) rank_of[static_cast<size_t>(order_[i])] = i;
     out->items.assign(n, 0);
-    for (int32_t i = 0; i < n; ++i) {
-      out->items[cursor[static_cast<size_t>(replica_of_[i]) * m_ + bin_of_[i]]++] = order_[i];
-    }
-    for (size_t g = 0; g < groups; ++g) {
-      std::sort(out->items.begin() + out->offsets[g], out->items.begin() + out->offsets[g + 1]);
+    for (int32_t j = 0; j < n; ++j) {
+      const int32_t i = rank_of[static_cast<size_t>(j)];
+      out->items[cursor[static_cast<size_t>(replica_of_[i]) * m_ + bin_of_[i]]++] = j;
     }
   }
 
@@ -545,6 +568,76 @@ struct Candidate {
 };
 
 }  // namespace
+
+std::vector<int32_t> SortByPaddedThenIdPlain(const PreparedStep& step) {
+  const size_t n = step.size();
+  std::vector<int32_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
+    if (step.padded[x] != step.padded[y]) return step.padded[x] > step.padded[y];
+    return step.ids[x] < step.ids[y];
+  });
+  return order;
+}
+
+std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step) {
+  const size_t n = step.size();
+  if (n < 2) return SortByPaddedThenIdPlain(step);
+  int64_t lo = step.ids[0], hi = step.ids[0];
+  int64_t max_padded = 0;
+  for (size_t i = 0; i < n; ++i) {
+    lo = std::min(lo, step.ids[i]);
+    hi = std::max(hi, step.ids[i]);
+    max_padded = std::max(max_padded, step.padded[i]);
+  }
+  const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
+  if (range == 0 || range > 4 * static_cast<uint64_t>(n) + 1024 ||
+      max_padded > std::numeric_limits<int32_t>::max()) {
+    return SortByPaddedThenIdPlain(step);
+  }
+  // 1. Increasing id: a direct table over the (dense, unique) ids, read in order.
+  std::vector<int32_t> order;
+  order.reserve(n);
+  {
+    std::vector<int32_t> table(static_cast<size_t>(range), -1);
+    for (size_t i = 0; i < n; ++i) {
+      table[static_cast<size_t>(static_cast<uint64_t>(step.ids[i]) - static_cast<uint64_t>(lo))] =
+          static_cast<int32_t>(i);
+    }
+    for (int32_t i : table) {
+      if (i >= 0) order.push_back(i);
+    }
+  }
+  // 2. Stable LSD radix sort on max_padded - P (so decreasing P), 11 bits a pass: equal P
+  // keep the increasing-id order of step 1.
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  std::vector<uint32_t> key(n), key_tmp(n);
+  std::vector<int32_t> tmp(n);
+  for (size_t k = 0; k < n; ++k) {
+    key[k] = static_cast<uint32_t>(max_padded - step.padded[static_cast<size_t>(order[k])]);
+  }
+  std::vector<size_t> start(kBuckets);
+  for (int shift = 0; shift < 32 && (static_cast<uint64_t>(max_padded) >> shift) != 0;
+       shift += kBits) {
+    std::fill(start.begin(), start.end(), 0);
+    for (size_t k = 0; k < n; ++k) ++start[(key[k] >> shift) & (kBuckets - 1)];
+    size_t sum = 0;
+    for (size_t& c : start) {
+      const size_t count = c;
+      c = sum;
+      sum += count;
+    }
+    for (size_t k = 0; k < n; ++k) {
+      const size_t at = start[(key[k] >> shift) & (kBuckets - 1)]++;
+      tmp[at] = order[k];
+      key_tmp[at] = key[k];
+    }
+    order.swap(tmp);
+    key.swap(key_tmp);
+  }
+  return order;
+}
 
 int64_t BestFitDecreasingBins(const PreparedStep& step) {
   std::vector<int64_t> sizes(step.padded);

@@ -2,10 +2,11 @@
 //
 // Open packs are grouped by their room: rooms_[f] lists "classes" (a content pattern and how
 // many open packs have it), all with room f. A histogram row of padded length P and count c is
-// placed by repeating: take the smallest room f >= P that has open packs; move min(c, packs in
-// f) of them at once to room f - P, each gaining one sequence (their patterns gain P). Best fit
-// places the sequences one by one into such a pack, and packs of equal room are
-// interchangeable, so the bulk move is exactly what it would do. When no room fits, new packs
+// placed by repeating: take the smallest room f >= P that has open packs; each of t of them takes
+// q = floor(f / P) sequences at once and moves to room f - qP (t = min(packs in f, c / q)), or,
+// when c < q, one pack takes all c. Best fit places the sequences one by one into such a pack,
+// which then has the least room that fits and so takes the next one too, until it is full for
+// P; packs of equal room are interchangeable, so the bulk move is exactly what it would do. When no room fits, new packs
 // are opened in bulk: each takes q = floor(capacity / P) sequences of the row (a fresh pack is
 // the only one that fits, until it is full), the last one the remainder.
 // Every step either finishes the row or empties a room, so the work is O(rows * distinct rooms)
@@ -136,9 +137,17 @@ Result<HistogramPacking> PackHistogram(std::span<const HistogramRow> histogram,
         left = 0;
         break;
       }
+      // After one sequence a pack's room is the least that still fits (no other room lies
+      // in [P, room)), so best fit keeps filling the same pack: each pack takes
+      // floor(room / P) sequences, or the last one what is left of the row.
       const int64_t room = it->first;
-      const int64_t take = std::min(left, it->second);
-      left -= take;
+      int64_t per_pack = room / row.padded;
+      int64_t take = std::min(it->second, left / per_pack);
+      if (take == 0) {
+        per_pack = left;
+        take = 1;
+      }
+      left -= take * per_pack;
       it->second -= take;
       std::deque<PackClass>& classes = rooms[room];
       int64_t need = take;
@@ -146,7 +155,9 @@ Result<HistogramPacking> PackHistogram(std::span<const HistogramRow> histogram,
       while (need > 0) {
         PackClass& front = classes.front();
         const int64_t t = std::min(need, front.count);
-        moved.push_back({add_node(front.node, row.length, row.padded), t});
+        int64_t node = front.node;
+        for (int64_t j = 0; j < per_pack; ++j) node = add_node(node, row.length, row.padded);
+        moved.push_back({node, t});
         front.count -= t;
         need -= t;
         if (front.count == 0) classes.pop_front();
@@ -155,7 +166,7 @@ Result<HistogramPacking> PackHistogram(std::span<const HistogramRow> histogram,
         room_packs.erase(it);
         rooms.erase(room);
       }
-      for (const PackClass& c : moved) add_packs(room - row.padded, c.node, c.count);
+      for (const PackClass& c : moved) add_packs(room - per_pack * row.padded, c.node, c.count);
     }
   }
 

@@ -54,6 +54,20 @@ TEST(HistogramTest, BulkMatchesPerSample) {
   EXPECT_EQ(p->num_packs, 334 + (997 + 4) / 5);
 }
 
+// A pack that takes one sequence of a row still has the least room that fits, so best fit gives
+// it the next one too: one pack of room 53 takes all four 1s here (an earlier bulk rule spread
+// them one per pack and needed 9 packs where per-sample best fit needs 8).
+TEST(HistogramTest, APackKeepsTakingTheRowWhileItHasTheLeastRoom) {
+  const std::vector<HistogramRow> h = {{1, 4}, {8, 9}, {11, 10}, {28, 8}};
+  auto p = PackHistogram(h, Budget(53));
+  ASSERT_TRUE(p.ok());
+  ScheduleOptions o = Budget(53);
+  auto step = internal::PrepareStep(ExpandHistogram(h), o);
+  ASSERT_TRUE(step.ok());
+  EXPECT_EQ(internal::BestFitDecreasingBins(*step), 8);
+  EXPECT_EQ(p->num_packs, 8);
+}
+
 // Random small histograms, with CP padding and SP tails: the fast path equals per-sample
 // best-fit decreasing in pack count (and Schedule on DP=1 with the tokens cost), and its Plan
 // holds every invariant.

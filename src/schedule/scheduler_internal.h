@@ -44,6 +44,10 @@ int64_t UsableCapacity(const ScheduleOptions& options);
 [[nodiscard]] Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
                                                const ScheduleOptions& options);
 
+// Whether two samples share an id (PrepareStep's check): a bitmap over dense ids, else
+// SampleIdIndex; compared with a std::map on random samples in the tests.
+bool HasDuplicateIds(std::span<const SampleLength> samples);
+
 // "too few samples" check shared by the schedulers: n >= DP * k.
 [[nodiscard]] Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& options);
 
@@ -86,6 +90,13 @@ Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Sche
 [[nodiscard]] Result<Assignment> ScheduleBalanced(const PreparedStep& step,
                                                   const ScheduleOptions& options,
                                                   ScheduleOptions::Scheduler* chosen);
+
+// The step's indices in rank order: decreasing padded length, ties by increasing id (the order
+// the balanced scheduler places samples in). The fast version uses a direct table over dense
+// ids and a radix sort on P, O(n + range of ids); it falls back to the plain comparison sort
+// (the reference, compared with it on random steps in the tests) for sparse ids.
+std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step);
+std::vector<int32_t> SortByPaddedThenIdPlain(const PreparedStep& step);
 
 // Best-fit decreasing bin count of the step's padded lengths into `capacity`: the plain
 // per-sample reference of the histogram fast path, also the balanced search's hint for M.
