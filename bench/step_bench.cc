@@ -1,8 +1,8 @@
 // The distributed step on the thread backend: per phase, the time and the bytes each rank sends,
-// next to the minimum bytes of DESIGN.md section 7. Topology TP=1 CP=2 DP=4 PP=1 (8 ranks),
+// next to the minimum bytes of docs/design.md section 7. Topology TP=1 CP=2 DP=4 PP=1 (8 ranks),
 // 32K padded tokens per CP rank per microbatch, the built-in mock data (lognormal, mean 2048).
 //
-// Minimum bytes (per step, summed over ranks), as DESIGN.md section 7 counts them:
+// Minimum bytes (per step, summed over ranks), as docs/design.md section 7 counts them:
 //   lengths   12 bytes per sample to each loader that did not read it: 12 * n * (DP - 1)
 //   exchange  the payload of every sample that changes replica (4 bytes a token, +1 for a mask)
 //   deliver   every CP shard once to each rank of the stage that uses it, except the loader's

@@ -1,5 +1,5 @@
 # Run by CTest with -DTHDPACK=<path to the thdpack binary>: checks `thdpack layout` as a user
-# sees it. Expected indices are worked out by hand from the zigzag rule (DESIGN.md section 5).
+# sees it. Expected indices are worked out by hand from the zigzag rule (docs/design.md section 5).
 
 function(run_layout out_var)
   execute_process(COMMAND ${THDPACK} layout ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
@@ -60,7 +60,7 @@ expect_rank("${j}" 2 1 0 "[2,3,4]")
 expect_rank("${j}" 3 1 1 "[5,9,10]")
 
 # TP=4 with SP: T/CP must be a multiple of 4, so T goes from 12 to 16 and the last sequence
-# absorbs the 4-token tail: cu_seqlens_padded [0,8,16], DESIGN.md's first worked example.
+# absorbs the 4-token tail: cu_seqlens_padded [0,8,16], docs/design.md's first worked example.
 run_layout(j --lengths 7,3 --cp 2 --tp 4 --sp --json)
 string(JSON cup GET "${j}" cu_seqlens_padded)
 string(REGEX REPLACE "[ \n]" "" cup "${cup}")

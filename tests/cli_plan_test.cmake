@@ -146,7 +146,7 @@ if(NOT pos EQUAL -1)
 endif()
 
 # FLOPs with llama2-7b: 39642464256 per padded token + 786432 per squared padded token
-# (DESIGN.md section 3 with l=32, h=4096, f=11008, V=32000): 39642464256*24 + 786432*160.
+# (docs/design.md section 3 with l=32, h=4096, f=11008, V=32000): 39642464256*24 + 786432*160.
 run_plan(j ${shape} --cost llama2-7b --json --summary-only)
 expect_json("${j}" 951544971264.0 steps 0 flops)
 

@@ -1,4 +1,4 @@
-// thdpack run: the distributed step loop (DESIGN.md section 7) on the thread or MPI backend,
+// thdpack run: the distributed step loop (docs/design.md section 7) on the thread or MPI backend,
 // printing per-step figures (a table line, or one JSON object per step with --json). The loop
 // is the library's RunJobOnRank (thdpack/job.h); this file parses options and prints.
 #include <cstdio>
@@ -95,7 +95,7 @@ void AddRunOnlyOptions(CLI::App* cmd, RunArgs* a) {
   cmd->add_option("--data-on", a->job.options.data_on,
                   "tp0 (one loader per replica) or all (every rank reads)")
       ->capture_default_str();
-  cmd->add_flag("--json", a->json, "One JSON object per step (DESIGN.md section 10 figures, "
+  cmd->add_flag("--json", a->json, "One JSON object per step (docs/design.md section 10 figures, "
                                    "bytes_sent per rank and phase, time_* per phase)");
   cmd->add_flag("--summary-only", a->summary_only, "With --json: totals only, no replicas");
   cmd->add_flag("--verify", a->run.verify,

@@ -1,5 +1,5 @@
 // thdpack/comm.h: the small process-group interface the distributed step runs on
-// (DESIGN.md sections 1 and 7), and its backends.
+// (docs/design.md sections 1 and 7), and its backends.
 //
 // A ProcessGroup is one rank's handle onto an ordered list of global ranks (a group of the
 // topology: TP, CP, DP, DPxCP, PP, or the world). Every collective is called by every member of

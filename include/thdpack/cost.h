@@ -1,4 +1,4 @@
-// thdpack/cost.h: the cost model and training FLOPs (DESIGN.md section 3).
+// thdpack/cost.h: the cost model and training FLOPs (docs/design.md section 3).
 //
 // cost(P) = a*P + b*P^2 for a sequence of padded length P (compute runs on padded tokens):
 // b*P^2 is causal attention (half of the full square), a*P everything linear in tokens.

@@ -1,4 +1,4 @@
-// thdpack/data.h: streaming data sources (DESIGN.md section 2).
+// thdpack/data.h: streaming data sources (docs/design.md section 2).
 //
 // A SampleSource yields the samples of a data set one at a time, in a fixed order, epoch after
 // epoch. Next() gives whole samples (tokens and target mask); NextLength() gives only

@@ -1,4 +1,4 @@
-// thdpack/figures.h: the figures of a step and their JSON (DESIGN.md section 10), one schema
+// thdpack/figures.h: the figures of a step and their JSON (docs/design.md section 10), one schema
 // for `thdpack plan` and `thdpack run`.
 //
 // Per step (JSON keys in this order): step, epoch, num_microbatches, n_samples, n_skipped,
@@ -7,7 +7,7 @@
 // model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, then - unless
 // summary_only - replicas: [{cost, microbatches: [{samples, real_tokens, padded_tokens, cost}]}],
 // then the caller's extra fields (`run` adds bytes_sent, loss, time_*, ...). Costs are per rank
-// (schedule.h); flops are the whole step's (all replicas, DESIGN.md section 3).
+// (schedule.h); flops are the whole step's (all replicas, docs/design.md section 3).
 //
 // Determinism: numbers are printed by one formatter (integers exactly; doubles as the shortest
 // text that reads back to the same double), so the same figures always give the same bytes and

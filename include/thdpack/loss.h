@@ -1,7 +1,7 @@
 // thdpack/loss.h: cross-entropy on context-parallel (CP) logit shards, its gradient, the
-// vocab-parallel (TP) variant, and the loss statistics of DESIGN.md section 8.
+// vocab-parallel (TP) variant, and the loss statistics of docs/design.md section 8.
 //
-// Legend (DESIGN.md): T tokens of this rank's shard (T/CP of the packed microbatch), V the
+// Legend (docs/design.md): T tokens of this rank's shard (T/CP of the packed microbatch), V the
 // vocabulary (V/TP columns per rank when vocab-parallel), N the GLOBAL loss-token count of the
 // step (from the metadata, known before any forward pass), CP, TP, DP group sizes.
 //
@@ -112,7 +112,7 @@ struct TokenTargets {
 struct CrossEntropyOptions {
   // Also write the gradient w.r.t. the logits into the grad span (fused with the forward).
   bool with_grad = false;
-  // N: the GLOBAL loss-token count of the step (DESIGN.md section 6). Needed only with_grad:
+  // N: the GLOBAL loss-token count of the step (docs/design.md section 6). Needed only with_grad:
   // REQUIRES N >= 0 and N >= this call's n_valid (N = 0 only when nothing is counted here; the
   // gradient is then all zeros and nothing is divided by zero).
   int64_t normalizer = 0;
@@ -202,7 +202,7 @@ struct VocabParallelCombined {
                                        std::span<std::byte> grad);
 
 // ---------------------------------------------------------------------------------------------
-// Statistics (DESIGN.md section 8), the same whatever CP, DP or the microbatching.
+// Statistics (docs/design.md section 8), the same whatever CP, DP or the microbatching.
 
 // One sequence's share: the sum of its tokens' log p(label) and its loss-token count.
 struct SequenceLoss {

@@ -1,8 +1,8 @@
-// thdpack/memory.h: memory figures of DESIGN.md section 9: the analytic logits bytes per rank
+// thdpack/memory.h: memory figures of docs/design.md section 9: the analytic logits bytes per rank
 // with and without the CP-local loss, the bytes of the buffers thdpack holds for a packed
 // microbatch, and the process's peak resident memory.
 //
-// Legend (DESIGN.md): T packed tokens of the microbatch, V vocabulary, CP, TP group sizes.
+// Legend (docs/design.md): T packed tokens of the microbatch, V vocabulary, CP, TP group sizes.
 // Thread-safety: pure functions; ReadProcessMemory reads /proc/self/status.
 #ifndef THDPACK_MEMORY_H_
 #define THDPACK_MEMORY_H_

@@ -1,10 +1,10 @@
-// thdpack/memory_report.h: the memory report of DESIGN.md section 9 - per step, what a plan
+// thdpack/memory_report.h: the memory report of docs/design.md section 9 - per step, what a plan
 // implies for one rank (analytic: logits bytes with and without the CP-local loss, the buffers
 // thdpack holds); per rank, what it holds after a step (the bytes of its arrays) and the
 // process's resident memory, written as one JSON file per rank (`thdpack run
 // --memory-profile-steps`). docs/memory.md describes the figures and the files.
 //
-// Legend (DESIGN.md): T padded tokens of a microbatch, n its sequences, V vocabulary, CP, TP.
+// Legend (docs/design.md): T padded tokens of a microbatch, n its sequences, V vocabulary, CP, TP.
 // Logits live on the last pipeline stage: [T/CP, ceil(V/TP)] per rank with the CP-local loss,
 // [T, ceil(V/TP)] when they are gathered over the CP group first (LogitsMemoryBytes).
 //

@@ -1,4 +1,4 @@
-// thdpack/pack.h: packing variable-length samples into one THD microbatch (DESIGN.md section 5),
+// thdpack/pack.h: packing variable-length samples into one THD microbatch (docs/design.md section 5),
 // and the fused pack + CP shard that writes each CP rank's arrays straight from the samples.
 //
 // Layout of a packed microbatch of n sequences, T tokens after padding (the padding rule of
@@ -21,7 +21,7 @@
 // below produce exactly CpShard(Pack(...).array, cu_seqlens_padded, CP, r) without building the
 // [T] arrays, which is the data plane's fast path.
 //
-// Legend (DESIGN.md): T packed tokens after padding, n sequences, CP, TP group sizes.
+// Legend (docs/design.md): T packed tokens after padding, n sequences, CP, TP group sizes.
 // Thread-safety: pure functions; concurrent calls are safe when output spans do not overlap.
 #ifndef THDPACK_PACK_H_
 #define THDPACK_PACK_H_

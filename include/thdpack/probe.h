@@ -1,5 +1,5 @@
 // thdpack/probe.h: a small, deterministic probe model that checks the whole data path end to
-// end (DESIGN.md sections 5, 7 and 8): whatever the topology, a correct data plane gives the
+// end (docs/design.md sections 5, 7 and 8): whatever the topology, a correct data plane gives the
 // same loss, perplexity, entropy and token counts as one rank computing each sample alone.
 //
 // The model (fp64 throughout, weights drawn from a seed, nothing trained):

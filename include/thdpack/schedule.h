@@ -1,5 +1,5 @@
 // thdpack/schedule.h: which sample goes to which data-parallel replica and microbatch
-// (DESIGN.md sections 4, 5 and 10).
+// (docs/design.md sections 4, 5 and 10).
 //
 // Input: the (id, L, n_targets) of every sample of one step, in a fixed order (loader 0's
 // samples first), and ScheduleOptions. Output: a Plan - M microbatches on every replica (the
@@ -13,7 +13,7 @@
 //
 // Costs use padded lengths: cost(P) = a*P + b*P^2 from the cost model. Every cost in a Plan's
 // figures is PER RANK: a replica's microbatch is sharded over its CP ranks, so each rank computes
-// cost(P)/CP of every sequence (DESIGN.md section 3). imbalance is a ratio and is the same either
+// cost(P)/CP of every sequence (docs/design.md section 3). imbalance is a ratio and is the same either
 // way.
 //
 // Invariants of every Plan that Schedule returns (ValidatePlan checks them):
@@ -176,7 +176,7 @@ class SampleIdIndex {
   std::vector<SampleLength> sorted_;  // sparse: by id, then input position
 };
 
-// ---- Figures of a plan (DESIGN.md section 10). All costs per rank (see top of file). ----
+// ---- Figures of a plan (docs/design.md section 10). All costs per rank (see top of file). ----
 
 struct MicrobatchFigures {
   int64_t n_samples = 0;

@@ -1,5 +1,5 @@
 // thdpack/shard.h: context-parallel (CP) zigzag sharding of packed (THD) and dense batches, and
-// the sequence-parallel (SP) split of a CP-local shard across TP ranks. DESIGN.md section 5.
+// the sequence-parallel (SP) split of a CP-local shard across TP ranks. docs/design.md section 5.
 //
 // CP zigzag (identical to TransformerEngine's thd_get_partitioned_indices): each padded
 // sequence of a packed microbatch is cut into 2*CP equal chunks; CP rank r keeps chunk r and
@@ -15,7 +15,7 @@
 //
 // SP: the CP-local tokens are cut into TP contiguous equal parts; TP rank t keeps part t.
 //
-// Shapes use DESIGN.md's legend: T packed tokens (after padding), n sequences, CP, TP.
+// Shapes use docs/design.md's legend: T packed tokens (after padding), n sequences, CP, TP.
 // Thread-safety: pure functions of their arguments; concurrent calls are safe when the output
 // spans do not overlap.
 #ifndef THDPACK_SHARD_H_

@@ -1,4 +1,4 @@
-// thdpack/step.h: reading one training step's samples from a source (DESIGN.md section 2,
+// thdpack/step.h: reading one training step's samples from a source (docs/design.md section 2,
 // "Reading a step").
 //
 // `--global-batch N` means N samples per step for all DP replicas together. Sample i of the
@@ -8,7 +8,7 @@
 //
 // The samples of a step are handed to the scheduler in SCHEDULING order: loader 0's samples
 // first (source positions 0, DP, 2*DP, ...), then loader 1's (1, DP+1, ...), and so on - the
-// fixed order DESIGN.md section 4 asks for. Every rank that reads the same source with the same
+// fixed order docs/design.md section 4 asks for. Every rank that reads the same source with the same
 // arguments gets the same StepSamples, so ranks may each schedule instead of broadcasting.
 //
 // Sample ids are the source's ids: they keep counting across epochs, so they are unique within

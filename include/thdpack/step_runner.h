@@ -1,4 +1,4 @@
-// thdpack/step_runner.h: the distributed step (DESIGN.md section 7) - every rank ends a step with
+// thdpack/step_runner.h: the distributed step (docs/design.md section 7) - every rank ends a step with
 // its own microbatches (CP-local tensors, global metadata) and the step figures.
 //
 // One step, with the default `--data-on tp0` (loaders are the ranks tp=0, cp=0, pp=0 of each

@@ -1,5 +1,5 @@
 // thdpack/wire.h: the step metadata a loader sends to every other rank, and its wire format
-// (DESIGN.md section 6; the byte grammar is docs/wire_format.md).
+// (docs/design.md section 6; the byte grammar is docs/wire_format.md).
 //
 // Per step and replica, every rank of every pipeline stage and every TP rank needs the layout of
 // each packed microbatch (the global cu_seqlens / cu_seqlens_padded that THD attention takes,
@@ -35,7 +35,7 @@ namespace thdpack {
 // m = parallel.sequence_alignment() (the wire's pad_multiple), c = parallel.zigzag_multiple()
 // (2*CP when CP > 1, else 1): the padding rule of thdpack/parallel_layout.h.
 
-// The layout of one packed microbatch of one replica (DESIGN.md section 5).
+// The layout of one packed microbatch of one replica (docs/design.md section 5).
 struct MicrobatchMeta {
   // [n+1] GLOBAL (not divided by CP) offsets of the real tokens, as TransformerEngine's THD
   // attention takes them: starts at 0, strictly increasing (every L_i >= 1).

@@ -99,7 +99,7 @@ void BindLoss(py::module_& m) {
       py::arg("logits"), py::arg("labels"), py::arg("loss_mask"), py::arg("normalizer"),
       py::kw_only(), py::arg("with_grad") = false, py::arg("grad_scale") = 1.0,
       py::arg("num_threads") = 0,
-      R"doc(Cross-entropy of one rank's local logits (DESIGN.md section 8).
+      R"doc(Cross-entropy of one rank's local logits (docs/design.md section 8).
 
 logits: [T, V] float32, float64, or bfloat16 bits as uint16/int16, C-contiguous (not copied).
 labels: int64 or int32 [T] (-100 ignored). loss_mask: float32/uint8/bool [T] of 0/1, or None.

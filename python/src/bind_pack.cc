@@ -1,4 +1,4 @@
-// python/src/bind_pack.cc: THD packing (pack.h). Outputs use the dtypes of DESIGN.md section 5
+// python/src/bind_pack.cc: THD packing (pack.h). Outputs use the dtypes of docs/design.md section 5
 // at the Python edge: tokens, labels, position_ids int64; loss_mask float32; cu_seqlens int32.
 #include <limits>
 #include <string>
@@ -127,7 +127,7 @@ void BindPack(py::module_& m) {
       py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
       py::arg("cp_size") = 1, py::arg("tp_size") = 1, py::arg("sp") = false,
       py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("ids") = py::none(),
-      R"doc(Packs samples, in order, into one THD microbatch (DESIGN.md section 5).
+      R"doc(Packs samples, in order, into one THD microbatch (docs/design.md section 5).
 
 samples: list of 1-D token arrays (int32 viewed in place, or int64). target_masks: None, or a
 list with one uint8/bool array of L values of 0/1 per sample (None entries mean all ones).

@@ -1,5 +1,5 @@
 // python/src/bind_schedule.cc: thdpack.schedule (schedule.h) and the plan with its figures
-// (DESIGN.md section 10).
+// (docs/design.md section 10).
 #include <optional>
 #include <string>
 
@@ -90,7 +90,7 @@ void BindSchedule(py::module_& m) {
         return ToNumpy(std::vector<int64_t>(p.plan.skipped));
       }, "Oversize ids left out (oversize='skip'), in input order (int64).")
       .def_property_readonly("figures", [](const PyPlan& p) { return p.figures; },
-                             "The figures of DESIGN.md section 10 (costs per rank).")
+                             "The figures of docs/design.md section 10 (costs per rank).")
       .def("microbatch", [](const PyPlan& p, int replica, int microbatch) {
         if (replica < 0 || replica >= p.plan.dp_size) {
           throw py::value_error("microbatch: replica " + std::to_string(replica) +

@@ -104,7 +104,7 @@ void BindWire(py::module_& m) {
       py::arg("n_loss_tokens") = py::none(), py::arg("real_tokens") = py::none(),
       py::arg("padded_tokens") = py::none(), py::arg("sum_sq") = py::none(),
       py::arg("skipped_ids") = py::none(),
-      R"doc(Encodes one replica's step metadata (DESIGN.md section 6) into bytes.
+      R"doc(Encodes one replica's step metadata (docs/design.md section 6) into bytes.
 
 microbatches: list of dicts with cu_seqlens, cu_seqlens_padded (int32 [n+1], global),
 n_valid and optionally max_seqlen (a pack() result works as is). n_loss_tokens: the GLOBAL

@@ -1,4 +1,4 @@
-"""pack(): dtypes and the labels / loss_mask rules of DESIGN.md section 5, written out by hand."""
+"""pack(): dtypes and the labels / loss_mask rules of docs/design.md section 5, written out by hand."""
 import numpy as np
 import pytest
 

@@ -6,7 +6,7 @@ import thdpack
 
 
 def padded_tokens(lengths, cp_size, tp_size=1, sp=False):
-    """The padding rule of DESIGN.md section 5, written independently."""
+    """The padding rule of docs/design.md section 5, written independently."""
     m = 2 * cp_size if cp_size > 1 else 1
     total = sum(-(-int(L) // m) * m for L in lengths)
     if sp and tp_size > 1:

@@ -14,7 +14,7 @@ def random_layout(rng, cp_size, n_max=6):
 
 
 def zigzag_reference(cu, cp_size, cp_rank):
-    """The definition of DESIGN.md section 5, written independently: each padded sequence in
+    """The definition of docs/design.md section 5, written independently: each padded sequence in
     2*CP chunks, rank r keeps chunk r then chunk 2*CP-1-r. CP = 1 keeps everything (its
     sequences are not padded to a multiple of 2)."""
     if cp_size == 1:

@@ -5,7 +5,7 @@ topology-invariant statistics there with plain torch operations, driven by thdpa
 (the global loss-token count N and the sequence boundaries of the local shard), and shard or
 unshard tensors with thdpack's indices. Only the small int32 metadata goes through NumPy.
 
-Loss semantics (DESIGN.md section 8):
+Loss semantics (docs/design.md section 8):
   * per token -log p(label), accumulated in float32 (float64 for float64 logits); a token counts
     when its label is not -100 and its loss_mask is not 0;
   * the step loss is L = (sum over the DP x CP grid and all microbatches of masked token

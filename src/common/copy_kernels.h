@@ -1,6 +1,6 @@
 // Internal: the few per-chunk writers the packing and sharding fast paths are made of. Each
 // runs over a contiguous range without a per-element branch, in blocks of 8 the compiler turns
-// into vector stores at -O2 without target flags (builds stay portable, DESIGN.md section 11).
+// into vector stores at -O2 without target flags (builds stay portable, docs/design.md section 11).
 //
 // Thread-safety: pure functions on caller-owned memory.
 #ifndef THDPACK_COMMON_COPY_KERNELS_H_

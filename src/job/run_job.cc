@@ -32,10 +32,10 @@ Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, job.topology, options));
   std::unique_ptr<StepVerifier> verifier;
   if (run.probe) {
-    THDPACK_ASSIGN_OR_RETURN(verifier, StepVerifier::Create(
-                                           world, job.topology, *run.probe, job.schedule.parallel.sp(),
-                                           options.data, options.source, options.global_batch,
-                                           run.options.verify_tolerance));
+    THDPACK_ASSIGN_OR_RETURN(
+        verifier, StepVerifier::Create(world, job.topology, *run.probe,
+                                       job.schedule.parallel.sp(), options.data, options.source,
+                                       options.global_batch, run.options.verify_tolerance));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());

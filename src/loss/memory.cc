@@ -1,4 +1,4 @@
-// Memory figures (DESIGN.md section 9).
+// Memory figures (docs/design.md section 9).
 #include "thdpack/memory.h"
 
 #include <fstream>

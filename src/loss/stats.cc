@@ -1,4 +1,4 @@
-// Loss statistics (DESIGN.md section 8): per-shard accumulation with sequence attribution
+// Loss statistics (docs/design.md section 8): per-shard accumulation with sequence attribution
 // through the CP zigzag, merging, and the reported figures.
 #include <cmath>
 #include <string>

@@ -25,7 +25,7 @@ struct RefPacked {
   int64_t n_valid = 0;
 };
 
-// DESIGN.md section 5 word for word, one token at a time.
+// docs/design.md section 5 word for word, one token at a time.
 // Reads only the layout's four fields, never its padding methods.
 RefPacked RefPack(const std::vector<Sample>& samples, const PackOptions& o) {
   const int cp = o.parallel.cp_size();

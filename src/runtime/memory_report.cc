@@ -1,4 +1,4 @@
-// The memory report (DESIGN.md section 9): per-step figures from a plan, per-rank figures from
+// The memory report (docs/design.md section 9): per-step figures from a plan, per-rank figures from
 // what a rank holds, and the per-rank profile files.
 #include "thdpack/memory_report.h"
 

@@ -24,7 +24,7 @@ using testing::HandOptions;
 using testing::HandPlan;
 using testing::HandSamples;
 
-// Llama-2 7B FLOPs coefficients worked out from DESIGN.md section 3 (h = 4096, l = 32,
+// Llama-2 7B FLOPs coefficients worked out from docs/design.md section 3 (h = 4096, l = 32,
 // f = 11008, V = 32000, n_kv = n_h): per token 3 * (64 * (4*4096^2 + 3*4096*11008) +
 // 2*4096*32000) = 3 * (64 * 202375168 + 262144000) = 39642464256; per squared token
 // 3 * 2 * 32 * 4096 = 786432.
