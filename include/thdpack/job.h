@@ -72,12 +72,7 @@ struct JobOptions {
   std::string logits_dtype = "bf16";
   bool fused_grad = false;
   // Compare a hash of the plan across loaders (StepRunnerOptions). Default: on in debug builds.
-  bool check_plan_hash =
-#ifdef NDEBUG
-      false;
-#else
-      true;
-#endif
+  bool check_plan_hash = kCheckPlanHashByDefault;
 };
 
 // A checked job: everything `plan` and `run` need, derived once from JobOptions.

@@ -60,6 +60,14 @@ enum class DataOn {
 std::string_view DataOnName(DataOn mode);
 [[nodiscard]] Result<DataOn> ParseDataOn(std::string_view text);
 
+// Whether loaders compare a hash of the plan unless told: in debug builds (NDEBUG unset) only.
+inline constexpr bool kCheckPlanHashByDefault =
+#ifdef NDEBUG
+    false;
+#else
+    true;
+#endif
+
 struct StepRunnerOptions {
   // The source spec (thdpack/data.h) and its options; every reading rank opens its own copy.
   std::string data = "mock";
@@ -74,12 +82,7 @@ struct StepRunnerOptions {
   DataOn data_on = DataOn::kTp0;
   // Compare a hash of the plan across loaders (an extra 16-byte all-reduce). Default: on in
   // debug builds (NDEBUG unset).
-  bool check_plan_hash =
-#ifdef NDEBUG
-      false;
-#else
-      true;
-#endif
+  bool check_plan_hash = kCheckPlanHashByDefault;
   // For tests of the failure path: the loader of this replica flips one byte of the encoded
   // metadata before sending it (-1, the default: never).
   int corrupt_metadata_of_replica = -1;
