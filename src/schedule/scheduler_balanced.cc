@@ -85,10 +85,10 @@ class ReplicaBins {
     int64_t best_free = std::numeric_limits<int64_t>::max();
     const int64_t* f = &free_[Index(r, 0)];
     for (int b = 0; b < m_; ++b) {
-      if (f[b] >= p && f[b] < best_free) {
-        best = b;
-        best_free = f[b];
-      }
+      // Branch-free: which bin wins is data, not a pattern the predictor could learn.
+      const bool better = (f[b] >= p) & (f[b] < best_free);
+      best = better ? b : best;
+      best_free = better ? f[b] : best_free;
     }
     return best;
   }
@@ -128,6 +128,10 @@ struct CostKey {
   bool operator>(const CostKey& o) const {
     return cost != o.cost ? cost > o.cost : index > o.index;
   }
+  // *this < o without branches (the heaps' child choice is unpredictable).
+  bool Less(const CostKey& o) const {
+    return (cost < o.cost) | ((cost == o.cost) & (index < o.index));
+  }
 };
 // A min-heap of CostKey with ReplaceTop: the replica (or microbatch) that took a sample goes
 // back with one sift-down instead of a pop and a push (half the work of the LPT loops). Keys
@@ -151,8 +155,8 @@ class MinCostHeap {
     while (true) {
       size_t child = 2 * hole + 1;
       if (child >= n) break;
-      if (child + 1 < n && v_[child] > v_[child + 1]) ++child;
-      if (!(k > v_[child])) break;
+      if (child + 1 < n) child += static_cast<size_t>(v_[child + 1].Less(v_[child]));
+      if (!v_[child].Less(k)) break;
       v_[hole] = v_[child];
       hole = child;
     }
@@ -423,62 +427,73 @@ class BalancedAtM {
     }
   }
 
-  // D: inside each replica, refill the microbatches by cost.
+  // D: inside each replica, refill the microbatches by cost. The replicas are independent, so
+  // they are refilled side by side in one pass over the samples by rank (each replica sees its
+  // own samples in the same order as alone, and the pass reads the rank arrays in order).
   void FillMicrobatches() {
-    std::vector<double> mb_cost(m_);
-    std::vector<int64_t> room(m_);
-    std::vector<int> new_bin;
+    const size_t groups = static_cast<size_t>(dp_) * m_;
+    std::vector<double> mb_cost(groups, 0.0);
+    std::vector<int64_t> room(groups, step_.capacity);
+    std::vector<int> new_bin(step_.size(), -1);  // by rank
+    std::vector<MinCostHeap> heaps(dp_);
+    std::vector<MaxRoomHeap> parked(dp_);
+    std::vector<uint8_t> ok(dp_, 1);
     for (int r = 0; r < dp_; ++r) {
-      const auto& items = items_of_[r];
-      std::fill(mb_cost.begin(), mb_cost.end(), 0.0);
-      std::fill(room.begin(), room.end(), step_.capacity);
-      new_bin.assign(items.size(), -1);
-      MinCostHeap heap;
-      MaxRoomHeap parked;
-      for (int b = 0; b < m_; ++b) heap.push({0.0, b});
-      bool ok = true;
-      for (size_t k = 0; k < items.size() && ok; ++k) {
-        const int64_t p = padded_[items[k]];
-        while (!parked.empty() && parked.top().room >= p) {
-          const int b = parked.top().index;
-          parked.pop();
-          heap.push({mb_cost[b], b});
-        }
-        while (true) {
-          if (heap.empty()) {
-            ok = false;
-            break;
-          }
-          const int b = heap.top().index;
-          if (room[b] < p) {
-            heap.pop();
-            parked.push({room[b], b});
-            continue;
-          }
-          new_bin[k] = b;
-          room[b] -= p;
-          mb_cost[b] += cost_of_[items[k]];
-          heap.ReplaceTop({mb_cost[b], b});
+      for (int b = 0; b < m_; ++b) heaps[r].push({0.0, b});
+    }
+    const int32_t n = static_cast<int32_t>(step_.size());
+    for (int32_t i = 0; i < n; ++i) {
+      const int r = replica_of_[i];
+      if (!ok[r]) continue;
+      const int64_t p = padded_[i];
+      MinCostHeap& heap = heaps[r];
+      MaxRoomHeap& park = parked[r];
+      double* cost = &mb_cost[static_cast<size_t>(r) * m_];
+      int64_t* left = &room[static_cast<size_t>(r) * m_];
+      while (!park.empty() && park.top().room >= p) {
+        const int b = park.top().index;
+        park.pop();
+        heap.push({cost[b], b});
+      }
+      while (true) {
+        if (heap.empty()) {
+          ok[r] = 0;
           break;
         }
+        const int b = heap.top().index;
+        if (left[b] < p) {
+          heap.pop();
+          park.push({left[b], b});
+          continue;
+        }
+        new_bin[i] = b;
+        left[b] -= p;
+        cost[b] += cost_of_[i];
+        heap.ReplaceTop({cost[b], b});
+        break;
       }
-      if (!ok) {
+    }
+    // The first M samples of a replica each opened an empty microbatch (cost 0 comes first),
+    // so none is empty when the replica has >= M samples.
+    if (!tails_matter_) {
+      for (int32_t i = 0; i < n; ++i) {
+        if (ok[replica_of_[i]]) bin_of_[i] = new_bin[i];
+      }
+    }
+    for (int r = 0; r < dp_; ++r) {
+      if (!ok[r]) {
         FillEmptyBins(r);
         continue;
       }
-      // The first M samples each opened an empty microbatch (cost 0 comes first), so none is
-      // empty when the replica has >= M samples.
-      if (!tails_matter_) {
-        for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = new_bin[k];
-        continue;
-      }
+      if (!tails_matter_) continue;
       // With SP tails the arrangement changes the replica's cost: keep the refill only when
       // it is not dearer than the best-fit bins (the straggler comes before the spread).
+      const auto& items = items_of_[r];
       FillEmptyBins(r);
       std::vector<int> kept(items.size());
       for (size_t k = 0; k < items.size(); ++k) kept[k] = bin_of_[items[k]];
       const double kept_cost = ExactReplicaCost(r);
-      for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = new_bin[k];
+      for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = new_bin[items[k]];
       if (kept_cost < ExactReplicaCost(r)) {
         for (size_t k = 0; k < items.size(); ++k) bin_of_[items[k]] = kept[k];
       }
@@ -529,20 +544,18 @@ class BalancedAtM {
     out->num_microbatches = m_;
     out->offsets.assign(groups + 1, 0);
     const int32_t n = static_cast<int32_t>(step_.size());
+    // Walking the samples in arrival order fills every group already sorted (no sort per
+    // group): group_of maps a PreparedStep index to its group (one scatter in rank order).
+    std::vector<int32_t> group_of(static_cast<size_t>(n));
     for (int32_t i = 0; i < n; ++i) {
-      ++out->offsets[static_cast<size_t>(replica_of_[i]) * m_ + bin_of_[i] + 1];
+      const int32_t g = replica_of_[i] * m_ + bin_of_[i];
+      group_of[static_cast<size_t>(order_[i])] = g;
+      ++out->offsets[static_cast<size_t>(g) + 1];
     }
     for (size_t g = 0; g < groups; ++g) out->offsets[g + 1] += out->offsets[g];
     std::vector<int64_t> cursor(out->offsets.begin(), out->offsets.end() - 1);
-    // Walking the samples in arrival order fills every group already sorted (no sort per
-    // group): rank_of maps a PreparedStep index back to its rank.
-    std::vector<int32_t> rank_of(static_cast<size_t>(n));
-    for (int32_t i = 0; i < n; ++i) rank_of[static_cast<size_t>(order_[i])] = i;
-    out->items.assign(n, 0);
-    for (int32_t j = 0; j < n; ++j) {
-      const int32_t i = rank_of[static_cast<size_t>(j)];
-      out->items[cursor[static_cast<size_t>(replica_of_[i]) * m_ + bin_of_[i]]++] = j;
-    }
+    out->items.resize(static_cast<size_t>(n));
+    for (int32_t j = 0; j < n; ++j) out->items[cursor[group_of[static_cast<size_t>(j)]]++] = j;
   }
 
   const PreparedStep& step_;
