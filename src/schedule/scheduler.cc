@@ -267,6 +267,7 @@ AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOpt
                                      const Assignment& a) {
   AssignmentCost r;
   std::vector<int64_t> buf;
+  const int64_t total = static_cast<int64_t>(a.items.size());
   const int m_count = a.num_microbatches;
   for (int d = 0; d < a.dp_size; ++d) {
     double replica = 0;
@@ -275,7 +276,13 @@ AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOpt
     for (int m = 0; m < m_count; ++m) {
       const size_t g = static_cast<size_t>(d) * m_count + m;
       buf.clear();
-      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) buf.push_back(step.padded[a.items[k]]);
+      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
+        // A group's items are scattered over the step: load them a few entries ahead.
+        if (k + kPrefetchAhead < total) {
+          __builtin_prefetch(&step.padded[static_cast<size_t>(a.items[k + kPrefetchAhead])]);
+        }
+        buf.push_back(step.padded[static_cast<size_t>(a.items[k])]);
+      }
       const double c = ComputeMicrobatchCost(buf, o).cost;
       replica += c;
       lo = std::min(lo, c);
