@@ -57,6 +57,14 @@ struct StepFigures {
     const ScheduleOptions& options, const Plan& plan,
     const std::optional<FlopsCoefficients>& flops);
 
+// The same from figures already computed for `plan` (ScheduleWithFigures, schedule.h):
+// no second pass over the plan. with_sample_ids false leaves sample_ids empty (for callers that
+// print no per-sample detail). REQUIRES: plan_figures are ComputePlanFigures' for `plan`.
+StepFigures MakeStepFigures(int64_t step, int64_t epoch, const ScheduleOptions& options,
+                            const Plan& plan, PlanFigures plan_figures,
+                            const std::optional<FlopsCoefficients>& flops,
+                            bool with_sample_ids = true);
+
 // Totals and extremes over steps.
 struct SummaryFigures {
   int64_t n_steps = 0;

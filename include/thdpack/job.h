@@ -121,9 +121,11 @@ struct JobPlan {
   SummaryFigures summary;                 // Summarize(steps)
 };
 
-// Plans job.steps steps: StepReader over job.options.data, Schedule, ComputeStepFigures and
-// ComputeStepMemory. With sample_ids false (the caller prints no per-sample detail), a step
-// that is one whole epoch of an unshuffled `histogram:` source is planned in bulk by
+// Plans job.steps steps: StepReader over job.options.data, ScheduleWithFigures (Schedule with
+// the figures of ComputePlanFigures, the plan not validated again), MakeStepFigures and
+// ComputeStepMemoryFromFigures (equal to ComputeStepFigures and ComputeStepMemory, tested).
+// With sample_ids false (the caller prints no per-sample detail), figures.sample_ids stays
+// empty, and a step that is one whole epoch of an unshuffled `histogram:` source is planned in bulk by
 // PlanHistogramStep wherever that is proven equal (no sample objects, no ids); else sample by
 // sample. Errors: the source's ("--data: ..."), the scheduler's naming the step and the options
 // to change ("step 0: ... (raise --max-tokens-per-rank or --cp, or pass --oversize skip)").

@@ -52,6 +52,11 @@ struct MicrobatchBufferBytes {
 [[nodiscard]] Result<MicrobatchBufferBytes> BufferBytes(
     std::span<const int32_t> cu_seqlens_padded, int cp_size);
 
+// The same from the microbatch's shape alone: T = total_tokens (in [0, 2^31 - 1], divisible
+// by cp_size) and n_sequences in [1, 2^31 - 1]; errors name the argument and the rule.
+[[nodiscard]] Result<MicrobatchBufferBytes> BufferBytesOfShape(int64_t total_tokens,
+                                                               int64_t n_sequences, int cp_size);
+
 // Resident memory of this process from /proc/self/status: VmHWM (peak) and VmRSS (now).
 struct ProcessMemory {
   int64_t peak_rss_bytes = 0;

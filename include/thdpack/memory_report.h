@@ -75,6 +75,14 @@ struct StepMemoryFigures {
                                                           const Plan& plan,
                                                           const MemoryReportOptions& memory);
 
+// The same figures from the plan's figures (ComputePlanFigures or ScheduleWithFigures, with
+// their per-microbatch detail): a microbatch's buffers depend only on its T and its number of
+// sequences, so no id is looked up and no layout is built. Equal to ComputeStepMemory on the
+// plan the figures are of (tested on random plans). Errors: figures without replicas or
+// microbatches, and those of ComputeStepMemory.
+[[nodiscard]] Result<StepMemoryFigures> ComputeStepMemoryFromFigures(
+    const PlanFigures& figures, const ScheduleOptions& options, const MemoryReportOptions& memory);
+
 // The same figures for a histogram step planned in bulk (PlanHistogram, DP = 1): each class's
 // layout is computed once and counted `count` times. Equal to ComputeStepMemory on the
 // expanded plan (tested). Errors: as ComputeStepMemory.

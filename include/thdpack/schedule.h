@@ -219,6 +219,20 @@ struct PlanFigures {
                                                      const ScheduleOptions& options,
                                                      const Plan& plan);
 
+// A plan and its figures.
+struct ScheduledPlan {
+  Plan plan;
+  PlanFigures figures;
+};
+
+// Schedule, and the figures ComputePlanFigures gives for its plan (equal field for field: the
+// same sums in the same order), computed from the scheduler's own arrays: no id lookup, and no
+// second validation of the plan it has just made (ValidatePlan and ComputePlanFigures stay the
+// reference, compared with this on random steps in the tests). Errors: those of Schedule, and
+// OutOfRange if sum_sq overflows int64 (as ComputePlanFigures).
+[[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
+                                                        const ScheduleOptions& options);
+
 // ---- Fast path from a length histogram (no per-sample expansion). ----
 
 // One kind of pack (microbatch) and how many packs of that kind there are.

@@ -1,7 +1,10 @@
 // python/src/bind_schedule.cc: thdpack.schedule (schedule.h) and the plan with its figures
 // (docs/design.md section 10).
 #include <optional>
+#include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common.h"
 #include "thdpack/cost.h"
@@ -10,19 +13,31 @@
 namespace thdpack::python {
 namespace {
 
-// Reads an integer array argument of int32 or int64 dtype (no other dtype is accepted).
-std::vector<int64_t> IntArray(const py::handle& obj, const std::string& name) {
-  py::array a = AsArray(obj, name);
-  if (HasDtype<int64_t>(a)) {
-    auto v = View1D<int64_t>(a, name);
-    return std::vector<int64_t>(v.begin(), v.end());
+// An integer array argument of int32 or int64 dtype (no other dtype is accepted), read in
+// place: a view of the caller's buffer while `array` holds it, no copy.
+class IntArrayView {
+ public:
+  IntArrayView(const py::handle& obj, const std::string& name) : array_(AsArray(obj, name)) {
+    if (HasDtype<int64_t>(array_)) {
+      wide_ = View1D<int64_t>(array_, name);
+      size_ = wide_.size();
+    } else if (HasDtype<int32_t>(array_)) {
+      narrow_ = View1D<int32_t>(array_, name);
+      size_ = narrow_.size();
+    } else {
+      throw py::value_error(name + ": got a " + DescribeArray(array_) +
+                            ", expected an int64 or int32 array");
+    }
   }
-  if (HasDtype<int32_t>(a)) {
-    auto v = View1D<int32_t>(a, name);
-    return std::vector<int64_t>(v.begin(), v.end());
-  }
-  throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected an int64 or int32 array");
-}
+  size_t size() const { return size_; }
+  int64_t operator[](size_t i) const { return wide_.empty() ? narrow_[i] : wide_[i]; }
+
+ private:
+  py::array array_;  // keeps the buffer alive
+  std::span<const int64_t> wide_;
+  std::span<const int32_t> narrow_;
+  size_t size_ = 0;
+};
 
 py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<double> flops) {
   py::dict d;
@@ -66,10 +81,19 @@ py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<dou
   return d;
 }
 
-// What thdpack.schedule returns: the Plan, its figures and the options it was made with.
+// What thdpack.schedule returns: the Plan and its figures. The figures' dictionary (one dict
+// and one id array per microbatch) is built when `figures` is first read, then kept: a caller
+// that only needs the assignment does not pay for it.
 struct PyPlan {
   Plan plan;
-  py::dict figures;
+  PlanFigures figures;
+  std::optional<double> flops;
+  std::optional<py::dict> figures_dict;
+
+  const py::dict& Figures() {
+    if (!figures_dict) figures_dict = FiguresToDict(figures, plan, flops);
+    return *figures_dict;
+  }
 };
 
 }  // namespace
@@ -89,7 +113,7 @@ void BindSchedule(py::module_& m) {
       .def_property_readonly("skipped", [](const PyPlan& p) {
         return ToNumpy(std::vector<int64_t>(p.plan.skipped));
       }, "Oversize ids left out (oversize='skip'), in input order (int64).")
-      .def_property_readonly("figures", [](const PyPlan& p) { return p.figures; },
+      .def_property_readonly("figures", [](PyPlan& p) { return p.Figures(); },
                              "The figures of docs/design.md section 10 (costs per rank).")
       .def("microbatch", [](const PyPlan& p, int replica, int microbatch) {
         if (replica < 0 || replica >= p.plan.dp_size) {
@@ -117,21 +141,21 @@ void BindSchedule(py::module_& m) {
          int dp_size, int cp_size, int tp_size, bool sp, int64_t max_tokens_per_rank,
          const std::string& scheduler, const std::string& cost, int microbatch_multiple,
          int num_microbatches, const std::string& oversize, int64_t extra_alignment) {
-        std::vector<int64_t> lengths = IntArray(lengths_obj, "lengths");
-        std::vector<int64_t> n_targets;
+        const IntArrayView lengths(lengths_obj, "lengths");
+        std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
-          n_targets = IntArray(n_targets_obj, "n_targets");
-          if (n_targets.size() != lengths.size()) {
-            throw py::value_error("n_targets: has " + std::to_string(n_targets.size()) +
+          n_targets.emplace(n_targets_obj, "n_targets");
+          if (n_targets->size() != lengths.size()) {
+            throw py::value_error("n_targets: has " + std::to_string(n_targets->size()) +
                                   " entries, lengths has " + std::to_string(lengths.size()) +
                                   ": one per sample expected");
           }
         }
-        std::vector<int64_t> ids;
+        std::optional<IntArrayView> ids;
         if (!ids_obj.is_none()) {
-          ids = IntArray(ids_obj, "ids");
-          if (ids.size() != lengths.size()) {
-            throw py::value_error("ids: has " + std::to_string(ids.size()) +
+          ids.emplace(ids_obj, "ids");
+          if (ids->size() != lengths.size()) {
+            throw py::value_error("ids: has " + std::to_string(ids->size()) +
                                   " entries, lengths has " + std::to_string(lengths.size()) +
                                   ": one per sample expected");
           }
@@ -150,34 +174,25 @@ void BindSchedule(py::module_& m) {
           coef = ValueOrThrow(ComputeFlopsCoefficients(*dims));
         }
         std::vector<SampleLength> samples(lengths.size());
-        for (size_t i = 0; i < lengths.size(); ++i) {
-          samples[i].id = ids.empty() ? static_cast<int64_t>(i) : ids[i];
-          samples[i].length = lengths[i];
-          samples[i].n_targets = n_targets.empty() ? lengths[i] - 1 : n_targets[i];
+        for (size_t i = 0; i < samples.size(); ++i) {
+          const int64_t length = lengths[i];
+          samples[i].id = ids ? (*ids)[i] : static_cast<int64_t>(i);
+          samples[i].length = length;
+          samples[i].n_targets = n_targets ? (*n_targets)[i] : length - 1;
         }
-        Status status;
-        Plan plan;
-        PlanFigures figures;
+        Result<ScheduledPlan> scheduled = Status::Internal("not scheduled");
         {
           py::gil_scoped_release release;
-          Result<Plan> p = Schedule(samples, o);
-          if (!p.ok()) {
-            status = p.status();
-          } else {
-            plan = std::move(p).value();
-            Result<PlanFigures> f = ComputePlanFigures(samples, o, plan);
-            if (!f.ok()) status = f.status();
-            else figures = std::move(f).value();
-          }
+          scheduled = ScheduleWithFigures(samples, o);
         }
-        ThrowIfError(status);
+        ThrowIfError(scheduled.status());
         PyPlan out;
-        out.plan = std::move(plan);
-        std::optional<double> flops;
+        out.plan = std::move(scheduled->plan);
+        out.figures = std::move(scheduled->figures);
         if (coef) {
-          flops = TrainingFlops(*coef, figures.padded_tokens, static_cast<double>(figures.sum_sq));
+          out.flops = TrainingFlops(*coef, out.figures.padded_tokens,
+                                    static_cast<double>(out.figures.sum_sq));
         }
-        out.figures = FiguresToDict(figures, out.plan, flops);
         return out;
       },
       py::arg("lengths"), py::arg("n_targets") = py::none(), py::arg("ids") = py::none(),

@@ -190,6 +190,11 @@ class IndexedSource : public Interface {
 };
 
 // Lengths from a file or memory, tokens from MockTokens (lengths:, and mock in file mode).
+// ReadLengthsFile (data.h) read with getline, one line at a time: the plain reference of the
+// mapped reader (and what reads files that cannot be mapped).
+[[nodiscard]] Result<std::vector<int32_t>> ReadLengthsFileByLine(const std::string& path,
+                                                                 bool allow_header);
+
 [[nodiscard]] Result<std::unique_ptr<SampleSource>> MakeLengthsVectorSource(
     std::string spec, std::vector<int32_t> lengths, const SourceOptions& options);
 

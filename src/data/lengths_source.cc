@@ -2,6 +2,8 @@
 // (`length,count` rows). Tokens are mock; a histogram is never expanded to one entry per
 // sequence.
 #include <algorithm>
+#include <cstring>
+#include <span>
 
 #include "data/data_internal.h"
 #include "thdpack/data.h"
@@ -11,6 +13,7 @@ namespace thdpack {
 using data_internal::Excerpt;
 using data_internal::IndexedSource;
 using data_internal::LineReader;
+using data_internal::MappedFile;
 using data_internal::ParseInt64;
 using data_internal::Trim;
 
@@ -83,29 +86,97 @@ class HistogramSourceImpl final : public IndexedSource<HistogramSource> {
 
 }  // namespace
 
-Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path, bool allow_header) {
+namespace {
+
+// The rules of a lengths file, one line at a time; both readers below feed it.
+class LengthsParser {
+ public:
+  LengthsParser(const std::string& path, bool allow_header, std::vector<int32_t>* out)
+      : path_(path), allow_header_(allow_header), out_(out) {}
+
+  // Line n (1-based), without its '\n'.
+  Status Line(std::string_view line, int64_t n) {
+    // The common line: 1 to 9 digits, no blank line before it (so in [0, 10^9), inside int32).
+    if (first_blank_ == 0 && !line.empty() && line.size() <= 9) {
+      int32_t v = 0;
+      size_t i = 0;
+      for (; i < line.size(); ++i) {
+        const unsigned d = static_cast<unsigned>(line[i]) - '0';
+        if (d > 9) break;
+        v = v * 10 + static_cast<int32_t>(d);
+      }
+      if (i == line.size() && v >= 1) {
+        out_->push_back(v);
+        return Status::Ok();
+      }
+    }
+    const std::string_view text = Trim(line);
+    if (text.empty()) {
+      if (first_blank_ == 0) first_blank_ = n;
+      return Status::Ok();
+    }
+    if (first_blank_ != 0) {
+      return Status::InvalidArgument(Where(path_, first_blank_) +
+                                     ": blank line inside the file (only trailing blank lines "
+                                     "are allowed)");
+    }
+    if (n == 1 && allow_header_ && !StartsLikeNumber(text)) return Status::Ok();  // header
+    int64_t length = 0;
+    THDPACK_RETURN_IF_ERROR(ParseLength(text, Where(path_, n), "length", &length));
+    out_->push_back(static_cast<int32_t>(length));
+    return Status::Ok();
+  }
+
+ private:
+  const std::string& path_;
+  const bool allow_header_;
+  std::vector<int32_t>* out_;
+  int64_t first_blank_ = 0;  // line number of the first blank line (0: none yet)
+};
+
+}  // namespace
+
+namespace data_internal {
+
+Result<std::vector<int32_t>> ReadLengthsFileByLine(const std::string& path, bool allow_header) {
   THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<LineReader> reader, LineReader::Open(path));
   std::vector<int32_t> lengths;
-  int64_t first_blank = 0;  // line number of the first blank line (0: none yet)
+  LengthsParser parser(path, allow_header, &lengths);
   std::string_view line;
   while (true) {
     THDPACK_ASSIGN_OR_RETURN(bool more, reader->ReadLine(&line));
     if (!more) break;
-    const int64_t n = reader->line_number();
-    const std::string_view text = Trim(line);
-    if (text.empty()) {
-      if (first_blank == 0) first_blank = n;
-      continue;
-    }
-    if (first_blank != 0) {
-      return Status::InvalidArgument(Where(path, first_blank) +
-                                     ": blank line inside the file (only trailing blank lines "
-                                     "are allowed)");
-    }
-    if (n == 1 && allow_header && !StartsLikeNumber(text)) continue;  // header
-    int64_t length = 0;
-    THDPACK_RETURN_IF_ERROR(ParseLength(text, Where(path, n), "length", &length));
-    lengths.push_back(static_cast<int32_t>(length));
+    THDPACK_RETURN_IF_ERROR(parser.Line(line, reader->line_number()));
+  }
+  return lengths;
+}
+
+}  // namespace data_internal
+
+// The file mapped and split at '\n' as getline splits it (a last line without '\n' counts; a
+// final '\n' opens no line), with room for every line reserved first. Files that cannot be
+// mapped (pipes, ...) are read line by line.
+Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path, bool allow_header) {
+  Result<std::unique_ptr<MappedFile>> mapped = MappedFile::Open(path);
+  if (!mapped.ok()) return data_internal::ReadLengthsFileByLine(path, allow_header);
+  const std::span<const uint8_t> bytes = (*mapped)->bytes();
+  const char* const begin = reinterpret_cast<const char*>(bytes.data());
+  const char* const end = begin + bytes.size();
+  size_t lines = 0;
+  for (const char* p = begin; p < end; ++lines) {
+    const void* nl = std::memchr(p, '\n', static_cast<size_t>(end - p));
+    p = nl == nullptr ? end : static_cast<const char*>(nl) + 1;
+  }
+  std::vector<int32_t> lengths;
+  lengths.reserve(lines);
+  LengthsParser parser(path, allow_header, &lengths);
+  int64_t n = 0;
+  for (const char* p = begin; p < end;) {
+    const void* nl = std::memchr(p, '\n', static_cast<size_t>(end - p));
+    const char* line_end = nl == nullptr ? end : static_cast<const char*>(nl);
+    THDPACK_RETURN_IF_ERROR(
+        parser.Line(std::string_view(p, static_cast<size_t>(line_end - p)), ++n));
+    p = line_end == end ? end : line_end + 1;
   }
   return lengths;
 }

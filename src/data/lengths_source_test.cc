@@ -1,7 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
 
+#include "data/data_internal.h"
 #include "data/data_test_util.h"
 #include "thdpack/data.h"
 
@@ -85,6 +89,37 @@ TEST(LengthsSourceTest, ErrorsNameFileLineAndText) {
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kIOError);
   EXPECT_FALSE(ReadLengthsFile(dir.File("bad.txt"), /*allow_header=*/false).ok());
+}
+
+// The mapped reader against the line-by-line reference on fresh random files: the same
+// lengths, or the same error.
+TEST(LengthsSourceTest, MappedReaderEqualsTheLineReaderOnRandomFiles) {
+  TempDir dir;
+  const std::vector<std::string> pieces = {"12", "7", "1", "123456789", "1234567890", " 9 ",
+                                           "8\r", "007", "0", "-3", "+4", "x", "length", "",
+                                           "\t", "99999999999", "2147483647", "2147483648"};
+  std::mt19937_64 rng(51);
+  for (int trial = 0; trial < 400; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    std::string text;
+    const int lines = static_cast<int>(rng() % 12);
+    for (int i = 0; i < lines; ++i) {
+      // Mostly plain numbers, so that many files parse and the errors come at varied lines.
+      text += rng() % 3 ? std::to_string(1 + rng() % 100000) : pieces[rng() % pieces.size()];
+      if (i + 1 < lines || rng() % 2) text += '\n';
+    }
+    const std::string path = dir.File("r" + std::to_string(trial) + ".txt");
+    WriteText(path, text);
+    const bool header = rng() % 2 == 0;
+    auto fast = ReadLengthsFile(path, header);
+    auto plain = data_internal::ReadLengthsFileByLine(path, header);
+    ASSERT_EQ(fast.ok(), plain.ok()) << (fast.ok() ? plain.status() : fast.status()).ToString();
+    if (fast.ok()) {
+      EXPECT_EQ(*fast, *plain);
+    } else {
+      EXPECT_EQ(fast.status(), plain.status());
+    }
+  }
 }
 
 TEST(LengthsSourceTest, RealWlbllmDocLengths) {

@@ -23,18 +23,18 @@ Status ScheduleError(int64_t step, const Status& status) {
   return Status::InvalidArgument("step " + std::to_string(step) + ": " + m + hint);
 }
 
-// One step: read, schedule, figures.
-Result<PlannedStep> PlanStep(const Job& job, StepReader& reader) {
+// One step: read, schedule with figures (the library's own plan is not validated again), and
+// memory from the figures. sample_ids false: the figures keep no per-sample ids.
+Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids) {
   Result<StepSamples> step = reader.Next();
   if (!step.ok()) return Status::InvalidArgument("--data: " + step.status().message());
-  Result<Plan> plan = Schedule(step->samples, job.schedule);
-  if (!plan.ok()) return ScheduleError(step->step, plan.status());
+  Result<ScheduledPlan> scheduled = ScheduleWithFigures(step->samples, job.schedule);
+  if (!scheduled.ok()) return ScheduleError(step->step, scheduled.status());
   PlannedStep out;
-  THDPACK_ASSIGN_OR_RETURN(out.figures, ComputeStepFigures(step->step, step->epoch,
-                                                           step->samples, job.schedule, *plan,
-                                                           job.flops));
-  THDPACK_ASSIGN_OR_RETURN(out.memory,
-                           ComputeStepMemory(step->samples, job.schedule, *plan, job.memory));
+  out.figures = MakeStepFigures(step->step, step->epoch, job.schedule, scheduled->plan,
+                                std::move(scheduled->figures), job.flops, sample_ids);
+  THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemoryFromFigures(out.figures.plan,
+                                                                    job.schedule, job.memory));
   return out;
 }
 
@@ -72,7 +72,7 @@ Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step, bool sa
     if (bulk.has_value()) {
       step = std::move(*bulk);
     } else {
-      THDPACK_ASSIGN_OR_RETURN(step, PlanStep(job, reader));
+      THDPACK_ASSIGN_OR_RETURN(step, PlanStep(job, reader, sample_ids));
     }
     if (on_step) THDPACK_RETURN_IF_ERROR(on_step(step));
     out.steps.push_back(std::move(step.figures));

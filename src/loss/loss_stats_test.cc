@@ -359,6 +359,14 @@ TEST(MemoryTest, BufferBytesOfAMicrobatch) {
   EXPECT_EQ(b->loss_outputs, 136);
   EXPECT_EQ(b->total, 264);
   EXPECT_FALSE(BufferBytes(std::vector<int32_t>{0, 6}, 2).ok());  // 6 is not a multiple of 4
+  // From the shape alone (T = 16, two sequences): the same bytes.
+  auto shape = BufferBytesOfShape(16, 2, 2);
+  ASSERT_TRUE(shape.ok());
+  EXPECT_EQ(shape->total, 264);
+  EXPECT_EQ(shape->metadata, 24);
+  EXPECT_FALSE(BufferBytesOfShape(15, 2, 2).ok());  // T not divisible by CP
+  EXPECT_FALSE(BufferBytesOfShape(16, 0, 2).ok());  // no sequence
+  EXPECT_FALSE(BufferBytesOfShape(16, 2, 0).ok());  // CP < 1
 }
 
 TEST(MemoryTest, PeakResidentMemoryCoversWhatIsHeld) {

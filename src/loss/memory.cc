@@ -62,8 +62,29 @@ Result<MicrobatchBufferBytes> BufferBytes(std::span<const int32_t> cu_seqlens_pa
   if (Status st = ValidateCuSeqlensPadded(cu_seqlens_padded, cp_size); !st.ok()) {
     return st.WithContext("BufferBytes: cu_seqlens_padded");
   }
-  const int64_t local = int64_t{cu_seqlens_padded.back()} / cp_size;
-  const int64_t n1 = static_cast<int64_t>(cu_seqlens_padded.size());
+  return BufferBytesOfShape(cu_seqlens_padded.back(),
+                            static_cast<int64_t>(cu_seqlens_padded.size()) - 1, cp_size);
+}
+
+Result<MicrobatchBufferBytes> BufferBytesOfShape(int64_t total_tokens, int64_t n_sequences,
+                                                 int cp_size) {
+  const std::string f = "BufferBytesOfShape";
+  if (cp_size < 1) {
+    return Status::InvalidArgument(f + ": cp_size = " + std::to_string(cp_size) +
+                                   " must be >= 1");
+  }
+  if (total_tokens < 0 || total_tokens > std::numeric_limits<int32_t>::max() ||
+      total_tokens % cp_size != 0) {
+    return Status::InvalidArgument(f + ": total_tokens = " + std::to_string(total_tokens) +
+                                   " must be in [0, 2^31 - 1] and divisible by cp_size = " +
+                                   std::to_string(cp_size));
+  }
+  if (n_sequences < 1 || n_sequences > std::numeric_limits<int32_t>::max()) {
+    return Status::InvalidArgument(f + ": n_sequences = " + std::to_string(n_sequences) +
+                                   " must be in [1, 2^31 - 1]");
+  }
+  const int64_t local = total_tokens / cp_size;
+  const int64_t n1 = n_sequences + 1;
   MicrobatchBufferBytes b;
   b.tokens = local * 4;
   b.position_ids = local * 4;

@@ -142,6 +142,41 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
   return out;
 }
 
+Result<StepMemoryFigures> ComputeStepMemoryFromFigures(const PlanFigures& figures,
+                                                       const ScheduleOptions& options,
+                                                       const MemoryReportOptions& memory) {
+  const std::string f = "ComputeStepMemoryFromFigures";
+  THDPACK_RETURN_IF_ERROR(ValidateOptions(memory, f));
+  if (figures.replicas.empty() || figures.num_microbatches < 1) {
+    return Status::InvalidArgument(f + ": the figures hold no replica or no microbatch "
+                                   "(per-microbatch detail is needed)");
+  }
+  const int cp = options.parallel.cp_size();
+  StepMemoryFigures out;
+  out.num_microbatches = figures.num_microbatches;
+  int64_t largest_t = 0;
+  for (size_t d = 0; d < figures.replicas.size(); ++d) {
+    const ReplicaFigures& r = figures.replicas[d];
+    MicrobatchBufferBytes replica;
+    for (size_t m = 0; m < r.microbatches.size(); ++m) {
+      const MicrobatchFigures& mb = r.microbatches[m];
+      Result<MicrobatchBufferBytes> b = BufferBytesOfShape(mb.padded_tokens, mb.n_samples, cp);
+      if (!b.ok()) {
+        return b.status().WithContext(f + ": replica " + std::to_string(d) + ", microbatch " +
+                                      std::to_string(m));
+      }
+      Add(replica, *b);
+      largest_t = std::max(largest_t, mb.padded_tokens);
+    }
+    if (d == 0 || replica.total > out.buffers.total) {
+      out.busiest_replica = static_cast<int>(d);
+      out.buffers = replica;
+    }
+  }
+  THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, cp, options.parallel.tp_size(), memory));
+  return out;
+}
+
 Result<StepMemoryFigures> ComputeHistogramStepMemory(const HistogramPlan& plan,
                                                      const ScheduleOptions& options,
                                                      const MemoryReportOptions& memory) {

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -117,6 +118,54 @@ TEST(MemoryReportTest, StepFiguresErrors) {
   Plan short_offsets = HandPlan();
   short_offsets.offsets = {0, 4};
   EXPECT_FALSE(ComputeStepMemory(HandSamples(), HandOptions(), short_offsets, {}).ok());
+}
+
+TEST(MemoryReportTest, StepFiguresFromPlanFiguresErrors) {
+  auto empty = ComputeStepMemoryFromFigures(PlanFigures{}, HandOptions(), {});
+  ASSERT_FALSE(empty.ok());
+  EXPECT_NE(empty.status().message().find("no replica"), std::string::npos);
+  PlanFigures odd = ComputePlanFigures(HandSamples(), HandOptions(), HandPlan()).value();
+  odd.replicas[1].microbatches[0].padded_tokens = 7;  // not a multiple of CP = 2
+  auto o = ComputeStepMemoryFromFigures(odd, HandOptions(), {});
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("replica 1, microbatch 0"), std::string::npos);
+}
+
+// The fast path (from the plan's figures: T and n per microbatch) against the reference (a
+// layout per microbatch from the samples' lengths) on fresh random steps and options.
+TEST(MemoryReportTest, StepFiguresFromPlanFiguresEqualTheReferenceOnRandomPlans) {
+  std::mt19937_64 rng(41);
+  for (int trial = 0; trial < 200; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const size_t n = 1 + rng() % 2000;
+    std::vector<SampleLength> samples(n);
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t length = 1 + static_cast<int64_t>(rng() % (rng() % 2 ? 300 : 30000));
+      samples[i] = {static_cast<int64_t>(i) * 3 + 5, length, length - 1};
+    }
+    ScheduleOptions o;
+    o.dp_size = 1 + static_cast<int>(rng() % 6);
+    const int tp = 1 + static_cast<int>(rng() % 2);
+    o.parallel = ParallelLayout::Create(1 << (rng() % 3), tp, tp > 1 && rng() % 2 == 0).value();
+    o.max_tokens_per_rank = 1 << (14 + rng() % 4);
+    o.oversize = ScheduleOptions::OversizePolicy::kSkip;
+    o.scheduler = rng() % 2 ? ScheduleOptions::Scheduler::kBalanced
+                            : ScheduleOptions::Scheduler::kSequential;
+    Result<Plan> plan = Schedule(samples, o);
+    if (!plan.ok()) continue;  // too few samples for DP
+    MemoryReportOptions memory;
+    memory.vocab_size = rng() % 2 ? 0 : 32000;
+    memory.with_grad = rng() % 2 == 0;
+    Result<StepMemoryFigures> reference = ComputeStepMemory(samples, o, *plan, memory);
+    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+    Result<StepMemoryFigures> fast = ComputeStepMemoryFromFigures(
+        ComputePlanFigures(samples, o, *plan).value(), o, memory);
+    ASSERT_TRUE(fast.ok()) << fast.status().ToString();
+    EXPECT_EQ(fast->busiest_replica, reference->busiest_replica);
+    EXPECT_EQ(fast->buffers.total, reference->buffers.total);
+    EXPECT_EQ(fast->logits.has_value(), reference->logits.has_value());
+    EXPECT_EQ(StepMemoryJson(*fast), StepMemoryJson(*reference));  // every field
+  }
 }
 
 // Two microbatches on a rank of TP = 2, CP = 2, DP = 2, PP = 2:

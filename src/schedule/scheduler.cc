@@ -194,6 +194,7 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
   }
   step.ids.reserve(n);
   step.length.reserve(n);
+  step.n_targets.reserve(n);
   step.padded.reserve(n);
   step.cost.reserve(n);
   const double cp = static_cast<double>(o.parallel.cp_size());
@@ -217,7 +218,8 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
       continue;
     }
     step.ids.push_back(s.id);
-    step.length.push_back(s.length);
+    step.length.push_back(static_cast<int32_t>(s.length));
+    step.n_targets.push_back(static_cast<int32_t>(s.n_targets));
     step.padded.push_back(p);
     const double c = o.cost.SequenceCost(p) / cp;
     step.cost.push_back(c);
@@ -265,6 +267,7 @@ AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOpt
                                      const Assignment& a) {
   AssignmentCost r;
   std::vector<int64_t> buf;
+  const int64_t total = static_cast<int64_t>(a.items.size());
   const int m_count = a.num_microbatches;
   for (int d = 0; d < a.dp_size; ++d) {
     double replica = 0;
@@ -273,7 +276,13 @@ AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOpt
     for (int m = 0; m < m_count; ++m) {
       const size_t g = static_cast<size_t>(d) * m_count + m;
       buf.clear();
-      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) buf.push_back(step.padded[a.items[k]]);
+      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
+        // A group's items are scattered over the step: load them a few entries ahead.
+        if (k + kPrefetchAhead < total) {
+          __builtin_prefetch(&step.padded[static_cast<size_t>(a.items[k + kPrefetchAhead])]);
+        }
+        buf.push_back(step.padded[static_cast<size_t>(a.items[k])]);
+      }
       const double c = ComputeMicrobatchCost(buf, o).cost;
       replica += c;
       lo = std::min(lo, c);
@@ -291,7 +300,13 @@ Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Sche
   plan.dp_size = a.dp_size;
   plan.offsets = a.offsets;
   plan.sample_ids.resize(a.items.size());
-  for (size_t k = 0; k < a.items.size(); ++k) plan.sample_ids[k] = step.ids[a.items[k]];
+  const size_t n = a.items.size();
+  for (size_t k = 0; k < n; ++k) {
+    if (k + kPrefetchAhead < n) {
+      __builtin_prefetch(&step.ids[static_cast<size_t>(a.items[k + kPrefetchAhead])]);
+    }
+    plan.sample_ids[k] = step.ids[static_cast<size_t>(a.items[k])];
+  }
   plan.skipped = step.skipped;
   plan.scheduler = who;
   return plan;
@@ -321,19 +336,44 @@ Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view nam
                                  "': expected 'error' or 'skip'");
 }
 
-Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptions& options) {
+namespace {
+
+// Schedule up to the assignment: the prepared step it indexes and who made it.
+Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> samples,
+                                                const ScheduleOptions& options,
+                                                internal::PreparedStep* step,
+                                                ScheduleOptions::Scheduler* who) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
-  THDPACK_ASSIGN_OR_RETURN(internal::PreparedStep step, internal::PrepareStep(samples, options));
-  THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(step, options));
+  THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
+  THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(*step, options));
   if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
-    THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
-                             internal::ScheduleSequential(step, options, options.num_microbatches));
-    return internal::ToPlan(step, a, ScheduleOptions::Scheduler::kSequential);
+    *who = ScheduleOptions::Scheduler::kSequential;
+    return internal::ScheduleSequential(*step, options, options.num_microbatches);
   }
-  ScheduleOptions::Scheduler chosen = ScheduleOptions::Scheduler::kBalanced;
+  *who = ScheduleOptions::Scheduler::kBalanced;
+  return internal::ScheduleBalanced(*step, options, who);
+}
+
+}  // namespace
+
+Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptions& options) {
+  internal::PreparedStep step;
+  ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
   THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
-                           internal::ScheduleBalanced(step, options, &chosen));
-  return internal::ToPlan(step, a, chosen);
+                           ScheduleAssignment(samples, options, &step, &who));
+  return internal::ToPlan(step, a, who);
+}
+
+Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
+                                          const ScheduleOptions& options) {
+  internal::PreparedStep step;
+  ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
+  THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
+                           ScheduleAssignment(samples, options, &step, &who));
+  ScheduledPlan out;
+  THDPACK_ASSIGN_OR_RETURN(out.figures, internal::AssignmentFigures(step, options, a));
+  out.plan = internal::ToPlan(step, a, who);
+  return out;
 }
 
 namespace internal {
@@ -422,17 +462,29 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
   return internal::ValidatePlanWithIndex(samples, SampleIdIndex(samples), options, plan);
 }
 
-Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
-                                       const ScheduleOptions& options, const Plan& plan) {
-  const SampleIdIndex index(samples);
-  THDPACK_RETURN_IF_ERROR(internal::ValidatePlanWithIndex(samples, index, options, plan));
+namespace internal {
+namespace {
+
+// One entry of a plan as the figures see it.
+struct FigureEntry {
+  int64_t length;
+  int64_t n_targets;
+  int64_t padded;  // PaddedLength(length)
+  double cost;     // SequenceCost(padded) / CP
+};
+
+// The figures of a plan's groups, (d, m) = entries offsets[d*M+m] .. offsets[d*M+m+1]:
+// `entry(k)` gives entry k, and is called in increasing k (it may prefetch ahead). One code for
+// ComputePlanFigures (entries looked up by id) and AssignmentFigures (the scheduler's arrays),
+// so both sum the same numbers in the same order.
+template <typename EntryFn>
+Result<PlanFigures> FiguresOfGroups(const ScheduleOptions& options, int m_count,
+                                    std::span<const int64_t> offsets, int64_t n_skipped,
+                                    const EntryFn& entry) {
   PlanFigures f;
-  const int m_count = plan.num_microbatches;
-  const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
   f.num_microbatches = m_count;
-  f.n_skipped = static_cast<int64_t>(plan.skipped.size());
+  f.n_skipped = n_skipped;
   f.replicas.resize(options.dp_size);
-  const double cp = static_cast<double>(options.parallel.cp_size());
   double total_seq_cost = 0;
   double max_seq_cost = 0;
   std::vector<int64_t> padded;
@@ -444,23 +496,17 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
     for (int m = 0; m < m_count; ++m) {
       MicrobatchFigures& mb = r.microbatches[m];
       padded.clear();
-      const int64_t end = plan.offsets[static_cast<size_t>(d) * m_count + m + 1];
-      for (int64_t k = plan.offsets[static_cast<size_t>(d) * m_count + m]; k < end; ++k) {
-        if (k + internal::kPrefetchAhead < total) {
-          index.Prefetch(plan.sample_ids[k + internal::kPrefetchAhead]);
-        }
-        const int64_t slot = index.Slot(plan.sample_ids[k]);
-        const int64_t length = index.Length(slot);
-        const int64_t p = options.parallel.PaddedLength(length);
-        padded.push_back(p);
-        mb.real_tokens += length;
-        mb.n_loss_tokens += index.NTargets(slot);
-        const double c = options.cost.SequenceCost(p) / cp;
-        total_seq_cost += c;
-        max_seq_cost = std::max(max_seq_cost, c);
+      const int64_t end = offsets[static_cast<size_t>(d) * m_count + m + 1];
+      for (int64_t k = offsets[static_cast<size_t>(d) * m_count + m]; k < end; ++k) {
+        const FigureEntry e = entry(k);
+        padded.push_back(e.padded);
+        mb.real_tokens += e.length;
+        mb.n_loss_tokens += e.n_targets;
+        total_seq_cost += e.cost;
+        max_seq_cost = std::max(max_seq_cost, e.cost);
       }
       mb.n_samples = static_cast<int64_t>(padded.size());
-      const internal::MicrobatchCost mc = internal::ComputeMicrobatchCost(padded, options);
+      const MicrobatchCost mc = ComputeMicrobatchCost(padded, options);
       if (mc.overflow || __builtin_add_overflow(f.sum_sq, mc.sum_sq, &f.sum_sq)) {
         return Status::OutOfRange("plan figures: sum of P^2 overflows int64");
       }
@@ -487,6 +533,49 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
   f.fill = static_cast<double>(f.padded_tokens) /
            (static_cast<double>(m_count) * options.dp_size * static_cast<double>(MicrobatchBudget(options)));
   return f;
+}
+
+}  // namespace
+
+Result<PlanFigures> AssignmentFigures(const PreparedStep& step, const ScheduleOptions& options,
+                                      const Assignment& a) {
+  const int64_t total = static_cast<int64_t>(a.items.size());
+  return FiguresOfGroups(
+      options, a.num_microbatches, a.offsets, static_cast<int64_t>(step.skipped.size()),
+      [&](int64_t k) {
+        // The items of a group are scattered over the step: load them a few entries ahead.
+        if (k + kPrefetchAhead < total) {
+          const size_t ahead = static_cast<size_t>(a.items[static_cast<size_t>(k + kPrefetchAhead)]);
+          __builtin_prefetch(&step.length[ahead]);
+          __builtin_prefetch(&step.n_targets[ahead]);
+          __builtin_prefetch(&step.cost[ahead]);
+        }
+        const size_t i = static_cast<size_t>(a.items[static_cast<size_t>(k)]);
+        return FigureEntry{step.length[i], step.n_targets[i],
+                           options.parallel.PaddedLength(step.length[i]), step.cost[i]};
+      });
+}
+
+}  // namespace internal
+
+Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
+                                       const ScheduleOptions& options, const Plan& plan) {
+  const SampleIdIndex index(samples);
+  THDPACK_RETURN_IF_ERROR(internal::ValidatePlanWithIndex(samples, index, options, plan));
+  const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
+  const double cp = static_cast<double>(options.parallel.cp_size());
+  return internal::FiguresOfGroups(
+      options, plan.num_microbatches, plan.offsets, static_cast<int64_t>(plan.skipped.size()),
+      [&](int64_t k) {
+        if (k + internal::kPrefetchAhead < total) {
+          index.Prefetch(plan.sample_ids[static_cast<size_t>(k + internal::kPrefetchAhead)]);
+        }
+        const int64_t slot = index.Slot(plan.sample_ids[static_cast<size_t>(k)]);
+        const int64_t length = index.Length(slot);
+        const int64_t p = options.parallel.PaddedLength(length);
+        return internal::FigureEntry{length, index.NTargets(slot), p,
+                                     options.cost.SequenceCost(p) / cp};
+      });
 }
 
 }  // namespace thdpack

@@ -1,10 +1,12 @@
 // The bookkeeping fast paths of scheduling against their plain references, on fresh random
-// inputs: SampleIdIndex (direct table) against a std::map, and the rank order (table + radix
-// sort) against the comparison sort.
+// inputs: SampleIdIndex (direct table) against a std::map, the rank order (table + radix
+// sort) against the comparison sort, and ScheduleWithFigures (figures from the scheduler's own
+// arrays, no validation) against Schedule + ValidatePlan + ComputePlanFigures.
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "schedule/scheduler_internal.h"
@@ -75,6 +77,86 @@ TEST(SortByPaddedThenIdTest, EqualsTheComparisonSortOnRandomSteps) {
     ASSERT_TRUE(step.ok()) << step.status().ToString();
     EXPECT_EQ(internal::SortByPaddedThenId(*step), internal::SortByPaddedThenIdPlain(*step));
   }
+}
+
+// Random options that exercise every branch of the figures: DP, CP, TP with and without SP
+// tails, k, a fixed M now and then, both schedulers, oversize samples skipped.
+ScheduleOptions RandomOptions(std::mt19937_64& rng) {
+  ScheduleOptions o;
+  o.dp_size = 1 + static_cast<int>(rng() % 8);
+  const int cp = std::vector<int>{1, 2, 4}[rng() % 3];
+  const int tp = std::vector<int>{1, 2}[rng() % 2];
+  o.parallel = ParallelLayout::Create(cp, tp, tp > 1 && rng() % 2 == 0).value();
+  o.max_tokens_per_rank = std::vector<int64_t>{2048, 20000, 1 << 20}[rng() % 3];
+  o.cost = ParseCostSpec(rng() % 2 ? "llama2-7b" : "tokens").value();
+  o.microbatch_multiple = 1 + static_cast<int>(rng() % 2);
+  if (rng() % 4 == 0) o.num_microbatches = o.microbatch_multiple * (1 + static_cast<int>(rng() % 3));
+  o.scheduler = rng() % 3 == 0 ? ScheduleOptions::Scheduler::kSequential
+                               : ScheduleOptions::Scheduler::kBalanced;
+  o.oversize = ScheduleOptions::OversizePolicy::kSkip;
+  return o;
+}
+
+void ExpectSameFigures(const PlanFigures& a, const PlanFigures& b) {
+  EXPECT_EQ(a.num_microbatches, b.num_microbatches);
+  EXPECT_EQ(a.n_samples, b.n_samples);
+  EXPECT_EQ(a.n_skipped, b.n_skipped);
+  EXPECT_EQ(a.real_tokens, b.real_tokens);
+  EXPECT_EQ(a.padded_tokens, b.padded_tokens);
+  EXPECT_EQ(a.sum_sq, b.sum_sq);
+  EXPECT_EQ(a.n_loss_tokens, b.n_loss_tokens);
+  // Exactly equal doubles: the same sums in the same order.
+  EXPECT_EQ(a.total_cost, b.total_cost);
+  EXPECT_EQ(a.max_replica_cost, b.max_replica_cost);
+  EXPECT_EQ(a.lower_bound, b.lower_bound);
+  EXPECT_EQ(a.imbalance, b.imbalance);
+  EXPECT_EQ(a.pad_fraction, b.pad_fraction);
+  EXPECT_EQ(a.fill, b.fill);
+  EXPECT_EQ(a.max_microbatch_spread, b.max_microbatch_spread);
+  ASSERT_EQ(a.replicas.size(), b.replicas.size());
+  for (size_t d = 0; d < a.replicas.size(); ++d) {
+    EXPECT_EQ(a.replicas[d].cost, b.replicas[d].cost);
+    ASSERT_EQ(a.replicas[d].microbatches.size(), b.replicas[d].microbatches.size());
+    for (size_t m = 0; m < a.replicas[d].microbatches.size(); ++m) {
+      const MicrobatchFigures& x = a.replicas[d].microbatches[m];
+      const MicrobatchFigures& y = b.replicas[d].microbatches[m];
+      EXPECT_EQ(x.n_samples, y.n_samples);
+      EXPECT_EQ(x.real_tokens, y.real_tokens);
+      EXPECT_EQ(x.padded_tokens, y.padded_tokens);
+      EXPECT_EQ(x.sum_sq, y.sum_sq);
+      EXPECT_EQ(x.n_loss_tokens, y.n_loss_tokens);
+      EXPECT_EQ(x.cost, y.cost);
+    }
+  }
+}
+
+TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps) {
+  std::mt19937_64 rng(33);
+  int scheduled = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const auto samples = RandomSamples(rng, trial % 2);  // dense or sparse ids, no duplicates
+    const ScheduleOptions o = RandomOptions(rng);
+    Result<Plan> plan = Schedule(samples, o);
+    Result<ScheduledPlan> fast = ScheduleWithFigures(samples, o);
+    ASSERT_EQ(plan.ok(), fast.ok());
+    if (!plan.ok()) {
+      EXPECT_EQ(plan.status(), fast.status());
+      continue;
+    }
+    ++scheduled;
+    ASSERT_TRUE(ValidatePlan(samples, o, fast->plan).ok());
+    EXPECT_EQ(fast->plan.num_microbatches, plan->num_microbatches);
+    EXPECT_EQ(fast->plan.dp_size, plan->dp_size);
+    EXPECT_EQ(fast->plan.sample_ids, plan->sample_ids);
+    EXPECT_EQ(fast->plan.offsets, plan->offsets);
+    EXPECT_EQ(fast->plan.skipped, plan->skipped);
+    EXPECT_EQ(fast->plan.scheduler, plan->scheduler);
+    Result<PlanFigures> reference = ComputePlanFigures(samples, o, *plan);
+    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+    ExpectSameFigures(fast->figures, *reference);
+  }
+  EXPECT_GT(scheduled, 200);  // the comparison ran on most trials, not just the errors
 }
 
 }  // namespace

@@ -18,7 +18,9 @@ namespace thdpack::internal {
 
 struct PreparedStep {
   std::vector<int64_t> ids;      // [n] kept samples, input order
-  std::vector<int64_t> length;   // [n] L
+  // L and n_targets fit int32: a kept sample's P fits the budget, which fits int32.
+  std::vector<int32_t> length;     // [n] L
+  std::vector<int32_t> n_targets;  // [n]
   std::vector<int64_t> padded;   // [n] P
   std::vector<double> cost;      // [n] cost(P) / CP
   std::vector<int64_t> skipped;  // oversize ids left out, input order
@@ -81,6 +83,13 @@ MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded,
                                      const ScheduleOptions& options);
 
 Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who);
+
+// The figures of the plan ToPlan(step, a, ...) makes, from the step's own arrays (no id lookup):
+// the same sums in the same order as ComputePlanFigures, so equal field for field.
+// REQUIRES: `a` came from a scheduler on `step` and `options`. OutOfRange if sum_sq overflows.
+[[nodiscard]] Result<PlanFigures> AssignmentFigures(const PreparedStep& step,
+                                                    const ScheduleOptions& options,
+                                                    const Assignment& a);
 
 // Megatron-LM dp_balanced semantics (see scheduler_sequential.cc). fixed_m = 0: free M.
 [[nodiscard]] Result<Assignment> ScheduleSequential(const PreparedStep& step,

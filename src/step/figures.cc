@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 namespace thdpack {
 namespace {
@@ -43,10 +44,17 @@ Result<StepFigures> ComputeStepFigures(int64_t step, int64_t epoch,
                                        std::span<const SampleLength> samples,
                                        const ScheduleOptions& options, const Plan& plan,
                                        const std::optional<FlopsCoefficients>& flops) {
+  THDPACK_ASSIGN_OR_RETURN(PlanFigures figures, ComputePlanFigures(samples, options, plan));
+  return MakeStepFigures(step, epoch, options, plan, std::move(figures), flops);
+}
+
+StepFigures MakeStepFigures(int64_t step, int64_t epoch, const ScheduleOptions& options,
+                            const Plan& plan, PlanFigures plan_figures,
+                            const std::optional<FlopsCoefficients>& flops, bool with_sample_ids) {
   StepFigures f;
   f.step = step;
   f.epoch = epoch;
-  THDPACK_ASSIGN_OR_RETURN(f.plan, ComputePlanFigures(samples, options, plan));
+  f.plan = std::move(plan_figures);
   if (flops.has_value()) {
     f.has_flops = true;
     f.flops = TrainingFlops(*flops, f.plan.padded_tokens, static_cast<double>(f.plan.sum_sq));
@@ -54,6 +62,7 @@ Result<StepFigures> ComputeStepFigures(int64_t step, int64_t epoch,
   f.capacity_tokens = static_cast<int64_t>(plan.num_microbatches) * plan.dp_size *
                       MicrobatchBudget(options);
   f.skipped = plan.skipped;
+  if (!with_sample_ids) return f;
   f.sample_ids.resize(static_cast<size_t>(plan.dp_size));
   for (int d = 0; d < plan.dp_size; ++d) {
     auto& replica = f.sample_ids[static_cast<size_t>(d)];

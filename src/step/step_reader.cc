@@ -1,8 +1,10 @@
 // StepReader: N samples per step from a streaming source, wrapping around at its end.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "thdpack/step.h"
 
@@ -59,24 +61,55 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   return epoch;
 }
 
+// Samples land straight at their place in scheduling order when the step's size is known
+// before reading it (N, or the source's size for "all"): no source-order copy. Should the
+// source hold another count than it said, the samples are put back in source order and
+// reordered by ToSchedulingOrder, the plain reference.
 Result<StepSamples> StepReader::Next() {
   StepSamples out;
   out.step = next_step_;
-  std::vector<SampleLength> read;
-  if (global_batch_ == 0) {
-    if (std::optional<int64_t> hint = source_->size_hint(); hint.has_value() && *hint > 0) {
-      read.reserve(static_cast<size_t>(*hint));
-    }
-  } else {
-    read.reserve(static_cast<size_t>(global_batch_));
+  int64_t expected = global_batch_;
+  if (expected == 0) {
+    const std::optional<int64_t> hint = source_->size_hint();
+    expected = hint.has_value() && *hint > 0 ? *hint : 0;
   }
+  std::vector<int64_t> start(static_cast<size_t>(dp_size_));  // loader d's first place
+  for (int d = 1; d < dp_size_; ++d) {
+    start[static_cast<size_t>(d)] = start[static_cast<size_t>(d - 1)] +
+                                    LoaderCount(expected, dp_size_, d - 1);
+  }
+  std::vector<SampleLength>& placed = out.samples;
+  placed.resize(static_cast<size_t>(expected));
+  std::vector<SampleLength> beyond;  // samples past `expected` (a wrong size hint)
+  int loader = 0;
+  int64_t round = 0;  // sample i = round * DP + loader
   THDPACK_ASSIGN_OR_RETURN(
       out.epoch, ReadStep([](int64_t) { return false; },
-                          [&read](int64_t, const SampleLength& s, Sample*) {
-                            read.push_back(s);
+                          [&](int64_t i, const SampleLength& s, Sample*) {
+                            if (i < expected) {
+                              placed[static_cast<size_t>(start[static_cast<size_t>(loader)] +
+                                                         round)] = s;
+                              if (++loader == dp_size_) {
+                                loader = 0;
+                                ++round;
+                              }
+                            } else {
+                              beyond.push_back(s);
+                            }
                             return Status::Ok();
                           }));
-  out.samples = ToSchedulingOrder(read, dp_size_);
+  const int64_t read = static_cast<int64_t>(beyond.size()) +
+                       std::min(expected, round * dp_size_ + loader);
+  if (read != expected) {
+    std::vector<SampleLength> source_order;
+    source_order.reserve(static_cast<size_t>(read));
+    for (int64_t i = 0; i < std::min(read, expected); ++i) {
+      const int d = static_cast<int>(i % dp_size_);
+      source_order.push_back(placed[static_cast<size_t>(start[static_cast<size_t>(d)] + i / dp_size_)]);
+    }
+    source_order.insert(source_order.end(), beyond.begin(), beyond.end());
+    out.samples = ToSchedulingOrder(source_order, dp_size_);
+  }
   ++next_step_;
   return out;
 }

@@ -5,10 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/data_test_util.h"
@@ -222,6 +224,57 @@ TEST(StepReaderRandom, MatchesThePlainRule) {
           EXPECT_EQ(got.n_targets, got.length - 1);
         }
       }
+    }
+  }
+}
+
+// A lengths source whose size hint is wrong (or absent): Next then cannot place samples by the
+// hint and falls back to the plain reorder; the steps must be the same as with a true hint.
+class WrongHintSource final : public SampleSource {
+ public:
+  WrongHintSource(std::unique_ptr<SampleSource> inner, std::optional<int64_t> hint)
+      : inner_(std::move(inner)), hint_(hint) {}
+  Result<std::optional<Sample>> Next() override { return inner_->Next(); }
+  Result<std::optional<SampleLength>> NextLength() override { return inner_->NextLength(); }
+  Status Reset() override { return inner_->Reset(); }
+  std::optional<int64_t> size_hint() const override { return hint_; }
+  int64_t epoch() const override { return inner_->epoch(); }
+  const std::string& spec() const override { return inner_->spec(); }
+
+ private:
+  std::unique_ptr<SampleSource> inner_;
+  std::optional<int64_t> hint_;
+};
+
+TEST(StepReaderRandom, AWrongSizeHintGivesTheSameSteps) {
+  std::mt19937_64 rng(20261);
+  testing_util::TempDir dir;
+  for (int trial = 0; trial < 60; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const int size = 1 + static_cast<int>(rng() % 23);
+    std::string text;
+    for (int i = 0; i < size; ++i) text += std::to_string(1 + rng() % 1000) + "\n";
+    const std::string path = dir.File("h" + std::to_string(trial) + ".txt");
+    testing_util::WriteText(path, text);
+    const int dp = 1 + static_cast<int>(rng() % 6);
+    const int64_t global_batch = rng() % 2 ? 0 : 1 + static_cast<int64_t>(rng() % 40);
+    std::optional<int64_t> hint;
+    if (rng() % 3) hint = std::max<int64_t>(1, size + static_cast<int64_t>(rng() % 7) - 3);
+    auto truth = OpenLengthsSource(path);
+    auto inner = OpenLengthsSource(path);
+    ASSERT_TRUE(truth.ok() && inner.ok());
+    WrongHintSource lying(std::move(inner).value(), hint);
+    auto a = StepReader::Create(truth->get(), global_batch, dp);
+    auto b = StepReader::Create(&lying, global_batch, dp);
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (int s = 0; s < 3; ++s) {
+      auto x = a->Next();
+      auto y = b->Next();
+      ASSERT_TRUE(x.ok() && y.ok());
+      EXPECT_EQ(x->step, y->step);
+      EXPECT_EQ(x->epoch, y->epoch);
+      EXPECT_EQ(Ids(*x), Ids(*y));
+      EXPECT_EQ(Lengths(*x), Lengths(*y));
     }
   }
 }
