@@ -182,17 +182,18 @@ Result<StepMemoryFigures> ComputeHistogramStepMemory(const HistogramPlan& plan,
                                                      const MemoryReportOptions& memory) {
   const std::string f = "ComputeHistogramStepMemory";
   THDPACK_RETURN_IF_ERROR(ValidateOptions(memory, f));
-  PackOptions pack;
-  pack.parallel = options.parallel;
+  const int cp = options.parallel.cp_size();
   StepMemoryFigures out;
   out.num_microbatches = plan.figures.num_microbatches;
   int64_t largest_t = 0;
   for (size_t c = 0; c < plan.classes.size(); ++c) {
     const MicrobatchClass& mc = plan.classes[c];
-    Result<Layout> layout = ComputeLayout(mc.lengths, pack);
-    if (!layout.ok()) return layout.status().WithContext(f + ": class " + std::to_string(c));
-    THDPACK_ASSIGN_OR_RETURN(MicrobatchBufferBytes b,
-                             BufferBytes(layout->cu_seqlens_padded, options.parallel.cp_size()));
+    // The class's T is already in its figures: no layout to compute again.
+    const int64_t t = mc.figures.padded_tokens;
+    Result<MicrobatchBufferBytes> bytes =
+        BufferBytesOfShape(t, static_cast<int64_t>(mc.lengths.size()), cp);
+    if (!bytes.ok()) return bytes.status().WithContext(f + ": class " + std::to_string(c));
+    MicrobatchBufferBytes b = *bytes;
     for (int64_t* field : {&b.tokens, &b.position_ids, &b.labels, &b.loss_mask, &b.metadata,
                            &b.loss_outputs, &b.total}) {
       if (__builtin_mul_overflow(*field, mc.count, field)) {
@@ -200,9 +201,9 @@ Result<StepMemoryFigures> ComputeHistogramStepMemory(const HistogramPlan& plan,
       }
     }
     Add(out.buffers, b);
-    largest_t = std::max(largest_t, layout->total_tokens);
+    largest_t = std::max(largest_t, t);
   }
-  THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, options.parallel.cp_size(), options.parallel.tp_size(), memory));
+  THDPACK_ASSIGN_OR_RETURN(out.logits, Logits(largest_t, cp, options.parallel.tp_size(), memory));
   return out;
 }
 
