@@ -47,13 +47,7 @@ void ExpectSameStep(const PlannedStep& fast, const Plain& plain) {
   const PlanFigures& a = fast.figures.plan;
   const PlanFigures& b = plain.figures.plan;
   EXPECT_EQ(plain.scheduler, ScheduleOptions::Scheduler::kBalanced);
-  EXPECT_EQ(a.num_microbatches, b.num_microbatches);
-  EXPECT_EQ(a.n_samples, b.n_samples);
-  EXPECT_EQ(a.n_skipped, b.n_skipped);
-  EXPECT_EQ(a.real_tokens, b.real_tokens);
-  EXPECT_EQ(a.padded_tokens, b.padded_tokens);
-  EXPECT_EQ(a.sum_sq, b.sum_sq);
-  EXPECT_EQ(a.n_loss_tokens, b.n_loss_tokens);
+  testing_util::ExpectSameIntegerFigures(a, b);
   EXPECT_EQ(a.max_microbatch_spread, b.max_microbatch_spread);  // exact: same microbatches
   ExpectNear(a.total_cost, b.total_cost, "total_cost");
   ExpectNear(a.max_replica_cost, b.max_replica_cost, "max_replica_cost");

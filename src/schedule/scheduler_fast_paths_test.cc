@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "schedule/scheduler_internal.h"
+#include "schedule/scheduler_test_util.h"
 #include "thdpack/schedule.h"
 
 namespace thdpack {
@@ -98,13 +99,7 @@ ScheduleOptions RandomOptions(std::mt19937_64& rng) {
 }
 
 void ExpectSameFigures(const PlanFigures& a, const PlanFigures& b) {
-  EXPECT_EQ(a.num_microbatches, b.num_microbatches);
-  EXPECT_EQ(a.n_samples, b.n_samples);
-  EXPECT_EQ(a.n_skipped, b.n_skipped);
-  EXPECT_EQ(a.real_tokens, b.real_tokens);
-  EXPECT_EQ(a.padded_tokens, b.padded_tokens);
-  EXPECT_EQ(a.sum_sq, b.sum_sq);
-  EXPECT_EQ(a.n_loss_tokens, b.n_loss_tokens);
+  testing_util::ExpectSameIntegerFigures(a, b);
   // Exactly equal doubles: the same sums in the same order.
   EXPECT_EQ(a.total_cost, b.total_cost);
   EXPECT_EQ(a.max_replica_cost, b.max_replica_cost);

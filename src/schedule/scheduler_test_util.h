@@ -3,6 +3,8 @@
 #ifndef THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
 #define THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -76,6 +78,18 @@ inline std::vector<int64_t> RandomLengths(std::mt19937_64& rng, size_t n, int64_
     l = std::clamp<int64_t>(static_cast<int64_t>(x), 1, max_length);
   }
   return out;
+}
+
+// The integer figures of two plans of the same samples, which every path must give exactly
+// (the doubles may differ by the order of summation; each test says how they compare).
+inline void ExpectSameIntegerFigures(const PlanFigures& a, const PlanFigures& b) {
+  EXPECT_EQ(a.num_microbatches, b.num_microbatches);
+  EXPECT_EQ(a.n_samples, b.n_samples);
+  EXPECT_EQ(a.n_skipped, b.n_skipped);
+  EXPECT_EQ(a.real_tokens, b.real_tokens);
+  EXPECT_EQ(a.padded_tokens, b.padded_tokens);
+  EXPECT_EQ(a.sum_sq, b.sum_sq);
+  EXPECT_EQ(a.n_loss_tokens, b.n_loss_tokens);
 }
 
 }  // namespace thdpack::testing_util
