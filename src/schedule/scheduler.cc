@@ -339,19 +339,26 @@ Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view nam
 namespace {
 
 // Schedule up to the assignment: the prepared step it indexes and who made it.
+// With `figures`, also the figures of the assignment (AssignmentFigures).
 Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> samples,
                                                 const ScheduleOptions& options,
                                                 internal::PreparedStep* step,
-                                                ScheduleOptions::Scheduler* who) {
+                                                ScheduleOptions::Scheduler* who,
+                                                PlanFigures* figures = nullptr) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
   THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(*step, options));
   if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
     *who = ScheduleOptions::Scheduler::kSequential;
-    return internal::ScheduleSequential(*step, options, options.num_microbatches);
+    THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
+                             internal::ScheduleSequential(*step, options, options.num_microbatches));
+    if (figures != nullptr) {
+      THDPACK_ASSIGN_OR_RETURN(*figures, internal::AssignmentFigures(*step, options, a));
+    }
+    return a;
   }
   *who = ScheduleOptions::Scheduler::kBalanced;
-  return internal::ScheduleBalanced(*step, options, who);
+  return internal::ScheduleBalanced(*step, options, who, figures);
 }
 
 }  // namespace
@@ -368,10 +375,9 @@ Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
                                           const ScheduleOptions& options) {
   internal::PreparedStep step;
   ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
-  THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
-                           ScheduleAssignment(samples, options, &step, &who));
   ScheduledPlan out;
-  THDPACK_ASSIGN_OR_RETURN(out.figures, internal::AssignmentFigures(step, options, a));
+  THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
+                           ScheduleAssignment(samples, options, &step, &who, &out.figures));
   out.plan = internal::ToPlan(step, a, who);
   return out;
 }

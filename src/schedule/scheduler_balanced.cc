@@ -214,22 +214,26 @@ struct SortedStep {
 
 SortedStep SortStep(const PreparedStep& step) {
   SortedStep s;
-  s.order = SortByPaddedThenId(step);
+  s.order = SortByPaddedThenId(step, &s.padded);
   const size_t n = s.order.size();
-  s.padded.resize(n);
   s.cost.resize(n);
+  // A sample's cost is a function of its P, and equal P are adjacent in rank order: only the
+  // first of each run of equal P is looked up (a scattered load), the others copy it.
   for (size_t k = 0; k < n; ++k) {
-    s.padded[k] = step.padded[static_cast<size_t>(s.order[k])];
-    s.cost[k] = step.cost[static_cast<size_t>(s.order[k])];
+    s.cost[k] = k > 0 && s.padded[k] == s.padded[k - 1]
+                    ? s.cost[k - 1]
+                    : step.cost[static_cast<size_t>(s.order[k])];
   }
   return s;
 }
 
 class BalancedAtM {
  public:
-  BalancedAtM(const PreparedStep& step, const ScheduleOptions& o, const SortedStep& sorted, int m)
+  BalancedAtM(const PreparedStep& step, const ScheduleOptions& o, const SortedStep& sorted, int m,
+              bool plain_refill)
       : step_(step),
         o_(o),
+        plain_refill_(plain_refill),
         tails_matter_(o.parallel.splits_over_tp()),
         order_(sorted.order),
         padded_(sorted.padded),
@@ -303,7 +307,10 @@ class BalancedAtM {
 
   // items_of_[r]: the samples of replica r by rank (= decreasing cost, ties by id).
   void BuildItemLists() {
-    for (auto& v : items_of_) v.clear();
+    for (int r = 0; r < dp_; ++r) {
+      items_of_[r].clear();
+      items_of_[r].reserve(static_cast<size_t>(count_[r]) + 1);
+    }
     const int32_t n = static_cast<int32_t>(step_.size());
     for (int32_t i = 0; i < n; ++i) items_of_[replica_of_[i]].push_back(i);
   }
@@ -464,9 +471,53 @@ class BalancedAtM {
     std::vector<double> mb_cost(groups, 0.0);
     std::vector<int64_t> room(groups, step_.capacity);
     std::vector<int> new_bin(step_.size(), -1);  // by rank
+    std::vector<uint8_t> ok(dp_, 1);
+    if (m_ <= kLinearBinsMax && !plain_refill_) {
+      RefillByScan(mb_cost, room, new_bin, ok);
+    } else {
+      RefillByHeaps(mb_cost, room, new_bin, ok);
+    }
+    ApplyRefill(new_bin, ok);
+  }
+
+  // The refill's rule, per replica: each sample, by rank, into the microbatch of least
+  // (cost, index) among those with room for it; a replica where some sample finds no room is
+  // marked not ok. RefillByHeaps is the plain form (a heap of microbatches, those without room
+  // parked until the samples get small enough); RefillByScan scans the M microbatches of the
+  // replica instead, which for small M costs less than keeping heaps. The two choose the same
+  // microbatch for every sample (the heap's top is that minimum, its keys being unique); the
+  // tests compare them on random steps.
+  void RefillByScan(std::vector<double>& mb_cost, std::vector<int64_t>& room,
+                    std::vector<int>& new_bin, std::vector<uint8_t>& ok) const {
+    const int32_t n = static_cast<int32_t>(step_.size());
+    for (int32_t i = 0; i < n; ++i) {
+      const int r = replica_of_[i];
+      if (!ok[r]) continue;
+      const int64_t p = padded_[i];
+      double* cost = &mb_cost[static_cast<size_t>(r) * m_];
+      int64_t* left = &room[static_cast<size_t>(r) * m_];
+      int best = -1;
+      double best_cost = std::numeric_limits<double>::infinity();
+      for (int b = 0; b < m_; ++b) {
+        // Strictly less: the lowest index wins a tie, as in the heap's (cost, index) keys.
+        const bool better = (left[b] >= p) & (cost[b] < best_cost);
+        best = better ? b : best;
+        best_cost = better ? cost[b] : best_cost;
+      }
+      if (best < 0) {
+        ok[r] = 0;
+        continue;
+      }
+      new_bin[i] = best;
+      left[best] -= p;
+      cost[best] += cost_of_[i];
+    }
+  }
+
+  void RefillByHeaps(std::vector<double>& mb_cost, std::vector<int64_t>& room,
+                     std::vector<int>& new_bin, std::vector<uint8_t>& ok) const {
     std::vector<MinCostHeap> heaps(dp_);
     std::vector<MaxRoomHeap> parked(dp_);
-    std::vector<uint8_t> ok(dp_, 1);
     for (int r = 0; r < dp_; ++r) {
       for (int b = 0; b < m_; ++b) heaps[r].push({0.0, b});
     }
@@ -502,6 +553,10 @@ class BalancedAtM {
         break;
       }
     }
+  }
+
+  void ApplyRefill(const std::vector<int>& new_bin, const std::vector<uint8_t>& ok) {
+    const int32_t n = static_cast<int32_t>(step_.size());
     // The first M samples of a replica each opened an empty microbatch (cost 0 comes first),
     // so none is empty when the replica has >= M samples.
     if (!tails_matter_) {
@@ -589,6 +644,7 @@ class BalancedAtM {
 
   const PreparedStep& step_;
   const ScheduleOptions& o_;
+  const bool plain_refill_;  // RefillByHeaps whatever M (the reference of RefillByScan)
   const bool tails_matter_;
   const std::vector<int32_t>& order_;   // rank -> PreparedStep index
   const std::vector<int64_t>& padded_;  // by rank
@@ -607,7 +663,26 @@ struct Candidate {
   Assignment assignment;
   AssignmentCost cost;
   ScheduleOptions::Scheduler who;
+  std::optional<PlanFigures> figures;  // when asked for, and they did not overflow
 };
+
+// A candidate's cost; with `with_figures`, from its figures (the same sums in the same order as
+// ComputeAssignmentCost), kept so that the chosen plan's figures are not computed twice.
+Candidate MakeCandidate(const PreparedStep& step, const ScheduleOptions& o, Assignment a,
+                        ScheduleOptions::Scheduler who, bool with_figures) {
+  Candidate c{std::move(a), {}, who, std::nullopt};
+  if (with_figures) {
+    Result<PlanFigures> f = AssignmentFigures(step, o, c.assignment);
+    if (f.ok()) {
+      c.cost.max_replica_cost = f->max_replica_cost;
+      c.cost.max_spread = f->max_microbatch_spread;
+      c.figures = std::move(f).value();
+      return c;
+    }
+  }
+  c.cost = ComputeAssignmentCost(step, o, c.assignment);
+  return c;
+}
 
 }  // namespace
 
@@ -622,9 +697,24 @@ std::vector<int32_t> SortByPaddedThenIdPlain(const PreparedStep& step) {
   return order;
 }
 
-std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step) {
+namespace {
+
+std::vector<int32_t> PlainWithPadded(const PreparedStep& step, std::vector<int64_t>* padded) {
+  std::vector<int32_t> order = SortByPaddedThenIdPlain(step);
+  if (padded != nullptr) {
+    padded->resize(order.size());
+    for (size_t k = 0; k < order.size(); ++k) {
+      (*padded)[k] = step.padded[static_cast<size_t>(order[k])];
+    }
+  }
+  return order;
+}
+
+}  // namespace
+
+std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<int64_t>* padded) {
   const size_t n = step.size();
-  if (n < 2) return SortByPaddedThenIdPlain(step);
+  if (n < 2) return PlainWithPadded(step, padded);
   int64_t lo = step.ids[0], hi = step.ids[0];
   int64_t max_padded = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -635,7 +725,7 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step) {
   const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
   if (range == 0 || range > 4 * static_cast<uint64_t>(n) + 1024 ||
       max_padded > std::numeric_limits<int32_t>::max()) {
-    return SortByPaddedThenIdPlain(step);
+    return PlainWithPadded(step, padded);
   }
   // 1. Increasing id: a direct table over the (dense, unique) ids, read in order.
   std::vector<int32_t> order;
@@ -678,6 +768,11 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step) {
     order.swap(tmp);
     key.swap(key_tmp);
   }
+  if (padded != nullptr) {
+    // The keys travelled with the indices: P by rank without a scattered load.
+    padded->resize(n);
+    for (size_t k = 0; k < n; ++k) (*padded)[k] = max_padded - static_cast<int64_t>(key[k]);
+  }
   return order;
 }
 
@@ -701,7 +796,8 @@ int64_t BestFitDecreasingBins(const PreparedStep& step) {
 }
 
 Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOptions& o,
-                                    ScheduleOptions::Scheduler* chosen) {
+                                    ScheduleOptions::Scheduler* chosen, PlanFigures* figures,
+                                    const BalancedTuning& tuning) {
   const int32_t n = static_cast<int32_t>(step.size());
   const int64_t dp = o.dp_size;
   const int64_t k = o.microbatch_multiple;
@@ -723,11 +819,11 @@ Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOpti
   for (int64_t m = m_lo; static_cast<int>(tried.size()) < o.max_microbatch_search && m <= max_m;) {
     tried.push_back(m);
     Assignment a;
-    BalancedAtM run(step, o, sorted, static_cast<int>(m));
+    BalancedAtM run(step, o, sorted, static_cast<int>(m), tuning.plain_refill);
     if (run.Run(&a)) {
-      const AssignmentCost c = ComputeAssignmentCost(step, o, a);
-      candidates.push_back({std::move(a), c, ScheduleOptions::Scheduler::kBalanced});
-      if (c.max_replica_cost <= kNearBest * lower_bound) break;
+      candidates.push_back(MakeCandidate(step, o, std::move(a),
+                                         ScheduleOptions::Scheduler::kBalanced, figures));
+      if (candidates.back().cost.max_replica_cost <= kNearBest * lower_bound) break;
     } else if (!hinted && o.num_microbatches == 0) {
       // Best-fit decreasing over all samples tells roughly how many microbatches the tokens
       // really need; skip the values below it.
@@ -745,8 +841,9 @@ Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOpti
   {
     auto seq = ScheduleSequential(step, o, o.num_microbatches);
     if (seq.ok()) {
-      const AssignmentCost c = ComputeAssignmentCost(step, o, *seq);
-      candidates.push_back({std::move(seq).value(), c, ScheduleOptions::Scheduler::kSequential});
+      // Its figures only if it is chosen (rarely): its cost pass reads the step in order.
+      candidates.push_back(MakeCandidate(step, o, std::move(seq).value(),
+                                         ScheduleOptions::Scheduler::kSequential, false));
     }
   }
   if (candidates.empty()) {
@@ -795,6 +892,13 @@ Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOpti
     if (c.cost.max_spread < p.cost.max_spread) pick = i;
   }
   *chosen = candidates[pick].who;
+  if (figures != nullptr) {
+    if (candidates[pick].figures.has_value()) {
+      *figures = std::move(*candidates[pick].figures);
+    } else {
+      THDPACK_ASSIGN_OR_RETURN(*figures, AssignmentFigures(step, o, candidates[pick].assignment));
+    }
+  }
   return std::move(candidates[pick].assignment);
 }
 

@@ -1,7 +1,8 @@
 // The bookkeeping fast paths of scheduling against their plain references, on fresh random
 // inputs: SampleIdIndex (direct table) against a std::map, the rank order (table + radix
-// sort) against the comparison sort, and ScheduleWithFigures (figures from the scheduler's own
-// arrays, no validation) against Schedule + ValidatePlan + ComputePlanFigures.
+// sort) against the comparison sort, ScheduleWithFigures (figures from the scheduler's own
+// arrays, no validation) against Schedule + ValidatePlan + ComputePlanFigures, and the balanced
+// scheduler's microbatch refill by scan against its refill by heaps.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -76,7 +77,14 @@ TEST(SortByPaddedThenIdTest, EqualsTheComparisonSortOnRandomSteps) {
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;
     auto step = internal::PrepareStep(samples, o);
     ASSERT_TRUE(step.ok()) << step.status().ToString();
-    EXPECT_EQ(internal::SortByPaddedThenId(*step), internal::SortByPaddedThenIdPlain(*step));
+    const std::vector<int32_t> plain = internal::SortByPaddedThenIdPlain(*step);
+    EXPECT_EQ(internal::SortByPaddedThenId(*step), plain);
+    std::vector<int64_t> padded;
+    EXPECT_EQ(internal::SortByPaddedThenId(*step, &padded), plain);
+    ASSERT_EQ(padded.size(), plain.size());
+    for (size_t k = 0; k < plain.size(); ++k) {
+      ASSERT_EQ(padded[k], step->padded[static_cast<size_t>(plain[k])]) << "rank " << k;
+    }
   }
 }
 
@@ -152,6 +160,38 @@ TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps)
     ExpectSameFigures(fast->figures, *reference);
   }
   EXPECT_GT(scheduled, 200);  // the comparison ran on most trials, not just the errors
+}
+
+// The refill (step D of the balanced scheduler) by a scan over a replica's microbatches, used
+// up to 32 microbatches, against the heaps it replaces: the same assignment on random steps
+// that need several microbatches (small budgets, many samples per replica).
+TEST(BalancedRefillTest, ScanEqualsHeapsOnRandomSteps) {
+  std::mt19937_64 rng(35);
+  int compared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const auto samples = RandomSamples(rng, trial % 2);
+    ScheduleOptions o = RandomOptions(rng);
+    o.scheduler = ScheduleOptions::Scheduler::kBalanced;
+    o.max_tokens_per_rank = std::vector<int64_t>{2048, 8192, 20000}[rng() % 3];
+    auto step = internal::PrepareStep(samples, o);
+    ASSERT_TRUE(step.ok());
+    if (!internal::CheckEnoughSamples(*step, o).ok()) continue;
+    ScheduleOptions::Scheduler who_scan{}, who_heaps{};
+    Result<internal::Assignment> scan = internal::ScheduleBalanced(*step, o, &who_scan);
+    Result<internal::Assignment> heaps = internal::ScheduleBalanced(
+        *step, o, &who_heaps, nullptr, internal::BalancedTuning{.plain_refill = true});
+    ASSERT_EQ(scan.ok(), heaps.ok());
+    if (!scan.ok()) continue;
+    EXPECT_EQ(who_scan, who_heaps);
+    EXPECT_EQ(scan->num_microbatches, heaps->num_microbatches);
+    EXPECT_EQ(scan->offsets, heaps->offsets);
+    EXPECT_EQ(scan->items, heaps->items);
+    if (who_scan == ScheduleOptions::Scheduler::kBalanced && scan->num_microbatches > 1) {
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 100);  // most trials refilled several microbatches
 }
 
 }  // namespace

@@ -95,16 +95,28 @@ Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Sche
 [[nodiscard]] Result<Assignment> ScheduleSequential(const PreparedStep& step,
                                                     const ScheduleOptions& options, int fixed_m);
 
-// The cost-aware scheduler with its M search (see scheduler_balanced.cc).
+// Switches of the balanced scheduler for the tests, which compare its fast paths with their
+// plain forms on random steps. The defaults are what Schedule uses.
+struct BalancedTuning {
+  bool plain_refill = false;  // refill microbatches with heaps whatever M (no scan)
+};
+
+// The cost-aware scheduler with its M search (see scheduler_balanced.cc). With `figures`, also
+// the chosen plan's figures (AssignmentFigures; its error when they overflow), computed once
+// for every candidate instead of a separate cost pass.
 [[nodiscard]] Result<Assignment> ScheduleBalanced(const PreparedStep& step,
                                                   const ScheduleOptions& options,
-                                                  ScheduleOptions::Scheduler* chosen);
+                                                  ScheduleOptions::Scheduler* chosen,
+                                                  PlanFigures* figures = nullptr,
+                                                  const BalancedTuning& tuning = {});
 
 // The step's indices in rank order: decreasing padded length, ties by increasing id (the order
 // the balanced scheduler places samples in). The fast version uses a direct table over dense
 // ids and a radix sort on P, O(n + range of ids); it falls back to the plain comparison sort
 // (the reference, compared with it on random steps in the tests) for sparse ids.
-std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step);
+// With `padded`, also P by rank (step.padded[order[k]]).
+std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step,
+                                        std::vector<int64_t>* padded = nullptr);
 std::vector<int32_t> SortByPaddedThenIdPlain(const PreparedStep& step);
 
 // Best-fit decreasing bin count of the step's padded lengths into `capacity`: the plain
