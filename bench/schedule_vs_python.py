@@ -21,7 +21,7 @@ import thdpack
 
 N = 16384
 DP = 64
-REPEATS = 7
+REPEATS = 15
 
 
 def data_dir():
