@@ -35,7 +35,7 @@ namespace {
 std::string Str(int64_t v) { return std::to_string(v); }
 
 // The slack of each list-scheduling pass (see the top of the file); the last is unbounded.
-constexpr double kSlacks[] = {1e-9, 0.05, 0.25, 1.0, std::numeric_limits<double>::infinity()};
+constexpr double kSlacks[] = {1e-9, 0.05, 0.25, 1.0};
 
 // A group size the plan may use, with its layout and usable capacity (sum of P).
 struct Size {
@@ -170,21 +170,27 @@ bool FinalMicrobatchCount(const ScheduleOptions& o, int natural, int* m) {
   return true;
 }
 
-// One list-scheduling pass (candidate 1) with slack eps. nullopt when a fixed M is too small.
-std::optional<DynamicPlan> ListSchedule(const DynStep& step, const ScheduleOptions& o,
-                                        const std::vector<Size>& sizes, int domain, double eps) {
-  const StepTimeModel& model = *o.step_time;
-  const int32_t n = static_cast<int32_t>(step.kept.size());
-  // Per sequence: the sizes that fit (index into sizes), P and t at each, and w_min.
+// The sizes each sequence may take, computed once for all list-scheduling passes.
+struct Moldable {
   struct Option {
     int32_t size;  // index into sizes
     int64_t padded;
-    double seconds;
-    double rank_seconds;
+    double seconds;       // t(P, c)
+    double rank_seconds;  // c * t(P, c)
   };
-  std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
-  std::vector<Option> options;
-  std::vector<double> w_min(static_cast<size_t>(n), std::numeric_limits<double>::infinity());
+  std::vector<int64_t> first;   // [n + 1]: sequence i's options are [first[i], first[i+1])
+  std::vector<Option> options;  // by increasing c
+  std::vector<double> w_min;    // [n] least rank-seconds
+  std::vector<int32_t> order;   // w_min decreasing, ties by id
+};
+
+Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
+                      const std::vector<Size>& sizes) {
+  const StepTimeModel& model = *o.step_time;
+  const int32_t n = static_cast<int32_t>(step.kept.size());
+  Moldable m;
+  m.first.assign(static_cast<size_t>(n) + 1, 0);
+  m.w_min.assign(static_cast<size_t>(n), std::numeric_limits<double>::infinity());
   for (int32_t i = 0; i < n; ++i) {
     const int64_t l = step.kept[static_cast<size_t>(i)].length;
     for (int32_t s = 0; s < static_cast<int32_t>(sizes.size()); ++s) {
@@ -192,20 +198,69 @@ std::optional<DynamicPlan> ListSchedule(const DynStep& step, const ScheduleOptio
       const int64_t p = z.layout.PaddedLength(l);
       if (p > z.capacity) continue;
       const double t = model.SequenceSeconds(p, z.c);
-      options.push_back({s, p, t, t * z.c});
-      w_min[static_cast<size_t>(i)] = std::min(w_min[static_cast<size_t>(i)], t * z.c);
+      m.options.push_back({s, p, t, t * z.c});
+      m.w_min[static_cast<size_t>(i)] = std::min(m.w_min[static_cast<size_t>(i)], t * z.c);
     }
-    first[static_cast<size_t>(i) + 1] = static_cast<int64_t>(options.size());
+    m.first[static_cast<size_t>(i) + 1] = static_cast<int64_t>(m.options.size());
   }
-  std::vector<int32_t> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    if (w_min[static_cast<size_t>(a)] != w_min[static_cast<size_t>(b)]) {
-      return w_min[static_cast<size_t>(a)] > w_min[static_cast<size_t>(b)];
+  m.order.resize(static_cast<size_t>(n));
+  std::iota(m.order.begin(), m.order.end(), 0);
+  std::sort(m.order.begin(), m.order.end(), [&](int32_t a, int32_t b) {
+    if (m.w_min[static_cast<size_t>(a)] != m.w_min[static_cast<size_t>(b)]) {
+      return m.w_min[static_cast<size_t>(a)] > m.w_min[static_cast<size_t>(b)];
     }
     return step.kept[static_cast<size_t>(a)].id < step.kept[static_cast<size_t>(b)].id;
   });
+  return m;
+}
 
+// The earliest window of c ranks: the least maximum of free_at over c contiguous ranks, ties
+// to the lowest first rank (a sliding maximum over a deque of indices of decreasing free_at).
+// Returns the start time; *rank its first rank. `deque` has room for free_at.size() indices.
+double EarliestWindow(const std::vector<double>& free_at, int c, std::vector<int>& deque,
+                      int* rank) {
+  const int domain = static_cast<int>(free_at.size());
+  int head = 0, tail = 0;
+  double start = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < domain; ++r) {
+    while (tail > head && free_at[static_cast<size_t>(deque[static_cast<size_t>(tail - 1)])] <=
+                              free_at[static_cast<size_t>(r)]) {
+      --tail;
+    }
+    deque[static_cast<size_t>(tail++)] = r;
+    if (deque[static_cast<size_t>(head)] <= r - c) ++head;
+    if (r >= c - 1) {
+      const double s = free_at[static_cast<size_t>(deque[static_cast<size_t>(head)])];
+      if (s < start) {
+        start = s;
+        *rank = r - c + 1;
+      }
+    }
+  }
+  return start;
+}
+
+// The plain reference of EarliestWindow: every window's maximum, computed in full.
+double EarliestWindowPlain(const std::vector<double>& free_at, int c, int* rank) {
+  double start = std::numeric_limits<double>::infinity();
+  for (int r = 0; r + c <= static_cast<int>(free_at.size()); ++r) {
+    const double s = *std::max_element(free_at.begin() + r, free_at.begin() + r + c);
+    if (s < start) {
+      start = s;
+      *rank = r;
+    }
+  }
+  return start;
+}
+
+// One list-scheduling pass (candidate 1) with slack eps. nullopt when a fixed M is too small.
+// plain: windows by EarliestWindowPlain and no pruning (the reference of the fast pass).
+std::optional<DynamicPlan> ListSchedule(const DynStep& step, const ScheduleOptions& o,
+                                        const std::vector<Size>& sizes, const Moldable& mold,
+                                        int domain, double eps, bool plain) {
+  std::vector<double> free_at(static_cast<size_t>(domain), 0.0);
+  std::vector<int32_t> last_pack(static_cast<size_t>(domain), -1);
+  std::vector<int> deque(static_cast<size_t>(domain));
   struct Pack {
     int first_rank;
     int32_t size;  // index into sizes
@@ -213,38 +268,29 @@ std::optional<DynamicPlan> ListSchedule(const DynStep& step, const ScheduleOptio
     std::vector<int32_t> seqs;
   };
   std::vector<Pack> packs;
-  std::vector<double> free_at(static_cast<size_t>(domain), 0.0);
-  std::vector<int32_t> last_pack(static_cast<size_t>(domain), -1);
-  std::vector<int> deque(static_cast<size_t>(domain));
-  for (int32_t i : order) {
+  for (int32_t i : mold.order) {
     double best_finish = std::numeric_limits<double>::infinity();
     int best_rank = 0;
-    const Option* best = nullptr;
-    const double limit = (1.0 + eps) * w_min[static_cast<size_t>(i)];
-    for (int64_t k = first[static_cast<size_t>(i)]; k < first[static_cast<size_t>(i) + 1]; ++k) {
-      const Option& op = options[static_cast<size_t>(k)];
+    const Moldable::Option* best = nullptr;
+    const double limit = (1.0 + eps) * mold.w_min[static_cast<size_t>(i)];
+    // No window of c ranks starts before the earliest window of fewer ranks (a window of c
+    // contains one of c - 1, whose maximum is no larger), nor before the earliest free rank:
+    // sizes, visited by increasing c, whose time from that bound cannot beat the best (finish,
+    // then smaller c) are not searched, and none is once the bound reaches the best finish.
+    double start_bound = *std::min_element(free_at.begin(), free_at.end());
+    for (int64_t k = mold.first[static_cast<size_t>(i)]; k < mold.first[static_cast<size_t>(i) + 1];
+         ++k) {
+      const Moldable::Option& op = mold.options[static_cast<size_t>(k)];
       if (op.rank_seconds > limit) continue;
       const int c = sizes[static_cast<size_t>(op.size)].c;
-      // Earliest window of c ranks: the least max of free_at over a window (sliding maximum
-      // with a deque of indices of decreasing free_at), ties to the lowest first rank.
-      int head = 0, tail = 0;
-      double start = std::numeric_limits<double>::infinity();
-      int rank = 0;
-      for (int r = 0; r < domain; ++r) {
-        while (tail > head && free_at[static_cast<size_t>(deque[static_cast<size_t>(tail - 1)])] <=
-                                  free_at[static_cast<size_t>(r)]) {
-          --tail;
-        }
-        deque[static_cast<size_t>(tail++)] = r;
-        if (deque[static_cast<size_t>(head)] <= r - c) ++head;
-        if (r >= c - 1) {
-          const double s = free_at[static_cast<size_t>(deque[static_cast<size_t>(head)])];
-          if (s < start) {
-            start = s;
-            rank = r - c + 1;
-          }
-        }
+      if (!plain && start_bound + op.seconds >= best_finish) {
+        if (start_bound >= best_finish) break;
+        continue;
       }
+      int rank = 0;
+      const double start = plain ? EarliestWindowPlain(free_at, c, &rank)
+                                 : EarliestWindow(free_at, c, deque, &rank);
+      start_bound = std::max(start_bound, start);
       const double finish = start + op.seconds;
       if (finish < best_finish) {
         best_finish = finish;
@@ -343,6 +389,13 @@ Result<ParallelLayout> GroupLayout(const ScheduleOptions& o, int c) {
 
 Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
                                     const ScheduleOptions& options) {
+  return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false);
+}
+
+namespace internal {
+
+Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
+                                        const ScheduleOptions& options, bool plain) {
   THDPACK_RETURN_IF_ERROR(ValidateDynamicOptions(options));
   const int domain = options.dp_size * options.parallel.cp_size();
   THDPACK_ASSIGN_OR_RETURN(std::vector<Size> sizes, AllowedSizes(options, domain));
@@ -355,8 +408,10 @@ Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
     if (!best.has_value() || candidate->step_time < best->step_time) best = std::move(candidate);
     return Status::Ok();
   };
+  const Moldable mold = MakeMoldable(step, options, sizes);
   for (double eps : kSlacks) {
-    THDPACK_RETURN_IF_ERROR(consider(ListSchedule(step, options, sizes, domain, eps)));
+    THDPACK_RETURN_IF_ERROR(
+        consider(ListSchedule(step, options, sizes, mold, domain, eps, plain)));
   }
   for (const Size& size : sizes) {
     if (domain % size.c != 0) continue;
@@ -370,6 +425,8 @@ Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
   best->skipped = std::move(step.skipped);
   return std::move(*best);
 }
+
+}  // namespace internal
 
 Status ValidateDynamicPlan(std::span<const SampleLength> samples, const ScheduleOptions& o,
                            const DynamicPlan& plan) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "schedule/scheduler_internal.h"
 #include "schedule/scheduler_test_util.h"
 #include "thdpack/schedule.h"
 
@@ -112,6 +113,30 @@ TEST(DynamicSchedulerTest, InvariantsOnRandomSteps) {
     }
   }
   EXPECT_GT(checked, 40);
+}
+
+// The fast list scheduling (sliding-window maxima, window searches skipped when they cannot
+// win) against its plain reference (every window in full, nothing skipped): the same plans
+// on fresh random steps.
+TEST(DynamicSchedulerTest, FastPassEqualsPlainReference) {
+  std::mt19937_64 rng(99);
+  const int topologies[][2] = {{1, 1}, {3, 1}, {2, 3}, {4, 4}, {7, 1}, {16, 1}};
+  for (int trial = 0; trial < 60; ++trial) {
+    const auto& topo = topologies[trial % 6];
+    const int64_t max_tokens = std::uniform_int_distribution<int64_t>(64, 512)(rng);
+    ScheduleOptions o = Options(topo[0], topo[1], max_tokens);
+    o.oversize = ScheduleOptions::OversizePolicy::kSkip;
+    if (trial % 3 == 0) o.step_time = SmallModel("1000,1e5");
+    const auto samples = WithIds(
+        RandomLengths(rng, std::uniform_int_distribution<size_t>(1, 120)(rng),
+                      max_tokens * topo[0] * topo[1]),
+        rng());
+    Result<DynamicPlan> fast = internal::ScheduleDynamicImpl(samples, o, false);
+    Result<DynamicPlan> plain = internal::ScheduleDynamicImpl(samples, o, true);
+    ASSERT_EQ(fast.ok(), plain.ok());
+    if (!fast.ok()) continue;
+    EXPECT_TRUE(SamePlan(*fast, *plain)) << "trial " << trial;
+  }
 }
 
 // D = 4, budget 100 tokens a rank, no padding beyond 2c: one sequence of 390 tokens needs all
