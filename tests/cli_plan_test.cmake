@@ -344,3 +344,11 @@ expect_error(ARGS --cp-sizes odd EXPECT "--cp-sizes" "odd")
 expect_error(ARGS --data lengths:${WORK_DIR}/five.txt --dp 2 --cp 2 --max-tokens-per-rank 8
              --global-batch all --steps 1 ${small_model} --scheduler dynamic
              EXPECT "sample id 4" "oversize")
+
+# Ranks idle in a microbatch: 40 tokens need all 4 ranks of 12 (padded to 40 <= 48), and the
+# two 1-token sequences then leave ranks without work; the memory figures skip those.
+file(WRITE "${WORK_DIR}/idle.txt" "40\n1\n1\n")
+run_plan(j --data lengths:${WORK_DIR}/idle.txt --dp 4 --cp 1 --max-tokens-per-rank 12
+         --global-batch all --steps 1 ${small_model} --scheduler dynamic --json)
+expect_json("${j}" 3 steps 0 n_samples)
+expect_json("${j}" "{\"1\":2,\"4\":1}" steps 0 cp_degrees)

@@ -59,6 +59,10 @@ Result<PlannedStep> PlanDynamicStep(const Job& job, const StepSamples& step, boo
   for (size_t c = 1; c < by_degree.size(); ++c) {
     if (by_degree[c] > 0) f.cp_degrees.emplace_back(static_cast<int>(c), by_degree[c]);
   }
+  // A rank holds no buffer in a microbatch where it is in no group.
+  for (ReplicaFigures& r : shards.replicas) {
+    std::erase_if(r.microbatches, [](const MicrobatchFigures& mb) { return mb.n_samples == 0; });
+  }
   if (sample_ids) f.groups = std::move(plan->microbatches);
   ScheduleOptions shard_options = job.schedule;
   THDPACK_ASSIGN_OR_RETURN(shard_options.parallel, GroupLayout(job.schedule, 1));
