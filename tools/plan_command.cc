@@ -284,9 +284,11 @@ void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
     std::printf("  logits per rank    - (no vocabulary: pass --vocab-size or a model --cost)\n");
   }
   const StepMemoryFigures& b = memory[fullest];
-  std::printf("  buffers per rank   %s held by thdpack (step %lld, replica %d, %d microbatch%s)\n",
+  // A dynamic plan's figures hold the domain's ranks in place of replicas.
+  std::printf("  buffers per rank   %s held by thdpack (step %lld, %s %d, %d microbatch%s)\n",
               BinaryBytes(b.buffers.total).c_str(), static_cast<long long>(steps[fullest].step),
-              b.busiest_replica, b.num_microbatches, b.num_microbatches == 1 ? "" : "es");
+              steps[fullest].dynamic ? "rank" : "replica", b.busiest_replica, b.num_microbatches,
+              b.num_microbatches == 1 ? "" : "es");
 }
 
 void PrintTable(const std::vector<StepFigures>& steps) {
