@@ -140,7 +140,6 @@ double Pow2Time(const std::vector<SampleLength>& samples, int domain, const std:
   }
   plan.num_microbatches = static_cast<int>(plan.microbatches.size());
   // Arrival order inside each group, as the library's plans hold them.
-  std::vector<int64_t> position(samples.size());
   for (auto& groups : plan.microbatches) {
     for (CpGroup& g : groups) std::sort(g.sample_ids.begin(), g.sample_ids.end());
   }
