@@ -32,7 +32,17 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   a->steps_option = cmd->add_option(
       "--steps", a->steps,
       "Steps (default 3, or 1 with --global-batch all; the source wraps into the next epoch)");
-  cmd->add_option("--scheduler", o.scheduler, "balanced | sequential")->capture_default_str();
+  cmd->add_option("--scheduler", o.scheduler,
+                  "balanced | sequential | dynamic (a CP group per microbatch and sequence, "
+                  "plan only; needs a model --cost)")
+      ->capture_default_str();
+  cmd->add_option("--cp-sizes", o.cp_sizes,
+                  "Group sizes of --scheduler dynamic: any (1 to DP*CP) | pow2")
+      ->capture_default_str();
+  cmd->add_option("--hw", o.hw,
+                  "Hardware of the step-time model (sim_step_time): h100-ib (R=400e12 FLOP/s, "
+                  "B=25e9 B/s) | h100-nvlink (B=200e9) | R,B")
+      ->capture_default_str();
   cmd->add_option("--cost", o.cost,
                   "Cost model: tokens | llama2-7b | llama3-8b | A,B | "
                   "l=..,h=..,nh=..,nkv=..,f=..,v=.. (FLOPs are shown for models)")

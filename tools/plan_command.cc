@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,23 @@ std::string Num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.4g", v);
   return buf;
+}
+
+// The modelled step time in seconds, or "-" without model dimensions.
+std::string Seconds(const std::optional<double>& s) {
+  if (!s.has_value()) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", *s);
+  return buf;
+}
+
+// "1:812 2:40 4:3": sequences per CP degree of a dynamic step.
+std::string CpDegrees(const StepFigures& f) {
+  std::string out;
+  for (const auto& [c, count] : f.cp_degrees) {
+    out += (out.empty() ? "" : " ") + std::to_string(c) + ":" + std::to_string(count);
+  }
+  return out;
 }
 
 constexpr const char* kPalette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
@@ -146,6 +164,54 @@ std::string DrawPanel(const StepFigures& f, size_t k, double plot_w) {
   return s;
 }
 
+// Panel k of a dynamic plan: one row per microbatch (top to bottom), one column per rank of
+// the domain, one <rect class="group"> per CP group spanning its ranks, coloured by its size,
+// its tooltip listing its ranks and samples.
+std::string DrawGroupsPanel(const StepFigures& f, size_t k, double plot_w) {
+  const double left = kLeft, top = kTop, panel_h = kPanelHeight, gap = kGap;
+  std::string s;
+  const double y0 = top + k * (panel_h + gap) + 20;
+  const int domain = static_cast<int>(f.plan.replicas.size());
+  const int m_count = std::max(1, f.plan.num_microbatches);
+  const double col = plot_w / std::max(1, domain);
+  const double row = panel_h / m_count;
+  char title[200];
+  std::snprintf(title, sizeof title,
+                "step %lld (epoch %lld): %d microbatches, modelled time %s s, CP degrees %s",
+                static_cast<long long>(f.step), static_cast<long long>(f.epoch),
+                f.plan.num_microbatches, Seconds(f.sim_step_time).c_str(), CpDegrees(f).c_str());
+  s += "<g class=\"step\" data-step=\"" + std::to_string(f.step) + "\">\n";
+  s += "<text x=\"" + Num(left) + "\" y=\"" + Num(y0 - 8) + "\" font-weight=\"bold\">" +
+       XmlEscape(title) + "</text>\n";
+  s += "<rect x=\"" + Num(left) + "\" y=\"" + Num(y0) + "\" width=\"" + Num(plot_w) +
+       "\" height=\"" + Num(panel_h) + "\" fill=\"none\" stroke=\"black\"/>\n";
+  s += "<text x=\"" + Num(left + plot_w / 2) + "\" y=\"" + Num(y0 + panel_h + 20) +
+       "\" text-anchor=\"middle\">rank of the DP x CP domain</text>\n";
+  s += "<text x=\"" + Num(left - 10) + "\" y=\"" + Num(y0 + 12) +
+       "\" text-anchor=\"end\">microbatch 0</text>\n";
+  for (size_t m = 0; m < f.groups.size(); ++m) {
+    for (const CpGroup& g : f.groups[m]) {
+      std::string ids;
+      for (size_t i = 0; i < g.sample_ids.size() && i < 32; ++i) {
+        ids += (i ? "," : "") + std::to_string(g.sample_ids[i]);
+      }
+      if (g.sample_ids.size() > 32) ids += ",...";
+      s += "<rect class=\"group\" x=\"" + Num(left + g.first_rank * col) + "\" y=\"" +
+           Num(y0 + m * row) + "\" width=\"" + Num(g.num_ranks * col) + "\" height=\"" +
+           Num(row) + "\" fill=\"" + kPalette[(g.num_ranks - 1) % kPaletteSize] +
+           "\" stroke=\"white\" stroke-width=\"0.5\"><title>" +
+           XmlEscape("microbatch " + std::to_string(m) + ": ranks " +
+                     std::to_string(g.first_rank) + "-" +
+                     std::to_string(g.first_rank + g.num_ranks - 1) + " (CP " +
+                     std::to_string(g.num_ranks) + "), " + std::to_string(g.sample_ids.size()) +
+                     " samples; ids " + ids) +
+           "</title></rect>\n";
+    }
+  }
+  s += "</g>\n";
+  return s;
+}
+
 // The legend of microbatch colours, right of the panels.
 std::string DrawLegend(int max_m, double plot_w) {
   const double left = kLeft, top = kTop;
@@ -182,14 +248,20 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const JobOptions& arg
   s += "<rect x=\"0\" y=\"0\" width=\"" + Num(width) + "\" height=\"" + Num(height) +
        "\" fill=\"white\"/>\n";
   s += "<text x=\"" + Num(left) + "\" y=\"24\" font-size=\"15\" font-weight=\"bold\">" +
-       XmlEscape("thdpack plan: per-replica load (cost per rank, " + cost_name + "), DP=" +
+       XmlEscape(std::string(args.scheduler == "dynamic"
+                                 ? "thdpack plan: CP groups per microbatch (colour: group size, "
+                                 : "thdpack plan: per-replica load (cost per rank, ") +
+                 cost_name + "), DP=" +
                  std::to_string(args.dp) + " CP=" + std::to_string(args.cp) + ", " +
                  args.scheduler + " scheduler") +
        "</text>\n";
   int max_m = 1;
   for (size_t k = 0; k < n_panels; ++k) max_m = std::max(max_m, steps[k].plan.num_microbatches);
-  for (size_t k = 0; k < n_panels; ++k) s += DrawPanel(steps[k], k, plot_w);
-  s += DrawLegend(max_m, plot_w);
+  const bool dynamic = n_panels > 0 && steps.front().dynamic;
+  for (size_t k = 0; k < n_panels; ++k) {
+    s += dynamic ? DrawGroupsPanel(steps[k], k, plot_w) : DrawPanel(steps[k], k, plot_w);
+  }
+  if (!dynamic) s += DrawLegend(max_m, plot_w);
   s += "</svg>\n";
   return s;
 }
@@ -212,23 +284,27 @@ void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
     std::printf("  logits per rank    - (no vocabulary: pass --vocab-size or a model --cost)\n");
   }
   const StepMemoryFigures& b = memory[fullest];
-  std::printf("  buffers per rank   %s held by thdpack (step %lld, replica %d, %d microbatch%s)\n",
+  // A dynamic plan's figures hold the domain's ranks in place of replicas.
+  std::printf("  buffers per rank   %s held by thdpack (step %lld, %s %d, %d microbatch%s)\n",
               BinaryBytes(b.buffers.total).c_str(), static_cast<long long>(steps[fullest].step),
-              b.busiest_replica, b.num_microbatches, b.num_microbatches == 1 ? "" : "es");
+              steps[fullest].dynamic ? "rank" : "replica", b.busiest_replica, b.num_microbatches,
+              b.num_microbatches == 1 ? "" : "es");
 }
 
 void PrintTable(const std::vector<StepFigures>& steps) {
-  std::printf("\n%6s %5s %5s %8s %7s %10s %8s %7s %14s %14s %11s\n", "step", "epoch", "M",
+  const bool dynamic = !steps.empty() && steps.front().dynamic;
+  std::printf("\n%6s %5s %5s %8s %7s %10s %8s %7s %14s %14s %11s %10s%s\n", "step", "epoch", "M",
               "samples", "skipped", "imbalance", "pad%", "fill%", "real tokens", "padded tokens",
-              "FLOPs");
+              "FLOPs", "sim time s", dynamic ? "  CP degree:sequences" : "");
   for (const StepFigures& f : steps) {
     const PlanFigures& p = f.plan;
-    std::printf("%6lld %5lld %5d %8lld %7lld %10.4f %8.2f %7.2f %14s %14s %11s\n",
+    std::printf("%6lld %5lld %5d %8lld %7lld %10.4f %8.2f %7.2f %14s %14s %11s %10s%s%s\n",
                 static_cast<long long>(f.step), static_cast<long long>(f.epoch),
                 p.num_microbatches, static_cast<long long>(p.n_samples),
                 static_cast<long long>(p.n_skipped), p.imbalance, 100 * p.pad_fraction,
                 100 * p.fill, Thousands(p.real_tokens).c_str(),
-                Thousands(p.padded_tokens).c_str(), Flops(f.has_flops, f.flops).c_str());
+                Thousands(p.padded_tokens).c_str(), Flops(f.has_flops, f.flops).c_str(),
+                Seconds(f.sim_step_time).c_str(), dynamic ? "  " : "", CpDegrees(f).c_str());
   }
 }
 
@@ -264,6 +340,12 @@ void PrintSummary(const JobPlan& plan) {
   std::printf("  fill               %.2f%% of M * DP * CP * max tokens per rank\n",
               100 * summary.fill);
   std::printf("  training FLOPs     %s\n", Flops(summary.has_flops, summary.flops).c_str());
+  if (summary.has_sim_step_time) {
+    std::printf("  modelled time      %s s over all steps (step-time model, --hw)\n",
+                Seconds(summary.sim_step_time).c_str());
+  } else {
+    std::printf("  modelled time      - (no model dimensions: pass a model --cost)\n");
+  }
   PrintMemorySummary(plan.memory, plan.steps);
   PrintSkipped(plan.steps);
 }
@@ -271,10 +353,10 @@ void PrintSummary(const JobPlan& plan) {
 void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
   const JobOptions& o = job.options;
   std::printf("thdpack plan: data %s, DP=%d CP=%d TP=%d PP=%d%s, %lld max tokens per rank, "
-              "global batch %s, %s scheduler, cost %s\n",
+              "global batch %s, %s scheduler, cost %s, hw %s\n",
               o.data.c_str(), o.dp, o.cp, o.tp, o.pp, o.sp ? " SP" : "",
               static_cast<long long>(o.max_tokens_per_rank), args.job.global_batch.c_str(),
-              o.scheduler.c_str(), job.schedule.cost.name.c_str());
+              o.scheduler.c_str(), job.schedule.cost.name.c_str(), o.hw.c_str());
   if (!args.summary_only) PrintTable(plan.steps);
   PrintSummary(plan);
   if (!args.svg.empty()) std::printf("  chart              %s\n", args.svg.c_str());
@@ -294,6 +376,7 @@ Result<JobPlan> PlanWithProgress(const PlanArgs& args, const Job& job) {
         if (!keep_detail && static_cast<size_t>(done) >= kMaxSvgSteps) {
           step.figures.sample_ids.clear();
           step.figures.plan.replicas.clear();
+          step.figures.groups.clear();
         }
         bar.Update(++done);
         return Status::Ok();

@@ -17,6 +17,7 @@
 #ifndef THDPACK_COST_H_
 #define THDPACK_COST_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -94,6 +95,81 @@ struct LengthSums {
 
 // Training FLOPs of a step (double: totals of whole epochs exceed 2^63).
 double TrainingFlops(const FlopsCoefficients& coef, int64_t sum_p, double sum_p_sq);
+
+// ---- The step-time model (docs/scheduling.md "The step-time model"). ----
+//
+// One yardstick for every scheduler. A sequence of padded length P on a CP group of c ranks
+// costs each of those ranks
+//   t(P, c) = max(F(P) / (c*R), X(P, c)) seconds,
+//   F(P)    = per_token*P + per_token_sq*P^2            (training FLOPs of that sequence)
+//   X(P, c) = 3 * (c-1)/c * P * l * 4*h*n_kv/n_h / B    (ring exchange of bf16 K and V,
+//                                                         forward plus backward; 0 for c = 1)
+// with R the achieved FLOP/s and B the CP link bandwidth (bytes/s) of one rank of the DP x CP
+// domain (with TP > 1, a TP group counts as one rank). A group's microbatch takes the sum over
+// its sequences; SimulateStepTime turns the groups of a step into its time.
+
+// The hardware of the model.
+struct Hardware {
+  double flops_per_second = 400e12;  // R, achieved, per rank of the domain
+  double link_bytes_per_second = 25e9;  // B, CP link bandwidth per rank
+  std::string name = "h100-ib";
+};
+
+// "h100-ib" (R = 400e12, B = 25e9, the default), "h100-nvlink" (R = 400e12, B = 200e9), or
+// "R,B" (two positive finite numbers). Errors name the spec and the rule.
+[[nodiscard]] Result<Hardware> ParseHardwareSpec(std::string_view spec);
+
+class StepTimeModel {
+ public:
+  // REQUIRES (checked): valid dims (ValidateModelDims), R and B positive and finite.
+  [[nodiscard]] static Result<StepTimeModel> Create(const ModelDims& dims,
+                                                    const Hardware& hardware);
+
+  const ModelDims& dims() const { return dims_; }
+  const Hardware& hardware() const { return hardware_; }
+
+  // F(P): training FLOPs of one sequence of padded length P.
+  double SequenceFlops(int64_t padded_length) const {
+    const double p = static_cast<double>(padded_length);
+    return per_token_ * p + per_token_sq_ * p * p;
+  }
+  // X(P, c) in seconds; 0 for c = 1. REQUIRES c >= 1.
+  double ExchangeSeconds(int64_t padded_length, int64_t c) const {
+    if (c <= 1) return 0.0;
+    const double cd = static_cast<double>(c);
+    return 3.0 * (cd - 1.0) / cd * static_cast<double>(padded_length) * kv_bytes_per_token_ /
+           hardware_.link_bytes_per_second;
+  }
+  // t(P, c) in seconds, per rank of the group. REQUIRES c >= 1.
+  double SequenceSeconds(int64_t padded_length, int64_t c) const {
+    const double compute =
+        SequenceFlops(padded_length) / (static_cast<double>(c) * hardware_.flops_per_second);
+    return std::max(compute, ExchangeSeconds(padded_length, c));
+  }
+
+ private:
+  ModelDims dims_;
+  Hardware hardware_;
+  double per_token_ = 0;
+  double per_token_sq_ = 0;
+  double kv_bytes_per_token_ = 0;  // l * 4*h*n_kv/n_h: K and V in bf16 over all layers
+};
+
+// One group's microbatch in a step: ranks [first_rank, first_rank + num_ranks) of the domain
+// together, for `seconds` (its slowest member's time).
+struct GroupTask {
+  int32_t first_rank = 0;
+  int32_t num_ranks = 1;
+  double seconds = 0;
+};
+
+// The step time of a dependency graph: tasks in microbatch order (the groups of microbatch 0,
+// then of 1, ...; the groups of one microbatch are disjoint). A task starts when every one of
+// its ranks has finished its previous task and ends `seconds` later; the step ends when every
+// rank has. For a static plan (every replica one group in every microbatch) this is the
+// largest replica's sum. Errors: domain_size < 1, a task outside [0, domain_size) or with
+// num_ranks < 1, seconds negative or not finite (naming the task).
+[[nodiscard]] Result<double> SimulateStepTime(int domain_size, std::span<const GroupTask> tasks);
 
 }  // namespace thdpack
 

@@ -4,9 +4,12 @@
 // Per step (JSON keys in this order): step, epoch, num_microbatches, n_samples, n_skipped,
 // skipped (ids left out by the oversize policy: never silent), real_tokens, padded_tokens,
 // sum_sq, n_loss_tokens, imbalance, pad_fraction, fill, flops (null when the cost model has no
-// model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, then - unless
-// summary_only - replicas: [{cost, microbatches: [{samples, real_tokens, padded_tokens, cost}]}],
-// then the caller's extra fields (`run` adds bytes_sent, loss, time_*, ...). Costs are per rank
+// model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, sim_step_time (the
+// modelled step time in seconds, null without model dimensions), for dynamic plans cp_degrees
+// ({"c": sequences on groups of c ranks}), then - unless summary_only - replicas: [{cost,
+// microbatches: [{samples, real_tokens, padded_tokens, cost}]}] (for dynamic plans one per rank
+// of the domain, samples empty: they are in groups), for dynamic plans groups: [per microbatch
+// [{ranks: [domain indices], samples: [ids]}]], then the caller's extra fields (`run` adds bytes_sent, loss, time_*, ...). Costs are per rank
 // (schedule.h); flops are the whole step's (all replicas, docs/design.md section 3).
 //
 // Determinism: numbers are printed by one formatter (integers exactly; doubles as the shortest
@@ -43,6 +46,14 @@ struct StepFigures {
   int64_t capacity_tokens = 0;
   std::vector<int64_t> skipped;                          // ids, in input order
   std::vector<std::vector<std::vector<int64_t>>> sample_ids;  // [replica][microbatch] ids
+  // The modelled step time in seconds (schedule.h's PlanStepTime / DynamicPlanStepTime);
+  // nullopt without model dimensions (printed as null).
+  std::optional<double> sim_step_time;
+  // Dynamic plans only (dynamic true): sequences per CP degree ({c, count}, c increasing) and,
+  // with sample ids, the groups of every microbatch ([M][groups]).
+  bool dynamic = false;
+  std::vector<std::pair<int, int64_t>> cp_degrees;
+  std::vector<std::vector<CpGroup>> groups;
 };
 
 // The FLOPs coefficients behind a cost spec (cost.h): a value for presets and dimensions
@@ -86,6 +97,8 @@ struct SummaryFigures {
   double flops = 0;           // total; has_flops when every step has FLOPs
   bool has_flops = false;
   double max_microbatch_spread = 0;
+  double sim_step_time = 0;        // total over steps; has_sim_step_time when every step has one
+  bool has_sim_step_time = false;
 };
 
 SummaryFigures Summarize(std::span<const StepFigures> steps);
@@ -101,7 +114,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
 // Summary keys, in order: n_steps, first_epoch, last_epoch, num_microbatches,
 // max_num_microbatches, n_samples, n_skipped, real_tokens, padded_tokens, sum_sq,
 // n_loss_tokens, mean_imbalance, max_imbalance, pad_fraction, fill, flops (or null),
-// max_microbatch_spread, then extra_fields.
+// max_microbatch_spread, sim_step_time (total, or null), then extra_fields.
 std::string SummaryFiguresJson(const SummaryFigures& s,
                                std::span<const std::pair<std::string, std::string>> extra_fields = {});
 

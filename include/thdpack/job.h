@@ -58,7 +58,11 @@ struct JobOptions {
   int64_t global_batch = 256;
   // --steps, >= 1; nullopt (the default): 1 with global_batch 0 ("all"), else 3.
   std::optional<int64_t> steps;
-  std::string scheduler = "balanced";  // --scheduler: balanced | sequential
+  std::string scheduler = "balanced";  // --scheduler: balanced | sequential | dynamic
+  std::string cp_sizes = "any";        // --cp-sizes: any | pow2 (group sizes of dynamic)
+  // --hw: h100-ib | h100-nvlink | R,B: the hardware of the step-time model (cost.h), used with
+  // a model --cost (sim_step_time; the dynamic scheduler needs it).
+  std::string hw = "h100-ib";
   // --cost: tokens | llama2-7b | llama3-8b | A,B | l=..,h=..,nh=..,nkv=..,f=..,v=.. (cost.h)
   std::string cost = "llama2-7b";
   int microbatch_multiple = 1;  // --microbatch-multiple, >= 1
@@ -87,6 +91,7 @@ struct Job {
   // FLOPs coefficients for presets and dimensions, nullopt for tokens and A,B.
   std::optional<ModelDims> model;
   std::optional<FlopsCoefficients> flops;
+  // The step-time model (model dimensions and --hw) is schedule.step_time: set with a model.
   MemoryReportOptions memory;  // vocab_size from the model when not given
   DataOn data_on = DataOn::kTp0;
 };

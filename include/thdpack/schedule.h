@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -56,6 +57,12 @@ struct ScheduleOptions {
   enum class Scheduler {
     kSequential,  // Megatron-LM's dp_balanced: next-fit in arrival order (without its assert)
     kBalanced,    // cost-aware: smallest straggler cost, then fewest microbatches
+    kDynamic,     // a CP group per microbatch and sequence: ScheduleDynamic (not Schedule)
+  };
+  // The CP group sizes the dynamic scheduler may use.
+  enum class CpSizes {
+    kAny,   // any size 1..D
+    kPow2,  // powers of two only (1, 2, 4, ... <= D)
   };
 
   int dp_size = 1;                 // DP >= 1
@@ -74,14 +81,22 @@ struct ScheduleOptions {
   // The search also stops as soon as a plan within 1% of the lower bound is found, since no
   // larger M could then improve the straggler by more than 1%.
   int max_microbatch_search = 8;
+  // Dynamic only: the group sizes it may use (default any).
+  CpSizes cp_sizes = CpSizes::kAny;
+  // The step-time model (cost.h). Required by the dynamic scheduler, which minimises the step
+  // time it gives; PlanStepTime / DynamicPlanStepTime report it for any plan. Unset (nullopt)
+  // with the `tokens` and `A,B` costs, which have no model dimensions.
+  std::optional<StepTimeModel> step_time;
 };
 
-// "sequential" / "balanced", "error" / "skip".
+// "sequential" / "balanced" / "dynamic", "error" / "skip", "any" / "pow2".
 std::string_view SchedulerName(ScheduleOptions::Scheduler scheduler);
 std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy policy);
 // Inverse of the names above; InvalidArgument naming the text otherwise.
 [[nodiscard]] Result<ScheduleOptions::Scheduler> ParseSchedulerName(std::string_view name);
 [[nodiscard]] Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name);
+std::string_view CpSizesName(ScheduleOptions::CpSizes sizes);
+[[nodiscard]] Result<ScheduleOptions::CpSizes> ParseCpSizes(std::string_view name);
 
 // The padded tokens one replica's microbatch may hold: CP * max_tokens_per_rank.
 inline int64_t MicrobatchBudget(const ScheduleOptions& o) {
@@ -109,7 +124,9 @@ struct Plan {
   }
 };
 
-// Schedules one step. Errors (InvalidArgument unless noted), each naming what is wrong:
+// Schedules one step with the sequential or the balanced scheduler (the dynamic one gives a
+// DynamicPlan: ScheduleDynamic; here it is an InvalidArgument error saying so).
+// Errors (InvalidArgument unless noted), each naming what is wrong:
 //   - an option out of range; duplicate ids; L < 1; n_targets outside [0, L];
 //   - oversize policy kError and a sample whose padded length exceeds the budget (names the id,
 //     its length, its padded length and the budget);
@@ -232,6 +249,82 @@ struct ScheduledPlan {
 // OutOfRange if sum_sq overflows int64 (as ComputePlanFigures).
 [[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
                                                         const ScheduleOptions& options);
+
+// ---- The step-time model applied to plans (cost.h; docs/scheduling.md). ----
+
+// The modelled step time (seconds) of a static plan: replica d is the group of the CP
+// contiguous domain ranks d*CP .. d*CP + CP - 1 in every microbatch, each sequence costs
+// t(P, CP) with P its padded length (the SP tail on a microbatch's last sequence, as packed),
+// and SimulateStepTime gives the step. REQUIRES: ValidatePlan OK (checked) and
+// options.step_time set (InvalidArgument otherwise).
+[[nodiscard]] Result<double> PlanStepTime(std::span<const SampleLength> samples,
+                                          const ScheduleOptions& options, const Plan& plan);
+
+// ---- The dynamic scheduler (scheduler_dynamic.cc; docs/scheduling.md "Dynamic CP"). ----
+//
+// The DP x CP ranks form one domain of D = DP * CP ranks, numbered dp*CP + cp. In each
+// microbatch the plan splits (part of) the domain into CP groups of contiguous ranks, of any
+// size 1..D (or powers of two with CpSizes::kPow2), and gives each group its sequences, packed
+// and zigzag-sharded over the group with the group's own layout: ParallelLayout(c, TP, SP,
+// extra alignment) of options.parallel with CP = c. A rank in no group holds nothing in that
+// microbatch.
+
+// One CP group of one microbatch.
+struct CpGroup {
+  int first_rank = 0;  // domain index of its first rank; it holds first_rank .. + num_ranks - 1
+  int num_ranks = 1;   // c
+  std::vector<int64_t> sample_ids;  // its sequences, in arrival order, non-empty
+};
+
+struct DynamicPlan {
+  int domain_size = 0;       // D = DP * CP
+  int num_microbatches = 0;  // M: the same on every rank
+  // [M]: the groups of each microbatch, by first rank, disjoint. A microbatch may be empty
+  // only where M was raised to a multiple of k or to a fixed M.
+  std::vector<std::vector<CpGroup>> microbatches;
+  std::vector<int64_t> skipped;  // oversize ids left out (policy kSkip), input order
+  double step_time = 0;          // the model's step time of this plan (seconds)
+  // How it was made: "groups" (list scheduling) or "static CP=c" (a balanced plan at one CP
+  // size, kept because it was fastest).
+  std::string method;
+};
+
+// The layout of a group of c ranks: options.parallel with CP = c.
+// REQUIRES c >= 1 (InvalidArgument otherwise).
+[[nodiscard]] Result<ParallelLayout> GroupLayout(const ScheduleOptions& options, int c);
+
+// Plans one step with the dynamic scheduler, minimising the modelled step time. Invariants
+// (ValidateDynamicPlan checks them): every sample exactly once or in `skipped` (only under
+// kSkip, only if its padded length exceeds the largest group's budget D * max_tokens_per_rank:
+// the oversize policy), groups of allowed sizes inside the domain, disjoint in a microbatch,
+// each within its budget T <= c * max_tokens_per_rank; M >= 1, a multiple of k, equal to a
+// fixed M; deterministic (ties by sample id, no threads). Errors (InvalidArgument): options
+// out of range, no step_time model ("the dynamic scheduler needs model dimensions"), bad
+// samples, an oversize sample under kError (naming its id, length and the budget), no sample
+// to schedule, a fixed M too small for the plan.
+[[nodiscard]] Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
+                                                  const ScheduleOptions& options);
+
+// Checks the invariants above for `plan` against its inputs (except determinism and
+// step_time). OK or the first violation found.
+[[nodiscard]] Status ValidateDynamicPlan(std::span<const SampleLength> samples,
+                                         const ScheduleOptions& options, const DynamicPlan& plan);
+
+// The modelled step time of a dynamic plan: each group's microbatch takes the sum of t(P, c)
+// over its sequences (P in the group's layout, the SP tail on the last), SimulateStepTime the
+// step. REQUIRES: ValidateDynamicPlan OK (checked) and options.step_time set.
+[[nodiscard]] Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,
+                                                 const ScheduleOptions& options,
+                                                 const DynamicPlan& plan);
+
+// The figures of a dynamic plan, with the domain's ranks in place of replicas: `replicas`
+// has D entries; rank r's microbatch m holds the figures of its group in m (zeros when idle),
+// its cost being cost(P)/c per sequence. Totals count each sequence once; lower_bound is the
+// total cost over D; fill is padded_tokens / (M * D * max_tokens_per_rank).
+// REQUIRES: ValidateDynamicPlan OK (checked).
+[[nodiscard]] Result<PlanFigures> ComputeDynamicPlanFigures(std::span<const SampleLength> samples,
+                                                            const ScheduleOptions& options,
+                                                            const DynamicPlan& plan);
 
 // ---- Fast path from a length histogram (no per-sample expansion). ----
 

@@ -88,6 +88,7 @@ struct PyPlan {
   Plan plan;
   PlanFigures figures;
   std::optional<double> flops;
+  std::optional<double> sim_step_time;  // with a model cost
   std::optional<py::dict> figures_dict;
 
   const py::dict& Figures() {
@@ -96,9 +97,80 @@ struct PyPlan {
   }
 };
 
+// What thdpack.schedule returns for scheduler="dynamic": the groups of every microbatch.
+struct PyDynamicPlan {
+  DynamicPlan plan;
+  PlanFigures figures;
+  std::optional<double> flops;
+
+  py::list Groups() const {
+    py::list out;
+    for (const auto& groups : plan.microbatches) {
+      py::list mb;
+      for (const CpGroup& g : groups) {
+        py::dict gd;
+        std::vector<int64_t> ranks;
+        for (int r = g.first_rank; r < g.first_rank + g.num_ranks; ++r) ranks.push_back(r);
+        gd["ranks"] = ToNumpy(std::move(ranks));
+        gd["samples"] = ToNumpy(std::vector<int64_t>(g.sample_ids));
+        mb.append(gd);
+      }
+      out.append(mb);
+    }
+    return out;
+  }
+};
+
+py::dict DynamicFiguresToDict(const PlanFigures& f, std::optional<double> flops) {
+  py::dict d;
+  d["num_microbatches"] = f.num_microbatches;
+  d["n_samples"] = f.n_samples;
+  d["n_skipped"] = f.n_skipped;
+  d["real_tokens"] = f.real_tokens;
+  d["padded_tokens"] = f.padded_tokens;
+  d["sum_sq"] = f.sum_sq;
+  d["n_loss_tokens"] = f.n_loss_tokens;
+  d["total_cost"] = f.total_cost;
+  d["max_replica_cost"] = f.max_replica_cost;
+  d["lower_bound"] = f.lower_bound;
+  d["imbalance"] = f.imbalance;
+  d["pad_fraction"] = f.pad_fraction;
+  d["fill"] = f.fill;
+  d["flops"] = flops ? py::cast(*flops) : py::none();
+  py::list ranks;
+  for (const ReplicaFigures& r : f.replicas) ranks.append(r.cost);
+  d["rank_costs"] = ranks;
+  return d;
+}
+
 }  // namespace
 
 void BindSchedule(py::module_& m) {
+  py::class_<PyDynamicPlan>(m, "DynamicPlan",
+                            "The dynamic scheduler's plan: CP groups of contiguous ranks of the "
+                            "DP x CP domain per microbatch, each with its sequences.")
+      .def_property_readonly("num_microbatches", [](const PyDynamicPlan& p) { return p.plan.num_microbatches; })
+      .def_property_readonly("domain_size", [](const PyDynamicPlan& p) { return p.plan.domain_size; })
+      .def_property_readonly("scheduler", [](const PyDynamicPlan&) { return std::string("dynamic"); })
+      .def_property_readonly("groups", &PyDynamicPlan::Groups,
+                             "[M] lists of {'ranks': int64 domain indices (dp*CP + cp), "
+                             "'samples': int64 ids in arrival order}.")
+      .def_property_readonly("skipped", [](const PyDynamicPlan& p) {
+        return ToNumpy(std::vector<int64_t>(p.plan.skipped));
+      }, "Oversize ids left out (oversize='skip'), in input order (int64).")
+      .def_property_readonly("sim_step_time", [](const PyDynamicPlan& p) { return p.plan.step_time; },
+                             "The modelled step time in seconds (cost.h's step-time model).")
+      .def_property_readonly("method", [](const PyDynamicPlan& p) { return p.plan.method; },
+                             "'groups' (list scheduling) or 'static CP=c' (the fastest candidate).")
+      .def_property_readonly("figures", [](const PyDynamicPlan& p) {
+        return DynamicFiguresToDict(p.figures, p.flops);
+      }, "Totals (each sequence once) and rank_costs: per-rank cost of every domain rank.")
+      .def("__repr__", [](const PyDynamicPlan& p) {
+        return "<thdpack.DynamicPlan domain_size=" + std::to_string(p.plan.domain_size) +
+               " num_microbatches=" + std::to_string(p.plan.num_microbatches) + " method='" +
+               p.plan.method + "' skipped=" + std::to_string(p.plan.skipped.size()) + ">";
+      });
+
   py::class_<PyPlan>(m, "Plan",
                      "Assignment of sample ids to (replica, microbatch), and its figures.")
       .def_property_readonly("num_microbatches", [](const PyPlan& p) { return p.plan.num_microbatches; })
@@ -115,6 +187,8 @@ void BindSchedule(py::module_& m) {
       }, "Oversize ids left out (oversize='skip'), in input order (int64).")
       .def_property_readonly("figures", [](PyPlan& p) { return p.Figures(); },
                              "The figures of docs/design.md section 10 (costs per rank).")
+      .def_property_readonly("sim_step_time", [](const PyPlan& p) { return p.sim_step_time; },
+                             "The modelled step time in seconds, None without model dimensions.")
       .def("microbatch", [](const PyPlan& p, int replica, int microbatch) {
         if (replica < 0 || replica >= p.plan.dp_size) {
           throw py::value_error("microbatch: replica " + std::to_string(replica) +
@@ -140,7 +214,8 @@ void BindSchedule(py::module_& m) {
       [](const py::handle& lengths_obj, const py::handle& n_targets_obj, const py::handle& ids_obj,
          int dp_size, int cp_size, int tp_size, bool sp, int64_t max_tokens_per_rank,
          const std::string& scheduler, const std::string& cost, int microbatch_multiple,
-         int num_microbatches, const std::string& oversize, int64_t extra_alignment) {
+         int num_microbatches, const std::string& oversize, int64_t extra_alignment,
+         const std::string& hw, const std::string& cp_sizes) -> py::object {
         const IntArrayView lengths(lengths_obj, "lengths");
         std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
@@ -169,9 +244,12 @@ void BindSchedule(py::module_& m) {
         o.microbatch_multiple = microbatch_multiple;
         o.num_microbatches = num_microbatches;
         o.oversize = ValueOrThrow(ParseOversizePolicy(oversize));
+        o.cp_sizes = ValueOrThrow(ParseCpSizes(cp_sizes));
+        const Hardware hardware = ValueOrThrow(ParseHardwareSpec(hw));
         std::optional<FlopsCoefficients> coef;
         if (auto dims = ParseModelDims(cost); dims.ok()) {
           coef = ValueOrThrow(ComputeFlopsCoefficients(*dims));
+          o.step_time = ValueOrThrow(StepTimeModel::Create(*dims, hardware));
         }
         std::vector<SampleLength> samples(lengths.size());
         for (size_t i = 0; i < samples.size(); ++i) {
@@ -180,32 +258,63 @@ void BindSchedule(py::module_& m) {
           samples[i].length = length;
           samples[i].n_targets = n_targets ? (*n_targets)[i] : length - 1;
         }
+        if (o.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+          PyDynamicPlan out;
+          Status status;
+          {
+            py::gil_scoped_release release;
+            Result<DynamicPlan> plan = ScheduleDynamic(samples, o);
+            status = plan.status();
+            if (plan.ok()) {
+              out.plan = std::move(*plan);
+              Result<PlanFigures> figures = ComputeDynamicPlanFigures(samples, o, out.plan);
+              status = figures.status();
+              if (figures.ok()) out.figures = std::move(*figures);
+            }
+          }
+          ThrowIfError(status);
+          if (coef) {
+            out.flops = TrainingFlops(*coef, out.figures.padded_tokens,
+                                      static_cast<double>(out.figures.sum_sq));
+          }
+          return py::cast(std::move(out));
+        }
         Result<ScheduledPlan> scheduled = Status::Internal("not scheduled");
+        std::optional<double> sim_step_time;
         {
           py::gil_scoped_release release;
           scheduled = ScheduleWithFigures(samples, o);
+          if (scheduled.ok() && o.step_time.has_value()) {
+            Result<double> t = PlanStepTime(samples, o, scheduled->plan);
+            if (!t.ok()) scheduled = t.status();
+            else sim_step_time = *t;
+          }
         }
         ThrowIfError(scheduled.status());
         PyPlan out;
         out.plan = std::move(scheduled->plan);
         out.figures = std::move(scheduled->figures);
+        out.sim_step_time = sim_step_time;
         if (coef) {
           out.flops = TrainingFlops(*coef, out.figures.padded_tokens,
                                     static_cast<double>(out.figures.sum_sq));
         }
-        return out;
+        return py::cast(std::move(out));
       },
       py::arg("lengths"), py::arg("n_targets") = py::none(), py::arg("ids") = py::none(),
       py::kw_only(), py::arg("dp_size"), py::arg("cp_size") = 1, py::arg("tp_size") = 1,
       py::arg("sp") = false, py::arg("max_tokens_per_rank"), py::arg("scheduler") = "balanced",
       py::arg("cost") = "tokens", py::arg("microbatch_multiple") = 1,
       py::arg("num_microbatches") = 0, py::arg("oversize") = "error",
-      py::arg("extra_alignment") = 1,
+      py::arg("extra_alignment") = 1, py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: int64 or int32 [n], the real length L of every sample (L >= 1).
 n_targets: loss tokens per sample (default L - 1). ids: sample ids (default 0..n-1).
-Options as ScheduleOptions in thdpack/schedule.h; scheduler "balanced" or "sequential",
+Options as ScheduleOptions in thdpack/schedule.h; scheduler "balanced", "sequential" or
+"dynamic" (needs a model cost; returns a DynamicPlan whose `groups` give, per microbatch, the
+CP groups {'ranks', 'samples'} of the dp_size*cp_size ranks; cp_sizes "any" or "pow2");
+hw the step-time model's hardware ("h100-ib", "h100-nvlink" or "R,B", for sim_step_time),
 cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=.."),
 oversize "error" or "skip", num_microbatches 0 to let the scheduler choose.
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");

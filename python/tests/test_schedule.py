@@ -79,3 +79,57 @@ def test_schedule_errors():
         thdpack.schedule(np.array([5, 6]), dp_size=1, max_tokens_per_rank=100, scheduler="x")
     with pytest.raises(TypeError):
         thdpack.schedule(np.array([5, 6]), dp_size=1)  # max_tokens_per_rank is required
+
+
+def group_padded(length, c):
+    """P of a sequence on a group of c ranks (no extra alignment): a multiple of 2c for c > 1."""
+    m = 2 * c if c > 1 else 1
+    return -(-int(length) // m) * m
+
+
+@pytest.mark.parametrize("dp,cp,k,cp_sizes", [(1, 1, 1, "any"), (3, 1, 1, "any"),
+                                              (2, 3, 2, "any"), (4, 2, 1, "pow2")])
+def test_dynamic_groups(dp, cp, k, cp_sizes):
+    """scheduler="dynamic" returns groups: every id once, contiguous disjoint ranks of the
+    domain, each group within c * max_tokens_per_rank, M a multiple of k."""
+    rng = np.random.default_rng(dp * 10 + cp)
+    domain = dp * cp
+    budget = 256
+    for trial in range(4):
+        n = int(rng.integers(1, 80))
+        lengths = rng.integers(1, budget * domain, size=n)
+        plan = thdpack.schedule(lengths, dp_size=dp, cp_size=cp, max_tokens_per_rank=budget,
+                                scheduler="dynamic", cost="llama3-8b", hw="h100-ib",
+                                cp_sizes=cp_sizes, microbatch_multiple=k)
+        assert plan.domain_size == domain
+        assert plan.num_microbatches % k == 0
+        assert plan.sim_step_time > 0
+        seen = []
+        for groups in plan.groups:
+            used = set()
+            for g in groups:
+                ranks = [int(r) for r in g["ranks"]]
+                c = len(ranks)
+                assert ranks == list(range(ranks[0], ranks[0] + c))
+                assert 0 <= ranks[0] and ranks[-1] < domain
+                assert not used & set(ranks)
+                used |= set(ranks)
+                if cp_sizes == "pow2":
+                    assert c & (c - 1) == 0
+                ids = [int(i) for i in g["samples"]]
+                assert ids == sorted(ids)
+                assert sum(group_padded(lengths[i], c) for i in ids) <= c * budget
+                seen += ids
+        assert sorted(seen) == list(range(n))
+
+
+def test_dynamic_needs_a_model_and_static_plans_report_time():
+    lengths = np.array([100, 200, 300])
+    with pytest.raises(ValueError, match="model dimensions"):
+        thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=512, scheduler="dynamic")
+    plan = thdpack.schedule(lengths, dp_size=1, max_tokens_per_rank=1024, cost="llama2-7b")
+    # One replica of one rank: the sum of F(P) / R over the three sequences, R = 400e12.
+    a, b = 39642464256, 786432
+    expected = sum(a * p + b * p * p for p in (100, 200, 300)) / 400e12
+    assert plan.sim_step_time == pytest.approx(expected, rel=1e-12)
+    assert thdpack.schedule(lengths, dp_size=1, max_tokens_per_rank=1024).sim_step_time is None

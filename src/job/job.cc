@@ -59,6 +59,11 @@ Status ResolveCost(const std::string& spec, Job& job) {
   Result<FlopsCoefficients> flops = ComputeFlopsCoefficients(*dims);
   if (!flops.ok()) return Fail("--cost", flops.status().message());
   job.flops = *flops;
+  Result<Hardware> hw = ParseHardwareSpec(job.options.hw);
+  if (!hw.ok()) return Fail("--hw", hw.status().message());
+  Result<StepTimeModel> model = StepTimeModel::Create(*dims, *hw);
+  if (!model.ok()) return Fail("--cost/--hw", model.status().message());
+  job.schedule.step_time = std::move(*model);
   return Status::Ok();
 }
 
@@ -79,7 +84,19 @@ Status FillSchedule(const JobOptions& o, Job& job) {
   Result<ScheduleOptions::OversizePolicy> oversize = ParseOversizePolicy(o.oversize);
   if (!oversize.ok()) return Fail("--oversize", oversize.status().message());
   s.oversize = *oversize;
-  return ResolveCost(o.cost, job);
+  Result<ScheduleOptions::CpSizes> cp_sizes = ParseCpSizes(o.cp_sizes);
+  if (!cp_sizes.ok()) return Fail("--cp-sizes", cp_sizes.status().message());
+  s.cp_sizes = *cp_sizes;
+  // --hw is checked even without a model, so that a typo is not silent.
+  Result<Hardware> hw = ParseHardwareSpec(o.hw);
+  if (!hw.ok()) return Fail("--hw", hw.status().message());
+  THDPACK_RETURN_IF_ERROR(ResolveCost(o.cost, job));
+  if (s.scheduler == ScheduleOptions::Scheduler::kDynamic && !s.step_time.has_value()) {
+    return Fail("--scheduler", "dynamic minimises the modelled step time, which needs model "
+                               "dimensions: pass a model --cost (llama2-7b, llama3-8b or "
+                               "l=..,h=..,nh=..,nkv=..,f=..,v=..), not \"" + o.cost + "\"");
+  }
+  return Status::Ok();
 }
 
 Status ResolveMemory(const JobOptions& o, Job& job) {
@@ -155,6 +172,10 @@ Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text) {
 }
 
 Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
+  if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+    return Fail("--scheduler", "dynamic is planned only (thdpack plan); run does not carry "
+                               "per-microbatch CP groups yet");
+  }
   RunSetup run;
   run.options = options;
   if (options.verify) {

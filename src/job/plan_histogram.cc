@@ -13,6 +13,20 @@ Result<std::optional<PlannedStep>> PlanHistogramStep(
                            PlanHistogram(histogram, first_id, options));
   if (!plan.has_value()) return std::optional<PlannedStep>();
   PlannedStep out;
+  if (options.step_time.has_value()) {
+    // PlanHistogram applies on DP = 1 without an SP tail: the step is the sum of its
+    // microbatches, each the sum of t(P, CP) over its sequences.
+    double seconds = 0;
+    const int cp = options.parallel.cp_size();
+    for (const MicrobatchClass& c : plan->classes) {
+      double one = 0;
+      for (int64_t l : c.lengths) {
+        one += options.step_time->SequenceSeconds(options.parallel.PaddedLength(l), cp);
+      }
+      seconds += one * static_cast<double>(c.count);
+    }
+    out.figures.sim_step_time = seconds;
+  }
   THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeHistogramStepMemory(*plan, options, memory));
   StepFigures& f = out.figures;
   f.step = step;

@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "thdpack/job.h"
 #include "thdpack/step.h"
@@ -23,16 +24,72 @@ Status ScheduleError(int64_t step, const Status& status) {
   return Status::InvalidArgument("step " + std::to_string(step) + ": " + m + hint);
 }
 
+// A dynamic step: ScheduleDynamic, its figures (the domain's ranks as replicas), the groups,
+// and the memory of each rank's shard: rank r's microbatch holds T/c tokens of its group's
+// T, which is what a CP = 1 microbatch of T/c tokens holds.
+Result<PlannedStep> PlanDynamicStep(const Job& job, const StepSamples& step, bool sample_ids) {
+  Result<DynamicPlan> plan = ScheduleDynamic(step.samples, job.schedule);
+  if (!plan.ok()) return ScheduleError(step.step, plan.status());
+  THDPACK_ASSIGN_OR_RETURN(PlanFigures figures,
+                           ComputeDynamicPlanFigures(step.samples, job.schedule, *plan));
+  PlannedStep out;
+  StepFigures& f = out.figures;
+  f.step = step.step;
+  f.epoch = step.epoch;
+  f.plan = std::move(figures);
+  if (job.flops.has_value()) {
+    f.has_flops = true;
+    f.flops = TrainingFlops(*job.flops, f.plan.padded_tokens, static_cast<double>(f.plan.sum_sq));
+  }
+  f.capacity_tokens = static_cast<int64_t>(plan->num_microbatches) * plan->domain_size *
+                      job.schedule.max_tokens_per_rank;
+  f.skipped = plan->skipped;
+  f.sim_step_time = plan->step_time;
+  f.dynamic = true;
+  std::vector<int64_t> by_degree(static_cast<size_t>(plan->domain_size) + 1, 0);
+  PlanFigures shards = f.plan;  // per-rank shards for the memory figures
+  for (size_t m = 0; m < plan->microbatches.size(); ++m) {
+    for (const CpGroup& g : plan->microbatches[m]) {
+      by_degree[static_cast<size_t>(g.num_ranks)] += static_cast<int64_t>(g.sample_ids.size());
+      for (int r = g.first_rank; r < g.first_rank + g.num_ranks; ++r) {
+        shards.replicas[static_cast<size_t>(r)].microbatches[m].padded_tokens /= g.num_ranks;
+      }
+    }
+  }
+  for (size_t c = 1; c < by_degree.size(); ++c) {
+    if (by_degree[c] > 0) f.cp_degrees.emplace_back(static_cast<int>(c), by_degree[c]);
+  }
+  // A rank holds no buffer in a microbatch where it is in no group.
+  for (ReplicaFigures& r : shards.replicas) {
+    std::erase_if(r.microbatches, [](const MicrobatchFigures& mb) { return mb.n_samples == 0; });
+  }
+  if (sample_ids) f.groups = std::move(plan->microbatches);
+  ScheduleOptions shard_options = job.schedule;
+  THDPACK_ASSIGN_OR_RETURN(shard_options.parallel, GroupLayout(job.schedule, 1));
+  THDPACK_ASSIGN_OR_RETURN(out.memory,
+                           ComputeStepMemoryFromFigures(shards, shard_options, job.memory));
+  return out;
+}
+
 // One step: read, schedule with figures (the library's own plan is not validated again), and
 // memory from the figures. sample_ids false: the figures keep no per-sample ids.
 Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids) {
   Result<StepSamples> step = reader.Next();
   if (!step.ok()) return Status::InvalidArgument("--data: " + step.status().message());
+  if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+    return PlanDynamicStep(job, *step, sample_ids);
+  }
   Result<ScheduledPlan> scheduled = ScheduleWithFigures(step->samples, job.schedule);
   if (!scheduled.ok()) return ScheduleError(step->step, scheduled.status());
   PlannedStep out;
+  if (job.schedule.step_time.has_value()) {
+    THDPACK_ASSIGN_OR_RETURN(out.figures.sim_step_time,
+                             PlanStepTime(step->samples, job.schedule, scheduled->plan));
+  }
+  const std::optional<double> sim_step_time = out.figures.sim_step_time;
   out.figures = MakeStepFigures(step->step, step->epoch, job.schedule, scheduled->plan,
                                 std::move(scheduled->figures), job.flops, sample_ids);
+  out.figures.sim_step_time = sim_step_time;
   THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemoryFromFigures(out.figures.plan,
                                                                     job.schedule, job.memory));
   return out;
@@ -43,7 +100,8 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
 Result<std::optional<PlannedStep>> PlanHistogramEpoch(const Job& job, SampleSource& source,
                                                       int64_t k) {
   const auto* hist = dynamic_cast<const HistogramSource*>(&source);
-  if (hist == nullptr || job.options.global_batch != 0 || job.options.source.shuffle) {
+  if (hist == nullptr || job.options.global_batch != 0 || job.options.source.shuffle ||
+      job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
     return std::optional<PlannedStep>();
   }
   const int64_t n = hist->histogram().num_sequences;

@@ -16,6 +16,10 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
   RunStepReport r;
   THDPACK_ASSIGN_OR_RETURN(r.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
                                                          job.schedule, step.plan, job.flops));
+  if (job.schedule.step_time.has_value()) {
+    THDPACK_ASSIGN_OR_RETURN(r.figures.sim_step_time,
+                             PlanStepTime(step.samples, job.schedule, step.plan));
+  }
   THDPACK_ASSIGN_OR_RETURN(r.memory,
                            ComputeStepMemory(step.samples, job.schedule, step.plan, job.memory));
   r.phases = std::move(phases);

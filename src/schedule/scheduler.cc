@@ -315,7 +315,12 @@ Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Sche
 }  // namespace internal
 
 std::string_view SchedulerName(ScheduleOptions::Scheduler s) {
-  return s == ScheduleOptions::Scheduler::kSequential ? "sequential" : "balanced";
+  switch (s) {
+    case ScheduleOptions::Scheduler::kSequential: return "sequential";
+    case ScheduleOptions::Scheduler::kBalanced: return "balanced";
+    case ScheduleOptions::Scheduler::kDynamic: return "dynamic";
+  }
+  return "balanced";
 }
 
 std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy p) {
@@ -325,8 +330,20 @@ std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy p) {
 Result<ScheduleOptions::Scheduler> ParseSchedulerName(std::string_view name) {
   if (name == "sequential") return ScheduleOptions::Scheduler::kSequential;
   if (name == "balanced") return ScheduleOptions::Scheduler::kBalanced;
+  if (name == "dynamic") return ScheduleOptions::Scheduler::kDynamic;
   return Status::InvalidArgument("scheduler '" + std::string(name) +
-                                 "': expected 'sequential' or 'balanced'");
+                                 "': expected 'sequential', 'balanced' or 'dynamic'");
+}
+
+std::string_view CpSizesName(ScheduleOptions::CpSizes sizes) {
+  return sizes == ScheduleOptions::CpSizes::kPow2 ? "pow2" : "any";
+}
+
+Result<ScheduleOptions::CpSizes> ParseCpSizes(std::string_view name) {
+  if (name == "any") return ScheduleOptions::CpSizes::kAny;
+  if (name == "pow2") return ScheduleOptions::CpSizes::kPow2;
+  return Status::InvalidArgument("CP sizes '" + std::string(name) +
+                                 "': expected 'any' or 'pow2'");
 }
 
 Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name) {
@@ -346,6 +363,11 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
                                                 ScheduleOptions::Scheduler* who,
                                                 PlanFigures* figures = nullptr) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
+  if (options.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+    return Status::InvalidArgument(
+        "schedule: the dynamic scheduler gives per-microbatch CP groups, not replicas: call "
+        "ScheduleDynamic");
+  }
   THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
   THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(*step, options));
   if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {

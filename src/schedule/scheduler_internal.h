@@ -123,6 +123,11 @@ std::vector<int32_t> SortByPaddedThenIdPlain(const PreparedStep& step);
 // per-sample reference of the histogram fast path, also the balanced search's hint for M.
 int64_t BestFitDecreasingBins(const PreparedStep& step);
 
+// ScheduleDynamic (scheduler_dynamic.cc); plain = true is its reference: every window's
+// maximum computed in full and no window search skipped, which must give the same plan.
+[[nodiscard]] Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
+                                                      const ScheduleOptions& options, bool plain);
+
 }  // namespace thdpack::internal
 
 #endif  // THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_

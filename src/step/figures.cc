@@ -82,6 +82,7 @@ SummaryFigures Summarize(std::span<const StepFigures> steps) {
   s.first_epoch = steps.front().epoch;
   s.last_epoch = steps.back().epoch;
   s.has_flops = true;
+  s.has_sim_step_time = true;
   double imbalance_sum = 0;
   for (const StepFigures& f : steps) {
     const PlanFigures& p = f.plan;
@@ -99,8 +100,11 @@ SummaryFigures Summarize(std::span<const StepFigures> steps) {
     s.max_microbatch_spread = std::max(s.max_microbatch_spread, p.max_microbatch_spread);
     s.has_flops = s.has_flops && f.has_flops;
     s.flops += f.flops;
+    s.has_sim_step_time = s.has_sim_step_time && f.sim_step_time.has_value();
+    s.sim_step_time += f.sim_step_time.value_or(0.0);
   }
   if (!s.has_flops) s.flops = 0;
+  if (!s.has_sim_step_time) s.sim_step_time = 0;
   s.mean_imbalance = imbalance_sum / static_cast<double>(steps.size());
   s.pad_fraction = s.padded_tokens > 0 ? 1.0 - static_cast<double>(s.real_tokens) /
                                                    static_cast<double>(s.padded_tokens)
@@ -132,6 +136,12 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["lower_bound"] = p.lower_bound;
   j["max_replica_cost"] = p.max_replica_cost;
   j["max_microbatch_spread"] = p.max_microbatch_spread;
+  j["sim_step_time"] = f.sim_step_time.has_value() ? Json(*f.sim_step_time) : Json(nullptr);
+  if (f.dynamic) {
+    Json degrees = Json::object();
+    for (const auto& [c, count] : f.cp_degrees) degrees[std::to_string(c)] = count;
+    j["cp_degrees"] = std::move(degrees);
+  }
   if (!summary_only) {
     Json replicas = Json::array();
     for (size_t d = 0; d < p.replicas.size(); ++d) {
@@ -154,6 +164,22 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
       replicas.push_back(std::move(rj));
     }
     j["replicas"] = std::move(replicas);
+    if (f.dynamic) {
+      Json microbatches = Json::array();
+      for (const auto& groups : f.groups) {
+        Json gs = Json::array();
+        for (const CpGroup& g : groups) {
+          Json ranks = Json::array();
+          for (int r = g.first_rank; r < g.first_rank + g.num_ranks; ++r) ranks.push_back(r);
+          Json gj;
+          gj["ranks"] = std::move(ranks);
+          gj["samples"] = g.sample_ids;
+          gs.push_back(std::move(gj));
+        }
+        microbatches.push_back(std::move(gs));
+      }
+      j["groups"] = std::move(microbatches);
+    }
   }
   return AppendRawFields(j.dump(), extra_fields);
 }
@@ -178,6 +204,7 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["fill"] = s.fill;
   j["flops"] = s.has_flops ? Json(s.flops) : Json(nullptr);
   j["max_microbatch_spread"] = s.max_microbatch_spread;
+  j["sim_step_time"] = s.has_sim_step_time ? Json(s.sim_step_time) : Json(nullptr);
   return AppendRawFields(j.dump(), extra_fields);
 }
 

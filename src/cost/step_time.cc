@@ -1,0 +1,85 @@
+// The step-time model of thdpack/cost.h: hardware presets, t(P, c) and the dependency-graph
+// simulation of a step's groups.
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "thdpack/cost.h"
+
+namespace thdpack {
+namespace {
+
+bool ParsePositive(std::string_view text, double* out) {
+  const std::string s(text);
+  if (s.empty()) return false;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v) || !(v > 0)) return false;
+  *out = v;
+  return true;
+}
+
+}  // namespace
+
+Result<Hardware> ParseHardwareSpec(std::string_view spec) {
+  if (spec == "h100-ib") return Hardware{400e12, 25e9, "h100-ib"};
+  if (spec == "h100-nvlink") return Hardware{400e12, 200e9, "h100-nvlink"};
+  const size_t comma = spec.find(',');
+  Hardware hw;
+  if (comma != std::string_view::npos && ParsePositive(spec.substr(0, comma), &hw.flops_per_second) &&
+      ParsePositive(spec.substr(comma + 1), &hw.link_bytes_per_second)) {
+    hw.name = std::string(spec);
+    return hw;
+  }
+  return Status::InvalidArgument("hardware spec \"" + std::string(spec) +
+                                 "\" is not one of: h100-ib, h100-nvlink, R,B (two positive "
+                                 "numbers: achieved FLOP/s and CP link bytes/s per rank)");
+}
+
+Result<StepTimeModel> StepTimeModel::Create(const ModelDims& dims, const Hardware& hardware) {
+  THDPACK_RETURN_IF_ERROR(ValidateModelDims(dims));
+  if (!std::isfinite(hardware.flops_per_second) || !(hardware.flops_per_second > 0) ||
+      !std::isfinite(hardware.link_bytes_per_second) || !(hardware.link_bytes_per_second > 0)) {
+    return Status::InvalidArgument("hardware \"" + hardware.name +
+                                   "\": R and B must be positive and finite");
+  }
+  THDPACK_ASSIGN_OR_RETURN(FlopsCoefficients coef, ComputeFlopsCoefficients(dims));
+  StepTimeModel m;
+  m.dims_ = dims;
+  m.hardware_ = hardware;
+  m.per_token_ = static_cast<double>(coef.per_token);
+  m.per_token_sq_ = static_cast<double>(coef.per_token_sq);
+  // 4*h*n_kv/n_h bytes a token a layer: K and V (2), bf16 (2 bytes), h*n_kv/n_h values each.
+  m.kv_bytes_per_token_ = static_cast<double>(dims.layers) * 4.0 *
+                          static_cast<double>(dims.hidden) * static_cast<double>(dims.kv_heads) /
+                          static_cast<double>(dims.heads);
+  return m;
+}
+
+Result<double> SimulateStepTime(int domain_size, std::span<const GroupTask> tasks) {
+  if (domain_size < 1) {
+    return Status::InvalidArgument("SimulateStepTime: domain_size = " +
+                                   std::to_string(domain_size) + " must be >= 1");
+  }
+  std::vector<double> free_at(static_cast<size_t>(domain_size), 0.0);
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const GroupTask& t = tasks[i];
+    if (t.num_ranks < 1 || t.first_rank < 0 ||
+        static_cast<int64_t>(t.first_rank) + t.num_ranks > domain_size ||
+        !std::isfinite(t.seconds) || t.seconds < 0) {
+      return Status::InvalidArgument(
+          "SimulateStepTime: task " + std::to_string(i) + " (ranks " +
+          std::to_string(t.first_rank) + " + " + std::to_string(t.num_ranks) + ", " +
+          std::to_string(t.seconds) + " s) must lie in the domain of " +
+          std::to_string(domain_size) + " ranks and take a finite time >= 0");
+    }
+    const auto first = free_at.begin() + t.first_rank;
+    const auto last = first + t.num_ranks;
+    const double end = *std::max_element(first, last) + t.seconds;
+    std::fill(first, last, end);
+  }
+  return *std::max_element(free_at.begin(), free_at.end());
+}
+
+}  // namespace thdpack

@@ -1,0 +1,603 @@
+// The dynamic scheduler (schedule.h, docs/scheduling.md "Dynamic CP"): a CP group of any size
+// per microbatch and sequence over the D = DP * CP ranks of the domain, chosen to minimise the
+// modelled step time (cost.h's StepTimeModel).
+//
+// Candidates, the fastest kept (ties to the earlier one):
+//   1. List scheduling of moldable tasks, one pass per slack eps in kSlacks. Sequences in
+//      decreasing order of their least rank-seconds w_min = min_c c * t(P_c, c) (ties by id);
+//      each takes, among the sizes c that fit (P_c <= the group budget) and cost at most
+//      (1 + eps) * w_min rank-seconds, the window of c contiguous ranks and the c that finish
+//      first (window: earliest start = the latest free time of its ranks, ties to the lowest
+//      rank; c: ties to the smaller). A sequence whose window is exactly the last group of
+//      all of its ranks joins that group while the group's budget holds (same time, fewer
+//      microbatches); otherwise it opens a new group. Microbatch indices follow from the
+//      groups in creation order: a group's index is one past the latest of its ranks', so the
+//      dependency simulation of the plan replays the list schedule exactly.
+//   2. The balanced scheduler at every static CP size c that divides D (DP' = D / c), its
+//      replicas as groups: so the dynamic plan is never slower in the model than the best
+//      static one.
+// Time: O(passes x n x |sizes| x D) for the list passes plus the balanced candidates.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "schedule/scheduler_internal.h"
+#include "thdpack/schedule.h"
+
+namespace thdpack {
+namespace {
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+// The slack of each list-scheduling pass (see the top of the file); the last is unbounded.
+constexpr double kSlacks[] = {1e-9, 0.05, 0.25, 1.0};
+
+// A group size the plan may use, with its layout and usable capacity (sum of P).
+struct Size {
+  int c = 1;
+  ParallelLayout layout;
+  int64_t capacity = 0;
+};
+
+// The kept sequences of a step.
+struct DynStep {
+  std::vector<SampleLength> kept;  // input order
+  std::vector<int64_t> skipped;
+};
+
+Status ValidateDynamicOptions(const ScheduleOptions& o) {
+  THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(o));
+  if (!o.step_time.has_value()) {
+    return Status::InvalidArgument(
+        "schedule options: the dynamic scheduler needs the step-time model (model dimensions: "
+        "a cost of llama2-7b, llama3-8b or l=..,h=..; not tokens or A,B)");
+  }
+  const int64_t d = static_cast<int64_t>(o.dp_size) * o.parallel.cp_size();
+  if (d > (int64_t{1} << 16)) {
+    return Status::InvalidArgument("schedule options: the domain DP * CP = " + Str(d) +
+                                   " ranks is over the dynamic scheduler's limit of 65536");
+  }
+  if (o.max_tokens_per_rank > std::numeric_limits<int32_t>::max() / d) {
+    return Status::InvalidArgument("schedule options: D * max_tokens_per_rank = " + Str(d) +
+                                   " * " + Str(o.max_tokens_per_rank) +
+                                   " must fit int32 (the largest group's T is int32)");
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<Size>> AllowedSizes(const ScheduleOptions& o, int domain) {
+  std::vector<Size> sizes;
+  for (int c = 1; c <= domain; ++c) {
+    if (o.cp_sizes == ScheduleOptions::CpSizes::kPow2 && (c & (c - 1)) != 0) continue;
+    THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayout(o, c));
+    sizes.push_back({c, layout, layout.UsableBudget(layout.MicrobatchBudget(o.max_tokens_per_rank))});
+  }
+  return sizes;
+}
+
+// Validates the samples and applies the oversize policy: a sample is oversize when it fits
+// no allowed group size.
+Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const ScheduleOptions& o,
+                               const std::vector<Size>& sizes) {
+  // The per-sample checks and duplicate ids are PrepareStep's, on a CP = 1 copy that holds
+  // any length (so that oversize is decided here).
+  ScheduleOptions plain = o;
+  plain.parallel = ParallelLayout();
+  plain.max_tokens_per_rank = std::numeric_limits<int32_t>::max();
+  plain.oversize = ScheduleOptions::OversizePolicy::kSkip;
+  THDPACK_RETURN_IF_ERROR(internal::PrepareStep(samples, plain).status());
+  DynStep step;
+  step.kept.reserve(samples.size());
+  const Size& widest = sizes.back();
+  for (const SampleLength& s : samples) {
+    bool fits = false;
+    for (auto it = sizes.rbegin(); it != sizes.rend() && !fits; ++it) {
+      fits = it->layout.PaddedLength(s.length) <= it->capacity;
+    }
+    if (fits) {
+      step.kept.push_back(s);
+      continue;
+    }
+    if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+      return Status::InvalidArgument(
+          "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (padded " +
+          Str(widest.layout.PaddedLength(s.length)) + " on the largest group of " +
+          Str(widest.c) + " ranks), over every group's budget; the largest is " +
+          Str(widest.layout.MicrobatchBudget(o.max_tokens_per_rank)) + " = " + Str(widest.c) +
+          " ranks x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
+          " (oversize policy 'error'; 'skip' leaves such samples out)");
+    }
+    step.skipped.push_back(s.id);
+  }
+  if (step.kept.empty()) {
+    return Status::InvalidArgument("schedule: too few samples: 0 to schedule" +
+                                   std::string(step.skipped.empty() ? "" : " (all oversize)") +
+                                   "; the dynamic scheduler needs at least 1");
+  }
+  return step;
+}
+
+// Seconds of one group's microbatch: t(P, c) summed over its sequences (lengths in order), the
+// SP tail on the last. Also its T and whether T fits the group's budget.
+struct GroupCost {
+  double seconds = 0;
+  int64_t padded_tokens = 0;
+};
+GroupCost CostOfGroup(const StepTimeModel& model, const ParallelLayout& layout, int c,
+                      std::span<const int64_t> lengths) {
+  GroupCost g;
+  int64_t sum = 0;
+  for (int64_t l : lengths) sum += layout.PaddedLength(l);
+  g.padded_tokens = layout.MicrobatchTokens(sum);
+  const int64_t tail = g.padded_tokens - sum;
+  for (size_t j = 0; j < lengths.size(); ++j) {
+    const int64_t p = layout.PaddedLength(lengths[j]) + (j + 1 == lengths.size() ? tail : 0);
+    g.seconds += model.SequenceSeconds(p, c);
+  }
+  return g;
+}
+
+// The modelled time of a plan whose ids are all in `index` (checked by the caller).
+Result<double> TimeOfPlan(const SampleIdIndex& index, const ScheduleOptions& o,
+                          const DynamicPlan& plan) {
+  std::vector<GroupTask> tasks;
+  std::vector<int64_t> lengths;
+  for (const auto& groups : plan.microbatches) {
+    for (const CpGroup& g : groups) {
+      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayout(o, g.num_ranks));
+      lengths.clear();
+      for (int64_t id : g.sample_ids) lengths.push_back(index.Length(index.Slot(id)));
+      tasks.push_back({g.first_rank, g.num_ranks,
+                       CostOfGroup(*o.step_time, layout, g.num_ranks, lengths).seconds});
+    }
+  }
+  return SimulateStepTime(plan.domain_size, tasks);
+}
+
+// M raised to a multiple of k, or to the fixed M; false when a fixed M is below `natural`.
+bool FinalMicrobatchCount(const ScheduleOptions& o, int natural, int* m) {
+  if (o.num_microbatches > 0) {
+    *m = o.num_microbatches;
+    return natural <= o.num_microbatches;
+  }
+  const int k = o.microbatch_multiple;
+  *m = std::max(1, (natural + k - 1) / k * k);
+  return true;
+}
+
+// The sizes each sequence may take, computed once for all list-scheduling passes.
+struct Moldable {
+  struct Option {
+    int32_t size;  // index into sizes
+    int64_t padded;
+    double seconds;       // t(P, c)
+    double rank_seconds;  // c * t(P, c)
+  };
+  std::vector<int64_t> first;   // [n + 1]: sequence i's options are [first[i], first[i+1])
+  std::vector<Option> options;  // by increasing c
+  std::vector<double> w_min;    // [n] least rank-seconds
+  std::vector<int32_t> order;   // w_min decreasing, ties by id
+};
+
+Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
+                      const std::vector<Size>& sizes) {
+  const StepTimeModel& model = *o.step_time;
+  const int32_t n = static_cast<int32_t>(step.kept.size());
+  Moldable m;
+  m.first.assign(static_cast<size_t>(n) + 1, 0);
+  m.w_min.assign(static_cast<size_t>(n), std::numeric_limits<double>::infinity());
+  for (int32_t i = 0; i < n; ++i) {
+    const int64_t l = step.kept[static_cast<size_t>(i)].length;
+    for (int32_t s = 0; s < static_cast<int32_t>(sizes.size()); ++s) {
+      const Size& z = sizes[static_cast<size_t>(s)];
+      const int64_t p = z.layout.PaddedLength(l);
+      if (p > z.capacity) continue;
+      const double t = model.SequenceSeconds(p, z.c);
+      m.options.push_back({s, p, t, t * z.c});
+      m.w_min[static_cast<size_t>(i)] = std::min(m.w_min[static_cast<size_t>(i)], t * z.c);
+    }
+    m.first[static_cast<size_t>(i) + 1] = static_cast<int64_t>(m.options.size());
+  }
+  m.order.resize(static_cast<size_t>(n));
+  std::iota(m.order.begin(), m.order.end(), 0);
+  std::sort(m.order.begin(), m.order.end(), [&](int32_t a, int32_t b) {
+    if (m.w_min[static_cast<size_t>(a)] != m.w_min[static_cast<size_t>(b)]) {
+      return m.w_min[static_cast<size_t>(a)] > m.w_min[static_cast<size_t>(b)];
+    }
+    return step.kept[static_cast<size_t>(a)].id < step.kept[static_cast<size_t>(b)].id;
+  });
+  return m;
+}
+
+// The earliest window of c ranks: the least maximum of free_at over c contiguous ranks, ties
+// to the lowest first rank (a sliding maximum over a deque of indices of decreasing free_at).
+// Returns the start time; *rank its first rank. `deque` has room for free_at.size() indices.
+double EarliestWindow(const std::vector<double>& free_at, int c, std::vector<int>& deque,
+                      int* rank) {
+  const int domain = static_cast<int>(free_at.size());
+  int head = 0, tail = 0;
+  double start = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < domain; ++r) {
+    while (tail > head && free_at[static_cast<size_t>(deque[static_cast<size_t>(tail - 1)])] <=
+                              free_at[static_cast<size_t>(r)]) {
+      --tail;
+    }
+    deque[static_cast<size_t>(tail++)] = r;
+    if (deque[static_cast<size_t>(head)] <= r - c) ++head;
+    if (r >= c - 1) {
+      const double s = free_at[static_cast<size_t>(deque[static_cast<size_t>(head)])];
+      if (s < start) {
+        start = s;
+        *rank = r - c + 1;
+      }
+    }
+  }
+  return start;
+}
+
+// The plain reference of EarliestWindow: every window's maximum, computed in full.
+double EarliestWindowPlain(const std::vector<double>& free_at, int c, int* rank) {
+  double start = std::numeric_limits<double>::infinity();
+  for (int r = 0; r + c <= static_cast<int>(free_at.size()); ++r) {
+    const double s = *std::max_element(free_at.begin() + r, free_at.begin() + r + c);
+    if (s < start) {
+      start = s;
+      *rank = r;
+    }
+  }
+  return start;
+}
+
+// One list-scheduling pass (candidate 1) with slack eps. nullopt when a fixed M is too small.
+// plain: windows by EarliestWindowPlain and no pruning (the reference of the fast pass).
+std::optional<DynamicPlan> ListSchedule(const DynStep& step, const ScheduleOptions& o,
+                                        const std::vector<Size>& sizes, const Moldable& mold,
+                                        int domain, double eps, bool plain) {
+  std::vector<double> free_at(static_cast<size_t>(domain), 0.0);
+  std::vector<int32_t> last_pack(static_cast<size_t>(domain), -1);
+  std::vector<int> deque(static_cast<size_t>(domain));
+  struct Pack {
+    int first_rank;
+    int32_t size;  // index into sizes
+    int64_t sum_padded;
+    std::vector<int32_t> seqs;
+  };
+  std::vector<Pack> packs;
+  for (int32_t i : mold.order) {
+    double best_finish = std::numeric_limits<double>::infinity();
+    int best_rank = 0;
+    const Moldable::Option* best = nullptr;
+    const double limit = (1.0 + eps) * mold.w_min[static_cast<size_t>(i)];
+    // No window of c ranks starts before the earliest window of fewer ranks (a window of c
+    // contains one of c - 1, whose maximum is no larger), nor before the earliest free rank:
+    // sizes, visited by increasing c, whose time from that bound cannot beat the best (finish,
+    // then smaller c) are not searched, and none is once the bound reaches the best finish.
+    double start_bound = *std::min_element(free_at.begin(), free_at.end());
+    for (int64_t k = mold.first[static_cast<size_t>(i)]; k < mold.first[static_cast<size_t>(i) + 1];
+         ++k) {
+      const Moldable::Option& op = mold.options[static_cast<size_t>(k)];
+      if (op.rank_seconds > limit) continue;
+      const int c = sizes[static_cast<size_t>(op.size)].c;
+      if (!plain && start_bound + op.seconds >= best_finish) {
+        if (start_bound >= best_finish) break;
+        continue;
+      }
+      int rank = 0;
+      const double start = plain ? EarliestWindowPlain(free_at, c, &rank)
+                                 : EarliestWindow(free_at, c, deque, &rank);
+      start_bound = std::max(start_bound, start);
+      const double finish = start + op.seconds;
+      if (finish < best_finish) {
+        best_finish = finish;
+        best_rank = rank;
+        best = &op;
+      }
+    }
+    const Size& z = sizes[static_cast<size_t>(best->size)];
+    const int32_t p = last_pack[static_cast<size_t>(best_rank)];
+    bool join = p >= 0 && packs[static_cast<size_t>(p)].first_rank == best_rank &&
+                packs[static_cast<size_t>(p)].size == best->size &&
+                packs[static_cast<size_t>(p)].sum_padded + best->padded <= z.capacity;
+    for (int r = best_rank; join && r < best_rank + z.c; ++r) {
+      join = last_pack[static_cast<size_t>(r)] == p;
+    }
+    if (join) {
+      packs[static_cast<size_t>(p)].sum_padded += best->padded;
+      packs[static_cast<size_t>(p)].seqs.push_back(i);
+    } else {
+      packs.push_back({best_rank, best->size, best->padded, {i}});
+      for (int r = best_rank; r < best_rank + z.c; ++r) {
+        last_pack[static_cast<size_t>(r)] = static_cast<int32_t>(packs.size() - 1);
+      }
+    }
+    for (int r = best_rank; r < best_rank + z.c; ++r) free_at[static_cast<size_t>(r)] = best_finish;
+  }
+  // Microbatch indices: one past the latest of the group's ranks, in creation order.
+  std::vector<int> next_mb(static_cast<size_t>(domain), 0);
+  std::vector<int> mb_of(packs.size());
+  int natural = 0;
+  for (size_t q = 0; q < packs.size(); ++q) {
+    const int c = sizes[static_cast<size_t>(packs[q].size)].c;
+    int mb = 0;
+    for (int r = packs[q].first_rank; r < packs[q].first_rank + c; ++r) {
+      mb = std::max(mb, next_mb[static_cast<size_t>(r)]);
+    }
+    for (int r = packs[q].first_rank; r < packs[q].first_rank + c; ++r) {
+      next_mb[static_cast<size_t>(r)] = mb + 1;
+    }
+    mb_of[q] = mb;
+    natural = std::max(natural, mb + 1);
+  }
+  DynamicPlan plan;
+  if (!FinalMicrobatchCount(o, natural, &plan.num_microbatches)) return std::nullopt;
+  plan.domain_size = domain;
+  plan.microbatches.resize(static_cast<size_t>(plan.num_microbatches));
+  for (size_t q = 0; q < packs.size(); ++q) {
+    std::vector<int32_t> seqs = packs[q].seqs;
+    std::sort(seqs.begin(), seqs.end());  // arrival order
+    CpGroup g;
+    g.first_rank = packs[q].first_rank;
+    g.num_ranks = sizes[static_cast<size_t>(packs[q].size)].c;
+    for (int32_t s : seqs) g.sample_ids.push_back(step.kept[static_cast<size_t>(s)].id);
+    plan.microbatches[static_cast<size_t>(mb_of[q])].push_back(std::move(g));
+  }
+  for (auto& groups : plan.microbatches) {
+    std::sort(groups.begin(), groups.end(),
+              [](const CpGroup& a, const CpGroup& b) { return a.first_rank < b.first_rank; });
+  }
+  plan.method = "groups";
+  return plan;
+}
+
+// Candidate 2 at size c: the balanced plan on DP' = D / c replicas of c ranks, as groups.
+std::optional<DynamicPlan> StaticCandidate(const DynStep& step, const ScheduleOptions& o,
+                                           const Size& size, int domain) {
+  ScheduleOptions s = o;
+  s.scheduler = ScheduleOptions::Scheduler::kBalanced;
+  s.dp_size = domain / size.c;
+  s.parallel = size.layout;
+  s.oversize = ScheduleOptions::OversizePolicy::kError;
+  Result<Plan> plan = Schedule(step.kept, s);
+  if (!plan.ok()) return std::nullopt;  // a sample over this size's budget, too few samples
+  DynamicPlan out;
+  out.domain_size = domain;
+  out.num_microbatches = plan->num_microbatches;
+  out.microbatches.resize(static_cast<size_t>(plan->num_microbatches));
+  for (int m = 0; m < plan->num_microbatches; ++m) {
+    for (int d = 0; d < plan->dp_size; ++d) {
+      std::span<const int64_t> ids = plan->Microbatch(d, m);
+      out.microbatches[static_cast<size_t>(m)].push_back(
+          CpGroup{d * size.c, size.c, std::vector<int64_t>(ids.begin(), ids.end())});
+    }
+  }
+  out.method = "static CP=" + Str(size.c);
+  return out;
+}
+
+}  // namespace
+
+Result<ParallelLayout> GroupLayout(const ScheduleOptions& o, int c) {
+  if (c < 1) return Status::InvalidArgument("GroupLayout: c = " + Str(c) + " must be >= 1");
+  return ParallelLayout::Create(c, o.parallel.tp_size(), o.parallel.sp(),
+                                o.parallel.extra_alignment());
+}
+
+Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
+                                    const ScheduleOptions& options) {
+  return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false);
+}
+
+namespace internal {
+
+Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
+                                        const ScheduleOptions& options, bool plain) {
+  THDPACK_RETURN_IF_ERROR(ValidateDynamicOptions(options));
+  const int domain = options.dp_size * options.parallel.cp_size();
+  THDPACK_ASSIGN_OR_RETURN(std::vector<Size> sizes, AllowedSizes(options, domain));
+  THDPACK_ASSIGN_OR_RETURN(DynStep step, PrepareDynamic(samples, options, sizes));
+  const SampleIdIndex index(step.kept);
+  std::optional<DynamicPlan> best;
+  auto consider = [&](std::optional<DynamicPlan> candidate) -> Status {
+    if (!candidate.has_value()) return Status::Ok();
+    THDPACK_ASSIGN_OR_RETURN(candidate->step_time, TimeOfPlan(index, options, *candidate));
+    if (!best.has_value() || candidate->step_time < best->step_time) best = std::move(candidate);
+    return Status::Ok();
+  };
+  const Moldable mold = MakeMoldable(step, options, sizes);
+  for (double eps : kSlacks) {
+    THDPACK_RETURN_IF_ERROR(
+        consider(ListSchedule(step, options, sizes, mold, domain, eps, plain)));
+  }
+  for (const Size& size : sizes) {
+    if (domain % size.c != 0) continue;
+    THDPACK_RETURN_IF_ERROR(consider(StaticCandidate(step, options, size, domain)));
+  }
+  if (!best.has_value()) {
+    return Status::InvalidArgument("schedule: the dynamic scheduler found no plan within the "
+                                   "fixed M = " + Str(options.num_microbatches) +
+                                   " microbatches (raise it, or let the scheduler choose M)");
+  }
+  best->skipped = std::move(step.skipped);
+  return std::move(*best);
+}
+
+}  // namespace internal
+
+Status ValidateDynamicPlan(std::span<const SampleLength> samples, const ScheduleOptions& o,
+                           const DynamicPlan& plan) {
+  THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(o));
+  auto bad = [](const std::string& what) {
+    return Status::InvalidArgument("invalid dynamic plan: " + what);
+  };
+  const int64_t domain = static_cast<int64_t>(o.dp_size) * o.parallel.cp_size();
+  if (plan.domain_size != domain) {
+    return bad("domain_size " + Str(plan.domain_size) + " != DP * CP = " + Str(domain));
+  }
+  const int64_t m_count = plan.num_microbatches;
+  if (m_count < 1 || static_cast<int64_t>(plan.microbatches.size()) != m_count) {
+    return bad("num_microbatches = " + Str(m_count) + " must be >= 1 and the number of lists " +
+               Str(static_cast<int64_t>(plan.microbatches.size())));
+  }
+  if (m_count % o.microbatch_multiple != 0) {
+    return bad("M = " + Str(m_count) + " is not a multiple of k = " + Str(o.microbatch_multiple));
+  }
+  if (o.num_microbatches > 0 && m_count != o.num_microbatches) {
+    return bad("M = " + Str(m_count) + " but the caller fixed M = " + Str(o.num_microbatches));
+  }
+  const SampleIdIndex index(samples);
+  if (index.has_duplicates()) return bad("the input samples have duplicate ids");
+  std::vector<uint8_t> seen(static_cast<size_t>(index.num_slots()), 0);
+  for (int64_t m = 0; m < m_count; ++m) {
+    int64_t next_free = 0;  // groups by first rank, disjoint
+    for (const CpGroup& g : plan.microbatches[static_cast<size_t>(m)]) {
+      const std::string where = "microbatch " + Str(m) + ", group at rank " + Str(g.first_rank);
+      if (g.num_ranks < 1 || g.first_rank < next_free ||
+          static_cast<int64_t>(g.first_rank) + g.num_ranks > domain) {
+        return bad(where + " of " + Str(g.num_ranks) +
+                   " ranks: groups must lie in the domain, by first rank, without overlap");
+      }
+      next_free = static_cast<int64_t>(g.first_rank) + g.num_ranks;
+      if (o.cp_sizes == ScheduleOptions::CpSizes::kPow2 && (g.num_ranks & (g.num_ranks - 1)) != 0) {
+        return bad(where + ": size " + Str(g.num_ranks) + " is not a power of two (cp_sizes pow2)");
+      }
+      if (g.sample_ids.empty()) return bad(where + " is empty");
+      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayout(o, g.num_ranks));
+      int64_t sum = 0;
+      for (int64_t id : g.sample_ids) {
+        const int64_t i = index.Slot(id);
+        if (i < 0) return bad("id " + Str(id) + " (" + where + ") is not an input sample");
+        if (seen[static_cast<size_t>(i)]) return bad("id " + Str(id) + " appears twice");
+        seen[static_cast<size_t>(i)] = 1;
+        sum += layout.PaddedLength(index.Length(i));
+      }
+      const int64_t t = layout.MicrobatchTokens(sum);
+      const int64_t budget = layout.MicrobatchBudget(o.max_tokens_per_rank);
+      if (t > budget) {
+        return bad(where + " holds T = " + Str(t) + " padded tokens, over its budget " +
+                   Str(budget) + " = " + Str(g.num_ranks) + " x max_tokens_per_rank");
+      }
+    }
+  }
+  THDPACK_ASSIGN_OR_RETURN(std::vector<Size> sizes, AllowedSizes(o, static_cast<int>(domain)));
+  for (int64_t id : plan.skipped) {
+    const int64_t i = index.Slot(id);
+    if (i < 0) return bad("skipped id " + Str(id) + " is not an input sample");
+    if (seen[static_cast<size_t>(i)]) return bad("id " + Str(id) + " is both scheduled and skipped");
+    seen[static_cast<size_t>(i)] = 2;
+    if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
+      return bad("id " + Str(id) + " was skipped but the oversize policy is 'error'");
+    }
+    for (const Size& z : sizes) {
+      if (z.layout.PaddedLength(index.Length(i)) <= z.capacity) {
+        return bad("id " + Str(id) + " was skipped but fits a group of " + Str(z.c) + " ranks");
+      }
+    }
+  }
+  for (const SampleLength& s : samples) {
+    if (!seen[static_cast<size_t>(index.Slot(s.id))]) {
+      return bad("sample id " + Str(s.id) + " is neither scheduled nor skipped");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,
+                                   const ScheduleOptions& options, const DynamicPlan& plan) {
+  if (!options.step_time.has_value()) {
+    return Status::InvalidArgument("DynamicPlanStepTime: no step-time model in the options");
+  }
+  THDPACK_RETURN_IF_ERROR(ValidateDynamicPlan(samples, options, plan));
+  return TimeOfPlan(SampleIdIndex(samples), options, plan);
+}
+
+Result<double> PlanStepTime(std::span<const SampleLength> samples, const ScheduleOptions& options,
+                            const Plan& plan) {
+  if (!options.step_time.has_value()) {
+    return Status::InvalidArgument("PlanStepTime: no step-time model in the options");
+  }
+  THDPACK_RETURN_IF_ERROR(ValidatePlan(samples, options, plan));
+  const SampleIdIndex index(samples);
+  const int cp = options.parallel.cp_size();
+  std::vector<GroupTask> tasks;
+  tasks.reserve(static_cast<size_t>(plan.dp_size) * static_cast<size_t>(plan.num_microbatches));
+  std::vector<int64_t> lengths;
+  for (int m = 0; m < plan.num_microbatches; ++m) {
+    for (int d = 0; d < plan.dp_size; ++d) {
+      lengths.clear();
+      for (int64_t id : plan.Microbatch(d, m)) lengths.push_back(index.Length(index.Slot(id)));
+      tasks.push_back(
+          {d * cp, cp, CostOfGroup(*options.step_time, options.parallel, cp, lengths).seconds});
+    }
+  }
+  return SimulateStepTime(plan.dp_size * cp, tasks);
+}
+
+Result<PlanFigures> ComputeDynamicPlanFigures(std::span<const SampleLength> samples,
+                                              const ScheduleOptions& o, const DynamicPlan& plan) {
+  THDPACK_RETURN_IF_ERROR(ValidateDynamicPlan(samples, o, plan));
+  const SampleIdIndex index(samples);
+  PlanFigures f;
+  const int m_count = plan.num_microbatches;
+  f.num_microbatches = m_count;
+  f.n_skipped = static_cast<int64_t>(plan.skipped.size());
+  f.replicas.resize(static_cast<size_t>(plan.domain_size));
+  for (ReplicaFigures& r : f.replicas) r.microbatches.resize(static_cast<size_t>(m_count));
+  std::vector<int64_t> padded;
+  for (int m = 0; m < m_count; ++m) {
+    for (const CpGroup& g : plan.microbatches[static_cast<size_t>(m)]) {
+      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayout(o, g.num_ranks));
+      MicrobatchFigures mb;
+      padded.clear();
+      for (int64_t id : g.sample_ids) {
+        const int64_t i = index.Slot(id);
+        padded.push_back(layout.PaddedLength(index.Length(i)));
+        mb.real_tokens += index.Length(i);
+        mb.n_loss_tokens += index.NTargets(i);
+      }
+      ScheduleOptions group_options = o;
+      group_options.parallel = layout;
+      const internal::MicrobatchCost mc = internal::ComputeMicrobatchCost(padded, group_options);
+      if (mc.overflow || __builtin_add_overflow(f.sum_sq, mc.sum_sq, &f.sum_sq)) {
+        return Status::OutOfRange("plan figures: sum of P^2 overflows int64");
+      }
+      mb.n_samples = static_cast<int64_t>(padded.size());
+      mb.padded_tokens = mc.padded_tokens;
+      mb.sum_sq = mc.sum_sq;
+      mb.cost = mc.cost;
+      f.n_samples += mb.n_samples;
+      f.real_tokens += mb.real_tokens;
+      f.padded_tokens += mb.padded_tokens;
+      f.n_loss_tokens += mb.n_loss_tokens;
+      f.total_cost += mb.cost * g.num_ranks;
+      for (int r = g.first_rank; r < g.first_rank + g.num_ranks; ++r) {
+        f.replicas[static_cast<size_t>(r)].microbatches[static_cast<size_t>(m)] = mb;
+      }
+    }
+  }
+  for (ReplicaFigures& r : f.replicas) {
+    double lo = std::numeric_limits<double>::infinity(), hi = 0;
+    for (const MicrobatchFigures& mb : r.microbatches) {
+      r.cost += mb.cost;
+      lo = std::min(lo, mb.cost);
+      hi = std::max(hi, mb.cost);
+    }
+    f.max_replica_cost = std::max(f.max_replica_cost, r.cost);
+    f.max_microbatch_spread = std::max(f.max_microbatch_spread, hi - lo);
+  }
+  f.lower_bound = f.total_cost / static_cast<double>(plan.domain_size);
+  f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;
+  f.pad_fraction = f.padded_tokens > 0 ? 1.0 - static_cast<double>(f.real_tokens) /
+                                                   static_cast<double>(f.padded_tokens)
+                                       : 0.0;
+  f.fill = static_cast<double>(f.padded_tokens) /
+           (static_cast<double>(m_count) * plan.domain_size *
+            static_cast<double>(o.max_tokens_per_rank));
+  return f;
+}
+
+}  // namespace thdpack
