@@ -1,16 +1,22 @@
 # thdpack: the two commands a new machine needs.
 #   make demo   install what is missing, build, and run the main job on built-in defaults
-#   make test   install what is missing, build, and pass every test (also under ASan + UBSan)
+#   make test   install what is missing, build, and pass every test (also under ASan + UBSan),
+#               then build the library and the fuzz targets with clang and run each briefly
+#   make fuzz   the fuzz targets for FUZZ_SECONDS each (docs/testing.md)
 JOBS ?= $(shell nproc)
 BUILD ?= build
 WITH_MPI ?= ON
 ASAN_BUILD ?= build-asan
+CLANG_BUILD ?= build-clang
+CLANG_CXX ?= clang++
+FUZZ_SECONDS ?= 60
+FUZZ_SMOKE_SECONDS ?= 5
 CMAKE_FLAGS ?=
 # The Python module is built for Debian's interpreter (NumPy and PyTorch live there), whatever
 # python3 comes first on PATH.
 PYTHON ?= /usr/bin/python3
 
-.PHONY: all deps build test test-unit test-asan demo bench clean
+.PHONY: all deps build test test-unit test-asan test-fuzz build-clang fuzz demo bench clean
 
 all: build
 
@@ -34,11 +40,29 @@ $(ASAN_BUILD)/CMakeCache.txt:
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
 test-asan: deps $(ASAN_BUILD)/CMakeCache.txt
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli fuzz_targets
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -E '^package\.' -LE mpi
 
-test: test-unit test-asan
+# The clang build: the library and the libFuzzer targets (fuzz/), instrumented by
+# THDPACK_BUILD_FUZZ; -O1 without NDEBUG keeps the library's internal checks on while fuzzing.
+$(CLANG_BUILD)/CMakeCache.txt:
+	cmake -S . -B $(CLANG_BUILD) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DTHDPACK_BUILD_FUZZ=ON -DTHDPACK_BUILD_TESTS=OFF \
+	  -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF -DTHDPACK_BUILD_TOOLS=OFF \
+	  -DTHDPACK_WITH_MPI=$(WITH_MPI)
+
+build-clang: deps $(CLANG_BUILD)/CMakeCache.txt
+	cmake --build $(CLANG_BUILD) -j $(JOBS)
+
+# Each target for a few seconds from the checked-in seeds: a smoke, not a fuzzing campaign.
+test-fuzz: build-clang
+	bash fuzz/run_fuzzers.sh --smoke $(CLANG_BUILD) $(FUZZ_SMOKE_SECONDS)
+
+fuzz: build-clang
+	bash fuzz/run_fuzzers.sh $(CLANG_BUILD) $(FUZZ_SECONDS)
+
+test: test-unit test-asan test-fuzz
 
 demo: build
 	bash scripts/demo.sh $(BUILD)
@@ -47,4 +71,4 @@ bench: build
 	bash scripts/bench.sh $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(CLANG_BUILD)

@@ -19,7 +19,7 @@
 #
 # Adding an area or an arrow is one line here. Tests beside the code (src/<area>/*_test.cc)
 # may use what their area may use, plus the test utilities (tests/*.h and *_test_util.h of
-# the areas they may use). bench/ and tests/ are not checked: they may include anything.
+# the areas they may use). bench/, tests/ and fuzz/ are not checked: they may include anything.
 
 thdpack_area(common   HEADERS status.h sample.h version.h parallel_layout.h SHARED)
 thdpack_area(topology DEPS common HEADERS topology.h)

@@ -254,8 +254,10 @@ Result<Plan> HistogramPackingToPlan(std::span<const HistogramRow> histogram,
   }
   for (const auto& [length, ranges] : ids_of) {
     for (const auto& [first, count] : ranges) {
-      const bool skipped = std::any_of(packing.skipped.begin(), packing.skipped.end(),
-                                       [&](const HistogramRow& s) { return s.length == length; });
+      // An init-capture: clang before 16 cannot capture a structured binding by name.
+      const bool skipped = std::any_of(
+          packing.skipped.begin(), packing.skipped.end(),
+          [length = length](const HistogramRow& s) { return s.length == length; });
       if (!skipped) {
         return Status::InvalidArgument("HistogramPackingToPlan: " + std::to_string(count) +
                                        " sequences of length " + std::to_string(length) +

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (fuzz/corpus/<target>/), taken from the unit tests.
+
+Usage: PYTHONPATH=build/python /usr/bin/python3 fuzz/make_corpus.py [OUT_DIR]   (default fuzz/corpus)
+
+Each seed is one input a unit test uses (a valid one, or a corrupt one the test expects an error
+for), so the fuzzers start from every shape the readers know. The wire seeds are encoded with the
+thdpack module (encode_metadata); the golden message is the bytes of docs/wire_format.md. Seeds
+are kept small: the whole corpus is a few KB per target. Files are named by content.
+"""
+import hashlib
+import os
+import struct
+import sys
+
+
+def write(out, target, data):
+    if isinstance(data, str):
+        data = data.encode()
+    folder = os.path.join(out, target)
+    os.makedirs(folder, exist_ok=True)
+    name = hashlib.sha1(data).hexdigest()[:16]
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+
+
+def wire_seeds():
+    import numpy as np
+    import thdpack
+
+    golden = bytes.fromhex("54 48 44 4D 01 1F 00 00 00  01 00 01 00 02 01 00 04 08 0C 50 06 01"
+                           "02 01 22 01 0E  63 75 13 66")
+    seeds = [golden]
+
+    def mb(lengths, padded, n_valid):
+        cu, cp = [0], [0]
+        for l, p in zip(lengths, padded):
+            cu.append(cu[-1] + l)
+            cp.append(cp[-1] + p)
+        return {"cu_seqlens": np.array(cu, dtype=np.int32),
+                "cu_seqlens_padded": np.array(cp, dtype=np.int32), "n_valid": n_valid}
+
+    # SmallExplicitStep of step_meta_test.cc: SP with a tail, explicit padding, huge ids.
+    seeds.append(thdpack.encode_metadata(
+        [mb([1, 9, 2], [4, 12, 8], 8), mb([5, 10], [12, 12], 0)],
+        step=0xFFFFFFFFFFFFFFF0, epoch=1 << 40, dp_size=4, replica=3, cp_size=2, tp_size=3,
+        sp=True, n_loss_tokens=1008, skipped_ids=[-3, 2**63 - 1, -2**63]))
+    # No CP, one long sequence (large Rice parameter), a valid_deficit, no skipped ids.
+    seeds.append(thdpack.encode_metadata([mb([70000], [70000], 123)], step=5, epoch=2))
+    # Mode 1 (a tail on the last sequence), several microbatches of many short sequences.
+    seeds.append(thdpack.encode_metadata(
+        [mb([3, 1, 4, 1, 5, 9, 2, 6], [4, 4, 4, 4, 8, 12, 4, 16], 23), mb([7, 7], [8, 8], 12)],
+        dp_size=2, replica=1, cp_size=2, n_loss_tokens=100, skipped_ids=[0, 1, 2]))
+    return seeds
+
+
+def jsonl_seeds():
+    return [
+        '{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "text": "a \\"b\\"\\n"}',
+        '{"meta": {"x": [1, {"y": null}], "z": -1.5e3}, "input_ids":[9]}\r',
+        '{"input_ids":[0,31999],"loss_mask":[1,0]}',
+        '{"input_ids": [1, 2}',
+        '{"ids": [1]}',
+        '{"input_ids": "1 2"}',
+        '{"input_ids": []}',
+        '{"input_ids": [1, 2.5]}',
+        '{"input_ids": [1, true]}',
+        '{"input_ids": [1, -3]}',
+        '{"input_ids": [99999999999999999999]}',
+        '{"input_ids": [2147483648]}',
+        '{"input_ids": [1, 2], "loss_mask": [1, 2]}',
+        '{"input_ids": [1, 2], "loss_mask": null}',
+        '{"input_ids": [1], "x": 1e999}',
+        '{"input_ids": [1]} x',
+        '{"a":"\\u00e9\\ud83d\\ude00","input_ids":[10,20,30],"b":[true,false,null,{}]}',
+    ]
+
+
+def mock_seeds():
+    return [
+        '{"mode":"distribution","type":"lognormal","min_seq_len":16,"max_seq_len":16384,'
+        '"mean_seq_len":2048,"lognormal_sigma":1.0}',
+        '{"mode":"distribution","type":"lognormal","min_seq_len":1,"max_seq_len":2147483647,'
+        '"mean_seq_len":1e300,"lognormal_sigma":40.0}',
+        '{"mode":"distribution","type":"lognormal","min_seq_len":8.0,"max_seq_len":8,'
+        '"mean_seq_len":0.001,"lognormal_sigma":0}',
+        '{"mode":"file","path":"lengths.csv"}',
+        '{"mode":"file","path":"/abs/lengths.txt"}',
+        '{"mode":"distribution","type":"uniform"}',
+        '{"mode":"distribution","type":"lognormal","min_seq_len":0,"max_seq_len":5,'
+        '"mean_seq_len":3,"lognormal_sigma":1}',
+        '[1, 2, 3]',
+    ]
+
+
+def lengths_seeds():
+    return [
+        "length\r\n12\r\n 7 \r\n1\n\n\n",
+        "5\nabc\n",
+        "5\n0\n",
+        "-4\n",
+        "3\n2147483648\n",
+        "3\n\n4\n",
+        "3\n4.5\n",
+        "length\n",
+        "1\n2\n3\n4096\n65536\n1000000000\n2147483647",
+        "length,count\n3,2\n5,0\n8, 1\r\n",
+        "3,4\n",
+        "length,count\n3,4,5\n",
+        "length,count\n5,4\n3,1\n",
+        "length,count\n3,-1\n",
+        "length,count\n2,4611686018427387904\n",
+        "length,count\n1,9223372036854775807\n2,1\n",
+        "length,count\n4,0\n",
+        "length,count\n128,3\n256,5\n512,1\n1024,2\n",
+    ]
+
+
+def megatron_seed(dtype, sequences, documents, tokens_of=None, modes=False, controls=0):
+    """controls byte, then .idx (MMIDIDX v1), then .bin with the tokens of every sequence."""
+    size = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}[dtype]
+    fmt = {1: "B", 2: "b", 3: "h", 4: "i", 5: "q", 6: "d", 7: "f", 8: "H"}[dtype]
+    idx = b"MMIDIDX\0\0" + struct.pack("<QBQQ", 1, dtype, len(sequences), len(documents))
+    idx += b"".join(struct.pack("<i", len(s)) for s in sequences)
+    pointer = 0
+    for s in sequences:
+        idx += struct.pack("<q", pointer)
+        pointer += len(s) * size
+    idx += b"".join(struct.pack("<q", d) for d in documents)
+    if modes:
+        idx += bytes(len(sequences))
+    binary = b"".join(struct.pack("<" + fmt, t) for s in sequences for t in s)
+    return bytes([controls | (8 if modes else 0)]) + idx + binary
+
+
+def megatron_seeds():
+    return [
+        megatron_seed(8, [[1, 2, 3], [4, 5], [6]], [0, 1, 3]),
+        megatron_seed(4, [[100000, 7], [999]], [0, 2], controls=4),
+        megatron_seed(1, [[1], [2], [3], [4]], [0, 1, 2, 3, 4], controls=2),
+        megatron_seed(5, [[-1, 5]], [0, 1]),
+        megatron_seed(6, [[1.0, 2.5]], [0, 1]),
+        megatron_seed(7, [[3.0, 4.0, 5.0]], [0, 1], modes=True),
+        megatron_seed(3, [[1, 2], [], [3]], [0, 1, 2, 3]),  # an empty document
+        megatron_seed(2, [[1, 2]], [0, 1], controls=1)[:-1],  # .bin one byte short, resized
+    ]
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "corpus")
+    for seed in wire_seeds():
+        write(out, "wire_decode", seed)
+        write(out, "wire_decode_sealed", seed)
+    for seed in jsonl_seeds():
+        write(out, "jsonl_line", seed)
+    for seed in mock_seeds():
+        write(out, "mock_config", seed)
+    for seed in lengths_seeds():
+        write(out, "lengths_text", seed)
+    for seed in megatron_seeds():
+        write(out, "megatron_index", seed)
+
+
+if __name__ == "__main__":
+    main()
