@@ -33,8 +33,8 @@ void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
 void PrintSkipped(const std::vector<StepFigures>& steps) {
   for (const StepFigures& f : steps) {
     if (f.skipped.empty()) continue;
-    std::printf("  step %lld skipped %zu oversize sample(s), ids:", static_cast<long long>(f.step),
-                f.skipped.size());
+    std::printf("  step %lld skipped %zu oversize sample%s, ids:", static_cast<long long>(f.step),
+                f.skipped.size(), f.skipped.size() == 1 ? "" : "s");
     for (size_t i = 0; i < f.skipped.size() && i < 20; ++i) {
       std::printf(" %lld", static_cast<long long>(f.skipped[i]));
     }
