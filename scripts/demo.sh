@@ -61,5 +61,5 @@ verify_mock="$build/verify_mock.json"
 echo '{"mode":"distribution","type":"lognormal","min_seq_len":8,"max_seq_len":400,"mean_seq_len":120,"lognormal_sigma":0.8}' >"$verify_mock"
 run run --backend threads --tp 2 --cp 2 --dp 2 --sp --verify --data "mock:$verify_mock" \
   --global-batch 32 --steps 2 --max-tokens-per-rank 1024
-run run --backend threads --dp 2 --pp 4 --verify --data "mock:$verify_mock" \
+run run --backend threads --dp 2 --cp 1 --pp 4 --verify --data "mock:$verify_mock" \
   --global-batch 32 --steps 2 --max-tokens-per-rank 2048

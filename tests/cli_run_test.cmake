@@ -264,7 +264,7 @@ endif()
 # PP = 2 (TP = 1, CP = 2, DP = 1: rank = cp + 2 pp): the first stage holds tokens and
 # position_ids and no logits; the last stage labels, loss_mask and the logits.
 file(REMOVE_RECURSE ${WORK_DIR}/profile_pp)
-execute_process(COMMAND ${THDPACK} run --cp 2 --pp 2 --global-batch 16 --steps 1
+execute_process(COMMAND ${THDPACK} run --dp 1 --cp 2 --pp 2 --global-batch 16 --steps 1
                 --mock-samples 40 --memory-profile-steps 0
                 --memory-profile-dir ${WORK_DIR}/profile_pp
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -294,11 +294,30 @@ endif()
 # The table form.
 execute_process(COMMAND ${THDPACK} run --tp 2 --cp 2 --dp 2 --global-batch 16 --steps 1
                 --mock-samples 40 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-if(NOT rc EQUAL 0 OR NOT out MATCHES "^step 0 \\(epoch 0\\): 16 samples -> [0-9]+ microbatches x 2 replicas")
+if(NOT rc EQUAL 0 OR NOT out MATCHES "^step 0 \\(epoch 0\\): 16 samples -> ([0-9]+) (microbatch|microbatches) x 2 replicas")
   message(FATAL_ERROR "table form: rc=${rc}\n${out}\n${err}")
 endif()
+# Plurals agree with the count ("1 microbatch", "2 microbatches"), and the bytes are in MiB/KiB.
+set(word "${CMAKE_MATCH_2}")
+set(want microbatches)
+if(CMAKE_MATCH_1 EQUAL 1)
+  set(want microbatch)
+endif()
+if(NOT word STREQUAL want OR NOT out MATCHES "sent [0-9.]+ (B|KiB|MiB|GiB) max/rank")
+  message(FATAL_ERROR "table form: plural or unit: ${out}")
+endif()
+# Then plan's summary block, the same lines as `plan` prints for the same options.
+execute_process(COMMAND ${THDPACK} plan --tp 2 --cp 2 --dp 2 --global-batch 16 --steps 1
+                --mock-samples 40 RESULT_VARIABLE rc OUTPUT_VARIABLE plan_out ERROR_VARIABLE err)
+string(FIND "${plan_out}" "\nsummary over" at)
+string(SUBSTRING "${plan_out}" ${at} -1 plan_summary)
+string(FIND "${out}" "${plan_summary}" found)
+if(at EQUAL -1 OR found EQUAL -1 OR NOT out MATCHES "\n  step time  +[0-9.]+ ms in all")
+  message(FATAL_ERROR "run does not end with plan's summary block:\n${out}\n---\n${plan_summary}")
+endif()
 
-# Errors: a bad argument, and a sample over the budget (exit 1, the failing loader named).
+# Errors: a bad argument, and a sample over the budget (exit 2 as in plan: bad input, the
+# failing loader named; docs/errors.md).
 execute_process(COMMAND ${THDPACK} run --global-batch 0 RESULT_VARIABLE rc ERROR_VARIABLE err
                 OUTPUT_VARIABLE out)
 if(rc EQUAL 0 OR NOT err MATCHES "--global-batch: \"0\"")
@@ -309,9 +328,9 @@ execute_process(COMMAND ${THDPACK} run --backend nccl RESULT_VARIABLE rc ERROR_V
 if(rc EQUAL 0 OR NOT err MATCHES "--backend")
   message(FATAL_ERROR "expected an error for --backend nccl: rc=${rc} ${err}")
 endif()
-execute_process(COMMAND ${THDPACK} run --dp 2 --tp 2 --max-tokens-per-rank 2000 --global-batch 64
-                RESULT_VARIABLE rc ERROR_VARIABLE err OUTPUT_VARIABLE out)
-if(NOT rc EQUAL 1 OR NOT err MATCHES "over the microbatch budget")
+execute_process(COMMAND ${THDPACK} run --dp 2 --cp 1 --tp 2 --max-tokens-per-rank 2000
+                --global-batch 64 RESULT_VARIABLE rc ERROR_VARIABLE err OUTPUT_VARIABLE out)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "over the microbatch budget")
   message(FATAL_ERROR "expected a budget error: rc=${rc} ${err}")
 endif()
 execute_process(COMMAND ${THDPACK} run --memory-profile-steps 0,x RESULT_VARIABLE rc
@@ -331,10 +350,11 @@ if(rc EQUAL 0 OR NOT err MATCHES "--logits-dtype")
 endif()
 # A profile folder that cannot be made (a file is in the way): every rank stops, the path named.
 file(WRITE ${WORK_DIR}/not_a_folder "x")
-execute_process(COMMAND ${THDPACK} run --tp 2 --steps 1 --memory-profile-steps 0
+# A path that cannot be used is bad input: exit 2 (docs/errors.md).
+execute_process(COMMAND ${THDPACK} run --dp 1 --cp 1 --tp 2 --steps 1 --memory-profile-steps 0
                 --memory-profile-dir ${WORK_DIR}/not_a_folder RESULT_VARIABLE rc
                 ERROR_VARIABLE err OUTPUT_VARIABLE out)
-if(NOT rc EQUAL 1 OR NOT err MATCHES "--memory-profile-dir: .*not_a_folder/step_0")
+if(NOT rc EQUAL 2 OR NOT err MATCHES "--memory-profile-dir: .*not_a_folder/step_0")
   message(FATAL_ERROR "expected an error naming the profile folder: rc=${rc} ${err}")
 endif()
 message(STATUS "thdpack run: all checks passed")

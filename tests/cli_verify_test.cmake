@@ -62,7 +62,8 @@ function(expect_close name)
   endif()
 endfunction()
 
-verify_run(one ${THDPACK} run --backend threads ${common})
+# One rank (run's default topology is plan's, DP=4 CP=2: one rank is asked for).
+verify_run(one ${THDPACK} run --backend threads --dp 1 --cp 1 ${common})
 
 # "tp,cp,dp,pp[,sp]"
 foreach(topo "1,2,2,1" "2,2,2,1,sp" "1,1,2,4" "2,2,1,2")
@@ -90,7 +91,7 @@ foreach(topo "1,2,2,1" "2,2,2,1,sp" "1,1,2,4" "2,2,1,2")
 endforeach()
 
 # The comparison itself can fail: another probe model gives other figures.
-verify_run(other ${THDPACK} run --backend threads ${common} --probe-vocab 255)
+verify_run(other ${THDPACK} run --backend threads --dp 1 --cp 1 ${common} --probe-vocab 255)
 execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/one.json ${WORK_DIR}/other.json
                 RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(rc EQUAL 0)

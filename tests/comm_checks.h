@@ -191,13 +191,23 @@ inline Status CheckAgreement(ProcessGroup& world) {
                                      " (phase x) failed: OutOfRange: sample 42 over the budget") {
     return Fail(world, "peer got: " + agreed.ToString());
   }
+  // The failed rank's code travels with the message (the exit code follows from it).
+  if (agreed.origin() != StatusCode::kOutOfRange) {
+    return Fail(world, "origin lost: " + std::string(StatusCodeName(agreed.origin())));
+  }
+  // Agreed again (a later phase), the origin stays the first failure's.
+  Status again = AgreeOnStatus(world, agreed, "phase y");
+  if (again.ok() || again.origin() != StatusCode::kOutOfRange) {
+    return Fail(world, "origin lost in a second agreement: " + again.ToString());
+  }
   if (n >= 3) {
     local = (me == 1 || me == 2) ? Status::Corruption("bad bytes at " + std::to_string(me))
                                  : Status::Ok();
     agreed = AgreeOnStatus(world, local, "");
     if (me == 1 || me == 2) {
       if (!(agreed == local)) return Fail(world, "failed rank lost its own status");
-    } else if (agreed.message() != "rank 1 failed: Corruption: bad bytes at 1") {
+    } else if (agreed.message() != "rank 1 failed: Corruption: bad bytes at 1" ||
+               agreed.origin() != StatusCode::kCorruption) {
       return Fail(world, "peer got: " + agreed.ToString());
     }
   }

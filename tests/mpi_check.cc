@@ -3,13 +3,21 @@
 // topologies, with and without SP, both data-on modes) on the MPI backend, plus the failure
 // path (a sample over the budget on one loader). Exits 0 when every check passed on every rank,
 // 1 otherwise; each rank prints its first failure.
+//
+// `thdpack_mpi_check --timeout-check`: the collective timeout (tests/cli_timeout_test.cmake).
+// The last rank sleeps instead of calling an all-reduce that every other rank calls with a
+// timeout of 1 s: a waiting rank must print the error naming the last rank and end the job with
+// MPI_Abort, so mpirun exits non-zero well before the sleeper would have woken.
 #include <cstdio>
 #include <string>
 
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
+#include <vector>
 
 #include "comm_checks.h"
 #include "step_checks.h"
@@ -38,6 +46,7 @@ Status CheckOversizeFailure(thdpack::ProcessGroup& world, const std::string& len
     return Status::Internal("the loader holding the bad sample got " + s.ToString());
   }
   if (!reads_it && (s.code() != thdpack::StatusCode::kAborted ||
+                    s.origin() != thdpack::StatusCode::kInvalidArgument ||
                     s.message().find("sample id 5") == std::string::npos)) {
     return Status::Internal("a peer of the failed loader got " + s.ToString());
   }
@@ -99,6 +108,31 @@ int Run() {
   return failures == 0 ? 0 : 1;
 }
 
+// Never returns 0: the job is to end by MPI_Abort from a waiting rank.
+int RunTimeoutCheck() {
+  auto world_or = thdpack::MpiWorld();
+  if (!world_or.ok()) {
+    std::fprintf(stderr, "thdpack_mpi_check: %s\n", world_or.status().ToString().c_str());
+    return 1;
+  }
+  thdpack::ProcessGroup& world = **world_or;
+  world.set_timeout(std::chrono::milliseconds(1000));
+  std::vector<int64_t> v = {1};
+  if (!world.AllReduceInt64(std::span<int64_t>(v), thdpack::ReduceOp::kSum).ok()) return 1;
+  if (world.rank() == world.size() - 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    std::fprintf(stderr, "thdpack_mpi_check: the sleeper woke up: the job was not ended\n");
+    return 3;
+  }
+  Status s = world.AllReduceInt64(std::span<int64_t>(v), thdpack::ReduceOp::kSum);
+  std::fprintf(stderr, "thdpack_mpi_check: rank %d: the all-reduce returned %s\n", world.rank(),
+               s.ToString().c_str());
+  return 3;
+}
+
 }  // namespace
 
-int main() { return Run(); }
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--timeout-check") return RunTimeoutCheck();
+  return Run();
+}

@@ -62,26 +62,63 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   cmd->add_option("--vocab", o.source.vocab_size,
                   "Vocabulary of the data: token ids are checked to be below it (0: unknown)")
       ->capture_default_str();
-  cmd->add_option("--mock-samples", o.source.mock_num_samples,
-                  "Samples per epoch of a lognormal mock (0: default)")
-      ->capture_default_str();
+  a->mock_samples_option =
+      cmd->add_option("--mock-samples", o.source.mock_num_samples,
+                      "Samples per epoch of a lognormal mock (0: default)")
+          ->capture_default_str();
   cmd->add_option("--vocab-size", o.vocab_size,
                   "The model's vocabulary V for the logits memory figures (0: the --cost "
                   "model's V; none for tokens and A,B)")
       ->capture_default_str();
-  cmd->add_option("--logits-dtype", o.logits_dtype,
-                  "dtype of the logits in the memory figures: bf16, fp32 or fp64")
-      ->capture_default_str();
-  cmd->add_flag("--fused-grad", o.fused_grad,
+  a->logits_dtype_option =
+      cmd->add_option("--logits-dtype", o.logits_dtype,
+                      "dtype of the logits in the memory figures: bf16, fp32 or fp64")
+          ->capture_default_str();
+  a->fused_grad_option = cmd->add_flag("--fused-grad", o.fused_grad,
                 "Count the logits gradient fused with the loss (a second buffer of the logits' "
                 "shape) in the memory figures");
 }
 
-Result<Job> ResolveJobArgs(const JobArgs& args) {
+namespace {
+
+bool Given(const CLI::Option* option) { return option != nullptr && option->count() > 0; }
+
+bool EndsWith(const std::string& s, std::string_view end) {
+  return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+}
+
+}  // namespace
+
+Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
   JobOptions options = args.options;
   THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
-  if (args.steps_option != nullptr && args.steps_option->count() > 0) options.steps = args.steps;
-  return ResolveJob(options);
+  if (Given(args.steps_option)) options.steps = args.steps;
+  // Megatron's files are PREFIX.idx and PREFIX.bin; a user often names one of them.
+  if (options.data.rfind("megatron:", 0) == 0 &&
+      (EndsWith(options.data, ".idx") || EndsWith(options.data, ".bin"))) {
+    const std::string given = options.data;
+    options.data.resize(options.data.size() - 4);
+    std::fprintf(stderr,
+                 "thdpack %s: note: --data %s: taking %s as the prefix (megatron:PREFIX reads "
+                 "PREFIX.idx and PREFIX.bin)\n",
+                 verb, given.c_str(), options.data.c_str());
+  }
+  if (Given(args.mock_samples_option) && options.data != "mock" &&
+      options.data.rfind("mock:", 0) != 0) {
+    return Status::InvalidArgument("--mock-samples: only a mock source has it, and --data is " +
+                                   options.data);
+  }
+  THDPACK_ASSIGN_OR_RETURN(Job job, ResolveJob(options));
+  if (job.memory.vocab_size == 0) {
+    for (const CLI::Option* option : {args.logits_dtype_option, args.fused_grad_option}) {
+      if (Given(option)) {
+        return Status::InvalidArgument(
+            option->get_name() + ": there are no logits figures without a vocabulary (pass "
+            "--vocab-size, or a model --cost; --cost " + options.cost + " has none)");
+      }
+    }
+  }
+  return job;
 }
 
 ProgressBar::ProgressBar(int64_t total)

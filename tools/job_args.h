@@ -14,10 +14,20 @@
 namespace thdpack::tools {
 
 struct JobArgs {
-  JobOptions options;                 // the defaults shown are those set here before AddJobOptions
+  // The defaults shown are those set here before AddJobOptions. `plan` and `run` share them
+  // (DP=4, CP=2 on the built-in mock, 3 steps of 256), so a `run` after a `plan` with the same
+  // options shows the same steps.
+  JobArgs() {
+    options.dp = 4;
+    options.cp = 2;
+  }
+  JobOptions options;
   std::string global_batch = "256";  // --global-batch text (ParseGlobalBatch)
   int64_t steps = 3;                  // --steps, when given
   CLI::Option* steps_option = nullptr;
+  CLI::Option* mock_samples_option = nullptr;
+  CLI::Option* logits_dtype_option = nullptr;
+  CLI::Option* fused_grad_option = nullptr;
 };
 
 // Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --max-tokens-per-rank,
@@ -26,8 +36,11 @@ struct JobArgs {
 // --fused-grad on `cmd`, writing into `args` (which must outlive the parse).
 void AddJobOptions(CLI::App* cmd, JobArgs* args);
 
-// The parsed options as a checked job (errors name the option).
-[[nodiscard]] Result<Job> ResolveJobArgs(const JobArgs& args);
+// The parsed options as a checked job (errors name the option). Beyond ResolveJob: options
+// given where they do nothing are errors (--mock-samples without a mock source; --logits-dtype
+// or --fused-grad without a vocabulary), and `megatron:PREFIX.idx` or `.bin` is taken as
+// `megatron:PREFIX` with a note on stderr (`verb` names the command in it).
+[[nodiscard]] Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb);
 
 // Draws "[#####.....] step 3/10" on stderr, only when stderr is a terminal and there is more
 // than one step.

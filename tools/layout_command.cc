@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "exit_code.h"
 #include "thdpack/pack.h"
 #include "thdpack/shard.h"
 
@@ -90,10 +91,15 @@ struct RankIndices {
 int RunLayout(const LayoutArgs& args) {
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "thdpack layout: %s\n", s.ToString().c_str());
-    return 2;
+    return ExitCodeOf(s);
   };
   auto lengths = ParseLengths(args.lengths);
   if (!lengths.ok()) return fail(lengths.status());
+  if (args.sp && args.tp == 1) {
+    return fail(Status::InvalidArgument(
+        "--sp: sequence parallelism splits each CP shard over the TP ranks, so it needs --tp > 1, "
+        "got --tp 1"));
+  }
   auto parallel = ParallelLayout::Create(args.cp, args.tp, args.sp, args.align);
   if (!parallel.ok()) return fail(parallel.status().WithContext("--cp/--tp/--sp/--align"));
   PackOptions opts;

@@ -13,8 +13,10 @@
 #include <vector>
 
 #include "commands.h"
+#include "exit_code.h"
 #include "formatting.h"
 #include "job_args.h"
+#include "summary.h"
 #include "thdpack/figures.h"
 #include "thdpack/job.h"
 #include "thdpack/memory_report.h"
@@ -31,13 +33,6 @@ struct PlanArgs {
 
 // The figures of the steps drawn in the SVG (the first kMaxSvgSteps).
 constexpr size_t kMaxSvgSteps = 8;
-
-std::string Flops(bool has, double flops) {
-  if (!has) return "-";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.3e", flops);
-  return buf;
-}
 
 std::string XmlEscape(const std::string& s) {
   std::string out;
@@ -56,14 +51,6 @@ std::string XmlEscape(const std::string& s) {
 std::string Num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.4g", v);
-  return buf;
-}
-
-// The modelled step time in seconds, or "-" without model dimensions.
-std::string Seconds(const std::optional<double>& s) {
-  if (!s.has_value()) return "-";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.4g", *s);
   return buf;
 }
 
@@ -266,31 +253,6 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const JobOptions& arg
   return s;
 }
 
-// The summary's memory lines: the logits of the step with the largest microbatch, the buffers of
-// the step whose busiest replica holds the most (the first such step on ties).
-void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
-                        const std::vector<StepFigures>& steps) {
-  size_t largest = 0, fullest = 0;
-  for (size_t k = 1; k < memory.size(); ++k) {
-    if (memory[k].logits && memory[k].logits->total_tokens > memory[largest].logits->total_tokens) {
-      largest = k;
-    }
-    if (memory[k].buffers.total > memory[fullest].buffers.total) fullest = k;
-  }
-  if (memory.empty()) return;
-  if (memory[largest].logits) {
-    std::printf("  logits per rank    %s\n", LogitsLine(*memory[largest].logits).c_str());
-  } else {
-    std::printf("  logits per rank    - (no vocabulary: pass --vocab-size or a model --cost)\n");
-  }
-  const StepMemoryFigures& b = memory[fullest];
-  // A dynamic plan's figures hold the domain's ranks in place of replicas.
-  std::printf("  buffers per rank   %s held by thdpack (step %lld, %s %d, %d microbatch%s)\n",
-              BinaryBytes(b.buffers.total).c_str(), static_cast<long long>(steps[fullest].step),
-              steps[fullest].dynamic ? "rank" : "replica", b.busiest_replica, b.num_microbatches,
-              b.num_microbatches == 1 ? "" : "es");
-}
-
 void PrintTable(const std::vector<StepFigures>& steps) {
   const bool dynamic = !steps.empty() && steps.front().dynamic;
   std::printf("\n%6s %5s %5s %8s %7s %10s %8s %7s %14s %14s %11s %10s%s\n", "step", "epoch", "M",
@@ -308,48 +270,6 @@ void PrintTable(const std::vector<StepFigures>& steps) {
   }
 }
 
-void PrintSkipped(const std::vector<StepFigures>& steps) {
-  for (const StepFigures& f : steps) {
-    if (f.skipped.empty()) continue;
-    std::printf("  step %lld skipped %zu oversize sample(s), ids:", static_cast<long long>(f.step),
-                f.skipped.size());
-    for (size_t i = 0; i < f.skipped.size() && i < 20; ++i) {
-      std::printf(" %lld", static_cast<long long>(f.skipped[i]));
-    }
-    std::printf("%s\n", f.skipped.size() > 20 ? " ..." : "");
-  }
-}
-
-void PrintSummary(const JobPlan& plan) {
-  const SummaryFigures& summary = plan.summary;
-  std::printf("\nsummary over %lld step%s (epochs %lld-%lld):\n",
-              static_cast<long long>(summary.n_steps), summary.n_steps == 1 ? "" : "s",
-              static_cast<long long>(summary.first_epoch),
-              static_cast<long long>(summary.last_epoch));
-  std::printf("  microbatches       %s (at most %s in a step)\n",
-              Thousands(summary.num_microbatches).c_str(),
-              Thousands(summary.max_num_microbatches).c_str());
-  std::printf("  samples            %s scheduled, %s skipped\n",
-              Thousands(summary.n_samples).c_str(), Thousands(summary.n_skipped).c_str());
-  std::printf("  tokens             %s real, %s padded, %s loss tokens\n",
-              Thousands(summary.real_tokens).c_str(), Thousands(summary.padded_tokens).c_str(),
-              Thousands(summary.n_loss_tokens).c_str());
-  std::printf("  imbalance          mean %.4f, max %.4f (1 = every replica at the lower bound)\n",
-              summary.mean_imbalance, summary.max_imbalance);
-  std::printf("  pad fraction       %.2f%%\n", 100 * summary.pad_fraction);
-  std::printf("  fill               %.2f%% of M * DP * CP * max tokens per rank\n",
-              100 * summary.fill);
-  std::printf("  training FLOPs     %s\n", Flops(summary.has_flops, summary.flops).c_str());
-  if (summary.has_sim_step_time) {
-    std::printf("  modelled time      %s s over all steps (step-time model, --hw)\n",
-                Seconds(summary.sim_step_time).c_str());
-  } else {
-    std::printf("  modelled time      - (no model dimensions: pass a model --cost)\n");
-  }
-  PrintMemorySummary(plan.memory, plan.steps);
-  PrintSkipped(plan.steps);
-}
-
 void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
   const JobOptions& o = job.options;
   std::printf("thdpack plan: data %s, DP=%d CP=%d TP=%d PP=%d%s, %lld max tokens per rank, "
@@ -358,7 +278,7 @@ void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
               static_cast<long long>(o.max_tokens_per_rank), args.job.global_batch.c_str(),
               o.scheduler.c_str(), job.schedule.cost.name.c_str(), o.hw.c_str());
   if (!args.summary_only) PrintTable(plan.steps);
-  PrintSummary(plan);
+  PrintSummaryBlock(plan.steps, plan.memory);
   if (!args.svg.empty()) std::printf("  chart              %s\n", args.svg.c_str());
 }
 
@@ -389,9 +309,9 @@ Result<JobPlan> PlanWithProgress(const PlanArgs& args, const Job& job) {
 int RunPlan(const PlanArgs& args) {
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "thdpack plan: %s\n", s.message().c_str());
-    return 2;
+    return ExitCodeOf(s);
   };
-  Result<Job> job = ResolveJobArgs(args.job);
+  Result<Job> job = ResolveJobArgs(args.job, "plan");
   if (!job.ok()) return fail(job.status());
   Result<JobPlan> plan = PlanWithProgress(args, *job);
   if (!plan.ok()) return fail(plan.status());
@@ -413,9 +333,6 @@ int RunPlan(const PlanArgs& args) {
 
 void AddPlanCommand(CLI::App& app, int* exit_code) {
   auto args = std::make_shared<PlanArgs>();
-  // The defaults of `plan` alone: DP=4, CP=2.
-  args->job.options.dp = 4;
-  args->job.options.cp = 2;
   CLI::App* cmd = app.add_subcommand(
       "plan",
       "Schedule steps of a data set over DP replicas and microbatches and print balance, "

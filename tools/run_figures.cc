@@ -10,17 +10,18 @@ std::string StepLine(const RunStepReport& step) {
   const PlanFigures& f = step.figures.plan;
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "step %lld (epoch %lld): %lld samples%s -> %d microbatches x %d replicas | "
-                "tokens %lld real, %lld padded (pad %.1f%%, fill %.1f%%) | imbalance %.4f | "
+                "step %lld (epoch %lld): %lld sample%s%s -> %d microbatch%s x %d replica%s | "
+                "tokens %s real, %s padded (pad %.1f%%, fill %.1f%%) | imbalance %.4f | "
                 "sent %s max/rank | %.1f ms\n",
                 static_cast<long long>(step.figures.step),
                 static_cast<long long>(step.figures.epoch), static_cast<long long>(f.n_samples),
+                f.n_samples == 1 ? "" : "s",
                 f.n_skipped ? (", " + std::to_string(f.n_skipped) + " skipped").c_str() : "",
-                f.num_microbatches, step.dp_size, static_cast<long long>(f.real_tokens),
-                static_cast<long long>(f.padded_tokens), 100 * f.pad_fraction, 100 * f.fill,
-                f.imbalance,
-                FormatBytes(static_cast<double>(step.phases.max_rank_bytes()), false).c_str(),
-                1000 * step.phases.total_seconds());
+                f.num_microbatches, f.num_microbatches == 1 ? "" : "es", step.dp_size,
+                step.dp_size == 1 ? "" : "s", Thousands(f.real_tokens).c_str(),
+                Thousands(f.padded_tokens).c_str(), 100 * f.pad_fraction, 100 * f.fill,
+                f.imbalance, BinaryBytes(step.phases.max_rank_bytes()).c_str(),
+                1000 * step.phases.step_seconds);
   std::string line(buf);
   if (step.memory.logits) {
     // "... | 215.9 ms\n" -> "... | 215.9 ms | logits/rank 18.55 GiB CP-local, 37.09 GiB gathered\n"

@@ -18,7 +18,9 @@
 //    spans it is given.)
 //
 // Failures. A backend error (an MPI return code, a peer thread that left, a timeout) comes back
-// as a Status naming the operation, the group and, where known, the rank. An error that only
+// as a Status naming the operation, the group and, where known, the rank. No wait is unbounded:
+// an operation that does not complete within the group's timeout() fails and names the members
+// that did not arrive (on MPI, after printing that error, the job ends with MPI_Abort). An error that only
 // one rank sees (a bad sample, a budget overflow, corrupt metadata) is made everybody's error by
 // AgreeOnStatus: call it before any step in which a peer would wait for data that a failed rank
 // will never send. Every rank then returns an error - the failed rank its own, the others
@@ -52,6 +54,9 @@
 namespace thdpack {
 
 enum class ReduceOp : int { kSum, kMin, kMax };
+
+// The default of ProcessGroup::timeout() (and of `thdpack run --timeout`): 300 s.
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{300000};
 // Element types of AllReduce.
 enum class ReduceType : int { kInt64, kFloat64 };
 
@@ -75,6 +80,16 @@ class ProcessGroup {
 
   // Payload bytes this rank has handed to other ranks through this group (rule at the top).
   int64_t bytes_sent() const { return bytes_sent_; }
+
+  // The longest one operation of this group (a collective, a Recv) waits for its peers. Past
+  // it, the threads backend returns kAborted naming the members that did not arrive (and the
+  // group is broken: its other members fail at once too); the MPI backend prints the same error
+  // on stderr and ends the job with MPI_Abort, because a started MPI collective cannot be
+  // cancelled (its buffers stay in use). Groups made by Split inherit it. Default
+  // kDefaultCollectiveTimeout (300 s); RunOnThreads starts from ThreadBackendOptions::timeout.
+  // REQUIRES: t > 0. Not for use while an operation of this group is under way.
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
   // ---- Collectives (every member calls them, in the same order). ----
 
@@ -173,19 +188,23 @@ class ProcessGroup {
                      std::span<const int64_t> displs, size_t buffer_size) const;
   Status CheckSplit(std::span<const std::vector<int>> groups, int* my_group,
                     int* my_index) const;
+  // "member 2 (global rank 5)", "members 1, 2 (global ranks 3, 5)": for timeout messages.
+  std::string DescribeMembers(std::span<const int> positions) const;
 
  private:
   std::vector<int> ranks_;
   int rank_ = 0;
   int64_t bytes_sent_ = 0;
+  std::chrono::milliseconds timeout_ = kDefaultCollectiveTimeout;
 };
 
 // Makes `local` everybody's status, over `group`. Collective: every member calls it, OK or not.
 // Returns OK when every member's local status is OK. Otherwise, with f the failed member of
 // lowest group position: f gets its own status back; every other member (failed or not) gets
-// kAborted "rank G (<context>) failed: <code>: <message>" with G f's global rank - or, for a
-// member that failed itself, its own status. Costs one all-reduce of 8 bytes when all is well,
-// plus two broadcasts (length, message) when not. A backend error during the agreement itself
+// kAborted "rank G (<context>) failed: <code>: <message>" with G f's global rank, whose
+// origin() is f's origin() (so every rank exits with the same code) - or, for a member that
+// failed itself, its own status. Costs one all-reduce of 8 bytes when all is well,
+// plus two broadcasts (length and origin, message) when not. A backend error during the agreement itself
 // is returned as is.
 [[nodiscard]] Status AgreeOnStatus(ProcessGroup& group, const Status& local,
                                    std::string_view context = "");
@@ -193,9 +212,10 @@ class ProcessGroup {
 // ---- Thread backend. ----
 
 struct ThreadBackendOptions {
-  // The longest any rank waits in one operation for its peers before giving up with kAborted
-  // (a bug guard: a correct program never waits this long). Default 120 s.
-  std::chrono::milliseconds timeout{120000};
+  // The world group's timeout() (and so its splits'): the longest any rank waits in one
+  // operation for its peers before giving up with kAborted naming those that did not arrive.
+  // Default kDefaultCollectiveTimeout (300 s).
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
 };
 
 // Runs fn(world) on world_size threads, one per rank, each with its own handle `world` onto the

@@ -70,6 +70,10 @@ struct JobOptions {
   std::string oversize = "error";  // --oversize: error | skip
   TokenId pad_id = 0;              // the token id of padding
   std::string data_on = "tp0";     // --data-on: tp0 | all (run only)
+  // --timeout (run only): seconds one collective may wait for its peers before the step fails
+  // naming those that did not arrive (ProcessGroup::timeout, thdpack/comm.h); > 0. RunJobOnRank
+  // sets it on its world (and so on every group split from it). Default 300.
+  double timeout = 300;
   // The memory report (thdpack/memory_report.h): --vocab-size (0: the --cost model's V, none
   // for tokens and A,B), --logits-dtype (bf16 | fp32 | fp64), --fused-grad.
   int64_t vocab_size = 0;
@@ -97,7 +101,8 @@ struct Job {
 };
 
 // The one validation. Errors (InvalidArgument) name the option, e.g. "--dp: must be >= 1, got 0",
-// "--cost: ...", "--dp/--cp/--tp/--pp: ..." for a topology too large. Opens no source.
+// "--cost: ...", "--dp/--cp/--tp/--pp: ..." for a topology too large, "--sp: ..." for SP with
+// TP = 1 (nothing to split). Opens no source.
 [[nodiscard]] Result<Job> ResolveJob(const JobOptions& options);
 
 // The options of a StepRunner for this job (thdpack/step_runner.h).

@@ -46,15 +46,22 @@ class [[nodiscard]] Status {
   static Status Unimplemented(std::string msg) { return {StatusCode::kUnimplemented, std::move(msg)}; }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
   static Status Aborted(std::string msg) { return {StatusCode::kAborted, std::move(msg)}; }
+  // kAborted because another rank failed with `origin` (AgreeOnStatus, thdpack/comm.h).
+  static Status Aborted(std::string msg, StatusCode origin);
 
   bool ok() const { return rep_ == nullptr; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }
   // The message alone (empty when OK).
   const std::string& message() const;
+  // The code of the failure behind this status: for a kAborted made with an origin (a peer's
+  // failure, carried to this rank by AgreeOnStatus), the failed rank's code; otherwise code().
+  // The command line's exit code follows from it (docs/errors.md), so every rank of a job
+  // exits with the same code for the same cause.
+  StatusCode origin() const { return rep_ ? rep_->origin : StatusCode::kOk; }
   // "InvalidArgument: <message>", or "OK".
   std::string ToString() const;
 
-  // Returns a copy whose message is "<context>: <message>" (same code). OK stays OK.
+  // Returns a copy whose message is "<context>: <message>" (same code and origin). OK stays OK.
   Status WithContext(std::string_view context) const;
 
   friend bool operator==(const Status& a, const Status& b) {
@@ -65,6 +72,7 @@ class [[nodiscard]] Status {
   struct Rep {
     StatusCode code;
     std::string message;
+    StatusCode origin;  // code, unless made by Aborted(msg, origin)
   };
   // Null when OK, so an OK status costs one pointer and no allocation.
   std::shared_ptr<const Rep> rep_;

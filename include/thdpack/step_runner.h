@@ -89,11 +89,16 @@ struct StepRunnerOptions {
 };
 
 // Per phase: the bytes each rank of the world sent and the slowest rank's seconds, gathered
-// from every rank (GatherPhases). Row k is Phase k.
+// from every rank (GatherPhases). Row k is Phase k. A rank's phases run one after another and
+// cover its StepRunner::Next from start to end, so the sum of one rank's phase seconds is its
+// wall time of the step. The slowest rank of one phase is often not the slowest of another:
+// the sum of `seconds` overstates the step (it is no one's time), so the step's time is
+// step_seconds, the slowest rank's own sum.
 struct PhaseTable {
   std::vector<std::vector<int64_t>> bytes;  // [kNumPhases][world size]
   std::vector<double> seconds;              // [kNumPhases]: the largest over ranks
-  double total_seconds() const;             // sum of seconds
+  std::vector<double> rank_seconds;         // [world size]: each rank's wall time of the step
+  double step_seconds = 0;                  // the largest of rank_seconds
   int64_t max_rank_bytes() const;           // the most bytes one rank sent over all phases
 };
 

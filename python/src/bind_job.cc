@@ -82,6 +82,7 @@ const std::map<std::string, Setter>& Setters(bool run) {
   };
   static const std::map<std::string, Setter> run_setters = [] {
     std::map<std::string, Setter> m = plan_setters;
+    m["timeout"] = Field(&JobOptions::timeout);
     m["verify"] = RunField(&RunOptions::verify);
     m["verify_tolerance"] = RunField(&RunOptions::verify_tolerance);
     m["memory_profile_steps"] = RunField(&RunOptions::memory_profile_steps);
@@ -211,7 +212,7 @@ void BindJob(py::module_& m) {
         "summary_only) and returns its report: {'steps': [...], 'summary': {...}}.");
   m.def("run_job", &RunJobPy,
         "Runs a job's step loop on one thread per rank as `thdpack run --json` does (options "
-        "of resolve_job plus data_on, summary_only, verify, verify_tolerance, probe_layers, "
+        "of resolve_job plus data_on, timeout, summary_only, verify, verify_tolerance, probe_layers, "
         "probe_hidden, probe_heads, probe_vocab, memory_profile_steps, memory_profile_dir) "
         "and returns one dict per step (with verify: loss, ppl, entropy, n_tokens, checked "
         "against one rank).");

@@ -130,6 +130,8 @@ def test_run_job_verify_matches_the_command_line(tmp_path):
 
 
 def test_run_job_errors_name_the_option():
+    with pytest.raises(ValueError, match="--timeout: must be > 0"):
+        thdpack.run_job(timeout=0)
     with pytest.raises(ValueError, match="--memory-profile-steps"):
         thdpack.run_job(steps=2, memory_profile_steps=[2])
     with pytest.raises(ValueError, match="--verify-tolerance"):

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "comm_checks.h"
 #include "thdpack/comm.h"
@@ -76,6 +77,65 @@ TEST(ThreadBackend, TimeoutInsteadOfHang) {
   const auto elapsed = std::chrono::steady_clock::now() - start;
   for (const Status& s : statuses) EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
   EXPECT_LT(elapsed, std::chrono::seconds(20));
+}
+
+// A rank that is alive and never calls the collective: after the timeout its peers get
+// kAborted naming it (and only it) as the member that did not arrive, in the world and in a
+// group split from it (which inherits the world's timeout).
+TEST(ThreadBackend, TimeoutNamesTheMembersThatDidNotArrive) {
+  ThreadBackendOptions options;
+  options.timeout = std::chrono::milliseconds(100);
+  std::atomic<int> done{0};
+  auto statuses = RunOnThreads(
+      4,
+      [&](ProcessGroup& world) -> Status {
+        EXPECT_EQ(world.timeout(), std::chrono::milliseconds(100));
+        std::vector<std::vector<int>> halves = {{0, 1}, {2, 3}};
+        auto half = world.Split(halves);
+        if (!half.ok()) return half.status();
+        EXPECT_EQ((*half)->timeout(), std::chrono::milliseconds(100));
+        Status s;
+        if (world.rank() == 3) {
+          // Busy elsewhere until every peer has given up: never calls the collectives below.
+          while (done.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          return Status::Ok();
+        }
+        if (world.rank() == 2) {
+          s = (*half)->Barrier();  // waits for rank 3 in the group [2,3]
+        } else {
+          std::vector<int64_t> v = {1};
+          s = world.AllReduceInt64(std::span<int64_t>(v), ReduceOp::kSum);
+        }
+        ++done;
+        return s;
+      },
+      options);
+  for (int r : {0, 1}) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kAborted) << statuses[r].ToString();
+    EXPECT_NE(statuses[r].message().find("AllReduce on threads group [0,1,2,3]: not complete "
+                                         "after 100 ms"),
+              std::string::npos)
+        << statuses[r].ToString();
+    // Rank 2 is in its own Barrier, rank 3 nowhere: neither arrived.
+    EXPECT_NE(statuses[r].message().find("members 2, 3 (global ranks 2, 3) did not arrive"),
+              std::string::npos)
+        << statuses[r].ToString();
+  }
+  EXPECT_EQ(statuses[2].code(), StatusCode::kAborted);
+  EXPECT_NE(statuses[2].message().find("Barrier on threads group [2,3]: not complete after 100 ms"
+                                       " (the timeout): member 1 (global rank 3) did not arrive"),
+            std::string::npos)
+      << statuses[2].ToString();
+  EXPECT_TRUE(statuses[3].ok());
+}
+
+TEST(ThreadBackend, TimeoutDefaultsTo300Seconds) {
+  EXPECT_EQ(ThreadBackendOptions{}.timeout, std::chrono::seconds(300));
+  auto statuses = RunOnThreads(1, [](ProcessGroup& world) -> Status {
+    if (world.timeout() != kDefaultCollectiveTimeout) return Status::Internal("not the default");
+    return Status::Ok();
+  });
+  ExpectAllOk(statuses);
 }
 
 TEST(ThreadBackend, MismatchedArgumentsAreErrorsOnEveryRank) {

@@ -4,11 +4,27 @@
 // bytes between one pair of ranks is refused with OutOfRange (MPI-3 has no large-count calls).
 // Every MPI return code is checked (the communicators use MPI_ERRORS_RETURN) and wrapped with
 // the call, the file and the line.
+//
+// Timeouts. Every collective is started non-blocking (MPI_Ibcast, MPI_Iallgather(v),
+// MPI_Iallreduce, MPI_Ialltoallv, MPI_Ibarrier) and polled with MPI_Test against the group's
+// timeout(); sends are MPI_Isend, receives wait on MPI_Iprobe. To name the members that did not
+// arrive, each group has a shadow communicator (a duplicate): a rank whose collective times out
+// asks every other member, on the shadow, which collective of the group it is in; a member that
+// is itself polling a collective of this group answers with its collective count. Members that
+// answer with the same count have arrived; the others (no answer within a grace of at most 2 s,
+// or another count) are named. The rank then prints the error on stderr and calls MPI_Abort: a
+// started MPI collective cannot be cancelled, so returning would leave MPI writing into buffers
+// the caller frees.
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "thdpack/comm.h"
 
@@ -67,11 +83,20 @@ std::string MpiErrorText(int rc) {
     }                                                                                         \
   } while (0)
 
+using Clock = std::chrono::steady_clock;
+
+// Tags on a group's shadow communicator.
+constexpr int kQueryTag = 1;  // "which collective are you in?" (int64: the asker's count)
+constexpr int kReplyTag = 2;  // int64[2]: the member's collective count, 1 if polling one
+
 class MpiGroup final : public ProcessGroup {
  public:
-  MpiGroup(std::shared_ptr<MpiEnv> env, MPI_Comm comm, std::vector<int> ranks, int rank)
-      : ProcessGroup(std::move(ranks), rank), env_(std::move(env)), comm_(comm) {}
+  // Takes ownership of comm and shadow.
+  MpiGroup(std::shared_ptr<MpiEnv> env, MPI_Comm comm, MPI_Comm shadow, std::vector<int> ranks,
+           int rank)
+      : ProcessGroup(std::move(ranks), rank), env_(std::move(env)), comm_(comm), shadow_(shadow) {}
   ~MpiGroup() override {
+    if (shadow_ != MPI_COMM_NULL) MPI_Comm_free(&shadow_);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
@@ -81,7 +106,9 @@ class MpiGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(CheckRoot("Broadcast", root));
     int count = 0;
     THDPACK_RETURN_IF_ERROR(ToInt("Broadcast", data.size(), &count));
-    THDPACK_MPI_CALL(MPI_Bcast(data.data(), count, MPI_BYTE, root, comm_));
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Ibcast(data.data(), count, MPI_BYTE, root, comm_, &req));
+    THDPACK_RETURN_IF_ERROR(WaitCollective(req, "Broadcast"));
     if (rank() == root) AddBytesSent(static_cast<int64_t>(data.size()) * (size() - 1));
     return Status::Ok();
   }
@@ -94,8 +121,10 @@ class MpiGroup final : public ProcessGroup {
     }
     int count = 0;
     THDPACK_RETURN_IF_ERROR(ToInt("AllGather", send.size(), &count));
-    THDPACK_MPI_CALL(MPI_Allgather(send.data(), count, MPI_BYTE, recv.data(), count, MPI_BYTE,
-                                   comm_));
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Iallgather(send.data(), count, MPI_BYTE, recv.data(), count, MPI_BYTE,
+                                    comm_, &req));
+    THDPACK_RETURN_IF_ERROR(WaitCollective(req, "AllGather"));
     AddBytesSent(static_cast<int64_t>(send.size()) * (size() - 1));
     return Status::Ok();
   }
@@ -112,8 +141,10 @@ class MpiGroup final : public ProcessGroup {
     std::vector<int> c, d;
     THDPACK_RETURN_IF_ERROR(ToInts("AllGatherV", counts, &c));
     THDPACK_RETURN_IF_ERROR(ToInts("AllGatherV", displs, &d));
-    THDPACK_MPI_CALL(MPI_Allgatherv(send.data(), c[static_cast<size_t>(rank())], MPI_BYTE,
-                                    recv.data(), c.data(), d.data(), MPI_BYTE, comm_));
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Iallgatherv(send.data(), c[static_cast<size_t>(rank())], MPI_BYTE,
+                                     recv.data(), c.data(), d.data(), MPI_BYTE, comm_, &req));
+    THDPACK_RETURN_IF_ERROR(WaitCollective(req, "AllGatherV"));
     AddBytesSent(static_cast<int64_t>(send.size()) * (size() - 1));
     return Status::Ok();
   }
@@ -128,7 +159,9 @@ class MpiGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(ToInt("AllReduce", data.size() / 8, &count));
     const MPI_Datatype t = type == ReduceType::kInt64 ? MPI_INT64_T : MPI_DOUBLE;
     const MPI_Op o = op == ReduceOp::kSum ? MPI_SUM : op == ReduceOp::kMin ? MPI_MIN : MPI_MAX;
-    THDPACK_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, data.data(), count, t, o, comm_));
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count, t, o, comm_, &req));
+    THDPACK_RETURN_IF_ERROR(WaitCollective(req, "AllReduce"));
     AddBytesSent(static_cast<int64_t>(data.size()) * (size() - 1));
     return Status::Ok();
   }
@@ -144,8 +177,10 @@ class MpiGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(ToInts("AllToAllV", send_displs, &sd));
     THDPACK_RETURN_IF_ERROR(ToInts("AllToAllV", recv_counts, &rc));
     THDPACK_RETURN_IF_ERROR(ToInts("AllToAllV", recv_displs, &rd));
-    THDPACK_MPI_CALL(MPI_Alltoallv(send.data(), sc.data(), sd.data(), MPI_BYTE, recv.data(),
-                                   rc.data(), rd.data(), MPI_BYTE, comm_));
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Ialltoallv(send.data(), sc.data(), sd.data(), MPI_BYTE, recv.data(),
+                                    rc.data(), rd.data(), MPI_BYTE, comm_, &req));
+    THDPACK_RETURN_IF_ERROR(WaitCollective(req, "AllToAllV"));
     int64_t sent = 0;
     for (size_t j = 0; j < send_counts.size(); ++j) {
       if (static_cast<int>(j) != rank()) sent += send_counts[j];
@@ -158,7 +193,10 @@ class MpiGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(CheckPeer("Send", dst, tag));
     int count = 0;
     THDPACK_RETURN_IF_ERROR(ToInt("Send", data.size(), &count));
-    THDPACK_MPI_CALL(MPI_Send(data.data(), count, MPI_BYTE, dst, tag, comm_));
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Isend(data.data(), count, MPI_BYTE, dst, tag, comm_, &req));
+    THDPACK_RETURN_IF_ERROR(WaitPeer(req, "Send to member " + std::to_string(dst) + " (tag " +
+                                              std::to_string(tag) + ")", dst));
     AddBytesSent(static_cast<int64_t>(data.size()));
     return Status::Ok();
   }
@@ -169,7 +207,7 @@ class MpiGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(ToInt("Recv", data.size(), &count));
     MPI_Status st;
     // Probe first so that a message of the wrong size is an error, not a truncation.
-    THDPACK_MPI_CALL(MPI_Probe(src, tag, comm_, &st));
+    THDPACK_RETURN_IF_ERROR(ProbePeer(src, tag, &st));
     int got = 0;
     THDPACK_MPI_CALL(MPI_Get_count(&st, MPI_BYTE, &got));
     if (got != count) {
@@ -185,8 +223,9 @@ class MpiGroup final : public ProcessGroup {
   }
 
   Status Barrier() override {
-    THDPACK_MPI_CALL(MPI_Barrier(comm_));
-    return Status::Ok();
+    MPI_Request req;
+    THDPACK_MPI_CALL(MPI_Ibarrier(comm_, &req));
+    return WaitCollective(req, "Barrier");
   }
 
   Result<std::unique_ptr<ProcessGroup>> Split(std::span<const std::vector<int>> groups) override {
@@ -194,16 +233,179 @@ class MpiGroup final : public ProcessGroup {
     Status local = CheckSplit(groups, &my_group, &my_index);
     // Bad lists on any member fail the split on every member, before any communicator exists.
     THDPACK_RETURN_IF_ERROR(AgreeOnStatus(*this, local, "Split"));
+    // Blocking: every member has just taken part in the agreement above.
     const int color = my_group >= 0 ? my_group : MPI_UNDEFINED;
     MPI_Comm child = MPI_COMM_NULL;
     THDPACK_MPI_CALL(MPI_Comm_split(comm_, color, my_index, &child));
     if (my_group < 0) return std::unique_ptr<ProcessGroup>();
-    THDPACK_MPI_CALL(MPI_Comm_set_errhandler(child, MPI_ERRORS_RETURN));
-    return std::unique_ptr<ProcessGroup>(
-        new MpiGroup(env_, child, groups[static_cast<size_t>(my_group)], my_index));
+    MPI_Comm shadow = MPI_COMM_NULL;
+    if (MPI_Comm_dup(child, &shadow) != MPI_SUCCESS) {
+      MPI_Comm_free(&child);
+      return Status::Internal("MPI_Comm_dup of a split of " + Describe() + " failed");
+    }
+    MPI_Comm_set_errhandler(child, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(shadow, MPI_ERRORS_RETURN);
+    auto group = std::make_unique<MpiGroup>(env_, child, shadow,
+                                            groups[static_cast<size_t>(my_group)], my_index);
+    group->set_timeout(timeout());
+    return std::unique_ptr<ProcessGroup>(std::move(group));
   }
 
  private:
+  // Between polls: spin (yielding the core) for the first 10 ms of a wait, then sleep 100 us, so
+  // that oversubscribed ranks leave the cores to their peers.
+  static void Pause(Clock::time_point start) {
+    if (Clock::now() - start < std::chrono::milliseconds(10)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
+  // Answers every pending query of a member whose collective of this group timed out.
+  void AnswerQueries(bool polling) {
+    while (true) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kQueryTag, shadow_, &flag, &st) != MPI_SUCCESS || !flag) {
+        return;
+      }
+      int64_t asked = 0;
+      MPI_Recv(&asked, 1, MPI_INT64_T, st.MPI_SOURCE, kQueryTag, shadow_, MPI_STATUS_IGNORE);
+      int64_t reply[2] = {collectives_, polling ? 1 : 0};
+      MPI_Send(reply, 2, MPI_INT64_T, st.MPI_SOURCE, kReplyTag, shadow_);
+    }
+  }
+
+  // Polls a started collective until it completes or the timeout passes (then TimedOut).
+  Status WaitCollective(MPI_Request& req, std::string_view op) {
+    ++collectives_;
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point deadline = start + timeout();
+    while (true) {
+      int done = 0;
+      THDPACK_MPI_CALL(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+      if (done) return Status::Ok();
+      AnswerQueries(true);
+      if (Clock::now() >= deadline) TimedOut(op, MissingMembers());
+      Pause(start);
+    }
+  }
+
+  // Polls a started send to member `peer`.
+  Status WaitPeer(MPI_Request& req, const std::string& op, int peer) {
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point deadline = start + timeout();
+    while (true) {
+      int done = 0;
+      THDPACK_MPI_CALL(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+      if (done) return Status::Ok();
+      AnswerQueries(false);
+      if (Clock::now() >= deadline) {
+        TimedOut(op, DescribeMembers(std::vector<int>{peer}) + " did not receive");
+      }
+      Pause(start);
+    }
+  }
+
+  // Waits until a message from `src` with `tag` can be received.
+  Status ProbePeer(int src, int tag, MPI_Status* st) {
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point deadline = start + timeout();
+    while (true) {
+      int flag = 0;
+      THDPACK_MPI_CALL(MPI_Iprobe(src, tag, comm_, &flag, st));
+      if (flag) return Status::Ok();
+      AnswerQueries(false);
+      if (Clock::now() >= deadline) {
+        TimedOut("Recv from member " + std::to_string(src) + " (tag " + std::to_string(tag) + ")",
+                 DescribeMembers(std::vector<int>{src}) + " did not send");
+      }
+      Pause(start);
+    }
+  }
+
+  // After a collective timed out: asks every other member which collective of this group it
+  // is in, and describes those that are not in this one ("member 3 (global rank 7) did not
+  // arrive (...)").
+  std::string MissingMembers() {
+    const int n = size();
+    const int64_t mine = collectives_;
+    std::vector<MPI_Request> sends;
+    for (int j = 0; j < n; ++j) {
+      if (j == rank()) continue;
+      MPI_Request r;
+      if (MPI_Isend(&mine, 1, MPI_INT64_T, j, kQueryTag, shadow_, &r) == MPI_SUCCESS) {
+        sends.push_back(r);
+      }
+    }
+    std::vector<int64_t> answer(static_cast<size_t>(n), -1);  // their count; -1: no answer
+    std::vector<int64_t> polling(static_cast<size_t>(n), 0);
+    answer[static_cast<size_t>(rank())] = mine;
+    polling[static_cast<size_t>(rank())] = 1;
+    int pending = n - 1;
+    const Clock::time_point start = Clock::now();
+    const auto grace = std::min<std::chrono::milliseconds>(timeout(), std::chrono::seconds(2));
+    while (pending > 0 && Clock::now() - start < grace) {
+      AnswerQueries(true);
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kReplyTag, shadow_, &flag, &st) == MPI_SUCCESS && flag) {
+        int64_t reply[2] = {0, 0};
+        MPI_Recv(reply, 2, MPI_INT64_T, st.MPI_SOURCE, kReplyTag, shadow_, MPI_STATUS_IGNORE);
+        const size_t j = static_cast<size_t>(st.MPI_SOURCE);
+        if (answer[j] < 0) --pending;
+        answer[j] = reply[0];
+        polling[j] = reply[1];
+        continue;
+      }
+      Pause(start);
+    }
+    std::vector<int> silent, elsewhere;
+    std::string where;
+    for (int j = 0; j < n; ++j) {
+      const size_t jj = static_cast<size_t>(j);
+      if (answer[jj] < 0) {
+        silent.push_back(j);
+      } else if (answer[jj] != mine || !polling[jj]) {
+        elsewhere.push_back(j);
+        where += "; member " + std::to_string(j) + " is " +
+                 (polling[jj] ? "in collective " + std::to_string(answer[jj])
+                              : "past collective " + std::to_string(answer[jj]) +
+                                    " (in a send or receive)") +
+                 " of this group, this rank in collective " + std::to_string(mine);
+      }
+    }
+    std::vector<int> missing = silent;
+    missing.insert(missing.end(), elsewhere.begin(), elsewhere.end());
+    std::sort(missing.begin(), missing.end());
+    if (missing.empty()) {
+      return "every member answered from this collective, yet it did not complete (an MPI "
+             "fault?)";
+    }
+    std::string text = DescribeMembers(missing) + " did not arrive";
+    if (!silent.empty()) {
+      text += " (" + std::to_string(silent.size()) + " gave no answer within " +
+              std::to_string(grace.count()) + " ms: not in a collective of this group" + where +
+              ")";
+    } else {
+      text += " (" + where.substr(2) + ")";
+    }
+    return text;
+  }
+
+  // Reports the timeout on stderr ("<op> on <group>: not complete after N ms (the timeout):
+  // <missing>") and ends the job (see the top of this file).
+  [[noreturn]] void TimedOut(std::string_view op, const std::string& missing) {
+    const std::string msg = std::string(op) + " on " + Describe() + ": not complete after " +
+                            std::to_string(timeout().count()) + " ms (the timeout): " + missing;
+    std::fprintf(stderr, "thdpack: rank %d: Aborted: %s; ending the job with MPI_Abort\n",
+                 global_rank(), msg.c_str());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    std::abort();  // MPI_Abort does not return
+  }
+
   Status ToInt(std::string_view op, size_t n, int* out) const {
     if (n > static_cast<size_t>(INT_MAX)) {
       return Status::OutOfRange(std::string(op) + " on " + Describe() + ": " +
@@ -228,6 +430,8 @@ class MpiGroup final : public ProcessGroup {
 
   std::shared_ptr<MpiEnv> env_;  // keeps MPI initialised while this group exists
   MPI_Comm comm_;
+  MPI_Comm shadow_;          // a duplicate of comm_: timeout queries and answers
+  int64_t collectives_ = 0;  // collectives this rank has started on this group
 };
 
 }  // namespace
@@ -241,12 +445,18 @@ Result<std::unique_ptr<ProcessGroup>> MpiWorld() {
     return Status::Internal("MpiWorld: MPI_Comm_dup(MPI_COMM_WORLD) failed");
   }
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  MPI_Comm shadow = MPI_COMM_NULL;
+  if (MPI_Comm_dup(comm, &shadow) != MPI_SUCCESS) {
+    MPI_Comm_free(&comm);
+    return Status::Internal("MpiWorld: MPI_Comm_dup of the world failed");
+  }
+  MPI_Comm_set_errhandler(shadow, MPI_ERRORS_RETURN);
   int rank = 0, size = 0;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   std::vector<int> ranks(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) ranks[static_cast<size_t>(r)] = r;
-  return std::unique_ptr<ProcessGroup>(new MpiGroup(std::move(env), comm, std::move(ranks), rank));
+  return std::unique_ptr<ProcessGroup>(new MpiGroup(std::move(env), comm, shadow, std::move(ranks), rank));
 }
 
 }  // namespace thdpack

@@ -101,6 +101,21 @@ Status ProcessGroup::CheckSplit(std::span<const std::vector<int>> groups, int* m
   return Status::Ok();
 }
 
+std::string ProcessGroup::DescribeMembers(std::span<const int> positions) const {
+  std::string pos, global;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (i) {
+      pos += ", ";
+      global += ", ";
+    }
+    pos += std::to_string(positions[i]);
+    global += std::to_string(ranks_[static_cast<size_t>(positions[i])]);
+  }
+  const bool one = positions.size() == 1;
+  return (one ? "member " : "members ") + pos + (one ? " (global rank " : " (global ranks ") +
+         global + ")";
+}
+
 Status AgreeOnStatus(ProcessGroup& group, const Status& local, std::string_view context) {
   // The lowest group position that failed, or size() when none did.
   int64_t first_failed = local.ok() ? group.size() : group.rank();
@@ -110,15 +125,16 @@ Status AgreeOnStatus(ProcessGroup& group, const Status& local, std::string_view 
   const int root = static_cast<int>(first_failed);
   std::string text;
   if (group.rank() == root) text = local.ToString();
-  int64_t length = static_cast<int64_t>(text.size());
-  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(&length, 1), root));
-  text.resize(static_cast<size_t>(length));
+  // The message's length and the failure's origin code travel together.
+  int64_t header[2] = {static_cast<int64_t>(text.size()), static_cast<int64_t>(local.origin())};
+  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(header, 2), root));
+  text.resize(static_cast<size_t>(header[0]));
   THDPACK_RETURN_IF_ERROR(group.Broadcast(
       std::as_writable_bytes(std::span<char>(text.data(), text.size())), root));
   if (!local.ok()) return local;
   std::string msg = "rank " + std::to_string(group.ranks()[static_cast<size_t>(root)]);
   if (!context.empty()) msg += " (" + std::string(context) + ")";
-  return Status::Aborted(msg + " failed: " + text);
+  return Status::Aborted(msg + " failed: " + text, static_cast<StatusCode>(header[1]));
 }
 
 }  // namespace thdpack

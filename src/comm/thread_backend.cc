@@ -7,8 +7,9 @@
 // to point messages are copied into a mailbox keyed by (src, dst, tag).
 //
 // No wait is unbounded: a waiter gives up with kAborted when a member it waits for has left
-// (its rank function returned or threw) or when ThreadBackendOptions::timeout passes; the group
-// is then marked broken so that its other members fail at once too.
+// (its rank function returned or threw) or when the group's timeout() passes (the error names
+// the members that have not arrived); the group is then marked broken so that its other members
+// fail at once too.
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -51,13 +52,11 @@ struct GroupState {
 };
 
 struct ThreadWorld {
-  explicit ThreadWorld(int n, std::chrono::milliseconds t)
-      : exited(static_cast<size_t>(n), 0), exit_status(static_cast<size_t>(n)), timeout(t) {}
+  explicit ThreadWorld(int n) : exited(static_cast<size_t>(n), 0), exit_status(static_cast<size_t>(n)) {}
   std::mutex mu;
   std::condition_variable cv;  // one for the world: waits are short and ranks few
   std::vector<uint8_t> exited;
   std::vector<Status> exit_status;
-  std::chrono::milliseconds timeout;
 };
 
 uint64_t HashGroups(std::span<const std::vector<int>> groups) {
@@ -260,17 +259,17 @@ class ThreadGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(CheckPeer("Recv", src, tag));
     std::unique_lock<std::mutex> lk(world_->mu);
     auto& queue = state_->mail[{src, rank(), tag}];
-    const auto deadline = std::chrono::steady_clock::now() + world_->timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
     while (queue.empty()) {
       if (!state_->broken.empty()) return Status::Aborted(state_->broken);
       const int g = state_->ranks[static_cast<size_t>(src)];
       if (world_->exited[static_cast<size_t>(g)]) {
         return Break("Recv from member " + std::to_string(src) + " (tag " + std::to_string(tag) +
-                     ")", g);
+                     ")", g, {});
       }
       if (world_->cv.wait_until(lk, deadline) == std::cv_status::timeout && queue.empty()) {
         return Break("Recv from member " + std::to_string(src) + " (tag " + std::to_string(tag) +
-                     ")", -1);
+                     ")", -1, {src});
       }
     }
     std::vector<std::byte> msg = std::move(queue.front());
@@ -321,7 +320,9 @@ class ThreadGroup final : public ProcessGroup {
       if (++pending.takers == static_cast<size_t>(size())) state_->splits.erase(seq);
     }
     if (my_group < 0) return std::unique_ptr<ProcessGroup>();
-    return std::unique_ptr<ProcessGroup>(new ThreadGroup(world_, std::move(child), my_index));
+    auto group = std::make_unique<ThreadGroup>(world_, std::move(child), my_index);
+    group->set_timeout(timeout());
+    return std::unique_ptr<ProcessGroup>(std::move(group));
   }
 
  private:
@@ -330,16 +331,19 @@ class ThreadGroup final : public ProcessGroup {
                                    ": arguments disagree between members: " + what);
   }
 
-  // Marks the group broken and returns the error. REQUIRES: world_->mu held.
-  Status Break(const std::string& what, int exited_rank) {
+  // Marks the group broken and returns the error: `exited_rank` (global) has left, or, when it
+  // is -1, the timeout passed with the members `missing` (group positions) not arrived.
+  // REQUIRES: world_->mu held.
+  Status Break(const std::string& what, int exited_rank, const std::vector<int>& missing) {
     std::string msg;
     if (exited_rank >= 0) {
       const Status& s = world_->exit_status[static_cast<size_t>(exited_rank)];
       msg = what + " on " + Describe() + ": rank " + std::to_string(exited_rank) +
             " has left without taking part (it returned " + s.ToString() + ")";
     } else {
-      msg = what + " on " + Describe() + ": no progress after " +
-            std::to_string(world_->timeout.count()) + " ms (ThreadBackendOptions::timeout)";
+      msg = what + " on " + Describe() + ": not complete after " +
+            std::to_string(timeout().count()) + " ms (the timeout): " +
+            DescribeMembers(missing) + " did not arrive";
     }
     state_->broken = msg;
     world_->cv.notify_all();
@@ -359,16 +363,20 @@ class ThreadGroup final : public ProcessGroup {
       world_->cv.notify_all();
       return Status::Ok();
     }
-    const auto deadline = std::chrono::steady_clock::now() + world_->timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
     while (g.generation == gen) {
       if (!g.broken.empty()) return Status::Aborted(g.broken);
       for (size_t i = 0; i < g.ranks.size(); ++i) {
         if (!g.arrived_flag[i] && world_->exited[static_cast<size_t>(g.ranks[i])]) {
-          return Break(std::string(op), g.ranks[i]);
+          return Break(std::string(op), g.ranks[i], {});
         }
       }
       if (world_->cv.wait_until(lk, deadline) == std::cv_status::timeout && g.generation == gen) {
-        return Break(std::string(op), -1);
+        std::vector<int> missing;
+        for (size_t i = 0; i < g.ranks.size(); ++i) {
+          if (!g.arrived_flag[i]) missing.push_back(static_cast<int>(i));
+        }
+        return Break(std::string(op), -1, missing);
       }
     }
     return Status::Ok();
@@ -399,7 +407,7 @@ std::vector<Status> RunOnThreads(int world_size, const RankFunction& fn,
     return {Status::InvalidArgument("RunOnThreads: world_size = " + std::to_string(world_size) +
                                     " must be >= 1")};
   }
-  auto world = std::make_shared<ThreadWorld>(world_size, options.timeout);
+  auto world = std::make_shared<ThreadWorld>(world_size);
   std::vector<int> all(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) all[static_cast<size_t>(r)] = r;
   auto world_state = std::make_shared<GroupState>(all);
@@ -411,6 +419,7 @@ std::vector<Status> RunOnThreads(int world_size, const RankFunction& fn,
       Status s;
       try {
         ThreadGroup group(world, world_state, r);
+        group.set_timeout(options.timeout);
         s = fn(group);
       } catch (const std::exception& e) {
         s = Status::Internal("rank " + std::to_string(r) + " threw: " + e.what());

@@ -18,7 +18,17 @@ std::string_view StatusCodeName(StatusCode code) {
 }
 
 Status::Status(StatusCode code, std::string message) {
-  if (code != StatusCode::kOk) rep_ = std::make_shared<const Rep>(Rep{code, std::move(message)});
+  if (code != StatusCode::kOk) {
+    rep_ = std::make_shared<const Rep>(Rep{code, std::move(message), code});
+  }
+}
+
+Status Status::Aborted(std::string msg, StatusCode origin) {
+  Status s(StatusCode::kAborted, std::move(msg));
+  if (origin != StatusCode::kOk) {
+    s.rep_ = std::make_shared<const Rep>(Rep{StatusCode::kAborted, s.rep_->message, origin});
+  }
+  return s;
 }
 
 const std::string& Status::message() const {
@@ -39,7 +49,9 @@ Status Status::WithContext(std::string_view context) const {
   std::string msg(context);
   msg += ": ";
   msg += rep_->message;
-  return Status(code(), std::move(msg));
+  Status s;
+  s.rep_ = std::make_shared<const Rep>(Rep{code(), std::move(msg), rep_->origin});
+  return s;
 }
 
 }  // namespace thdpack

@@ -34,6 +34,19 @@ TEST(StatusTest, ErrorCarriesCodeAndMessage) {
   EXPECT_TRUE(Status().WithContext("x").ok());
 }
 
+TEST(StatusTest, OriginIsTheCodeUnlessAPeerFailed) {
+  EXPECT_EQ(Status().origin(), StatusCode::kOk);
+  EXPECT_EQ(Status::Corruption("x").origin(), StatusCode::kCorruption);
+  EXPECT_EQ(Status::Aborted("peer left").origin(), StatusCode::kAborted);
+  Status a = Status::Aborted("rank 3 failed: InvalidArgument: bad", StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.code(), StatusCode::kAborted);
+  EXPECT_EQ(a.origin(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.ToString(), "Aborted: rank 3 failed: InvalidArgument: bad");
+  // Context keeps the origin.
+  EXPECT_EQ(a.WithContext("step 2").origin(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.WithContext("step 2").code(), StatusCode::kAborted);
+}
+
 TEST(ResultTest, ValueAndErrorPropagate) {
   auto r = Quarter(12);
   ASSERT_TRUE(r.ok());

@@ -35,6 +35,15 @@ Status CheckNumbers(const JobOptions& o) {
   }
   if (o.steps.has_value()) THDPACK_RETURN_IF_ERROR(AtLeast("--steps", *o.steps, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--microbatch-multiple", o.microbatch_multiple, 1));
+  if (o.sp && o.tp == 1) {
+    return Fail("--sp", "sequence parallelism splits each CP shard over the TP ranks, so it needs "
+                        "--tp > 1, got --tp 1");
+  }
+  // Written so that NaN fails too; at most a year.
+  if (!(o.timeout > 0 && o.timeout <= 365.0 * 24 * 3600)) {
+    return Fail("--timeout", "must be > 0 seconds (and at most a year), got " +
+                                 std::to_string(o.timeout));
+  }
   if (o.num_microbatches < 0 || o.num_microbatches % o.microbatch_multiple != 0) {
     return Fail("--num-microbatches",
                 "must be 0 (scheduler chooses) or a positive multiple of --microbatch-multiple (" +

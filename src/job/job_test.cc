@@ -5,6 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
 #include <mutex>
 #include <random>
 #include <string>
@@ -59,6 +64,40 @@ TEST(Job, ErrorsNameTheOption) {
   o = JobOptions{};
   o.data_on = "tp1";
   ExpectError(o, "--data-on");
+  // Options that make no sense together.
+  o = JobOptions{};
+  o.sp = true;
+  ExpectError(o, "--sp");
+  EXPECT_NE(ResolveJob(o).status().message().find("needs --tp > 1, got --tp 1"),
+            std::string::npos);
+  o.tp = 2;
+  EXPECT_TRUE(ResolveJob(o).ok());
+  for (double t : {0.0, -1.0, std::nan(""), 1e12}) {
+    o = JobOptions{};
+    o.timeout = t;
+    ExpectError(o, "--timeout");
+  }
+}
+
+// --timeout reaches the world of RunJobOnRank (and so every group the step splits from it).
+TEST(Job, RunSetsTheTimeoutOnItsWorld) {
+  JobOptions o;
+  o.global_batch = 8;
+  o.steps = 1;
+  o.dp = 2;
+  o.timeout = 12.5;
+  Result<Job> job = ResolveJob(o);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  Result<RunSetup> run = ResolveRun(*job, RunOptions{});
+  ASSERT_TRUE(run.ok());
+  auto statuses = RunOnThreads(2, [&](ProcessGroup& world) -> Status {
+    THDPACK_RETURN_IF_ERROR(RunJobOnRank(world, *job, *run, {}));
+    if (world.timeout() != std::chrono::milliseconds(12500)) {
+      return Status::Internal("timeout " + std::to_string(world.timeout().count()) + " ms");
+    }
+    return Status::Ok();
+  });
+  for (const Status& s : statuses) EXPECT_TRUE(s.ok()) << s.ToString();
 }
 
 TEST(Job, GlobalBatchTextIsStrict) {
@@ -149,7 +188,7 @@ TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
     o.cp = 1 + static_cast<int>(rng() % 2);
     o.dp = 1 + static_cast<int>(rng() % 3);
     o.pp = 1 + static_cast<int>(rng() % 2);
-    o.sp = rng() % 2 == 0;
+    o.sp = o.tp > 1 && rng() % 2 == 0;  // SP needs TP > 1
     o.max_tokens_per_rank = 512;
     o.global_batch = rng() % 3 == 0 ? 0 : 8 + static_cast<int64_t>(rng() % 16);
     o.steps = 2;
@@ -185,6 +224,16 @@ TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
       const std::string json = RunStepJson(reports[k], false);
       EXPECT_NE(json.find("\"time_agree\":"), std::string::npos);
       EXPECT_NE(json.find(",\"memory\":"), std::string::npos);
+      // The step's time is the slowest rank's own time, never more than the sum of the phase
+      // maxima, and it is what time_step says.
+      const PhaseTable& t = reports[k].phases;
+      ASSERT_EQ(t.rank_seconds.size(), static_cast<size_t>(job->topology.world_size()));
+      EXPECT_EQ(t.step_seconds, *std::max_element(t.rank_seconds.begin(), t.rank_seconds.end()));
+      double sum_of_maxima = 0;
+      for (double v : t.seconds) sum_of_maxima += v;
+      EXPECT_LE(t.step_seconds, sum_of_maxima * (1 + 1e-12));
+      EXPECT_NE(json.find("\"time_step\":" + nlohmann::json(t.step_seconds).dump()),
+                std::string::npos);
     }
   }
 }

@@ -1,5 +1,6 @@
 // The core of `thdpack run` (thdpack/job.h): one rank's step loop, and the JSON of a step.
 #include <algorithm>
+#include <chrono>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -32,6 +33,8 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
 
 Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
                     const RunStepCallback& on_step) {
+  world.set_timeout(std::chrono::milliseconds(
+      std::max<int64_t>(1, static_cast<int64_t>(job.options.timeout * 1000))));
   const StepRunnerOptions options = RunnerOptions(job);
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, job.topology, options));
   std::unique_ptr<StepVerifier> verifier;
@@ -86,7 +89,7 @@ std::string RunStepJson(const RunStepReport& step, bool summary_only) {
     extra.emplace_back("time_" + std::string(PhaseName(static_cast<Phase>(k))),
                        nlohmann::json(phases.seconds[k]).dump());
   }
-  extra.emplace_back("time_step", nlohmann::json(phases.total_seconds()).dump());
+  extra.emplace_back("time_step", nlohmann::json(phases.step_seconds).dump());
   return StepFiguresJson(step.figures, summary_only, extra);
 }
 

@@ -42,12 +42,6 @@ int64_t RankStep::bytes_sent() const {
   return n;
 }
 
-double PhaseTable::total_seconds() const {
-  double t = 0;
-  for (double s : seconds) t += s;
-  return t;
-}
-
 int64_t PhaseTable::max_rank_bytes() const {
   int64_t most = 0;
   const size_t ranks = bytes.empty() ? 0 : bytes[0].size();
@@ -77,12 +71,15 @@ Result<PhaseTable> GatherPhases(ProcessGroup& world, const RankStep& step) {
   PhaseTable table;
   table.bytes.assign(kPhases, std::vector<int64_t>(n, 0));
   table.seconds.assign(kPhases, 0);
+  table.rank_seconds.assign(n, 0);
   for (size_t k = 0; k < kPhases; ++k) {
     for (size_t r = 0; r < n; ++r) {
       table.bytes[k][r] = bytes[r * kPhases + k];
       table.seconds[k] = std::max(table.seconds[k], times[r * kPhases + k]);
+      table.rank_seconds[r] += times[r * kPhases + k];
     }
   }
+  for (double t : table.rank_seconds) table.step_seconds = std::max(table.step_seconds, t);
   return table;
 }
 

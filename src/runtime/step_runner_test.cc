@@ -115,6 +115,8 @@ TEST(StepRunner, OversizeSampleOnOneLoaderFailsEveryRank) {
         EXPECT_EQ(s.code(), StatusCode::kAborted) << r << ": " << s.ToString();
         EXPECT_NE(s.message().find("(read) failed"), std::string::npos) << s.ToString();
         EXPECT_NE(s.message().find("sample id 5"), std::string::npos) << s.ToString();
+        // The loader's code reaches every rank, so every rank exits with the same code.
+        EXPECT_EQ(s.origin(), StatusCode::kInvalidArgument) << r << ": " << s.ToString();
       }
     }
   }
@@ -219,6 +221,32 @@ TEST(StepRunner, BadOptionsAreErrors) {
     EXPECT_NE(s.message().find("must be the topology's"), std::string::npos) << s.ToString();
   }
   EXPECT_EQ(ParseDataOn("tp1").status().code(), StatusCode::kInvalidArgument);
+}
+
+// The step's time is the slowest rank's own start-to-end time, not the sum of each phase's
+// slowest rank: here rank 0 is slow in read and rank 1 in pack, so each rank took 3 s while the
+// sum of the per-phase maxima is 5 s.
+TEST(GatherPhases, StepTimeIsTheSlowestRanksWallTime) {
+  auto statuses = RunOnThreads(3, [](ProcessGroup& world) -> Status {
+    RankStep step;
+    const double read[] = {2.0, 0.5, 0.25};
+    const double pack[] = {0.5, 2.0, 0.25};
+    const double agree[] = {0.5, 0.5, 0.25};
+    const size_t r = static_cast<size_t>(world.rank());
+    step.phases = {PhaseStats{Phase::kRead, read[r], 10 * (world.rank() + 1)},
+                   PhaseStats{Phase::kPack, pack[r], 0},
+                   PhaseStats{Phase::kAgree, agree[r], 8}};
+    THDPACK_ASSIGN_OR_RETURN(PhaseTable t, GatherPhases(world, step));
+    EXPECT_EQ(t.seconds[static_cast<size_t>(Phase::kRead)], 2.0);
+    EXPECT_EQ(t.seconds[static_cast<size_t>(Phase::kPack)], 2.0);
+    EXPECT_EQ(t.seconds[static_cast<size_t>(Phase::kAgree)], 0.5);
+    EXPECT_EQ(t.rank_seconds, (std::vector<double>{3.0, 3.0, 0.75}));
+    EXPECT_EQ(t.step_seconds, 3.0);
+    EXPECT_EQ(t.bytes[static_cast<size_t>(Phase::kRead)], (std::vector<int64_t>{10, 20, 30}));
+    EXPECT_EQ(t.max_rank_bytes(), 38);
+    return Status::Ok();
+  });
+  ExpectAllOk(statuses);
 }
 
 }  // namespace

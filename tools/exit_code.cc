@@ -1,0 +1,20 @@
+#include "exit_code.h"
+
+namespace thdpack::tools {
+
+int ExitCodeOf(const Status& status) {
+  switch (status.origin()) {
+    case StatusCode::kOk: return kExitOk;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kCorruption:
+    case StatusCode::kIOError:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kNotFound:
+    case StatusCode::kUnimplemented: return kExitBadInput;
+    case StatusCode::kInternal:
+    case StatusCode::kAborted: return kExitFailure;
+  }
+  return kExitFailure;
+}
+
+}  // namespace thdpack::tools

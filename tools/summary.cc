@@ -1,0 +1,94 @@
+#include "summary.h"
+
+#include <cstdio>
+
+#include "formatting.h"
+
+namespace thdpack::tools {
+namespace {
+
+// The summary's memory lines: the logits of the step with the largest microbatch, the buffers of
+// the step whose busiest replica holds the most (the first such step on ties).
+void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
+                        const std::vector<StepFigures>& steps) {
+  size_t largest = 0, fullest = 0;
+  for (size_t k = 1; k < memory.size(); ++k) {
+    if (memory[k].logits && memory[k].logits->total_tokens > memory[largest].logits->total_tokens) {
+      largest = k;
+    }
+    if (memory[k].buffers.total > memory[fullest].buffers.total) fullest = k;
+  }
+  if (memory.empty()) return;
+  if (memory[largest].logits) {
+    std::printf("  logits per rank    %s\n", LogitsLine(*memory[largest].logits).c_str());
+  } else {
+    std::printf("  logits per rank    - (no vocabulary: pass --vocab-size or a model --cost)\n");
+  }
+  const StepMemoryFigures& b = memory[fullest];
+  // A dynamic plan's figures hold the domain's ranks in place of replicas.
+  std::printf("  buffers per rank   %s held by thdpack (step %lld, %s %d, %d microbatch%s)\n",
+              BinaryBytes(b.buffers.total).c_str(), static_cast<long long>(steps[fullest].step),
+              steps[fullest].dynamic ? "rank" : "replica", b.busiest_replica, b.num_microbatches,
+              b.num_microbatches == 1 ? "" : "es");
+}
+
+void PrintSkipped(const std::vector<StepFigures>& steps) {
+  for (const StepFigures& f : steps) {
+    if (f.skipped.empty()) continue;
+    std::printf("  step %lld skipped %zu oversize sample%s, ids:", static_cast<long long>(f.step),
+                f.skipped.size(), f.skipped.size() == 1 ? "" : "s");
+    for (size_t i = 0; i < f.skipped.size() && i < 20; ++i) {
+      std::printf(" %lld", static_cast<long long>(f.skipped[i]));
+    }
+    std::printf("%s\n", f.skipped.size() > 20 ? " ..." : "");
+  }
+}
+
+}  // namespace
+
+std::string Seconds(const std::optional<double>& s) {
+  if (!s.has_value()) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", *s);
+  return buf;
+}
+
+std::string Flops(bool has, double flops) {
+  if (!has) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3e", flops);
+  return buf;
+}
+
+void PrintSummaryBlock(const std::vector<StepFigures>& steps,
+                       const std::vector<StepMemoryFigures>& memory) {
+  const SummaryFigures summary = Summarize(steps);
+  std::printf("\nsummary over %lld step%s (epochs %lld-%lld):\n",
+              static_cast<long long>(summary.n_steps), summary.n_steps == 1 ? "" : "s",
+              static_cast<long long>(summary.first_epoch),
+              static_cast<long long>(summary.last_epoch));
+  std::printf("  microbatches       %s (at most %s in a step)\n",
+              Thousands(summary.num_microbatches).c_str(),
+              Thousands(summary.max_num_microbatches).c_str());
+  std::printf("  samples            %s scheduled, %s skipped\n",
+              Thousands(summary.n_samples).c_str(), Thousands(summary.n_skipped).c_str());
+  std::printf("  tokens             %s real, %s padded, %s loss tokens\n",
+              Thousands(summary.real_tokens).c_str(), Thousands(summary.padded_tokens).c_str(),
+              Thousands(summary.n_loss_tokens).c_str());
+  std::printf("  imbalance          mean %.4f, max %.4f (1 = every replica at the lower bound)\n",
+              summary.mean_imbalance, summary.max_imbalance);
+  std::printf("  pad fraction       %.2f%%\n", 100 * summary.pad_fraction);
+  std::printf("  fill               %.2f%% of M * DP * CP * max tokens per rank\n",
+              100 * summary.fill);
+  std::printf("  training FLOPs     %s\n", Flops(summary.has_flops, summary.flops).c_str());
+  if (summary.has_sim_step_time) {
+    std::printf("  modelled time      %s s over all steps (step-time model, --hw)\n",
+                Seconds(summary.sim_step_time).c_str());
+  } else {
+    std::printf("  modelled time      - (no model dimensions: pass a model --cost)\n");
+  }
+  PrintMemorySummary(memory, steps);
+  PrintSkipped(steps);
+}
+
+}  // namespace thdpack::tools
