@@ -45,7 +45,7 @@ def write_samples(path, seed=7):
     samples = []
     with open(path, "w") as f:
         for i in range(N_SAMPLES):
-            L = int(rng.integers(1, 70))
+            L = int(rng.integers(1, 47))  # fits MAX_TOKENS at CP = 1
             tokens = rng.integers(0, VOCAB, L).tolist()
             row = {"input_ids": tokens}
             mask = None
