@@ -381,3 +381,51 @@ def test_iterator_equals_threads_and_reference(world, tmp_path):
             assert "disk on fire" in failures[r], failures[r]
             if r not in failed:
                 assert f"rank {failed[0]}" in failures[r], failures[r]
+
+
+def single_rank_worker(rank, port, out_dir):
+    """World size 1: the iterable source's rules, each as an error on the rank or a clean end."""
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from thdpack.torch import Groups, PackedDataIterator
+    groups = Groups()
+    opts = dict(global_batch=4, max_tokens_per_rank=64, cost=COST)
+    good = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}] * 8
+    out = {}
+    # Two whole steps, then the iterable ends at a step boundary: iteration stops.
+    out["steps"] = [s.num_microbatches for s in PackedDataIterator(iter(good), groups, **opts)]
+
+    def error_of(items):
+        try:
+            for _ in PackedDataIterator(iter(items), groups, **opts):
+                pass
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    out["mid_step"] = error_of(good[:6])
+    out["mask"] = error_of(good[:2] + [{"input_ids": [1, 2], "loss_mask": [0, 2]}] + good[:1])
+    out["range"] = error_of([{"input_ids": np.array([1, 2**40])}] + good[:3])
+    out["length"] = error_of([{"input_ids": [1, 2], "loss_mask": [1]}] + good[:3])
+    out["not_dict"] = error_of([[1, 2, 3]] + good[:3])
+    try:
+        Groups(dp=dist.new_group([0]), order="tp-cp-xx-pp")
+        out["order"] = None
+    except ValueError as e:
+        out["order"] = str(e)
+    with open(os.path.join(out_dir, "single.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_iterable_source_rules(tmp_path):
+    mp.spawn(single_rank_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    out = pickle.load(open(tmp_path / "single.pkl", "rb"))
+    assert len(out["steps"]) == 2 and all(m >= 1 for m in out["steps"])
+    assert "ended after 2 of the 4 samples" in out["mid_step"], out["mid_step"]
+    assert "sample 2 of the share" in out["mask"] and "other than 0 and 1" in out["mask"], out["mask"]
+    assert "outside [0, 2^31)" in out["range"], out["range"]
+    assert "token-aligned" in out["length"], out["length"]
+    assert "expected a dict with 'input_ids'" in out["not_dict"], out["not_dict"]
+    assert "permutation" in out["order"], out["order"]
