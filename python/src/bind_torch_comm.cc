@@ -17,7 +17,8 @@ class TorchProcessGroup final : public ProcessGroup {
  public:
   TorchProcessGroup(std::vector<int> ranks, int rank, py::object group,
                     std::shared_ptr<const TorchCommOptions> options)
-      : ProcessGroup(std::move(ranks), rank), group_(std::move(group)),
+      : ProcessGroup(std::move(ranks), rank),
+        group_(std::move(group)),
         options_(std::move(options)) {
     dist_ = py::module_::import("torch.distributed");
     torch_ = py::module_::import("torch");
@@ -66,8 +67,8 @@ class TorchProcessGroup final : public ProcessGroup {
     THDPACK_RETURN_IF_ERROR(CheckVector("AllGatherV", "recv", counts, displs, recv.size()));
     if (counts[static_cast<size_t>(rank())] != static_cast<int64_t>(send.size())) {
       return Status::InvalidArgument("AllGatherV on " + Describe() + ": counts[" +
-                                     std::to_string(rank()) + "] = " +
-                                     std::to_string(counts[static_cast<size_t>(rank())]) +
+                                     std::to_string(rank()) +
+                                     "] = " + std::to_string(counts[static_cast<size_t>(rank())]) +
                                      " but send has " + std::to_string(send.size()) + " bytes");
     }
     const int64_t most = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
@@ -108,8 +109,10 @@ class TorchProcessGroup final : public ProcessGroup {
                    std::span<const int64_t> send_displs, std::span<std::byte> recv,
                    std::span<const int64_t> recv_counts,
                    std::span<const int64_t> recv_displs) override {
-    THDPACK_RETURN_IF_ERROR(CheckVector("AllToAllV", "send", send_counts, send_displs, send.size()));
-    THDPACK_RETURN_IF_ERROR(CheckVector("AllToAllV", "recv", recv_counts, recv_displs, recv.size()));
+    THDPACK_RETURN_IF_ERROR(
+        CheckVector("AllToAllV", "send", send_counts, send_displs, send.size()));
+    THDPACK_RETURN_IF_ERROR(
+        CheckVector("AllToAllV", "recv", recv_counts, recv_displs, recv.size()));
     const size_t n = static_cast<size_t>(size());
     auto packed_size = [&](std::span<const int64_t> c) {
       int64_t t = 0;
@@ -136,7 +139,8 @@ class TorchProcessGroup final : public ProcessGroup {
       FromDevice(o, std::span<std::byte>(out));
       int64_t from = 0;
       for (size_t i = 0; i < n; ++i) {
-        if (recv_counts[i]) std::memcpy(recv.data() + recv_displs[i], out.data() + from, recv_counts[i]);
+        if (recv_counts[i])
+          std::memcpy(recv.data() + recv_displs[i], out.data() + from, recv_counts[i]);
         from += recv_counts[i];
       }
       AddBytesSent(sent);
@@ -170,7 +174,8 @@ class TorchProcessGroup final : public ProcessGroup {
         py::object timedelta = py::module_::import("datetime").attr("timedelta");
         dist_.attr("monitored_barrier")(
             py::arg("group") = group_,
-            py::arg("timeout") = timedelta(py::arg("seconds") = options_->monitored_barrier_seconds));
+            py::arg("timeout") =
+                timedelta(py::arg("seconds") = options_->monitored_barrier_seconds));
       } else {
         dist_.attr("barrier")(py::arg("group") = group_);
       }
@@ -236,8 +241,7 @@ class TorchProcessGroup final : public ProcessGroup {
   // A uint8 CPU tensor over the span (no copy; the span outlives the call).
   py::object Bytes(std::span<const std::byte> s) const {
     void* p = s.empty() ? static_cast<void*>(g_empty) : const_cast<std::byte*>(s.data());
-    py::array a(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(s.size())}, {1}, p,
-                py::none());
+    py::array a(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(s.size())}, {1}, p, py::none());
     return torch_.attr("from_numpy")(a);
   }
   py::object Typed(std::span<std::byte> s, ReduceType type) const {
@@ -255,9 +259,9 @@ class TorchProcessGroup final : public ProcessGroup {
   void FromDevice(const py::object& t, std::span<std::byte> out) const {
     if (options_->device.is_none() || out.empty()) return;
     py::object cpu = t.attr("cpu")().attr("contiguous")();
-    py::object view = torch_.attr("from_numpy")(
-        py::array(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(out.size())}, {1},
-                  out.data(), py::none()));
+    py::object view = torch_.attr("from_numpy")(py::array(py::dtype::of<uint8_t>(),
+                                                          {static_cast<py::ssize_t>(out.size())},
+                                                          {1}, out.data(), py::none()));
     view.attr("copy_")(cpu.attr("view")(torch_.attr("uint8")).attr("reshape")(-1));
   }
 

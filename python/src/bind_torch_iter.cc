@@ -41,14 +41,17 @@ const std::map<std::string, Setter>& OptionSetters() {
       {"sp", [](JobOptions& o, const py::handle& v) { o.sp = v.cast<bool>(); }},
       {"seed", [](JobOptions& o, const py::handle& v) { o.source.seed = v.cast<uint64_t>(); }},
       {"shuffle", [](JobOptions& o, const py::handle& v) { o.source.shuffle = v.cast<bool>(); }},
-      {"vocab", [](JobOptions& o, const py::handle& v) { o.source.vocab_size = v.cast<int64_t>(); }},
+      {"vocab",
+       [](JobOptions& o, const py::handle& v) { o.source.vocab_size = v.cast<int64_t>(); }},
       {"mock_samples",
        [](JobOptions& o, const py::handle& v) { o.source.mock_num_samples = v.cast<int64_t>(); }},
       {"align", [](JobOptions& o, const py::handle& v) { o.align = v.cast<int64_t>(); }},
       {"max_tokens_per_rank",
        [](JobOptions& o, const py::handle& v) { o.max_tokens_per_rank = v.cast<int64_t>(); }},
-      {"global_batch", [](JobOptions& o, const py::handle& v) { o.global_batch = v.cast<int64_t>(); }},
-      {"scheduler", [](JobOptions& o, const py::handle& v) { o.scheduler = v.cast<std::string>(); }},
+      {"global_batch",
+       [](JobOptions& o, const py::handle& v) { o.global_batch = v.cast<int64_t>(); }},
+      {"scheduler",
+       [](JobOptions& o, const py::handle& v) { o.scheduler = v.cast<std::string>(); }},
       {"cost", [](JobOptions& o, const py::handle& v) { o.cost = v.cast<std::string>(); }},
       {"microbatch_multiple",
        [](JobOptions& o, const py::handle& v) { o.microbatch_multiple = v.cast<int>(); }},
@@ -69,7 +72,8 @@ Job ResolveOptions(const py::dict& options, const py::object& source) {
     const std::string name = key.cast<std::string>();
     auto it = OptionSetters().find(name);
     if (it == OptionSetters().end()) {
-      throw py::type_error("PackedDataIterator() got an unexpected keyword argument '" + name + "'");
+      throw py::type_error("PackedDataIterator() got an unexpected keyword argument '" + name +
+                           "'");
     }
     try {
       it->second(o, value);
@@ -81,15 +85,16 @@ Job ResolveOptions(const py::dict& options, const py::object& source) {
   if (!source.is_none()) {
     o.data = source.cast<std::string>();
   } else if (o.global_batch <= 0) {
-    throw py::value_error("global_batch: a source fed by the caller needs a positive "
-                          "global_batch, got " + std::to_string(o.global_batch));
+    throw py::value_error(
+        "global_batch: a source fed by the caller needs a positive "
+        "global_batch, got " +
+        std::to_string(o.global_batch));
   }
   return ValueOrThrow(ResolveJob(o));
 }
 
 // One loader's samples of a caller-fed step: ids by the file rule.
-Result<StepShare> MakeShare(const Job& job, int64_t step, int loader,
-                            std::vector<Sample> samples) {
+Result<StepShare> MakeShare(const Job& job, int64_t step, int loader, std::vector<Sample> samples) {
   const int64_t n = job.options.global_batch;
   const int dp = job.topology.dp_size();
   const int64_t want = LoaderCount(n, dp, loader);
@@ -203,8 +208,8 @@ Result<std::string> FiguresOf(ProcessGroup& world, const Job& job, const RankSte
   std::string mine, totals;
   Status local;
   if (step.is_loader) {
-    auto f = ComputeStepFigures(step.step, step.epoch, step.samples, job.schedule, step.plan,
-                                job.flops);
+    auto f =
+        ComputeStepFigures(step.step, step.epoch, step.samples, job.schedule, step.plan, job.flops);
     if (f.ok()) {
       mine = StepFiguresJson(*f, /*summary_only=*/false);
       totals = StepFiguresJson(*f, /*summary_only=*/true);
@@ -216,8 +221,8 @@ Result<std::string> FiguresOf(ProcessGroup& world, const Job& job, const RankSte
   int64_t size = static_cast<int64_t>(totals.size());
   THDPACK_RETURN_IF_ERROR(world.BroadcastValues(std::span<int64_t>(&size, 1), 0));
   totals.resize(static_cast<size_t>(size));
-  THDPACK_RETURN_IF_ERROR(world.Broadcast(
-      std::as_writable_bytes(std::span<char>(totals.data(), totals.size())), 0));
+  THDPACK_RETURN_IF_ERROR(
+      world.Broadcast(std::as_writable_bytes(std::span<char>(totals.data(), totals.size())), 0));
   return step.is_loader ? mine : totals;
 }
 
@@ -241,8 +246,8 @@ class TorchStepRunner {
     comm->monitored_barrier_seconds = monitored_barrier_seconds;
     if (static_cast<int>(comm->torch_ranks.size()) != job_.topology.world_size()) {
       throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
-                            " ranks, the groups' topology " + job_.topology.ToString() +
-                            " needs " + std::to_string(job_.topology.world_size()));
+                            " ranks, the groups' topology " + job_.topology.ToString() + " needs " +
+                            std::to_string(job_.topology.world_size()));
     }
     world_ = MakeTorchWorld(std::move(world_group), comm);
     StepRunnerOptions ro = RunnerOptions(job_);
@@ -352,7 +357,8 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
       return Status::Ok();
     });
   }
-  for (int r = 0; r < world; ++r) ThrowIfError(statuses[static_cast<size_t>(r)].WithContext("rank " + std::to_string(r)));
+  for (int r = 0; r < world; ++r)
+    ThrowIfError(statuses[static_cast<size_t>(r)].WithContext("rank " + std::to_string(r)));
   py::list out;
   for (int r = 0; r < world; ++r) {
     py::list per;

@@ -300,7 +300,8 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
     if (padded <= budget) continue;
     return Status::InvalidArgument(
         "sample id " + std::to_string(x.id) + " (step " + std::to_string(step_) + ", source " +
-        (source_ ? source_->spec() : std::string("fed by the caller")) + ", read by loader dp=" + std::to_string(coord_.dp) + "): length " +
+        (source_ ? source_->spec() : std::string("fed by the caller")) +
+        ", read by loader dp=" + std::to_string(coord_.dp) + "): length " +
         std::to_string(length) + " pads to " + std::to_string(padded) +
         " tokens, over the microbatch budget CP * max_tokens_per_rank = " +
         std::to_string(budget));
