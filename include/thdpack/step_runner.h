@@ -35,6 +35,7 @@
 #define THDPACK_STEP_RUNNER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,6 +48,7 @@
 #include "thdpack/rank_step.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
+#include "thdpack/step.h"
 #include "thdpack/topology.h"
 #include "thdpack/wire.h"
 
@@ -83,6 +85,13 @@ struct StepRunnerOptions {
   // Compare a hash of the plan across loaders (an extra 16-byte all-reduce). Default: on in
   // debug builds (NDEBUG unset).
   bool check_plan_hash = kCheckPlanHashByDefault;
+  // A source fed by the caller instead of `data` (e.g. one Python iterable per loader): when
+  // set, reading ranks open no source and take each step's share from read_share(step, dp),
+  // called once per step on the rank's own thread: the loader's own samples in source order,
+  // with first_id the step's first id, n its sample count and ids first_id + k * DP + dp (the
+  // ids a file source gives, step.h), so the lengths phase can place them. An error it returns
+  // fails the read phase on that rank (agreed as any other). Default: unset.
+  std::function<Result<StepShare>(int64_t step, int loader)> read_share;
   // For tests of the failure path: the loader of this replica flips one byte of the encoded
   // metadata before sending it (-1, the default: never).
   int corrupt_metadata_of_replica = -1;

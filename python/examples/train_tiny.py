@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
 """A tiny causal language model trained on packed (THD) batches from thdpack, over
-torch.distributed (gloo, CPU) with DP x CP processes, checked against a single process.
+torch.distributed (gloo, CPU) with DP x CP (x PP) processes, checked against a single process.
 
-thdpack does the data plane: it schedules each step's samples over the DP replicas and their
-microbatches, packs each microbatch (labels never cross a sequence boundary), gives every CP
-rank its zigzag shard, and provides the CP-local loss (each (dp, cp) rank's share is
+The data path is thdpack's entirely: each loader rank (cp = 0, first stage) hands its own share
+of every step, as a DataLoader with a DistributedSampler would, to thdpack.torch's
+PackedDataIterator, whose C++ step (over torch.distributed) schedules the step's samples over
+the DP replicas and their microbatches, moves tokens between loaders, packs each microbatch
+(labels never cross a sequence boundary), gives every CP rank its zigzag shard and every
+pipeline stage its tensors (tokens and positions to the first, labels and loss mask to the
+last, the metadata to all). thdpack also gives the CP-local loss (each (dp, cp) rank's share is
 local_sum / N, N the step's global loss-token count) and the step statistics. torch does the
-model and the communication: K/V are all-gathered within the CP group, and parameter
-gradients are SUMMED over DP x CP (the shares are designed for a sum).
+model and the communication of activations: K/V are all-gathered within the CP group, with
+--pp 2 the attention block and the MLP + head are two stages that exchange activations and
+their gradients, and each stage's parameter gradients are SUMMED over its DP x CP ranks (the
+shares are designed for a sum).
 
 The single-process run trains the same model on the same samples, built with plain torch/NumPy
 (one sequence-aware causal attention over the whole batch, F.cross_entropy, mean over loss
 tokens): the losses, statistics and parameters must agree to float64 rounding.
 
-  /usr/bin/python3 python/examples/train_tiny.py --dp 2 --cp 2 --steps 4 --check
+  /usr/bin/python3 python/examples/train_tiny.py --dp 2 --cp 2 --pp 2 --steps 4 --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
 """
 import argparse
@@ -108,66 +114,118 @@ class _GatherCp(torch.autograd.Function):
         return grad[ctx.cp_rank], None, None, None
 
 
-def schedule_step(lengths, n_targets, ids, dp, cp):
-    return thdpack.schedule(lengths, n_targets, ids, dp_size=dp, cp_size=cp,
-                            max_tokens_per_rank=48, scheduler="balanced", cost="1,0.05")
+STAGE_PARAMS = (("emb", "pos", "wq", "wk", "wv", "wo"), ("w1", "w2", "head"))
 
 
-def worker(rank, dp, cp, steps, global_batch, port, out_path):
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=dp * cp)
-    dp_rank, cp_rank = divmod(rank, cp)  # Megatron's order with TP = 1: cp fastest
-    cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]
-    cp_group = cp_groups[dp_rank]
-    model = TinyLM()
-    results = []
+def loader_share(dp, d, steps, global_batch):
+    """Loader d's share of every step, in order, as a DataLoader over a DistributedSampler
+    would yield it: the samples at positions d, d + DP, ... of each step, as dicts."""
     for step in range(steps):
         ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
-        by_id = {int(i): k for k, i in enumerate(ids)}
-        plan = schedule_step(lengths, n_targets, ids, dp, cp)  # every rank computes the same plan
-        n_loss = plan.figures["n_loss_tokens"]  # N: the global loss-token count of the step
+        for k in range(d, global_batch, dp):
+            yield {"input_ids": tokens[k], "loss_mask": masks[k]}
+
+
+def new_groups(ranks_of):
+    """One torch group per list (every rank makes every group, in one order); returns the one
+    holding this rank."""
+    rank, mine = dist.get_rank(), None
+    for ranks in ranks_of:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=dp * cp * pp)
+    # Megatron's order with TP = 1: cp fastest, then dp, then pp.
+    cp_rank, dp_rank, stage = rank % cp, (rank // cp) % dp, rank // (cp * dp)
+
+    def at(c, d, s):
+        return c + cp * (d + dp * s)
+
+    cp_group = new_groups([[at(c, d, s) for c in range(cp)] for s in range(pp) for d in range(dp)])
+    dp_group = new_groups([[at(c, d, s) for d in range(dp)] for s in range(pp) for c in range(cp)])
+    pp_group = new_groups([[at(c, d, s) for s in range(pp)] for d in range(dp) for c in range(cp)])
+    # Gradients of a stage's parameters are summed over its DP x CP ranks.
+    dpcp_group = new_groups([[at(c, d, s) for d in range(dp) for c in range(cp)]
+                             for s in range(pp)])
+    groups = tt.Groups(cp=cp_group, dp=dp_group, pp=pp_group)
+    first, last = stage == 0, stage == pp - 1
+    loader = cp_rank == 0 and stage == 0
+    # The data path is thdpack's: each loader hands its own share; the C++ step schedules,
+    # moves tokens between loaders, packs, CP-shards and delivers every stage its tensors.
+    source = loader_share(dp, dp_rank, steps, global_batch) if loader else None
+    it = tt.PackedDataIterator(source, groups, global_batch=global_batch,
+                               max_tokens_per_rank=48, scheduler="balanced", cost="1,0.05")
+    model = TinyLM()
+    names = STAGE_PARAMS[0] + STAGE_PARAMS[1] if pp == 1 else STAGE_PARAMS[stage]
+    params = [getattr(model, n) for n in names]
+    results = []
+    for step in it:
+        n_loss = step.n_loss_tokens  # N: the global loss-token count of the step
         stats = tt.LossStatistics()
-        for p in model.parameters():
+        for p in params:
             p.grad = None
-        for m in range(plan.num_microbatches):
-            mb = [by_id[int(i)] for i in plan.microbatch(dp_rank, m)]
-            packed = thdpack.pack([tokens[k] for k in mb], [masks[k] for k in mb], cp_size=cp,
-                                  ids=[int(ids[k]) for k in mb])
-            cu, cup = packed["cu_seqlens"], packed["cu_seqlens_padded"]
-            local = {key: torch.from_numpy(thdpack.shard(packed[key], cup, cp, cp_rank))
-                     for key in ("tokens", "position_ids", "labels", "loss_mask")}
-            # Global positions and sequence of every token, for the sequence-aware causal mask.
-            seq = torch.from_numpy(np.repeat(np.arange(len(mb)), np.diff(cup)))
-            q_pos = tt.partition_indices(cup, cp, cp_rank)
-            k_pos = torch.arange(int(cup[-1]))
+        for mb in step:
+            cu, cup = mb["cu_seqlens"].numpy(), mb["cu_seqlens_padded"].numpy()
+            local = int(cup[-1]) // cp
+            if first:
+                # Global positions and sequence of every token, for the sequence-aware mask.
+                seq = torch.from_numpy(np.repeat(np.arange(len(cu) - 1), np.diff(cup)))
+                q_pos = tt.partition_indices(cup, cp, cp_rank)
+                k_pos = torch.arange(int(cup[-1]))
 
-            def attend(q, k, v):
-                if cp > 1:  # K/V of the whole microbatch, back in global order
-                    k = tt.unshard(list(_GatherCp.apply(k, cp_group, cp, cp_rank)), cup)
-                    v = tt.unshard(list(_GatherCp.apply(v, cp_group, cp, cp_rank)), cup)
-                return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
+                def attend(q, k, v):
+                    if cp > 1:  # K/V of the whole microbatch, back in global order
+                        k = tt.unshard(list(_GatherCp.apply(k, cp_group, cp, cp_rank)), cup)
+                        v = tt.unshard(list(_GatherCp.apply(v, cp_group, cp, cp_rank)), cup)
+                    return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
 
-            logits = model(local["tokens"], local["position_ids"], attend)
-            share = tt.local_loss(logits, local["labels"], local["loss_mask"], n_loss)
+                x = model.emb[mb["tokens"]] + model.pos[mb["position_ids"]]
+                x = x + attend(x @ model.wq, x @ model.wk, x @ model.wv) @ model.wo
+            if pp > 1 and first:  # hand the activations on, take their gradient back
+                dist.send(x.detach(), dst=at(cp_rank, dp_rank, stage + 1))
+                grad = torch.empty(local, HIDDEN, dtype=torch.float64)
+                dist.recv(grad, src=at(cp_rank, dp_rank, stage + 1))
+                x.backward(grad)
+                continue
+            if pp > 1:  # the last stage starts from the first stage's activations
+                x = torch.empty(local, HIDDEN, dtype=torch.float64)
+                dist.recv(x, src=at(cp_rank, dp_rank, stage - 1))
+                x.requires_grad_(True)
+            h = x + torch.tanh(x @ model.w1) @ model.w2
+            logits = h @ model.head
+            share = tt.local_loss(logits, mb["labels"], mb["loss_mask"], n_loss)
             share.backward()
-            stats.add_shard(logits.detach(), local["labels"], local["loss_mask"], cu, cup,
+            if pp > 1:
+                dist.send(x.grad, dst=at(cp_rank, dp_rank, stage - 1))
+            stats.add_shard(logits.detach(), mb["labels"], mb["loss_mask"], cu, cup,
                             cp_size=cp, cp_rank=cp_rank, cp_group=cp_group if cp > 1 else None)
-        # The shares are designed for a SUM over DP x CP (here the whole world).
-        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        dist.all_reduce(grads)
-        summary = stats.summary(group=dist.group.WORLD)
+        # The shares are designed for a SUM over DP x CP.
+        grads = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(grads, group=dpcp_group)
         offset = 0
         with torch.no_grad():
-            for p in model.parameters():
+            for p in params:
                 p -= LR * grads[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-        summary["num_microbatches"] = plan.num_microbatches
-        summary["param_sum"] = float(sum(p.sum() for p in model.parameters()))
+        summary = stats.summary(group=dpcp_group) if last else {}
+        # The parameter sum over stages, each stage counted once (on its cp = dp = 0 rank).
+        total = torch.zeros(pp, dtype=torch.float64)
+        if cp_rank == 0 and dp_rank == 0:
+            total[stage] = float(sum(p.sum() for p in params))
+        dist.all_reduce(total)
+        summary["num_microbatches"] = step.num_microbatches
+        summary["param_sum"] = float(total.sum())
         results.append(summary)
-    if rank == 0:
+    if rank == at(0, 0, pp - 1):
         with open(out_path, "w") as f:
             json.dump(results, f)
+    it.close()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -222,6 +280,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                    help="pipeline stages: 2 splits the model after the attention block")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=12)
     ap.add_argument("--check", action="store_true",
@@ -230,11 +290,12 @@ def main():
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.spawn(worker, args=(args.dp, args.cp, args.steps, args.global_batch, free_port(), out),
-                 nprocs=args.dp * args.cp, join=True)
+        mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.global_batch,
+                               free_port(), out),
+                 nprocs=args.dp * args.cp * args.pp, join=True)
         with open(out) as f:
             multi = json.load(f)
-    print(f"DP={args.dp} CP={args.cp}: {args.steps} steps of {args.global_batch} samples")
+    print(f"DP={args.dp} CP={args.cp} PP={args.pp}: {args.steps} steps of {args.global_batch} samples")
     single = single_process(args.steps, args.global_batch) if args.check else None
     failures = 0
     for s, r in enumerate(multi):

@@ -7,6 +7,10 @@
 
 namespace thdpack::python {
 
+// The iterator over torch.distributed (bind_torch_iter.cc); declared here rather than in
+// common.h, as only the module registers it.
+void BindTorchIter(py::module_& m);
+
 void ThrowIfError(const Status& status) {
   if (status.ok()) return;
   const std::string text = status.ToString();
@@ -65,4 +69,5 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindCost(m);
   tp::BindData(m);
   tp::BindJob(m);
+  tp::BindTorchIter(m);
 }

@@ -1,5 +1,6 @@
-"""The example trains over DP x CP processes (gloo) and its losses, statistics and parameters
-equal those of a single process that trains on the same samples with plain torch."""
+"""The example trains over DP x CP (x PP) processes (gloo), its data path entirely thdpack's
+(PackedDataIterator over torch.distributed), and its losses, statistics and parameters equal
+those of a single process that trains on the same samples with plain torch."""
 import os
 import pathlib
 import subprocess
@@ -10,10 +11,10 @@ import pytest
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
 
 
-@pytest.mark.parametrize("dp,cp", [(2, 2), (1, 3), (3, 1)])
-def test_multi_process_equals_single_process(dp, cp):
+@pytest.mark.parametrize("dp,cp,pp", [(2, 2, 1), (1, 3, 1), (3, 1, 1), (2, 1, 2), (1, 2, 2)])
+def test_multi_process_equals_single_process(dp, cp, pp):
     out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
-                          "--steps", "3", "--check"],
+                          "--pp", str(pp), "--steps", "3", "--check"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     print(out.stdout, out.stderr)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -229,7 +229,7 @@ Status StepRunner::Impl::Init() {
       coord_ = *c;
       reader_ = opts_.data_on == DataOn::kAll ||
                 (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0);
-      if (reader_) {
+      if (reader_ && !opts_.read_share) {
         auto src = OpenSource(opts_.data, opts_.source);
         if (src.ok()) {
           source_ = std::move(*src);
@@ -279,7 +279,12 @@ Status StepRunner::Impl::Init() {
 // This loader's share through the step reader `thdpack plan` uses; each of its samples is
 // checked here, so that an oversize error names the loader that holds the sample.
 Status StepRunner::Impl::ReadShare(RankStep& out) {
-  THDPACK_ASSIGN_OR_RETURN(StepShare share, steps_->NextShare(coord_.dp));
+  StepShare share;
+  if (opts_.read_share) {
+    THDPACK_ASSIGN_OR_RETURN(share, opts_.read_share(step_, coord_.dp));
+  } else {
+    THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
+  }
   own_ = std::move(share.samples);
   first_id_ = share.first_id;
   out.epoch = share.epoch;
@@ -292,7 +297,8 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
     if (padded <= budget) continue;
     return Status::InvalidArgument(
         "sample id " + std::to_string(x.id) + " (step " + std::to_string(step_) + ", source " +
-        source_->spec() + ", read by loader dp=" + std::to_string(coord_.dp) + "): length " +
+        (source_ ? source_->spec() : std::string("fed by the caller")) +
+        ", read by loader dp=" + std::to_string(coord_.dp) + "): length " +
         std::to_string(length) + " pads to " + std::to_string(padded) +
         " tokens, over the microbatch budget CP * max_tokens_per_rank = " +
         std::to_string(budget));

@@ -176,6 +176,92 @@ TEST(StepRunner, ScheduleErrorReachesNonLoaders) {
   }
 }
 
+// A source fed by the caller (StepRunnerOptions::read_share), each loader handed its own share
+// of a file by the id rule, gives every rank the same step as the file itself, in both data-on
+// modes; an error from one loader's share fails every rank.
+TEST(StepRunner, CallerFedShareEqualsFileSource) {
+  ScratchFile file("thdpack_step_fed.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 40, 120, 9);
+  std::vector<Sample> all;
+  {
+    auto src = OpenJsonlSource(file.path());
+    ASSERT_TRUE(src.ok()) << src.status().ToString();
+    while (true) {
+      auto x = (*src)->Next();
+      ASSERT_TRUE(x.ok()) << x.status().ToString();
+      if (!x->has_value()) break;
+      all.push_back(std::move(**x));
+    }
+  }
+  const int64_t n = 12;
+  for (DataOn mode : {DataOn::kTp0, DataOn::kAll}) {
+    auto topo = *Topology::Create(2, 2, 2, 1);
+    StepRunnerOptions o;
+    o.data = "jsonl:" + file.path();
+    o.global_batch = n;
+    o.data_on = mode;
+    o.schedule.max_tokens_per_rank = 128;
+    o.schedule.dp_size = topo.dp_size();
+    o.schedule.parallel = testing::TopologyLayout(topo, true).value();
+    // Loader d's samples of step s: positions d, d + DP, ... of the step, ids as the file's.
+    auto share_of = [&](int64_t step, int loader) -> Result<StepShare> {
+      StepShare share;
+      share.step = step;
+      share.n = n;
+      share.first_id = step * n;
+      for (int64_t i = loader; i < n; i += topo.dp_size()) {
+        share.samples.push_back(all[static_cast<size_t>(step * n + i)]);
+      }
+      return share;
+    };
+    std::vector<std::vector<RankStep>> got(2, std::vector<RankStep>(8));
+    for (int fed = 0; fed < 2; ++fed) {
+      StepRunnerOptions fo = o;
+      if (fed) {
+        fo.data = "unused";
+        fo.read_share = share_of;
+      }
+      ExpectAllOk(RunOnThreads(8, [&](ProcessGroup& world) -> Status {
+        THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, topo, fo));
+        THDPACK_ASSIGN_OR_RETURN(RankStep first, runner->Next());
+        THDPACK_ASSIGN_OR_RETURN(got[fed][world.rank()], runner->Next());  // step 1
+        return first.step == 0 ? Status::Ok() : Status::Internal("step numbering");
+      }));
+    }
+    for (int r = 0; r < 8; ++r) {
+      const RankStep& a = got[0][r];
+      const RankStep& b = got[1][r];
+      EXPECT_EQ(a.meta, b.meta) << "rank " << r;
+      ASSERT_EQ(a.microbatches.size(), b.microbatches.size()) << "rank " << r;
+      ASSERT_FALSE(a.microbatches.empty());
+      for (size_t m = 0; m < a.microbatches.size(); ++m) {
+        const LocalMicrobatch& x = a.microbatches[m];
+        const LocalMicrobatch& y = b.microbatches[m];
+        EXPECT_EQ(x.tokens, y.tokens) << "rank " << r << " mb " << m;
+        EXPECT_EQ(x.position_ids, y.position_ids) << "rank " << r << " mb " << m;
+        EXPECT_EQ(x.labels, y.labels) << "rank " << r << " mb " << m;
+        EXPECT_EQ(x.loss_mask, y.loss_mask) << "rank " << r << " mb " << m;
+        EXPECT_EQ(x.cu_seqlens_padded, y.cu_seqlens_padded) << "rank " << r << " mb " << m;
+      }
+    }
+    // Loader dp=1's source fails: every rank returns an error, and none hangs.
+    StepRunnerOptions bad = o;
+    bad.read_share = [&](int64_t step, int loader) -> Result<StepShare> {
+      if (loader == 1) return Status::IOError("share of loader 1 unreadable (test)");
+      return share_of(step, loader);
+    };
+    auto statuses = RunOnThreads(8, [&](ProcessGroup& world) -> Status {
+      THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, topo, bad));
+      return runner->Next().status();
+    });
+    for (const Status& s : statuses) {
+      EXPECT_FALSE(s.ok());
+      EXPECT_NE(s.message().find("share of loader 1 unreadable"), std::string::npos)
+          << s.ToString();
+    }
+  }
+}
+
 TEST(StepRunner, BadOptionsAreErrors) {
   auto topo = *Topology::Create(2, 2, 2, 1);
   StepRunnerOptions o;  // max_tokens_per_rank missing

@@ -1,0 +1,287 @@
+// python/src/bind_torch_comm.cc: the ProcessGroup over torch.distributed (torch_comm.h).
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "torch_comm.h"
+
+namespace thdpack::python {
+namespace {
+
+// A non-empty address for empty spans (NumPy wants a pointer even for zero elements).
+std::byte g_empty[8];
+
+class TorchProcessGroup final : public ProcessGroup {
+ public:
+  TorchProcessGroup(std::vector<int> ranks, int rank, py::object group,
+                    std::shared_ptr<const TorchCommOptions> options)
+      : ProcessGroup(std::move(ranks), rank),
+        group_(std::move(group)),
+        options_(std::move(options)) {
+    dist_ = py::module_::import("torch.distributed");
+    torch_ = py::module_::import("torch");
+  }
+  ~TorchProcessGroup() override {
+    py::gil_scoped_acquire gil;
+    group_ = py::object();
+    dist_ = py::object();
+    torch_ = py::object();
+    options_.reset();
+  }
+
+  std::string_view backend() const override { return "torch"; }
+
+  Status Broadcast(std::span<std::byte> data, int root) override {
+    THDPACK_RETURN_IF_ERROR(CheckRoot("Broadcast", root));
+    return Call("broadcast", [&] {
+      py::object t = ToDevice(Bytes(data));
+      dist_.attr("broadcast")(t, py::arg("src") = TorchRank(root), py::arg("group") = group_);
+      FromDevice(t, data);
+      if (rank() == root) AddBytesSent(static_cast<int64_t>(data.size()) * (size() - 1));
+    });
+  }
+
+  Status AllGather(std::span<const std::byte> send, std::span<std::byte> recv) override {
+    if (recv.size() != send.size() * static_cast<size_t>(size())) {
+      return Status::InvalidArgument("AllGather on " + Describe() + ": recv has " +
+                                     std::to_string(recv.size()) + " bytes, expected size() * " +
+                                     std::to_string(send.size()));
+    }
+    return Call("all_gather", [&] {
+      py::object out = ToDevice(Bytes(recv));
+      py::list parts;
+      const int64_t n = static_cast<int64_t>(send.size());
+      for (int i = 0; i < size(); ++i) parts.append(out.attr("narrow")(0, i * n, n));
+      dist_.attr("all_gather")(parts, ToDevice(Bytes(send)), py::arg("group") = group_);
+      FromDevice(out, recv);
+      AddBytesSent(n * (size() - 1));
+    });
+  }
+
+  // An all_gather of every member's send padded to the largest count, then each member's part
+  // copied to its displacement: (size - 1) * max(counts) bytes on the wire instead of the sum.
+  Status AllGatherV(std::span<const std::byte> send, std::span<std::byte> recv,
+                    std::span<const int64_t> counts, std::span<const int64_t> displs) override {
+    THDPACK_RETURN_IF_ERROR(CheckVector("AllGatherV", "recv", counts, displs, recv.size()));
+    if (counts[static_cast<size_t>(rank())] != static_cast<int64_t>(send.size())) {
+      return Status::InvalidArgument("AllGatherV on " + Describe() + ": counts[" +
+                                     std::to_string(rank()) +
+                                     "] = " + std::to_string(counts[static_cast<size_t>(rank())]) +
+                                     " but send has " + std::to_string(send.size()) + " bytes");
+    }
+    const int64_t most = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
+    std::vector<std::byte> padded(static_cast<size_t>(most), std::byte{0});
+    if (!send.empty()) std::memcpy(padded.data(), send.data(), send.size());
+    std::vector<std::byte> all(static_cast<size_t>(most * size()));
+    return Call("all_gather (v)", [&] {
+      py::object out = ToDevice(Bytes(std::span<std::byte>(all)));
+      py::list parts;
+      for (int i = 0; i < size(); ++i) parts.append(out.attr("narrow")(0, i * most, most));
+      dist_.attr("all_gather")(parts, ToDevice(Bytes(std::span<std::byte>(padded))),
+                               py::arg("group") = group_);
+      FromDevice(out, std::span<std::byte>(all));
+      for (int i = 0; i < size(); ++i) {
+        const size_t c = static_cast<size_t>(counts[static_cast<size_t>(i)]);
+        if (c) std::memcpy(recv.data() + displs[static_cast<size_t>(i)], all.data() + i * most, c);
+      }
+      AddBytesSent(static_cast<int64_t>(send.size()) * (size() - 1));
+    });
+  }
+
+  Status AllReduce(std::span<std::byte> data, ReduceType type, ReduceOp op) override {
+    return Call("all_reduce", [&] {
+      py::object t = ToDevice(Typed(data, type));
+      py::object ops = dist_.attr("ReduceOp");
+      py::object o = op == ReduceOp::kSum   ? ops.attr("SUM")
+                     : op == ReduceOp::kMin ? ops.attr("MIN")
+                                            : ops.attr("MAX");
+      dist_.attr("all_reduce")(t, py::arg("op") = o, py::arg("group") = group_);
+      FromDevice(t, data);
+      AddBytesSent(static_cast<int64_t>(data.size()) * (size() - 1));
+    });
+  }
+
+  // all_to_all_single with uneven splits. It takes packed buffers (block j at the sum of the
+  // counts before it), so blocks are packed and unpacked when the displacements leave gaps.
+  Status AllToAllV(std::span<const std::byte> send, std::span<const int64_t> send_counts,
+                   std::span<const int64_t> send_displs, std::span<std::byte> recv,
+                   std::span<const int64_t> recv_counts,
+                   std::span<const int64_t> recv_displs) override {
+    THDPACK_RETURN_IF_ERROR(
+        CheckVector("AllToAllV", "send", send_counts, send_displs, send.size()));
+    THDPACK_RETURN_IF_ERROR(
+        CheckVector("AllToAllV", "recv", recv_counts, recv_displs, recv.size()));
+    const size_t n = static_cast<size_t>(size());
+    auto packed_size = [&](std::span<const int64_t> c) {
+      int64_t t = 0;
+      for (int64_t v : c) t += v;
+      return t;
+    };
+    std::vector<std::byte> in(static_cast<size_t>(packed_size(send_counts)));
+    std::vector<std::byte> out(static_cast<size_t>(packed_size(recv_counts)));
+    int64_t at = 0, sent = 0;
+    for (size_t j = 0; j < n; ++j) {
+      if (send_counts[j]) std::memcpy(in.data() + at, send.data() + send_displs[j], send_counts[j]);
+      at += send_counts[j];
+      if (static_cast<int>(j) != rank()) sent += send_counts[j];
+    }
+    return Call("all_to_all_single", [&] {
+      py::list in_splits, out_splits;
+      for (size_t j = 0; j < n; ++j) {
+        in_splits.append(send_counts[j]);
+        out_splits.append(recv_counts[j]);
+      }
+      py::object o = ToDevice(Bytes(std::span<std::byte>(out)));
+      dist_.attr("all_to_all_single")(o, ToDevice(Bytes(std::span<std::byte>(in))), out_splits,
+                                      in_splits, py::arg("group") = group_);
+      FromDevice(o, std::span<std::byte>(out));
+      int64_t from = 0;
+      for (size_t i = 0; i < n; ++i) {
+        if (recv_counts[i])
+          std::memcpy(recv.data() + recv_displs[i], out.data() + from, recv_counts[i]);
+        from += recv_counts[i];
+      }
+      AddBytesSent(sent);
+    });
+  }
+
+  Status Send(std::span<const std::byte> data, int dst, int tag) override {
+    THDPACK_RETURN_IF_ERROR(CheckPeer("Send", dst, tag));
+    return Call("send", [&] {
+      py::object t = ToDevice(Bytes(data));
+      dist_.attr("send")(t, py::arg("dst") = TorchRank(dst), py::arg("group") = group_,
+                         py::arg("tag") = tag);
+      AddBytesSent(static_cast<int64_t>(data.size()));
+    });
+  }
+
+  Status Recv(std::span<std::byte> data, int src, int tag) override {
+    THDPACK_RETURN_IF_ERROR(CheckPeer("Recv", src, tag));
+    return Call("recv", [&] {
+      py::object t = ToDevice(Bytes(data));
+      dist_.attr("recv")(t, py::arg("src") = TorchRank(src), py::arg("group") = group_,
+                         py::arg("tag") = tag);
+      FromDevice(t, data);
+    });
+  }
+
+  Status Barrier() override {
+    return Call("barrier", [&] {
+      const bool gloo = py::str(dist_.attr("get_backend")(group_)).cast<std::string>() == "gloo";
+      if (gloo && options_->monitored_barrier_seconds > 0) {
+        py::object timedelta = py::module_::import("datetime").attr("timedelta");
+        dist_.attr("monitored_barrier")(
+            py::arg("group") = group_,
+            py::arg("timeout") =
+                timedelta(py::arg("seconds") = options_->monitored_barrier_seconds));
+      } else {
+        dist_.attr("barrier")(py::arg("group") = group_);
+      }
+    });
+  }
+
+  // The caller's groups when every list is one of them (agreed over this group: one 8-byte
+  // all-reduce), else one dist.new_group per list, in list order on every member (torch
+  // requires every rank of the default group to make every group, in one order).
+  Result<std::unique_ptr<ProcessGroup>> Split(std::span<const std::vector<int>> groups) override {
+    int my_group = -1, my_index = -1;
+    THDPACK_RETURN_IF_ERROR(CheckSplit(groups, &my_group, &my_index));
+    const KnownGroup* match = nullptr;
+    if (my_group >= 0) {
+      for (const KnownGroup& k : options_->known) {
+        if (k.ranks == groups[static_cast<size_t>(my_group)]) match = &k;
+      }
+    }
+    int64_t all_known = (my_group < 0 || match) ? 1 : 0;
+    THDPACK_RETURN_IF_ERROR(AllReduceInt64(std::span<int64_t>(&all_known, 1), ReduceOp::kMin));
+    if (all_known == 1) {
+      if (my_group < 0) return std::unique_ptr<ProcessGroup>();
+      py::gil_scoped_acquire gil;
+      return std::unique_ptr<ProcessGroup>(new TorchProcessGroup(
+          groups[static_cast<size_t>(my_group)], my_index, match->group, options_));
+    }
+    std::unique_ptr<ProcessGroup> mine;
+    Status s = Call("new_group", [&] {
+      for (size_t g = 0; g < groups.size(); ++g) {
+        py::list torch_ranks;
+        for (int r : groups[g]) torch_ranks.append(options_->torch_ranks[static_cast<size_t>(r)]);
+        py::object made = dist_.attr("new_group")(py::arg("ranks") = torch_ranks);
+        if (static_cast<int>(g) == my_group) {
+          mine.reset(new TorchProcessGroup(groups[g], my_index, made, options_));
+        }
+      }
+    });
+    if (!s.ok()) return s;
+    return mine;
+  }
+
+ private:
+  int TorchRank(int position) const {
+    return options_->torch_ranks[static_cast<size_t>(ranks()[static_cast<size_t>(position)])];
+  }
+
+  // Runs fn with the GIL; a Python exception becomes kAborted naming the call and the group.
+  template <typename F>
+  Status Call(std::string_view op, F&& fn) {
+    py::gil_scoped_acquire gil;
+    try {
+      fn();
+      return Status::Ok();
+    } catch (py::error_already_set& e) {
+      return Status::Aborted("torch.distributed." + std::string(op) + " on " + Describe() +
+                             " (rank " + std::to_string(global_rank()) + "): " + e.what());
+    } catch (const std::exception& e) {
+      return Status::Internal("torch.distributed." + std::string(op) + " on " + Describe() +
+                              " (rank " + std::to_string(global_rank()) + "): " + e.what());
+    }
+  }
+
+  // A uint8 CPU tensor over the span (no copy; the span outlives the call).
+  py::object Bytes(std::span<const std::byte> s) const {
+    void* p = s.empty() ? static_cast<void*>(g_empty) : const_cast<std::byte*>(s.data());
+    py::array a(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(s.size())}, {1}, p, py::none());
+    return torch_.attr("from_numpy")(a);
+  }
+  py::object Typed(std::span<std::byte> s, ReduceType type) const {
+    const bool i64 = type == ReduceType::kInt64;
+    const py::ssize_t n = static_cast<py::ssize_t>(s.size() / 8);
+    py::array a(i64 ? py::dtype::of<int64_t>() : py::dtype::of<double>(), {n}, {8},
+                s.empty() ? static_cast<void*>(g_empty) : s.data(), py::none());
+    return torch_.attr("from_numpy")(a);
+  }
+  py::object ToDevice(py::object t) const {
+    if (options_->device.is_none()) return t;
+    return t.attr("to")(options_->device);
+  }
+  // Copies a device tensor back into the span (no-op on CPU, where t is the span itself).
+  void FromDevice(const py::object& t, std::span<std::byte> out) const {
+    if (options_->device.is_none() || out.empty()) return;
+    py::object cpu = t.attr("cpu")().attr("contiguous")();
+    py::object view = torch_.attr("from_numpy")(py::array(py::dtype::of<uint8_t>(),
+                                                          {static_cast<py::ssize_t>(out.size())},
+                                                          {1}, out.data(), py::none()));
+    view.attr("copy_")(cpu.attr("view")(torch_.attr("uint8")).attr("reshape")(-1));
+  }
+
+  py::object group_;
+  std::shared_ptr<const TorchCommOptions> options_;
+  py::object dist_;
+  py::object torch_;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
+                                             std::shared_ptr<const TorchCommOptions> options) {
+  py::module_ dist = py::module_::import("torch.distributed");
+  const int size = dist.attr("get_world_size")(group).cast<int>();
+  const int rank = dist.attr("get_rank")(group).cast<int>();
+  std::vector<int> ranks(static_cast<size_t>(size));
+  for (int i = 0; i < size; ++i) ranks[static_cast<size_t>(i)] = i;
+  return std::unique_ptr<ProcessGroup>(
+      new TorchProcessGroup(std::move(ranks), rank, std::move(group), std::move(options)));
+}
+
+}  // namespace thdpack::python

@@ -1,0 +1,390 @@
+// python/src/bind_torch_iter.cc: the C++ core of thdpack.torch.PackedDataIterator - the one
+// distributed step (StepRunner, thdpack/step_runner.h) over torch.distributed
+// (torch_comm.h) - and, for tests, the same step over threads in one process.
+//
+//   thdpack._thdpack._TorchStepRunner(world, torch_ranks, known, options, source, take_share,
+//                                     device, monitored_barrier_seconds)
+//       .next() -> dict: one step as this rank holds it (NumPy arrays)
+//   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares)
+//       -> [rank][step] dicts of the same form
+//
+// `options` are the job options of thdpack/job.h by their Python names (tp, cp, dp, pp, sp,
+// global_batch, max_tokens_per_rank, scheduler, cost, ...). `source` is a source spec string, or
+// None with a caller-fed source: take_share(step) (torch) or shares[dp] (threads) give each
+// loader's own samples as (int32 tokens, uint8 mask or None) pairs; ids follow the file rule
+// (the k-th sample of loader d in step s has id s * global_batch + k * DP + d).
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "thdpack/job.h"
+#include "thdpack/shard.h"
+#include "thdpack/step.h"
+#include "thdpack/step_runner.h"
+#include "torch_comm.h"
+
+namespace thdpack::python {
+namespace {
+
+using Setter = void (*)(JobOptions&, const py::handle&);
+
+const std::map<std::string, Setter>& OptionSetters() {
+  static const std::map<std::string, Setter> setters = {
+      {"tp", [](JobOptions& o, const py::handle& v) { o.tp = v.cast<int>(); }},
+      {"cp", [](JobOptions& o, const py::handle& v) { o.cp = v.cast<int>(); }},
+      {"dp", [](JobOptions& o, const py::handle& v) { o.dp = v.cast<int>(); }},
+      {"pp", [](JobOptions& o, const py::handle& v) { o.pp = v.cast<int>(); }},
+      {"sp", [](JobOptions& o, const py::handle& v) { o.sp = v.cast<bool>(); }},
+      {"seed", [](JobOptions& o, const py::handle& v) { o.source.seed = v.cast<uint64_t>(); }},
+      {"shuffle", [](JobOptions& o, const py::handle& v) { o.source.shuffle = v.cast<bool>(); }},
+      {"vocab",
+       [](JobOptions& o, const py::handle& v) { o.source.vocab_size = v.cast<int64_t>(); }},
+      {"mock_samples",
+       [](JobOptions& o, const py::handle& v) { o.source.mock_num_samples = v.cast<int64_t>(); }},
+      {"align", [](JobOptions& o, const py::handle& v) { o.align = v.cast<int64_t>(); }},
+      {"max_tokens_per_rank",
+       [](JobOptions& o, const py::handle& v) { o.max_tokens_per_rank = v.cast<int64_t>(); }},
+      {"global_batch",
+       [](JobOptions& o, const py::handle& v) { o.global_batch = v.cast<int64_t>(); }},
+      {"scheduler",
+       [](JobOptions& o, const py::handle& v) { o.scheduler = v.cast<std::string>(); }},
+      {"cost", [](JobOptions& o, const py::handle& v) { o.cost = v.cast<std::string>(); }},
+      {"microbatch_multiple",
+       [](JobOptions& o, const py::handle& v) { o.microbatch_multiple = v.cast<int>(); }},
+      {"num_microbatches",
+       [](JobOptions& o, const py::handle& v) { o.num_microbatches = v.cast<int>(); }},
+      {"oversize", [](JobOptions& o, const py::handle& v) { o.oversize = v.cast<std::string>(); }},
+      {"pad_id", [](JobOptions& o, const py::handle& v) { o.pad_id = v.cast<TokenId>(); }},
+      {"data_on", [](JobOptions& o, const py::handle& v) { o.data_on = v.cast<std::string>(); }},
+      {"check_plan_hash",
+       [](JobOptions& o, const py::handle& v) { o.check_plan_hash = v.cast<bool>(); }},
+  };
+  return setters;
+}
+
+Job ResolveOptions(const py::dict& options, const py::object& source) {
+  JobOptions o;
+  for (const auto& [key, value] : options) {
+    const std::string name = key.cast<std::string>();
+    auto it = OptionSetters().find(name);
+    if (it == OptionSetters().end()) {
+      throw py::type_error("PackedDataIterator() got an unexpected keyword argument '" + name +
+                           "'");
+    }
+    try {
+      it->second(o, value);
+    } catch (const py::cast_error&) {
+      throw py::type_error(name + ": cannot take " +
+                           std::string(py::str(py::type::of(value).attr("__name__"))));
+    }
+  }
+  if (!source.is_none()) {
+    o.data = source.cast<std::string>();
+  } else if (o.global_batch <= 0) {
+    throw py::value_error(
+        "global_batch: a source fed by the caller needs a positive "
+        "global_batch, got " +
+        std::to_string(o.global_batch));
+  }
+  return ValueOrThrow(ResolveJob(o));
+}
+
+// One loader's samples of a caller-fed step: ids by the file rule.
+Result<StepShare> MakeShare(const Job& job, int64_t step, int loader, std::vector<Sample> samples) {
+  const int64_t n = job.options.global_batch;
+  const int dp = job.topology.dp_size();
+  const int64_t want = LoaderCount(n, dp, loader);
+  if (static_cast<int64_t>(samples.size()) != want) {
+    return Status::InvalidArgument(
+        "source of loader dp=" + std::to_string(loader) + ", step " + std::to_string(step) +
+        ": gave " + std::to_string(samples.size()) + " samples, its share of global_batch " +
+        std::to_string(n) + " over DP " + std::to_string(dp) + " is " + std::to_string(want));
+  }
+  StepShare share;
+  share.step = step;
+  share.n = n;
+  share.first_id = step * n;
+  for (size_t k = 0; k < samples.size(); ++k) {
+    samples[k].id = share.first_id + static_cast<int64_t>(k) * dp + loader;
+  }
+  share.samples = std::move(samples);
+  return share;
+}
+
+// (int32 tokens, uint8 mask or None) pairs -> samples (ids set by MakeShare). ValueError-free:
+// errors come back as a Status naming the loader, step and sample.
+Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_t step) {
+  std::vector<Sample> out;
+  for (const py::handle& item : list) {
+    auto pair = item.cast<py::tuple>();
+    const std::string where = "source of loader dp=" + std::to_string(loader) + ", step " +
+                              std::to_string(step) + ", sample " + std::to_string(out.size());
+    Sample s;
+    try {
+      const py::object t = pair[0], m = pair[1];
+      auto tokens = View1D<int32_t>(py::handle(t), where + " input_ids");
+      s.tokens.assign(tokens.begin(), tokens.end());
+      if (!m.is_none()) {
+        auto mask = View1D<uint8_t>(py::handle(m), where + " loss_mask");
+        s.target_mask.assign(mask.begin(), mask.end());
+      }
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument(e.what());
+    }
+    if (s.tokens.empty()) return Status::InvalidArgument(where + ": input_ids is empty");
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// One rank's step as a dict of NumPy arrays.
+py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::string& figures) {
+  py::dict d;
+  d["step"] = step.step;
+  d["epoch"] = step.epoch;
+  d["is_loader"] = step.is_loader;
+  d["first_stage"] = step.first_stage;
+  d["last_stage"] = step.last_stage;
+  d["n_loss_tokens"] = step.meta.n_loss_tokens;
+  d["num_microbatches"] = static_cast<int64_t>(step.microbatches.size());
+  d["replica_real_tokens"] = step.meta.real_tokens;
+  d["replica_padded_tokens"] = step.meta.padded_tokens;
+  d["replica_sum_sq"] = step.meta.sum_sq;
+  d["skipped_ids"] = step.meta.skipped_ids;
+  d["figures"] = py::module_::import("json").attr("loads")(figures);
+  py::list mbs;
+  const int cp = topo.cp_size();
+  for (LocalMicrobatch& mb : step.microbatches) {
+    py::dict m;
+    const auto& cu = mb.cu_seqlens;
+    const auto& cup = mb.cu_seqlens_padded;
+    // Padding flags of this CP rank's tokens from the metadata alone (every stage).
+    auto idx = CpPartitionIndices(cup, cp, step.coord.cp);
+    ThrowIfError(idx.status());
+    py::array_t<bool> padding(static_cast<py::ssize_t>(idx->size()));
+    bool* pad = padding.mutable_data();
+    size_t s = 0;
+    for (size_t i = 0; i < idx->size(); ++i) {
+      const int32_t g = (*idx)[i];
+      while (g >= cup[s + 1]) ++s;  // the shard visits sequences in order
+      pad[i] = g - cup[s] >= cu[s + 1] - cu[s];
+    }
+    m["padding_mask"] = padding;
+    m["cu_seqlens"] = ToNumpy(std::vector<int32_t>(cu));
+    m["cu_seqlens_padded"] = ToNumpy(std::vector<int32_t>(cup));
+    m["max_seqlen"] = mb.max_seqlen;
+    m["n_valid"] = mb.n_valid;
+    m["total_tokens"] = mb.total_tokens;
+    m["local_tokens"] = mb.local_tokens;
+    m["sp_range"] = py::make_tuple(mb.sp_range.first, mb.sp_range.second);
+    if (step.first_stage) {
+      m["tokens"] = Widen<int64_t>(std::span<const TokenId>(mb.tokens));
+      m["position_ids"] = Widen<int64_t>(std::span<const int32_t>(mb.position_ids));
+    } else {
+      m["tokens"] = py::none();
+      m["position_ids"] = py::none();
+    }
+    if (step.last_stage) {
+      m["labels"] = Widen<int64_t>(std::span<const TokenId>(mb.labels));
+      m["loss_mask"] = Widen<float>(std::span<const uint8_t>(mb.loss_mask));
+    } else {
+      m["labels"] = py::none();
+      m["loss_mask"] = py::none();
+    }
+    mbs.append(m);
+  }
+  d["microbatches"] = mbs;
+  d["sp"] = sp;
+  return d;
+}
+
+// The step's figures JSON: loaders compute it from their plan (with per-replica detail), and
+// the totals go to every rank from world rank 0 (always a loader). Collective over world.
+Result<std::string> FiguresOf(ProcessGroup& world, const Job& job, const RankStep& step) {
+  std::string mine, totals;
+  Status local;
+  if (step.is_loader) {
+    auto f =
+        ComputeStepFigures(step.step, step.epoch, step.samples, job.schedule, step.plan, job.flops);
+    if (f.ok()) {
+      mine = StepFiguresJson(*f, /*summary_only=*/false);
+      totals = StepFiguresJson(*f, /*summary_only=*/true);
+    } else {
+      local = f.status();
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "step figures"));
+  int64_t size = static_cast<int64_t>(totals.size());
+  THDPACK_RETURN_IF_ERROR(world.BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  totals.resize(static_cast<size_t>(size));
+  THDPACK_RETURN_IF_ERROR(
+      world.Broadcast(std::as_writable_bytes(std::span<char>(totals.data(), totals.size())), 0));
+  return step.is_loader ? mine : totals;
+}
+
+class TorchStepRunner {
+ public:
+  TorchStepRunner(py::object world_group, std::vector<int> torch_ranks, py::list known,
+                  py::dict options, py::object source, py::object take_share, py::object device,
+                  double monitored_barrier_seconds)
+      : job_(ResolveOptions(options, source)), take_share_(std::move(take_share)) {
+    if (source.is_none() == take_share_.is_none()) {
+      throw py::value_error("source: give a source spec or a caller-fed source, not both");
+    }
+    auto comm = std::make_shared<TorchCommOptions>();
+    comm->torch_ranks = std::move(torch_ranks);
+    for (const py::handle& k : known) {
+      auto t = k.cast<py::tuple>();
+      comm->known.push_back(
+          KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
+    }
+    comm->device = std::move(device);
+    comm->monitored_barrier_seconds = monitored_barrier_seconds;
+    if (static_cast<int>(comm->torch_ranks.size()) != job_.topology.world_size()) {
+      throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
+                            " ranks, the groups' topology " + job_.topology.ToString() + " needs " +
+                            std::to_string(job_.topology.world_size()));
+    }
+    world_ = MakeTorchWorld(std::move(world_group), comm);
+    StepRunnerOptions ro = RunnerOptions(job_);
+    if (!take_share_.is_none()) {
+      ro.read_share = [this](int64_t step, int loader) -> Result<StepShare> {
+        std::vector<Sample> samples;
+        {
+          py::gil_scoped_acquire gil;
+          try {
+            auto got = ToSamples(take_share_(step), loader, step);
+            if (!got.ok()) return got.status();
+            samples = std::move(*got);
+          } catch (py::error_already_set& e) {
+            return Status::InvalidArgument("source of loader dp=" + std::to_string(loader) +
+                                           ", step " + std::to_string(step) + ": " + e.what());
+          }
+        }
+        return MakeShare(job_, step, loader, std::move(samples));
+      };
+    }
+    std::optional<Result<std::unique_ptr<StepRunner>>> runner;
+    {
+      py::gil_scoped_release release;
+      runner.emplace(StepRunner::Create(*world_, job_.topology, ro));
+    }
+    runner_ = ValueOrThrow(std::move(*runner));
+  }
+
+  ~TorchStepRunner() {
+    runner_.reset();
+    world_.reset();
+  }
+
+  py::dict Next() {
+    std::optional<Result<RankStep>> step;
+    std::optional<Result<std::string>> figures;
+    {
+      py::gil_scoped_release release;
+      step.emplace(runner_->Next());
+      if (step->ok()) figures.emplace(FiguresOf(*world_, job_, **step));
+    }
+    ThrowIfError(step->status());
+    ThrowIfError(figures->status());
+    return StepToPython(std::move(**step), job_.topology, job_.options.sp, **figures);
+  }
+
+  py::dict Topology() const {
+    py::dict d;
+    d["tp"] = job_.topology.tp_size();
+    d["cp"] = job_.topology.cp_size();
+    d["dp"] = job_.topology.dp_size();
+    d["pp"] = job_.topology.pp_size();
+    d["global_batch"] = job_.options.global_batch;
+    d["data_on"] = std::string(DataOnName(job_.data_on));
+    return d;
+  }
+
+ private:
+  Job job_;
+  py::object take_share_;
+  std::unique_ptr<ProcessGroup> world_;
+  std::unique_ptr<StepRunner> runner_;
+};
+
+// The reference for tests: the same options and inputs, the step on one thread per rank.
+py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, py::object shares) {
+  const Job job = ResolveOptions(options, source);
+  StepRunnerOptions ro = RunnerOptions(job);
+  std::vector<std::vector<Sample>> fed;  // [DP]: loader d's samples of every step, in order
+  if (!shares.is_none()) {
+    int d = 0;
+    for (const py::handle& list : shares) {
+      fed.push_back(ValueOrThrow(ToSamples(list, d, -1)));
+      ++d;
+    }
+    if (static_cast<int>(fed.size()) != job.topology.dp_size()) {
+      throw py::value_error("shares: expected one list per loader (DP = " +
+                            std::to_string(job.topology.dp_size()) + ")");
+    }
+    ro.read_share = [&job, &fed](int64_t step, int loader) -> Result<StepShare> {
+      const int64_t count = LoaderCount(job.options.global_batch, job.topology.dp_size(), loader);
+      const auto& all = fed[static_cast<size_t>(loader)];
+      const size_t begin = static_cast<size_t>(step * count);
+      if (begin + static_cast<size_t>(count) > all.size()) {
+        return Status::OutOfRange("shares: loader " + std::to_string(loader) + " has no step " +
+                                  std::to_string(step));
+      }
+      return MakeShare(job, step, loader,
+                       std::vector<Sample>(all.begin() + static_cast<int64_t>(begin),
+                                           all.begin() + static_cast<int64_t>(begin) + count));
+    };
+  }
+  const int world = job.topology.world_size();
+  std::vector<std::vector<RankStep>> got(static_cast<size_t>(world));
+  std::vector<std::vector<std::string>> figures(static_cast<size_t>(world));
+  std::vector<Status> statuses;
+  {
+    py::gil_scoped_release release;
+    statuses = RunOnThreads(world, [&](ProcessGroup& w) -> Status {
+      THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(w, job.topology, ro));
+      for (int64_t s = 0; s < steps; ++s) {
+        THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
+        THDPACK_ASSIGN_OR_RETURN(std::string f, FiguresOf(w, job, step));
+        got[static_cast<size_t>(w.rank())].push_back(std::move(step));
+        figures[static_cast<size_t>(w.rank())].push_back(std::move(f));
+      }
+      return Status::Ok();
+    });
+  }
+  for (int r = 0; r < world; ++r)
+    ThrowIfError(statuses[static_cast<size_t>(r)].WithContext("rank " + std::to_string(r)));
+  py::list out;
+  for (int r = 0; r < world; ++r) {
+    py::list per;
+    for (size_t s = 0; s < got[static_cast<size_t>(r)].size(); ++s) {
+      per.append(StepToPython(std::move(got[static_cast<size_t>(r)][s]), job.topology,
+                              job.options.sp, figures[static_cast<size_t>(r)][s]));
+    }
+    out.append(per);
+  }
+  return out;
+}
+
+}  // namespace
+
+void BindTorchIter(py::module_& m) {
+  py::class_<TorchStepRunner>(m, "_TorchStepRunner")
+      .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
+                    py::object, double>(),
+           py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
+           py::arg("source"), py::arg("take_share"), py::arg("device"),
+           py::arg("monitored_barrier_seconds"))
+      .def("next", &TorchStepRunner::Next)
+      .def("topology", &TorchStepRunner::Topology);
+  m.def("_run_steps_on_threads", &RunStepsOnThreads, py::arg("options"), py::arg("steps"),
+        py::arg("source"), py::arg("shares"),
+        "Tests: the step of PackedDataIterator on one thread per rank; [rank][step] dicts.");
+}
+
+}  // namespace thdpack::python

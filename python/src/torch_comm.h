@@ -1,0 +1,55 @@
+// python/src/torch_comm.h: a ProcessGroup (thdpack/comm.h) whose collectives call
+// torch.distributed with the caller's process groups, so that the C++ step runs inside a torch
+// job (gloo on CPU tensors, NCCL on CUDA tensors). Defined in bind_torch_comm.cc.
+//
+// Every collective takes the GIL for its call (the step may run with the GIL released),
+// wraps the byte spans as CPU tensors without a copy (torch.from_numpy over the span), copies
+// them to `device` and back when the group runs on CUDA (NCCL), and turns a Python exception
+// into kAborted naming the operation and the group. Torch 1.13 lacks a list all_to_all and an
+// uneven all_gather on gloo: AllToAllV is all_to_all_single with uneven splits, AllGatherV an
+// all_gather of buffers padded to the largest count.
+//
+// Ranks. "Global" ranks of this interface are positions in the torch group `world` the
+// iterator was built on (the topology's ranks); torch_ranks maps them to torch's global ranks
+// (those of the default group), which send/recv/broadcast take.
+//
+// Thread-safety: as every ProcessGroup, one rank's thread; the GIL serialises the calls.
+#ifndef THDPACK_PYTHON_TORCH_COMM_H_
+#define THDPACK_PYTHON_TORCH_COMM_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "thdpack/comm.h"
+
+namespace thdpack::python {
+
+// A group the caller already holds: its ranks as positions in the world and the torch object.
+struct KnownGroup {
+  std::string name;        // "tp", "cp", "dp", "pp", for messages
+  std::vector<int> ranks;  // world positions, in group order
+  py::object group;        // torch ProcessGroup
+};
+
+struct TorchCommOptions {
+  // Torch's global rank of each world position ([world size]).
+  std::vector<int> torch_ranks;
+  // The groups Split may reuse instead of making new ones.
+  std::vector<KnownGroup> known;
+  // None: CPU tensors (gloo); else the torch.device the collectives run on (NCCL: cuda).
+  py::object device;
+  // Barrier() uses dist.monitored_barrier (gloo only) with this timeout, so that a rank that
+  // stopped answering is named; <= 0: plain dist.barrier.
+  double monitored_barrier_seconds = 0;
+};
+
+// The world: `group` is the torch group whose positions are the topology's ranks (the default
+// group unless the caller says otherwise). REQUIRES the GIL.
+std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
+                                             std::shared_ptr<const TorchCommOptions> options);
+
+}  // namespace thdpack::python
+
+#endif  // THDPACK_PYTHON_TORCH_COMM_H_

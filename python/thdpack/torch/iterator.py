@@ -1,0 +1,305 @@
+"""thdpack.torch.iterator: the distributed step inside a torch job.
+
+``PackedDataIterator`` runs thdpack's C++ step (read, exchange lengths, plan, move tokens, pack,
+CP-shard, deliver to every stage: ``thdpack/step_runner.h``) with every collective issued
+through ``torch.distributed`` on the caller's process groups (gloo on CPU tensors, NCCL on CUDA
+tensors), from the thread that iterates, taking the GIL for each call. There is one
+implementation of the step; nothing of it is repeated here. This module only turns the
+caller's groups into a topology, feeds a caller's iterable to the C++ step, and wraps the
+arrays each rank receives as torch tensors. docs/python.md documents the interface.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import _thdpack
+
+_DIMS = ("tp", "cp", "dp", "pp")
+
+
+def _group_ranks(group, world_ranks):
+    """Positions in the world of the members of a torch group, in group order."""
+    position = {r: i for i, r in enumerate(world_ranks)}
+    ranks = dist.get_process_group_ranks(group)
+    try:
+        return [position[r] for r in ranks]
+    except KeyError as e:
+        raise ValueError(f"Groups: group with ranks {ranks} holds rank {e.args[0]}, "
+                         f"which is not in the world {world_ranks}") from None
+
+
+class Groups:
+    """The caller's torch process groups: which ranks form TP, CP, DP and PP.
+
+    ``Groups(tp=..., cp=..., dp=..., pp=..., world=None, order="tp-cp-dp-pp")``: each a torch
+    ProcessGroup containing this rank (None: a dimension of size 1). ``world`` (default: the
+    default group) holds them all; ``order`` is the rank order of the world, fastest first
+    (Megatron's by default). The groups are checked against the topology they define: each
+    must hold exactly the ranks the order gives this rank (ValueError naming the group).
+    """
+
+    def __init__(self, tp=None, cp=None, dp=None, pp=None, world=None, order="tp-cp-dp-pp"):
+        if not dist.is_initialized():
+            raise RuntimeError("Groups: torch.distributed is not initialised "
+                               "(call dist.init_process_group first)")
+        self.world = dist.group.WORLD if world is None else world
+        self.tp, self.cp, self.dp, self.pp = tp, cp, dp, pp
+        self.order = order
+        self.world_ranks = list(dist.get_process_group_ranks(self.world))
+        self.rank = dist.get_rank(self.world)
+        groups = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        self.sizes = {k: (1 if g is None else dist.get_world_size(g)) for k, g in groups.items()}
+        dims = order.split("-")
+        if sorted(dims) != sorted(_DIMS):
+            raise ValueError(f"Groups: order {order!r} is not a '-'-separated permutation of "
+                             f"tp, cp, dp, pp")
+        world_size = len(self.world_ranks)
+        product = int(np.prod([self.sizes[k] for k in _DIMS]))
+        if product != world_size:
+            raise ValueError(f"Groups: TP*CP*DP*PP = {self.sizes} = {product} ranks, the world "
+                             f"has {world_size}")
+        stride, s = {}, 1
+        for k in dims:
+            stride[k], s = s, s * self.sizes[k]
+        self.coord = {k: (self.rank // stride[k]) % self.sizes[k] for k in _DIMS}
+        self.known = []
+        for k, g in groups.items():
+            expected = [self.rank + (i - self.coord[k]) * stride[k] for i in range(self.sizes[k])]
+            if g is None:
+                continue
+            got = _group_ranks(g, self.world_ranks)
+            if got != expected:
+                raise ValueError(f"Groups: the {k} group of rank {self.rank} holds world ranks "
+                                 f"{got}; order {order} with sizes {self.sizes} puts it at "
+                                 f"{expected}")
+            self.known.append((k, got, g))
+
+    def __repr__(self):
+        return f"Groups({self.sizes}, order={self.order!r}, rank={self.rank}, coord={self.coord})"
+
+
+def _as_array(value, name):
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _to_sample(item, where):
+    """A loader's sample (dict with input_ids, optional loss_mask) as (int32 tokens, uint8 mask
+    or None). Values outside int32 or a mask that is not 0/1 are errors, never cast away."""
+    if not isinstance(item, dict) or "input_ids" not in item:
+        raise ValueError(f"{where}: expected a dict with 'input_ids', got {type(item).__name__}")
+    tokens = _as_array(item["input_ids"], "input_ids").reshape(-1)
+    if tokens.size == 0:
+        raise ValueError(f"{where}: input_ids is empty")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{where}: input_ids has dtype {tokens.dtype}, expected integers")
+    if tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{where}: input_ids holds {int(tokens.min())}..{int(tokens.max())}, "
+                         f"outside [0, 2^31)")
+    mask = item.get("loss_mask")
+    if mask is not None:
+        mask = _as_array(mask, "loss_mask").reshape(-1)
+        if mask.shape != tokens.shape:
+            raise ValueError(f"{where}: loss_mask has {mask.size} entries, input_ids "
+                             f"{tokens.size} (the mask is token-aligned)")
+        if not np.all((mask == 0) | (mask == 1)):
+            raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)
+    return np.ascontiguousarray(tokens, dtype=np.int32), mask
+
+
+class PackedStep:
+    """One global batch as this rank holds it; iterate for its microbatches (dicts of tensors).
+
+    Attributes: step, epoch, num_microbatches (M), n_loss_tokens (N, the global loss-token
+    count: the loss denominator), seqlen_sum (global padded tokens), seqlen_squared_sum (sum of
+    padded P^2 over the step), figures (``plan --json``'s step; per-replica detail on loaders
+    only), microbatches (the list), is_loader, first_stage, last_stage.
+    """
+
+    def __init__(self, raw, device):
+        self.step = raw["step"]
+        self.epoch = raw["epoch"]
+        self.is_loader = raw["is_loader"]
+        self.first_stage = raw["first_stage"]
+        self.last_stage = raw["last_stage"]
+        self.num_microbatches = raw["num_microbatches"]
+        self.n_loss_tokens = raw["n_loss_tokens"]
+        self.figures = raw["figures"]
+        self.seqlen_sum = self.figures["padded_tokens"]
+        self.seqlen_squared_sum = self.figures["sum_sq"]
+        self.skipped_ids = list(raw["skipped_ids"])
+        self.microbatches = [_microbatch(m, device) for m in raw["microbatches"]]
+
+    def __iter__(self):
+        return iter(self.microbatches)
+
+    def __len__(self):
+        return self.num_microbatches
+
+
+def _tensor(a, device):
+    if a is None:
+        return None
+    return torch.from_numpy(a).to(device)
+
+
+def _microbatch(m, device):
+    cu = _tensor(m["cu_seqlens"], device)
+    cup = _tensor(m["cu_seqlens_padded"], device)
+    max_seqlen = int(m["max_seqlen"])
+    return {
+        "tokens": _tensor(m["tokens"], device),
+        "position_ids": _tensor(m["position_ids"], device),
+        "labels": _tensor(m["labels"], device),
+        "loss_mask": _tensor(m["loss_mask"], device),
+        "padding_mask": _tensor(m["padding_mask"], device),
+        "cu_seqlens": cu,
+        "cu_seqlens_padded": cup,
+        "max_seqlen": max_seqlen,
+        "n_valid": int(m["n_valid"]),
+        "sp_range": tuple(m["sp_range"]),
+        "packed_seq_params": {
+            "qkv_format": "thd",
+            "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
+            "cu_seqlens_q_padded": cup, "cu_seqlens_kv_padded": cup,
+            "max_seqlen_q": max_seqlen, "max_seqlen_kv": max_seqlen,
+        },
+    }
+
+
+class PackedDataIterator:
+    """Global batches packed, sharded and delivered by thdpack's C++ step over torch.distributed.
+
+    ``PackedDataIterator(source, groups, global_batch=256, max_tokens_per_rank=16384,
+    scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None, **options)``
+
+    source: a data source spec (``jsonl:FILE``, ``megatron:PREFIX``, ``mock:FILE.json``,
+    ``mock``; every reading rank opens it), or on each loader an iterable yielding that
+    loader's own share in order (dicts with ``input_ids`` and an optional token-aligned
+    ``loss_mask``: NumPy arrays, tensors or lists; None on other ranks). With an iterable, the
+    k-th sample of loader d in step s has id ``s*global_batch + k*DP + d``; iteration ends when
+    every loader's iterable ends at a step boundary (one that ends while another still yields,
+    or mid-step, is an error on every rank). Loaders: ranks (tp=0, cp=0, pp=0) with
+    data_on="tp0", every rank with "all" (each reads its replica's share).
+    groups: ``Groups``. device: where tensors go (default cuda with NCCL, else cpu).
+    Other options (job options of ``thdpack plan``, same names): seed, shuffle, vocab,
+    mock_samples, align, microbatch_multiple, num_microbatches, oversize, pad_id,
+    check_plan_hash; ``steps`` (default None: no limit) stops after that many steps;
+    ``monitored_barrier_seconds`` (default 0: off) makes the backend's barrier gloo's
+    monitored_barrier, which names a rank that stopped answering.
+
+    Collective: every rank of the world builds it (groups beyond the caller's are made here, once,
+    on every rank in the same order) and iterates it in step. An error on any rank (bad sample,
+    budget overflow, a failing source) raises on every rank; the iterator is then finished.
+    """
+
+    def __init__(self, source, groups, global_batch=256, max_tokens_per_rank=16384,
+                 scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None,
+                 steps=None, monitored_barrier_seconds=0.0, **options):
+        if not isinstance(groups, Groups):
+            raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
+        self.groups = groups
+        backend = dist.get_backend(groups.world)
+        nccl = backend == "nccl"
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+        self._comm_device = self.device if nccl else None
+        self._steps = steps
+        self._done = 0
+        self._finished = False
+        self.global_batch = global_batch
+        opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"], dp=groups.sizes["dp"],
+                    pp=groups.sizes["pp"], global_batch=global_batch,
+                    max_tokens_per_rank=max_tokens_per_rank, scheduler=scheduler, cost=cost,
+                    sp=sp, data_on=data_on)
+        c = groups.coord
+        self.is_loader = data_on == "all" or (c["tp"] == 0 and c["cp"] == 0 and c["pp"] == 0)
+        self._fed = not isinstance(source, str)
+        self._source = None
+        self._share = None
+        if self._fed:
+            if self.is_loader and source is not None:
+                self._source = iter(source)
+            self._count = self._loader_count(global_batch, groups.sizes["dp"], c["dp"])
+        self._runner = _thdpack._TorchStepRunner(
+            groups.world, groups.world_ranks, groups.known, opts,
+            source if not self._fed else None, self._take_share if self._fed else None,
+            self._comm_device, float(monitored_barrier_seconds))
+
+    @staticmethod
+    def _loader_count(n, dp, d):
+        return n // dp + (1 if d < n % dp else 0)
+
+    def __iter__(self):
+        return self
+
+    def _prefetch(self):
+        """A caller-fed loader reads its share before the step, so that the end of the data is
+        agreed by every rank (one all-reduce) before the step's collectives begin."""
+        ended = 0
+        self._share = None
+        if self.is_loader:
+            if self._source is None:
+                self._share = ValueError("source: this rank is a loader but was given None "
+                                         "(give each loader its iterable)")
+            else:
+                items = []
+                try:
+                    for k in range(self._count):
+                        try:
+                            item = next(self._source)
+                        except StopIteration:
+                            if k == 0:
+                                ended = 1
+                            else:
+                                raise ValueError(f"the iterable ended after {k} of the "
+                                                 f"{self._count} samples of this loader's share")
+                            break
+                        items.append(_to_sample(item, f"sample {k} of the share"))
+                    self._share = items
+                except Exception as e:  # reported through the step, on every rank
+                    self._share = e
+        flags = torch.tensor([ended, 1 if self.is_loader and not ended else 0], dtype=torch.int64,
+                             device=self._comm_device or "cpu")
+        dist.all_reduce(flags, group=self.groups.world)
+        ended_count, going = (int(v) for v in flags.cpu())
+        if ended_count and not going:
+            return False
+        if ended_count:
+            raise RuntimeError(f"PackedDataIterator: {ended_count} loader(s) ran out of samples "
+                               f"at step {self._done} while {going} still had some: every "
+                               f"loader must yield its share of every step")
+        return True
+
+    def _take_share(self, step):
+        share = self._share
+        self._share = None
+        if isinstance(share, Exception):
+            raise share
+        return share
+
+    def __next__(self):
+        if self._finished or (self._steps is not None and self._done >= self._steps):
+            raise StopIteration
+        try:
+            if self._fed and not self._prefetch():
+                self._finished = True
+                raise StopIteration
+            raw = self._runner.next()
+        except StopIteration:
+            raise
+        except BaseException:
+            self._finished = True
+            raise
+        self._done += 1
+        return PackedStep(raw, self.device)
+
+    def close(self):
+        """Drops the C++ step and the groups it made (also done when the iterator is freed)."""
+        self._runner = None
+        self._finished = True

@@ -1,0 +1,133 @@
+"""thdpack.torch.megatron: Megatron-LM's two sequence-packing entry points
+(``megatron/core/datasets/data_schedule.py``) over ``PackedDataIterator``, with their
+signatures and return values, so that a Megatron user switches with one import::
+
+    from thdpack.torch.megatron import (wrap_data_iterator,
+                                        get_batch_on_this_rank_for_sequence_packing)
+
+Unlike Megatron's, every rank (not only TP rank 0) holds an iterator, no global parallel state
+is read (the groups come from ``pg_collection``: ``.tp``, ``.cp``, ``.dp``, ``.pp``), and no
+tensor is broadcast over TP afterwards: thdpack's step already delivered every rank its own.
+
+Config fields read (docs/python.md has the table): ``max_seqlen_per_dp_cp_rank`` ->
+max_tokens_per_rank; ``sequence_packing_scheduler`` ("dp_balanced" -> "balanced";
+"sequential" and "balanced" pass through; dynamic CP is not supported); ``sequence_parallel``
+-> sp; ``global_batch_size`` -> global_batch (else num_microbatches * ``micro_batch_size`` *
+DP). Any keyword argument of PackedDataIterator given to wrap_data_iterator overrides these.
+"""
+from __future__ import annotations
+
+from .iterator import Groups, PackedDataIterator
+
+_SCHEDULERS = {"dp_balanced": "balanced", "balanced": "balanced", "sequential": "sequential"}
+
+# Iterators built from a caller's source, by the source object (kept alive with it), so that
+# wrap_data_iterator, which Megatron calls once per global batch, continues the same step loop.
+_ITERATORS = {}
+
+
+def _packed_seq_params_class():
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+        return PackedSeqParams
+    except ImportError:
+        return None
+
+
+def iterator_options(config, num_microbatches, dp_size):
+    """PackedDataIterator keyword arguments from Megatron's config fields (mapping above)."""
+    opts = {}
+    cap = getattr(config, "max_seqlen_per_dp_cp_rank", None)
+    if cap is not None:
+        opts["max_tokens_per_rank"] = int(cap)
+    name = getattr(config, "sequence_packing_scheduler", None)
+    if name is not None:
+        if name not in _SCHEDULERS:
+            raise ValueError(f"config.sequence_packing_scheduler: {name!r} is not supported "
+                             f"(expected one of {sorted(_SCHEDULERS)})")
+        opts["scheduler"] = _SCHEDULERS[name]
+    if getattr(config, "sequence_parallel", None) is not None:
+        opts["sp"] = bool(config.sequence_parallel)
+    gbs = getattr(config, "global_batch_size", None)
+    if gbs is not None:
+        opts["global_batch"] = int(gbs)
+    elif num_microbatches is not None:
+        opts["global_batch"] = int(num_microbatches) * int(getattr(config, "micro_batch_size", 1)) * dp_size
+    return opts
+
+
+def _groups(pg_collection):
+    if pg_collection is None:
+        raise ValueError("pg_collection: required (an object with .tp, .cp, .dp, .pp torch "
+                         "groups); thdpack reads no global parallel state")
+    return Groups(tp=getattr(pg_collection, "tp", None), cp=getattr(pg_collection, "cp", None),
+                  dp=getattr(pg_collection, "dp", None), pp=getattr(pg_collection, "pp", None),
+                  world=getattr(pg_collection, "world", None))
+
+
+def wrap_data_iterator(data_iterator, config, num_microbatches=None, pg_collection=None,
+                       **options):
+    """One global batch: ``(iterator, num_microbatches, seqlen_sum, seqlen_squared_sum)``.
+
+    data_iterator: a PackedDataIterator, or a source it is built from on the first call (a
+    source spec string, or on each loader its iterable; see PackedDataIterator) with the groups
+    of ``pg_collection`` and the config mapping above; later calls with the same object
+    continue the same step loop. The returned iterator yields this rank's microbatches (the
+    dicts of PackedDataIterator), which get_batch_on_this_rank_for_sequence_packing takes.
+    seqlen_sum and seqlen_squared_sum are floats, as Megatron returns them: the global padded
+    token count and sum of padded P^2 (its FLOPs inputs).
+    """
+    if isinstance(data_iterator, PackedDataIterator):
+        it = data_iterator
+    else:
+        key = id(data_iterator)
+        if key not in _ITERATORS:
+            groups = _groups(pg_collection)
+            opts = iterator_options(config, num_microbatches, groups.sizes["dp"])
+            opts.update(options)
+            _ITERATORS[key] = (data_iterator, PackedDataIterator(data_iterator, groups, **opts))
+        it = _ITERATORS[key][1]
+    step = next(it)
+    return (iter(step.microbatches), step.num_microbatches, float(step.seqlen_sum),
+            float(step.seqlen_squared_sum))
+
+
+def get_batch_on_this_rank_for_sequence_packing(data_iterator, vpp_size=None,
+                                                mtp_on_this_rank=False, vp_stage=None,
+                                                dynamic_cp=False, pg_collection=None, config=None):
+    """Megatron's 7-tuple for the next microbatch: ``(tokens, labels, loss_mask, None,
+    position_ids, packed_seq_params, padding_mask)``.
+
+    tokens and position_ids (int64) on the first stage, labels (int64) and loss_mask (float32)
+    on the last, None elsewhere; every tensor ``[1, T/CP]`` (CP-local; with SP as well).
+    packed_seq_params is Megatron's PackedSeqParams when megatron.core imports (the dict of
+    PackedDataIterator otherwise), built as Megatron main builds it: every cu_seqlens field is
+    cu_seqlens_padded (Megatron's workaround for TransformerEngine; padding sits at the tail of
+    each sequence, so causal attention of real tokens never sees it). padding_mask is bool
+    ``[1, T/CP]``, True on padding (Megatron returns one only when padding for CUDA graphs).
+    """
+    if dynamic_cp:
+        raise ValueError("dynamic_cp: not supported by thdpack's step (CP is the topology's)")
+    if data_iterator is None:
+        raise ValueError("data_iterator: every rank needs the iterator wrap_data_iterator "
+                         "returned (thdpack delivers every rank its own tensors)")
+    mb = next(data_iterator)
+    first = vp_stage is None or vp_stage == 0
+    last = vp_stage is None or vpp_size is None or vp_stage == vpp_size - 1
+
+    def row(key, keep):
+        t = mb[key]
+        return None if t is None or not keep else t.view(1, -1)
+
+    tokens = row("tokens", first or mtp_on_this_rank)
+    position_ids = row("position_ids", first or mtp_on_this_rank)
+    labels = row("labels", last or mtp_on_this_rank)
+    loss_mask = row("loss_mask", last or mtp_on_this_rank)
+    cup = mb["cu_seqlens_padded"]
+    fields = dict(qkv_format="thd", cu_seqlens_q=cup, cu_seqlens_kv=cup, cu_seqlens_q_padded=cup,
+                  cu_seqlens_kv_padded=cup, max_seqlen_q=mb["max_seqlen"],
+                  max_seqlen_kv=mb["max_seqlen"])
+    cls = _packed_seq_params_class()
+    packed_seq_params = cls(**fields) if cls is not None else fields
+    padding_mask = mb["padding_mask"].view(1, -1)
+    return tokens, labels, loss_mask, None, position_ids, packed_seq_params, padding_mask
