@@ -117,7 +117,13 @@ def test_local_loss_grad_output_views_and_zero_n():
     (tt.local_loss(x * 1.0, labels, mask, n, chunked=True) * 0.5).backward()
     np.testing.assert_allclose(x.grad.double().numpy(), 0.5 * ref_grad.numpy(), rtol=1e-5,
                                atol=1e-9)
-    # Without requires_grad nothing is made; N = 0 with nothing counted: 0 and zero gradients.
+    # Under no_grad (or without requires_grad) no gradient is made or kept.
+    with torch.no_grad():
+        free = tt.local_loss(logits.clone().requires_grad_(True), labels, mask, n)
+    assert not free.requires_grad
+    with pytest.raises(ValueError, match="GLOBAL loss-token count"):
+        tt.local_loss(logits, labels, mask, n - 1)
+    # N = 0 with nothing counted: 0 and zero gradients.
     assert tt.local_loss(logits, labels, mask, n).item() == pytest.approx(
         reference(logits, labels, mask, n, 1.0)[0], rel=1e-5)
     for chunked in (False, True):

@@ -210,16 +210,15 @@ def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, ch
     """(logprob, entropy, counted, grad): per-token values of the whole shard, float64 on the
     kernel path, the accumulation dtype on the chunked one; grad None unless want_grad."""
     labels, loss_mask, counted = _check_inputs(logits, labels, loss_mask)
-    n_valid = None
-    if want_grad:
+    if n is not None:  # the share: N is global, never below this shard's count
         n_valid = int(counted.sum())
         if n < n_valid:
             raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
                              f"({n_valid}): N must be the GLOBAL loss-token count of the step")
     if logits.device.type == "cpu" and not chunked:
-        return _per_token_cpu(logits, labels, loss_mask, n, want_grad, grad_factor,
+        return _per_token_cpu(logits, labels, loss_mask, n or 0, want_grad, grad_factor,
                               chunk_tokens)
-    scale = grad_factor / n if n > 0 else 0.0
+    scale = grad_factor / n if n else 0.0
     logprob, entropy, grad = _per_token_chunked(logits, labels, counted, want_grad, scale,
                                                 chunk_tokens)
     return logprob, entropy, counted, grad
@@ -229,8 +228,7 @@ class _LocalLoss(torch.autograd.Function):
     """The share and its gradient, made in the forward pass into one buffer."""
 
     @staticmethod
-    def forward(ctx, logits, labels, loss_mask, n, grad_factor, chunked, chunk_tokens):
-        want_grad = bool(ctx.needs_input_grad[0])
+    def forward(ctx, logits, labels, loss_mask, n, grad_factor, chunked, chunk_tokens, want_grad):
         scale = float(grad_factor) / n if n > 0 else 0.0
         logprob, _, _, grad = _per_token(logits, labels, loss_mask, n, want_grad,
                                          float(grad_factor), chunked, chunk_tokens)
@@ -248,7 +246,7 @@ class _LocalLoss(torch.autograd.Function):
         ctx.grad = None  # autograd may take the buffer as logits.grad without a copy
         if grad.device.type != "cpu" or float(grad_output) != 1.0:
             grad.mul_(grad_output.to(grad.dtype))
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chunked=False,
@@ -271,8 +269,10 @@ def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chu
     n = int(n_loss_tokens)
     if n < 0:
         raise ValueError(f"n_loss_tokens = {n}: must be >= 0")
+    # No gradient buffer under torch.no_grad() or for logits that do not require one.
+    want_grad = torch.is_grad_enabled() and logits.requires_grad
     return _LocalLoss.apply(logits, labels, loss_mask, n, float(grad_factor), bool(chunked),
-                            chunk_tokens)
+                            chunk_tokens, want_grad)
 
 
 def token_statistics(logits, labels, loss_mask=None, *, chunked=False, chunk_tokens=None):
@@ -285,7 +285,7 @@ def token_statistics(logits, labels, loss_mask=None, *, chunked=False, chunk_tok
     loss_mask value other than 0/1.
     """
     with torch.no_grad():
-        logprob, entropy, counted, _ = _per_token(logits, labels, loss_mask, 0, False, 0.0,
+        logprob, entropy, counted, _ = _per_token(logits, labels, loss_mask, None, False, 0.0,
                                                   chunked, chunk_tokens)
     return logprob, entropy, counted
 
