@@ -4,6 +4,7 @@
 // LossTotals: the step statistics (AccumulateShardLoss, the CP reduction of per-sequence sums,
 // Finalize) with the all-reduce passed in as a Python callable (torch.distributed's).
 #include <algorithm>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -16,18 +17,29 @@ namespace {
 
 // A C++ all-reduce over a Python callable fn(array): fn receives a float64 NumPy array and must
 // sum it over the group in place (e.g. through a torch tensor and dist.all_reduce). The values
-// go through a fresh array (a handful of doubles), copied back after the call.
-AllReduceSum PythonAllReduce(const py::object& fn) {
-  return [fn](std::span<double> values) -> Status {
+// go through a fresh array (a handful of doubles), copied back after the call. No exception
+// crosses the library: a Python exception becomes an error Status, is kept in *raised, and is
+// raised again by RethrowIfRaised once the library call has returned.
+AllReduceSum PythonAllReduce(const py::object& fn, std::exception_ptr* raised) {
+  return [fn, raised](std::span<double> values) -> Status {
     py::array_t<double> a(static_cast<py::ssize_t>(values.size()));
     std::copy(values.begin(), values.end(), a.mutable_data());
-    fn(a);  // a Python exception passes through to the caller
+    try {
+      fn(a);
+    } catch (...) {
+      *raised = std::current_exception();
+      return Status::Internal("all_reduce: the Python callable raised");
+    }
     if (a.size() != static_cast<py::ssize_t>(values.size())) {
       return Status::InvalidArgument("all_reduce: the callable changed the array's size");
     }
     std::copy(a.data(), a.data() + values.size(), values.begin());
     return Status::Ok();
   };
+}
+
+void RethrowIfRaised(const std::exception_ptr& raised) {
+  if (raised) std::rethrow_exception(raised);
 }
 
 std::vector<uint8_t> CountedFlags(const py::handle& obj) {
@@ -94,7 +106,11 @@ void BindLossTotals(py::module_& m) {
             LossStats shard;
             ThrowIfError(AccumulateShardLoss(r, cu, cup, cp_size, cp_rank, {}, &shard));
             if (cp_size > 1) {
-              ThrowIfError(ReduceSequencesOverCp(PythonAllReduce(cp_all_reduce), cp_rank, &shard));
+              std::exception_ptr raised;
+              const Status st =
+                  ReduceSequencesOverCp(PythonAllReduce(cp_all_reduce, &raised), cp_rank, &shard);
+              RethrowIfRaised(raised);
+              ThrowIfError(st);
             }
             self.Add(shard);
           },
@@ -111,7 +127,10 @@ reduced, and each sequence's perplexity term is kept on CP rank 0 only.)doc")
       .def(
           "all_reduce",
           [](LossTotals& self, const py::object& fn) {
-            ThrowIfError(self.AllReduce(PythonAllReduce(fn)));
+            std::exception_ptr raised;
+            const Status st = self.AllReduce(PythonAllReduce(fn, &raised));
+            RethrowIfRaised(raised);
+            ThrowIfError(st);
           },
           py::arg("all_reduce"),
           "Sums the totals over a group: all_reduce(array) sums a float64 array in place.")

@@ -242,3 +242,26 @@ def test_statistics_over_gloo_match_unsharded_reference():
             assert s["n_tokens"] == want["n_tokens"] and s["n_loss_tokens"] == want["n_loss_tokens"]
             for k in ("loss", "entropy", "ppl"):
                 assert s[k] == pytest.approx(want[k], rel=1e-12), (dp, cp, r, k)
+
+
+def test_loss_totals_raise_the_transports_exception():
+    from thdpack import _thdpack
+    lp, en = np.array([-1.0, -2.0]), np.array([0.5, 0.25])
+    ct = np.array([1, 1], dtype=np.uint8)
+    cu, cup = np.array([0, 3], np.int32), np.array([0, 4], np.int32)  # one sequence, CP = 2
+
+    def down(a):
+        raise KeyError("transport down")
+
+    t = _thdpack.LossTotals()
+    with pytest.raises(KeyError, match="transport down"):
+        t.add_shard(lp, en, ct, cu, cup, 2, 0, down)
+    with pytest.raises(ValueError, match="cp_all_reduce"):
+        t.add_shard(lp, en, ct, cu, cup, 2, 0)
+    with pytest.raises(KeyError, match="transport down"):
+        t.all_reduce(down)
+    # A transport of two identical ranks: the sequence's sums double, its term counts once.
+    t.add_shard(lp, en, ct, cu, cup, 2, 0, lambda a: a.__imul__(2))
+    s = t.summary()
+    assert s["n_loss_tokens"] == 2 and s["n_tokens"] == 1  # zigzag positions 0 and 3 of 3 real
+    assert s["ppl"] == pytest.approx(np.exp(6.0 / 4))
