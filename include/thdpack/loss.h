@@ -47,6 +47,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -252,6 +253,43 @@ LossSummary Finalize(const LossStats& stats);
                                          std::span<const int32_t> cu_seqlens_padded, int cp_size,
                                          int cp_rank, std::span<const int64_t> sequence_keys,
                                          LossStats* stats);
+
+// ---------------------------------------------------------------------------------------------
+// Statistics across ranks, through the caller's transport (this area has no communicator: a
+// framework passes its own all-reduce, e.g. torch.distributed's over its CP or DP x CP group).
+
+// Sums `values` elementwise over the ranks of a group, in place; every rank of the group calls
+// it with the same size. Returns an error (or the caller's exception passes through) on failure.
+using AllReduceSum = std::function<Status(std::span<double> values)>;
+
+// The CP reduction of one microbatch's shard statistics (AccumulateShardLoss with the same
+// sequence keys on every CP rank, e.g. empty): per-sequence log-prob sums and loss-token counts
+// are summed over the CP group with all_reduce_sum (2n doubles, keys in order; counts are exact
+// below 2^53), so every CP rank then holds whole sequences; ranks other than cp_rank 0 drop
+// them, so that totals summed over DP x CP count each sequence once. Token sums stay per rank.
+// REQUIRES stats not null, cp_rank >= 0.
+[[nodiscard]] Status ReduceSequencesOverCp(const AllReduceSum& all_reduce_sum, int cp_rank,
+                                           LossStats* stats);
+
+// The additive figures of whole sequences: what ranks sum to report a step. Finalize(stats)
+// is Finalize of the totals of stats.
+struct LossTotals {
+  int64_t n_tokens = 0;
+  int64_t n_loss_tokens = 0;
+  double loss_sum = 0;
+  double entropy_sum = 0;
+  double ppl_sum = 0;  // sum over sequences with >= 1 loss token of exp(-logprob_sum / count)
+  int64_t n_ppl = 0;   // those sequences
+
+  // Adds stats, whose sequences must be whole (CP-reduced, or CP = 1); keys are not kept, so
+  // totals of different microbatches and replicas add without key collisions.
+  void Add(const LossStats& whole);
+  void Add(const LossTotals& other);
+  // Sums the totals over the ranks of a group (6 doubles; counts exact below 2^53). An error
+  // when a reduced count is negative or not an integer (ranks disagreeing on the layout).
+  [[nodiscard]] Status AllReduce(const AllReduceSum& all_reduce_sum);
+};
+LossSummary Finalize(const LossTotals& totals);
 
 }  // namespace thdpack
 

@@ -4,6 +4,7 @@
 // statistics' hand-worked cases; the memory figures.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -115,8 +116,37 @@ Expected ExpectedStats(const std::vector<Sample>& samples) {
 
 // Runs the CP-local loss over every CP rank of every microbatch; checks each microbatch's
 // shard sums and per-token values against the loss on its gathered logits; returns the stats.
+// The CP reduction as a framework runs it (ReduceSequencesOverCp on every CP rank, keys
+// 0..n-1), with the all-reduce done in two passes here: each rank's contribution is recorded,
+// then every rank receives the elementwise sum. The totals of every rank are added to *totals.
+void ReduceOverCpInProcess(std::vector<LossStats>& per_rank, LossTotals* totals) {
+  std::vector<double> sum;
+  for (LossStats copy : per_rank) {
+    ASSERT_TRUE(ReduceSequencesOverCp(
+                    [&](std::span<double> v) {
+                      if (sum.empty()) sum.assign(v.size(), 0.0);
+                      EXPECT_EQ(sum.size(), v.size());
+                      for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+                      return Status::Ok();
+                    },
+                    0, &copy)
+                    .ok());
+  }
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    ASSERT_TRUE(ReduceSequencesOverCp(
+                    [&](std::span<double> v) {
+                      std::copy(sum.begin(), sum.end(), v.begin());
+                      return Status::Ok();
+                    },
+                    static_cast<int>(r), &per_rank[r])
+                    .ok());
+    if (r != 0) EXPECT_TRUE(per_rank[r].sequences.empty());
+    totals->Add(per_rank[r]);
+  }
+}
+
 LossStats RunSharded(const std::vector<std::vector<Sample>>& microbatches, int cp, int64_t N,
-                     LogitsDtype dtype) {
+                     LogitsDtype dtype, LossTotals* totals = nullptr) {
   LossStats stats;
   for (const auto& samples : microbatches) {
     std::vector<SampleView> views(samples.begin(), samples.end());
@@ -150,6 +180,7 @@ LossStats RunSharded(const std::vector<std::vector<Sample>>& microbatches, int c
     double shard_loss_sum = 0;
     int64_t shard_valid = 0;
     std::vector<std::vector<std::byte>> grads;
+    std::vector<LossStats> per_rank(static_cast<size_t>(cp));  // keys 0..n-1, as frameworks do
     for (int r = 0; r < cp; ++r) {
       const int64_t local = T / cp;
       std::vector<std::byte> logits_r(static_cast<size_t>(local * kVocab * esize));
@@ -172,8 +203,12 @@ LossStats RunSharded(const std::vector<std::vector<Sample>>& microbatches, int c
       EXPECT_TRUE(AccumulateShardLoss(*res, mb->cu_seqlens, mb->cu_seqlens_padded, cp, r, ids,
                                       &stats)
                       .ok());
+      EXPECT_TRUE(AccumulateShardLoss(*res, mb->cu_seqlens, mb->cu_seqlens_padded, cp, r, {},
+                                      &per_rank[r])
+                      .ok());
       grads.push_back(std::move(grad_r));
     }
+    if (totals != nullptr) ReduceOverCpInProcess(per_rank, totals);
     EXPECT_EQ(shard_valid, whole->n_valid);
     EXPECT_EQ(shard_valid, mb->n_valid);
     EXPECT_NEAR(shard_loss_sum, whole->loss_sum, 1e-12 * (1 + whole->loss_sum));
@@ -207,8 +242,19 @@ TEST(LossStatsTest, SameForEveryCpSizeAndMicrobatchingAndMatchesUnpackedSamples)
       for (int parts : {1, 2, 5}) {
         SCOPED_TRACE(std::string(LogitsDtypeName(dtype)) + " CP=" + std::to_string(cp) +
                      " microbatches=" + std::to_string(parts));
-        const LossStats stats = RunSharded(SplitInto(samples, parts), cp, want.n_loss_tokens, dtype);
+        LossTotals totals;
+        const LossStats stats =
+            RunSharded(SplitInto(samples, parts), cp, want.n_loss_tokens, dtype, &totals);
         const LossSummary s = Finalize(stats);
+        // The CP-reduced totals (what a framework all-reduces) give the same figures.
+        const LossSummary t = Finalize(totals);
+        EXPECT_EQ(t.n_tokens, s.n_tokens);
+        EXPECT_EQ(t.n_loss_tokens, s.n_loss_tokens);
+        EXPECT_EQ(totals.n_ppl, static_cast<int64_t>(samples.size()));
+        EXPECT_NEAR(t.loss, s.loss, 1e-13 * s.loss);
+        EXPECT_NEAR(t.entropy, s.entropy, 1e-13 * s.entropy);
+        ASSERT_TRUE(t.ppl.has_value());
+        EXPECT_NEAR(*t.ppl, *s.ppl, 1e-13 * *s.ppl);
         EXPECT_EQ(s.n_tokens, want.n_tokens);
         EXPECT_EQ(s.n_loss_tokens, want.n_loss_tokens);
         ASSERT_TRUE(s.ppl.has_value());
@@ -229,6 +275,41 @@ TEST(LossStatsTest, SameForEveryCpSizeAndMicrobatchingAndMatchesUnpackedSamples)
       }
     }
   }
+}
+
+TEST(LossStatsTest, TotalsAllReduceChecksCountsAndPassesErrorsThrough) {
+  LossTotals t;
+  t.n_tokens = 5;
+  t.n_loss_tokens = 3;
+  t.loss_sum = 1.5;
+  t.n_ppl = 1;
+  t.ppl_sum = 2.0;
+  // Two ranks holding the same totals: everything doubles.
+  ASSERT_TRUE(t.AllReduce([](std::span<double> v) {
+                 for (double& x : v) x *= 2;
+                 return Status::Ok();
+               }).ok());
+  EXPECT_EQ(t.n_tokens, 10);
+  EXPECT_EQ(t.n_loss_tokens, 6);
+  EXPECT_EQ(t.n_ppl, 2);
+  EXPECT_EQ(Finalize(t).loss, 0.5);
+  EXPECT_EQ(*Finalize(t).ppl, 2.0);
+  const Status bad = t.AllReduce([](std::span<double> v) {
+    v[1] = 2.5;
+    return Status::Ok();
+  });
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.ToString().find("n_loss_tokens"), std::string::npos) << bad.ToString();
+  const Status failed = t.AllReduce([](std::span<double>) {
+    return Status::Internal("the group failed");
+  });
+  EXPECT_NE(failed.ToString().find("the group failed"), std::string::npos);
+  LossStats none;
+  EXPECT_FALSE(ReduceSequencesOverCp([](std::span<double>) { return Status::Ok(); }, -1,
+                                     &none)
+                   .ok());
+  EXPECT_FALSE(ReduceSequencesOverCp([](std::span<double>) { return Status::Ok(); }, 0, nullptr)
+                   .ok());
 }
 
 TEST(LossStatsTest, NoLossTokensGivesZeroLossAndNoPpl) {

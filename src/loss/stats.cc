@@ -21,24 +21,104 @@ void LossStats::Merge(const LossStats& other) {
   }
 }
 
-LossSummary Finalize(const LossStats& stats) {
-  LossSummary s;
-  s.n_tokens = stats.n_tokens;
-  s.n_loss_tokens = stats.n_loss_tokens;
-  if (stats.n_loss_tokens > 0) {
-    const double n = static_cast<double>(stats.n_loss_tokens);
-    s.loss = stats.loss_sum / n;
-    s.entropy = stats.entropy_sum / n;
-  }
-  double ppl_sum = 0;
-  int64_t n_seq = 0;
-  for (const auto& [key, seq] : stats.sequences) {  // key order: deterministic
+void LossTotals::Add(const LossStats& whole) {
+  n_tokens += whole.n_tokens;
+  n_loss_tokens += whole.n_loss_tokens;
+  loss_sum += whole.loss_sum;
+  entropy_sum += whole.entropy_sum;
+  for (const auto& [key, seq] : whole.sequences) {  // key order: deterministic
     if (seq.n_loss_tokens <= 0) continue;
     ppl_sum += std::exp(-seq.logprob_sum / static_cast<double>(seq.n_loss_tokens));
-    ++n_seq;
+    ++n_ppl;
   }
-  if (n_seq > 0) s.ppl = ppl_sum / static_cast<double>(n_seq);
+}
+
+void LossTotals::Add(const LossTotals& other) {
+  n_tokens += other.n_tokens;
+  n_loss_tokens += other.n_loss_tokens;
+  loss_sum += other.loss_sum;
+  entropy_sum += other.entropy_sum;
+  ppl_sum += other.ppl_sum;
+  n_ppl += other.n_ppl;
+}
+
+namespace {
+
+// A reduced count back from a double: an error unless it is a non-negative integer.
+Result<int64_t> CountOf(double v, const char* fn, const std::string& what) {
+  if (!(v >= 0) || v > 9007199254740992.0 || v != std::floor(v)) {
+    return Status::InvalidArgument(std::string(fn) + ": the all-reduced " + what + " is " +
+                                   std::to_string(v) +
+                                   ": a count must be a non-negative integer below 2^53 (do the "
+                                   "ranks of the group agree on what they reduce?)");
+  }
+  return static_cast<int64_t>(v);
+}
+
+}  // namespace
+
+Status LossTotals::AllReduce(const AllReduceSum& all_reduce_sum) {
+  double v[6] = {static_cast<double>(n_tokens), static_cast<double>(n_loss_tokens), loss_sum,
+                 entropy_sum, ppl_sum, static_cast<double>(n_ppl)};
+  THDPACK_RETURN_IF_ERROR(all_reduce_sum(std::span<double>(v)));
+  const char* f = "LossTotals::AllReduce";
+  THDPACK_ASSIGN_OR_RETURN(n_tokens, CountOf(v[0], f, "n_tokens"));
+  THDPACK_ASSIGN_OR_RETURN(n_loss_tokens, CountOf(v[1], f, "n_loss_tokens"));
+  THDPACK_ASSIGN_OR_RETURN(n_ppl, CountOf(v[5], f, "sequence count"));
+  loss_sum = v[2];
+  entropy_sum = v[3];
+  ppl_sum = v[4];
+  return Status::Ok();
+}
+
+LossSummary Finalize(const LossTotals& totals) {
+  LossSummary s;
+  s.n_tokens = totals.n_tokens;
+  s.n_loss_tokens = totals.n_loss_tokens;
+  if (totals.n_loss_tokens > 0) {
+    const double n = static_cast<double>(totals.n_loss_tokens);
+    s.loss = totals.loss_sum / n;
+    s.entropy = totals.entropy_sum / n;
+  }
+  if (totals.n_ppl > 0) s.ppl = totals.ppl_sum / static_cast<double>(totals.n_ppl);
   return s;
+}
+
+LossSummary Finalize(const LossStats& stats) {
+  LossTotals totals;
+  totals.Add(stats);
+  return Finalize(totals);
+}
+
+Status ReduceSequencesOverCp(const AllReduceSum& all_reduce_sum, int cp_rank, LossStats* stats) {
+  const char* f = "ReduceSequencesOverCp";
+  if (stats == nullptr) return Status::InvalidArgument(std::string(f) + ": stats is null");
+  if (cp_rank < 0) {
+    return Status::InvalidArgument(std::string(f) + ": cp_rank = " + std::to_string(cp_rank) +
+                                   " must be >= 0");
+  }
+  const size_t n = stats->sequences.size();
+  std::vector<double> v(2 * n);
+  size_t i = 0;
+  for (const auto& [key, seq] : stats->sequences) {  // key order: the same on every CP rank
+    v[i] = seq.logprob_sum;
+    v[n + i] = static_cast<double>(seq.n_loss_tokens);
+    ++i;
+  }
+  THDPACK_RETURN_IF_ERROR(all_reduce_sum(std::span<double>(v)));
+  if (cp_rank != 0) {
+    stats->sequences.clear();
+    return Status::Ok();
+  }
+  i = 0;
+  for (auto& [key, seq] : stats->sequences) {
+    seq.logprob_sum = v[i];
+    THDPACK_ASSIGN_OR_RETURN(seq.n_loss_tokens,
+                             CountOf(v[n + i], f, "loss-token count of sequence " +
+                                                      std::to_string(key)));
+    ++i;
+  }
+  return Status::Ok();
 }
 
 Status AccumulateShardLoss(const CrossEntropyResult& result, std::span<const int32_t> cu_seqlens,

@@ -1,18 +1,20 @@
 """thdpack.torch: thdpack inside a PyTorch job.
 
-  thdpack.torch.sharding  zigzag CP shards and SP ranges of torch tensors (shard, unshard, ...)
-  thdpack.torch.loss      the CP-local token-mean loss and its topology-invariant statistics
-  thdpack.torch.iterator  PackedDataIterator: the C++ distributed step over torch.distributed
-  thdpack.torch.megatron  Megatron-LM's sequence-packing entry points over the iterator
+  thdpack.torch.sharding    zigzag CP shards and SP ranges of torch tensors (shard, unshard, ...)
+  thdpack.torch.loss        the CP-local token-mean loss and its topology-invariant statistics
+  thdpack.torch.iterator    PackedDataIterator: the C++ distributed step over torch.distributed
+  thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
+  thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
 
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
 """
 from .sharding import partition_indices, shard, sp_split, unshard
 from .loss import IGNORE_INDEX, LossStatistics, local_loss, token_statistics
 from .iterator import Groups, PackedDataIterator, PackedStep
+from .microbatch import micro_batch_indices, rearrange_micro_batches
 
 __all__ = [
-    "IGNORE_INDEX", "LossStatistics", "local_loss", "partition_indices", "shard", "sp_split",
-    "token_statistics", "unshard",
+    "IGNORE_INDEX", "LossStatistics", "local_loss", "micro_batch_indices", "partition_indices",
+    "rearrange_micro_batches", "shard", "sp_split", "token_statistics", "unshard",
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep"]

@@ -1,10 +1,22 @@
-"""thdpack.torch.loss: thdpack's loss semantics and sharding as torch operations on any device.
+"""thdpack.torch.loss: thdpack's loss as a torch autograd function, and its statistics.
 
-Real training keeps the logits on the GPU; these functions compute the CP-local loss and its
-topology-invariant statistics there with plain torch operations, driven by thdpack's metadata
-(the global loss-token count N and the sequence boundaries of the local shard), and shard or
-unshard tensors with thdpack's indices (thdpack.torch.sharding). Only the small int32 metadata
-goes through NumPy.
+The logits of a rank's shard are the largest tensor of a step ([T/CP, V]: 37 GiB in float32 at
+64K local tokens and V = 151,936), so nothing here holds a float32 copy, a softmax or a
+log-softmax of the whole shard:
+
+  * CPU tensors (float32, bfloat16, float64, C-contiguous) go to thdpack's fused C++ kernel
+    (thdpack.cross_entropy): one read of the logits, the gradient written in the same pass into
+    one buffer of the logits' dtype, handed to autograd as the logits' gradient;
+  * every other device (and float16 or non-contiguous CPU logits) works in chunks of tokens with
+    torch operations: per chunk a float32 (float64 for float64 logits) copy, its exponentials,
+    and the chunk's gradient written into the one gradient buffer, so the extra memory is two
+    chunk-sized buffers (at most 1/8 of the logits' bytes by default, `chunk_tokens` to choose).
+
+Torch computes per-token values only; the per-sequence aggregation, the CP reduction of the
+per-sequence sums and the statistics (loss, ppl, entropy) are C++'s (thdpack._thdpack.LossTotals:
+AccumulateShardLoss, ReduceSequencesOverCp, Finalize of thdpack/loss.h), with torch.distributed
+as the transport of the all-reduces. Only small per-token and per-sequence arrays go through
+NumPy.
 
 Loss semantics (docs/design.md section 8):
   * per token -log p(label), accumulated in float32 (float64 for float64 logits); a token counts
@@ -23,32 +35,42 @@ import torch
 import torch.distributed as dist
 
 from .. import _thdpack
-from .sharding import _cu, partition_indices
+from .sharding import _cu
 
 IGNORE_INDEX = _thdpack.IGNORE_INDEX
+
+# Extra memory of the chunked path: its two float32 (float64) chunk buffers stay within this
+# fraction of the logits' bytes (and at least one token per chunk).
+_CHUNK_FRACTION = 8
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
 def _accumulation_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def token_statistics(logits, labels, loss_mask=None):
-    """Per-token (logprob, entropy, counted) of local logits [T, V] (any device and float dtype).
-
-    logprob = log p(label) and entropy = -sum p log p, both 0 where the token is not counted;
-    counted: bool [T]. Computed in float32 (float64 for float64 logits). Differentiable in the
-    logits. ValueError for a counted label outside [0, V) or a loss_mask value other than 0/1.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"logits: expected [T, V], got shape {tuple(logits.shape)}")
+def _check_inputs(logits, labels, loss_mask):
+    """Shapes; labels and mask on the logits' device. Returns (labels, loss_mask, counted)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits: expected a [T, V] tensor, got {shape}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
     t, v = logits.shape
-    if labels.shape != (t,):
-        raise ValueError(f"labels: expected shape ({t},), got {tuple(labels.shape)}")
-    labels = labels.to(logits.device)
+    if v < 1:
+        raise ValueError(f"logits: V = {v} columns: expected at least one")
+    if not isinstance(labels, torch.Tensor) or labels.shape != (t,):
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected a tensor of shape ({t},), got {got}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels: expected an integer tensor, got {labels.dtype}")
+    labels = labels.to(device=logits.device, dtype=torch.int64).contiguous()
     counted = labels != IGNORE_INDEX
     if loss_mask is not None:
-        if loss_mask.shape != (t,):
-            raise ValueError(f"loss_mask: expected shape ({t},), got {tuple(loss_mask.shape)}")
+        if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (t,):
+            got = (tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor)
+                   else type(loss_mask).__name__)
+            raise ValueError(f"loss_mask: expected a tensor of shape ({t},), got {got}")
         loss_mask = loss_mask.to(logits.device)
         bad_mask = (loss_mask != 0) & (loss_mask != 1)
         counted = counted & (loss_mask != 0)
@@ -62,98 +84,261 @@ def token_statistics(logits, labels, loss_mask=None):
             raise ValueError(f"loss_mask[{i}] = {float(loss_mask[i])}: must be 0 or 1")
         i = int(bad_label.nonzero()[0])
         raise ValueError(f"labels[{i}] = {int(labels[i])}: a counted label must lie in [0, {v})")
-    z = logits.to(_accumulation_dtype(logits))
-    lse = torch.logsumexp(z, dim=-1)
-    safe = torch.where(counted, labels, torch.zeros_like(labels)).to(torch.int64)
-    target = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    zero = torch.zeros((), dtype=z.dtype, device=z.device)
-    logprob = torch.where(counted, target - lse, zero)
-    p = torch.softmax(z, dim=-1)
-    entropy = torch.where(counted, lse - (p * z).sum(-1), zero)
-    return logprob, entropy, counted
+    return labels, loss_mask, counted
 
 
-def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0):
+def _use_kernel(logits, chunked):
+    return (not chunked and logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES
+            and logits.is_contiguous())
+
+
+def _chunk_rows(logits, chunk_tokens):
+    t, v = logits.shape
+    if chunk_tokens is not None:
+        if int(chunk_tokens) < 1:
+            raise ValueError(f"chunk_tokens = {chunk_tokens}: must be >= 1")
+        return int(chunk_tokens)
+    acc = 8 if logits.dtype == torch.float64 else 4
+    budget = t * v * logits.element_size() // _CHUNK_FRACTION  # bytes for the two buffers
+    return max(1, budget // (2 * v * acc))
+
+
+def _kernel_numpy(x):
+    """A zero-copy NumPy view of a contiguous CPU tensor (bfloat16 as its int16 bits)."""
+    x = x.detach()
+    return x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _mask_numpy(loss_mask):
+    if loss_mask is None:
+        return None
+    m = loss_mask.detach()
+    if m.dtype == torch.bool:
+        return m.contiguous().numpy()
+    return m.to(torch.float32).contiguous().numpy()
+
+
+def _kernel_call(z, labels_np, mask_np, n, want_grad, scale, grad_out):
+    """thdpack.cross_entropy on one contiguous CPU block; grad_out: a tensor of z's dtype."""
+    return _thdpack.cross_entropy(
+        _kernel_numpy(z), labels_np, mask_np, n, with_grad=want_grad, grad_scale=scale,
+        num_threads=torch.get_num_threads(),
+        grad_out=_kernel_numpy(grad_out) if want_grad else None)
+
+
+def _per_token_cpu(logits, labels, loss_mask, n, want_grad, scale, chunk_tokens):
+    """The C++ kernel: float64 (logprob, entropy) [T], counted bool [T] and the gradient
+    scale * (softmax - onehot) / n on counted rows."""
+    labels_np = labels.numpy()
+    mask_np = _mask_numpy(loss_mask)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_grad else None
+    if _use_kernel(logits, False):
+        out = _kernel_call(logits, labels_np, mask_np, n, want_grad, scale, grad)
+        return (torch.from_numpy(out["logprobs"]), torch.from_numpy(out["entropy"]),
+                torch.from_numpy(out["counted"]).bool(), grad)
+    # float16 or a non-contiguous view: the kernel on chunks of tokens staged in float32
+    # (float64 for float64 logits), the gradient copied back in the logits' dtype.
+    t = logits.shape[0]
+    acc = _accumulation_dtype(logits)
+    rows = _chunk_rows(logits, chunk_tokens)
+    logprob = torch.zeros(t, dtype=torch.float64)
+    entropy = torch.zeros(t, dtype=torch.float64)
+    counted = torch.zeros(t, dtype=torch.bool)
+    for s in range(0, t, rows):
+        e = min(t, s + rows)
+        z = logits[s:e].detach().to(acc, memory_format=torch.contiguous_format, copy=True)
+        g = torch.empty_like(z) if want_grad else None
+        out = _kernel_call(z, labels_np[s:e], None if mask_np is None else mask_np[s:e], n,
+                           want_grad, scale, g)
+        del z
+        logprob[s:e] = torch.from_numpy(out["logprobs"])
+        entropy[s:e] = torch.from_numpy(out["entropy"])
+        counted[s:e] = torch.from_numpy(out["counted"]).bool()
+        if want_grad:
+            grad[s:e].copy_(g)
+    return logprob, entropy, counted, grad
+
+
+def _per_token_chunked(logits, labels, counted, want_grad, scale, chunk_tokens):
+    """Torch operations on chunks of tokens (any device): (logprob, entropy) in the
+    accumulation dtype [T], and the gradient scale * (softmax - onehot) on counted rows."""
+    t, v = logits.shape
+    acc = _accumulation_dtype(logits)
+    dev = logits.device
+    rows = _chunk_rows(logits, chunk_tokens)
+    logprob = torch.zeros(t, dtype=acc, device=dev)
+    entropy = torch.zeros(t, dtype=acc, device=dev)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_grad else None
+    lowest = torch.finfo(acc).min
+    safe_labels = torch.where(counted, labels, torch.zeros_like(labels)).unsqueeze(-1)
+    for s in range(0, t, rows):
+        e = min(t, s + rows)
+        x = logits[s:e].detach()
+        c = counted[s:e]
+        y = safe_labels[s:e]
+        z = x.to(acc, copy=True)
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows: not counted
+        z.sub_(m).clamp_(min=lowest)  # -inf -> lowest: exp gives 0, and 0 * z stays 0
+        p = torch.exp(z)
+        ssum = p.sum(dim=-1)
+        w = z.mul_(p).sum(dim=-1)  # sum exp(z - m) * (z - m)
+        del z
+        log_s = torch.log(ssum)
+        lse = m.squeeze(-1) + log_s
+        ent = log_s - w / ssum
+        lp = x.gather(-1, y).squeeze(-1).to(acc) - lse
+        bad = c & ~(torch.isfinite(lse) & torch.isfinite(ent))
+        if bool(bad.any()):
+            i = s + int(bad.nonzero()[0])
+            raise ValueError(f"logits row {i} has a non-finite log-sum-exp: a counted token's "
+                             "logits must be finite (and not all -inf)")
+        zero = torch.zeros((), dtype=acc, device=dev)
+        logprob[s:e] = torch.where(c, lp, zero)
+        entropy[s:e] = torch.where(c, ent, zero)
+        if want_grad:
+            cf = c.to(acc)
+            denom = torch.where(c, ssum, torch.ones_like(ssum))  # uncounted rows: 0, not 0/0
+            p.mul_((cf * scale / denom).unsqueeze(-1))  # p * scale on counted rows, 0 elsewhere
+            p.scatter_add_(-1, y, (-scale * cf).unsqueeze(-1))
+            grad[s:e].copy_(p)
+        del p
+    return logprob, entropy, grad
+
+
+def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, chunk_tokens):
+    """(logprob, entropy, counted, grad): per-token values of the whole shard, float64 on the
+    kernel path, the accumulation dtype on the chunked one; grad None unless want_grad."""
+    labels, loss_mask, counted = _check_inputs(logits, labels, loss_mask)
+    if n is not None:  # the share: N is global, never below this shard's count
+        n_valid = int(counted.sum())
+        if n < n_valid:
+            raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
+                             f"({n_valid}): N must be the GLOBAL loss-token count of the step")
+    if logits.device.type == "cpu" and not chunked:
+        return _per_token_cpu(logits, labels, loss_mask, n or 0, want_grad, grad_factor,
+                              chunk_tokens)
+    scale = grad_factor / n if n else 0.0
+    logprob, entropy, grad = _per_token_chunked(logits, labels, counted, want_grad, scale,
+                                                chunk_tokens)
+    return logprob, entropy, counted, grad
+
+
+class _LocalLoss(torch.autograd.Function):
+    """The share and its gradient, made in the forward pass into one buffer."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, loss_mask, n, grad_factor, chunked, chunk_tokens, want_grad):
+        scale = float(grad_factor) / n if n > 0 else 0.0
+        logprob, _, _, grad = _per_token(logits, labels, loss_mask, n, want_grad,
+                                         float(grad_factor), chunked, chunk_tokens)
+        ctx.grad = grad
+        acc = _accumulation_dtype(logits)
+        total = logprob.sum().to(device=logits.device, dtype=acc)
+        return -total * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = ctx.grad
+        if grad is None:
+            raise RuntimeError("local_loss: backward ran twice; the gradient buffer was handed "
+                               "to autograd the first time (call local_loss again)")
+        ctx.grad = None  # autograd may take the buffer as logits.grad without a copy
+        if grad.device.type != "cpu" or float(grad_output) != 1.0:
+            grad.mul_(grad_output.to(grad.dtype))
+        return grad, None, None, None, None, None, None, None
+
+
+def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chunked=False,
+               chunk_tokens=None):
     """This (dp, cp) rank's share of the step loss: -sum(counted log p) / N * grad_factor.
 
     n_loss_tokens: N, the GLOBAL loss-token count of the step (thdpack metadata). The shares
     summed over DP x CP (and microbatches) equal the step loss L, and so do their gradients;
     pass grad_factor = dp_size * cp_size when the framework averages gradients. N == 0 gives a
-    zero loss (and zero gradients), never a division by zero.
+    zero loss (and zero gradients), never a division by zero; N below this shard's own count of
+    loss tokens is a ValueError (N is global).
+
+    An autograd function: the gradient is made in the forward pass (when logits require it),
+    in the logits' dtype, and handed to autograd in backward (which therefore runs once per
+    call). CPU float32/bfloat16/float64 logits use the C++ kernel; other devices and dtypes
+    the chunked torch path; chunked=True forces the chunked path on CPU too (tests, benchmark),
+    chunk_tokens sets its rows per chunk (default: two float32 chunk buffers within 1/8 of the
+    logits' bytes). The share is float32 (float64 for float64 logits) on the logits' device.
     """
     n = int(n_loss_tokens)
     if n < 0:
         raise ValueError(f"n_loss_tokens = {n}: must be >= 0")
-    logprob, _, counted = token_statistics(logits, labels, loss_mask)
-    if n == 0:
-        return logprob.sum() * 0.0
-    return -logprob.sum() * (float(grad_factor) / n)
+    # No gradient buffer under torch.no_grad() or for logits that do not require one.
+    want_grad = torch.is_grad_enabled() and logits.requires_grad
+    return _LocalLoss.apply(logits, labels, loss_mask, n, float(grad_factor), bool(chunked),
+                            chunk_tokens, want_grad)
+
+
+def token_statistics(logits, labels, loss_mask=None, *, chunked=False, chunk_tokens=None):
+    """Per-token (logprob, entropy, counted) of local logits [T, V] (any device and float dtype).
+
+    logprob = log p(label) and entropy = -sum p log p, both 0 where the token is not counted;
+    counted: bool [T]. Accumulated in float32 (float64 for float64 logits); float64 tensors on
+    the CPU (the C++ kernel's output), the accumulation dtype elsewhere. Not differentiable:
+    local_loss is the differentiable share. ValueError for a counted label outside [0, V) or a
+    loss_mask value other than 0/1.
+    """
+    with torch.no_grad():
+        logprob, entropy, counted, _ = _per_token(logits, labels, loss_mask, None, False, 0.0,
+                                                  chunked, chunk_tokens)
+    return logprob, entropy, counted
+
+
+def _torch_all_reduce(group, device):
+    """A float64 NumPy all-reduce (sum, in place) over `group` through torch.distributed."""
+    def all_reduce(a):
+        t = torch.from_numpy(a).to(device)
+        dist.all_reduce(t, group=group)
+        a[:] = t.cpu().numpy()
+    return all_reduce
 
 
 class LossStatistics:
     """Step statistics that do not depend on CP, DP or the microbatching.
 
     Call add_shard once per microbatch on every (dp, cp) rank of the last pipeline stage (one TP
-    rank only), then summary(group) with the DP x CP group (None: this process only).
+    rank only), then summary(group) with the DP x CP group (None: this process only). The
+    figures are C++'s (thdpack/loss.h: AccumulateShardLoss, ReduceSequencesOverCp, Finalize).
     """
 
     def __init__(self):
-        self._sums = None  # float64 [6]: n_tokens, n_loss, loss_sum, entropy_sum, ppl_sum, n_ppl
+        self._totals = _thdpack.LossTotals()
 
     def add_shard(self, logits, labels, loss_mask, cu_seqlens, cu_seqlens_padded,
-                  cp_size=1, cp_rank=0, cp_group=None):
+                  cp_size=1, cp_rank=0, cp_group=None, *, chunked=False, chunk_tokens=None):
         """Adds CP rank cp_rank's shard of one packed microbatch.
 
         cu_seqlens, cu_seqlens_padded: the microbatch's GLOBAL offsets [n+1]. With cp_size > 1,
         cp_group (the CP process group) is required: per-sequence sums are all-reduced over it
         (no rank holds a whole sequence).
         """
-        cu = _cu(cu_seqlens, "cu_seqlens")
-        cup = _cu(cu_seqlens_padded, "cu_seqlens_padded")
-        if cu.shape != cup.shape:
-            raise ValueError(f"cu_seqlens has {cu.size} entries, cu_seqlens_padded {cup.size}")
         if cp_size > 1 and cp_group is None:
             raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
                              "all-reduced over the CP group)")
-        device = logits.device
-        idx = partition_indices(cup, cp_size, cp_rank, device)
-        if idx.numel() != logits.shape[0]:
-            raise ValueError(f"logits hold {logits.shape[0]} tokens, the shard of "
-                             f"cu_seqlens_padded holds {idx.numel()}")
-        n = cu.size - 1
-        with torch.no_grad():
-            logprob, entropy, counted = token_statistics(logits, labels, loss_mask)
-            padded = torch.from_numpy(np.diff(cup).astype(np.int64)).to(device)
-            real = torch.from_numpy(np.diff(cu).astype(np.int64)).to(device)
-            seq = torch.repeat_interleave(torch.arange(n, device=device), padded // cp_size)
-            start = torch.from_numpy(cup[:-1].astype(np.int64)).to(device)
-            is_real = (idx - start[seq]) < real[seq]
-            f64 = torch.float64
-            per_seq = torch.zeros(2, n, dtype=f64, device=device)
-            per_seq[0].index_add_(0, seq, logprob.to(f64))
-            per_seq[1].index_add_(0, seq, counted.to(f64))
-            if cp_size > 1:
-                dist.all_reduce(per_seq, group=cp_group)
-            has = per_seq[1] > 0
-            terms = torch.exp(-per_seq[0][has] / per_seq[1][has])
-            once = 1.0 if cp_rank == 0 else 0.0  # every CP rank now holds the same sums
-            sums = torch.stack([
-                is_real.sum().to(f64), counted.sum().to(f64), -logprob.sum().to(f64),
-                entropy.sum().to(f64), terms.sum() * once, has.sum().to(f64) * once])
-        self._sums = sums if self._sums is None else self._sums + sums
+        cu = _cu(cu_seqlens, "cu_seqlens")
+        cup = _cu(cu_seqlens_padded, "cu_seqlens_padded")
+        logprob, entropy, counted = token_statistics(logits, labels, loss_mask, chunked=chunked,
+                                                     chunk_tokens=chunk_tokens)
+        f64 = torch.float64
+        lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
+        en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
+        ct = counted.to("cpu").contiguous().numpy()
+        reduce = _torch_all_reduce(cp_group, logits.device) if cp_size > 1 else None
+        self._totals.add_shard(lp, en, ct, cu, cup, int(cp_size), int(cp_rank), reduce)
 
     def summary(self, group=None):
         """{'n_tokens', 'n_loss_tokens', 'loss', 'ppl', 'entropy'} over everything added on every
         rank of `group` (all-reduced when a group is given)."""
-        sums = self._sums if self._sums is not None else torch.zeros(6, dtype=torch.float64)
-        sums = sums.clone()
+        totals = self._totals.copy()
         if group is not None:
-            dist.all_reduce(sums, group=group)
-        n_tokens, n_loss, loss_sum, entropy_sum, ppl_sum, n_ppl = sums.tolist()
-        return {
-            "n_tokens": int(n_tokens),
-            "n_loss_tokens": int(n_loss),
-            "loss": loss_sum / n_loss if n_loss > 0 else 0.0,
-            "ppl": ppl_sum / n_ppl if n_ppl > 0 else None,
-            "entropy": entropy_sum / n_loss if n_loss > 0 else 0.0,
-        }
+            device = "cpu"
+            if dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            totals.all_reduce(_torch_all_reduce(group, device))
+        return totals.summary()

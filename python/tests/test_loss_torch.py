@@ -1,0 +1,267 @@
+"""thdpack.torch's loss as an autograd function: the C++ kernel path (CPU) and the chunked torch
+path (any device; forced on CPU here) against plain float64 torch and against each other, on
+fresh random inputs; the statistics (C++ aggregation, CP all-reduce over gloo) at several world
+sizes against a per-sequence float64 reference."""
+import os
+import socket
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import thdpack.torch as tt
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+IDS = ["fp64", "fp32", "bf16", "fp16"]
+# Relative tolerance of the loss and of the gradient: float32 accumulation; the gradient is
+# rounded to the logits' dtype (bf16: 8 bits of mantissa, fp16: 11).
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
+       torch.bfloat16: (1e-5, 2**-7), torch.float16: (1e-5, 2**-10)}
+
+
+def random_case(seed, t, v, dtype, ninf=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(t, v, generator=g, dtype=torch.float64) * 3).to(dtype)
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[torch.rand(t, generator=g) < 0.2] = -100
+    mask = (torch.rand(t, generator=g) < 0.7).float()
+    if ninf:  # padded vocabulary columns, and an uncounted row of -inf only
+        logits[:, -3:] = float("-inf")
+        labels = torch.where(labels >= v - 3, torch.full_like(labels, -100), labels)
+        logits[1] = float("-inf")
+        labels[1] = -100
+    return logits, labels, mask
+
+
+def reference(logits, labels, mask, n, factor):
+    """Plain float64 torch: the share, its gradient, per-token log p and entropy."""
+    z = logits.detach().double().requires_grad_(True)
+    counted = (labels != -100) & (mask != 0)
+    # Uncounted rows (some all -inf) contribute nothing: zeros in their place.
+    lp = torch.log_softmax(torch.where(counted[:, None], z, torch.zeros_like(z)), -1)
+    tok = torch.where(counted, lp.gather(-1, labels.clamp(min=0)[:, None])[:, 0],
+                      torch.zeros((), dtype=torch.float64))
+    share = -tok.sum() * factor / n if n > 0 else tok.sum() * 0.0
+    share.backward()
+    with torch.no_grad():
+        p = lp.exp()
+        ent = -torch.where(p > 0, p * lp, torch.zeros_like(p)).sum(-1)
+        ent = torch.where(counted, ent, torch.zeros_like(ent))
+    return share.item(), z.grad, tok.detach(), ent, counted
+
+
+def run_share(logits, labels, mask, n, factor, **kw):
+    z = logits.clone().requires_grad_(True)
+    share = tt.local_loss(z, labels, mask, n, grad_factor=factor, **kw)
+    share.backward()
+    return share, z.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_local_loss_paths_match_reference_and_each_other(dtype, seed):
+    rng = np.random.default_rng(seed)
+    t, v = int(rng.integers(20, 90)), int(rng.integers(40, 3000))
+    logits, labels, mask = random_case(seed, t, v, dtype, ninf=seed == 2)
+    n = int(((labels != -100) & (mask != 0)).sum()) + 3  # a global N above the local count
+    factor = [1.0, 4.0][seed % 2]
+    ref, ref_grad, _, _, _ = reference(logits, labels, mask, n, factor)
+    rtol, gtol = TOL[dtype]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    results = {
+        "kernel": run_share(logits, labels, mask, n, factor),
+        "chunked": run_share(logits, labels, mask, n, factor, chunked=True, chunk_tokens=7),
+        "chunked-default": run_share(logits, labels, mask, n, factor, chunked=True),
+    }
+    for name, (share, grad) in results.items():
+        assert share.dtype == acc, name
+        assert share.item() == pytest.approx(ref, rel=rtol), name
+        assert grad.dtype == dtype and grad.shape == logits.shape, name
+        np.testing.assert_allclose(grad.double().numpy(), ref_grad.numpy(), rtol=gtol,
+                                   atol=gtol * factor / n * 1e-2, err_msg=name)
+    # The two paths agree with each other more tightly than with the reference.
+    k, c = results["kernel"][0].item(), results["chunked"][0].item()
+    assert k == pytest.approx(c, rel=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_token_statistics_chunked_matches_kernel(dtype):
+    logits, labels, mask = random_case(5, 61, 517, dtype, ninf=True)
+    kl, ke, kc = tt.token_statistics(logits, labels, mask)
+    cl, ce, cc = tt.token_statistics(logits, labels, mask, chunked=True, chunk_tokens=9)
+    _, _, rl, re, rc = reference(logits, labels, mask, 1, 1.0)
+    assert torch.equal(kc, rc) and torch.equal(cc, rc)
+    rtol = TOL[dtype][0] * 10
+    for got in (kl, cl):
+        np.testing.assert_allclose(got.double().numpy(), rl.numpy(), rtol=rtol, atol=rtol)
+    for got in (ke, ce):
+        np.testing.assert_allclose(got.double().numpy(), re.numpy(), rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(cl.double().numpy(), kl.numpy(), rtol=rtol, atol=rtol)
+
+
+def test_local_loss_grad_output_views_and_zero_n():
+    logits, labels, mask = random_case(3, 40, 300, torch.float32)
+    n = int(((labels != -100) & (mask != 0)).sum())
+    _, ref_grad, _, _, _ = reference(logits, labels, mask, n, 1.0)
+    # A non-contiguous view goes through the staged kernel path; the gradient reaches the base.
+    base = logits.t().contiguous().requires_grad_(True)
+    (tt.local_loss(base.t(), labels, mask, n) * 3.0).backward()
+    np.testing.assert_allclose(base.grad.t().double().numpy(), 3 * ref_grad.numpy(),
+                               rtol=1e-5, atol=1e-9)
+    # The share inside a larger graph: the gradient reaches logits through other operations.
+    x = logits.clone().requires_grad_(True)
+    (tt.local_loss(x * 1.0, labels, mask, n, chunked=True) * 0.5).backward()
+    np.testing.assert_allclose(x.grad.double().numpy(), 0.5 * ref_grad.numpy(), rtol=1e-5,
+                               atol=1e-9)
+    # Under no_grad (or without requires_grad) no gradient is made or kept.
+    with torch.no_grad():
+        free = tt.local_loss(logits.clone().requires_grad_(True), labels, mask, n)
+    assert not free.requires_grad
+    with pytest.raises(ValueError, match="GLOBAL loss-token count"):
+        tt.local_loss(logits, labels, mask, n - 1)
+    # N = 0 with nothing counted: 0 and zero gradients.
+    assert tt.local_loss(logits, labels, mask, n).item() == pytest.approx(
+        reference(logits, labels, mask, n, 1.0)[0], rel=1e-5)
+    for chunked in (False, True):
+        z0 = logits.clone().requires_grad_(True)
+        zero = tt.local_loss(z0, labels, torch.zeros_like(mask), 0, chunked=chunked)
+        zero.backward()
+        assert zero.item() == 0.0 and float(z0.grad.abs().sum()) == 0.0
+
+
+def test_local_loss_errors():
+    logits, labels, mask = random_case(4, 30, 50, torch.float32)
+    n_local = int(((labels != -100) & (mask != 0)).sum())
+    for chunked in (False, True):
+        z = logits.clone().requires_grad_(True)
+        with pytest.raises(ValueError, match="GLOBAL loss-token count"):
+            tt.local_loss(z, labels, mask, n_local - 1, chunked=chunked)
+        bad = labels.clone()
+        bad[(mask != 0) & (labels != -100)] = 50
+        with pytest.raises(ValueError, match="labels\\[.*must lie in \\[0, 50\\)"):
+            tt.local_loss(z, bad, mask, 100, chunked=chunked)
+        nan = logits.clone()
+        i = int(((labels != -100) & (mask != 0)).nonzero()[0])
+        nan[i, 0] = float("nan")
+        with pytest.raises(ValueError, match=f"row {i} has a non-finite"):
+            tt.local_loss(nan.requires_grad_(True), labels, mask, 100, chunked=chunked)
+        share = tt.local_loss(z, labels, mask, 100, chunked=chunked)
+        share.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            share.backward()
+    with pytest.raises(ValueError, match="labels: expected a tensor of shape"):
+        tt.local_loss(logits, labels[:5], mask, 10)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        tt.local_loss(logits, labels, mask, 100, chunked=True, chunk_tokens=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics over gloo: every (dp, cp) rank adds its zigzag shards; summary over the world.
+
+def make_microbatch(seed, cp, v):
+    """Random sequences packed with padding to multiples of 2*cp: logits [T, V], labels with
+    -100 on padding, a 0/1 mask, cu_seqlens, cu_seqlens_padded."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 30, size=int(rng.integers(1, 6)))
+    padded = -(-lengths // (2 * cp)) * (2 * cp)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cup = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+    t = int(cup[-1])
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, v, generator=g, dtype=torch.float64) * 2
+    labels = torch.full((t,), -100, dtype=torch.int64)
+    mask = torch.zeros(t)
+    for i, (L, s) in enumerate(zip(lengths, cup[:-1])):
+        labels[s:s + L] = torch.randint(0, v, (int(L),), generator=g)
+        mask[s:s + L] = (torch.rand(int(L), generator=g) < 0.8).float()
+    mask[labels == -100] = 0
+    return logits, labels, mask, cu, cup
+
+
+def expected_summary(microbatches):
+    """Per sequence in float64, without sharding: the figures of docs/design.md section 8."""
+    loss = ent = ppl = 0.0
+    n_tok = n_loss = n_seq = 0
+    for logits, labels, mask, cu, cup in microbatches:
+        lp = torch.log_softmax(logits, -1)
+        tok_lp = lp.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+        tok_ent = -(lp.exp() * lp).sum(-1)
+        counted = (labels != -100) & (mask != 0)
+        for i in range(len(cu) - 1):
+            s, L = int(cup[i]), int(cu[i + 1] - cu[i])
+            n_tok += L
+            c = counted[s:s + L]
+            k = int(c.sum())
+            if k == 0:
+                continue
+            seq = float(tok_lp[s:s + L][c].sum())
+            loss -= seq
+            ent += float(tok_ent[s:s + L][c].sum())
+            n_loss += k
+            ppl += np.exp(-seq / k)
+            n_seq += 1
+    return {"n_tokens": n_tok, "n_loss_tokens": n_loss, "loss": loss / n_loss,
+            "entropy": ent / n_loss, "ppl": ppl / n_seq}
+
+
+# (dp, cp) layouts of one spawned world of 4; the world is the DP x CP group.
+LAYOUTS = [(2, 2), (1, 4), (4, 1)]
+
+
+def stats_worker(rank, world, init, out_dir):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    results = {}
+    for dp, cp in LAYOUTS:
+        d, c = rank // cp, rank % cp
+        cp_groups = [dist.new_group(list(range(r * cp, r * cp + cp))) if cp > 1 else None
+                     for r in range(dp)]
+        stats = tt.LossStatistics()
+        for step in range(3):  # microbatches of replica d
+            logits, labels, mask, cu, cup = make_microbatch(100 * d + step, cp, 37)
+            args = [tt.shard(x, cup, cp, c) for x in (logits, labels, mask)]
+            stats.add_shard(*args, cu, cup, cp, c, cp_groups[d])
+        results[f"{dp}x{cp}"] = stats.summary(group=dist.group.WORLD)
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_statistics_over_gloo_match_unsharded_reference():
+    with tempfile.TemporaryDirectory() as out:
+        init = "file://" + os.path.join(out, "rendezvous")
+        mp.spawn(stats_worker, args=(4, init, out), nprocs=4, join=True)
+        got = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(4)]
+    for dp, cp in LAYOUTS:
+        want = expected_summary([make_microbatch(100 * d + step, cp, 37)
+                                 for d in range(dp) for step in range(3)])
+        for r in range(4):
+            s = got[r][f"{dp}x{cp}"]
+            assert s["n_tokens"] == want["n_tokens"] and s["n_loss_tokens"] == want["n_loss_tokens"]
+            for k in ("loss", "entropy", "ppl"):
+                assert s[k] == pytest.approx(want[k], rel=1e-12), (dp, cp, r, k)
+
+
+def test_loss_totals_raise_the_transports_exception():
+    from thdpack import _thdpack
+    lp, en = np.array([-1.0, -2.0]), np.array([0.5, 0.25])
+    ct = np.array([1, 1], dtype=np.uint8)
+    cu, cup = np.array([0, 3], np.int32), np.array([0, 4], np.int32)  # one sequence, CP = 2
+
+    def down(a):
+        raise KeyError("transport down")
+
+    t = _thdpack.LossTotals()
+    with pytest.raises(KeyError, match="transport down"):
+        t.add_shard(lp, en, ct, cu, cup, 2, 0, down)
+    with pytest.raises(ValueError, match="cp_all_reduce"):
+        t.add_shard(lp, en, ct, cu, cup, 2, 0)
+    with pytest.raises(KeyError, match="transport down"):
+        t.all_reduce(down)
+    # A transport of two identical ranks: the sequence's sums double, its term counts once.
+    t.add_shard(lp, en, ct, cu, cup, 2, 0, lambda a: a.__imul__(2))
+    s = t.summary()
+    assert s["n_loss_tokens"] == 2 and s["n_tokens"] == 1  # zigzag positions 0 and 3 of 3 real
+    assert s["ppl"] == pytest.approx(np.exp(6.0 / 4))
