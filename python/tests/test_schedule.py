@@ -79,3 +79,20 @@ def test_schedule_errors():
         thdpack.schedule(np.array([5, 6]), dp_size=1, max_tokens_per_rank=100, scheduler="x")
     with pytest.raises(TypeError):
         thdpack.schedule(np.array([5, 6]), dp_size=1)  # max_tokens_per_rank is required
+
+
+def test_default_cost_is_the_command_lines_and_lengths_come_in_any_form():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 3000, size=64)
+    want = thdpack.schedule(lengths, dp_size=4, max_tokens_per_rank=4096, cost="llama2-7b")
+    tokens = thdpack.schedule(lengths, dp_size=4, max_tokens_per_rank=4096, cost="tokens")
+    assert tokens.figures["flops"] is None
+    for held in (lengths, lengths.astype(np.uint16), lengths.astype("<i4"), lengths.tolist(),
+                 torch.tensor(lengths)):
+        got = thdpack.schedule(held, dp_size=4, max_tokens_per_rank=4096)  # no cost given
+        for key in ("flops", "padded_tokens", "sum_sq", "max_replica_cost", "num_microbatches"):
+            assert got.figures[key] == want.figures[key], key
+        assert got.figures["flops"] is not None
+        assert got.sample_ids.tolist() == want.sample_ids.tolist()
+        assert got.offsets.tolist() == want.offsets.tolist()
