@@ -65,11 +65,16 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   cmd->add_flag("--fused-grad", o.fused_grad,
                 "Count the logits gradient fused with the loss (a second buffer of the logits' "
                 "shape) in the memory figures");
+  cmd->add_option("--memory-limit", a->memory_limit,
+                  "Bytes one step may need (K, M, G, T suffixes: KiB..TiB); a step needing more "
+                  "is an error before anything is allocated (0: the physical memory)")
+      ->capture_default_str();
 }
 
 Result<Job> ResolveJobArgs(const JobArgs& args) {
   JobOptions options = args.options;
   THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
+  THDPACK_ASSIGN_OR_RETURN(options.memory_limit, ParseMemoryLimit(args.memory_limit));
   if (args.steps_option != nullptr && args.steps_option->count() > 0) options.steps = args.steps;
   return ResolveJob(options);
 }

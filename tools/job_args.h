@@ -16,14 +16,15 @@ namespace thdpack::tools {
 struct JobArgs {
   JobOptions options;                 // the defaults shown are those set here before AddJobOptions
   std::string global_batch = "256";  // --global-batch text (ParseGlobalBatch)
+  std::string memory_limit = "0";    // --memory-limit text (ParseMemoryLimit)
   int64_t steps = 3;                  // --steps, when given
   CLI::Option* steps_option = nullptr;
 };
 
 // Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --max-tokens-per-rank,
 // --global-batch, --steps, --scheduler, --cost, --microbatch-multiple, --num-microbatches,
-// --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype and
-// --fused-grad on `cmd`, writing into `args` (which must outlive the parse).
+// --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype,
+// --fused-grad and --memory-limit on `cmd`, writing into `args` (which must outlive the parse).
 void AddJobOptions(CLI::App* cmd, JobArgs* args);
 
 // The parsed options as a checked job (errors name the option).

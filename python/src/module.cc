@@ -20,6 +20,9 @@ void ThrowIfError(const Status& status) {
     case StatusCode::kNotFound:
     case StatusCode::kUnimplemented:
       throw py::value_error(text);
+    case StatusCode::kResourceExhausted:
+      PyErr_SetString(PyExc_MemoryError, text.c_str());
+      throw py::error_already_set();
     default:
       throw std::runtime_error(text);
   }

@@ -76,3 +76,25 @@ def test_flops_by_hand():
     assert thdpack.cost_model("2,0.5")["a"] == 2.0
     with pytest.raises(ValueError):
         thdpack.flops("tokens", cu)  # no model dimensions behind "tokens"
+
+
+def test_steps_beyond_the_memory_limit_are_memory_errors(tmp_path):
+    # --global-batch 4000000000 aborted the process with std::bad_alloc; now a named error.
+    with pytest.raises(MemoryError, match="ResourceExhausted: --global-batch 4000000000: a step"):
+        thdpack.plan_job(global_batch=4000000000)
+    with pytest.raises(MemoryError, match="\\(--memory-limit\\)"):
+        thdpack.plan_job(global_batch=1000, memory_limit=1000, cost="tokens")
+    assert len(thdpack.plan_job(global_batch=16, steps=1, memory_limit="1G",
+                                cost="tokens")["steps"]) == 1
+    with pytest.raises(ValueError, match="--memory-limit"):
+        thdpack.plan_job(memory_limit="lots")
+    # Sample by sample, 3 billion sequences are a MemoryError; where the histogram bulk plan
+    # applies (it holds no sample), 2 billion still plan in one step.
+    h = tmp_path / "h.csv"
+    h.write_text("length,count\n5,3000000000\n")
+    with pytest.raises(MemoryError, match="a step of 3000000000 samples"):
+        thdpack.plan_job(data="histogram:" + str(h), global_batch="all", cost="tokens")
+    h.write_text("length,count\n3000,1000000000\n9000,1000000000\n")
+    plan = thdpack.plan_job(data="histogram:" + str(h), global_batch="all", cost="tokens",
+                            summary_only=True)
+    assert plan["summary"]["n_samples"] == 2000000000

@@ -1,6 +1,7 @@
 // The core of `thdpack run` (thdpack/job.h): one rank's step loop, and the JSON of a step.
 #include <algorithm>
 #include <memory>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -26,8 +27,8 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
 
 }  // namespace
 
-Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
-                    const RunStepCallback& on_step) {
+static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const RunSetup& run,
+                                    const RunStepCallback& on_step) {
   const StepRunnerOptions options = RunnerOptions(job);
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, job.topology, options));
   std::unique_ptr<StepVerifier> verifier;
@@ -54,6 +55,19 @@ Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
     if (on_step) THDPACK_RETURN_IF_ERROR(on_step(report));
   }
   return Status::Ok();
+}
+
+// As PlanJob: a failed allocation is an error on this rank (the others stop at their next
+// collective, as for any failed rank), never an exception out of the library.
+Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
+                    const RunStepCallback& on_step) {
+  try {
+    return RunJobOnRankUnguarded(world, job, run, on_step);
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("run: rank " + std::to_string(world.rank()) +
+                                     " is out of memory (an allocation failed; lower "
+                                     "--global-batch or --memory-limit)");
+  }
 }
 
 std::string RunStepJson(const RunStepReport& step, bool summary_only) {
