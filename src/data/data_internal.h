@@ -131,6 +131,7 @@ class IndexedSource : public Interface {
  public:
   Result<std::optional<Sample>> Next() final {
     if (!error_.ok()) return error_;
+    if (Status s = SkipEmpty(); !s.ok()) return s;
     if (position_ >= size_) return std::optional<Sample>();
     Sample sample;
     sample.id = next_id_;
@@ -146,6 +147,7 @@ class IndexedSource : public Interface {
 
   Result<std::optional<SampleLength>> NextLength() final {
     if (!error_.ok()) return error_;
+    if (Status s = SkipEmpty(); !s.ok()) return s;
     if (position_ >= size_) return std::optional<SampleLength>();
     Result<SampleLength> r = LengthAt(IndexOf(position_));
     if (!r.ok()) {
@@ -167,18 +169,21 @@ class IndexedSource : public Interface {
     return Status::Ok();
   }
 
-  std::optional<int64_t> size_hint() const final { return size_; }
+  std::optional<int64_t> size_hint() const final { return size_ - empty_; }
   int64_t epoch() const final { return epoch_; }
   const std::string& spec() const final { return spec_; }
+  int64_t skipped_empty() const final { return skipped_empty_; }
 
  protected:
-  // REQUIRES size >= 1 (the factories check).
-  IndexedSource(std::string spec, int64_t size, const SourceOptions& options)
-      : spec_(std::move(spec)), size_(size), options_(options) {
+  // REQUIRES 0 <= empty < size (the factories check). `empty` of the `size` indices hold no
+  // tokens (LengthAt gives length 0): Next and NextLength pass over them, each using up its id.
+  IndexedSource(std::string spec, int64_t size, const SourceOptions& options, int64_t empty = 0)
+      : spec_(std::move(spec)), size_(size), empty_(empty), options_(options) {
     if (options_.shuffle) MakePermutation();
   }
 
-  // Length and n_targets of the sample at `index` (the id is set by the caller).
+  // Length and n_targets of the sample at `index` (the id is set by the caller); length 0 for
+  // an empty index (only when the constructor was told of some).
   virtual Result<SampleLength> LengthAt(int64_t index) const = 0;
   // Tokens and mask of the sample at `index`, whose id is `id`.
   virtual Status FillAt(int64_t index, int64_t id, Sample* out) const = 0;
@@ -203,9 +208,23 @@ class IndexedSource : public Interface {
     if (!permutation_) return position;
     return static_cast<int64_t>((*permutation_)(static_cast<uint64_t>(position)));
   }
+  // Moves the cursor past empty indices (a source without any pays one comparison).
+  Status SkipEmpty() {
+    while (empty_ > 0 && position_ < size_) {
+      Result<SampleLength> r = LengthAt(IndexOf(position_));
+      if (!r.ok()) return error_ = r.status();
+      if (r->length > 0) break;
+      ++position_;
+      ++next_id_;
+      ++skipped_empty_;
+    }
+    return Status::Ok();
+  }
 
   std::string spec_;
   int64_t size_;
+  int64_t empty_ = 0;          // indices without tokens
+  int64_t skipped_empty_ = 0;  // passed over since opening
   SourceOptions options_;
   int64_t position_ = 0;  // in the current epoch
   int64_t epoch_ = 0;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data/data_test_util.h"
+#include "thdpack/megatron_dataset.h"
 
 namespace thdpack {
 namespace {
@@ -214,7 +215,7 @@ TEST(Job, RunProfileStepsAreChecked) {
 TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
   std::mt19937_64 rng(std::random_device{}());
   TempDir dir;
-  for (int trial = 0; trial < 6; ++trial) {
+  for (int trial = 0; trial < 8; ++trial) {
     std::string text;
     const int n = 20 + static_cast<int>(rng() % 40);
     for (int i = 0; i < n; ++i) text += std::to_string(1 + rng() % 300) + "\n";
@@ -222,6 +223,18 @@ TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
     WriteText(path, text);
     JobOptions o;
     o.data = "lengths:" + path;
+    if (trial >= 6) {
+      // A Megatron dataset with empty documents: ids with gaps, n_empty in both commands.
+      const std::string prefix = dir.File("megatron" + std::to_string(trial));
+      auto w = MegatronWriter::Create(prefix, MegatronDType::kUint16);
+      ASSERT_TRUE(w.ok());
+      for (int i = 0; i < n; ++i) {
+        if (i % 4 != 1) ASSERT_TRUE((*w)->AddSequence(std::vector<int64_t>(1 + rng() % 300, 5)).ok());
+        ASSERT_TRUE((*w)->EndDocument().ok());
+      }
+      ASSERT_TRUE((*w)->Finish().ok());
+      o.data = "megatron:" + prefix;
+    }
     o.tp = 1 + static_cast<int>(rng() % 2);
     o.cp = 1 + static_cast<int>(rng() % 2);
     o.dp = 1 + static_cast<int>(rng() % 3);
@@ -252,6 +265,7 @@ TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
     });
     for (const Status& s : statuses) ASSERT_TRUE(s.ok()) << s.ToString();
     ASSERT_EQ(reports.size(), 2u) << job->topology.ToString();
+    if (trial >= 6) EXPECT_GT(plan->summary.n_empty, 0);
     for (size_t k = 0; k < reports.size(); ++k) {
       EXPECT_EQ(StepFiguresJson(reports[k].figures, false), StepFiguresJson(plan->steps[k], false))
           << job->topology.ToString();

@@ -34,6 +34,7 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
   PlannedStep out;
   out.figures = MakeStepFigures(step->step, step->epoch, job.schedule, scheduled->plan,
                                 std::move(scheduled->figures), job.flops, sample_ids);
+  out.figures.n_empty = step->n_empty;
   THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemoryFromFigures(out.figures.plan,
                                                                     job.schedule, job.memory));
   return out;

@@ -17,6 +17,7 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
   RunStepReport r;
   THDPACK_ASSIGN_OR_RETURN(r.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
                                                          job.schedule, step.plan, job.flops));
+  r.figures.n_empty = step.n_empty;
   THDPACK_ASSIGN_OR_RETURN(r.memory,
                            ComputeStepMemory(step.samples, job.schedule, step.plan, job.memory));
   r.phases = std::move(phases);
