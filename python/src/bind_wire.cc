@@ -152,7 +152,8 @@ ValueError naming the field and the rule when the metadata is inconsistent.)doc"
       },
       py::arg("data"),
       R"doc(Decodes a message from encode_metadata (bytes, bytearray, memoryview, or a 1-D uint8
-NumPy array or CPU torch tensor, as a collective hands it back) into a dict with the fields of encode_metadata
+NumPy array or CPU torch tensor, as a collective hands it back) into a dict with the fields of
+encode_metadata
 (microbatches as dicts of int32 arrays). Any corrupt, truncated or foreign input raises
 ValueError with the byte offset and the rule broken; a newer version raises ValueError
 ('Unimplemented').)doc");

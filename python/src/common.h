@@ -111,8 +111,9 @@ HeldSpan<T> IntView1D(const py::handle& obj, const std::string& name) {
     return HeldSpan<T>(std::span<const T>(), std::move(a));
   }
   if ((kind != 'i' && kind != 'u') || a.ndim() != 1) {
-    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected a 1-D array of " +
-                          "integers (any integer dtype; " + std::string(py::str(py::dtype::of<T>())) +
+    throw py::value_error(name + ": got a " + DescribeArray(a) +
+                          ", expected a 1-D array of integers (any integer dtype; " +
+                          std::string(py::str(py::dtype::of<T>())) +
                           " is viewed in place, others are converted exactly)");
   }
   const int64_t lo = std::numeric_limits<T>::min();
@@ -161,8 +162,8 @@ inline HeldSpan<uint8_t> MaskView1D(const py::handle& obj, const std::string& na
   }
   const char kind = a.dtype().kind();
   if ((kind != 'i' && kind != 'u' && kind != 'f') || a.ndim() != 1) {
-    throw py::value_error(name + ": got a " + DescribeArray(a) +
-                          ", expected a 1-D array of 0/1 values (bool, any integer or float dtype)");
+    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected a 1-D array of " +
+                          "0/1 values (bool, any integer or float dtype)");
   }
   auto not_01 = [&](py::ssize_t j) {
     return py::value_error(name + "[" + std::to_string(j) + "] = " +

@@ -71,7 +71,9 @@ bool StripBom(std::string_view* text) {
 }
 
 Status CheckJsonText(std::string_view text, std::string_view where, std::string_view unit) {
-  auto at = [unit](size_t i) { return " at byte " + std::to_string(i) + " of the " + std::string(unit); };
+  auto at = [unit](size_t i) {
+    return " at byte " + std::to_string(i) + " of the " + std::string(unit);
+  };
   int depth = 0;
   bool in_string = false;
   bool escaped = false;
@@ -95,9 +97,10 @@ Status CheckJsonText(std::string_view text, std::string_view where, std::string_
       in_string = true;
     } else if (c == '[' || c == '{') {
       if (++depth > kMaxJsonDepth) {
-        return Status::InvalidArgument(std::string(where) + ": JSON nested deeper than " +
-                                       std::to_string(kMaxJsonDepth) + " levels" + at(i) + " (arrays and objects nest at most " +
-                                       std::to_string(kMaxJsonDepth) + " deep)");
+        const std::string limit = std::to_string(kMaxJsonDepth);
+        return Status::InvalidArgument(std::string(where) + ": JSON nested deeper than " + limit +
+                                       " levels" + at(i) + " (arrays and objects nest at most " +
+                                       limit + " deep)");
       }
     } else if (c == ']' || c == '}') {
       if (depth > 0) --depth;  // unbalanced text is the parser's to report

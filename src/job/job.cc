@@ -138,7 +138,8 @@ Status CheckStepMemory(const Job& job, int64_t samples, std::string_view what) {
       std::string(what) + ": a step of " + std::to_string(samples) + " samples needs at least " +
       mib(need) + " (" + std::to_string(kStepBytesPerSample) + " bytes a sample), more than the " +
       "memory limit of " + mib(job.memory_limit) +
-      (job.options.memory_limit > 0 ? " (--memory-limit)" : " (the physical memory; set --memory-limit)") +
+      (job.options.memory_limit > 0 ? " (--memory-limit)"
+                                    : " (the physical memory; set --memory-limit)") +
       " (lower --global-batch, or plan a histogram with --global-batch all and no per-sample "
       "output)");
 }
@@ -148,7 +149,8 @@ int64_t PhysicalMemoryBytes() {
   const long page_size = sysconf(_SC_PAGE_SIZE);
   int64_t bytes = 0;
   if (pages <= 0 || page_size <= 0 ||
-      __builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page_size), &bytes)) {
+      __builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page_size),
+                             &bytes)) {
     return std::numeric_limits<int64_t>::max();
   }
   return bytes;

@@ -71,7 +71,8 @@ Result<int64_t> ValidateSamples(std::span<const SampleView> samples) {
     TokenId lowest = 0;
     for (const TokenId t : s.tokens) lowest = std::min(lowest, t);
     if (lowest < 0) {
-      const auto bad = std::find_if(s.tokens.begin(), s.tokens.end(), [](TokenId t) { return t < 0; });
+      const auto bad =
+          std::find_if(s.tokens.begin(), s.tokens.end(), [](TokenId t) { return t < 0; });
       return Status::InvalidArgument(SampleName(i, s) + ": tokens[" +
                                      Str(bad - s.tokens.begin()) + "] = " + Str(*bad) +
                                      ": token ids must lie in [0, 2^31)");
