@@ -10,7 +10,8 @@ int ExitCodeOf(const Status& status) {
     case StatusCode::kIOError:
     case StatusCode::kOutOfRange:
     case StatusCode::kNotFound:
-    case StatusCode::kUnimplemented: return kExitBadInput;
+    case StatusCode::kUnimplemented:
+    case StatusCode::kResourceExhausted: return kExitBadInput;
     case StatusCode::kInternal:
     case StatusCode::kAborted: return kExitFailure;
   }

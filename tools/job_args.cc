@@ -77,6 +77,10 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   a->fused_grad_option = cmd->add_flag("--fused-grad", o.fused_grad,
                 "Count the logits gradient fused with the loss (a second buffer of the logits' "
                 "shape) in the memory figures");
+  cmd->add_option("--memory-limit", a->memory_limit,
+                  "Bytes one step may need (K, M, G, T suffixes: KiB..TiB); a step needing more "
+                  "is an error before anything is allocated (0: the physical memory)")
+      ->capture_default_str();
 }
 
 namespace {
@@ -92,6 +96,7 @@ bool EndsWith(const std::string& s, std::string_view end) {
 Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
   JobOptions options = args.options;
   THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
+  THDPACK_ASSIGN_OR_RETURN(options.memory_limit, ParseMemoryLimit(args.memory_limit));
   if (Given(args.steps_option)) options.steps = args.steps;
   // Megatron's files are PREFIX.idx and PREFIX.bin; a user often names one of them.
   if (options.data.rfind("megatron:", 0) == 0 &&

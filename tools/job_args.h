@@ -23,6 +23,7 @@ struct JobArgs {
   }
   JobOptions options;
   std::string global_batch = "256";  // --global-batch text (ParseGlobalBatch)
+  std::string memory_limit = "0";    // --memory-limit text (ParseMemoryLimit)
   int64_t steps = 3;                  // --steps, when given
   CLI::Option* steps_option = nullptr;
   CLI::Option* mock_samples_option = nullptr;
@@ -32,8 +33,8 @@ struct JobArgs {
 
 // Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --max-tokens-per-rank,
 // --global-batch, --steps, --scheduler, --cost, --microbatch-multiple, --num-microbatches,
-// --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype and
-// --fused-grad on `cmd`, writing into `args` (which must outlive the parse).
+// --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype,
+// --fused-grad and --memory-limit on `cmd`, writing into `args` (which must outlive the parse).
 void AddJobOptions(CLI::App* cmd, JobArgs* args);
 
 // The parsed options as a checked job (errors name the option). Beyond ResolveJob: options

@@ -16,7 +16,9 @@
 //
 // Sample ids. The k-th sample a source returns since it was opened (k = 0, 1, ...) has id k:
 // ids keep counting across Reset(), so after full epochs the id of the sample at position i of
-// epoch e is e * size + i. Ids are therefore unique for the life of a source.
+// epoch e is e * size + i. Ids are therefore unique for the life of a source. (The one
+// exception: an empty document of a `megatron` dataset uses up its id without being returned,
+// so there size counts every document; see OpenMegatronSource.)
 //
 // Order. Samples come in file order (mock: index order), the same every epoch, unless
 // SourceOptions::shuffle asks for a seeded permutation (a different one each epoch).
@@ -103,6 +105,10 @@ class SampleSource {
 
   // The spec the source was opened with, e.g. "jsonl:/data/train.jsonl", for messages.
   virtual const std::string& spec() const = 0;
+
+  // Empty documents passed over since the source was opened (every epoch counts again). Only a
+  // `megatron` dataset holds any (see OpenMegatronSource); 0 for every other source.
+  virtual int64_t skipped_empty() const { return 0; }
 };
 
 // Opens a source from its spec string (table at the top of this file). An unknown kind or an
@@ -222,8 +228,15 @@ class HistogramSource : public SampleSource {
 // megatron
 
 // Opens PREFIX.idx and PREFIX.bin (both memory-mapped, read-only) and validates the whole
-// index against both file sizes; each document (one or more sequences, concatenated) is a
-// sample. See thdpack/megatron_dataset.h for the format and the writer.
+// index against both file sizes; each document (its sequences, concatenated) is a sample.
+// See thdpack/megatron_dataset.h for the format and the writer.
+//
+// Empty documents (no sequence, or only sequences of length 0: Megatron's preprocess_data.py
+// writes one for a text that tokenizes to nothing) are read as Megatron reads them, and hold
+// nothing to train on: Next() and NextLength() pass over them, each still using up its id (so
+// a sample's id stays e * documents + its document index after e full epochs), and
+// skipped_empty() counts them. size_hint() is the number of non-empty documents (the samples
+// of an epoch). A dataset whose every document is empty is an error (no samples).
 [[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenMegatronSource(
     const std::string& prefix, const SourceOptions& options = {});
 

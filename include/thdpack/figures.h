@@ -2,7 +2,9 @@
 // for `thdpack plan` and `thdpack run`.
 //
 // Per step (JSON keys in this order): step, epoch, num_microbatches, n_samples, n_skipped,
-// skipped (ids left out by the oversize policy: never silent), real_tokens, padded_tokens,
+// skipped (ids left out by the oversize policy: never silent), n_empty (empty documents of a
+// `megatron` source passed over while the step was read: not samples, never silent),
+// real_tokens, padded_tokens,
 // sum_sq, n_loss_tokens, imbalance, pad_fraction, fill, flops (null when the cost model has no
 // model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, sim_step_time (the
 // modelled step time in seconds, null without model dimensions), for dynamic plans cp_degrees
@@ -45,6 +47,8 @@ struct StepFigures {
   // M * DP * CP * max_tokens_per_rank: the padded tokens the step could have held (for fill).
   int64_t capacity_tokens = 0;
   std::vector<int64_t> skipped;                          // ids, in input order
+  // Empty documents the source passed over while reading the step (StepSamples::n_empty).
+  int64_t n_empty = 0;
   std::vector<std::vector<std::vector<int64_t>>> sample_ids;  // [replica][microbatch] ids
   // The modelled step time in seconds (schedule.h's PlanStepTime / DynamicPlanStepTime);
   // nullopt without model dimensions (printed as null).
@@ -85,6 +89,7 @@ struct SummaryFigures {
   int64_t max_num_microbatches = 0;
   int64_t n_samples = 0;
   int64_t n_skipped = 0;
+  int64_t n_empty = 0;  // total over steps
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   double sum_sq = 0;          // double: whole-run totals may exceed int64
@@ -112,7 +117,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
                             std::span<const std::pair<std::string, std::string>> extra_fields = {});
 
 // Summary keys, in order: n_steps, first_epoch, last_epoch, num_microbatches,
-// max_num_microbatches, n_samples, n_skipped, real_tokens, padded_tokens, sum_sq,
+// max_num_microbatches, n_samples, n_skipped, n_empty, real_tokens, padded_tokens, sum_sq,
 // n_loss_tokens, mean_imbalance, max_imbalance, pad_fraction, fill, flops (or null),
 // max_microbatch_spread, sim_step_time (total, or null), then extra_fields.
 std::string SummaryFiguresJson(const SummaryFigures& s,

@@ -79,6 +79,10 @@ struct JobOptions {
   int64_t vocab_size = 0;
   std::string logits_dtype = "bf16";
   bool fused_grad = false;
+  // --memory-limit: the bytes one step may need (ParseMemoryLimit reads the option's text).
+  // 0 (default): the machine's physical memory. A step whose samples alone need more
+  // (StepMemoryNeed) is a ResourceExhausted error before anything is allocated for it.
+  int64_t memory_limit = 0;
   // Compare a hash of the plan across loaders (StepRunnerOptions). Default: on in debug builds.
   bool check_plan_hash = kCheckPlanHashByDefault;
 };
@@ -98,15 +102,36 @@ struct Job {
   // The step-time model (model dimensions and --hw) is schedule.step_time: set with a model.
   MemoryReportOptions memory;  // vocab_size from the model when not given
   DataOn data_on = DataOn::kTp0;
+  int64_t memory_limit = 0;  // options.memory_limit, or the physical memory for 0
 };
 
 // The one validation. Errors (InvalidArgument) name the option, e.g. "--dp: must be >= 1, got 0",
 // "--cost: ...", "--dp/--cp/--tp/--pp: ..." for a topology too large, "--sp: ..." for SP with
-// TP = 1 (nothing to split). Opens no source.
+// TP = 1 (nothing to split); ResourceExhausted when a numeric --global-batch needs more memory
+// than the limit (CheckStepMemory). Opens no source.
 [[nodiscard]] Result<Job> ResolveJob(const JobOptions& options);
 
 // The options of a StepRunner for this job (thdpack/step_runner.h).
 StepRunnerOptions RunnerOptions(const Job& job);
+
+// The least memory a step of `samples` samples needs in `plan` or `run`: what the step's reader,
+// scheduler and figures hold per sample (kStepBytesPerSample, measured with --global-batch
+// 10^7: docs/data_sources.md, "Limits") times the samples. Saturates at INT64_MAX.
+inline constexpr int64_t kStepBytesPerSample = 64;
+int64_t StepMemoryNeed(int64_t samples);
+
+// ResourceExhausted unless a step of `samples` samples fits job.memory_limit; the message names
+// `what` (e.g. "--global-batch 4000000000"), the bytes needed and the limit, and the options
+// that change them.
+[[nodiscard]] Status CheckStepMemory(const Job& job, int64_t samples, std::string_view what);
+
+// The physical memory of this machine in bytes (sysconf), or INT64_MAX when unknown.
+int64_t PhysicalMemoryBytes();
+
+// --memory-limit: bytes as a decimal integer with an optional binary suffix K, M, G, T
+// (KiB ... TiB; "64G" = 64 * 2^30), or 0 for the physical memory. Anything else, or a value
+// over 2^63 - 1: InvalidArgument naming the option.
+[[nodiscard]] Result<int64_t> ParseMemoryLimit(std::string_view text);
 
 // --global-batch: "all" -> 0, a positive decimal integer (at most 18 digits) -> itself.
 // Anything else: InvalidArgument `--global-batch: "<text>" is not a positive integer or "all"`.

@@ -68,9 +68,11 @@ class MegatronWriter {
 
   // Appends one sequence to the current document. Every value must be representable in the
   // dtype (an error names the sequence and position); length <= 2^31 - 1. Empty sequences are
-  // allowed by the format (the reader rejects a document with no tokens).
+  // allowed by the format (a document of them is empty: the reader passes over it).
   [[nodiscard]] Status AddSequence(std::span<const int64_t> tokens);
-  // Closes the current document (its sequences since the last EndDocument).
+  // Closes the current document (its sequences since the last EndDocument). Without a sequence
+  // since then it writes an empty document as Megatron's add_document([], []) does: a repeated
+  // value in document_indices.
   [[nodiscard]] Status EndDocument();
   // AddSequence(tokens) then EndDocument().
   [[nodiscard]] Status AddDocument(std::span<const int64_t> tokens);

@@ -69,8 +69,10 @@ struct PackedMicrobatch {
 };
 
 // Packs samples, in order, into one microbatch. The value API: it allocates the [T] arrays.
-// REQUIRES: ComputeLayout's rules on the samples' lengths; every sample's target_mask is
-// empty (all ones) or holds L values of 0/1. Errors name the sample's position and id.
+// REQUIRES: ComputeLayout's rules on the samples' lengths; every token id in [0, 2^31) (a
+// negative one would be taken for a label such as kIgnoreIndex); every sample's target_mask is
+// empty (all ones) or holds L values of 0/1. Every writer below checks these on every call;
+// errors (InvalidArgument) name the sample's position and id and the token or mask position.
 [[nodiscard]] Result<PackedMicrobatch> Pack(std::span<const SampleView> samples,
                                             const PackOptions& options);
 

@@ -71,6 +71,8 @@ struct RankStep {
   // and the plan every loader computed from them - what the step figures are made of.
   std::vector<SampleLength> samples;
   Plan plan;
+  // Loaders only: empty documents the source passed over in this step (StepShare::n_empty).
+  int64_t n_empty = 0;
   // One entry per phase that ran, in Phase order (kAgree last).
   std::vector<PhaseStats> phases;
   int64_t bytes_sent() const;

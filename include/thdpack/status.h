@@ -27,6 +27,7 @@ enum class StatusCode : int {
   kUnimplemented = 6,
   kInternal = 7,         // a broken invariant inside thdpack: a bug
   kAborted = 8,          // another rank failed; this one stopped because of it
+  kResourceExhausted = 9,  // the input needs more memory than the limit (or an allocation failed)
 };
 
 // Short name of a code, e.g. "InvalidArgument".
@@ -48,6 +49,9 @@ class [[nodiscard]] Status {
   static Status Aborted(std::string msg) { return {StatusCode::kAborted, std::move(msg)}; }
   // kAborted because another rank failed with `origin` (AgreeOnStatus, thdpack/comm.h).
   static Status Aborted(std::string msg, StatusCode origin);
+  static Status ResourceExhausted(std::string msg) {
+    return {StatusCode::kResourceExhausted, std::move(msg)};
+  }
 
   bool ok() const { return rep_ == nullptr; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }

@@ -12,7 +12,9 @@
 // arguments gets the same StepSamples, so ranks may each schedule instead of broadcasting.
 //
 // Sample ids are the source's ids: they keep counting across epochs, so they are unique within
-// a step (and for the life of the source) even when a step wraps around.
+// a step (and for the life of the source) even when a step wraps around. They increase within a
+// step, consecutively except where the source passed over an empty document (a `megatron`
+// dataset may hold some), whose id no sample takes; the step counts those in n_empty.
 //
 // Thread-safety: a StepReader holds the source's cursor; use one per thread.
 #ifndef THDPACK_STEP_H_
@@ -32,6 +34,9 @@ struct StepSamples {
   int64_t epoch = 0;  // the source's epoch (0 = first pass) when the step's first sample was read
   // The step's samples in scheduling order (see top of file).
   std::vector<SampleLength> samples;
+  // Empty documents the source passed over while the step was read (SampleSource::
+  // skipped_empty): they are no samples and do not count toward N, but each used up its id.
+  int64_t n_empty = 0;
 };
 
 // One loader's share of a step (StepReader::NextShare).
@@ -39,7 +44,13 @@ struct StepShare {
   int64_t step = 0;
   int64_t epoch = 0;
   int64_t n = 0;         // samples in the step, every loader's together
-  int64_t first_id = 0;  // the id of the step's first sample (source order); ids are consecutive
+  int64_t first_id = 0;  // the id of the step's first sample (source order)
+  // The step's ids lie in [first_id, first_id + id_span), increasing in source order: every id
+  // of that range is a sample of the step or an empty document the source passed over (the
+  // step's n_empty counts those, with any before its first or after its last sample).
+  // id_span < 2^31.
+  int64_t id_span = 0;
+  int64_t n_empty = 0;   // as StepSamples::n_empty
   std::vector<Sample> samples;  // the loader's own, in source order
 };
 
@@ -62,8 +73,8 @@ class StepReader {
   // the loader's own samples (source positions loader, loader + DP, ... of the step) are read
   // in full with SampleSource::Next and the others only with NextLength, which keeps every
   // loader's cursor in step. REQUIRES 0 <= loader < dp_size. Errors: as Next(); Internal when
-  // the ids of a step are not consecutive (the runner addresses a sample by id - first_id);
-  // OutOfRange over 2^31 - 1 samples in a step.
+  // the ids of a step do not increase (the runner addresses a sample by id - first_id);
+  // OutOfRange over 2^31 - 1 samples or ids in a step.
   [[nodiscard]] Result<StepShare> NextShare(int loader);
 
   // The loader that reads sample `index_in_step` (its position in SOURCE order within the
@@ -84,6 +95,7 @@ class StepReader {
   Result<int64_t> ReadStep(const Full& full, const Take& take);
 
   SampleSource* source_ = nullptr;
+  int64_t last_n_empty_ = 0;  // of the step ReadStep read last
   int64_t global_batch_ = 0;
   int dp_size_ = 1;
   int64_t next_step_ = 0;

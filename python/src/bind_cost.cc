@@ -36,7 +36,7 @@ void BindCost(py::module_& m) {
             throw py::value_error(
                 "flops: give either cu_seqlens_padded or (padded_tokens, sum_sq), not both");
           }
-          auto cu = View1D<int32_t>(cu_obj, "cu_seqlens_padded");
+          auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
           LengthSums s = ValueOrThrow(SumsFromCuSeqlens(cu));
           return TrainingFlops(c, s.sum, static_cast<double>(s.sum_sq));
         }

@@ -44,6 +44,14 @@ void SetGlobalBatch(JobOptions& o, RunOptions&, const py::handle& v) {
   o.global_batch = ValueOrThrow(ParseGlobalBatch(text));
 }
 
+// --memory-limit: bytes as an int, or text with a K/M/G/T suffix, through the command line's
+// parser.
+void SetMemoryLimit(JobOptions& o, RunOptions&, const py::handle& v) {
+  const std::string text = py::isinstance<py::str>(v) ? v.cast<std::string>()
+                                                      : std::to_string(v.cast<int64_t>());
+  o.memory_limit = ValueOrThrow(ParseMemoryLimit(text));
+}
+
 void SetSteps(JobOptions& o, RunOptions&, const py::handle& v) {
   if (v.is_none()) {
     o.steps.reset();
@@ -79,6 +87,7 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"logits_dtype", Field(&JobOptions::logits_dtype)},
       {"fused_grad", Field(&JobOptions::fused_grad)},
       {"check_plan_hash", Field(&JobOptions::check_plan_hash)},
+      {"memory_limit", SetMemoryLimit},
   };
   static const std::map<std::string, Setter> run_setters = [] {
     std::map<std::string, Setter> m = plan_setters;

@@ -2,6 +2,7 @@
 // at the Python edge: tokens, labels, position_ids int64; loss_mask float32; cu_seqlens int32.
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "thdpack/pack.h"
@@ -9,17 +10,24 @@
 namespace thdpack::python {
 namespace {
 
-// The samples of a pack call as SampleViews. int32 token arrays and uint8/bool masks are viewed
-// in place; int64 token arrays are narrowed into `storage` (checked to fit int32).
+// The samples of a pack call as SampleViews. Token arrays of any integer dtype and masks of
+// any 0/1 dtype (common.h: IntView1D, MaskView1D): int32 tokens and bool/uint8 masks are viewed
+// in place, others converted. Token values are checked by Pack itself, the same way for every
+// dtype.
 struct SampleArgs {
   std::vector<SampleView> views;
-  std::vector<std::vector<TokenId>> storage;
-  std::vector<py::array> keep;  // the arrays viewed, alive for the call
+  std::vector<HeldSpan<TokenId>> tokens;  // alive for the call
+  std::vector<HeldSpan<uint8_t>> masks;
 };
 
-SampleArgs ReadSamples(const py::sequence& samples, const py::object& target_masks,
+SampleArgs ReadSamples(const py::object& samples_obj, const py::object& target_masks,
                        const py::object& ids) {
   SampleArgs out;
+  if (!py::isinstance<py::sequence>(samples_obj) || py::isinstance<py::str>(samples_obj)) {
+    throw py::value_error("samples: expected a list of token arrays, got " +
+                          std::string(py::str(py::type::of(samples_obj).attr("__name__"))));
+  }
+  const py::sequence samples = samples_obj.cast<py::sequence>();
   const size_t n = py::len(samples);
   if (n == 0) throw py::value_error("samples: empty list; a microbatch holds at least one sample");
   py::sequence masks;
@@ -42,43 +50,16 @@ SampleArgs ReadSamples(const py::sequence& samples, const py::object& target_mas
     for (size_t i = 0; i < n; ++i) id_values[i] = s[i].cast<int64_t>();
   }
   out.views.resize(n);
-  out.storage.reserve(n);
+  out.tokens.reserve(n);
+  out.masks.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    const std::string name = "samples[" + std::to_string(i) + "]";
-    py::array a = AsArray(samples[i], name);
-    std::span<const TokenId> tokens;
-    if (HasDtype<int32_t>(a)) {
-      tokens = View1D<int32_t>(a, name);
-    } else if (HasDtype<int64_t>(a)) {
-      auto wide = View1D<int64_t>(a, name);
-      std::vector<TokenId> narrow(wide.size());
-      for (size_t j = 0; j < wide.size(); ++j) {
-        if (wide[j] < 0 || wide[j] > std::numeric_limits<TokenId>::max()) {
-          throw py::value_error(name + "[" + std::to_string(j) + "] = " + std::to_string(wide[j]) +
-                                ": token ids must lie in [0, 2^31)");
-        }
-        narrow[j] = static_cast<TokenId>(wide[j]);
-      }
-      out.storage.push_back(std::move(narrow));
-      tokens = out.storage.back();
-    } else {
-      throw py::value_error(name + ": got a " + DescribeArray(a) +
-                            ", expected int32 (viewed in place) or int64 token ids");
-    }
-    out.keep.push_back(a);
+    out.tokens.push_back(IntView1D<TokenId>(samples[i], "samples[" + std::to_string(i) + "]"));
     std::span<const uint8_t> mask;
     if (!target_masks.is_none() && !masks[i].is_none()) {
-      const std::string mname = "target_masks[" + std::to_string(i) + "]";
-      py::array ma = AsArray(masks[i], mname);
-      if (HasDtype<bool>(ma)) {
-        auto b = View1D<bool>(ma, mname);
-        mask = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(b.data()), b.size());
-      } else {
-        mask = View1D<uint8_t>(ma, mname);
-      }
-      out.keep.push_back(ma);
+      out.masks.push_back(MaskView1D(masks[i], "target_masks[" + std::to_string(i) + "]"));
+      mask = out.masks.back();
     }
-    out.views[i] = SampleView(id_values[i], tokens, mask);
+    out.views[i] = SampleView(id_values[i], out.tokens.back(), mask);
   }
   return out;
 }
@@ -103,7 +84,7 @@ void BindPack(py::module_& m) {
 
   m.def(
       "pack",
-      [](const py::sequence& samples, const py::object& target_masks, int cp_size, int tp_size,
+      [](const py::object& samples, const py::object& target_masks, int cp_size, int tp_size,
          bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& ids) {
         SampleArgs args = ReadSamples(samples, target_masks, ids);
         const PackOptions o = MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment);
@@ -129,16 +110,18 @@ void BindPack(py::module_& m) {
       py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("ids") = py::none(),
       R"doc(Packs samples, in order, into one THD microbatch (docs/design.md section 5).
 
-samples: list of 1-D token arrays (int32 viewed in place, or int64). target_masks: None, or a
-list with one uint8/bool array of L values of 0/1 per sample (None entries mean all ones).
-ids: sample ids for error messages (default 0..n-1).
+samples: list of 1-D token sequences: NumPy arrays of any integer dtype (int32 viewed in place,
+others converted exactly), CPU torch tensors or lists; every token id must lie in [0, 2^31)
+whatever the dtype. target_masks: None, or a list with one array of L values of 0/1 per sample
+(bool/uint8 viewed in place; any integer or float dtype, tensors and lists accepted) or None
+(all ones). ids: sample ids for error messages (default 0..n-1).
 Returns a dict: tokens, labels, position_ids (int64 [T]), loss_mask (float32 [T]),
 cu_seqlens, cu_seqlens_padded (int32 [n+1], global), max_seqlen (largest padded length),
 n_valid (sum of loss_mask). Labels are -100 where nothing is predicted.)doc");
 
   m.def(
       "pack_shard",
-      [](const py::sequence& samples, const py::object& target_masks, int cp_size, int cp_rank,
+      [](const py::object& samples, const py::object& target_masks, int cp_size, int cp_rank,
          int tp_size, bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& ids) {
         SampleArgs args = ReadSamples(samples, target_masks, ids);
         const PackOptions o = MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment);

@@ -8,34 +8,32 @@
 
 #include "common.h"
 #include "thdpack/cost.h"
+#include "thdpack/job.h"
 #include "thdpack/schedule.h"
 
 namespace thdpack::python {
 namespace {
 
-// An integer array argument of int32 or int64 dtype (no other dtype is accepted), read in
-// place: a view of the caller's buffer while `array` holds it, no copy.
+// An integer array argument: int32 viewed in place, any other integer dtype (or a tensor or
+// list, common.h: AsArray) as int64 through IntView1D (in place when it is int64).
 class IntArrayView {
  public:
-  IntArrayView(const py::handle& obj, const std::string& name) : array_(AsArray(obj, name)) {
-    if (HasDtype<int64_t>(array_)) {
-      wide_ = View1D<int64_t>(array_, name);
-      size_ = wide_.size();
-    } else if (HasDtype<int32_t>(array_)) {
-      narrow_ = View1D<int32_t>(array_, name);
-      size_ = narrow_.size();
+  IntArrayView(const py::handle& obj, const std::string& name) {
+    py::array a = AsArray(obj, name);
+    if (HasDtype<int32_t>(a)) {
+      narrow_.emplace(View1D<int32_t>(a, name), a);
+      size_ = narrow_->size();
     } else {
-      throw py::value_error(name + ": got a " + DescribeArray(array_) +
-                            ", expected an int64 or int32 array");
+      wide_.emplace(IntView1D<int64_t>(a, name));
+      size_ = wide_->size();
     }
   }
   size_t size() const { return size_; }
-  int64_t operator[](size_t i) const { return wide_.empty() ? narrow_[i] : wide_[i]; }
+  int64_t operator[](size_t i) const { return wide_ ? (*wide_)[i] : (*narrow_)[i]; }
 
  private:
-  py::array array_;  // keeps the buffer alive
-  std::span<const int64_t> wide_;
-  std::span<const int32_t> narrow_;
+  std::optional<HeldSpan<int64_t>> wide_;  // each keeps its buffer alive
+  std::optional<HeldSpan<int32_t>> narrow_;
   size_t size_ = 0;
 };
 
@@ -304,18 +302,20 @@ void BindSchedule(py::module_& m) {
       py::arg("lengths"), py::arg("n_targets") = py::none(), py::arg("ids") = py::none(),
       py::kw_only(), py::arg("dp_size"), py::arg("cp_size") = 1, py::arg("tp_size") = 1,
       py::arg("sp") = false, py::arg("max_tokens_per_rank"), py::arg("scheduler") = "balanced",
-      py::arg("cost") = "tokens", py::arg("microbatch_multiple") = 1,
+      py::arg("cost") = JobOptions().cost, py::arg("microbatch_multiple") = 1,
       py::arg("num_microbatches") = 0, py::arg("oversize") = "error",
       py::arg("extra_alignment") = 1, py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
-lengths: int64 or int32 [n], the real length L of every sample (L >= 1).
+lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
+L of every sample (L >= 1).
 n_targets: loss tokens per sample (default L - 1). ids: sample ids (default 0..n-1).
 Options as ScheduleOptions in thdpack/schedule.h; scheduler "balanced", "sequential" or
 "dynamic" (needs a model cost; returns a DynamicPlan whose `groups` give, per microbatch, the
 CP groups {'ranks', 'samples'} of the dp_size*cp_size ranks; cp_sizes "any" or "pow2");
 hw the step-time model's hardware ("h100-ib", "h100-nvlink" or "R,B", for sim_step_time),
-cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=.."),
+cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=..";
+default the command line's, "llama2-7b"),
 oversize "error" or "skip", num_microbatches 0 to let the scheduler choose.
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }

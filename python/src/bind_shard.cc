@@ -1,5 +1,6 @@
 // python/src/bind_shard.cc: CP zigzag sharding and the SP split (shard.h) on NumPy arrays of
-// any dtype: a token is one row (all elements after the first axis).
+// any dtype: a token is one row (all elements after the first axis). Arrays may also be CPU
+// torch tensors or lists (AsArray); cu_seqlens_padded may have any integer dtype (IntView1D).
 #include <string>
 
 #include "common.h"
@@ -33,7 +34,7 @@ void BindShard(py::module_& m) {
   m.def(
       "cp_partition_indices",
       [](const py::handle& cu_obj, int cp_size, int cp_rank) {
-        auto cu = View1D<int32_t>(cu_obj, "cu_seqlens_padded");
+        auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
         Result<std::vector<int32_t>> r = Status::Internal("not run");
         {
           py::gil_scoped_release release;
@@ -48,7 +49,7 @@ void BindShard(py::module_& m) {
   m.def(
       "local_position_ids",
       [](const py::handle& cu_obj, int cp_size, int cp_rank) {
-        auto cu = View1D<int32_t>(cu_obj, "cu_seqlens_padded");
+        auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
         return ToNumpy(ValueOrThrow(LocalPositionIds(cu, cp_size, cp_rank)));
       },
       py::arg("cu_seqlens_padded"), py::arg("cp_size"), py::arg("cp_rank"),
@@ -57,7 +58,7 @@ void BindShard(py::module_& m) {
   m.def(
       "local_cu_seqlens_padded",
       [](const py::handle& cu_obj, int cp_size) {
-        auto cu = View1D<int32_t>(cu_obj, "cu_seqlens_padded");
+        auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
         return ToNumpy(ValueOrThrow(LocalCuSeqlensPadded(cu, cp_size)));
       },
       py::arg("cu_seqlens_padded"), py::arg("cp_size"),
@@ -68,7 +69,7 @@ void BindShard(py::module_& m) {
       [](const py::handle& array_obj, const py::handle& cu_obj, int cp_size, int cp_rank) {
         py::array full = AsArray(array_obj, "array");
         RequireRows(full, "array");
-        auto cu = View1D<int32_t>(cu_obj, "cu_seqlens_padded");
+        auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
         if (cp_size < 1) {
           throw py::value_error("cp_size = " + std::to_string(cp_size) + ": must be >= 1");
         }
@@ -105,14 +106,14 @@ array[cp_partition_indices(cu_seqlens_padded, cp_size, cp_rank)].)doc");
       [](const py::sequence& shards, const py::handle& cu_obj) {
         const size_t cp = py::len(shards);
         if (cp == 0) throw py::value_error("shards: empty list; one shard per CP rank expected");
-        auto cu = View1D<int32_t>(cu_obj, "cu_seqlens_padded");
+        auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
         std::vector<py::array> arrays;
         std::vector<std::span<const std::byte>> views;
         for (size_t r = 0; r < cp; ++r) {
           const std::string name = "shards[" + std::to_string(r) + "]";
           py::array a = AsArray(shards[r], name);
           RequireRows(a, name);
-          if (r > 0 && (!a.dtype().is(arrays[0].dtype()) || Shape(a) != Shape(arrays[0]))) {
+          if (r > 0 && (!a.dtype().equal(arrays[0].dtype()) || Shape(a) != Shape(arrays[0]))) {
             throw py::value_error(name + ": got a " + DescribeArray(a) + ", shards[0] is a " +
                                   DescribeArray(arrays[0]) +
                                   ": every shard must have the same dtype and shape");

@@ -1,7 +1,8 @@
 // python/src/bind_wire.cc: the step metadata and its wire format (wire.h).
 //
 // Python form of StepMeta: keyword arguments / a dict with the field names of wire.h;
-// microbatches is a list of dicts with cu_seqlens and cu_seqlens_padded (int32 arrays), n_valid
+// microbatches is a list of dicts with cu_seqlens and cu_seqlens_padded (arrays of any integer
+// dtype, tensors or lists, converted exactly to int32), n_valid
 // and optionally max_seqlen (so a pack() result can be passed as is). Totals left out are
 // computed from the microbatches.
 #include <algorithm>
@@ -14,8 +15,34 @@ namespace thdpack::python {
 namespace {
 
 std::vector<int32_t> CopyInt32(const py::handle& obj, const std::string& name) {
-  auto v = View1D<int32_t>(obj, name);
+  auto v = IntView1D<int32_t>(obj, name);
   return std::vector<int32_t>(v.begin(), v.end());
+}
+
+// The bytes of an encoded message as the caller holds them: bytes, bytearray, memoryview, a
+// 1-D C-contiguous NumPy array of 1-byte items (uint8, int8), or a CPU torch tensor of them
+// (viewed, no copy). ValueError naming `data` otherwise.
+HeldSpan<uint8_t> MessageBytes(const py::handle& obj) {
+  py::object held = py::reinterpret_borrow<py::object>(obj);
+  if (!py::isinstance<py::bytes>(obj) && !py::isinstance<py::bytearray>(obj) &&
+      !py::isinstance<py::memoryview>(obj)) {
+    held = AsArray(obj, "data");  // NumPy arrays, tensors and lists
+  }
+  if (!PyObject_CheckBuffer(held.ptr())) {
+    throw py::value_error("data: expected bytes, bytearray, memoryview or a uint8 array, got " +
+                          std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  py::buffer_info info = held.cast<py::buffer>().request();
+  const bool contiguous = info.ndim == 1 && (info.shape[0] <= 1 || info.strides[0] == 1);
+  if (info.itemsize != 1 || !contiguous) {
+    throw py::value_error("data: got a buffer of " + std::to_string(info.ndim) +
+                          " dimension(s) with " + std::to_string(info.itemsize) +
+                          "-byte items (format '" + info.format +
+                          "'), expected a contiguous 1-D sequence of bytes (uint8)");
+  }
+  std::span<const uint8_t> view(static_cast<const uint8_t*>(info.ptr),
+                                static_cast<size_t>(info.shape[0]));
+  return HeldSpan<uint8_t>(view, std::move(held));
 }
 
 py::dict ToDict(StepMeta meta) {
@@ -114,9 +141,8 @@ ValueError naming the field and the rule when the metadata is inconsistent.)doc"
 
   m.def(
       "decode_metadata",
-      [](const py::bytes& data) {
-        std::string_view view = data;
-        std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(view.data()), view.size());
+      [](const py::object& data) {
+        HeldSpan<uint8_t> bytes = MessageBytes(data);
         Result<StepMeta> r = Status::Internal("not run");
         {
           py::gil_scoped_release release;
@@ -125,7 +151,9 @@ ValueError naming the field and the rule when the metadata is inconsistent.)doc"
         return ToDict(ValueOrThrow(std::move(r)));
       },
       py::arg("data"),
-      R"doc(Decodes bytes from encode_metadata into a dict with the fields of encode_metadata
+      R"doc(Decodes a message from encode_metadata (bytes, bytearray, memoryview, or a 1-D uint8
+NumPy array or CPU torch tensor, as a collective hands it back) into a dict with the fields of
+encode_metadata
 (microbatches as dicts of int32 arrays). Any corrupt, truncated or foreign input raises
 ValueError with the byte offset and the rule broken; a newer version raises ValueError
 ('Unimplemented').)doc");

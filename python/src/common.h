@@ -13,6 +13,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 #include <span>
 #include <string>
 #include <utility>
@@ -26,7 +28,8 @@ namespace thdpack::python {
 namespace py = pybind11;
 
 // Raises the Python exception of a non-OK status: OSError for IOError, ValueError for bad input
-// (InvalidArgument, Corruption, OutOfRange, NotFound, Unimplemented), RuntimeError otherwise.
+// (InvalidArgument, Corruption, OutOfRange, NotFound, Unimplemented), MemoryError for
+// ResourceExhausted, RuntimeError otherwise.
 void ThrowIfError(const Status& status);
 
 template <typename T>
@@ -42,18 +45,27 @@ ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_align
 // "int32 array of shape (3, 4)" for messages.
 std::string DescribeArray(const py::array& a);
 
-// A py::array from a Python object, or ValueError naming `name` when it is not one. No copy:
-// only objects that already are NumPy arrays are accepted.
+// A py::array from what a user holds, or ValueError naming `name`: a NumPy array as is; a
+// torch tensor on the CPU as its NumPy view (no copy; a tensor on another device, or of a dtype
+// NumPy has no name for, is a ValueError saying what to do); a list or tuple as np.asarray of
+// it (a new array; a ragged or non-numeric list is a ValueError). Defined in module.cc.
 py::array AsArray(const py::handle& obj, const std::string& name);
 
 // Raises ValueError unless `a` is C-contiguous.
 void RequireContiguous(const py::array& a, const std::string& name);
 
-// A read-only 1-D view of `a` as T: ValueError unless its dtype is exactly T's, it is 1-D and
-// C-contiguous.
+// Whether `a` has T's dtype, however it is spelled: '<i4', '=i4' and 'int32' are one dtype on a
+// little-endian machine (unpickled arrays carry an explicit byte order), '>i4' is not.
+template <typename T>
+bool HasDtype(const py::array& a) {
+  return a.dtype().equal(py::dtype::of<T>());
+}
+
+// A read-only 1-D view of `a` as T: ValueError unless its dtype is T's (HasDtype), it is 1-D
+// and C-contiguous.
 template <typename T>
 std::span<const T> View1D(const py::array& a, const std::string& name) {
-  if (!a.dtype().is(py::dtype::of<T>())) {
+  if (!HasDtype<T>(a)) {
     throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected dtype " +
                           std::string(py::str(py::dtype::of<T>())) +
                           " (convert with .astype(); no silent conversion is made)");
@@ -65,15 +77,117 @@ std::span<const T> View1D(const py::array& a, const std::string& name) {
   return std::span<const T>(static_cast<const T*>(a.data()), static_cast<size_t>(a.size()));
 }
 
+// A span that keeps alive the array it views (AsArray may make a new one, from a list or a
+// tensor). It is a std::span<const T>, so it goes wherever one is expected; keep it while the
+// span is used.
 template <typename T>
-std::span<const T> View1D(const py::handle& obj, const std::string& name) {
-  return View1D<T>(AsArray(obj, name), name);
+struct HeldSpan : std::span<const T> {
+  HeldSpan(std::span<const T> view, py::object held)
+      : std::span<const T>(view), owner(std::move(held)) {}
+  py::object owner;
+};
+
+template <typename T>
+HeldSpan<T> View1D(const py::handle& obj, const std::string& name) {
+  py::array a = AsArray(obj, name);
+  std::span<const T> view = View1D<T>(a, name);
+  return HeldSpan<T>(view, std::move(a));
 }
 
-// Whether `a` has exactly T's dtype.
+// A 1-D array of any integer dtype as T values: viewed in place when its dtype is T's, else
+// converted exactly into a new array, every value checked to be representable in T
+// (ValueError naming `name[index]`, the value and T's range otherwise). Floats and bools are not
+// integers (ValueError). The rules of the values themselves are the library's to check.
 template <typename T>
-bool HasDtype(const py::array& a) {
-  return a.dtype().is(py::dtype::of<T>());
+HeldSpan<T> IntView1D(const py::handle& obj, const std::string& name) {
+  static_assert(std::is_integral_v<T> && std::is_signed_v<T>);
+  py::array a = AsArray(obj, name);
+  if (HasDtype<T>(a)) {
+    std::span<const T> view = View1D<T>(a, name);
+    return HeldSpan<T>(view, std::move(a));
+  }
+  const char kind = a.dtype().kind();
+  if (a.size() == 0 && a.ndim() == 1) {  // np.asarray([]) is float64
+    return HeldSpan<T>(std::span<const T>(), std::move(a));
+  }
+  if ((kind != 'i' && kind != 'u') || a.ndim() != 1) {
+    throw py::value_error(name + ": got a " + DescribeArray(a) +
+                          ", expected a 1-D array of integers (any integer dtype; " +
+                          std::string(py::str(py::dtype::of<T>())) +
+                          " is viewed in place, others are converted exactly)");
+  }
+  const int64_t lo = std::numeric_limits<T>::min();
+  const int64_t hi = std::numeric_limits<T>::max();
+  auto out_of_range = [&](py::ssize_t j, const std::string& value) {
+    return py::value_error(name + "[" + std::to_string(j) + "] = " + value + ": does not fit " +
+                           std::string(py::str(py::dtype::of<T>())) + " [" + std::to_string(lo) +
+                           ", " + std::to_string(hi) + "]");
+  };
+  py::array_t<T> out(a.size());
+  T* dst = out.mutable_data();
+  if (kind == 'u' && a.itemsize() == 8) {
+    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> wide(a);
+    const uint64_t* v = wide.data();
+    for (py::ssize_t j = 0; j < wide.size(); ++j) {
+      if (v[j] > static_cast<uint64_t>(hi)) throw out_of_range(j, std::to_string(v[j]));
+      dst[j] = static_cast<T>(v[j]);
+    }
+  } else {
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
+    const int64_t* v = wide.data();
+    for (py::ssize_t j = 0; j < wide.size(); ++j) {
+      if (v[j] < lo || v[j] > hi) throw out_of_range(j, std::to_string(v[j]));
+      dst[j] = static_cast<T>(v[j]);
+    }
+  }
+  std::span<const T> view(out.data(), static_cast<size_t>(out.size()));
+  return HeldSpan<T>(view, std::move(out));
+}
+
+// A 1-D 0/1 mask as bytes: bool and uint8 arrays are viewed in place (the library checks that
+// uint8 values are 0 or 1); any other integer or floating dtype is converted into a new uint8
+// array after checking that every value is exactly 0 or 1 (ValueError naming `name[index]` and
+// the value otherwise).
+inline HeldSpan<uint8_t> MaskView1D(const py::handle& obj, const std::string& name) {
+  py::array a = AsArray(obj, name);
+  if (HasDtype<bool>(a)) {
+    std::span<const bool> b = View1D<bool>(a, name);
+    return HeldSpan<uint8_t>(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(b.data()), b.size()),
+        std::move(a));
+  }
+  if (HasDtype<uint8_t>(a)) {
+    std::span<const uint8_t> view = View1D<uint8_t>(a, name);
+    return HeldSpan<uint8_t>(view, std::move(a));
+  }
+  const char kind = a.dtype().kind();
+  if ((kind != 'i' && kind != 'u' && kind != 'f') || a.ndim() != 1) {
+    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected a 1-D array of " +
+                          "0/1 values (bool, any integer or float dtype)");
+  }
+  auto not_01 = [&](py::ssize_t j) {
+    return py::value_error(name + "[" + std::to_string(j) + "] = " +
+                           std::string(py::str(a.attr("__getitem__")(j))) +
+                           ": a target mask holds 0 or 1");
+  };
+  py::array_t<uint8_t> out(a.size());
+  uint8_t* dst = out.mutable_data();
+  if (kind == 'f') {
+    py::array_t<double, py::array::c_style | py::array::forcecast> v(a);
+    for (py::ssize_t j = 0; j < v.size(); ++j) {
+      if (v.data()[j] != 0.0 && v.data()[j] != 1.0) throw not_01(j);  // NaN too
+      dst[j] = static_cast<uint8_t>(v.data()[j]);
+    }
+  } else {
+    // A uint64 above 2^63 wraps to a negative int64: still neither 0 nor 1.
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> v(a);
+    for (py::ssize_t j = 0; j < v.size(); ++j) {
+      if (v.data()[j] != 0 && v.data()[j] != 1) throw not_01(j);
+      dst[j] = static_cast<uint8_t>(v.data()[j]);
+    }
+  }
+  std::span<const uint8_t> view(out.data(), static_cast<size_t>(out.size()));
+  return HeldSpan<uint8_t>(view, std::move(out));
 }
 
 // A 1-D NumPy array that takes ownership of `v` (no copy): the vector moves into a capsule

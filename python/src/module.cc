@@ -24,6 +24,9 @@ void ThrowIfError(const Status& status) {
     case StatusCode::kNotFound:
     case StatusCode::kUnimplemented:
       throw py::value_error(text);
+    case StatusCode::kResourceExhausted:
+      PyErr_SetString(PyExc_MemoryError, text.c_str());
+      throw py::error_already_set();
     default:
       throw std::runtime_error(text);
   }
@@ -39,12 +42,42 @@ std::string DescribeArray(const py::array& a) {
 }
 
 py::array AsArray(const py::handle& obj, const std::string& name) {
-  if (!py::isinstance<py::array>(obj)) {
-    throw py::value_error(name + ": expected a NumPy array, got " +
-                          std::string(py::str(py::type::of(obj).attr("__name__"))) +
-                          " (torch tensors: pass t.numpy() on CPU)");
+  if (py::isinstance<py::array>(obj)) return py::reinterpret_borrow<py::array>(obj);
+  const std::string type_name = py::str(py::type::of(obj).attr("__name__"));
+  const std::string module_name = py::str(py::type::of(obj).attr("__module__"));
+  if (module_name.rfind("torch", 0) == 0 && py::hasattr(obj, "numpy")) {
+    // A tensor: its NumPy view shares the tensor's memory (no copy); tokens and masks carry no
+    // gradient, so a tensor that requires one is detached first.
+    const std::string device = py::str(obj.attr("device").attr("type"));
+    if (device != "cpu") {
+      throw py::value_error(name + ": got a torch tensor on device " + device +
+                            ", expected one on the CPU (move it with .cpu())");
+    }
+    try {
+      return obj.attr("detach")().attr("numpy")().cast<py::array>();
+    } catch (const py::error_already_set& e) {
+      throw py::value_error(name + ": got a torch tensor of dtype " +
+                            std::string(py::str(obj.attr("dtype"))) +
+                            " that NumPy cannot view (" + e.what() + ")");
+    }
   }
-  return py::reinterpret_borrow<py::array>(obj);
+  if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+    py::array a;
+    try {
+      a = py::module_::import("numpy").attr("asarray")(obj).cast<py::array>();
+    } catch (const py::error_already_set& e) {
+      throw py::value_error(name + ": got a " + type_name + " that is not a rectangular list of " +
+                            "numbers (" + e.what() + ")");
+    }
+    const char kind = a.dtype().kind();
+    if (kind != 'b' && kind != 'i' && kind != 'u' && kind != 'f') {
+      throw py::value_error(name + ": got a " + type_name + " that NumPy reads as a " +
+                            DescribeArray(a) + ", expected a list of numbers");
+    }
+    return a;
+  }
+  throw py::value_error(name + ": expected a NumPy array, a CPU torch tensor or a list, got " +
+                        type_name);
 }
 
 void RequireContiguous(const py::array& a, const std::string& name) {

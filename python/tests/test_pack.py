@@ -37,7 +37,7 @@ def test_pack_shard_equals_shard_of_pack():
 def test_pack_errors():
     with pytest.raises(ValueError, match="samples\\[1\\].*float64"):
         thdpack.pack([np.arange(3, dtype=np.int32), np.ones(3)])
-    with pytest.raises(ValueError, match="samples\\[0\\]\\[1\\]"):
+    with pytest.raises(ValueError, match="samples\\[0\\] \\(id 0\\): tokens\\[1\\] = -5"):
         thdpack.pack([np.array([1, -5], np.int64)])
     with pytest.raises(ValueError, match="target_masks"):
         thdpack.pack([np.arange(3, dtype=np.int32)], [None, None])
@@ -45,3 +45,87 @@ def test_pack_errors():
         thdpack.pack([np.arange(3, dtype=np.int32)], [np.array([1, 2, 1], np.uint8)])
     with pytest.raises(ValueError):
         thdpack.pack([np.zeros(0, np.int32)])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16, np.int8])
+def test_every_token_dtype_gets_the_same_checks(dtype):
+    # -100 is the ignore index: taken as a token it became a label the loss then skipped, so
+    # n_valid disagreed with what cross_entropy counts. Rejected whatever the dtype.
+    bad = np.array([7, -100, 9], dtype)
+    msg = "samples\\[1\\] \\(id 1\\): tokens\\[1\\] = -100: token ids must lie in \\[0, 2\\^31\\)"
+    with pytest.raises(ValueError, match=msg):
+        thdpack.pack([np.array([1, 2], np.int32), bad])
+    with pytest.raises(ValueError, match=msg):
+        thdpack.pack_shard([np.array([1, 2], np.int32), bad], cp_size=1, cp_rank=0)
+    with pytest.raises(ValueError, match=msg):
+        thdpack.pack([[1, 2], bad.tolist()])
+
+
+def test_tokens_that_do_not_fit_int32_name_their_position():
+    with pytest.raises(ValueError, match="samples\\[0\\]\\[2\\] = 2147483648: does not fit int32"):
+        thdpack.pack([np.array([1, 2, 2**31], np.int64)])
+    with pytest.raises(ValueError, match="samples\\[0\\]\\[0\\] = 18446744073709551615"):
+        thdpack.pack([np.array([2**64 - 1], np.uint64)])
+    with pytest.raises(ValueError, match="samples\\[0\\]: got a bool array"):
+        thdpack.pack([np.array([True, False])])
+
+
+def test_explicit_byte_order_dtypes_are_accepted():
+    # Every unpickled array (e.g. after all_gather_object) spells its dtype '<i4'.
+    import pickle
+    native = [np.arange(1, 8, dtype=np.int32), np.arange(3, 6, dtype=np.int32)]
+    masks = [np.array([0, 0, 1, 1, 1, 1, 1], np.uint8), None]
+    spelled = [np.asarray(a, dtype="<i4") for a in native]
+    unpickled = pickle.loads(pickle.dumps(native))
+    big_endian = [a.astype(">i4") for a in native]  # not native: converted, same values
+    want_full = thdpack.pack(native, masks, cp_size=2)
+    for samples in (spelled, unpickled, big_endian):
+        for r in range(2):
+            got = thdpack.pack_shard(samples, pickle.loads(pickle.dumps(masks)), cp_size=2,
+                                     cp_rank=r)
+            want = thdpack.pack_shard(native, masks, cp_size=2, cp_rank=r)
+            for key in ("tokens", "labels", "position_ids", "loss_mask", "cu_seqlens"):
+                assert got[key].tolist() == want[key].tolist(), key
+        got_full = thdpack.pack(samples, masks, cp_size=2)
+        assert got_full["tokens"].tolist() == want_full["tokens"].tolist()
+
+
+def test_pack_accepts_what_a_user_holds():
+    torch = pytest.importorskip("torch")
+    a = [5, 6, 7, 8]
+    b = [9, 10, 11]
+    mask_a = [0, 1, 1, 1]
+    want = thdpack.pack([np.array(a, np.int32), np.array(b, np.int32)],
+                        [np.array(mask_a, np.uint8), None], cp_size=2)
+    holders = [
+        ([a, b], [mask_a, None]),  # lists
+        ((tuple(a), tuple(b)), (tuple(mask_a), None)),  # tuples
+        ([torch.tensor(a), torch.tensor(b, dtype=torch.int32)],
+         [torch.tensor(mask_a, dtype=torch.bool), None]),  # CPU tensors
+        ([np.array(a, np.uint16), np.array(b, np.int8)],
+         [np.array(mask_a, np.float32), None]),  # any integer dtype, a float 0/1 mask
+        ([np.array(a, np.uint64), np.array(b, np.int64)],
+         [np.array(mask_a, np.int64), None]),
+        ([torch.tensor(a, requires_grad=False), torch.tensor(b)],
+         [torch.tensor(mask_a, dtype=torch.float32), torch.ones(3)]),  # an explicit all-ones
+    ]
+    for samples, masks in holders:
+        got = thdpack.pack(samples, masks, cp_size=2)
+        for key in ("tokens", "labels", "position_ids", "loss_mask", "cu_seqlens_padded"):
+            assert got[key].tolist() == want[key].tolist(), (key, type(samples[0]))
+        assert got["n_valid"] == want["n_valid"] == 3 + 2
+    # A mask value other than 0 or 1 is named, whatever the dtype.
+    with pytest.raises(ValueError, match="target_masks\\[0\\]\\[1\\] = 0.5: a target mask holds 0 or 1"):
+        thdpack.pack([a], [np.array([0, 0.5, 1, 1], np.float32)])
+    with pytest.raises(ValueError, match="target_masks\\[0\\]\\[3\\] = 2"):
+        thdpack.pack([a], [[0, 1, 1, 2]])
+    with pytest.raises(ValueError, match="target_masks\\[0\\]\\[2\\] = nan"):
+        thdpack.pack([a], [np.array([0, 1, np.nan, 1])])
+    # A tensor is viewed, not copied: what pack reads is the tensor's memory.
+    t = torch.tensor(a, dtype=torch.int32)
+    t[0] = 42
+    assert thdpack.pack([t])["tokens"][0] == 42
+    with pytest.raises(ValueError, match="samples\\[0\\]: expected a NumPy array, a CPU torch tensor or a list, got str"):
+        thdpack.pack(["abc"])
+    with pytest.raises(ValueError, match="samples\\[0\\]: got a list that"):
+        thdpack.pack([[1, [2, 3]]])

@@ -126,10 +126,29 @@ def test_dynamic_groups(dp, cp, k, cp_sizes):
 def test_dynamic_needs_a_model_and_static_plans_report_time():
     lengths = np.array([100, 200, 300])
     with pytest.raises(ValueError, match="model dimensions"):
-        thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=512, scheduler="dynamic")
+        thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=512, scheduler="dynamic",
+                         cost="tokens")
     plan = thdpack.schedule(lengths, dp_size=1, max_tokens_per_rank=1024, cost="llama2-7b")
     # One replica of one rank: the sum of F(P) / R over the three sequences, R = 400e12.
     a, b = 39642464256, 786432
     expected = sum(a * p + b * p * p for p in (100, 200, 300)) / 400e12
     assert plan.sim_step_time == pytest.approx(expected, rel=1e-12)
-    assert thdpack.schedule(lengths, dp_size=1, max_tokens_per_rank=1024).sim_step_time is None
+    assert thdpack.schedule(lengths, dp_size=1, max_tokens_per_rank=1024,
+                            cost="tokens").sim_step_time is None
+
+
+def test_default_cost_is_the_command_lines_and_lengths_come_in_any_form():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 3000, size=64)
+    want = thdpack.schedule(lengths, dp_size=4, max_tokens_per_rank=4096, cost="llama2-7b")
+    tokens = thdpack.schedule(lengths, dp_size=4, max_tokens_per_rank=4096, cost="tokens")
+    assert tokens.figures["flops"] is None
+    for held in (lengths, lengths.astype(np.uint16), lengths.astype("<i4"), lengths.tolist(),
+                 torch.tensor(lengths)):
+        got = thdpack.schedule(held, dp_size=4, max_tokens_per_rank=4096)  # no cost given
+        for key in ("flops", "padded_tokens", "sum_sq", "max_replica_cost", "num_microbatches"):
+            assert got.figures[key] == want.figures[key], key
+        assert got.figures["flops"] is not None
+        assert got.sample_ids.tolist() == want.sample_ids.tolist()
+        assert got.offsets.tolist() == want.offsets.tolist()

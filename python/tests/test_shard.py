@@ -95,15 +95,38 @@ def test_sp_split():
 def test_shard_errors():
     cu = np.array([0, 8, 16], np.int32)
     x = np.arange(16, dtype=np.int64)
-    with pytest.raises(ValueError, match="cu_seqlens_padded.*int64.*int32"):
-        thdpack.shard(x, cu.astype(np.int64), 2, 0)
+    with pytest.raises(ValueError, match="cu_seqlens_padded.*float64.*integers"):
+        thdpack.shard(x, cu.astype(np.float64), 2, 0)
+    with pytest.raises(ValueError, match="cu_seqlens_padded\\[1\\] = 4294967304: does not fit int32"):
+        thdpack.shard(x, np.array([0, 2**32 + 8, 16], np.int64), 2, 0)
     with pytest.raises(ValueError, match="non-contiguous"):
         thdpack.shard(np.arange(32)[::2], cu, 2, 0)
-    with pytest.raises(ValueError, match="NumPy array"):
-        thdpack.shard(list(range(16)), cu, 2, 0)
+    with pytest.raises(ValueError, match="NumPy array, a CPU torch tensor or a list, got dict"):
+        thdpack.shard({}, cu, 2, 0)
     with pytest.raises(ValueError):
         thdpack.shard(x, np.array([0, 6, 16], np.int32), 2, 0)  # 6 is not a multiple of 4
     with pytest.raises(ValueError):
         thdpack.shard(x, cu, 2, 2)  # cp_rank out of range
     with pytest.raises(ValueError, match="same dtype and shape"):
         thdpack.unshard([x[:8], x[:8].astype(np.int32)], cu)
+
+
+def test_shard_accepts_what_a_user_holds():
+    torch = pytest.importorskip("torch")
+    cu = np.array([0, 8, 16], np.int32)
+    x = np.arange(16, dtype=np.int64)
+    want = [thdpack.shard(x, cu, 2, r).tolist() for r in range(2)]
+    for cu_any in (cu.astype(np.int64), cu.astype(np.uint16), cu.astype("<i4"), cu.astype(">i8"),
+                   cu.tolist(), torch.tensor(cu.tolist()), torch.tensor(cu)):
+        for arr in (x, x.tolist(), torch.tensor(x)):
+            got = [thdpack.shard(arr, cu_any, 2, r).tolist() for r in range(2)]
+            assert got == want, (type(arr), getattr(cu_any, "dtype", type(cu_any)))
+        assert thdpack.cp_partition_indices(cu_any, 2, 1).tolist() == \
+            thdpack.cp_partition_indices(cu, 2, 1).tolist()
+        assert thdpack.local_position_ids(cu_any, 2, 0).tolist() == \
+            thdpack.local_position_ids(cu, 2, 0).tolist()
+        assert thdpack.local_cu_seqlens_padded(cu_any, 2).tolist() == [0, 4, 8]
+    shards = [thdpack.shard(x, cu, 2, r) for r in range(2)]
+    assert thdpack.unshard([shards[0].astype("<i8"), shards[1]], cu.tolist()).tolist() == x.tolist()
+    with pytest.raises(ValueError, match="torch tensor on device meta"):
+        thdpack.shard(torch.empty(16, device="meta"), cu, 2, 0)

@@ -63,3 +63,40 @@ def test_encode_errors_name_the_field():
     with pytest.raises(ValueError, match="missing key 'n_valid'"):
         thdpack.encode_metadata([{"cu_seqlens": mbs[0]["cu_seqlens"],
                                   "cu_seqlens_padded": mbs[0]["cu_seqlens_padded"]}])
+
+
+def test_decode_accepts_the_bytes_a_user_holds():
+    torch = pytest.importorskip("torch")
+    mbs, kw = make_meta()
+    data = thdpack.encode_metadata(mbs, **kw)
+    want = thdpack.decode_metadata(data)
+    as_numpy = np.frombuffer(data, np.uint8)
+    holders = [bytearray(data), memoryview(data), as_numpy, as_numpy.astype(np.int8),
+               torch.frombuffer(bytearray(data), dtype=torch.uint8),
+               torch.tensor(list(data), dtype=torch.uint8)]
+    for held in holders:
+        got = thdpack.decode_metadata(held)
+        assert got["n_loss_tokens"] == want["n_loss_tokens"], type(held)
+        assert got["skipped_ids"].tolist() == want["skipped_ids"].tolist()
+        for g, w in zip(got["microbatches"], want["microbatches"]):
+            assert g["cu_seqlens_padded"].tolist() == w["cu_seqlens_padded"].tolist()
+    # Corruption is still found through every holder.
+    with pytest.raises(ValueError):
+        thdpack.decode_metadata(bytearray(data[:-1]))
+    with pytest.raises(ValueError, match="data: got a buffer of 1 dimension\\(s\\) with 4-byte items"):
+        thdpack.decode_metadata(as_numpy.astype(np.int32))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        thdpack.decode_metadata(np.frombuffer(data + data, np.uint8)[::2])
+    with pytest.raises(ValueError, match="data: expected a NumPy array, a CPU torch tensor or a list, got int"):
+        thdpack.decode_metadata(5)
+
+
+def test_encode_accepts_cu_seqlens_of_any_integer_dtype():
+    torch = pytest.importorskip("torch")
+    mbs, kw = make_meta()
+    want = thdpack.encode_metadata(mbs, **kw)
+    for convert in (lambda a: a.astype(np.int64), lambda a: a.astype("<i4"), lambda a: a.tolist(),
+                    lambda a: torch.tensor(a.tolist()), lambda a: a.astype(np.uint32)):
+        other = [dict(mb, cu_seqlens=convert(mb["cu_seqlens"]),
+                      cu_seqlens_padded=convert(mb["cu_seqlens_padded"])) for mb in mbs]
+        assert thdpack.encode_metadata(other, **kw) == want

@@ -64,6 +64,51 @@ std::string Excerpt(std::string_view text, size_t max) {
   return out;
 }
 
+bool StripBom(std::string_view* text) {
+  if (!text->starts_with(kUtf8Bom)) return false;
+  text->remove_prefix(kUtf8Bom.size());
+  return true;
+}
+
+Status CheckJsonText(std::string_view text, std::string_view where, std::string_view unit) {
+  auto at = [unit](size_t i) {
+    return " at byte " + std::to_string(i) + " of the " + std::string(unit);
+  };
+  int depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\0') {
+      return Status::InvalidArgument(std::string(where) + ": NUL byte" + at(i) +
+                                     " (JSON text holds no NUL; the text after it would be lost)");
+    }
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        const std::string limit = std::to_string(kMaxJsonDepth);
+        return Status::InvalidArgument(std::string(where) + ": JSON nested deeper than " + limit +
+                                       " levels" + at(i) + " (arrays and objects nest at most " +
+                                       limit + " deep)");
+      }
+    } else if (c == ']' || c == '}') {
+      if (depth > 0) --depth;  // unbalanced text is the parser's to report
+    }
+  }
+  return Status::Ok();
+}
+
 // ---------------------------------------------------------------------------------------------
 
 Result<std::unique_ptr<LineReader>> LineReader::Open(const std::string& path) {
@@ -89,7 +134,10 @@ Result<bool> LineReader::ReadLine(std::string_view* line) {
   size_t len = static_cast<size_t>(n);
   if (len > 0 && buffer_[len - 1] == '\n') --len;
   ++line_number_;
+  line_offset_ = next_offset_;
+  next_offset_ += n;
   *line = std::string_view(buffer_, len);
+  if (line_number_ == 1 && StripBom(line)) line_offset_ += static_cast<int64_t>(kUtf8Bom.size());
   return true;
 }
 
@@ -97,6 +145,8 @@ Status LineReader::Rewind() {
   if (std::fseek(file_, 0, SEEK_SET) != 0) return Status::IOError(ErrnoText("cannot seek", path_));
   std::clearerr(file_);
   line_number_ = 0;
+  line_offset_ = 0;
+  next_offset_ = 0;
   return Status::Ok();
 }
 

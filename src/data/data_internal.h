@@ -38,6 +38,26 @@ std::string_view Trim(std::string_view text);
 // At most `max` characters of text, with "..." when cut, for error messages.
 std::string Excerpt(std::string_view text, size_t max = 60);
 
+// The UTF-8 byte-order mark some editors write at the start of a text file. Every text reader
+// (lengths, histogram, jsonl, mock config) skips it before the first line, so it never turns
+// the first line into a header or a parse error.
+inline constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+// Removes a leading BOM from *text; true when there was one.
+bool StripBom(std::string_view* text);
+
+// The deepest nesting of arrays and objects accepted in JSON text (a JSONL line, a mock
+// config): a sample needs 2 (the object and its "input_ids"), a mock config 1; 64 leaves room
+// for any metadata a line carries beside them, and keeps every later walk over the value
+// (formatting an error, freeing it) shallow. docs/data_sources.md, "Limits".
+inline constexpr int kMaxJsonDepth = 64;
+
+// Checks JSON text before a parser sees it, with one iterative pass (no recursion over the
+// input): no NUL byte (a parser stops at one and would take the text before it for the whole)
+// and no nesting deeper than kMaxJsonDepth. Errors (InvalidArgument) start with `where` and
+// name the byte offset in `text` (0-based, "byte 7 of the <unit>") and the rule broken.
+[[nodiscard]] Status CheckJsonText(std::string_view text, std::string_view where,
+                                   std::string_view unit);
+
 class LineReader {
  public:
   [[nodiscard]] static Result<std::unique_ptr<LineReader>> Open(const std::string& path);
@@ -46,10 +66,13 @@ class LineReader {
   LineReader& operator=(const LineReader&) = delete;
 
   // Reads the next line, without its '\n'; false at the end of the file. The view is valid
-  // until the next call.
+  // until the next call. A UTF-8 BOM at the start of the file is not part of line 1.
   [[nodiscard]] Result<bool> ReadLine(std::string_view* line);
   // 1-based number of the last line read (0 before the first).
   int64_t line_number() const { return line_number_; }
+  // Byte offset in the file of the start of the last line read (after a skipped BOM: the
+  // offset still counts the BOM's 3 bytes).
+  int64_t line_offset() const { return line_offset_; }
   [[nodiscard]] Status Rewind();
   const std::string& path() const { return path_; }
 
@@ -60,6 +83,8 @@ class LineReader {
   char* buffer_ = nullptr;  // owned by getline (malloc), freed in the destructor
   size_t capacity_ = 0;
   int64_t line_number_ = 0;
+  int64_t line_offset_ = 0;
+  int64_t next_offset_ = 0;  // of the line after the last one read
 };
 
 class MappedFile {
@@ -106,6 +131,7 @@ class IndexedSource : public Interface {
  public:
   Result<std::optional<Sample>> Next() final {
     if (!error_.ok()) return error_;
+    if (Status s = SkipEmpty(); !s.ok()) return s;
     if (position_ >= size_) return std::optional<Sample>();
     Sample sample;
     sample.id = next_id_;
@@ -121,6 +147,7 @@ class IndexedSource : public Interface {
 
   Result<std::optional<SampleLength>> NextLength() final {
     if (!error_.ok()) return error_;
+    if (Status s = SkipEmpty(); !s.ok()) return s;
     if (position_ >= size_) return std::optional<SampleLength>();
     Result<SampleLength> r = LengthAt(IndexOf(position_));
     if (!r.ok()) {
@@ -142,18 +169,21 @@ class IndexedSource : public Interface {
     return Status::Ok();
   }
 
-  std::optional<int64_t> size_hint() const final { return size_; }
+  std::optional<int64_t> size_hint() const final { return size_ - empty_; }
   int64_t epoch() const final { return epoch_; }
   const std::string& spec() const final { return spec_; }
+  int64_t skipped_empty() const final { return skipped_empty_; }
 
  protected:
-  // REQUIRES size >= 1 (the factories check).
-  IndexedSource(std::string spec, int64_t size, const SourceOptions& options)
-      : spec_(std::move(spec)), size_(size), options_(options) {
+  // REQUIRES 0 <= empty < size (the factories check). `empty` of the `size` indices hold no
+  // tokens (LengthAt gives length 0): Next and NextLength pass over them, each using up its id.
+  IndexedSource(std::string spec, int64_t size, const SourceOptions& options, int64_t empty = 0)
+      : spec_(std::move(spec)), size_(size), empty_(empty), options_(options) {
     if (options_.shuffle) MakePermutation();
   }
 
-  // Length and n_targets of the sample at `index` (the id is set by the caller).
+  // Length and n_targets of the sample at `index` (the id is set by the caller); length 0 for
+  // an empty index (only when the constructor was told of some).
   virtual Result<SampleLength> LengthAt(int64_t index) const = 0;
   // Tokens and mask of the sample at `index`, whose id is `id`.
   virtual Status FillAt(int64_t index, int64_t id, Sample* out) const = 0;
@@ -178,9 +208,23 @@ class IndexedSource : public Interface {
     if (!permutation_) return position;
     return static_cast<int64_t>((*permutation_)(static_cast<uint64_t>(position)));
   }
+  // Moves the cursor past empty indices (a source without any pays one comparison).
+  Status SkipEmpty() {
+    while (empty_ > 0 && position_ < size_) {
+      Result<SampleLength> r = LengthAt(IndexOf(position_));
+      if (!r.ok()) return error_ = r.status();
+      if (r->length > 0) break;
+      ++position_;
+      ++next_id_;
+      ++skipped_empty_;
+    }
+    return Status::Ok();
+  }
 
   std::string spec_;
   int64_t size_;
+  int64_t empty_ = 0;          // indices without tokens
+  int64_t skipped_empty_ = 0;  // passed over since opening
   SourceOptions options_;
   int64_t position_ = 0;  // in the current epoch
   int64_t epoch_ = 0;

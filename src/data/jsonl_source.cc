@@ -240,6 +240,16 @@ std::string Prefix(std::string_view where) {
   return out;
 }
 
+// A JSON value for an error message: scalars as their text (cut), arrays and objects by type
+// and size only, so a message never walks a value read from the input.
+std::string Describe(const nlohmann::json& v) {
+  if (v.is_structured()) {
+    return std::string(v.is_array() ? "an array" : "an object") + " of " +
+           std::to_string(v.size()) + (v.size() == 1 ? " entry" : " entries");
+  }
+  return Excerpt(v.dump());
+}
+
 // The signed value of a JSON integer, or nullopt when it does not fit int64 (a huge unsigned).
 std::optional<int64_t> IntegerValue(const nlohmann::json& v) {
   if (v.is_number_unsigned()) {
@@ -331,6 +341,9 @@ class JsonlSource final : public SampleSource {
 
 Status ParseJsonlLineReference(std::string_view line, int64_t vocab_size, std::string_view where,
                                Sample* out) {
+  // Before nlohmann sees the line: it stops at a NUL byte (silently dropping the rest), and a
+  // deep value would make any walk over it deep.
+  THDPACK_RETURN_IF_ERROR(data_internal::CheckJsonText(line, where, "line"));
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(line.begin(), line.end());
@@ -361,7 +374,7 @@ Status ParseJsonlLineReference(std::string_view line, int64_t vocab_size, std::s
     const std::string at = "input_ids[" + std::to_string(k) + "]";
     if (!v.is_number_integer()) {
       return Status::InvalidArgument(Prefix(where) + at + " is not an integer: " +
-                                     Excerpt(v.dump()));
+                                     Describe(v));
     }
     const std::optional<int64_t> value = IntegerValue(v);
     if (value && *value < 0) {
@@ -370,7 +383,7 @@ Status ParseJsonlLineReference(std::string_view line, int64_t vocab_size, std::s
     }
     if (!value || *value >= limit) {
       return Status::OutOfRange(
-          Prefix(where) + at + " = " + v.dump() +
+          Prefix(where) + at + " = " + Describe(v) +
           (vocab_size > 0 ? " is outside the vocabulary [0, " + std::to_string(vocab_size) + ")"
                           : std::string(" exceeds 2^31 - 1 (token ids are int32)")));
     }
@@ -394,7 +407,7 @@ Status ParseJsonlLineReference(std::string_view line, int64_t vocab_size, std::s
       if (!v.is_number_integer() || (v.get<int64_t>() != 0 && v.get<int64_t>() != 1) ||
           (v.is_number_unsigned() && v.get<uint64_t>() > 1)) {
         return Status::InvalidArgument(Prefix(where) + "loss_mask[" + std::to_string(k) + "] = " +
-                                       Excerpt(v.dump()) + " is not 0 or 1");
+                                       Describe(v) + " is not 0 or 1");
       }
       out->target_mask[k] = static_cast<uint8_t>(v.get<int64_t>());
     }

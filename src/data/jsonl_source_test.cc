@@ -129,6 +129,103 @@ TEST(JsonlSourceTest, EmptyFileMissingFileAndShuffleAreErrors) {
   EXPECT_EQ(shuffled.status().code(), StatusCode::kUnimplemented);
 }
 
+// A value nested 100,000 deep (in "input_ids" or beside it) is an error naming the line and
+// the byte where the limit was passed, from both parsers and the source: no walk over the
+// value (parsing, formatting the error, freeing it) recurses on the input's depth.
+TEST(JsonlSourceTest, DeepNestingIsAnErrorNotACrash) {
+  const int deep = 100000;
+  const std::string ids_deep =
+      "{\"input_ids\":" + std::string(deep, '[') + std::string(deep, ']') + "}";
+  const std::string meta_deep = "{\"input_ids\":[1],\"meta\":" + std::string(deep, '{') +
+                                std::string(deep, '}') + "}";
+  for (const std::string& line : {ids_deep, meta_deep}) {
+    Sample a, b;
+    const Status fast = ParseJsonlLine(line, 0, "f:1", &a);
+    const Status ref = ParseJsonlLineReference(line, 0, "f:1", &b);
+    EXPECT_EQ(fast, ref);
+    EXPECT_EQ(ref.code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(Contains(ref.message(), "f:1: JSON nested deeper than 64 levels at byte "))
+        << ref.message();
+  }
+  TempDir dir;
+  const std::string path = dir.File("deep.jsonl");
+  WriteText(path, "{\"input_ids\":[3]}\n" + ids_deep + "\n");
+  auto s = OpenSource("jsonl:" + path);
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE((*s)->Next().ok());
+  auto bad = (*s)->Next();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(Contains(bad.status().message(),
+                       path + ":2: JSON nested deeper than 64 levels at byte 76 of the line"))
+      << bad.status().message();
+  // The limit itself: 64 levels are read (the object and 63 arrays in "meta"), 65 are not.
+  auto nested = [](int arrays) {
+    return "{\"input_ids\":[1],\"meta\":" + std::string(static_cast<size_t>(arrays), '[') +
+           std::string(static_cast<size_t>(arrays), ']') + "}";
+  };
+  Sample ok;
+  EXPECT_TRUE(ParseJsonlLine(nested(63), 0, "f:1", &ok).ok());
+  EXPECT_EQ(ok.tokens, (std::vector<TokenId>{1}));
+  EXPECT_TRUE(Contains(ParseJsonlLine(nested(64), 0, "f:1", &ok).message(), "deeper than 64"));
+  // A structured value where a token belongs is described by type, not dumped.
+  const Status nested_id = ParseJsonlLine("{\"input_ids\":[1,[[2,3]]]}", 0, "f:1", &ok);
+  EXPECT_TRUE(Contains(nested_id.message(), "input_ids[1] is not an integer: an array of 1 entry"))
+      << nested_id.message();
+}
+
+// A NUL byte does not end a line: the line is an error naming it and the byte, never read as
+// the text before the NUL (which silently dropped the rest of the line).
+TEST(JsonlSourceTest, NulByteIsAnErrorNamingLineAndByte) {
+  TempDir dir;
+  const std::string path = dir.File("nul.jsonl");
+  const std::string nul_line = std::string("{\"input_ids\":[1]}") + '\0' +
+                               "{\"input_ids\":[2,3,4,5,6]} x";
+  WriteText(path, "{\"input_ids\":[7,8]}\n" + nul_line + "\n");
+  auto s = OpenSource("jsonl:" + path);
+  ASSERT_TRUE(s.ok());
+  auto first = (*s)->Next();
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ((*first)->tokens, (std::vector<TokenId>{7, 8}));
+  auto bad = (*s)->NextLength();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(), path + ":2: NUL byte at byte 17 of the line"))
+      << bad.status().message();
+  Sample a, b;
+  EXPECT_EQ(ParseJsonlLine(nul_line, 0, "f:2", &a), ParseJsonlLineReference(nul_line, 0, "f:2", &b));
+  // Inside a string too.
+  const std::string in_string = std::string("{\"input_ids\":[1],\"t\":\"a") + '\0' + "\"}";
+  EXPECT_TRUE(Contains(ParseJsonlLine(in_string, 0, "f:3", &a).message(), "NUL byte at byte 23"));
+}
+
+// A UTF-8 byte-order mark before the first line is not part of it.
+TEST(JsonlSourceTest, ByteOrderMarkBeforeTheFirstLineIsSkipped) {
+  TempDir dir;
+  const std::string path = dir.File("bom.jsonl");
+  WriteText(path, "\xEF\xBB\xBF{\"input_ids\":[4,5]}\n{\"input_ids\":[6]}\n");
+  auto s = OpenSource("jsonl:" + path);
+  ASSERT_TRUE(s.ok());
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    auto a = (*s)->Next();
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_EQ((*a)->tokens, (std::vector<TokenId>{4, 5}));
+    auto b = (*s)->Next();
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ((*b)->tokens, (std::vector<TokenId>{6}));
+    ASSERT_TRUE((*s)->Next().ok());
+    ASSERT_TRUE((*s)->Reset().ok());
+  }
+  // Inside a line a BOM is not skipped (it is not JSON). (At the start of a later line the JSON
+  // parser itself skips one, as it would at the start of a file: concatenated files read.)
+  WriteText(path, "{\"input_ids\":[4,5]}\n{\"input_ids\":[6]}\xEF\xBB\xBF\n");
+  auto t = OpenSource("jsonl:" + path);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->Next().ok());
+  auto bad = (*t)->Next();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(Contains(bad.status().message(), path + ":2: ")) << bad.status().message();
+}
+
 // Random lines, mostly well-formed, some broken: the fast path and the reference agree on
 // every one (same tokens and mask, or the same error).
 TEST(JsonlSourceTest, FastPathMatchesReferenceOnRandomLines) {

@@ -160,8 +160,10 @@ Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path, bool allow
   Result<std::unique_ptr<MappedFile>> mapped = MappedFile::Open(path);
   if (!mapped.ok()) return data_internal::ReadLengthsFileByLine(path, allow_header);
   const std::span<const uint8_t> bytes = (*mapped)->bytes();
-  const char* const begin = reinterpret_cast<const char*>(bytes.data());
-  const char* const end = begin + bytes.size();
+  std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  data_internal::StripBom(&text);  // as LineReader does
+  const char* const begin = text.data();
+  const char* const end = begin + text.size();
   size_t lines = 0;
   for (const char* p = begin; p < end; ++lines) {
     const void* nl = std::memchr(p, '\n', static_cast<size_t>(end - p));

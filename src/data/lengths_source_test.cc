@@ -56,6 +56,44 @@ TEST(LengthsSourceTest, ReadsLengthsWithHeaderCrlfAndTrailingBlankLines) {
   EXPECT_EQ(again[0].length, 12);
 }
 
+// A UTF-8 byte-order mark before the first line is skipped by every reader of lengths and
+// histograms (it made the first length a "header" and dropped it).
+TEST(LengthsSourceTest, ByteOrderMarkBeforeTheFirstLineIsSkipped) {
+  TempDir dir;
+  const std::string bom = "\xEF\xBB\xBF";
+  WriteText(dir.File("plain.txt"), bom + "12\n7\n");
+  WriteText(dir.File("header.txt"), bom + "length\n12\n7\n");
+  for (const char* name : {"plain.txt", "header.txt"}) {
+    auto mapped = ReadLengthsFile(dir.File(name));
+    ASSERT_TRUE(mapped.ok()) << mapped.status().ToString();
+    EXPECT_EQ(*mapped, (std::vector<int32_t>{12, 7})) << name;
+    auto by_line = data_internal::ReadLengthsFileByLine(dir.File(name), true);
+    ASSERT_TRUE(by_line.ok()) << by_line.status().ToString();
+    EXPECT_EQ(*by_line, (std::vector<int32_t>{12, 7})) << name;
+  }
+  auto source = OpenSource("lengths:" + dir.File("plain.txt"));
+  ASSERT_TRUE(source.ok());
+  EXPECT_EQ((*source)->size_hint(), 2);
+  // Elsewhere a BOM is text, and an error.
+  WriteText(dir.File("middle.txt"), "12\n" + bom + "7\n");
+  auto middle = ReadLengthsFile(dir.File("middle.txt"));
+  ASSERT_FALSE(middle.ok());
+  EXPECT_TRUE(Contains(middle.status().message(), "middle.txt:2: length is not an integer"))
+      << middle.status().message();
+  // Histograms.
+  WriteText(dir.File("h.csv"), bom + "length,count\n5,2\n9,1\n");
+  auto h = ReadHistogramFile(dir.File("h.csv"));
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  ASSERT_EQ(h->rows.size(), 2u);
+  EXPECT_EQ(h->rows[0].length, 5);
+  EXPECT_EQ(h->num_sequences, 3);
+  WriteText(dir.File("h2.csv"), bom + "5,2\n");
+  auto no_header = ReadHistogramFile(dir.File("h2.csv"));
+  ASSERT_FALSE(no_header.ok());
+  EXPECT_TRUE(Contains(no_header.status().message(), "h2.csv:1: missing header line"))
+      << no_header.status().message();
+}
+
 TEST(LengthsSourceTest, ErrorsNameFileLineAndText) {
   struct Case {
     const char* text;

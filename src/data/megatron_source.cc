@@ -95,10 +95,10 @@ int64_t ConvertTokens(const uint8_t* p, int64_t n, int64_t limit, TokenId* out, 
 
 class MegatronSource final : public IndexedSource<SampleSource> {
  public:
-  MegatronSource(std::string spec, int64_t num_documents, std::unique_ptr<MappedFile> idx,
-                 std::unique_ptr<MappedFile> bin, uint8_t dtype, uint64_t sequence_count,
-                 const SourceOptions& options)
-      : IndexedSource(std::move(spec), num_documents, options),
+  MegatronSource(std::string spec, int64_t num_documents, int64_t empty_documents,
+                 std::unique_ptr<MappedFile> idx, std::unique_ptr<MappedFile> bin, uint8_t dtype,
+                 uint64_t sequence_count, const SourceOptions& options)
+      : IndexedSource(std::move(spec), num_documents, options, empty_documents),
         idx_(std::move(idx)),
         bin_(std::move(bin)),
         dtype_(dtype),
@@ -158,7 +158,7 @@ class MegatronSource final : public IndexedSource<SampleSource> {
     return static_cast<uint64_t>(LoadLE<int64_t>(documents_ + 8 * static_cast<uint64_t>(k)));
   }
   int64_t DocumentLength(int64_t k) const {
-    int64_t total = 0;  // validated at open: in [1, 2^31 - 1]
+    int64_t total = 0;  // validated at open: in [0, 2^31 - 1] (0: an empty document)
     for (uint64_t s = Document(k); s < Document(k + 1); ++s) total += SequenceLength(s);
     return total;
   }
@@ -297,7 +297,9 @@ Result<std::unique_ptr<SampleSource>> OpenMegatronSource(const std::string& pref
                               " describes " + U(expected) + " (mismatched or truncated pair)");
   }
 
-  // Documents: 0 = d[0] <= d[1] <= ... <= d[D-1] = S, each document 1 .. 2^31-1 tokens.
+  // Documents: 0 = d[0] <= d[1] <= ... <= d[D-1] = S, each document 0 .. 2^31-1 tokens. An
+  // empty one (no sequence, or sequences of length 0) is what Megatron's preprocess_data.py
+  // writes for a text that tokenizes to nothing: it is valid, and holds no sample.
   auto doc = [&](uint64_t k) { return LoadLE<int64_t>(documents + 8 * k); };
   if (doc(0) != 0) {
     return IndexError(idx_path, documents_at,
@@ -309,6 +311,7 @@ Result<std::unique_ptr<SampleSource>> OpenMegatronSource(const std::string& pref
                           std::to_string(doc(doc_count - 1)) + ", expected sequence_count " +
                           U(seq_count));
   }
+  uint64_t empty = 0;  // documents without tokens
   for (uint64_t k = 0; k + 1 < doc_count; ++k) {
     const int64_t a = doc(k);
     const int64_t b = doc(k + 1);
@@ -326,21 +329,20 @@ Result<std::unique_ptr<SampleSource>> OpenMegatronSource(const std::string& pref
                                   " has more than 2^31 - 1 tokens (lengths are int32)");
       }
     }
-    if (tokens == 0) {
-      return Status::InvalidArgument(idx_path + ": document " + U(k) + " (sequences " +
-                                     std::to_string(a) + ".." + std::to_string(b) +
-                                     ") has no tokens (a sample needs at least one)");
-    }
+    if (tokens == 0) ++empty;
   }
   const uint64_t num_documents = doc_count - 1;
   if (num_documents == 0) {
     return Status::InvalidArgument(idx_path + ": holds no documents (a source needs at least one "
                                    "sample)");
   }
-  return std::unique_ptr<SampleSource>(new MegatronSource(std::move(spec),
-                                                          static_cast<int64_t>(num_documents),
-                                                          std::move(idx), std::move(bin), dtype,
-                                                          seq_count, options));
+  if (empty == num_documents) {
+    return Status::InvalidArgument(idx_path + ": every one of its " + U(num_documents) +
+                                   " documents is empty (a source needs at least one sample)");
+  }
+  return std::unique_ptr<SampleSource>(new MegatronSource(
+      std::move(spec), static_cast<int64_t>(num_documents), static_cast<int64_t>(empty),
+      std::move(idx), std::move(bin), dtype, seq_count, options));
 }
 
 // ---------------------------------------------------------------------------------------------

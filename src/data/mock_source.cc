@@ -170,6 +170,8 @@ Result<MockConfig> ParseMockConfigJson(const nlohmann::json& j, std::string_view
 
 Result<MockConfig> ParseMockConfig(std::string_view json_text, std::string_view name,
                                    std::string_view base_dir) {
+  data_internal::StripBom(&json_text);
+  THDPACK_RETURN_IF_ERROR(data_internal::CheckJsonText(json_text, name, "file"));
   try {
     const nlohmann::json j = nlohmann::json::parse(json_text.begin(), json_text.end());
     return ParseMockConfigJson(j, name, base_dir);

@@ -278,6 +278,37 @@ TEST(MockSourceTest, ConfigErrorsNameTheFileAndField) {
   EXPECT_TRUE(Contains(missing.status().message(), "none.json"));
 }
 
+// The config is JSON read as text: a BOM is skipped, a NUL byte or nesting past the limit is
+// an error naming the file and byte (nlohmann stops at a NUL; formatting a deep value
+// recursed), whichever field the value sits in.
+TEST(MockSourceTest, ConfigTextBomNulAndDepth) {
+  TempDir dir;
+  const std::string path = dir.File("c.json");
+  const std::string good =
+      R"({"mode":"distribution","type":"lognormal","min_seq_len":4,"max_seq_len":9,)"
+      R"("mean_seq_len":6,"lognormal_sigma":0.5)";
+  WriteText(path, "\xEF\xBB\xBF" + good + "}");
+  auto bom = ReadMockConfigFile(path);
+  ASSERT_TRUE(bom.ok()) << bom.status().ToString();
+  EXPECT_EQ(bom->min_seq_len, 4);
+  EXPECT_EQ(bom->max_seq_len, 9);
+  WriteText(path, good + "}" + std::string(1, '\0') + "garbage");
+  auto nul = ReadMockConfigFile(path);
+  ASSERT_FALSE(nul.ok());
+  EXPECT_TRUE(Contains(nul.status().message(), path + ": NUL byte at byte " +
+                                                   std::to_string(good.size() + 1) + " of the file"))
+      << nul.status().message();
+  const int deep = 100000;
+  for (const std::string& field : {"min_seq_len", "extra"}) {
+    WriteText(path, R"({"mode":"distribution","type":"lognormal",")" + field + "\":" +
+                        std::string(deep, '[') + std::string(deep, ']') + "}");
+    auto r = ReadMockConfigFile(path);
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(Contains(r.status().message(), path + ": JSON nested deeper than 64 levels"))
+        << r.status().message();
+  }
+}
+
 TEST(MockSourceTest, ShuffleIsAPermutationOfTheSameLengths) {
   TempDir dir;
   std::string text;

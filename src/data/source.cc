@@ -2,10 +2,13 @@
 #include "data/data_internal.h"
 #include "thdpack/data.h"
 
-namespace thdpack {
+#include <new>
 
-Result<std::unique_ptr<SampleSource>> OpenSource(std::string_view spec,
-                                                 const SourceOptions& options) {
+namespace thdpack {
+namespace {
+
+Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
+                                                          const SourceOptions& options) {
   const std::string spec_text(spec);
   if (spec == "mock") return OpenMockSource(kDefaultMockConfig, options, spec_text);
   const size_t colon = spec.find(':');
@@ -34,6 +37,20 @@ Result<std::unique_ptr<SampleSource>> OpenSource(std::string_view spec,
   }
   if (kind == "jsonl") return OpenJsonlSource(path, options);
   return OpenMegatronSource(path, options);
+}
+
+}  // namespace
+
+// Opening reads whole lengths and histogram files into memory: a file larger than memory is an
+// error, never an exception out of the library.
+Result<std::unique_ptr<SampleSource>> OpenSource(std::string_view spec,
+                                                 const SourceOptions& options) {
+  try {
+    return OpenSourceUnguarded(spec, options);
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("data source \"" + std::string(spec) +
+                                     "\": out of memory while opening it");
+  }
 }
 
 }  // namespace thdpack

@@ -1,6 +1,9 @@
 // The job configuration of thdpack/job.h: ResolveJob, the one validation of what `plan`, `run`
 // and the Python module share, and the parsers of the options whose text is theirs.
+#include <unistd.h>
+
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -34,6 +37,10 @@ Status CheckNumbers(const JobOptions& o) {
                                       std::to_string(o.global_batch));
   }
   if (o.steps.has_value()) THDPACK_RETURN_IF_ERROR(AtLeast("--steps", *o.steps, 1));
+  if (o.memory_limit < 0) {
+    return Fail("--memory-limit", "must be >= 0 bytes (0: the physical memory), got " +
+                                      std::to_string(o.memory_limit));
+  }
   THDPACK_RETURN_IF_ERROR(AtLeast("--microbatch-multiple", o.microbatch_multiple, 1));
   if (o.sp && o.tp == 1) {
     return Fail("--sp", "sequence parallelism splits each CP shard over the TP ranks, so it needs "
@@ -133,7 +140,73 @@ Result<Job> ResolveJob(const JobOptions& options) {
   THDPACK_RETURN_IF_ERROR(FillSchedule(options, job));
   THDPACK_RETURN_IF_ERROR(ResolveMemory(options, job));
   THDPACK_ASSIGN_OR_RETURN(job.data_on, ParseDataOn(options.data_on));
+  job.memory_limit = options.memory_limit > 0 ? options.memory_limit : PhysicalMemoryBytes();
+  if (options.global_batch > 0) {
+    THDPACK_RETURN_IF_ERROR(CheckStepMemory(
+        job, options.global_batch, "--global-batch " + std::to_string(options.global_batch)));
+  }
   return job;
+}
+
+int64_t StepMemoryNeed(int64_t samples) {
+  int64_t bytes = 0;
+  if (samples < 0 || __builtin_mul_overflow(samples, kStepBytesPerSample, &bytes)) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return bytes;
+}
+
+Status CheckStepMemory(const Job& job, int64_t samples, std::string_view what) {
+  const int64_t need = StepMemoryNeed(samples);
+  if (need <= job.memory_limit) return Status::Ok();
+  const auto mib = [](int64_t bytes) { return std::to_string(bytes >> 20) + " MiB"; };
+  return Status::ResourceExhausted(
+      std::string(what) + ": a step of " + std::to_string(samples) + " samples needs at least " +
+      mib(need) + " (" + std::to_string(kStepBytesPerSample) + " bytes a sample), more than the " +
+      "memory limit of " + mib(job.memory_limit) +
+      (job.options.memory_limit > 0 ? " (--memory-limit)"
+                                    : " (the physical memory; set --memory-limit)") +
+      " (lower --global-batch, or plan a histogram with --global-batch all and no per-sample "
+      "output)");
+}
+
+int64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  int64_t bytes = 0;
+  if (pages <= 0 || page_size <= 0 ||
+      __builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page_size),
+                             &bytes)) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return bytes;
+}
+
+Result<int64_t> ParseMemoryLimit(std::string_view text) {
+  const std::string bad = "\"" + std::string(text) +
+                          "\" is not a number of bytes (e.g. 68719476736, 64G, 512M; 0: the "
+                          "physical memory)";
+  std::string_view digits = text;
+  int shift = 0;
+  if (!digits.empty()) {
+    switch (digits.back()) {
+      case 'K': shift = 10; break;
+      case 'M': shift = 20; break;
+      case 'G': shift = 30; break;
+      case 'T': shift = 40; break;
+      default: break;
+    }
+    if (shift != 0) digits.remove_suffix(1);
+  }
+  if (digits.empty() || digits.size() > 18 ||
+      digits.find_first_not_of("0123456789") != std::string_view::npos) {
+    return Fail("--memory-limit", bad);
+  }
+  const int64_t v = std::stoll(std::string(digits));
+  if (v > (std::numeric_limits<int64_t>::max() >> shift)) {
+    return Fail("--memory-limit", bad + ": more than 2^63 - 1 bytes");
+  }
+  return v << shift;
 }
 
 StepRunnerOptions RunnerOptions(const Job& job) {

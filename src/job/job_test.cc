@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "data/data_test_util.h"
+#include "thdpack/megatron_dataset.h"
 
 namespace thdpack {
 namespace {
@@ -111,6 +112,83 @@ TEST(Job, GlobalBatchTextIsStrict) {
   }
 }
 
+// A step whose samples alone need more than the memory limit is a named error before anything
+// is allocated for it (it was an uncaught std::bad_alloc); the histogram bulk plan, which
+// holds no sample, still plans 3 billion sequences in one step.
+TEST(Job, StepsBeyondTheMemoryLimitAreNamedErrors) {
+  JobOptions o;
+  o.global_batch = 4000000000;
+  Result<Job> job = ResolveJob(o);
+  ASSERT_FALSE(job.ok());
+  EXPECT_EQ(job.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(job.status().message().rfind("--global-batch 4000000000: a step of 4000000000 "
+                                         "samples needs at least 244140 MiB (64 bytes a sample)",
+                                         0),
+            0u)
+      << job.status().message();
+  // The limit is settable, and 0 means the physical memory.
+  o.global_batch = 1000;
+  o.memory_limit = 64 * 1000 - 1;
+  job = ResolveJob(o);
+  ASSERT_FALSE(job.ok());
+  EXPECT_TRUE(testing_util::Contains(job.status().message(), "(--memory-limit)"))
+      << job.status().message();
+  o.memory_limit = 64 * 1000;
+  ASSERT_TRUE(ResolveJob(o).ok());
+  o.memory_limit = 0;
+  job = ResolveJob(o);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->memory_limit, PhysicalMemoryBytes());
+  EXPECT_GT(PhysicalMemoryBytes(), int64_t{1} << 26);
+  o.memory_limit = -1;
+  ExpectError(o, "--memory-limit");
+  EXPECT_EQ(StepMemoryNeed(int64_t{1} << 62), INT64_MAX);
+
+  // --global-batch all: the source's size is checked before the step is read.
+  TempDir dir;
+  WriteText(dir.File("h.csv"), "length,count\n5,3000000000\n");
+  o = JobOptions{};
+  o.data = "histogram:" + dir.File("h.csv");
+  o.global_batch = 0;
+  o.cost = "tokens";
+  job = ResolveJob(o);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  Result<JobPlan> with_ids = PlanJob(*job, nullptr, /*sample_ids=*/true);
+  ASSERT_FALSE(with_ids.ok());
+  EXPECT_EQ(with_ids.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(with_ids.status().message().rfind("--global-batch all (histogram:" + dir.File("h.csv") +
+                                              "): a step of 3000000000 samples needs at least",
+                                              0),
+            0u)
+      << with_ids.status().message();
+  // One row: the bulk plan does not apply (sequential and best-fit tie), so it is sample by
+  // sample, and the same error.
+  Result<JobPlan> one_row = PlanJob(*job, nullptr, /*sample_ids=*/false);
+  ASSERT_FALSE(one_row.ok());
+  EXPECT_EQ(one_row.status().code(), StatusCode::kResourceExhausted);
+  // Where the bulk plan applies, 2 billion sequences plan in one step, without per-sample ids.
+  WriteText(dir.File("h2.csv"), "length,count\n3000,1000000000\n9000,1000000000\n");
+  o.data = "histogram:" + dir.File("h2.csv");
+  job = ResolveJob(o);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  Result<JobPlan> bulk = PlanJob(*job, nullptr, /*sample_ids=*/false);
+  ASSERT_TRUE(bulk.ok()) << bulk.status().ToString();
+  EXPECT_EQ(bulk->steps.at(0).plan.n_samples, 2000000000);
+  EXPECT_EQ(bulk->steps.at(0).plan.real_tokens, 12000000000000);
+  EXPECT_EQ(PlanJob(*job, nullptr, /*sample_ids=*/true).status().code(),
+            StatusCode::kResourceExhausted);
+
+  EXPECT_EQ(ParseMemoryLimit("64G").value(), int64_t{64} << 30);
+  EXPECT_EQ(ParseMemoryLimit("512M").value(), int64_t{512} << 20);
+  EXPECT_EQ(ParseMemoryLimit("1000").value(), 1000);
+  EXPECT_EQ(ParseMemoryLimit("0").value(), 0);
+  for (const char* bad : {"", "G", "-1", "1.5G", "64GB", "99999999999T"}) {
+    Result<int64_t> r = ParseMemoryLimit(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().message().rfind("--memory-limit: ", 0), 0u) << r.status().message();
+  }
+}
+
 TEST(Job, StepsDefaultToOneWithAllAndThreeOtherwise) {
   JobOptions o;
   EXPECT_EQ(ResolveJob(o)->steps, 3);
@@ -176,7 +254,7 @@ TEST(Job, RunProfileStepsAreChecked) {
 TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
   std::mt19937_64 rng(std::random_device{}());
   TempDir dir;
-  for (int trial = 0; trial < 6; ++trial) {
+  for (int trial = 0; trial < 8; ++trial) {
     std::string text;
     const int n = 20 + static_cast<int>(rng() % 40);
     for (int i = 0; i < n; ++i) text += std::to_string(1 + rng() % 300) + "\n";
@@ -184,6 +262,18 @@ TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
     WriteText(path, text);
     JobOptions o;
     o.data = "lengths:" + path;
+    if (trial >= 6) {
+      // A Megatron dataset with empty documents: ids with gaps, n_empty in both commands.
+      const std::string prefix = dir.File("megatron" + std::to_string(trial));
+      auto w = MegatronWriter::Create(prefix, MegatronDType::kUint16);
+      ASSERT_TRUE(w.ok());
+      for (int i = 0; i < n; ++i) {
+        if (i % 4 != 1) ASSERT_TRUE((*w)->AddSequence(std::vector<int64_t>(1 + rng() % 300, 5)).ok());
+        ASSERT_TRUE((*w)->EndDocument().ok());
+      }
+      ASSERT_TRUE((*w)->Finish().ok());
+      o.data = "megatron:" + prefix;
+    }
     o.tp = 1 + static_cast<int>(rng() % 2);
     o.cp = 1 + static_cast<int>(rng() % 2);
     o.dp = 1 + static_cast<int>(rng() % 3);
@@ -214,6 +304,7 @@ TEST(Job, RunReportsPlansFiguresAtSeveralWorldSizes) {
     });
     for (const Status& s : statuses) ASSERT_TRUE(s.ok()) << s.ToString();
     ASSERT_EQ(reports.size(), 2u) << job->topology.ToString();
+    if (trial >= 6) EXPECT_GT(plan->summary.n_empty, 0);
     for (size_t k = 0; k < reports.size(); ++k) {
       EXPECT_EQ(StepFiguresJson(reports[k].figures, false), StepFiguresJson(plan->steps[k], false))
           << job->topology.ToString();

@@ -2,6 +2,7 @@
 // turned into figures, one at a time.
 #include <algorithm>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,6 +91,7 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
   out.figures = MakeStepFigures(step->step, step->epoch, job.schedule, scheduled->plan,
                                 std::move(scheduled->figures), job.flops, sample_ids);
   out.figures.sim_step_time = sim_step_time;
+  out.figures.n_empty = step->n_empty;
   THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemoryFromFigures(out.figures.plan,
                                                                     job.schedule, job.memory));
   return out;
@@ -109,9 +111,27 @@ Result<std::optional<PlannedStep>> PlanHistogramEpoch(const Job& job, SampleSour
                            job.memory);
 }
 
+Result<JobPlan> PlanJobUnguarded(const Job& job, const PlanStepCallback& on_step,
+                                 bool sample_ids);
+
 }  // namespace
 
+// The checks before each step keep known inputs below the memory limit; an allocation that
+// fails anyway (a limit above what the system grants) is an error, never an exception out of
+// the library.
 Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step, bool sample_ids) {
+  try {
+    return PlanJobUnguarded(job, on_step, sample_ids);
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted(
+        "plan: out of memory (an allocation failed; lower --global-batch or --memory-limit)");
+  }
+}
+
+namespace {
+
+Result<JobPlan> PlanJobUnguarded(const Job& job, const PlanStepCallback& on_step,
+                                 bool sample_ids) {
   Result<std::unique_ptr<SampleSource>> source = OpenSource(job.options.data,
                                                             job.options.source);
   if (!source.ok()) return Status::InvalidArgument("--data: " + source.status().message());
@@ -130,6 +150,13 @@ Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step, bool sa
     if (bulk.has_value()) {
       step = std::move(*bulk);
     } else {
+      if (job.options.global_batch == 0) {  // a numeric one was checked by ResolveJob
+        const std::optional<int64_t> size = (*source)->size_hint();
+        if (size.has_value()) {
+          THDPACK_RETURN_IF_ERROR(CheckStepMemory(
+              job, *size, "--global-batch all (" + (*source)->spec() + ")"));
+        }
+      }
       THDPACK_ASSIGN_OR_RETURN(step, PlanStep(job, reader, sample_ids));
     }
     if (on_step) THDPACK_RETURN_IF_ERROR(on_step(step));
@@ -139,6 +166,8 @@ Result<JobPlan> PlanJob(const Job& job, const PlanStepCallback& on_step, bool sa
   out.summary = Summarize(out.steps);
   return out;
 }
+
+}  // namespace
 
 std::string PlanJobJson(const JobPlan& plan, bool summary_only) {
   std::vector<JsonFields> step_fields(plan.memory.size());

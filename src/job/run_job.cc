@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -21,6 +22,7 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
     THDPACK_ASSIGN_OR_RETURN(r.figures.sim_step_time,
                              PlanStepTime(step.samples, job.schedule, step.plan));
   }
+  r.figures.n_empty = step.n_empty;
   THDPACK_ASSIGN_OR_RETURN(r.memory,
                            ComputeStepMemory(step.samples, job.schedule, step.plan, job.memory));
   r.phases = std::move(phases);
@@ -31,8 +33,8 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
 
 }  // namespace
 
-Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
-                    const RunStepCallback& on_step) {
+static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const RunSetup& run,
+                                    const RunStepCallback& on_step) {
   world.set_timeout(std::chrono::milliseconds(
       std::max<int64_t>(1, static_cast<int64_t>(job.options.timeout * 1000))));
   const StepRunnerOptions options = RunnerOptions(job);
@@ -61,6 +63,19 @@ Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
     if (on_step) THDPACK_RETURN_IF_ERROR(on_step(report));
   }
   return Status::Ok();
+}
+
+// As PlanJob: a failed allocation is an error on this rank (the others stop at their next
+// collective, as for any failed rank), never an exception out of the library.
+Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
+                    const RunStepCallback& on_step) {
+  try {
+    return RunJobOnRankUnguarded(world, job, run, on_step);
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("run: rank " + std::to_string(world.rank()) +
+                                     " is out of memory (an allocation failed; lower "
+                                     "--global-batch or --memory-limit)");
+  }
 }
 
 std::string RunStepJson(const RunStepReport& step, bool summary_only) {

@@ -66,6 +66,17 @@ Result<int64_t> ValidateSamples(std::span<const SampleView> samples) {
       return Status::InvalidArgument(SampleName(i, s) +
                                      ": has no tokens: a sequence length must be >= 1");
     }
+    // Token ids lie in [0, 2^31): a negative one would become a label (-100 is the ignore
+    // index) and silently change what the loss counts. One branch-free pass (vectorised).
+    TokenId lowest = 0;
+    for (const TokenId t : s.tokens) lowest = std::min(lowest, t);
+    if (lowest < 0) {
+      const auto bad =
+          std::find_if(s.tokens.begin(), s.tokens.end(), [](TokenId t) { return t < 0; });
+      return Status::InvalidArgument(SampleName(i, s) + ": tokens[" +
+                                     Str(bad - s.tokens.begin()) + "] = " + Str(*bad) +
+                                     ": token ids must lie in [0, 2^31)");
+    }
     if (s.target_mask.empty()) {
       n_valid += len - 1;
       continue;

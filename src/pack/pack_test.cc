@@ -268,6 +268,34 @@ TEST(PackTest, RejectsBadSamples) {
                 {"target_mask[29] = 3"});
 }
 
+// A negative token id would be taken for a label (-100 is kIgnoreIndex) and silently change
+// what the loss counts: every entry point rejects it, naming the sample and position.
+TEST(PackTest, RejectsNegativeTokenIds) {
+  std::vector<Sample> s{Sample{.id = 5, .tokens = {1, 2}},
+                        Sample{.id = 6, .tokens = {3, kIgnoreIndex, 4}}};
+  ExpectInvalid(Pack(Views(s), {}).status(),
+                {"samples[1] (id 6)", "tokens[1] = -100", "token ids must lie in [0, 2^31)"});
+  Sample long_sample{.id = 4, .tokens = std::vector<TokenId>(40, 1)};
+  long_sample.tokens[33] = std::numeric_limits<TokenId>::min();
+  const std::vector<SampleView> bad{long_sample};
+  const std::string what = "tokens[33] = -2147483648";
+  ExpectInvalid(Pack(bad, {}).status(), {"(id 4)", what});
+  ExpectInvalid(PackAndShard(bad, {}, 0).status(), {what});
+  ExpectInvalid(PackAndShardAll(bad, {}).status(), {what});
+  Layout layout = *ComputeLayout(Lengths{40}, {});
+  Ints out(40);
+  ExpectInvalid(PackInto(bad, layout, {}, {.tokens = out}).status(), {what});
+  ExpectInvalid(PackShardInto(bad, layout, {}, 0, {.tokens = out}).status(), {what});
+  ExpectInvalid(PackShardAllInto(bad, layout, {}, std::vector<PackBuffers>{{.tokens = out}}).status(),
+                {what});
+  // The largest id is a token like any other.
+  long_sample.tokens[33] = std::numeric_limits<TokenId>::max();
+  auto ok = Pack(std::vector<SampleView>{long_sample}, {});
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->tokens[33], std::numeric_limits<TokenId>::max());
+  EXPECT_EQ(ok->n_valid, 39);
+}
+
 TEST(PackTest, IntoRejectsLayoutsThatDoNotDescribeTheSamples) {
   const auto samples = TwoSamples();
   const auto views = Views(samples);

@@ -189,7 +189,9 @@ class StepRunner::Impl {
   int64_t first_id_ = 0;
   std::vector<int64_t> loader_offset_;  // [DP+1]: loader d's samples at positions [o_d, o_{d+1})
   std::vector<int> replica_of_;         // [n]: the replica the plan chose per position (-1 skip)
-  std::vector<int64_t> position_of_offset_;  // [n]: id - first_id -> scheduling position
+  int64_t id_span_ = 0;  // the step's ids lie in [first_id_, first_id_ + id_span_)
+  // [id_span_]: id - first_id -> scheduling position (-1: the id of an empty document)
+  std::vector<int64_t> position_of_offset_;
   std::vector<std::byte> recv_buffer_;
   std::vector<SampleRef> refs_;         // [n]: where each of this replica's samples lives
   // Loader's packed shards: [M][CP].
@@ -287,7 +289,9 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   }
   own_ = std::move(share.samples);
   first_id_ = share.first_id;
+  id_span_ = share.id_span;
   out.epoch = share.epoch;
+  out.n_empty = share.n_empty;
   if (opts_.schedule.oversize != ScheduleOptions::OversizePolicy::kError) return Status::Ok();
   const int64_t budget = MicrobatchBudget(opts_.schedule);
   const ParallelLayout& parallel = opts_.schedule.parallel;
@@ -333,10 +337,10 @@ Status StepRunner::Impl::ExchangeLengths(RankStep& out) {
   THDPACK_RETURN_IF_ERROR(loaders_->AllGatherVValues(std::span<const int32_t>(send),
                                                      std::span<int32_t>(recv), c, dsp));
   out.samples.resize(static_cast<size_t>(n));
-  position_of_offset_.assign(static_cast<size_t>(n), -1);
+  position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
   for (int64_t p = 0; p < n; ++p) {
     const int32_t off = recv[3 * p];
-    if (off < 0 || off >= n || position_of_offset_[static_cast<size_t>(off)] != -1) {
+    if (off < 0 || off >= id_span_ || position_of_offset_[static_cast<size_t>(off)] != -1) {
       return Status::Internal("length exchange: sample offset " + std::to_string(off) +
                               " out of range or repeated");
     }

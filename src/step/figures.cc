@@ -90,6 +90,7 @@ SummaryFigures Summarize(std::span<const StepFigures> steps) {
     s.max_num_microbatches = std::max<int64_t>(s.max_num_microbatches, p.num_microbatches);
     s.n_samples += p.n_samples;
     s.n_skipped += p.n_skipped;
+    s.n_empty += f.n_empty;
     s.real_tokens += p.real_tokens;
     s.padded_tokens += p.padded_tokens;
     s.sum_sq += static_cast<double>(p.sum_sq);
@@ -125,6 +126,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["n_samples"] = p.n_samples;
   j["n_skipped"] = p.n_skipped;
   j["skipped"] = f.skipped;
+  j["n_empty"] = f.n_empty;
   j["real_tokens"] = p.real_tokens;
   j["padded_tokens"] = p.padded_tokens;
   j["sum_sq"] = p.sum_sq;
@@ -194,6 +196,7 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["max_num_microbatches"] = s.max_num_microbatches;
   j["n_samples"] = s.n_samples;
   j["n_skipped"] = s.n_skipped;
+  j["n_empty"] = s.n_empty;
   j["real_tokens"] = s.real_tokens;
   j["padded_tokens"] = s.padded_tokens;
   j["sum_sq"] = s.sum_sq;

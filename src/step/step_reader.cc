@@ -30,6 +30,7 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   const std::string empty_message =
       "data source \"" + source_->spec() + "\" holds no samples (a step needs at least one)";
   int64_t epoch = source_->epoch();
+  const int64_t empty_before = source_->skipped_empty();
   int64_t i = 0;
   bool wrapped = false;  // the last read hit the end of the source
   while (global_batch_ == 0 || i < global_batch_) {
@@ -58,6 +59,7 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   }
   if (i == 0) return Status::InvalidArgument(empty_message);
   if (global_batch_ == 0) THDPACK_RETURN_IF_ERROR(source_->Reset());
+  last_n_empty_ = source_->skipped_empty() - empty_before;
   return epoch;
 }
 
@@ -98,6 +100,7 @@ Result<StepSamples> StepReader::Next() {
                             }
                             return Status::Ok();
                           }));
+  out.n_empty = last_n_empty_;
   const int64_t read = static_cast<int64_t>(beyond.size()) +
                        std::min(expected, round * dp_size_ + loader);
   if (read != expected) {
@@ -125,21 +128,23 @@ Result<StepShare> StepReader::NextShare(int loader) {
   auto take = [&](int64_t i, const SampleLength& s, Sample* sample) {
     if (i == 0) {
       out.first_id = s.id;
-    } else if (s.id != out.first_id + i) {
+    } else if (s.id < out.first_id + out.id_span) {
       return Status::Internal("source " + source_->spec() + ": sample " + std::to_string(i) +
                               " of step " + std::to_string(out.step) + " has id " +
-                              std::to_string(s.id) + ", expected consecutive ids from " +
-                              std::to_string(out.first_id));
+                              std::to_string(s.id) + ", expected increasing ids after " +
+                              std::to_string(out.first_id + out.id_span - 1));
     }
-    if (i >= INT32_MAX) {
+    if (i >= INT32_MAX || s.id - out.first_id >= INT32_MAX) {
       return Status::OutOfRange("step " + std::to_string(out.step) +
-                                " holds more than 2^31 - 1 samples");
+                                " holds more than 2^31 - 1 samples or ids");
     }
+    out.id_span = s.id - out.first_id + 1;
     if (sample != nullptr) out.samples.push_back(std::move(*sample));
     out.n = i + 1;
     return Status::Ok();
   };
   THDPACK_ASSIGN_OR_RETURN(out.epoch, ReadStep(mine, take));
+  out.n_empty = last_n_empty_;
   ++next_step_;
   return out;
 }

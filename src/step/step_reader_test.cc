@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "data/data_test_util.h"
+#include "thdpack/megatron_dataset.h"
 
 namespace thdpack {
 namespace {
@@ -328,6 +329,80 @@ TEST(StepReaderShare, SharesOfEveryLoaderMakeNextsStep) {
         }
       }
     }
+  }
+}
+
+// A Megatron dataset with empty documents: their ids are used up but belong to no sample, so a
+// step's ids have gaps. Every loader's share still makes Next()'s step, the ids increase inside
+// [first_id, first_id + id_span), and each step counts the empty documents it passed over.
+TEST(StepReaderShare, EmptyMegatronDocumentsLeaveGapsInTheIds) {
+  std::mt19937_64 rng(std::random_device{}());
+  TempDir dir;
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::string prefix = dir.File("m" + std::to_string(trial));
+    auto w = MegatronWriter::Create(prefix, MegatronDType::kUint16);
+    ASSERT_TRUE(w.ok());
+    const int docs = 1 + static_cast<int>(rng() % 25);
+    int64_t empty = 0;
+    for (int k = 0; k < docs; ++k) {
+      if (k > 0 && rng() % 3 == 0) {
+        ++empty;  // no sequence (Megatron's add_document([], []))
+      } else {
+        ASSERT_TRUE((*w)->AddSequence(std::vector<int64_t>(1 + rng() % 9, 7)).ok());
+      }
+      ASSERT_TRUE((*w)->EndDocument().ok());
+    }
+    ASSERT_TRUE((*w)->Finish().ok());
+    const int dp = 1 + static_cast<int>(rng() % 4);
+    const int64_t global_batch = rng() % 4 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 30);
+    auto plan_source = OpenSource("megatron:" + prefix);
+    ASSERT_TRUE(plan_source.ok()) << plan_source.status().ToString();
+    auto plan_reader = StepReader::Create(plan_source->get(), global_batch, dp);
+    ASSERT_TRUE(plan_reader.ok());
+    std::vector<std::unique_ptr<SampleSource>> sources;
+    std::vector<StepReader> loaders;
+    for (int d = 0; d < dp; ++d) {
+      auto src = OpenSource("megatron:" + prefix);
+      ASSERT_TRUE(src.ok());
+      sources.push_back(std::move(*src));
+      auto r = StepReader::Create(sources.back().get(), global_batch, dp);
+      ASSERT_TRUE(r.ok());
+      loaders.push_back(std::move(*r));
+    }
+    int64_t total_empty = 0;
+    int64_t last_id = -1;
+    for (int64_t s = 0; s < 4; ++s) {
+      auto want = plan_reader->Next();
+      ASSERT_TRUE(want.ok()) << want.status().ToString();
+      const int64_t n = static_cast<int64_t>(want->samples.size());
+      if (global_batch > 0) EXPECT_EQ(n, global_batch);  // empty documents do not count
+      if (global_batch == 0) EXPECT_EQ(n, docs - empty);
+      total_empty += want->n_empty;
+      std::vector<int64_t> ids;
+      for (const SampleLength& x : want->samples) ids.push_back(x.id);
+      std::sort(ids.begin(), ids.end());
+      EXPECT_GT(ids.front(), last_id);
+      last_id = ids.back();
+      for (int d = 0; d < dp; ++d) {
+        auto share = loaders[static_cast<size_t>(d)].NextShare(d);
+        ASSERT_TRUE(share.ok()) << share.status().ToString();
+        EXPECT_EQ(share->n, n);
+        EXPECT_EQ(share->n_empty, want->n_empty);
+        EXPECT_EQ(share->first_id, ids.front());
+        EXPECT_EQ(share->id_span, ids.back() - ids.front() + 1);
+        EXPECT_LE(share->id_span, n + want->n_empty);
+        const int64_t offset = LoaderOffset(n, dp, d);
+        ASSERT_EQ(static_cast<int64_t>(share->samples.size()), LoaderCount(n, dp, d));
+        for (size_t k = 0; k < share->samples.size(); ++k) {
+          const SampleLength& x = want->samples[static_cast<size_t>(offset) + k];
+          EXPECT_EQ(share->samples[k].id, x.id);
+          EXPECT_EQ(static_cast<int64_t>(share->samples[k].tokens.size()), x.length);
+        }
+      }
+    }
+    // Every empty document read past is counted once: the source's count is the steps' sum.
+    EXPECT_EQ(total_empty, (*plan_source)->skipped_empty());
+    if (empty > 0 && global_batch == 0) EXPECT_EQ(total_empty, 4 * empty);
   }
 }
 
