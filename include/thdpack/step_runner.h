@@ -89,7 +89,8 @@ struct StepRunnerOptions {
   // set, reading ranks open no source and take each step's share from read_share(step, dp),
   // called once per step on the rank's own thread: the loader's own samples in source order,
   // with first_id the step's first id, n its sample count and ids first_id + k * DP + dp (the
-  // ids a file source gives, step.h), so the lengths phase can place them. An error it returns
+  // ids a file source gives, step.h), so the lengths phase can place them; id_span 0 means n
+  // (consecutive ids, no empty documents passed over). An error it returns
   // fails the read phase on that rank (agreed as any other). Default: unset.
   std::function<Result<StepShare>(int64_t step, int loader)> read_share;
   // For tests of the failure path: the loader of this replica flips one byte of the encoded

@@ -289,7 +289,8 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   }
   own_ = std::move(share.samples);
   first_id_ = share.first_id;
-  id_span_ = share.id_span;
+  // A caller-fed share may leave id_span 0: its ids are then consecutive (step_runner.h).
+  id_span_ = share.id_span > 0 ? share.id_span : share.n;
   out.epoch = share.epoch;
   out.n_empty = share.n_empty;
   if (opts_.schedule.oversize != ScheduleOptions::OversizePolicy::kError) return Status::Ok();
