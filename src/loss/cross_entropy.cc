@@ -45,6 +45,7 @@ using loss_internal::Prepared;
 // below is a template over one of these.
 template <int kLanes>
 struct Vec;
+#ifdef THDPACK_X86_ISAS
 template <>
 struct Vec<16> {
   typedef float F __attribute__((vector_size(64)));
@@ -59,6 +60,7 @@ struct Vec<8> {
   typedef uint16_t H __attribute__((vector_size(16)));
   static constexpr int64_t kL = 8;
 };
+#endif
 template <>
 struct Vec<4> {
   typedef float F __attribute__((vector_size(16)));
