@@ -2,6 +2,9 @@
 // second per core, for T tokens and V in {32000, 151936}, bf16 and fp32 logits. Rows:
 //   fast, 1 thread     CrossEntropy(with_grad), num_threads = 1
 //   fast, N threads    the same with N = hardware threads (per-core figure = total / N)
+//   1 thread, <isa>    the 1-thread row with each narrower ISA variant this CPU runs (the
+//                      fast rows use the widest: x86-64-v4 16 floats per vector, x86-64-v3 8,
+//                      baseline 4), forced through loss_internal::ForceIsa
 //   plain fp32 loop    a chunk-free fp32 loop written here: max pass, std::exp sum pass, and a
 //                      std::exp gradient pass (measured on the first --ref-tokens rows)
 //   memcpy floor       memcpy of the logits bytes into the gradient buffer: the logits read
@@ -26,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "loss/loss_internal.h"
 #include "thdpack/loss.h"
 
 namespace {
@@ -127,6 +131,9 @@ int main(int argc, char** argv) {
   std::printf("cross-entropy forward + backward, T = %lld tokens, %d hardware threads used for "
               "the N-thread rows, median of %d runs\n",
               static_cast<long long>(tokens), threads, reps);
+  const thdpack::loss_internal::Isa widest = thdpack::loss_internal::ActiveIsa();
+  std::printf("fast rows: the %s kernel (%d floats per vector)\n",
+              thdpack::loss_internal::IsaName(widest), thdpack::loss_internal::IsaLanes(widest));
   std::printf("%-7s %-9s %-18s %10s %14s %14s %9s\n", "V", "dtype", "path", "time_s",
               "Glogits/s", "Glogits/s/core", "x floor");
   bool all_ok = true;
@@ -204,6 +211,14 @@ int main(int argc, char** argv) {
       if (threads > 1) {
         const std::string label = "fast, " + std::to_string(threads) + " threads";
         row(label.c_str(), tn, threads);
+      }
+      for (thdpack::loss_internal::Isa isa : thdpack::loss_internal::SupportedIsas()) {
+        if (isa == widest) continue;
+        if (!thdpack::loss_internal::ForceIsa(isa).ok()) std::abort();
+        const double t_isa = fast(1);
+        if (!thdpack::loss_internal::ForceIsa(std::nullopt).ok()) std::abort();
+        const std::string label = std::string("1 thread, ") + thdpack::loss_internal::IsaName(isa);
+        row(label.c_str(), t_isa, 1);
       }
       row("plain fp32 loop", t_plain, 1);
       row("memcpy floor", t_copy, 1);

@@ -9,10 +9,13 @@
 // row's first pass (two scratch rows): the memory-bound stores overlap the compute-bound exps. Every
 // logit costs one exp and the logits are read from memory once.
 //
-// Vectors are GCC vector extensions of 16 floats: one zmm on AVX-512, two ymm on AVX2, four
-// xmm on the x86-64 baseline. The kernels are compiled for each of these (target_clones) and
-// picked at load time, so the build stays portable. Lane sums are reduced in a fixed order: a
-// token's values do not depend on the thread count.
+// Vectors are GCC vector extensions whose width is a template parameter, one register wide
+// on each ISA: 16 floats (one zmm) in the x86-64-v4 (AVX-512) functions, 8 (one ymm) in the
+// x86-64-v3 (AVX2) ones, 4 (one xmm) in the baseline ones. A wider vector than the registers
+// (16 floats as two ymm on AVX2) makes the loop's live vectors spill to the stack. Each ISA's
+// functions are compiled with target("arch=...") and one set is picked once, from
+// __builtin_cpu_supports, so the build stays portable. Lane sums are reduced in a fixed order:
+// a token's values do not depend on the thread count (they do, in the last bits, on the ISA).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -28,10 +31,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(THDPACK_NO_TARGET_CLONES)
-#define THDPACK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define THDPACK_X86_ISAS 1  // the x86-64-v3 and -v4 functions are built
 #define THDPACK_NATIVE_BF16 1
-#else
-#define THDPACK_CLONES
 #endif
 #define THDPACK_INLINE inline __attribute__((always_inline))
 
@@ -40,12 +41,34 @@ namespace {
 
 using loss_internal::Prepared;
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-constexpr int64_t kL = 16;
-constexpr int64_t kChunk = 2048;  // a multiple of kL; 8 KiB of floats stays in L1
+// The vector types of one width: kL floats (F), their bits (U), kL bf16 (H). Every kernel
+// below is a template over one of these.
+template <int kLanes>
+struct Vec;
+#ifdef THDPACK_X86_ISAS
+template <>
+struct Vec<16> {
+  typedef float F __attribute__((vector_size(64)));
+  typedef uint32_t U __attribute__((vector_size(64)));
+  typedef uint16_t H __attribute__((vector_size(32)));
+  static constexpr int64_t kL = 16;
+};
+template <>
+struct Vec<8> {
+  typedef float F __attribute__((vector_size(32)));
+  typedef uint32_t U __attribute__((vector_size(32)));
+  typedef uint16_t H __attribute__((vector_size(16)));
+  static constexpr int64_t kL = 8;
+};
+#endif
+template <>
+struct Vec<4> {
+  typedef float F __attribute__((vector_size(16)));
+  typedef uint32_t U __attribute__((vector_size(16)));
+  typedef uint16_t H __attribute__((vector_size(8)));
+  static constexpr int64_t kL = 4;
+};
+constexpr int64_t kChunk = 2048;  // a multiple of every width; 8 KiB of floats stays in L1
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Per-row online softmax state relative to m: s = sum exp(z - m), w = sum exp(z - m)*(z - m).
@@ -65,7 +88,10 @@ struct Job {
   RowStats* stats = nullptr;    // forward: per-token output
 };
 
-THDPACK_INLINE v16f Splat(float x) { return v16f{} + x; }
+template <typename F>
+THDPACK_INLINE F Splat(float x) {
+  return F{} + x;
+}
 
 // exp(x) for x <= ~0 (and a little above): range reduction x = n ln2 + r (|r| <= ln2/2, ln2 in
 // two parts), then a degree-6 polynomial fitted for relative error (max 1.9e-9 in exact
@@ -74,137 +100,152 @@ THDPACK_INLINE v16f Splat(float x) { return v16f{} + x; }
 // rounded by adding 1.5 * 2^23, whose float bits then hold n in the low bits: (bits + 127) << 23
 // is 2^n, with no float-to-int conversion. Inputs below -87 are clamped (exp(-87) ~ 1.6e-38;
 // the callers zero the lanes whose logit is -inf); the clamp keeps NaN, so NaN stays NaN.
-THDPACK_INLINE v16f Exp16(const v16f& x_in) {
-  const v16f lo = Splat(-87.0f);
-  const v16f x = lo > x_in ? lo : x_in;  // maxps(lo, x): NaN passes through
-  const v16f magic = Splat(12582912.0f);  // 1.5 * 2^23
-  const v16f nf = x * 1.44269504088896341f + magic;  // round(x / ln2) in the low mantissa bits
-  const v16f n = nf - magic;
-  v16f r = x - n * 0.693359375f;
+template <typename VecT>
+THDPACK_INLINE typename VecT::F ExpV(const typename VecT::F& x_in) {
+  using F = typename VecT::F;
+  using U = typename VecT::U;
+  const F lo = Splat<F>(-87.0f);
+  const F x = lo > x_in ? lo : x_in;  // maxps(lo, x): NaN passes through
+  const F magic = Splat<F>(12582912.0f);  // 1.5 * 2^23
+  const F nf = x * 1.44269504088896341f + magic;  // round(x / ln2) in the low mantissa bits
+  const F n = nf - magic;
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  v16f p = Splat(1.383684576e-3f);
+  F p = Splat<F>(1.383684576e-3f);
   p = p * r + 8.374815807e-3f;
   p = p * r + 4.166822508e-2f;
   p = p * r + 1.666641980e-1f;
   p = p * r + 4.999999106e-1f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const v16u bits = ((v16u)nf + 127u) << 23;
-  return p * (v16f)bits;
+  const U bits = ((U)nf + 127u) << 23;
+  return p * (F)bits;
 }
 
-THDPACK_INLINE v16f Load(const float* p) {
-  v16f v;
+template <typename VecT>
+THDPACK_INLINE typename VecT::F Load(const float* p) {
+  typename VecT::F v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-THDPACK_INLINE v16f Load(const uint16_t* p) {
-  v16h h;
+template <typename VecT>
+THDPACK_INLINE typename VecT::F Load(const uint16_t* p) {
+  typename VecT::H h;
   std::memcpy(&h, p, sizeof(h));
-  const v16u u = __builtin_convertvector(h, v16u) << 16;
-  return (v16f)u;
+  const typename VecT::U u = __builtin_convertvector(h, typename VecT::U) << 16;
+  return (typename VecT::F)u;
 }
-THDPACK_INLINE void Store(float* p, const v16f& v) { std::memcpy(p, &v, sizeof(v)); }
-THDPACK_INLINE void Store(uint16_t* p, const v16f& v) {
-  const v16u u = (v16u)v;
-  const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
-  const v16h h = __builtin_convertvector(rounded, v16h);
+template <typename VecT>
+THDPACK_INLINE void Store(float* p, const typename VecT::F& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+template <typename VecT>
+THDPACK_INLINE void Store(uint16_t* p, const typename VecT::F& v) {
+  using U = typename VecT::U;
+  const U u = (U)v;
+  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  const typename VecT::H h = __builtin_convertvector(rounded, typename VecT::H);
   std::memcpy(p, &h, sizeof(h));
 }
 // The gradient store: with kNative (bf16 only, in the AVX-512 function below, run only where
 // the CPU has AVX512-BF16) one vcvtneps2bf16 does the round to nearest even that Store does with
 // integer operations; the results are the same bits except below 2^-126 (float denormals),
 // which the instruction flushes to 0.
-template <bool kNative, typename Out>
-THDPACK_INLINE void StoreGrad(Out* p, const v16f& v) {
+template <typename VecT, bool kNative, typename Out>
+THDPACK_INLINE void StoreGrad(Out* p, const typename VecT::F& v) {
 #ifdef THDPACK_NATIVE_BF16
-  if constexpr (kNative && std::is_same_v<Out, uint16_t>) {
-    v16h h;
+  if constexpr (kNative && VecT::kL == 16 && std::is_same_v<Out, uint16_t>) {
+    typename VecT::H h;
     asm("vcvtneps2bf16 %1, %0" : "=v"(h) : "v"(v));
     std::memcpy(p, &h, sizeof(h));
     return;
   }
 #endif
-  Store(p, v);
+  Store<VecT>(p, v);
 }
 THDPACK_INLINE float ToFloat(float x) { return x; }
 THDPACK_INLINE float ToFloat(uint16_t x) { return BFloat16{x}.ToFloat(); }
 THDPACK_INLINE void FromFloat(float* p, float v) { *p = v; }
 THDPACK_INLINE void FromFloat(uint16_t* p, float v) { *p = BFloat16::FromFloat(v).bits; }
 
-THDPACK_INLINE float HMax(const v16f& v) {
+template <typename VecT>
+THDPACK_INLINE float HMax(const typename VecT::F& v) {
   float m = v[0];
-  for (int i = 1; i < kL; ++i) m = v[i] > m ? v[i] : m;
+  for (int i = 1; i < VecT::kL; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-THDPACK_INLINE float HSum(const v16f& v) {
-  // Pairwise, fixed order.
-  float a[8];
-  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) a[i] += a[i + 4];
-  a[0] += a[2];
-  a[1] += a[3];
-  return a[0] + a[1];
+// Pairwise, fixed order: lane i with lane i + half, halving until one is left.
+template <typename VecT>
+THDPACK_INLINE float HSum(const typename VecT::F& v) {
+  float a[VecT::kL];
+  for (int i = 0; i < VecT::kL; ++i) a[i] = v[i];
+  for (int half = VecT::kL / 2; half > 0; half /= 2) {
+    for (int i = 0; i < half; ++i) a[i] += a[i + half];
+  }
+  return a[0];
 }
 
 // One pass over a chunk: e = exp(z - ref) (0 where z = -inf), sums of e and e*(z - ref), the
 // chunk max; with kGrad the e are kept in scratch (and ExpPass also writes a pending row's
 // gradient, pin * pf to pout, on the full vectors). The last partial vector comes from tail
 // (padded with -inf).
+template <typename VecT>
 struct ChunkSums {
-  v16f s, w, max;
+  typename VecT::F s, w, max;
 };
 // The exact pass: -inf logits (padded vocabulary columns, the tail) are masked to 0.
-template <typename In, bool kGrad>
-THDPACK_INLINE ChunkSums ExpPassMasked(const In* src, int64_t full, int64_t nv, const float* tail,
-                                       float ref, float* scratch) {
-  const v16f vref = Splat(ref);
-  const v16f ninf = Splat(kNegInf);
-  const v16f zero = Splat(0.0f);
-  ChunkSums c{zero, zero, ninf};
-  for (int64_t j = 0; j < nv; j += kL) {
-    const v16f z = j < full ? Load(src + j) : Load(tail);
+template <typename VecT, typename In, bool kGrad>
+THDPACK_INLINE ChunkSums<VecT> ExpPassMasked(const In* src, int64_t full, int64_t nv,
+                                          const float* tail, float ref, float* scratch) {
+  using F = typename VecT::F;
+  const F vref = Splat<F>(ref);
+  const F ninf = Splat<F>(kNegInf);
+  const F zero = Splat<F>(0.0f);
+  ChunkSums<VecT> c{zero, zero, ninf};
+  for (int64_t j = 0; j < nv; j += VecT::kL) {
+    const F z = j < full ? Load<VecT>(src + j) : Load<VecT>(tail);
     c.max = z > c.max ? z : c.max;
-    const v16f d = z - vref;
-    const v16f e = z == ninf ? zero : Exp16(d);
+    const F d = z - vref;
+    const F e = z == ninf ? zero : ExpV<VecT>(d);
     c.s += e;
     c.w += z == ninf ? zero : e * d;
-    if constexpr (kGrad) Store(scratch + j, e);
+    if constexpr (kGrad) Store<VecT>(scratch + j, e);
   }
   return c;
 }
 // The common case, a chunk of finite logits: no masking in the loop (two selects and a compare
 // fewer per vector), only the chunk's min tracked; a chunk that holds -inf is redone by
 // ExpPassMasked. The full vectors only; the caller adds the tail with ExpPassMasked.
-template <typename In, bool kGrad, bool kNative = false>
-THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
-                                 float ref, float* scratch, In* pout = nullptr,
-                                 const float* pin = nullptr, float pf = 0) {
-  const v16f vpf = Splat(pf);
-  const v16f vref = Splat(ref);
-  const v16f ninf = Splat(kNegInf);
-  const v16f zero = Splat(0.0f);
-  ChunkSums c{zero, zero, ninf};
-  v16f mn = Splat(std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < full; j += kL) {
-    const v16f z = Load(src + j);
+template <typename VecT, typename In, bool kGrad, bool kNative = false>
+THDPACK_INLINE ChunkSums<VecT> ExpPass(const In* src, int64_t full, int64_t nv, const float* tail,
+                                    float ref, float* scratch, In* pout = nullptr,
+                                    const float* pin = nullptr, float pf = 0) {
+  using F = typename VecT::F;
+  const F vpf = Splat<F>(pf);
+  const F vref = Splat<F>(ref);
+  const F ninf = Splat<F>(kNegInf);
+  const F zero = Splat<F>(0.0f);
+  ChunkSums<VecT> c{zero, zero, ninf};
+  F mn = Splat<F>(std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < full; j += VecT::kL) {
+    const F z = Load<VecT>(src + j);
     c.max = z > c.max ? z : c.max;
     mn = z < mn ? z : mn;
-    const v16f d = z - vref;
-    const v16f e = Exp16(d);
+    const F d = z - vref;
+    const F e = ExpV<VecT>(d);
     c.s += e;
     c.w += e * d;
     if constexpr (kGrad) {
-      Store(scratch + j, e);
-      if (pout != nullptr) StoreGrad<kNative>(pout + j, Load(pin + j) * vpf);
+      Store<VecT>(scratch + j, e);
+      if (pout != nullptr) StoreGrad<VecT, kNative>(pout + j, Load<VecT>(pin + j) * vpf);
     }
   }
   bool has_ninf = false;
-  for (int i = 0; i < kL; ++i) has_ninf |= mn[i] == kNegInf;
-  if (has_ninf) return ExpPassMasked<In, kGrad>(src, full, nv, tail, ref, scratch);
+  for (int i = 0; i < VecT::kL; ++i) has_ninf |= mn[i] == kNegInf;
+  if (has_ninf) return ExpPassMasked<VecT, In, kGrad>(src, full, nv, tail, ref, scratch);
   if (full < nv) {
-    const ChunkSums t = ExpPassMasked<In, kGrad>(nullptr, 0, kL, tail, ref,
-                                                 kGrad ? scratch + full : nullptr);
+    const ChunkSums<VecT> t = ExpPassMasked<VecT, In, kGrad>(nullptr, 0, VecT::kL, tail, ref,
+                                                       kGrad ? scratch + full : nullptr);
     c.s += t.s;
     c.w += t.w;
     c.max = t.max > c.max ? t.max : c.max;
@@ -217,7 +258,7 @@ THDPACK_INLINE ChunkSums ExpPass(const In* src, int64_t full, int64_t nv, const 
 // row's exps, so that the stores of one row overlap the exps of the next (the forward is
 // compute-bound, the gradient's writes memory-bound) instead of following them. Measured on
 // one core (bf16, T = 2048): 14% faster at V = 151936, 4.5% at V = 32000.
-template <typename In, bool kNative>
+template <typename VecT, typename In, bool kNative>
 struct PendingGrad {
   In* out = nullptr;  // null: nothing pending
   const float* scratch = nullptr;
@@ -235,9 +276,11 @@ struct PendingGrad {
     const int64_t c0 = ci * kChunk;
     const int64_t n = std::min(kChunk, vocab - c0);
     const float f = Factor(ci);
-    const v16f vf = Splat(f);
+    const typename VecT::F vf = Splat<typename VecT::F>(f);
     int64_t j = 0;
-    for (; j + kL <= n; j += kL) StoreGrad<kNative>(out + c0 + j, Load(scratch + c0 + j) * vf);
+    for (; j + VecT::kL <= n; j += VecT::kL) {
+      StoreGrad<VecT, kNative>(out + c0 + j, Load<VecT>(scratch + c0 + j) * vf);
+    }
     for (; j < n; ++j) FromFloat(out + c0 + j, scratch[c0 + j] * f);
   }
   // Elements [from, n) of chunk ci, one by one (from: the vectors already written).
@@ -268,9 +311,11 @@ struct PendingGrad {
 // pending (kGrad): the previous row's gradient, written and finished here (rows have the same
 // number of chunks).
 constexpr float kSlack = 16.0f;  // e^16 ~ 8.9e6: chunk sums stay far below FLT_MAX
-template <typename In, bool kGrad, bool kNative>
+template <typename VecT, typename In, bool kGrad, bool kNative>
 THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scratch,
-                             float* chunk_ref, PendingGrad<In, kNative>* pending) {
+                             float* chunk_ref, PendingGrad<VecT, In, kNative>* pending) {
+  using F = typename VecT::F;
+  constexpr int64_t kL = VecT::kL;
   const int64_t V = job.vocab;
   const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
   float M = kNegInf, S = 0.0f, W = 0.0f;
@@ -283,33 +328,34 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scra
       for (int64_t k = 0; k < kL; ++k) tail[k] = full + k < n ? ToFloat(row[c0 + full + k]) : kNegInf;
     }
     float ref = M;
-    if (ref == kNegInf) ref = HMax(full > 0 ? Load(row + c0) : Load(tail));
+    if (ref == kNegInf) ref = HMax<VecT>(full > 0 ? Load<VecT>(row + c0) : Load<VecT>(tail));
     float* sc_out = kGrad ? scratch + c0 : nullptr;
     // The pending row's gradient on the same columns is written vector by vector alongside
     // this chunk's first pass (on its own when there is none).
     const bool pend = kGrad && pending->out != nullptr;
-    ChunkSums c;
+    ChunkSums<VecT> c;
     if (ref != kNegInf) {
       if (pend) {
-        c = ExpPass<In, kGrad, kNative>(row + c0, full, nv, tail, ref, sc_out, pending->out + c0,
-                               pending->scratch + c0, pending->Factor(ci));
+        c = ExpPass<VecT, In, kGrad, kNative>(row + c0, full, nv, tail, ref, sc_out,
+                                           pending->out + c0, pending->scratch + c0,
+                                           pending->Factor(ci));
         pending->WriteRest(ci, full);
       } else {
-        c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+        c = ExpPass<VecT, In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
       }
     } else if (pend) {
       pending->WriteChunk(ci);
     }
-    float m = ref == kNegInf ? kNegInf : HMax(c.max);
+    float m = ref == kNegInf ? kNegInf : HMax<VecT>(c.max);
     if (ref == kNegInf || m > ref + kSlack) {
       // No usable reference yet, or one too far below this chunk's max: redo it exactly.
       if (ref == kNegInf) {
-        v16f mx = Splat(kNegInf);
+        F mx = Splat<F>(kNegInf);
         for (int64_t j = 0; j < nv; j += kL) {
-          const v16f z = j < full ? Load(row + c0 + j) : Load(tail);
+          const F z = j < full ? Load<VecT>(row + c0 + j) : Load<VecT>(tail);
           mx = z > mx ? z : mx;
         }
-        m = HMax(mx);
+        m = HMax<VecT>(mx);
       }
       if (m == kNegInf) {  // every logit of the chunk is -inf: it adds nothing
         if constexpr (kGrad) std::fill(scratch + c0, scratch + c0 + nv, 0.0f);
@@ -317,10 +363,10 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scra
         continue;
       }
       ref = m;
-      c = ExpPass<In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
+      c = ExpPass<VecT, In, kGrad>(row + c0, full, nv, tail, ref, sc_out);
     }
     chunk_ref[ci] = ref;
-    const float sc = HSum(c.s), wc = HSum(c.w);
+    const float sc = HSum<VecT>(c.s), wc = HSum<VecT>(c.w);
     if (m > M) {
       if (M == kNegInf) {
         S = 0.0f;
@@ -340,18 +386,19 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scra
   if constexpr (kGrad) {
     if (pending->out != nullptr) pending->Finish();
     const int64_t y = job.labels[t] - job.vocab_start;
-    *pending = PendingGrad<In, kNative>{reinterpret_cast<In*>(job.grad) + t * V,
-                               scratch,
-                               chunk_ref,
-                               M + std::log(S),
-                               static_cast<float>(job.scale),
-                               V,
-                               (y >= 0 && y < V) ? y : -1};
+    *pending = PendingGrad<VecT, In, kNative>{reinterpret_cast<In*>(job.grad) + t * V,
+                                           scratch,
+                                           chunk_ref,
+                                           M + std::log(S),
+                                           static_cast<float>(job.scale),
+                                           V,
+                                           (y >= 0 && y < V) ? y : -1};
   }
 }
 
-template <typename In, bool kNative = false>
+template <typename VecT, typename In, bool kNative = false>
 THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end) {
+  constexpr int64_t kL = VecT::kL;
   const int64_t V = job.vocab;
   const int64_t n_chunks = (V + kChunk - 1) / kChunk;
   std::vector<float> tail(kL);
@@ -362,7 +409,7 @@ THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end)
                                    std::vector<float>(scratch_size)};
   std::vector<float> chunk_ref[2] = {std::vector<float>(static_cast<size_t>(n_chunks)),
                                      std::vector<float>(static_cast<size_t>(n_chunks))};
-  PendingGrad<In, kNative> pending;
+  PendingGrad<VecT, In, kNative> pending;
   int cur = 0;
   for (int64_t t = begin; t < end; ++t) {
     if (job.labels[t] < 0) {
@@ -372,24 +419,26 @@ THDPACK_INLINE void ForwardRowsFloat(const Job& job, int64_t begin, int64_t end)
       continue;
     }
     if (job.grad) {
-      RowFloat<In, true, kNative>(job, t, tail.data(), scratch[cur].data(), chunk_ref[cur].data(),
-                         &pending);
+      RowFloat<VecT, In, true, kNative>(job, t, tail.data(), scratch[cur].data(),
+                                     chunk_ref[cur].data(), &pending);
       cur ^= 1;
     } else {
-      RowFloat<In, false, kNative>(job, t, tail.data(), nullptr, chunk_ref[0].data(), nullptr);
+      RowFloat<VecT, In, false, kNative>(job, t, tail.data(), nullptr, chunk_ref[0].data(), nullptr);
     }
   }
   if (pending.out != nullptr) pending.WriteAll();
 }
 
 // Gradient only (vocab-parallel phase 3): grad = exp(z - lse) * scale, minus scale at the label.
-template <typename In>
+template <typename VecT, typename In>
 THDPACK_INLINE void GradRowsFloat(const Job& job, int64_t begin, int64_t end) {
+  using F = typename VecT::F;
+  constexpr int64_t kL = VecT::kL;
   const int64_t V = job.vocab;
-  const v16f ninf = Splat(kNegInf);
-  const v16f zero = Splat(0.0f);
+  const F ninf = Splat<F>(kNegInf);
+  const F zero = Splat<F>(0.0f);
   const float scale = static_cast<float>(job.scale);
-  const v16f vscale = Splat(scale);
+  const F vscale = Splat<F>(scale);
   for (int64_t t = begin; t < end; ++t) {
     const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
     In* out = reinterpret_cast<In*>(job.grad) + t * V;
@@ -398,11 +447,11 @@ THDPACK_INLINE void GradRowsFloat(const Job& job, int64_t begin, int64_t end) {
       continue;
     }
     const float lse = static_cast<float>(job.lse[t]);
-    const v16f vl = Splat(lse);
+    const F vl = Splat<F>(lse);
     int64_t j = 0;
     for (; j + kL <= V; j += kL) {
-      const v16f z = Load(row + j);
-      Store(out + j, z == ninf ? zero : Exp16(z - vl) * vscale);
+      const F z = Load<VecT>(row + j);
+      Store<VecT>(out + j, z == ninf ? zero : ExpV<VecT>(z - vl) * vscale);
     }
     for (; j < V; ++j) {
       const float z = ToFloat(row[j]);
@@ -415,25 +464,88 @@ THDPACK_INLINE void GradRowsFloat(const Job& job, int64_t begin, int64_t end) {
   }
 }
 
-THDPACK_CLONES void ForwardRowsF32(const Job& job, int64_t begin, int64_t end) {
-  ForwardRowsFloat<float>(job, begin, end);
+// One set of kernels per ISA, each compiled for its ISA with its width; Kernels() picks one.
+using RowsFn = void (*)(const Job& job, int64_t begin, int64_t end);
+struct KernelSet {
+  RowsFn forward_f32, forward_bf16, grad_f32, grad_bf16;
+};
+
+void ForwardF32Baseline(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<4>, float>(job, b, e);
 }
-THDPACK_CLONES void ForwardRowsBF16(const Job& job, int64_t begin, int64_t end) {
-  ForwardRowsFloat<uint16_t>(job, begin, end);
+void ForwardBF16Baseline(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<4>, uint16_t>(job, b, e);
 }
-#ifdef THDPACK_NATIVE_BF16
-// The bf16 forward with the AVX512-BF16 gradient store (see StoreGrad); called only where the
-// CPU has every feature of x86-64-v4 and AVX512-BF16 (NativeBf16Store).
-__attribute__((target("arch=x86-64-v4"))) void ForwardRowsBF16Native(const Job& job,
-                                                                     int64_t begin, int64_t end) {
-  ForwardRowsFloat<uint16_t, true>(job, begin, end);
+void GradF32Baseline(const Job& job, int64_t b, int64_t e) {
+  GradRowsFloat<Vec<4>, float>(job, b, e);
+}
+void GradBF16Baseline(const Job& job, int64_t b, int64_t e) {
+  GradRowsFloat<Vec<4>, uint16_t>(job, b, e);
+}
+constexpr KernelSet kBaselineKernels = {ForwardF32Baseline, ForwardBF16Baseline, GradF32Baseline,
+                                        GradBF16Baseline};
+
+#ifdef THDPACK_X86_ISAS
+#define THDPACK_V3 __attribute__((target("arch=x86-64-v3")))
+#define THDPACK_V4 __attribute__((target("arch=x86-64-v4")))
+THDPACK_V3 void ForwardF32V3(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<8>, float>(job, b, e);
+}
+THDPACK_V3 void ForwardBF16V3(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<8>, uint16_t>(job, b, e);
+}
+THDPACK_V3 void GradF32V3(const Job& job, int64_t b, int64_t e) {
+  GradRowsFloat<Vec<8>, float>(job, b, e);
+}
+THDPACK_V3 void GradBF16V3(const Job& job, int64_t b, int64_t e) {
+  GradRowsFloat<Vec<8>, uint16_t>(job, b, e);
+}
+constexpr KernelSet kV3Kernels = {ForwardF32V3, ForwardBF16V3, GradF32V3, GradBF16V3};
+
+THDPACK_V4 void ForwardF32V4(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<16>, float>(job, b, e);
+}
+THDPACK_V4 void ForwardBF16V4(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<16>, uint16_t>(job, b, e);
+}
+THDPACK_V4 void GradF32V4(const Job& job, int64_t b, int64_t e) {
+  GradRowsFloat<Vec<16>, float>(job, b, e);
+}
+THDPACK_V4 void GradBF16V4(const Job& job, int64_t b, int64_t e) {
+  GradRowsFloat<Vec<16>, uint16_t>(job, b, e);
+}
+constexpr KernelSet kV4Kernels = {ForwardF32V4, ForwardBF16V4, GradF32V4, GradBF16V4};
+
+// The bf16 forward with the AVX512-BF16 gradient store (see StoreGrad); called only with the
+// x86-64-v4 kernels where the CPU also has AVX512-BF16 (NativeBf16Store).
+THDPACK_V4 void ForwardBF16V4Native(const Job& job, int64_t b, int64_t e) {
+  ForwardRowsFloat<Vec<16>, uint16_t, true>(job, b, e);
 }
 #endif
-THDPACK_CLONES void GradRowsF32(const Job& job, int64_t begin, int64_t end) {
-  GradRowsFloat<float>(job, begin, end);
+
+// -1: the widest supported ISA; otherwise the forced one (ForceIsa).
+std::atomic<int> forced_isa{-1};
+
+loss_internal::Isa WidestIsa() {
+  using loss_internal::Isa;
+  static const Isa widest = [] {
+#ifdef THDPACK_X86_ISAS
+    if (__builtin_cpu_supports("x86-64-v4")) return Isa::kX86_64V4;
+    if (__builtin_cpu_supports("x86-64-v3")) return Isa::kX86_64V3;
+#endif
+    return Isa::kBaseline;
+  }();
+  return widest;
 }
-THDPACK_CLONES void GradRowsBF16(const Job& job, int64_t begin, int64_t end) {
-  GradRowsFloat<uint16_t>(job, begin, end);
+
+const KernelSet& Kernels(loss_internal::Isa isa) {
+  switch (isa) {
+#ifdef THDPACK_X86_ISAS
+    case loss_internal::Isa::kX86_64V4: return kV4Kernels;
+    case loss_internal::Isa::kX86_64V3: return kV3Kernels;
+#endif
+    default: return kBaselineKernels;
+  }
 }
 
 // float64: the same chunked online shape in double, scalar (a verification dtype).
@@ -509,17 +621,20 @@ void GradRowsF64(const Job& job, int64_t begin, int64_t end) {
 }
 
 void RunForward(LogitsDtype dtype, const Job& job, int64_t rows, int threads) {
+  const loss_internal::Isa isa = loss_internal::ActiveIsa();
+  const KernelSet& k = Kernels(isa);
   loss_internal::ParallelRows(rows, threads, [&](int64_t b, int64_t e) {
     switch (dtype) {
-      case LogitsDtype::kFloat32: ForwardRowsF32(job, b, e); break;
+      case LogitsDtype::kFloat32: k.forward_f32(job, b, e); break;
       case LogitsDtype::kBFloat16:
-#ifdef THDPACK_NATIVE_BF16
-        if (job.grad != nullptr && loss_internal::NativeBf16Store()) {
-          ForwardRowsBF16Native(job, b, e);
+#ifdef THDPACK_X86_ISAS
+        if (job.grad != nullptr && isa == loss_internal::Isa::kX86_64V4 &&
+            loss_internal::NativeBf16Store()) {
+          ForwardBF16V4Native(job, b, e);
           break;
         }
 #endif
-        ForwardRowsBF16(job, b, e);
+        k.forward_bf16(job, b, e);
         break;
       case LogitsDtype::kFloat64: ForwardRowsF64(job, b, e); break;
     }
@@ -566,6 +681,48 @@ bool NativeBf16Store() {
 #endif
 }
 void ForcePortableBf16Store(bool portable) { force_portable_bf16.store(portable); }
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kBaseline: return "baseline";
+    case Isa::kX86_64V3: return "x86-64-v3";
+    case Isa::kX86_64V4: return "x86-64-v4";
+  }
+  return "?";
+}
+int IsaLanes(Isa isa) {
+  switch (isa) {
+    case Isa::kBaseline: return 4;
+    case Isa::kX86_64V3: return 8;
+    case Isa::kX86_64V4: return 16;
+  }
+  return 0;
+}
+std::vector<Isa> SupportedIsas() {
+  std::vector<Isa> out = {Isa::kBaseline};
+  if (WidestIsa() == Isa::kBaseline) return out;
+  out.push_back(Isa::kX86_64V3);
+  if (WidestIsa() == Isa::kX86_64V4) out.push_back(Isa::kX86_64V4);
+  return out;
+}
+Isa ActiveIsa() {
+  const int forced = forced_isa.load(std::memory_order_relaxed);
+  return forced < 0 ? WidestIsa() : static_cast<Isa>(forced);
+}
+Status ForceIsa(std::optional<Isa> isa) {
+  if (!isa) {
+    forced_isa.store(-1);
+    return Status::Ok();
+  }
+  const std::vector<Isa> ok = SupportedIsas();
+  if (std::find(ok.begin(), ok.end(), *isa) == ok.end()) {
+    return Status::InvalidArgument(std::string("ForceIsa: isa ") + IsaName(*isa) +
+                                   " is not supported here: this CPU and build run up to " +
+                                   IsaName(WidestIsa()));
+  }
+  forced_isa.store(static_cast<int>(*isa));
+  return Status::Ok();
+}
 }  // namespace loss_internal
 
 Result<CrossEntropyResult> CrossEntropy(const LogitsView& logits, const TokenTargets& targets,
@@ -732,11 +889,12 @@ Status VocabParallelGrad(const LogitsView& logits, const TokenTargets& targets,
   job.scale = Scale(options);
   job.lse = lse.data();
   const LogitsDtype dtype = logits.dtype;
+  const KernelSet& k = Kernels(loss_internal::ActiveIsa());
   loss_internal::ParallelRows(T, loss_internal::ResolveThreads(options.num_threads, T),
                               [&](int64_t b, int64_t e) {
                                 switch (dtype) {
-                                  case LogitsDtype::kFloat32: GradRowsF32(job, b, e); break;
-                                  case LogitsDtype::kBFloat16: GradRowsBF16(job, b, e); break;
+                                  case LogitsDtype::kFloat32: k.grad_f32(job, b, e); break;
+                                  case LogitsDtype::kBFloat16: k.grad_bf16(job, b, e); break;
                                   case LogitsDtype::kFloat64: GradRowsF64(job, b, e); break;
                                 }
                               });

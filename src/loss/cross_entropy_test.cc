@@ -1,8 +1,9 @@
 // Cross-entropy: hand-worked values, the fast path against the fp64 reference and finite
-// differences in every dtype, thread-count independence, masking, vocab-parallel at TP in
-// {1,2,3,4}, and bad input.
+// differences in every dtype, every ISA variant this CPU runs against the reference,
+// thread-count independence, masking, vocab-parallel at TP in {1,2,3,4}, and bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -101,6 +102,17 @@ Case RandomCase(std::mt19937_64& rng, LogitsDtype dtype, int64_t T, int64_t V,
 std::vector<std::byte> GradBuffer(const Logits& l) {
   return std::vector<std::byte>(l.bytes.size(), std::byte{0x7f});  // garbage: must be overwritten
 }
+
+// Runs the fast kernel with one ISA variant for its lifetime, then with the widest again.
+class ForcedIsa {
+ public:
+  explicit ForcedIsa(loss_internal::Isa isa) : ok_(loss_internal::ForceIsa(isa).ok()) {}
+  ~ForcedIsa() { EXPECT_TRUE(loss_internal::ForceIsa(std::nullopt).ok()); }
+  bool ok() const { return ok_; }
+
+ private:
+  bool ok_;
+};
 
 // Tolerances per dtype: fp32 accumulation with a ~2 ulp exp; bf16 gradient values are rounded
 // to 8 significant bits (one rounding may differ between paths: 2^-8 relative).
@@ -261,25 +273,30 @@ TEST(CrossEntropyTest, GradientMatchesFiniteDifferences) {
 }
 
 TEST(CrossEntropyTest, BitIdenticalWhateverTheThreadCount) {
-  for (LogitsDtype d : kAllDtypes) {
-    std::mt19937_64 rng(77);
-    Case c = RandomCase(rng, d, 53, 3001);
-    CrossEntropyOptions o;
-    o.with_grad = true;
-    o.normalizer = 100;
-    o.num_threads = 1;
-    auto g1 = GradBuffer(c.logits);
-    auto r1 = CrossEntropy(c.logits.View(), c.Targets(), o, g1);
-    ASSERT_TRUE(r1.ok());
-    for (int threads : {2, 3, 8, 64}) {
-      o.num_threads = threads;
-      auto g = GradBuffer(c.logits);
-      auto r = CrossEntropy(c.logits.View(), c.Targets(), o, g);
-      ASSERT_TRUE(r.ok());
-      EXPECT_EQ(r->loss_sum, r1->loss_sum) << threads;
-      EXPECT_EQ(r->entropy_sum, r1->entropy_sum) << threads;
-      EXPECT_EQ(r->logprobs, r1->logprobs) << threads;
-      EXPECT_EQ(g, g1) << threads;
+  for (loss_internal::Isa isa : loss_internal::SupportedIsas()) {
+    ForcedIsa forced(isa);
+    ASSERT_TRUE(forced.ok());
+    SCOPED_TRACE(loss_internal::IsaName(isa));
+    for (LogitsDtype d : kAllDtypes) {
+      std::mt19937_64 rng(77);
+      Case c = RandomCase(rng, d, 53, 3001);
+      CrossEntropyOptions o;
+      o.with_grad = true;
+      o.normalizer = 100;
+      o.num_threads = 1;
+      auto g1 = GradBuffer(c.logits);
+      auto r1 = CrossEntropy(c.logits.View(), c.Targets(), o, g1);
+      ASSERT_TRUE(r1.ok());
+      for (int threads : {2, 3, 8, 64}) {
+        o.num_threads = threads;
+        auto g = GradBuffer(c.logits);
+        auto r = CrossEntropy(c.logits.View(), c.Targets(), o, g);
+        ASSERT_TRUE(r.ok());
+        EXPECT_EQ(r->loss_sum, r1->loss_sum) << threads;
+        EXPECT_EQ(r->entropy_sum, r1->entropy_sum) << threads;
+        EXPECT_EQ(r->logprobs, r1->logprobs) << threads;
+        EXPECT_EQ(g, g1) << threads;
+      }
     }
   }
 }
@@ -368,42 +385,150 @@ TEST(CrossEntropyTest, MinusInfinityLogitsHaveZeroProbability) {
 // Rows shaped to reach every branch of the chunked pass: a first chunk far below a later
 // one (the chunk is redone relative to its own max), a chunk of only -inf, a row starting
 // with -inf, and a last partial vector.
+void ExpectLateLargeAndMinusInfinityChunksMatch(LogitsDtype d) {
+  SCOPED_TRACE(LogitsDtypeName(d));
+  const int64_t T = 4, V = 3 * 2048 + 37;
+  Logits l(d, T, V);
+  std::mt19937_64 rng(8);
+  std::normal_distribution<double> z(0.0, 1.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t v = 0; v < V; ++v) {
+      double x = z(rng);
+      if (t == 0) x += v < 2048 ? -30.0 : (v == 5000 ? 40.0 : 0.0);
+      if (t == 1 && v >= 2048 && v < 4096) x = -INFINITY;
+      if (t == 2 && v < 40) x = -INFINITY;
+      if (t == 3 && v == V - 1) x = 25.0;
+      l.Set(t * V + v, x);
+    }
+  }
+  const std::vector<int64_t> labels = {5000, 17, 6000, V - 1};
+  CrossEntropyOptions o;
+  o.with_grad = true;
+  o.normalizer = 4;
+  auto g = GradBuffer(l);
+  auto gr = GradBuffer(l);
+  auto r = CrossEntropy(l.View(), {{}, labels, {}, {}}, o, g);
+  auto rr = CrossEntropyReference(l.View(), {{}, labels, {}, {}}, o, gr);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(rr.ok());
+  const Tol tol = TolFor(d);
+  for (int64_t t = 0; t < T; ++t) {
+    EXPECT_NEAR(r->logprobs[t], rr->logprobs[t], tol.value * (1 + std::abs(rr->logprobs[t])));
+    EXPECT_NEAR(r->entropy[t], rr->entropy[t], tol.value * (1 + std::abs(rr->entropy[t])));
+  }
+  for (int64_t i = 0; i < T * V; ++i) {
+    const double a = Get(d, g, i), b = Get(d, gr, i);
+    ASSERT_NEAR(a, b, tol.grad_rel * std::abs(b) + tol.grad_abs * 0.25) << i;
+  }
+}
+
 TEST(CrossEntropyTest, LateLargeLogitsAndMinusInfinityChunks) {
-  for (LogitsDtype d : kAllDtypes) {
-    SCOPED_TRACE(LogitsDtypeName(d));
-    const int64_t T = 4, V = 3 * 2048 + 37;
-    Logits l(d, T, V);
-    std::mt19937_64 rng(8);
-    std::normal_distribution<double> z(0.0, 1.0);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t v = 0; v < V; ++v) {
-        double x = z(rng);
-        if (t == 0) x += v < 2048 ? -30.0 : (v == 5000 ? 40.0 : 0.0);
-        if (t == 1 && v >= 2048 && v < 4096) x = -INFINITY;
-        if (t == 2 && v < 40) x = -INFINITY;
-        if (t == 3 && v == V - 1) x = 25.0;
-        l.Set(t * V + v, x);
+  for (LogitsDtype d : kAllDtypes) ExpectLateLargeAndMinusInfinityChunksMatch(d);
+}
+
+// Phase 1, combine and phase 3 at TP = 1 against the reference: the gradient-only kernel.
+void ExpectVocabParallelMatchesReference(LogitsDtype d, int64_t T, int64_t V, uint64_t seed) {
+  SCOPED_TRACE(std::string(LogitsDtypeName(d)) + " vocab-parallel V=" + std::to_string(V));
+  std::mt19937_64 rng(seed);
+  Case c = RandomCase(rng, d, T, V);
+  CrossEntropyOptions o;
+  o.with_grad = true;
+  o.normalizer = T;
+  o.vocab_total = V;
+  auto g_ref = GradBuffer(c.logits);
+  auto ref = CrossEntropyReference(c.logits.View(), c.Targets(), o, g_ref);
+  ASSERT_TRUE(ref.ok());
+  auto part = VocabParallelPartials(c.logits.View(), c.Targets(), o);
+  ASSERT_TRUE(part.ok()) << part.status().ToString();
+  const std::vector<std::span<const VocabPartial>> views = {*part};
+  auto comb = CombineVocabPartials(views, c.Targets());
+  ASSERT_TRUE(comb.ok()) << comb.status().ToString();
+  auto g = GradBuffer(c.logits);
+  ASSERT_TRUE(VocabParallelGrad(c.logits.View(), c.Targets(), comb->lse, o, g).ok());
+  const Tol tol = TolFor(d);
+  for (int64_t t = 0; t < T; ++t) {
+    ASSERT_NEAR(comb->result.logprobs[t], ref->logprobs[t],
+                tol.value * (1 + std::abs(ref->logprobs[t])));
+  }
+  for (int64_t i = 0; i < T * V; ++i) {
+    const double a = Get(d, g, i), b = Get(d, g_ref, i);
+    ASSERT_NEAR(a, b, tol.grad_rel * std::abs(b) + tol.grad_abs / T) << "grad element " << i;
+  }
+}
+
+// Every ISA variant of the fast kernel this CPU runs (the baseline's 4-float vectors, AVX2's
+// 8, AVX-512's 16), not only the one dispatched, against the fp64 reference: vocabularies
+// around every width and the chunk size, the chunked pass's branches, and the gradient-only
+// kernel of vocab-parallel phase 3.
+TEST(CrossEntropyTest, EveryIsaVariantMatchesReference) {
+  const std::vector<loss_internal::Isa> isas = loss_internal::SupportedIsas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), loss_internal::Isa::kBaseline);
+  EXPECT_EQ(loss_internal::ActiveIsa(), isas.back()) << "the widest supported ISA runs";
+  for (loss_internal::Isa isa : isas) {
+    SCOPED_TRACE(std::string(loss_internal::IsaName(isa)) + ", " +
+                 std::to_string(loss_internal::IsaLanes(isa)) + " lanes");
+    ForcedIsa forced(isa);
+    ASSERT_TRUE(forced.ok());
+    ASSERT_EQ(loss_internal::ActiveIsa(), isa);
+    uint64_t seed = 300;
+    for (LogitsDtype d : {LogitsDtype::kFloat32, LogitsDtype::kBFloat16}) {
+      for (int64_t V : {1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 2047, 2048, 2049, 4103}) {
+        ExpectMatchesReference(d, 13, V, seed++, 4.0);
+      }
+      ExpectMatchesReference(d, 5, 40000, seed++, 1.0);
+      ExpectMatchesReference(d, 5, 3000, seed++, 30.0);
+      ExpectLateLargeAndMinusInfinityChunksMatch(d);
+      for (int64_t V : {5, 8, 17, 2049}) ExpectVocabParallelMatchesReference(d, 11, V, seed++);
+    }
+  }
+  EXPECT_EQ(loss_internal::ActiveIsa(), isas.back()) << "back to the widest";
+}
+
+// The ISA variants differ only in how the lanes are summed: on the same input their results
+// agree to a few float ulps of each value.
+TEST(CrossEntropyTest, IsaVariantsAgreeWithEachOther) {
+  const std::vector<loss_internal::Isa> isas = loss_internal::SupportedIsas();
+  if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the baseline variant";
+  for (LogitsDtype d : {LogitsDtype::kFloat32, LogitsDtype::kBFloat16}) {
+    std::mt19937_64 rng(91);
+    Case c = RandomCase(rng, d, 17, 5003);
+    CrossEntropyOptions o;
+    o.normalizer = 17;
+    std::vector<CrossEntropyResult> results;
+    for (loss_internal::Isa isa : isas) {
+      ForcedIsa forced(isa);
+      ASSERT_TRUE(forced.ok());
+      auto r = CrossEntropy(c.logits.View(), c.Targets(), o);
+      ASSERT_TRUE(r.ok());
+      results.push_back(*r);
+    }
+    for (size_t k = 1; k < results.size(); ++k) {
+      SCOPED_TRACE(std::string(LogitsDtypeName(d)) + " " +
+                   loss_internal::IsaName(isas[k]) + " vs " + loss_internal::IsaName(isas[0]));
+      for (int64_t t = 0; t < 17; ++t) {
+        EXPECT_NEAR(results[k].logprobs[t], results[0].logprobs[t],
+                    1e-5 * (1 + std::abs(results[0].logprobs[t])));
+        EXPECT_NEAR(results[k].entropy[t], results[0].entropy[t],
+                    1e-5 * (1 + std::abs(results[0].entropy[t])));
       }
     }
-    const std::vector<int64_t> labels = {5000, 17, 6000, V - 1};
-    CrossEntropyOptions o;
-    o.with_grad = true;
-    o.normalizer = 4;
-    auto g = GradBuffer(l);
-    auto gr = GradBuffer(l);
-    auto r = CrossEntropy(l.View(), {{}, labels, {}, {}}, o, g);
-    auto rr = CrossEntropyReference(l.View(), {{}, labels, {}, {}}, o, gr);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    ASSERT_TRUE(rr.ok());
-    const Tol tol = TolFor(d);
-    for (int64_t t = 0; t < T; ++t) {
-      EXPECT_NEAR(r->logprobs[t], rr->logprobs[t], tol.value * (1 + std::abs(rr->logprobs[t])));
-      EXPECT_NEAR(r->entropy[t], rr->entropy[t], tol.value * (1 + std::abs(rr->entropy[t])));
+  }
+}
+
+TEST(CrossEntropyTest, ForcingAnIsaThisCpuCannotRunIsAnError) {
+  const std::vector<loss_internal::Isa> isas = loss_internal::SupportedIsas();
+  const loss_internal::Isa widest = loss_internal::ActiveIsa();
+  for (loss_internal::Isa isa : {loss_internal::Isa::kBaseline, loss_internal::Isa::kX86_64V3,
+                                 loss_internal::Isa::kX86_64V4}) {
+    const bool supported = std::find(isas.begin(), isas.end(), isa) != isas.end();
+    const Status s = loss_internal::ForceIsa(isa);
+    EXPECT_EQ(s.ok(), supported) << loss_internal::IsaName(isa);
+    if (!supported) {
+      EXPECT_NE(s.ToString().find(loss_internal::IsaName(isa)), std::string::npos) << s.ToString();
+      EXPECT_EQ(loss_internal::ActiveIsa(), widest) << "a refused ISA changes nothing";
     }
-    for (int64_t i = 0; i < T * V; ++i) {
-      const double a = Get(d, g, i), b = Get(d, gr, i);
-      ASSERT_NEAR(a, b, tol.grad_rel * std::abs(b) + tol.grad_abs * 0.25) << i;
-    }
+    ASSERT_TRUE(loss_internal::ForceIsa(std::nullopt).ok());
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -55,6 +56,23 @@ void Summarise(const Prepared& p, CrossEntropyResult* result);
 bool NativeBf16Store();
 // For tests and benchmarks: force the portable store (true), or allow the native one again.
 void ForcePortableBf16Store(bool portable);
+
+// The instruction sets the fast kernel (fp32 and bf16 logits) is compiled for, each with its
+// vector width, one register: the x86-64 baseline (SSE2; also every non-x86 or non-GCC build)
+// 4 floats, x86-64-v3 (AVX2, FMA) 8, x86-64-v4 (AVX-512) 16. The kernel runs the widest this
+// CPU supports, chosen once at first use. Results are bit-identical for any thread count on one
+// ISA; between ISAs they differ in the last bits (the lane sums are grouped differently).
+enum class Isa { kBaseline = 0, kX86_64V3 = 1, kX86_64V4 = 2 };
+const char* IsaName(Isa isa);  // "baseline", "x86-64-v3", "x86-64-v4"
+int IsaLanes(Isa isa);         // floats per vector: 4, 8, 16
+// The ISAs this CPU and build can run, narrowest first (always starts with kBaseline).
+std::vector<Isa> SupportedIsas();
+// The ISA the kernel runs now: the forced one, or else the widest supported.
+Isa ActiveIsa();
+// For tests and benchmarks (process-wide, not for concurrent use with the kernel): run the
+// kernel with isa from now on, or with the widest again when nullopt. An error names the ISA
+// when this CPU or build cannot run it (nothing changes then).
+[[nodiscard]] Status ForceIsa(std::optional<Isa> isa);
 
 }  // namespace thdpack::loss_internal
 
