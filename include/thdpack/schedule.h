@@ -240,6 +240,8 @@ struct PlanFigures {
 struct ScheduledPlan {
   Plan plan;
   PlanFigures figures;
+  // With options.step_time: PlanStepTime's value for `plan`, from the scheduler's own arrays.
+  std::optional<double> sim_step_time;
 };
 
 // Schedule, and the figures ComputePlanFigures gives for its plan (equal field for field: the

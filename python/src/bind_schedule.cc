@@ -82,36 +82,16 @@ py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<dou
 // What thdpack.schedule returns: the Plan and its figures. The figures' dictionary (one dict
 // and one id array per microbatch) is built when `figures` is first read, then kept: a caller
 // that only needs the assignment does not pay for it.
-// Likewise the modelled step time (PlanStepTime, which validates the plan against its
-// samples): computed when `sim_step_time` is first read, from the samples and options kept.
 struct PyPlan {
   Plan plan;
   PlanFigures figures;
   std::optional<double> flops;
+  std::optional<double> sim_step_time;  // with a model cost (ScheduledPlan::sim_step_time)
   std::optional<py::dict> figures_dict;
-  std::vector<SampleLength> samples;  // kept for the step time (with a model cost only)
-  ScheduleOptions options;
-  std::optional<std::optional<double>> sim_step_time;  // outer: computed yet
 
   const py::dict& Figures() {
     if (!figures_dict) figures_dict = FiguresToDict(figures, plan, flops);
     return *figures_dict;
-  }
-  std::optional<double> SimStepTime() {
-    if (!sim_step_time) {
-      if (!options.step_time.has_value()) {
-        sim_step_time.emplace(std::nullopt);
-      } else {
-        Result<double> t = Status::Internal("not computed");
-        {
-          py::gil_scoped_release release;
-          t = PlanStepTime(samples, options, plan);
-        }
-        ThrowIfError(t.status());
-        sim_step_time.emplace(*t);
-      }
-    }
-    return *sim_step_time;
   }
 };
 
@@ -205,7 +185,7 @@ void BindSchedule(py::module_& m) {
       }, "Oversize ids left out (oversize='skip'), in input order (int64).")
       .def_property_readonly("figures", [](PyPlan& p) { return p.Figures(); },
                              "The figures of docs/design.md section 10 (costs per rank).")
-      .def_property_readonly("sim_step_time", [](PyPlan& p) { return p.SimStepTime(); },
+      .def_property_readonly("sim_step_time", [](const PyPlan& p) { return p.sim_step_time; },
                              "The modelled step time in seconds, None without model dimensions.")
       .def("microbatch", [](const PyPlan& p, int replica, int microbatch) {
         if (replica < 0 || replica >= p.plan.dp_size) {
@@ -306,8 +286,7 @@ void BindSchedule(py::module_& m) {
         PyPlan out;
         out.plan = std::move(scheduled->plan);
         out.figures = std::move(scheduled->figures);
-        if (o.step_time.has_value()) out.samples = std::move(samples);
-        out.options = o;
+        out.sim_step_time = scheduled->sim_step_time;
         if (coef) {
           out.flops = TrainingFlops(*coef, out.figures.padded_tokens,
                                     static_cast<double>(out.figures.sum_sq));

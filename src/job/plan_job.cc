@@ -83,11 +83,8 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
   Result<ScheduledPlan> scheduled = ScheduleWithFigures(step->samples, job.schedule);
   if (!scheduled.ok()) return ScheduleError(step->step, scheduled.status());
   PlannedStep out;
-  if (job.schedule.step_time.has_value()) {
-    THDPACK_ASSIGN_OR_RETURN(out.figures.sim_step_time,
-                             PlanStepTime(step->samples, job.schedule, scheduled->plan));
-  }
-  const std::optional<double> sim_step_time = out.figures.sim_step_time;
+  // From the scheduler's arrays (ScheduleWithFigures), not PlanStepTime's validated re-read.
+  const std::optional<double> sim_step_time = scheduled->sim_step_time;
   out.figures = MakeStepFigures(step->step, step->epoch, job.schedule, scheduled->plan,
                                 std::move(scheduled->figures), job.flops, sample_ids);
   out.figures.sim_step_time = sim_step_time;

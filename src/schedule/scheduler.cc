@@ -400,6 +400,9 @@ Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
   ScheduledPlan out;
   THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
                            ScheduleAssignment(samples, options, &step, &who, &out.figures));
+  if (options.step_time.has_value()) {
+    THDPACK_ASSIGN_OR_RETURN(out.sim_step_time, internal::AssignmentStepTime(step, options, a));
+  }
   out.plan = internal::ToPlan(step, a, who);
   return out;
 }

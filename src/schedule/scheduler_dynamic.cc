@@ -515,6 +515,35 @@ Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,
   return TimeOfPlan(SampleIdIndex(samples), options, plan);
 }
 
+namespace internal {
+
+Result<double> AssignmentStepTime(const PreparedStep& step, const ScheduleOptions& options,
+                                  const Assignment& a) {
+  if (!options.step_time.has_value()) {
+    return Status::InvalidArgument("AssignmentStepTime: no step-time model in the options");
+  }
+  const int cp = options.parallel.cp_size();
+  std::vector<GroupTask> tasks;
+  tasks.reserve(static_cast<size_t>(a.dp_size) * static_cast<size_t>(a.num_microbatches));
+  std::vector<int64_t> lengths;
+  // The groups in PlanStepTime's order (microbatch, then replica), each in plan order.
+  for (int m = 0; m < a.num_microbatches; ++m) {
+    for (int d = 0; d < a.dp_size; ++d) {
+      const size_t g = static_cast<size_t>(d) * static_cast<size_t>(a.num_microbatches) +
+                       static_cast<size_t>(m);
+      lengths.clear();
+      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
+        lengths.push_back(step.length[static_cast<size_t>(a.items[static_cast<size_t>(k)])]);
+      }
+      tasks.push_back(
+          {d * cp, cp, CostOfGroup(*options.step_time, options.parallel, cp, lengths).seconds});
+    }
+  }
+  return SimulateStepTime(a.dp_size * cp, tasks);
+}
+
+}  // namespace internal
+
 Result<double> PlanStepTime(std::span<const SampleLength> samples, const ScheduleOptions& options,
                             const Plan& plan) {
   if (!options.step_time.has_value()) {

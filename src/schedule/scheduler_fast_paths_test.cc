@@ -12,6 +12,7 @@
 
 #include "schedule/scheduler_internal.h"
 #include "schedule/scheduler_test_util.h"
+#include "thdpack/cost.h"
 #include "thdpack/schedule.h"
 
 namespace thdpack {
@@ -136,10 +137,17 @@ void ExpectSameFigures(const PlanFigures& a, const PlanFigures& b) {
 TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps) {
   std::mt19937_64 rng(33);
   int scheduled = 0;
+  int timed = 0;
   for (int trial = 0; trial < 300; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
     const auto samples = RandomSamples(rng, trial % 2);  // dense or sparse ids, no duplicates
-    const ScheduleOptions o = RandomOptions(rng);
+    ScheduleOptions o = RandomOptions(rng);
+    if (o.cost.name != "tokens" && rng() % 2 == 0) {
+      o.step_time = StepTimeModel::Create(ParseModelDims("llama2-7b").value(),
+                                          ParseHardwareSpec(rng() % 2 ? "h100-ib" : "h100-nvlink")
+                                              .value())
+                        .value();
+    }
     Result<Plan> plan = Schedule(samples, o);
     Result<ScheduledPlan> fast = ScheduleWithFigures(samples, o);
     ASSERT_EQ(plan.ok(), fast.ok());
@@ -158,7 +166,16 @@ TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps)
     Result<PlanFigures> reference = ComputePlanFigures(samples, o, *plan);
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
     ExpectSameFigures(fast->figures, *reference);
+    // The step time from the scheduler's arrays against PlanStepTime's validated re-read.
+    ASSERT_EQ(fast->sim_step_time.has_value(), o.step_time.has_value());
+    if (o.step_time.has_value()) {
+      Result<double> t = PlanStepTime(samples, o, fast->plan);
+      ASSERT_TRUE(t.ok()) << t.status().ToString();
+      EXPECT_EQ(*fast->sim_step_time, *t);
+      ++timed;
+    }
   }
+  EXPECT_GT(timed, 40);
   EXPECT_GT(scheduled, 200);  // the comparison ran on most trials, not just the errors
 }
 

@@ -128,6 +128,13 @@ int64_t BestFitDecreasingBins(const PreparedStep& step);
 [[nodiscard]] Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
                                                       const ScheduleOptions& options, bool plain);
 
+// PlanStepTime of the plan ToPlan(step, a) makes, from the scheduler's arrays: no validation,
+// no id index (the same lengths in the same order, so the same seconds; PlanStepTime is the
+// reference, compared on random steps). InvalidArgument without options.step_time.
+[[nodiscard]] Result<double> AssignmentStepTime(const PreparedStep& step,
+                                                const ScheduleOptions& options,
+                                                const Assignment& a);
+
 }  // namespace thdpack::internal
 
 #endif  // THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_
