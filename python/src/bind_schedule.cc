@@ -37,8 +37,8 @@ class IntArrayView {
   size_t size_ = 0;
 };
 
-py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<double> flops) {
-  py::dict d;
+// The step totals every plan's figures dictionary starts with (static and dynamic plans).
+void PutTotals(py::dict& d, const PlanFigures& f) {
   d["num_microbatches"] = f.num_microbatches;
   d["n_samples"] = f.n_samples;
   d["n_skipped"] = f.n_skipped;
@@ -52,6 +52,11 @@ py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<dou
   d["imbalance"] = f.imbalance;
   d["pad_fraction"] = f.pad_fraction;
   d["fill"] = f.fill;
+}
+
+py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<double> flops) {
+  py::dict d;
+  PutTotals(d, f);
   d["max_microbatch_spread"] = f.max_microbatch_spread;
   d["flops"] = flops ? py::cast(*flops) : py::none();
   py::list replicas;
@@ -121,19 +126,7 @@ struct PyDynamicPlan {
 
 py::dict DynamicFiguresToDict(const PlanFigures& f, std::optional<double> flops) {
   py::dict d;
-  d["num_microbatches"] = f.num_microbatches;
-  d["n_samples"] = f.n_samples;
-  d["n_skipped"] = f.n_skipped;
-  d["real_tokens"] = f.real_tokens;
-  d["padded_tokens"] = f.padded_tokens;
-  d["sum_sq"] = f.sum_sq;
-  d["n_loss_tokens"] = f.n_loss_tokens;
-  d["total_cost"] = f.total_cost;
-  d["max_replica_cost"] = f.max_replica_cost;
-  d["lower_bound"] = f.lower_bound;
-  d["imbalance"] = f.imbalance;
-  d["pad_fraction"] = f.pad_fraction;
-  d["fill"] = f.fill;
+  PutTotals(d, f);
   d["flops"] = flops ? py::cast(*flops) : py::none();
   py::list ranks;
   for (const ReplicaFigures& r : f.replicas) ranks.append(r.cost);
