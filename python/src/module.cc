@@ -10,6 +10,8 @@ namespace thdpack::python {
 // The iterator over torch.distributed (bind_torch_iter.cc); declared here rather than in
 // common.h, as only the module registers it.
 void BindTorchIter(py::module_& m);
+// The gradient buffers of thdpack.torch.local_loss (bind_grad_cache.cc).
+void BindGradCache(py::module_& m);
 
 void ThrowIfError(const Status& status) {
   if (status.ok()) return;
@@ -99,6 +101,7 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindShard(m);
   tp::BindWire(m);
   tp::BindLoss(m);
+  tp::BindGradCache(m);
   tp::BindCost(m);
   tp::BindData(m);
   tp::BindJob(m);

@@ -133,6 +133,58 @@ def test_local_loss_grad_output_views_and_zero_n():
         assert zero.item() == 0.0 and float(z0.grad.abs().sum()) == 0.0
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["fp32", "bf16", "fp64"])
+def test_grad_cache_reuses_only_released_buffers(dtype):
+    """The kernel path's gradient buffers come from a cache (bind_grad_cache.cc): a buffer that
+    something still holds is never handed out again, a released one is, dirty, and the kernel
+    overwrites every element of it; a small call does not take a much larger block."""
+    tt.empty_grad_cache()
+    tt.set_grad_cache(1)
+    try:
+        logits, labels, mask = random_case(11, 64, 700, dtype)
+        n = int(((labels != -100) & (mask != 0)).sum()) + 2
+        _, ref_grad, _, _, _ = reference(logits, labels, mask, n, 1.0)
+        gtol = TOL[dtype][1]
+
+        def check(grad):
+            np.testing.assert_allclose(grad.double().numpy(), ref_grad.numpy(), rtol=gtol,
+                                       atol=gtol / n * 1e-2)
+
+        def grad_of(*case):  # the share is dropped: its graph keeps the leaf and its .grad
+            return run_share(*case, n, 1.0)[1]
+
+        g1 = grad_of(logits, labels, mask)
+        g2 = grad_of(logits, labels, mask)  # g1 still held: a second block
+        assert g1.data_ptr() != g2.data_ptr()
+        check(g1)
+        check(g2)
+        ptr = g2.data_ptr()
+        g2.fill_(float("nan"))  # dirty, then released: the next call takes it back
+        del g2
+        info = tt.grad_cache_info()
+        assert info["cached_blocks"] == 1
+        hits = info["hits"]
+        g3 = grad_of(logits, labels, mask)
+        assert g3.data_ptr() == ptr and tt.grad_cache_info()["hits"] == hits + 1
+        check(g3)
+        del g3
+        # A call needing less than half of the cached block gets a block of its own.
+        small = grad_of(logits[:8], labels[:8], mask[:8])
+        assert small.data_ptr() != ptr
+        del small
+        # Disabled: released buffers are freed, nothing is cached.
+        tt.set_grad_cache(0)
+        assert tt.grad_cache_info()["cached_bytes"] == 0
+        del g1
+        assert tt.grad_cache_info()["cached_blocks"] == 0
+        check(grad_of(logits, labels, mask))
+        with pytest.raises(ValueError, match="max_blocks"):
+            tt.set_grad_cache(-1)
+    finally:
+        tt.set_grad_cache(1)
+
 def test_local_loss_errors():
     logits, labels, mask = random_case(4, 30, 50, torch.float32)
     n_local = int(((labels != -100) & (mask != 0)).sum())

@@ -9,7 +9,8 @@
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
 """
 from .sharding import partition_indices, shard, sp_split, unshard
-from .loss import IGNORE_INDEX, LossStatistics, local_loss, token_statistics
+from .loss import (IGNORE_INDEX, LossStatistics, empty_grad_cache, grad_cache_info, local_loss,
+                   set_grad_cache, token_statistics)
 from .iterator import Groups, PackedDataIterator, PackedStep
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 
@@ -18,3 +19,4 @@ __all__ = [
     "rearrange_micro_batches", "shard", "sp_split", "token_statistics", "unshard",
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep"]
+__all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]

@@ -118,6 +118,38 @@ def _mask_numpy(loss_mask):
     return m.to(torch.float32).contiguous().numpy()
 
 
+_GRAD_NUMPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64,
+                     torch.bfloat16: np.int16}
+
+
+def _cached_grad_like(logits):
+    """An uninitialised contiguous tensor of the logits' shape and dtype from thdpack's gradient
+    cache (bind_grad_cache.cc): its pages are mapped already when a training loop frees the
+    previous microbatch's gradient before the next loss call, and it returns to the cache only
+    when nothing (autograd included) holds it any more."""
+    t, v = logits.shape
+    g = torch.from_numpy(_thdpack.grad_buffer(t, v, np.dtype(_GRAD_NUMPY_DTYPE[logits.dtype])))
+    return g.view(torch.bfloat16) if logits.dtype == torch.bfloat16 else g
+
+
+def set_grad_cache(max_blocks):
+    """Keep at most max_blocks freed CPU gradient buffers of local_loss for reuse (default 1;
+    0 disables the cache and frees what it holds)."""
+    _thdpack.set_grad_cache(int(max_blocks))
+
+
+def empty_grad_cache():
+    """Free the CPU gradient buffers the cache holds (buffers in use are not touched)."""
+    keep = _thdpack.grad_cache_info()["max_blocks"]
+    _thdpack.set_grad_cache(0)
+    _thdpack.set_grad_cache(keep)
+
+
+def grad_cache_info():
+    """The gradient cache: max_blocks, cached_blocks, cached_bytes, in_use_bytes, hits, misses."""
+    return dict(_thdpack.grad_cache_info())
+
+
 def _kernel_call(z, labels_np, mask_np, n, want_grad, scale, grad_out):
     """thdpack.cross_entropy on one contiguous CPU block; grad_out: a tensor of z's dtype."""
     return _thdpack.cross_entropy(
@@ -131,13 +163,14 @@ def _per_token_cpu(logits, labels, loss_mask, n, want_grad, scale, chunk_tokens)
     scale * (softmax - onehot) / n on counted rows."""
     labels_np = labels.numpy()
     mask_np = _mask_numpy(loss_mask)
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_grad else None
     if _use_kernel(logits, False):
+        grad = _cached_grad_like(logits) if want_grad else None
         out = _kernel_call(logits, labels_np, mask_np, n, want_grad, scale, grad)
         return (torch.from_numpy(out["logprobs"]), torch.from_numpy(out["entropy"]),
                 torch.from_numpy(out["counted"]).bool(), grad)
     # float16 or a non-contiguous view: the kernel on chunks of tokens staged in float32
     # (float64 for float64 logits), the gradient copied back in the logits' dtype.
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_grad else None
     t = logits.shape[0]
     acc = _accumulation_dtype(logits)
     rows = _chunk_rows(logits, chunk_tokens)
