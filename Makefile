@@ -10,7 +10,12 @@ ASAN_BUILD ?= build-asan
 CLANG_BUILD ?= build-clang
 CLANG_CXX ?= clang++
 FUZZ_SECONDS ?= 60
-FUZZ_SMOKE_SECONDS ?= 5
+FUZZ_SMOKE_SECONDS ?= 3
+# Debug information of the three builds: line tables (file, line and function in every
+# backtrace, sanitizer report and profile) without the variable and type records of -g, which
+# made each translation unit about a third slower to compile (docs/testing.md). DEBUG_INFO=-g for
+# a debugger session.
+DEBUG_INFO ?= -g1
 CMAKE_FLAGS ?=
 # The Python module is built for Debian's interpreter (NumPy and PyTorch live there), whatever
 # python3 comes first on PATH.
@@ -25,6 +30,7 @@ deps:
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE=$(PYTHON) \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 $(DEBUG_INFO) -DNDEBUG" \
 	  -DTHDPACK_WITH_MPI=$(WITH_MPI) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
@@ -36,7 +42,7 @@ test-unit: build
 # Sanitizers in a build folder of their own; flags are given here, never forced by CMakeLists.
 $(ASAN_BUILD)/CMakeCache.txt:
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF \
-	  -DTHDPACK_WITH_MPI=$(WITH_MPI) \
+	  -DTHDPACK_WITH_MPI=$(WITH_MPI) -DCMAKE_CXX_FLAGS_DEBUG="$(DEBUG_INFO)" \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
 test-asan: deps $(ASAN_BUILD)/CMakeCache.txt
@@ -48,7 +54,7 @@ test-asan: deps $(ASAN_BUILD)/CMakeCache.txt
 # THDPACK_BUILD_FUZZ; -O1 without NDEBUG keeps the library's internal checks on while fuzzing.
 $(CLANG_BUILD)/CMakeCache.txt:
 	cmake -S . -B $(CLANG_BUILD) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DTHDPACK_BUILD_FUZZ=ON -DTHDPACK_BUILD_TESTS=OFF \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 $(DEBUG_INFO)" -DTHDPACK_BUILD_FUZZ=ON -DTHDPACK_BUILD_TESTS=OFF \
 	  -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF -DTHDPACK_BUILD_TOOLS=OFF \
 	  -DTHDPACK_WITH_MPI=$(WITH_MPI)
 
