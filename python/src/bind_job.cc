@@ -8,124 +8,27 @@
 #include <vector>
 
 #include "common.h"
+#include "job_options.h"
 #include "thdpack/comm.h"
 #include "thdpack/job.h"
 
 namespace thdpack::python {
 namespace {
 
-using Setter = std::function<void(JobOptions&, RunOptions&, const py::handle&)>;
-
-template <typename T>
-Setter Field(T JobOptions::*field) {
-  return [field](JobOptions& o, RunOptions&, const py::handle& v) { o.*field = v.cast<T>(); };
-}
-template <typename T>
-Setter SourceField(T SourceOptions::*field) {
-  return [field](JobOptions& o, RunOptions&, const py::handle& v) {
-    o.source.*field = v.cast<T>();
-  };
-}
-template <typename T>
-Setter RunField(T RunOptions::*field) {
-  return [field](JobOptions&, RunOptions& r, const py::handle& v) { r.*field = v.cast<T>(); };
-}
-template <typename T>
-Setter ProbeField(T ProbeConfig::*field) {
-  return [field](JobOptions&, RunOptions& r, const py::handle& v) {
-    r.probe.*field = v.cast<T>();
-  };
-}
-
-// --global-batch: "all" or a positive integer, through the command line's parser.
-void SetGlobalBatch(JobOptions& o, RunOptions&, const py::handle& v) {
-  const std::string text = py::isinstance<py::str>(v) ? v.cast<std::string>()
-                                                      : std::to_string(v.cast<int64_t>());
-  o.global_batch = ValueOrThrow(ParseGlobalBatch(text));
-}
-
-// --memory-limit: bytes as an int, or text with a K/M/G/T suffix, through the command line's
-// parser.
-void SetMemoryLimit(JobOptions& o, RunOptions&, const py::handle& v) {
-  const std::string text = py::isinstance<py::str>(v) ? v.cast<std::string>()
-                                                      : std::to_string(v.cast<int64_t>());
-  o.memory_limit = ValueOrThrow(ParseMemoryLimit(text));
-}
-
-void SetSteps(JobOptions& o, RunOptions&, const py::handle& v) {
-  if (v.is_none()) {
-    o.steps.reset();
-  } else {
-    o.steps = v.cast<int64_t>();
-  }
-}
-
-const std::map<std::string, Setter>& Setters(bool run) {
-  static const std::map<std::string, Setter> plan_setters = {
-      {"data", Field(&JobOptions::data)},
-      {"seed", SourceField(&SourceOptions::seed)},
-      {"shuffle", SourceField(&SourceOptions::shuffle)},
-      {"vocab", SourceField(&SourceOptions::vocab_size)},
-      {"mock_samples", SourceField(&SourceOptions::mock_num_samples)},
-      {"tp", Field(&JobOptions::tp)},
-      {"cp", Field(&JobOptions::cp)},
-      {"dp", Field(&JobOptions::dp)},
-      {"pp", Field(&JobOptions::pp)},
-      {"sp", Field(&JobOptions::sp)},
-      {"align", Field(&JobOptions::align)},
-      {"max_tokens_per_rank", Field(&JobOptions::max_tokens_per_rank)},
-      {"global_batch", SetGlobalBatch},
-      {"steps", SetSteps},
-      {"scheduler", Field(&JobOptions::scheduler)},
-      {"cost", Field(&JobOptions::cost)},
-      {"microbatch_multiple", Field(&JobOptions::microbatch_multiple)},
-      {"num_microbatches", Field(&JobOptions::num_microbatches)},
-      {"oversize", Field(&JobOptions::oversize)},
-      {"pad_id", Field(&JobOptions::pad_id)},
-      {"data_on", Field(&JobOptions::data_on)},
-      {"vocab_size", Field(&JobOptions::vocab_size)},
-      {"logits_dtype", Field(&JobOptions::logits_dtype)},
-      {"fused_grad", Field(&JobOptions::fused_grad)},
-      {"check_plan_hash", Field(&JobOptions::check_plan_hash)},
-      {"memory_limit", SetMemoryLimit},
-  };
-  static const std::map<std::string, Setter> run_setters = [] {
-    std::map<std::string, Setter> m = plan_setters;
-    m["timeout"] = Field(&JobOptions::timeout);
-    m["verify"] = RunField(&RunOptions::verify);
-    m["verify_tolerance"] = RunField(&RunOptions::verify_tolerance);
-    m["memory_profile_steps"] = RunField(&RunOptions::memory_profile_steps);
-    m["memory_profile_dir"] = RunField(&RunOptions::memory_profile_dir);
-    m["probe_layers"] = ProbeField(&ProbeConfig::layers);
-    m["probe_hidden"] = ProbeField(&ProbeConfig::hidden);
-    m["probe_heads"] = ProbeField(&ProbeConfig::heads);
-    m["probe_vocab"] = ProbeField(&ProbeConfig::vocab_size);
-    return m;
-  }();
-  return run ? run_setters : plan_setters;
-}
-
 // Reads the keyword arguments into the options; summary_only is returned apart.
 bool ReadOptions(const py::kwargs& kwargs, bool run, JobOptions& job, RunOptions& run_options) {
   bool summary_only = false;
-  const auto& setters = Setters(run);
   for (const auto& [key, value] : kwargs) {
     const std::string name = key.cast<std::string>();
     if (name == "summary_only") {
       summary_only = value.cast<bool>();
       continue;
     }
-    auto it = setters.find(name);
-    if (it == setters.end()) {
+    if (!IsJobOption(name, run)) {
       throw py::type_error(std::string(run ? "run_job" : "plan_job") +
                            "() got an unexpected keyword argument '" + name + "'");
     }
-    try {
-      it->second(job, run_options, value);
-    } catch (const py::cast_error&) {
-      throw py::type_error(name + ": cannot take " +
-                           std::string(py::str(py::type::of(value).attr("__name__"))));
-    }
+    SetJobOption(name, value, job, run_options);
   }
   return summary_only;
 }

@@ -14,9 +14,9 @@
 // loader's own samples as (int32 tokens, uint8 mask or None) pairs; ids follow the file rule
 // (the k-th sample of loader d in step s has id s * global_batch + k * DP + d).
 #include <algorithm>
-#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,62 +25,37 @@
 #include "thdpack/shard.h"
 #include "thdpack/step.h"
 #include "thdpack/step_runner.h"
+#include "job_options.h"
 #include "torch_comm.h"
 
 namespace thdpack::python {
 namespace {
 
-using Setter = void (*)(JobOptions&, const py::handle&);
-
-const std::map<std::string, Setter>& OptionSetters() {
-  static const std::map<std::string, Setter> setters = {
-      {"tp", [](JobOptions& o, const py::handle& v) { o.tp = v.cast<int>(); }},
-      {"cp", [](JobOptions& o, const py::handle& v) { o.cp = v.cast<int>(); }},
-      {"dp", [](JobOptions& o, const py::handle& v) { o.dp = v.cast<int>(); }},
-      {"pp", [](JobOptions& o, const py::handle& v) { o.pp = v.cast<int>(); }},
-      {"sp", [](JobOptions& o, const py::handle& v) { o.sp = v.cast<bool>(); }},
-      {"seed", [](JobOptions& o, const py::handle& v) { o.source.seed = v.cast<uint64_t>(); }},
-      {"shuffle", [](JobOptions& o, const py::handle& v) { o.source.shuffle = v.cast<bool>(); }},
-      {"vocab",
-       [](JobOptions& o, const py::handle& v) { o.source.vocab_size = v.cast<int64_t>(); }},
-      {"mock_samples",
-       [](JobOptions& o, const py::handle& v) { o.source.mock_num_samples = v.cast<int64_t>(); }},
-      {"align", [](JobOptions& o, const py::handle& v) { o.align = v.cast<int64_t>(); }},
-      {"max_tokens_per_rank",
-       [](JobOptions& o, const py::handle& v) { o.max_tokens_per_rank = v.cast<int64_t>(); }},
-      {"global_batch",
-       [](JobOptions& o, const py::handle& v) { o.global_batch = v.cast<int64_t>(); }},
-      {"scheduler",
-       [](JobOptions& o, const py::handle& v) { o.scheduler = v.cast<std::string>(); }},
-      {"cost", [](JobOptions& o, const py::handle& v) { o.cost = v.cast<std::string>(); }},
-      {"microbatch_multiple",
-       [](JobOptions& o, const py::handle& v) { o.microbatch_multiple = v.cast<int>(); }},
-      {"num_microbatches",
-       [](JobOptions& o, const py::handle& v) { o.num_microbatches = v.cast<int>(); }},
-      {"oversize", [](JobOptions& o, const py::handle& v) { o.oversize = v.cast<std::string>(); }},
-      {"pad_id", [](JobOptions& o, const py::handle& v) { o.pad_id = v.cast<TokenId>(); }},
-      {"data_on", [](JobOptions& o, const py::handle& v) { o.data_on = v.cast<std::string>(); }},
-      {"check_plan_hash",
-       [](JobOptions& o, const py::handle& v) { o.check_plan_hash = v.cast<bool>(); }},
-  };
-  return setters;
+// The job options the iterator takes as keyword arguments (thdpack.torch.PackedDataIterator's
+// docstring): the topology comes from the groups, the data from `source`, and the options of
+// `run` alone (verify, probe, timeout) have no meaning here.
+bool IsIteratorOption(const std::string& name) {
+  static const std::set<std::string> names = {
+      "tp",          "cp",       "dp",
+      "pp",          "sp",       "seed",
+      "shuffle",     "vocab",    "mock_samples",
+      "align",       "max_tokens_per_rank", "global_batch",
+      "scheduler",   "cost",     "microbatch_multiple",
+      "num_microbatches", "oversize", "pad_id",
+      "data_on",     "check_plan_hash"};
+  return names.count(name) > 0;
 }
 
 Job ResolveOptions(const py::dict& options, const py::object& source) {
   JobOptions o;
+  RunOptions unused;
   for (const auto& [key, value] : options) {
     const std::string name = key.cast<std::string>();
-    auto it = OptionSetters().find(name);
-    if (it == OptionSetters().end()) {
+    if (!IsIteratorOption(name)) {
       throw py::type_error("PackedDataIterator() got an unexpected keyword argument '" + name +
                            "'");
     }
-    try {
-      it->second(o, value);
-    } catch (const py::cast_error&) {
-      throw py::type_error(name + ": cannot take " +
-                           std::string(py::str(py::type::of(value).attr("__name__"))));
-    }
+    SetJobOption(name, value, o, unused);
   }
   if (!source.is_none()) {
     o.data = source.cast<std::string>();
