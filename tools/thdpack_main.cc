@@ -5,10 +5,6 @@
 #include <cstdio>
 #if defined(__GLIBC__)
 #include <malloc.h>
-#include <sys/mman.h>
-
-#include <cstdint>
-#include <cstdlib>
 #endif
 #include <exception>
 #include <string>
@@ -48,17 +44,6 @@ void KeepLargeBlocksInTheHeap() {
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
-  // Grow the heap once by a range that is only reserved (untouched pages take no memory), and
-  // ask for transparent huge pages on it: a first touch then maps 2 MiB at once.
-  constexpr size_t kReserve = size_t{512} << 20;
-  void* p = malloc(kReserve);
-  if (p != nullptr) {
-    const uintptr_t huge = uintptr_t{2} << 20;
-    const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + kReserve) & ~(huge - 1);
-    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-    free(p);
-  }
 #endif
 }
 
