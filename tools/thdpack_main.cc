@@ -3,6 +3,9 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <exception>
 #include <string>
 #include <vector>
@@ -32,7 +35,20 @@ std::string OtherVerbHint(const CLI::App& app, const std::vector<std::string>& e
 
 }  // namespace
 
+// Planning a large step allocates and frees arrays of tens of MB, step after step. glibc maps
+// each such block anew (and zeroes its pages on first touch, about a fault per 4 KiB) and
+// unmaps it on free; kept in the heap instead, a freed block's pages are reused by the next.
+// Only the command line does this: the library leaves the allocator of its host alone.
+void KeepLargeBlocksInTheHeap() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TOP_PAD, 64 << 20);
+#endif
+}
+
 int main(int argc, char** argv) {
+  KeepLargeBlocksInTheHeap();
   CLI::App app{
       "thdpack: the data plane of packed-sequence (THD) distributed training.\n"
       "Shows what your data does at a given topology, and runs it:\n"

@@ -1,6 +1,7 @@
 // Scheduling entry points shared by both schedulers: option and input validation, the oversize
 // policy, ValidatePlan and the figures of a plan.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -8,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/check.h"
 #include "schedule/scheduler_internal.h"
 #include "thdpack/schedule.h"
 
@@ -192,15 +194,22 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
       }
     }
   }
-  step.ids.reserve(n);
-  step.length.reserve(n);
-  step.n_targets.reserve(n);
-  step.padded.reserve(n);
-  step.cost.reserve(n);
+  // Sized once and written by index (no push_back's capacity check per sample), shrunk to the
+  // kept count at the end.
+  step.ids.resize(n);
+  step.length.resize(n);
+  step.n_targets.resize(n);
+  step.padded.resize(n);
+  step.cost.resize(n);
   const double cp = static_cast<double>(o.parallel.cp_size());
+  // P = roundup(L, align): a mask when align is a power of two (2*CP, the usual case), the
+  // same value as PaddedLength's division.
+  const bool pow2 = std::has_single_bit(static_cast<uint64_t>(align));
+  size_t kept = 0;
   for (size_t i = 0; i < n; ++i) {
     const SampleLength& s = samples[i];
-    const int64_t p = o.parallel.PaddedLength(s.length);
+    const int64_t p = pow2 ? (s.length + align - 1) & -align : o.parallel.PaddedLength(s.length);
+    THDPACK_DCHECK(p == o.parallel.PaddedLength(s.length));
     if (p > step.capacity) {
       if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
         std::string padded = "padded " + Str(p) + " with alignment " + Str(align);
@@ -217,15 +226,23 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
       step.skipped.push_back(s.id);
       continue;
     }
-    step.ids.push_back(s.id);
-    step.length.push_back(static_cast<int32_t>(s.length));
-    step.n_targets.push_back(static_cast<int32_t>(s.n_targets));
-    step.padded.push_back(p);
+    step.ids[kept] = s.id;
+    step.length[kept] = static_cast<int32_t>(s.length);
+    step.n_targets[kept] = static_cast<int32_t>(s.n_targets);
+    step.padded[kept] = p;
     const double c = o.cost.SequenceCost(p) / cp;
-    step.cost.push_back(c);
+    step.cost[kept] = c;
+    ++kept;
     step.total_padded += p;
     step.total_cost += c;
     step.max_cost = std::max(step.max_cost, c);
+  }
+  if (kept < n) {
+    step.ids.resize(kept);
+    step.length.resize(kept);
+    step.n_targets.resize(kept);
+    step.padded.resize(kept);
+    step.cost.resize(kept);
   }
   return step;
 }
@@ -579,11 +596,12 @@ Result<PlanFigures> AssignmentFigures(const PreparedStep& step, const ScheduleOp
           const size_t ahead = static_cast<size_t>(a.items[static_cast<size_t>(k + kPrefetchAhead)]);
           __builtin_prefetch(&step.length[ahead]);
           __builtin_prefetch(&step.n_targets[ahead]);
+          __builtin_prefetch(&step.padded[ahead]);
           __builtin_prefetch(&step.cost[ahead]);
         }
+        // P from the step (PaddedLength(L), made once by PrepareStep), not a division here.
         const size_t i = static_cast<size_t>(a.items[static_cast<size_t>(k)]);
-        return FigureEntry{step.length[i], step.n_targets[i],
-                           options.parallel.PaddedLength(step.length[i]), step.cost[i]};
+        return FigureEntry{step.length[i], step.n_targets[i], step.padded[i], step.cost[i]};
       });
 }
 

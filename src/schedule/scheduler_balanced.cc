@@ -684,7 +684,40 @@ Candidate MakeCandidate(const PreparedStep& step, const ScheduleOptions& o, Assi
   return c;
 }
 
+// Whether the sequential plan `seq` can be left out of the choice without computing its exact
+// cost: when the least-cost balanced candidate X has no more microbatches and costs less than
+// a lower bound of the sequential straggler, X comes before it in the order of the choice and
+// keeps the least cost (so the 1% limit) unchanged. The bound is the largest per-replica sum
+// of the samples' own costs (a microbatch's cost sums cost(P) over its samples, an SP tail
+// only adds), less 1e-5 relative for rounding: a sum of k terms is within k * 2^-53 relative
+// of exact, under 3e-7 for k < 2^31. Balanced scheduling keeps the exact cost
+// (BalancedTuning::plain_sequential), the reference of the tests.
+bool SequentialCannotWin(const PreparedStep& step, const Assignment& seq,
+                         const std::vector<Candidate>& balanced) {
+  if (balanced.empty()) return false;
+  const Candidate* x = &balanced[0];
+  for (const Candidate& c : balanced) {
+    if (c.cost.max_replica_cost < x->cost.max_replica_cost) x = &c;
+  }
+  if (x->assignment.num_microbatches > seq.num_microbatches) return false;
+  return x->cost.max_replica_cost < MaxReplicaCostLowerBound(step, seq);
+}
+
 }  // namespace
+
+double MaxReplicaCostLowerBound(const PreparedStep& step, const Assignment& a) {
+  // A replica's groups d*M .. d*M+M-1 are contiguous in `items`.
+  const size_t m = static_cast<size_t>(a.num_microbatches);
+  double max_sum = 0;
+  for (size_t d = 0; d < static_cast<size_t>(a.dp_size); ++d) {
+    double sum = 0;
+    for (int64_t k = a.offsets[d * m]; k < a.offsets[(d + 1) * m]; ++k) {
+      sum += step.cost[static_cast<size_t>(a.items[static_cast<size_t>(k)])];
+    }
+    max_sum = std::max(max_sum, sum);
+  }
+  return max_sum * (1 - 1e-5);
+}
 
 std::vector<int32_t> SortByPaddedThenIdPlain(const PreparedStep& step) {
   const size_t n = step.size();
@@ -717,20 +750,26 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
   if (n < 2) return PlainWithPadded(step, padded);
   int64_t lo = step.ids[0], hi = step.ids[0];
   int64_t max_padded = 0;
+  bool increasing = true;  // ids already in increasing order (as a data source numbers them)
   for (size_t i = 0; i < n; ++i) {
     lo = std::min(lo, step.ids[i]);
     hi = std::max(hi, step.ids[i]);
     max_padded = std::max(max_padded, step.padded[i]);
+    increasing = increasing && (i == 0 || step.ids[i] > step.ids[i - 1]);
   }
   const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
-  if (range == 0 || range > 4 * static_cast<uint64_t>(n) + 1024 ||
-      max_padded > std::numeric_limits<int32_t>::max()) {
+  if (max_padded > std::numeric_limits<int32_t>::max() ||
+      (!increasing && (range == 0 || range > 4 * static_cast<uint64_t>(n) + 1024))) {
     return PlainWithPadded(step, padded);
   }
-  // 1. Increasing id: a direct table over the (dense, unique) ids, read in order.
+  // 1. Increasing id: the step's own order when its ids increase, else a direct table over the
+  // (dense, unique) ids, read in order.
   std::vector<int32_t> order;
   order.reserve(n);
-  {
+  if (increasing) {
+    order.resize(n);
+    std::iota(order.begin(), order.end(), 0);
+  } else {
     std::vector<int32_t> table(static_cast<size_t>(range), -1);
     for (size_t i = 0; i < n; ++i) {
       table[static_cast<size_t>(static_cast<uint64_t>(step.ids[i]) - static_cast<uint64_t>(lo))] =
@@ -840,7 +879,11 @@ Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOpti
   }
   {
     auto seq = ScheduleSequential(step, o, o.num_microbatches);
-    if (seq.ok()) {
+    // Left out when it could not be chosen (SequentialCannotWin).
+    const bool left_out =
+        seq.ok() && !tuning.plain_sequential && SequentialCannotWin(step, *seq, candidates);
+    if (left_out && tuning.sequential_left_out != nullptr) ++*tuning.sequential_left_out;
+    if (seq.ok() && !left_out) {
       // Its figures only if it is chosen (rarely): its cost pass reads the step in order.
       candidates.push_back(MakeCandidate(step, o, std::move(seq).value(),
                                          ScheduleOptions::Scheduler::kSequential, false));

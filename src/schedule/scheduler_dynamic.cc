@@ -142,6 +142,20 @@ GroupCost CostOfGroup(const StepTimeModel& model, const ParallelLayout& layout, 
   return g;
 }
 
+// CostOfGroup's seconds from padded lengths (P = PaddedLength(L), as a PreparedStep holds
+// them): the same P in the same order, so the same sum, without a division per sequence.
+double SecondsOfPaddedGroup(const StepTimeModel& model, const ParallelLayout& layout, int c,
+                            std::span<const int64_t> padded) {
+  int64_t sum = 0;
+  for (int64_t p : padded) sum += p;
+  const int64_t tail = layout.MicrobatchTokens(sum) - sum;
+  double seconds = 0;
+  for (size_t j = 0; j < padded.size(); ++j) {
+    seconds += model.SequenceSeconds(padded[j] + (j + 1 == padded.size() ? tail : 0), c);
+  }
+  return seconds;
+}
+
 // The modelled time of a plan whose ids are all in `index` (checked by the caller).
 Result<double> TimeOfPlan(const SampleIdIndex& index, const ScheduleOptions& o,
                           const DynamicPlan& plan) {
@@ -525,18 +539,18 @@ Result<double> AssignmentStepTime(const PreparedStep& step, const ScheduleOption
   const int cp = options.parallel.cp_size();
   std::vector<GroupTask> tasks;
   tasks.reserve(static_cast<size_t>(a.dp_size) * static_cast<size_t>(a.num_microbatches));
-  std::vector<int64_t> lengths;
+  std::vector<int64_t> padded;
   // The groups in PlanStepTime's order (microbatch, then replica), each in plan order.
   for (int m = 0; m < a.num_microbatches; ++m) {
     for (int d = 0; d < a.dp_size; ++d) {
       const size_t g = static_cast<size_t>(d) * static_cast<size_t>(a.num_microbatches) +
                        static_cast<size_t>(m);
-      lengths.clear();
+      padded.clear();
       for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
-        lengths.push_back(step.length[static_cast<size_t>(a.items[static_cast<size_t>(k)])]);
+        padded.push_back(step.padded[static_cast<size_t>(a.items[static_cast<size_t>(k)])]);
       }
       tasks.push_back(
-          {d * cp, cp, CostOfGroup(*options.step_time, options.parallel, cp, lengths).seconds});
+          {d * cp, cp, SecondsOfPaddedGroup(*options.step_time, options.parallel, cp, padded)});
     }
   }
   return SimulateStepTime(a.dp_size * cp, tasks);

@@ -5,6 +5,7 @@
 // scheduler's microbatch refill by scan against its refill by heaps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <random>
 #include <string>
@@ -72,6 +73,11 @@ TEST(SortByPaddedThenIdTest, EqualsTheComparisonSortOnRandomSteps) {
   for (int trial = 0; trial < 200; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
     auto samples = RandomSamples(rng, trial % 2);  // no duplicates: PrepareStep rejects them
+    if (trial % 3 == 2) {
+      // Ids in increasing order, dense or sparse: the sort starts from the step's own order.
+      std::sort(samples.begin(), samples.end(),
+                [](const SampleLength& x, const SampleLength& y) { return x.id < y.id; });
+    }
     ScheduleOptions o;
     o.parallel = ParallelLayout::Create(std::vector<int>{1, 2, 8}[rng() % 3]).value();
     o.max_tokens_per_rank = 1 << 20;
@@ -209,6 +215,58 @@ TEST(BalancedRefillTest, ScanEqualsHeapsOnRandomSteps) {
     }
   }
   EXPECT_GT(compared, 100);  // most trials refilled several microbatches
+}
+
+// The balanced scheduler leaves the sequential candidate out when a lower bound of its cost
+// shows it cannot be chosen; the plain form always computes its exact cost. The same plan,
+// chooser and figures on random steps; and the bound is below the exact cost of the
+// sequential plan of every step (SP tails and CP padding included).
+TEST(BalancedSequentialBoundTest, EqualsExactSequentialCostOnRandomSteps) {
+  std::mt19937_64 rng(37);
+  int compared = 0;
+  int bounded = 0;
+  int left_out = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const auto samples = RandomSamples(rng, trial % 2);
+    ScheduleOptions o = RandomOptions(rng);
+    o.scheduler = ScheduleOptions::Scheduler::kBalanced;
+    // Tight budgets at a fixed M now and then: best fit may find no room, next-fit may.
+    if (trial % 3 == 0) {
+      o.max_tokens_per_rank = 2048;
+      o.num_microbatches = o.microbatch_multiple * (1 + static_cast<int>(rng() % 8));
+    }
+    auto step = internal::PrepareStep(samples, o);
+    ASSERT_TRUE(step.ok());
+    if (!internal::CheckEnoughSamples(*step, o).ok()) continue;
+    if (auto seq = internal::ScheduleSequential(*step, o, o.num_microbatches); seq.ok()) {
+      const double exact_cost = internal::ComputeAssignmentCost(*step, o, *seq).max_replica_cost;
+      EXPECT_LE(internal::MaxReplicaCostLowerBound(*step, *seq), exact_cost);
+      EXPECT_GE(internal::MaxReplicaCostLowerBound(*step, *seq), 0.99 * exact_cost - 1e-9)
+          << "the bound is far below the cost: it would seldom leave anything out";
+      ++bounded;
+    }
+    ScheduleOptions::Scheduler who_bound{}, who_exact{};
+    PlanFigures f_bound, f_exact;
+    Result<internal::Assignment> bound = internal::ScheduleBalanced(
+        *step, o, &who_bound, &f_bound, internal::BalancedTuning{.sequential_left_out = &left_out});
+    Result<internal::Assignment> exact = internal::ScheduleBalanced(
+        *step, o, &who_exact, &f_exact, internal::BalancedTuning{.plain_sequential = true});
+    ASSERT_EQ(bound.ok(), exact.ok());
+    if (!bound.ok()) {
+      EXPECT_EQ(bound.status(), exact.status());
+      continue;
+    }
+    ++compared;
+    EXPECT_EQ(who_bound, who_exact);
+    EXPECT_EQ(bound->num_microbatches, exact->num_microbatches);
+    EXPECT_EQ(bound->offsets, exact->offsets);
+    EXPECT_EQ(bound->items, exact->items);
+    ExpectSameFigures(f_bound, f_exact);
+  }
+  EXPECT_GT(compared, 150);
+  EXPECT_GT(bounded, 150);
+  EXPECT_GT(left_out, 100);  // the bound did leave it out on most steps
 }
 
 }  // namespace

@@ -99,7 +99,16 @@ Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Sche
 // plain forms on random steps. The defaults are what Schedule uses.
 struct BalancedTuning {
   bool plain_refill = false;  // refill microbatches with heaps whatever M (no scan)
+  // the sequential candidate's exact cost always computed (never left out by its bound)
+  bool plain_sequential = false;
+  int* sequential_left_out = nullptr;  // when set, counts the times the bound left it out
 };
+
+// A lower bound of ComputeAssignmentCost(step, options, a).max_replica_cost: the largest
+// per-replica sum of step.cost, less 1e-5 relative for rounding (how the balanced scheduler
+// leaves out a sequential candidate that cannot be chosen; compared with the exact cost on
+// random steps in the tests).
+double MaxReplicaCostLowerBound(const PreparedStep& step, const Assignment& a);
 
 // The cost-aware scheduler with its M search (see scheduler_balanced.cc). With `figures`, also
 // the chosen plan's figures (AssignmentFigures; its error when they overflow), computed once
