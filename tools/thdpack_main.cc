@@ -3,12 +3,12 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #include <exception>
 #include <string>
 #include <vector>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "commands.h"
 #include "exit_code.h"
