@@ -254,10 +254,6 @@ Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text) {
 }
 
 Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
-  if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
-    return Fail("--scheduler", "dynamic is planned only (thdpack plan); run does not carry "
-                               "per-microbatch CP groups yet");
-  }
   RunSetup run;
   run.options = options;
   if (options.verify) {
