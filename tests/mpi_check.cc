@@ -107,7 +107,7 @@ int Run() {
   for (const auto& t : thdpack::testing::DynamicVerifyTopologies()) {
     std::vector<thdpack::LossSummary> losses;
     report("dynamic verify " + thdpack::testing::DynName(t),
-           thdpack::testing::RunDynamicVerify(world, t, "jsonl:" + jsonl, 2, &losses));
+           thdpack::testing::RunDynamicVerify(world, t, "jsonl:" + jsonl, 1, &losses));
   }
   (void)world.Barrier();
   if (world.rank() == 0) {
