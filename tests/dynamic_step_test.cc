@@ -157,9 +157,10 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
 }
 
 void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
-                 int64_t max_tokens, int steps) {
+                 int64_t max_tokens, int steps, bool skip = false) {
   auto job = testing::DynamicJob(t, data, global_batch, max_tokens, steps);
   ASSERT_TRUE(job.ok()) << Name(t) << ": " << job.status().ToString();
+  if (skip) job->schedule.oversize = ScheduleOptions::OversizePolicy::kSkip;
   const StepRunnerOptions o = RunnerOptions(*job);
   Collected got;
   const std::vector<Status> statuses =
@@ -175,7 +176,7 @@ void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
   for (size_t r = 0; r < statuses.size(); ++r) {
     ASSERT_TRUE(statuses[r].ok()) << Name(t) << " rank " << r << ": " << statuses[r].ToString();
   }
-  int64_t made = 0, reused = 0;
+  int64_t made = 0, reused = 0, skipped = 0;
   for (int s = 0; s < steps; ++s) {
     std::map<int, RankStep> by_rank;
     for (int r = 0; r < job->topology.world_size(); ++r) by_rank[r] = got.steps.at({s, r});
@@ -187,7 +188,13 @@ void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
     }
     made += by_rank.at(0).groups_made;
     reused += by_rank.at(0).groups_reused;
+    // Skipped samples are reported to every rank.
+    for (const auto& [r, st] : by_rank) {
+      EXPECT_EQ(st.meta.skipped_ids, by_rank.at(0).dynamic_plan.skipped) << Name(t) << " rank " << r;
+    }
+    skipped += static_cast<int64_t>(by_rank.at(0).dynamic_plan.skipped.size());
   }
+  if (skip) EXPECT_GT(skipped, 0) << Name(t) << ": no sample was over the budget";
   EXPECT_GT(made, 0) << Name(t);
   if (steps > 1) EXPECT_GT(reused, 0) << Name(t) << ": no group was reused across steps";
 }
@@ -204,6 +211,25 @@ TEST(DynamicStep, RanksReceiveTheirGroupsShardsExactlyOnce) {
     // of 1 takes them whole.
     RunAndCheck(t, data, 24, t.cp * t.dp >= 3 ? 128 : 320, 3);
   }
+}
+
+// Oversize policy skip: samples over the largest group's budget (D * 40 tokens) are left out,
+// reported in `skipped`, and every other sample still arrives exactly once.
+TEST(DynamicStep, OversizeSkipLeavesSamplesOutAndSaysSo) {
+  ScratchFile file("thdpack_dynamic_skip.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 30, 200, 23);
+  RunAndCheck(Topo{1, 2, 1, 1, false}, "jsonl:" + file.path(), 12, 40, 2, /*skip=*/true);
+}
+
+TEST(DynamicStep, DataOnAllIsRefusedNamingTheOption) {
+  JobOptions o;
+  o.scheduler = "dynamic";
+  o.data_on = "all";
+  auto job = ResolveJob(o);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  auto run = ResolveRun(*job, RunOptions{});
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.status().message().find("--data-on"), std::string::npos) << run.status().ToString();
 }
 
 // run --verify with dynamic at the topologies, in one process: the probe's loss, ppl,

@@ -1193,6 +1193,20 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
     groups_[key] = std::shared_ptr<ProcessGroup>(std::move(g));
     ++out.groups_made;
   }
+  // Every group this rank's metadata names is split, and holds it at its position.
+  for (size_t m = 0; m < out.meta.groups.size(); ++m) {
+    const MicrobatchGroup& g = out.meta.groups[m];
+    if (g.num_ranks == 0) continue;
+    auto it = groups_.find({g.first_rank, g.num_ranks});
+    if (it == groups_.end() || !it->second || it->second->size() != g.num_ranks ||
+        it->second->rank() != out.meta.domain_rank - g.first_rank) {
+      return Status::Internal("dynamic step " + std::to_string(step_) + ": microbatch " +
+                              std::to_string(m) + "'s group [" + std::to_string(g.first_rank) +
+                              ", +" + std::to_string(g.num_ranks) +
+                              ") is not among the groups of the plan, or not at position " +
+                              std::to_string(out.meta.domain_rank - g.first_rank));
+    }
+  }
   return Status::Ok();
 }
 
@@ -1212,10 +1226,7 @@ void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
     lm.first_rank = g.first_rank;
     lm.cp_rank = lm.idle ? 0 : out.meta.domain_rank - g.first_rank;
     lm.local_tokens = lm.total_tokens / lm.cp_size;
-    if (!lm.idle) {
-      auto it = groups_.find({g.first_rank, g.num_ranks});
-      if (it != groups_.end()) lm.cp_group = it->second;
-    }
+    if (!lm.idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks});  // checked in MakeGroups
     if (m < shards_.size() && !shards_[m].empty()) {
       PackedShard& sh = shards_[m][0];
       if (out.first_stage) {
