@@ -35,6 +35,7 @@ Result<PlannedStep> PlanDynamicStep(const Job& job, const StepSamples& step, boo
   THDPACK_ASSIGN_OR_RETURN(PlannedStep out,
                            DynamicStepFigures(job, step.step, step.epoch, step.samples,
                                               std::move(*plan), sample_ids));
+  out.figures.n_empty = step.n_empty;  // as for the static schedulers: never silent
   return out;
 }
 
