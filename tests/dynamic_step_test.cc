@@ -44,7 +44,9 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
   auto ref = testing::ReadReferenceStep(plain, topo, s);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   const int cp = t.cp, domain = t.dp * t.cp;
-  auto rank_of = [&](int tp, int d, int pp) { return topo.RankOf(Coord{tp, d % cp, d / cp, pp}).value(); };
+  auto rank_of = [&](int tp, int d, int pp) {
+    return topo.RankOf(Coord{tp, d % cp, d / cp, pp}).value();
+  };
   // Rank 0 (a head) holds the plan; every head holds the same.
   const RankStep& r0 = by_rank.at(0);
   ASSERT_TRUE(r0.dynamic && r0.is_loader) << where;
@@ -73,7 +75,8 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
     for (int pp = 0; pp < t.pp; ++pp) {
       for (int tp = 0; tp < t.tp; ++tp) {
         const RankStep& x = by_rank.at(rank_of(tp, d, pp));
-        EXPECT_EQ(x.meta, head.meta) << where << " domain rank " << d << " tp " << tp << " pp " << pp;
+        EXPECT_EQ(x.meta, head.meta)
+            << where << " domain rank " << d << " tp " << tp << " pp " << pp;
         for (size_t m = 0; m < M; ++m) {
           EXPECT_EQ(x.microbatches[m].idle, head.microbatches[m].idle) << where;
           EXPECT_EQ(x.microbatches[m].cp_rank, head.microbatches[m].cp_rank) << where;
@@ -87,7 +90,8 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
       for (const CpGroup& g : plan.microbatches[m]) {
         in_group = in_group || (d >= g.first_rank && d < g.first_rank + g.num_ranks);
       }
-      EXPECT_EQ(head.microbatches[m].idle, !in_group) << where << " domain rank " << d << " mb " << m;
+      EXPECT_EQ(head.microbatches[m].idle, !in_group)
+          << where << " domain rank " << d << " mb " << m;
       if (!in_group) {
         EXPECT_TRUE(head.microbatches[m].tokens.empty());
         EXPECT_EQ(head.microbatches[m].cu_seqlens, std::vector<int32_t>{0});
@@ -109,7 +113,8 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
         std::vector<int32_t> pos(tokens.size(), -1);
         std::vector<int> mask(tokens.size(), -1);
         for (int r = 0; r < c; ++r) {
-          const LocalMicrobatch& first = by_rank.at(rank_of(tp, g.first_rank + r, 0)).microbatches[m];
+          const LocalMicrobatch& first =
+              by_rank.at(rank_of(tp, g.first_rank + r, 0)).microbatches[m];
           const LocalMicrobatch& last =
               by_rank.at(rank_of(tp, g.first_rank + r, t.pp - 1)).microbatches[m];
           ASSERT_FALSE(first.idle);
@@ -132,13 +137,15 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
           }
         }
         for (size_t gi = 0; gi < seen.size(); ++gi) {
-          ASSERT_EQ(seen[gi], 1) << where << ": global index " << gi << " held " << seen[gi] << " times";
+          ASSERT_EQ(seen[gi], 1)
+              << where << ": global index " << gi << " held " << seen[gi] << " times";
         }
         int64_t n_valid = 0;
         for (size_t i = 0; i < g.sample_ids.size(); ++i) {
           const Sample& x = ref->by_id.at(g.sample_ids[i]);
           const int64_t begin = lead.cu_seqlens_padded[i];
-          ASSERT_EQ(lead.cu_seqlens[i + 1] - lead.cu_seqlens[i], static_cast<int32_t>(x.tokens.size()));
+          ASSERT_EQ(lead.cu_seqlens[i + 1] - lead.cu_seqlens[i],
+                    static_cast<int32_t>(x.tokens.size()));
           for (size_t j = 0; j < x.tokens.size(); ++j) {
             const size_t gi = static_cast<size_t>(begin) + j;
             ASSERT_EQ(tokens[gi], x.tokens[j]) << where << " sample " << x.id << " token " << j;
@@ -190,7 +197,8 @@ void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
     reused += by_rank.at(0).groups_reused;
     // Skipped samples are reported to every rank.
     for (const auto& [r, st] : by_rank) {
-      EXPECT_EQ(st.meta.skipped_ids, by_rank.at(0).dynamic_plan.skipped) << Name(t) << " rank " << r;
+      EXPECT_EQ(st.meta.skipped_ids, by_rank.at(0).dynamic_plan.skipped)
+          << Name(t) << " rank " << r;
     }
     skipped += static_cast<int64_t>(by_rank.at(0).dynamic_plan.skipped.size());
   }

@@ -72,7 +72,9 @@ py::dict ToDict(StepMeta meta) {
   d["skipped_ids"] = ToNumpy(std::move(meta.skipped_ids));
   if (!meta.groups.empty()) {  // version 2 (the dynamic scheduler)
     py::list groups;
-    for (const MicrobatchGroup& g : meta.groups) groups.append(py::make_tuple(g.first_rank, g.num_ranks));
+    for (const MicrobatchGroup& g : meta.groups) {
+      groups.append(py::make_tuple(g.first_rank, g.num_ranks));
+    }
     d["groups"] = groups;
     d["domain_rank"] = meta.domain_rank;
   }

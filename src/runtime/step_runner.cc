@@ -1102,12 +1102,16 @@ Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
       for (int j = 1; j < col.size(); ++j) {
         THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(col.ranks()[static_cast<size_t>(j)]));
         if (c.pp == 0) {
-          THDPACK_RETURN_IF_ERROR(col.SendValues(std::span<const TokenId>(sh.tokens), j, kTagTokens));
-          THDPACK_RETURN_IF_ERROR(col.SendValues(std::span<const int32_t>(sh.position_ids), j, kTagPositions));
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const TokenId>(sh.tokens), j, kTagTokens));
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const int32_t>(sh.position_ids), j, kTagPositions));
         }
         if (c.pp == pp_last) {
-          THDPACK_RETURN_IF_ERROR(col.SendValues(std::span<const TokenId>(sh.labels), j, kTagLabels));
-          THDPACK_RETURN_IF_ERROR(col.SendValues(std::span<const uint8_t>(sh.loss_mask), j, kTagMask));
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const TokenId>(sh.labels), j, kTagLabels));
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const uint8_t>(sh.loss_mask), j, kTagMask));
         }
       }
     }
@@ -1125,7 +1129,8 @@ Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
         sh.tokens.resize(local);
         sh.position_ids.resize(local);
         THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<TokenId>(sh.tokens), 0, kTagTokens));
-        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
+        THDPACK_RETURN_IF_ERROR(
+            col.RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
       }
       if (coord_.pp == pp_last) {
         sh.labels.resize(local);

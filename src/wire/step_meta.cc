@@ -168,8 +168,8 @@ Status ValidateGroups(const StepMeta& meta, std::vector<ParallelLayout>* layouts
     if (g.num_ranks < 0 || g.first_rank < 0 ||
         int64_t{g.first_rank} + g.num_ranks > domain) {
       return Invalid(at + ": ranks [" + Num(g.first_rank) + ", " +
-                     Num(int64_t{g.first_rank} + g.num_ranks) + ") must lie inside the domain [0, " +
-                     Num(domain) + ")");
+                     Num(int64_t{g.first_rank} + g.num_ranks) +
+                     ") must lie inside the domain [0, " + Num(domain) + ")");
     }
     if (meta.domain_rank < g.first_rank || meta.domain_rank >= g.first_rank + g.num_ranks) {
       return Invalid(at + ": ranks [" + Num(g.first_rank) + ", " +
