@@ -51,6 +51,14 @@ def wire_seeds():
     seeds.append(thdpack.encode_metadata(
         [mb([3, 1, 4, 1, 5, 9, 2, 6], [4, 4, 4, 4, 8, 12, 4, 16], 23), mb([7, 7], [8, 8], 12)],
         dp_size=2, replica=1, cp_size=2, n_loss_tokens=100, skipped_ids=[0, 1, 2]))
+    # Version 2 (DynamicStep of step_meta_groups_test.cc): groups of 3, idle, 1 and 2 ranks.
+    seeds.append(thdpack.encode_metadata(
+        [mb([7, 1, 20], [12, 6, 24], 25), {"cu_seqlens": np.array([0], dtype=np.int32),
+                                           "cu_seqlens_padded": np.array([0], dtype=np.int32),
+                                           "n_valid": 0},
+         mb([3, 5], [3, 5], 6), mb([9], [12], 6)],
+        step=5, epoch=1, dp_size=2, replica=0, cp_size=2, n_loss_tokens=54, skipped_ids=[4, 2],
+        groups=[(0, 3), (0, 0), (1, 1), (0, 2)], domain_rank=1))
     return seeds
 
 

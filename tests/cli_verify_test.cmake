@@ -90,6 +90,17 @@ foreach(topo "1,2,2,1" "2,2,2,1,sp" "1,1,2,4" "2,2,1,2")
   endif()
 endforeach()
 
+# --scheduler dynamic through the command line (the five topologies of the issue run in one
+# process on threads, tests/dynamic_step_test.cc, and in one mpirun, tests/mpi_check.cc): a
+# domain of 6 ranks, the same figures as one rank, groups made once and reused.
+verify_run(threads_dynamic ${THDPACK} run --backend threads --tp 1 --cp 3 --dp 2 --pp 1
+           --scheduler dynamic ${common})
+expect_close(threads_dynamic)
+file(READ ${WORK_DIR}/threads_dynamic.json dyn)
+if(NOT dyn MATCHES "\"groups_made\":[1-9]" OR NOT dyn MATCHES "\"groups_reused\":[1-9]")
+  message(FATAL_ERROR "dynamic run: no groups made or reused:\n${dyn}")
+endif()
+
 # The comparison itself can fail: another probe model gives other figures.
 verify_run(other ${THDPACK} run --backend threads --dp 1 --cp 1 ${common} --probe-vocab 255)
 execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/one.json ${WORK_DIR}/other.json

@@ -1,7 +1,8 @@
 // Run under mpirun (ctest: `mpirun -np 8 thdpack_mpi_check`): the process-group checks of
 // tests/comm_checks.h and the distributed-step checks of tests/step_checks.h (the eight
 // topologies, with and without SP, both data-on modes) on the MPI backend, plus the failure
-// path (a sample over the budget on one loader). Exits 0 when every check passed on every rank,
+// path (a sample over the budget on one loader), and `run --scheduler dynamic --verify` at the
+// topologies of tests/dynamic_checks.h. Exits 0 when every check passed on every rank,
 // 1 otherwise; each rank prints its first failure.
 //
 // `thdpack_mpi_check --timeout-check`: the collective timeout (tests/cli_timeout_test.cmake).
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "comm_checks.h"
+#include "dynamic_checks.h"
 #include "step_checks.h"
 #include "thdpack/comm.h"
 
@@ -100,6 +102,13 @@ int Run() {
   report("step global batch = whole source",
          thdpack::testing::RunAndVerifyCase(world, {2, 2, 2, 1, true, thdpack::DataOn::kTp0}, jsonl, 0, 2));
   report("oversize sample on one loader", CheckOversizeFailure(world, lengths));
+  // run --scheduler dynamic --verify at the topologies, in this one job (a topology of
+  // fewer ranks runs on the first ones).
+  for (const auto& t : thdpack::testing::DynamicVerifyTopologies()) {
+    std::vector<thdpack::LossSummary> losses;
+    report("dynamic verify " + thdpack::testing::DynName(t),
+           thdpack::testing::RunDynamicVerify(world, t, "jsonl:" + jsonl, 1, &losses));
+  }
   (void)world.Barrier();
   if (world.rank() == 0) {
     std::error_code ec;

@@ -18,6 +18,7 @@
 #ifndef THDPACK_JOB_H_
 #define THDPACK_JOB_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -218,6 +219,9 @@ struct RunStepReport {
   PhaseTable phases;         // every rank's bytes and the slowest rank's seconds per phase
   std::optional<LossSummary> loss;  // with verify: the probe's figures, checked
   int dp_size = 1;
+  // --scheduler dynamic: the CP process groups split this step and those reused from earlier
+  // steps (RankStep::groups_made, groups_reused); unset for static schedulers.
+  std::optional<std::array<int64_t, 2>> groups;
 };
 
 // Called on world rank 0 after each step (the other ranks go on to the next step's
@@ -231,7 +235,8 @@ using RunStepCallback = std::function<Status(const RunStepReport& step)>;
                                   const RunStepCallback& on_step);
 
 // `thdpack run --json`'s line for a step (no newline): StepFiguresJson with, in order, memory,
-// loss, ppl, entropy, n_tokens (with verify), bytes_sent {<phase>: [per rank], total},
+// loss, ppl, entropy, n_tokens (with verify), groups_made and groups_reused (dynamic only),
+// bytes_sent {<phase>: [per rank], total},
 // time_<phase> per phase and time_step.
 std::string RunStepJson(const RunStepReport& step, bool summary_only);
 

@@ -7,10 +7,12 @@
 #define THDPACK_RANK_STEP_H_
 
 #include <cstdint>
+#include <memory>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "thdpack/comm.h"
 #include "thdpack/data.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
@@ -45,6 +47,18 @@ struct LocalMicrobatch {
   // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
   // whole range (0, T/CP).
   std::pair<int64_t, int64_t> sp_range{0, 0};
+  // The CP group that shares this microbatch. CP in the comments above is cp_size. Static
+  // schedulers: the topology's CP group (cp_size = CP, cp_rank = the rank's cp, first_rank =
+  // dp*CP, cp_group null: the topology's CP group is meant). Dynamic (thdpack/schedule.h): the
+  // plan's group of this microbatch, domain ranks first_rank .. first_rank + cp_size - 1 (domain
+  // index dp*CP + cp), cp_rank this rank's position in it, cp_group its ProcessGroup at this
+  // rank's (tp, pp) (shared with the runner's cache of groups). idle: the rank is in no group of
+  // this microbatch - cu_seqlens = cu_seqlens_padded = {0}, no tokens, cp_size 1, cp_group null.
+  int cp_size = 1;
+  int cp_rank = 0;
+  int first_rank = 0;
+  bool idle = false;
+  std::shared_ptr<ProcessGroup> cp_group;
 };
 
 // Time and bytes of one phase on one rank.
@@ -71,6 +85,15 @@ struct RankStep {
   // and the plan every loader computed from them - what the step figures are made of.
   std::vector<SampleLength> samples;
   Plan plan;
+  // The dynamic scheduler: dynamic is true on every rank; dynamic_plan is set, with samples, on
+  // the heads that plan (tp = 0, pp = 0 of every domain index), and `plan` stays empty.
+  // groups_made / groups_reused: the CP process groups this step split from the world and took
+  // from the runner's cache (keyed by first rank and size, kept across steps), the same on
+  // every rank.
+  bool dynamic = false;
+  DynamicPlan dynamic_plan;
+  int64_t groups_made = 0;
+  int64_t groups_reused = 0;
   // Loaders only: empty documents the source passed over in this step (StepShare::n_empty).
   int64_t n_empty = 0;
   // One entry per phase that ran, in Phase order (kAgree last).

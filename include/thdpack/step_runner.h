@@ -23,6 +23,20 @@
 // With `--data-on all` every rank reads its replica's share itself and builds its own tensors:
 // read, lengths, plan, exchange and pack run on every rank (within its DP group); no deliver.
 //
+// With the dynamic scheduler (schedule.scheduler kDynamic; tp0 only) the DP x CP ranks are one
+// domain (index dp*CP + cp) and its heads, the ranks tp = 0, pp = 0, do the planning:
+//   lengths   all-gathered among the heads (loaders contribute their samples);
+//   plan      every head computes the same DynamicPlan (ScheduleDynamic);
+//   exchange  all-to-all-v among the heads: each sample goes from its loader to the head of
+//             every domain rank of its group;
+//   pack      each head packs its group's sequences with the group's layout (GroupLayout) and
+//             keeps its own zigzag shard, and encodes its metadata (wire version 2);
+//   deliver   the metadata and the shard go down the head's column (every tp and pp of its
+//             domain index), then the CP groups of the step are split from the world (those
+//             not made in an earlier step; RankStep::groups_made / groups_reused).
+// Each LocalMicrobatch then carries its group (cp_size, cp_rank, first_rank, cp_group) or is
+// flagged idle (thdpack/rank_step.h).
+//
 // Failures: every phase ends with AgreeOnStatus over the world before any rank waits for data a
 // failed rank would send, so an error on one rank (bad sample, budget overflow, a schedule
 // error, corrupt metadata) returns as an error on every rank - its own status on the failed

@@ -52,7 +52,23 @@ struct MicrobatchMeta {
   friend bool operator==(const MicrobatchMeta&, const MicrobatchMeta&) = default;
 };
 
-// Everything a receiving rank of one replica needs for one step.
+// Version 2 (the dynamic scheduler, schedule.h): the CP group of the domain that holds one
+// microbatch for the receiving rank. The domain is the D = dp_size * parallel.cp_size() ranks
+// numbered dp*CP + cp; the group is the contiguous domain ranks first_rank .. first_rank +
+// num_ranks - 1, and the microbatch's layout is `parallel` with CP = num_ranks (padding rule
+// of thdpack/parallel_layout.h). num_ranks == 0: the rank is idle in this microbatch (no
+// sequences: cu_seqlens = cu_seqlens_padded = {0}, max_seqlen = n_valid = 0).
+struct MicrobatchGroup {
+  int32_t first_rank = 0;
+  int32_t num_ranks = 0;
+
+  friend bool operator==(const MicrobatchGroup&, const MicrobatchGroup&) = default;
+};
+
+// Everything a receiving rank of one replica needs for one step. A static step's metadata
+// (groups empty, encoded as version 1) is the same on every rank of a replica; a dynamic step's
+// (groups set, version 2) is the same on every rank of one domain index (every TP rank and
+// pipeline stage of it).
 struct StepMeta {
   uint64_t step = 0;          // training step, any 64-bit value
   uint64_t epoch = 0;         // passes over the source so far, any 64-bit value
@@ -72,6 +88,13 @@ struct StepMeta {
   int64_t n_loss_tokens = 0;
   // Samples left out of the step by the oversize policy `skip`, in the order reported; unique.
   std::vector<int64_t> skipped_ids;
+  // Version 2 only (empty in a static step): [M], microbatch m's group, and this rank's
+  // domain index dp*CP + cp, with dp == replica. With groups set, each microbatch's padding rule
+  // is that of its group's layout (parallel with CP = num_ranks), the group contains
+  // domain_rank, lies inside the domain, and an idle microbatch holds no sequence. Without
+  // groups domain_rank is 0.
+  std::vector<MicrobatchGroup> groups;
+  int32_t domain_rank = 0;
 
   friend bool operator==(const StepMeta&, const StepMeta&) = default;
 };
@@ -93,15 +116,19 @@ struct StepMeta {
 // checksum and then dispatch on the version.
 
 inline constexpr uint8_t kStepMetaMagic[4] = {'T', 'H', 'D', 'M'};
-// The version EncodeStepMeta writes. DecodeStepMeta reads every version from 1 to this one.
-inline constexpr uint8_t kStepMetaVersion = 1;
+// The newest version EncodeStepMeta writes: version 1 for a static step (groups empty: its bytes
+// are those of every earlier release), version 2 for a dynamic one (groups set). DecodeStepMeta
+// reads every version from 1 to this one.
+inline constexpr uint8_t kStepMetaVersion = 2;
+inline constexpr uint8_t kStepMetaVersionStatic = 1;
+inline constexpr uint8_t kStepMetaVersionGroups = 2;
 // Bytes of the fixed prefix: magic, version, total_length.
 inline constexpr size_t kStepMetaHeaderSize = 9;
 // The smallest well-formed message: prefix plus trailer (a real body is never empty).
 inline constexpr size_t kStepMetaMinSize = kStepMetaHeaderSize + 4;
 
-// Validates `meta` (InvalidArgument as ValidateStepMeta) and encodes it with the current
-// version. OutOfRange if the message would exceed 2^32 - 1 bytes.
+// Validates `meta` (InvalidArgument as ValidateStepMeta) and encodes it: version 1 without
+// groups, version 2 with. OutOfRange if the message would exceed 2^32 - 1 bytes.
 [[nodiscard]] Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta);
 
 // Decodes one whole message (exactly `bytes`, no trailing bytes). Checks, in this order, the

@@ -65,6 +65,12 @@ Job ResolveOptions(const py::dict& options, const py::object& source) {
         "global_batch, got " +
         std::to_string(o.global_batch));
   }
+  if (o.scheduler == "dynamic") {
+    throw py::value_error(
+        "scheduler: \"dynamic\" is not supported by the torch iterator (its tensors hold one CP "
+        "group per run); use \"balanced\" or \"sequential\", or `thdpack run --scheduler "
+        "dynamic`");
+  }
   return ValueOrThrow(ResolveJob(o));
 }
 

@@ -70,6 +70,14 @@ py::dict ToDict(StepMeta meta) {
   d["sum_sq"] = meta.sum_sq;
   d["n_loss_tokens"] = meta.n_loss_tokens;
   d["skipped_ids"] = ToNumpy(std::move(meta.skipped_ids));
+  if (!meta.groups.empty()) {  // version 2 (the dynamic scheduler)
+    py::list groups;
+    for (const MicrobatchGroup& g : meta.groups) {
+      groups.append(py::make_tuple(g.first_rank, g.num_ranks));
+    }
+    d["groups"] = groups;
+    d["domain_rank"] = meta.domain_rank;
+  }
   return d;
 }
 
@@ -81,8 +89,16 @@ void BindWire(py::module_& m) {
       [](const py::sequence& microbatches, uint64_t step, uint64_t epoch, int32_t dp_size,
          int32_t replica, int32_t cp_size, int32_t tp_size, bool sp, py::object pad_multiple,
          py::object n_loss_tokens, py::object real_tokens, py::object padded_tokens,
-         py::object sum_sq, const py::object& skipped_ids) {
+         py::object sum_sq, const py::object& skipped_ids, const py::object& groups,
+         int32_t domain_rank) {
         StepMeta meta;
+        meta.domain_rank = domain_rank;
+        if (!groups.is_none()) {
+          for (auto h : groups.cast<py::sequence>()) {
+            auto pair = h.cast<std::pair<int32_t, int32_t>>();
+            meta.groups.push_back(MicrobatchGroup{pair.first, pair.second});
+          }
+        }
         meta.step = step;
         meta.epoch = epoch;
         meta.dp_size = dp_size;
@@ -130,13 +146,18 @@ void BindWire(py::module_& m) {
       py::arg("tp_size") = 1, py::arg("sp") = false, py::arg("pad_multiple") = py::none(),
       py::arg("n_loss_tokens") = py::none(), py::arg("real_tokens") = py::none(),
       py::arg("padded_tokens") = py::none(), py::arg("sum_sq") = py::none(),
-      py::arg("skipped_ids") = py::none(),
+      py::arg("skipped_ids") = py::none(), py::arg("groups") = py::none(),
+      py::arg("domain_rank") = 0,
       R"doc(Encodes one replica's step metadata (docs/design.md section 6) into bytes.
 
 microbatches: list of dicts with cu_seqlens, cu_seqlens_padded (int32 [n+1], global),
 n_valid and optionally max_seqlen (a pack() result works as is). n_loss_tokens: the GLOBAL
 loss-token count N of the step (default: this replica's sum of n_valid). pad_multiple defaults
 to 2*cp_size (1 without CP); real_tokens, padded_tokens and sum_sq default to their sums.
+groups (the dynamic scheduler, wire version 2): one (first_rank, num_ranks) per microbatch,
+(0, 0) for an idle one (cu_seqlens [0]), with domain_rank the receiving rank's dp*CP + cp;
+each microbatch is then padded by its group's layout. decode_metadata returns groups and
+domain_rank for such a message.
 ValueError naming the field and the rule when the metadata is inconsistent.)doc");
 
   m.def(

@@ -429,3 +429,12 @@ def test_iterable_source_rules(tmp_path):
     assert "token-aligned" in out["length"], out["length"]
     assert "expected a dict with 'input_ids'" in out["not_dict"], out["not_dict"]
     assert "permutation" in out["order"], out["order"]
+
+
+def test_iterator_refuses_the_dynamic_scheduler():
+    """The iterator's tensors hold one CP group per run: scheduler="dynamic" is a clear error
+    (thdpack run --scheduler dynamic runs it)."""
+    with pytest.raises(ValueError, match="not supported by the torch iterator"):
+        _thdpack._run_steps_on_threads({"scheduler": "dynamic", "dp": 1, "cp": 2,
+                                        "global_batch": 4, "max_tokens_per_rank": 64},
+                                       1, "mock", None)

@@ -100,3 +100,27 @@ def test_encode_accepts_cu_seqlens_of_any_integer_dtype():
         other = [dict(mb, cu_seqlens=convert(mb["cu_seqlens"]),
                       cu_seqlens_padded=convert(mb["cu_seqlens_padded"])) for mb in mbs]
         assert thdpack.encode_metadata(other, **kw) == want
+
+
+def test_groups_round_trip_as_version_2():
+    """The dynamic scheduler's metadata: a group per microbatch (idle: (0, 0)), each padded by
+    its group's layout; static metadata stays version 1 and has no groups."""
+    rng = np.random.default_rng(5)
+    samples = [rng.integers(0, 100, size=L).astype(np.int32) for L in (7, 1, 20)]
+    group3 = thdpack.pack(samples, cp_size=3)  # padded to multiples of 2*3
+    idle = {"cu_seqlens": np.array([0], np.int32), "cu_seqlens_padded": np.array([0], np.int32),
+            "n_valid": 0}
+    group1 = thdpack.pack([samples[0]], cp_size=1)
+    groups = [(0, 3), (0, 0), (2, 1)]
+    data = thdpack.encode_metadata([group3, idle, group1], dp_size=2, cp_size=2, replica=1,
+                                   groups=groups, domain_rank=2)
+    assert data[4] == 2
+    d = thdpack.decode_metadata(data)
+    assert [tuple(g) for g in d["groups"]] == groups and d["domain_rank"] == 2
+    assert d["microbatches"][0]["cu_seqlens_padded"].tolist() == [0, 12, 18, 42]
+    assert d["microbatches"][1]["cu_seqlens"].tolist() == [0]
+    with pytest.raises(ValueError, match="domain_rank"):
+        thdpack.encode_metadata([group3, idle, group1], dp_size=2, cp_size=2, replica=1,
+                                groups=[(0, 3), (0, 0), (3, 1)], domain_rank=2)
+    static = thdpack.decode_metadata(thdpack.encode_metadata([group1]))
+    assert "groups" not in static

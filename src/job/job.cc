@@ -254,9 +254,11 @@ Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text) {
 }
 
 Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
-  if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
-    return Fail("--scheduler", "dynamic is planned only (thdpack plan); run does not carry "
-                               "per-microbatch CP groups yet");
+  if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic &&
+      job.data_on != DataOn::kTp0) {
+    return Fail("--data-on", std::string(DataOnName(job.data_on)) +
+                                 " is not supported with --scheduler dynamic (a rank's samples "
+                                 "follow its group in each microbatch; use tp0)");
   }
   RunSetup run;
   run.options = options;

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "job/job_internal.h"
 #include "thdpack/job.h"
 #include "thdpack/step.h"
 
@@ -31,12 +32,25 @@ Status ScheduleError(int64_t step, const Status& status) {
 Result<PlannedStep> PlanDynamicStep(const Job& job, const StepSamples& step, bool sample_ids) {
   Result<DynamicPlan> plan = ScheduleDynamic(step.samples, job.schedule);
   if (!plan.ok()) return ScheduleError(step.step, plan.status());
+  THDPACK_ASSIGN_OR_RETURN(PlannedStep out,
+                           DynamicStepFigures(job, step.step, step.epoch, step.samples,
+                                              std::move(*plan), sample_ids));
+  out.figures.n_empty = step.n_empty;  // as for the static schedulers: never silent
+  return out;
+}
+
+}  // namespace
+
+Result<PlannedStep> DynamicStepFigures(const Job& job, int64_t step, int64_t epoch,
+                                       std::span<const SampleLength> samples,
+                                       DynamicPlan plan_value, bool sample_ids) {
+  DynamicPlan* plan = &plan_value;
   THDPACK_ASSIGN_OR_RETURN(PlanFigures figures,
-                           ComputeDynamicPlanFigures(step.samples, job.schedule, *plan));
+                           ComputeDynamicPlanFigures(samples, job.schedule, *plan));
   PlannedStep out;
   StepFigures& f = out.figures;
-  f.step = step.step;
-  f.epoch = step.epoch;
+  f.step = step;
+  f.epoch = epoch;
   f.plan = std::move(figures);
   if (job.flops.has_value()) {
     f.has_flops = true;
@@ -71,6 +85,8 @@ Result<PlannedStep> PlanDynamicStep(const Job& job, const StepSamples& step, boo
                            ComputeStepMemoryFromFigures(shards, shard_options, job.memory));
   return out;
 }
+
+namespace {
 
 // One step: read, schedule with figures (the library's own plan is not validated again), and
 // memory from the figures. sample_ids false: the figures keep no per-sample ids.

@@ -1,5 +1,6 @@
 // The core of `thdpack run` (thdpack/job.h): one rank's step loop, and the JSON of a step.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <memory>
 #include <new>
@@ -7,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "job/job_internal.h"
 #include "thdpack/job.h"
 
 namespace thdpack {
@@ -16,6 +18,19 @@ namespace {
 Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTable phases,
                                  std::optional<LossSummary> loss) {
   RunStepReport r;
+  if (step.dynamic) {
+    THDPACK_ASSIGN_OR_RETURN(PlannedStep planned,
+                             DynamicStepFigures(job, step.step, step.epoch, step.samples,
+                                                step.dynamic_plan, /*sample_ids=*/true));
+    r.figures = std::move(planned.figures);
+    r.memory = std::move(planned.memory);
+    r.figures.n_empty = step.n_empty;
+    r.phases = std::move(phases);
+    r.loss = std::move(loss);
+    r.dp_size = job.topology.dp_size();
+    r.groups = std::array<int64_t, 2>{step.groups_made, step.groups_reused};
+    return r;
+  }
   THDPACK_ASSIGN_OR_RETURN(r.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
                                                          job.schedule, step.plan, job.flops));
   if (job.schedule.step_time.has_value()) {
@@ -98,6 +113,11 @@ std::string RunStepJson(const RunStepReport& step, bool summary_only) {
     // The probe's real-token count (n_loss_tokens is already a standard key: the probe checks
     // that the tokens it counted equal it).
     extra.emplace_back("n_tokens", nlohmann::json(loss.n_tokens).dump());
+  }
+  if (step.groups) {
+    // The dynamic scheduler's CP process groups: split this step, and taken from the cache.
+    extra.emplace_back("groups_made", nlohmann::json((*step.groups)[0]).dump());
+    extra.emplace_back("groups_reused", nlohmann::json((*step.groups)[1]).dump());
   }
   extra.emplace_back("bytes_sent", bytes.dump());
   for (size_t k = 0; k < phases.seconds.size(); ++k) {

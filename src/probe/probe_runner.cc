@@ -62,10 +62,13 @@ class ProbeRunner::Impl {
     std::vector<double> x;
     for (size_t m = 0; m < step.microbatches.size(); ++m) {
       for (int s = 0; s < pp_size; ++s) {
+        // An idle microbatch (dynamic scheduler: this domain index is in no group) is idle on
+        // every stage of the domain index: nothing computed, nothing sent.
+        const bool idle = step.microbatches[m].idle;
         Status local = Status::Ok();
-        if (coord_.pp == s) local = StageForward(step.microbatches[m], m, x, &acc);
+        if (coord_.pp == s && !idle) local = StageForward(step.microbatches[m], m, x, &acc);
         THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "probe forward"));
-        if (coord_.pp == s && s + 1 < pp_size) {
+        if (coord_.pp == s && s + 1 < pp_size && !idle) {
           THDPACK_RETURN_IF_ERROR(
               pp_->SendValues(std::span<const double>(x), s + 1, kTagActivations));
         }
@@ -85,11 +88,26 @@ class ProbeRunner::Impl {
                                      " microbatches, its metadata " +
                                      std::to_string(step.meta.microbatches.size()));
     }
-    const int cp = topo_.cp_size();
     const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
     for (size_t m = 0; m < step.microbatches.size(); ++m) {
       const LocalMicrobatch& mb = step.microbatches[m];
       const std::string where = f + MbName(m) + ": ";
+      if (mb.idle) {
+        if (mb.cu_seqlens_padded.size() != 1 || !mb.tokens.empty() || !mb.labels.empty()) {
+          return Status::InvalidArgument(where + "an idle microbatch holds sequences or tokens");
+        }
+        continue;
+      }
+      // The microbatch's CP group: the topology's, or (dynamic) its own.
+      const int cp = mb.cp_size;
+      const bool own_group = mb.cp_group != nullptr;
+      if (cp < 1 || mb.cp_rank < 0 || mb.cp_rank >= cp ||
+          (own_group ? mb.cp_group->size() != cp || mb.cp_group->rank() != mb.cp_rank
+                     : cp != topo_.cp_size() || mb.cp_rank != coord_.cp)) {
+        return Status::InvalidArgument(where + "CP group of " + std::to_string(cp) +
+                                       " ranks, position " + std::to_string(mb.cp_rank) +
+                                       ", does not match its process group");
+      }
       if (Status st = ValidateCuSeqlensPadded(mb.cu_seqlens_padded, cp); !st.ok()) {
         return st.WithContext(where + "cu_seqlens_padded");
       }
@@ -119,7 +137,7 @@ class ProbeRunner::Impl {
                                          std::to_string(mb.position_ids.size()));
         }
         THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> pos,
-                                 LocalPositionIds(mb.cu_seqlens_padded, cp, coord_.cp));
+                                 LocalPositionIds(mb.cu_seqlens_padded, cp, mb.cp_rank));
         if (pos != mb.position_ids) {
           return Status::Internal(where +
                                   "the delivered position ids differ from those derived from "
@@ -141,13 +159,14 @@ class ProbeRunner::Impl {
   // stage the loss. x holds this rank's activation rows [rows, H] on return.
   Status StageForward(const LocalMicrobatch& mb, size_t m, std::vector<double>& x, Accum* acc) {
     const ProbeConfig& c = model_.config();
-    const int cp = topo_.cp_size();
+    const int cp = mb.cp_size;
+    ProcessGroup& cp_group = mb.cp_group ? *mb.cp_group : *cp_;
     const size_t h = static_cast<size_t>(c.hidden);
     const int64_t total = mb.cu_seqlens_padded.back();
     const int64_t local = total / cp;
     const auto [off, rows] = mb.sp_range;
     THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> positions,
-                             LocalPositionIds(mb.cu_seqlens_padded, cp, coord_.cp));
+                             LocalPositionIds(mb.cu_seqlens_padded, cp, mb.cp_rank));
     x.assign(static_cast<size_t>(rows) * h, 0.0);
     if (coord_.pp == 0) {
       model_.Embed(std::span<const TokenId>(mb.tokens).subspan(static_cast<size_t>(off),
@@ -165,7 +184,7 @@ class ProbeRunner::Impl {
         THDPACK_ASSIGN_OR_RETURN(indices[static_cast<size_t>(r)],
                                  CpPartitionIndices(mb.cu_seqlens_padded, cp, r));
       }
-      const std::vector<int32_t>& mine = indices[static_cast<size_t>(coord_.cp)];
+      const std::vector<int32_t>& mine = indices[static_cast<size_t>(mb.cp_rank)];
       const size_t n_rows = static_cast<size_t>(rows);
       std::vector<double> q(n_rows * h), k(n_rows * h), v(n_rows * h), attn(n_rows * h);
       std::vector<double> k_local, v_local;              // [T/CP, H]
@@ -191,10 +210,10 @@ class ProbeRunner::Impl {
         // CP: every rank's shard, then each row to its global index.
         k_cp.resize(static_cast<size_t>(total) * h);
         v_cp.resize(k_cp.size());
-        THDPACK_RETURN_IF_ERROR(cp_->AllGatherValues(std::span<const double>(k_local),
-                                                     std::span<double>(k_cp)));
-        THDPACK_RETURN_IF_ERROR(cp_->AllGatherValues(std::span<const double>(v_local),
-                                                     std::span<double>(v_cp)));
+        THDPACK_RETURN_IF_ERROR(cp_group.AllGatherValues(std::span<const double>(k_local),
+                                                         std::span<double>(k_cp)));
+        THDPACK_RETURN_IF_ERROR(cp_group.AllGatherValues(std::span<const double>(v_local),
+                                                         std::span<double>(v_cp)));
         for (int r = 0; r < cp; ++r) {
           const std::vector<int32_t>& idx = indices[static_cast<size_t>(r)];
           for (size_t j = 0; j < idx.size(); ++j) {
@@ -226,7 +245,8 @@ class ProbeRunner::Impl {
 
   Status Loss(const LocalMicrobatch& mb, size_t m, const std::vector<double>& x, Accum* acc) {
     const ProbeConfig& c = model_.config();
-    const int cp = topo_.cp_size(), tp = topo_.tp_size();
+    const int cp = mb.cp_size, tp = topo_.tp_size();
+    ProcessGroup& cp_group = mb.cp_group ? *mb.cp_group : *cp_;
     const int64_t local = mb.cu_seqlens_padded.back() / cp;
     std::vector<double> full;
     if (sp_) {
@@ -273,7 +293,7 @@ class ProbeRunner::Impl {
     }
     LossStats stats;
     THDPACK_RETURN_IF_ERROR(AccumulateShardLoss(result, mb.cu_seqlens, mb.cu_seqlens_padded, cp,
-                                                coord_.cp, {}, &stats)
+                                                mb.cp_rank, {}, &stats)
                                 .WithContext("probe: " + MbName(m)));
     // Per-sequence sums over the CP group: no rank holds a whole sequence.
     const size_t n = mb.cu_seqlens.size() - 1;
@@ -283,14 +303,14 @@ class ProbeRunner::Impl {
       logprob[static_cast<size_t>(key)] = seq.logprob_sum;
       count[static_cast<size_t>(key)] = seq.n_loss_tokens;
     }
-    THDPACK_RETURN_IF_ERROR(cp_->AllReduceFloat64(logprob, ReduceOp::kSum));
-    THDPACK_RETURN_IF_ERROR(cp_->AllReduceInt64(count, ReduceOp::kSum));
+    THDPACK_RETURN_IF_ERROR(cp_group.AllReduceFloat64(logprob, ReduceOp::kSum));
+    THDPACK_RETURN_IF_ERROR(cp_group.AllReduceInt64(count, ReduceOp::kSum));
     if (coord_.tp != 0) return Status::Ok();  // TP ranks hold identical copies: count once
     acc->n_tokens += stats.n_tokens;
     acc->n_counted += stats.n_loss_tokens;
     acc->loss_sum += stats.loss_sum;
     acc->entropy_sum += stats.entropy_sum;
-    if (coord_.cp == 0) {
+    if (mb.cp_rank == 0) {
       for (size_t i = 0; i < n; ++i) {
         if (count[i] == 0) continue;
         acc->ppl_sum += std::exp(-logprob[i] / static_cast<double>(count[i]));
@@ -303,9 +323,18 @@ class ProbeRunner::Impl {
   // The step's figures from every rank's share; the same on every rank.
   Result<LossSummary> Reduce(const RankStep& step, const Accum& acc) {
     // One loader-side copy of each replica's real-token count: (tp, cp, pp) = 0.
+    // Dynamic: one copy of each group's real tokens, at its first rank's (tp, pp) = 0.
     const bool replica_root = coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0;
-    int64_t ints[4] = {acc.n_tokens, acc.n_counted, acc.n_ppl,
-                       replica_root ? step.meta.real_tokens : 0};
+    int64_t real = replica_root ? step.meta.real_tokens : 0;
+    if (step.dynamic) {
+      real = 0;
+      if (coord_.tp == 0 && coord_.pp == 0) {
+        for (const LocalMicrobatch& mb : step.microbatches) {
+          if (!mb.idle && mb.cp_rank == 0) real += mb.cu_seqlens.back();
+        }
+      }
+    }
+    int64_t ints[4] = {acc.n_tokens, acc.n_counted, acc.n_ppl, real};
     double sums[3] = {acc.loss_sum, acc.entropy_sum, acc.ppl_sum};
     THDPACK_RETURN_IF_ERROR(world_.AllReduceInt64(ints, ReduceOp::kSum));
     THDPACK_RETURN_IF_ERROR(world_.AllReduceFloat64(sums, ReduceOp::kSum));

@@ -239,7 +239,9 @@ Result<RankMemoryFigures> ComputeRankMemory(const RankStep& step, const Topology
   f.last_stage = step.last_stage;
   f.num_microbatches = static_cast<int>(step.microbatches.size());
   int64_t largest_t = 0;
+  int64_t largest_local = 0;  // dynamic: group sizes differ, so the largest T/c
   for (const LocalMicrobatch& mb : step.microbatches) {
+    largest_local = std::max(largest_local, mb.local_tokens);
     f.held.tokens += Bytes(mb.tokens);
     f.held.position_ids += Bytes(mb.position_ids);
     f.held.labels += Bytes(mb.labels);
@@ -249,7 +251,10 @@ Result<RankMemoryFigures> ComputeRankMemory(const RankStep& step, const Topology
   }
   f.held.total = f.held.tokens + f.held.position_ids + f.held.labels + f.held.loss_mask +
                  f.held.metadata;
-  if (step.last_stage) {
+  if (step.last_stage && step.dynamic) {
+    // A shard of T/c tokens holds what a CP = 1 microbatch of T/c tokens holds (as `plan`).
+    THDPACK_ASSIGN_OR_RETURN(f.logits, Logits(largest_local, 1, topology.tp_size(), memory));
+  } else if (step.last_stage) {
     THDPACK_ASSIGN_OR_RETURN(
         f.logits, Logits(largest_t, topology.cp_size(), topology.tp_size(), memory));
   }

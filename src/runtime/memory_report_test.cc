@@ -241,6 +241,36 @@ TEST(MemoryReportTest, RankFiguresFromWhatItHolds) {
   EXPECT_FALSE(ComputeRankMemory(outside, *topo, m).ok());
 }
 
+// A dynamic step: a microbatch on a group of 1 (T = 12, all 12 tokens here) and one on a group
+// of 4 (T = 16, 4 here). The logits are those of the largest shard, 12 rows of a CP = 1
+// microbatch: 12 x 5 x 4 = 240 bytes, local and gathered alike (not T = 16 over the topology's
+// CP = 2).
+TEST(MemoryReportTest, DynamicStepLogitsFollowTheLargestShard) {
+  auto topo = Topology::Create(2, 2, 2, 2);
+  ASSERT_TRUE(topo.ok());
+  MemoryReportOptions m;
+  m.vocab_size = 10;
+  m.logits_dtype = LogitsDtype::kFloat32;
+  RankStep s = HandRankStep(false);
+  s.dynamic = true;
+  s.microbatches[0].cu_seqlens = {0, 3, 11};
+  s.microbatches[0].cu_seqlens_padded = {0, 3, 12};
+  s.microbatches[0].total_tokens = 12;
+  s.microbatches[0].local_tokens = 12;
+  s.microbatches[0].labels.assign(12, 1);
+  s.microbatches[0].loss_mask.assign(12, 1);
+  s.microbatches[1].cp_size = 4;
+  s.microbatches[1].local_tokens = 4;
+  s.microbatches[1].labels.assign(4, 1);
+  s.microbatches[1].loss_mask.assign(4, 1);
+  auto f = ComputeRankMemory(s, *topo, m);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_TRUE(f->logits.has_value());
+  EXPECT_EQ(f->logits->bytes.local_logits_bytes, 240);
+  EXPECT_EQ(f->logits->bytes.gathered_logits_bytes, 240);
+  EXPECT_EQ(f->held.labels, 64);  // (12 + 4) x 4 bytes
+}
+
 TEST(MemoryReportTest, ProfileFileNameAndJson) {
   EXPECT_EQ(MemoryProfileFileName(0, 5, Coord{1, 0, 1, 0}), "step_0/rank5_pp0_dp1_cp0_tp1.json");
   EXPECT_EQ(MemoryProfileFileName(12, 13, Coord{1, 0, 1, 1}),

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "thdpack/shard.h"
 #include "thdpack/step.h"
@@ -117,6 +119,28 @@ uint64_t HashPlan(const Plan& plan) {
   return h;
 }
 
+uint64_t HashDynamicPlan(const DynamicPlan& plan) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(v) >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(plan.num_microbatches);
+  mix(plan.domain_size);
+  for (const auto& groups : plan.microbatches) {
+    mix(static_cast<int64_t>(groups.size()));
+    for (const CpGroup& g : groups) {
+      mix(g.first_rank);
+      mix(g.num_ranks);
+      for (int64_t id : g.sample_ids) mix(id);
+    }
+  }
+  for (int64_t v : plan.skipped) mix(v);
+  return h;
+}
+
 // A received sample: views into the exchange buffer.
 struct SampleRef {
   const TokenId* tokens = nullptr;
@@ -149,6 +173,9 @@ class StepRunner::Impl {
     int64_t n = 0;
     if (loaders_) n += loaders_->bytes_sent();
     if (replica_) n += replica_->bytes_sent();
+    if (heads_) n += heads_->bytes_sent();
+    if (column_) n += column_->bytes_sent();
+    n += groups_bytes_;
     return n;
   }
   Status Agree(const Status& local, const char* context) {
@@ -159,6 +186,18 @@ class StepRunner::Impl {
     agree_bytes_ += world_.bytes_sent() - b0;
     return s;
   }
+
+  Status InitDynamic();
+  Result<RankStep> NextDynamic();
+  Status ExchangeLengthsDynamic(RankStep& out);
+  Status MakeDynamicPlan(RankStep& out);
+  Status ExchangeTokensDynamic(RankStep& out);
+  Status PackDynamic(RankStep& out);
+  Status DeliverMeta(ProcessGroup& group);
+  Status ReceiveShardsDynamic(RankStep& out);
+  Status MakeGroups(RankStep& out);
+  void FinishLocalDynamic(RankStep& out);
+  int DomainIndex() const { return coord_.dp * topo_.cp_size() + coord_.cp; }
 
   Status ReadShare(RankStep& out);
   Status ExchangeLengths(RankStep& out);
@@ -179,6 +218,17 @@ class StepRunner::Impl {
   std::unique_ptr<ProcessGroup> loaders_;  // the loaders exchanging lengths and tokens
   std::unique_ptr<ProcessGroup> replica_;  // tp0: every rank of this replica, loader first
   int64_t step_ = 0;
+  // The dynamic scheduler. heads_: the D ranks tp = 0, pp = 0 of the domain, in domain order
+  // (dp*CP + cp; loader d at position d*CP), which plan, receive their groups' samples and
+  // pack; column_: the ranks of one domain index (every tp and pp), its head first; groups_:
+  // the CP groups split so far, by (first rank, size), null where this rank is not a member.
+  bool dynamic_ = false;
+  bool head_ = false;
+  std::unique_ptr<ProcessGroup> heads_;
+  std::unique_ptr<ProcessGroup> column_;
+  std::map<std::pair<int, int>, std::shared_ptr<ProcessGroup>> groups_;
+  int64_t groups_bytes_ = 0;
+  std::vector<std::pair<int, int>> group_of_;  // [n]: (first rank, size) per position, (-1, 0)
 
   // Per-step state.
   Clock::time_point phase_start_;
@@ -223,6 +273,12 @@ Status StepRunner::Impl::Init() {
                                     std::to_string(opts_.global_batch) +
                                     " must be >= 0 (0 = the whole source)");
   }
+  dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
+  if (local.ok() && dynamic_ && opts_.data_on != DataOn::kTp0) {
+    local = Status::InvalidArgument(
+        "StepRunner: --data-on all is not supported with --scheduler dynamic (a rank's samples "
+        "depend on its group in each microbatch; use --data-on tp0)");
+  }
   if (local.ok()) {
     auto c = topo_.CoordOf(world_.rank());
     if (!c.ok()) {
@@ -231,6 +287,7 @@ Status StepRunner::Impl::Init() {
       coord_ = *c;
       reader_ = opts_.data_on == DataOn::kAll ||
                 (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0);
+      head_ = dynamic_ && coord_.tp == 0 && coord_.pp == 0;
       if (reader_ && !opts_.read_share) {
         auto src = OpenSource(opts_.data, opts_.source);
         if (src.ok()) {
@@ -275,6 +332,29 @@ Status StepRunner::Impl::Init() {
     }
     THDPACK_ASSIGN_OR_RETURN(replica_, world_.Split(replicas));
   }
+  if (dynamic_) THDPACK_RETURN_IF_ERROR(InitDynamic());
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::InitDynamic() {
+  const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
+  std::vector<std::vector<int>> heads(1);
+  std::vector<std::vector<int>> columns(static_cast<size_t>(domain));
+  for (int d = 0; d < domain; ++d) {
+    THDPACK_ASSIGN_OR_RETURN(int r, topo_.RankOf(Coord{0, d % cp, d / cp, 0}));
+    heads[0].push_back(r);
+    columns[static_cast<size_t>(d)].push_back(r);
+  }
+  for (int r = 0; r < topo_.world_size(); ++r) {
+    THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(r));
+    if (c.tp == 0 && c.pp == 0) continue;
+    columns[static_cast<size_t>(c.dp * cp + c.cp)].push_back(r);
+  }
+  THDPACK_ASSIGN_OR_RETURN(heads_, world_.Split(heads));
+  THDPACK_ASSIGN_OR_RETURN(column_, world_.Split(columns));
+  if ((head_ && (!heads_ || heads_->rank() != DomainIndex())) || !column_) {
+    return Status::Internal("StepRunner: head group position differs from the domain index");
+  }
   return Status::Ok();
 }
 
@@ -294,6 +374,9 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   out.epoch = share.epoch;
   out.n_empty = share.n_empty;
   if (opts_.schedule.oversize != ScheduleOptions::OversizePolicy::kError) return Status::Ok();
+  // The dynamic scheduler's budget depends on the group it picks: ScheduleDynamic names an
+  // oversize sample (its id, length and the largest group's budget) on every head.
+  if (dynamic_) return Status::Ok();
   const int64_t budget = MicrobatchBudget(opts_.schedule);
   const ParallelLayout& parallel = opts_.schedule.parallel;
   for (const Sample& x : own_) {
@@ -621,6 +704,9 @@ void StepRunner::Impl::FinishLocal(RankStep& out) {
     lm.n_valid = mm.n_valid;
     lm.total_tokens = mm.cu_seqlens_padded.back();
     lm.local_tokens = lm.total_tokens / cp;
+    lm.cp_size = cp;
+    lm.cp_rank = coord_.cp;
+    lm.first_rank = coord_.dp * cp;
     if (m < shards_.size() && !shards_[m].empty()) {
       PackedShard& sh = shards_[m][0];
       if (out.first_stage) {
@@ -642,6 +728,7 @@ void StepRunner::Impl::FinishLocal(RankStep& out) {
 }
 
 Result<RankStep> StepRunner::Impl::Next() {
+  if (dynamic_) return NextDynamic();
   RankStep out;
   out.step = step_;
   out.coord = coord_;
@@ -715,6 +802,537 @@ Result<RankStep> StepRunner::Impl::Next() {
   EndPhase(out);
   THDPACK_RETURN_IF_ERROR(Agree(local, "deliver"));
   FinishLocal(out);
+  out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
+  ++step_;
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dynamic scheduler (docs/scheduling.md "Dynamic CP", docs/design.md section 7): the heads
+// (tp = 0, pp = 0 of every domain index) learn every sample's length and plan; each loader sends
+// each sample it read to the head of every domain rank of the sample's group; each head packs
+// its group's sequences with the group's layout and keeps its own zigzag shard, encodes its
+// metadata (wire version 2) and delivers both down its column (every tp and pp of its domain
+// index); the CP process groups the plan uses are split from the world (cached across steps).
+
+// Lengths among the heads: loaders contribute their samples, other heads nothing; every head
+// also learns the step's first id, id span and epoch from loader 0.
+Status StepRunner::Impl::ExchangeLengthsDynamic(RankStep& out) {
+  ProcessGroup& g = *heads_;
+  const int dp = topo_.dp_size(), cp = topo_.cp_size();
+  const size_t gs = static_cast<size_t>(g.size());
+  const int64_t header[4] = {static_cast<int64_t>(own_.size()), first_id_, id_span_, out.epoch};
+  std::vector<int64_t> all(4 * gs);
+  THDPACK_RETURN_IF_ERROR(g.AllGatherValues(std::span<const int64_t>(header, 4),
+                                            std::span<int64_t>(all)));
+  if (!reader_) {
+    first_id_ = all[1];
+    id_span_ = all[2];
+    out.epoch = all[3];
+  }
+  std::vector<int64_t> counts(gs, 0), c(gs, 0), dsp(gs, 0);
+  loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
+  for (int d = 0; d < dp; ++d) {
+    const int64_t n_d = all[4 * static_cast<size_t>(d * cp)];
+    if (n_d < 0 || n_d > (int64_t{1} << 40)) {
+      return Status::Internal("length exchange: loader " + std::to_string(d) + " count " +
+                              std::to_string(n_d) + " out of range");
+    }
+    counts[static_cast<size_t>(d * cp)] = n_d;
+    loader_offset_[static_cast<size_t>(d) + 1] = loader_offset_[static_cast<size_t>(d)] + n_d;
+  }
+  for (size_t j = 0; j < gs; ++j) {
+    c[j] = 3 * counts[j];
+    if (j > 0) dsp[j] = dsp[j - 1] + c[j - 1];
+  }
+  const int64_t n = loader_offset_.back();
+  std::vector<int32_t> send;
+  send.reserve(3 * own_.size());
+  for (const Sample& x : own_) {
+    send.push_back(static_cast<int32_t>(x.id - first_id_));
+    send.push_back(static_cast<int32_t>(x.tokens.size()));
+    send.push_back(static_cast<int32_t>(NumTargets(x)));
+  }
+  std::vector<int32_t> recv(static_cast<size_t>(3 * n));
+  THDPACK_RETURN_IF_ERROR(
+      g.AllGatherVValues(std::span<const int32_t>(send), std::span<int32_t>(recv), c, dsp));
+  out.samples.resize(static_cast<size_t>(n));
+  position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
+  for (int64_t p = 0; p < n; ++p) {
+    const int32_t off = recv[3 * p];
+    if (off < 0 || off >= id_span_ || position_of_offset_[static_cast<size_t>(off)] != -1) {
+      return Status::Internal("length exchange: sample offset " + std::to_string(off) +
+                              " out of range or repeated");
+    }
+    position_of_offset_[static_cast<size_t>(off)] = p;
+    out.samples[static_cast<size_t>(p)] =
+        SampleLength{first_id_ + off, recv[3 * p + 1], recv[3 * p + 2]};
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::MakeDynamicPlan(RankStep& out) {
+  THDPACK_ASSIGN_OR_RETURN(out.dynamic_plan, ScheduleDynamic(out.samples, opts_.schedule));
+  if (opts_.check_plan_hash) {
+    const uint64_t h = HashDynamicPlan(out.dynamic_plan);
+    const int64_t lo = static_cast<int64_t>(h & 0xffffffffu), hi = static_cast<int64_t>(h >> 32);
+    std::vector<int64_t> v = {lo, hi, -lo, -hi};
+    THDPACK_RETURN_IF_ERROR(heads_->AllReduceInt64(std::span<int64_t>(v), ReduceOp::kMin));
+    if (v[0] != lo || v[1] != hi || v[2] != -lo || v[3] != -hi) {
+      return Status::Internal("dynamic plan of step " + std::to_string(step_) +
+                              " differs between heads (hash check)");
+    }
+  }
+  group_of_.assign(out.samples.size(), {-1, 0});
+  for (const auto& groups : out.dynamic_plan.microbatches) {
+    for (const CpGroup& g : groups) {
+      for (int64_t id : g.sample_ids) {
+        const int64_t off = id - first_id_;
+        if (off < 0 || off >= id_span_ || position_of_offset_[static_cast<size_t>(off)] < 0) {
+          return Status::Internal("dynamic plan: sample id " + std::to_string(id) +
+                                  " is not one of the step's");
+        }
+        group_of_[static_cast<size_t>(position_of_offset_[static_cast<size_t>(off)])] = {
+            g.first_rank, g.num_ranks};
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// All-to-all-v among the heads: the block from loader s (head s*CP) to head e holds the samples
+// s read whose group contains e (scheduling order): their tokens, then the masks of those that
+// send one, padded to a multiple of 4 bytes. A loader keeps what its own head holds.
+Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
+  const int dp = topo_.dp_size(), cp = topo_.cp_size();
+  const int me = DomainIndex();
+  const size_t gs = static_cast<size_t>(heads_->size());
+  const auto& samples = out.samples;
+  auto holds = [&](int64_t p, int e) {
+    const auto [first, c] = group_of_[static_cast<size_t>(p)];
+    return c > 0 && e >= first && e < first + c;
+  };
+  auto positions = [&](int s, int e) {  // loader s -> head e
+    std::vector<int64_t> ps;
+    for (int64_t p = loader_offset_[static_cast<size_t>(s)];
+         p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
+      if (holds(p, e)) ps.push_back(p);
+    }
+    return ps;
+  };
+  auto block_bytes = [&](const std::vector<int64_t>& ps) {
+    int64_t b = 0;
+    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)]);
+    return (b + 3) / 4 * 4;
+  };
+  std::vector<int64_t> sc(gs, 0), sd(gs, 0), rc(gs, 0), rd(gs, 0);
+  std::vector<std::vector<int64_t>> send_ps(gs), recv_ps(gs);
+  const bool loader = reader_;
+  const int my_dp = coord_.dp;
+  for (int e = 0; e < static_cast<int>(gs); ++e) {
+    if (e == me) continue;
+    if (loader) {
+      send_ps[static_cast<size_t>(e)] = positions(my_dp, e);
+      sc[static_cast<size_t>(e)] = block_bytes(send_ps[static_cast<size_t>(e)]);
+    }
+    if (e % cp == 0) {  // a loader's head
+      recv_ps[static_cast<size_t>(e)] = positions(e / cp, me);
+      rc[static_cast<size_t>(e)] = block_bytes(recv_ps[static_cast<size_t>(e)]);
+    }
+  }
+  for (size_t j = 1; j < gs; ++j) {
+    sd[j] = sd[j - 1] + sc[j - 1];
+    rd[j] = rd[j - 1] + rc[j - 1];
+  }
+  const int64_t my_begin = loader ? loader_offset_[static_cast<size_t>(my_dp)] : 0;
+  std::vector<std::byte> send(static_cast<size_t>(sd[gs - 1] + sc[gs - 1]), std::byte{0});
+  for (size_t e = 0; e < gs; ++e) {
+    std::byte* dst = send.data() + sd[e];
+    for (int64_t p : send_ps[e]) {
+      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
+      std::memcpy(dst, x.tokens.data(), x.tokens.size() * sizeof(TokenId));
+      dst += x.tokens.size() * sizeof(TokenId);
+    }
+    for (int64_t p : send_ps[e]) {
+      if (!SendsMask(samples[static_cast<size_t>(p)])) continue;
+      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
+      std::memcpy(dst, x.target_mask.data(), x.target_mask.size());
+      dst += x.target_mask.size();
+    }
+  }
+  recv_buffer_.assign(static_cast<size_t>(rd[gs - 1] + rc[gs - 1]), std::byte{0});
+  THDPACK_RETURN_IF_ERROR(heads_->AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
+
+  refs_.assign(samples.size(), SampleRef{});
+  if (loader) {
+    for (size_t k = 0; k < own_.size(); ++k) {
+      if (!holds(my_begin + static_cast<int64_t>(k), me)) continue;
+      const Sample& x = own_[k];
+      refs_[static_cast<size_t>(my_begin) + k] =
+          SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
+                    static_cast<int64_t>(x.tokens.size())};
+    }
+  }
+  for (int s = 0; s < dp; ++s) {
+    const size_t e = static_cast<size_t>(s * cp);
+    if (static_cast<int>(e) == me) continue;
+    const std::byte* at = recv_buffer_.data() + rd[e];
+    for (int64_t p : recv_ps[e]) {
+      const int64_t L = samples[static_cast<size_t>(p)].length;
+      refs_[static_cast<size_t>(p)] = SampleRef{reinterpret_cast<const TokenId*>(at), nullptr, L};
+      at += L * static_cast<int64_t>(sizeof(TokenId));
+    }
+    for (int64_t p : recv_ps[e]) {
+      const SampleLength& len = samples[static_cast<size_t>(p)];
+      if (!SendsMask(len)) continue;
+      refs_[static_cast<size_t>(p)].mask = reinterpret_cast<const uint8_t*>(at);
+      at += len.length;
+    }
+  }
+  return Status::Ok();
+}
+
+// Each head: per microbatch, its group's sequences packed with the group's layout and its own
+// zigzag shard (every array: the column's first and last stages take theirs), and the
+// metadata of its domain index (wire version 2).
+Status StepRunner::Impl::PackDynamic(RankStep& out) {
+  const int me = DomainIndex();
+  const DynamicPlan& plan = out.dynamic_plan;
+  StepMeta& meta = out.meta;
+  meta = StepMeta{};
+  meta.step = static_cast<uint64_t>(step_);
+  meta.epoch = static_cast<uint64_t>(out.epoch);
+  meta.dp_size = topo_.dp_size();
+  meta.replica = coord_.dp;
+  meta.parallel = opts_.schedule.parallel;
+  meta.domain_rank = me;
+  meta.skipped_ids = plan.skipped;
+  for (size_t p = 0; p < out.samples.size(); ++p) {
+    if (group_of_[p].second > 0) meta.n_loss_tokens += out.samples[p].n_targets;
+  }
+  PackOptions po;
+  po.pad_id = opts_.pad_id;
+  shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
+  std::vector<SampleView> views;
+  std::vector<int64_t> lengths;
+  for (int m = 0; m < plan.num_microbatches; ++m) {
+    const CpGroup* mine = nullptr;
+    for (const CpGroup& g : plan.microbatches[static_cast<size_t>(m)]) {
+      if (me >= g.first_rank && me < g.first_rank + g.num_ranks) mine = &g;
+    }
+    auto& shards = shards_[static_cast<size_t>(m)];
+    shards.emplace_back();
+    if (mine == nullptr) {  // idle in this microbatch
+      meta.groups.push_back(MicrobatchGroup{0, 0});
+      meta.microbatches.push_back(MicrobatchMeta{{0}, {0}, 0, 0});
+      continue;
+    }
+    THDPACK_ASSIGN_OR_RETURN(po.parallel, GroupLayout(opts_.schedule, mine->num_ranks));
+    views.clear();
+    lengths.clear();
+    for (int64_t id : mine->sample_ids) {
+      const SampleRef& r = refs_[static_cast<size_t>(
+          position_of_offset_[static_cast<size_t>(id - first_id_)])];
+      if (r.tokens == nullptr && r.length == 0) {
+        return Status::Internal("dynamic step: sample id " + std::to_string(id) +
+                                " of this head's group was not received");
+      }
+      views.emplace_back(id, std::span<const TokenId>(r.tokens, static_cast<size_t>(r.length)),
+                         r.mask ? std::span<const uint8_t>(r.mask, static_cast<size_t>(r.length))
+                                : std::span<const uint8_t>());
+      lengths.push_back(r.length);
+    }
+    THDPACK_ASSIGN_OR_RETURN(Layout layout, ComputeLayout(lengths, po));
+    const size_t local = static_cast<size_t>(layout.total_tokens / mine->num_ranks);
+    PackedShard& sh = shards.back();
+    sh.cp_rank = me - mine->first_rank;
+    sh.tokens.resize(local);
+    sh.position_ids.resize(local);
+    sh.labels.resize(local);
+    sh.loss_mask.resize(local);
+    THDPACK_ASSIGN_OR_RETURN(
+        int64_t n_valid,
+        PackShardInto(views, layout, po, sh.cp_rank,
+                      PackBuffers{sh.tokens, sh.position_ids, sh.labels, sh.loss_mask}));
+    MicrobatchMeta mm;
+    mm.cu_seqlens = std::move(layout.cu_seqlens);
+    mm.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
+    mm.max_seqlen = layout.max_seqlen;
+    mm.n_valid = n_valid;
+    meta.real_tokens += mm.cu_seqlens.back();
+    meta.padded_tokens += mm.cu_seqlens_padded.back();
+    for (size_t i = 0; i + 1 < mm.cu_seqlens_padded.size(); ++i) {
+      const int64_t p = mm.cu_seqlens_padded[i + 1] - mm.cu_seqlens_padded[i];
+      meta.sum_sq += p * p;
+    }
+    meta.groups.push_back(MicrobatchGroup{mine->first_rank, mine->num_ranks});
+    meta.microbatches.push_back(std::move(mm));
+  }
+  THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
+  return Status::Ok();
+}
+
+// Metadata from `group`'s position 0 to its other members (the static replica, or a column).
+Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
+  int64_t size = static_cast<int64_t>(meta_bytes_.size());
+  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  if (size < 0 || size > (int64_t{1} << 32)) {
+    return Status::Corruption("step metadata size " + std::to_string(size) + " out of range");
+  }
+  if (group.rank() == 0) {
+    std::vector<uint8_t> wire = meta_bytes_;
+    if (opts_.corrupt_metadata_of_replica == coord_.dp && !wire.empty()) {
+      wire[wire.size() / 2] ^= 0x10;  // a test of the failure path flips one bit
+    }
+    return group.BroadcastValues(std::span<uint8_t>(wire), 0);
+  }
+  meta_bytes_.assign(static_cast<size_t>(size), 0);
+  return group.BroadcastValues(std::span<uint8_t>(meta_bytes_), 0);
+}
+
+// The head sends each member of its column, microbatch by microbatch, what its stage needs;
+// idle microbatches carry nothing.
+Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
+  const int pp_last = topo_.pp_size() - 1;
+  ProcessGroup& col = *column_;
+  if (col.rank() == 0) {
+    for (size_t m = 0; m < shards_.size(); ++m) {
+      const PackedShard& sh = shards_[m][0];
+      if (sh.tokens.empty()) continue;
+      for (int j = 1; j < col.size(); ++j) {
+        THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(col.ranks()[static_cast<size_t>(j)]));
+        if (c.pp == 0) {
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const TokenId>(sh.tokens), j, kTagTokens));
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const int32_t>(sh.position_ids), j, kTagPositions));
+        }
+        if (c.pp == pp_last) {
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const TokenId>(sh.labels), j, kTagLabels));
+          THDPACK_RETURN_IF_ERROR(
+              col.SendValues(std::span<const uint8_t>(sh.loss_mask), j, kTagMask));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+  shards_.assign(out.meta.microbatches.size(), {});
+  for (size_t m = 0; m < shards_.size(); ++m) {
+    PackedShard sh;
+    const MicrobatchGroup& g = out.meta.groups[m];
+    if (g.num_ranks > 0) {
+      const size_t local =
+          static_cast<size_t>(out.meta.microbatches[m].cu_seqlens_padded.back() / g.num_ranks);
+      sh.cp_rank = out.meta.domain_rank - g.first_rank;
+      if (coord_.pp == 0) {
+        sh.tokens.resize(local);
+        sh.position_ids.resize(local);
+        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<TokenId>(sh.tokens), 0, kTagTokens));
+        THDPACK_RETURN_IF_ERROR(
+            col.RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
+      }
+      if (coord_.pp == pp_last) {
+        sh.labels.resize(local);
+        sh.loss_mask.resize(local);
+        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<TokenId>(sh.labels), 0, kTagLabels));
+        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<uint8_t>(sh.loss_mask), 0, kTagMask));
+      }
+    }
+    shards_[m].push_back(std::move(sh));
+  }
+  return Status::Ok();
+}
+
+// The CP groups of this step's plan, (first rank, size) in increasing order, broadcast over the
+// world by head 0; every rank splits, in that order, those not made before (one Split each: at
+// every (tp, pp) the ranks of the group's domain indices), and keeps them for later steps.
+Status StepRunner::Impl::MakeGroups(RankStep& out) {
+  std::vector<int64_t> pairs;
+  if (head_) {
+    std::vector<std::pair<int, int>> used;
+    for (const auto& groups : out.dynamic_plan.microbatches) {
+      for (const CpGroup& g : groups) used.emplace_back(g.first_rank, g.num_ranks);
+    }
+    std::sort(used.begin(), used.end());
+    used.erase(std::unique(used.begin(), used.end()), used.end());
+    for (const auto& [first, c] : used) {
+      pairs.push_back(first);
+      pairs.push_back(c);
+    }
+  }
+  THDPACK_ASSIGN_OR_RETURN(const int root, topo_.RankOf(Coord{0, 0, 0, 0}));
+  const int64_t b0 = world_.bytes_sent();
+  int64_t count = static_cast<int64_t>(pairs.size());
+  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(&count, 1), root));
+  const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
+  if (count < 0 || count % 2 != 0 || count > 2 * int64_t{domain} * domain) {
+    return Status::Internal("dynamic step: " + std::to_string(count) + " group entries");
+  }
+  pairs.resize(static_cast<size_t>(count));
+  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(pairs), root));
+  groups_bytes_ += world_.bytes_sent() - b0;
+  for (size_t k = 0; k < pairs.size(); k += 2) {
+    const int first = static_cast<int>(pairs[k]), c = static_cast<int>(pairs[k + 1]);
+    if (first < 0 || c < 1 || first + c > domain) {
+      return Status::Internal("dynamic step: group [" + std::to_string(first) + ", +" +
+                              std::to_string(c) + ") outside the domain");
+    }
+    const std::pair<int, int> key{first, c};
+    if (groups_.count(key) != 0) {
+      ++out.groups_reused;
+      continue;
+    }
+    std::vector<std::vector<int>> lists;
+    for (int pp = 0; pp < topo_.pp_size(); ++pp) {
+      for (int tp = 0; tp < topo_.tp_size(); ++tp) {
+        std::vector<int> list;
+        for (int d = first; d < first + c; ++d) {
+          THDPACK_ASSIGN_OR_RETURN(int r, topo_.RankOf(Coord{tp, d % cp, d / cp, pp}));
+          list.push_back(r);
+        }
+        lists.push_back(std::move(list));
+      }
+    }
+    THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> g, world_.Split(lists));
+    groups_[key] = std::shared_ptr<ProcessGroup>(std::move(g));
+    ++out.groups_made;
+  }
+  // Every group this rank's metadata names is split, and holds it at its position.
+  for (size_t m = 0; m < out.meta.groups.size(); ++m) {
+    const MicrobatchGroup& g = out.meta.groups[m];
+    if (g.num_ranks == 0) continue;
+    auto it = groups_.find({g.first_rank, g.num_ranks});
+    if (it == groups_.end() || !it->second || it->second->size() != g.num_ranks ||
+        it->second->rank() != out.meta.domain_rank - g.first_rank) {
+      return Status::Internal("dynamic step " + std::to_string(step_) + ": microbatch " +
+                              std::to_string(m) + "'s group [" + std::to_string(g.first_rank) +
+                              ", +" + std::to_string(g.num_ranks) +
+                              ") is not among the groups of the plan, or not at position " +
+                              std::to_string(out.meta.domain_rank - g.first_rank));
+    }
+  }
+  return Status::Ok();
+}
+
+void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
+  out.microbatches.clear();
+  for (size_t m = 0; m < out.meta.microbatches.size(); ++m) {
+    const MicrobatchMeta& mm = out.meta.microbatches[m];
+    const MicrobatchGroup& g = out.meta.groups[m];
+    LocalMicrobatch lm;
+    lm.cu_seqlens = mm.cu_seqlens;
+    lm.cu_seqlens_padded = mm.cu_seqlens_padded;
+    lm.max_seqlen = mm.max_seqlen;
+    lm.n_valid = mm.n_valid;
+    lm.total_tokens = mm.cu_seqlens_padded.back();
+    lm.idle = g.num_ranks == 0;
+    lm.cp_size = lm.idle ? 1 : g.num_ranks;
+    lm.first_rank = g.first_rank;
+    lm.cp_rank = lm.idle ? 0 : out.meta.domain_rank - g.first_rank;
+    lm.local_tokens = lm.total_tokens / lm.cp_size;
+    if (!lm.idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks});  // checked in MakeGroups
+    if (m < shards_.size() && !shards_[m].empty()) {
+      PackedShard& sh = shards_[m][0];
+      if (out.first_stage) {
+        lm.tokens = std::move(sh.tokens);
+        lm.position_ids = std::move(sh.position_ids);
+      }
+      if (out.last_stage) {
+        lm.labels = std::move(sh.labels);
+        lm.loss_mask = std::move(sh.loss_mask);
+      }
+    }
+    lm.sp_range = {0, lm.local_tokens};
+    if (opts_.schedule.parallel.sp()) {
+      auto r = SpRange(lm.local_tokens, topo_.tp_size(), coord_.tp);
+      if (r.ok()) lm.sp_range = *r;  // the group's layout makes T/c a multiple of TP under SP
+    }
+    out.microbatches.push_back(std::move(lm));
+  }
+}
+
+Result<RankStep> StepRunner::Impl::NextDynamic() {
+  RankStep out;
+  out.step = step_;
+  out.coord = coord_;
+  out.is_loader = head_;
+  out.dynamic = true;
+  out.first_stage = coord_.pp == 0;
+  out.last_stage = coord_.pp == topo_.pp_size() - 1;
+  agree_seconds_ = 0;
+  agree_bytes_ = 0;
+  shards_.clear();
+  meta_bytes_.clear();
+
+  Status local;
+  BeginPhase(out, Phase::kRead);
+  if (reader_) local = ReadShare(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "read"));
+
+  BeginPhase(out, Phase::kLengths);
+  if (head_) local = ExchangeLengthsDynamic(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "lengths"));
+
+  BeginPhase(out, Phase::kPlan);
+  if (head_) local = MakeDynamicPlan(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "plan"));
+
+  BeginPhase(out, Phase::kExchange);
+  if (head_) local = ExchangeTokensDynamic(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "exchange"));
+
+  BeginPhase(out, Phase::kPack);
+  if (head_) local = PackDynamic(out);
+  EndPhase(out);
+  own_.clear();
+  recv_buffer_.clear();
+  refs_.clear();
+  THDPACK_RETURN_IF_ERROR(Agree(local, "pack"));
+
+  BeginPhase(out, Phase::kDeliver);
+  local = DeliverMeta(*column_);
+  if (local.ok() && column_->rank() != 0) {
+    auto meta = DecodeStepMeta(meta_bytes_);
+    if (!meta.ok()) {
+      local = meta.status().WithContext("step " + std::to_string(step_) +
+                                        " metadata received from the head of domain rank " +
+                                        std::to_string(DomainIndex()));
+    } else if (meta->dp_size != topo_.dp_size() || meta->replica != coord_.dp ||
+               meta->parallel != opts_.schedule.parallel ||
+               meta->step != static_cast<uint64_t>(step_) || meta->groups.empty() ||
+               meta->domain_rank != DomainIndex()) {
+      local = Status::InvalidArgument(
+          "step metadata received by rank " + std::to_string(world_.rank()) +
+          " does not match its topology " + topo_.ToString() + " (domain rank " +
+          std::to_string(meta->domain_rank) + ", DP " + std::to_string(meta->dp_size) + ", " +
+          meta->parallel.ToString() + ", step " + std::to_string(meta->step) +
+          (meta->groups.empty() ? ", no groups" : "") + ")");
+    } else {
+      out.meta = std::move(*meta);
+      out.epoch = static_cast<int64_t>(out.meta.epoch);
+    }
+  }
+  Status agreed = Agree(local, "deliver metadata");
+  if (!agreed.ok()) {
+    EndPhase(out);
+    return agreed;
+  }
+  local = ReceiveShardsDynamic(out);
+  agreed = Agree(local, "deliver");
+  if (!agreed.ok()) {
+    EndPhase(out);
+    return agreed;
+  }
+  // Every rank is here with its data: the groups are split by all of them together.
+  local = MakeGroups(out);
+  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(Agree(local, "groups"));
+  FinishLocalDynamic(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
   return out;

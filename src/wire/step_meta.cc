@@ -1,4 +1,4 @@
-// StepMeta: validation, and version 1 of its wire format (docs/wire_format.md).
+// StepMeta: validation, and versions 1 and 2 of its wire format (docs/wire_format.md).
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -38,7 +38,9 @@ std::string Num(int64_t v) { return std::to_string(v); }
 
 Status Invalid(std::string msg) { return Status::InvalidArgument(std::move(msg)); }
 
-Status ValidateMicrobatch(const StepMeta& meta, size_t m, int64_t* sum_sq) {
+// Microbatch m under `layout` (meta.parallel, or its group's layout in version 2).
+Status ValidateMicrobatch(const StepMeta& meta, const ParallelLayout& layout, size_t m,
+                          int64_t* sum_sq) {
   const MicrobatchMeta& mb = meta.microbatches[m];
   const auto& cu = mb.cu_seqlens;
   const auto& cup = mb.cu_seqlens_padded;
@@ -56,8 +58,8 @@ Status ValidateMicrobatch(const StepMeta& meta, size_t m, int64_t* sum_sq) {
     return Invalid(Mb(m) + "cu_seqlens_padded[0] = " + Num(cup[0]) + ": must start at 0");
   }
   const size_t n = cu.size() - 1;
-  const int64_t pm = meta.parallel.sequence_alignment();
-  const int64_t c = meta.parallel.zigzag_multiple();
+  const int64_t pm = layout.sequence_alignment();
+  const int64_t c = layout.zigzag_multiple();
   int64_t max_p = 0;
   int64_t sq = 0;  // <= T^2 < 2^62: no overflow inside one microbatch
   for (size_t i = 0; i < n; ++i) {
@@ -99,8 +101,8 @@ Status ValidateMicrobatch(const StepMeta& meta, size_t m, int64_t* sum_sq) {
                    ": must equal the largest padded length " + Num(max_p));
   }
   const int64_t t = cup[n];
-  const int64_t cp_tp = int64_t{meta.parallel.cp_size()} * meta.parallel.tp_size();
-  if (meta.parallel.sp() && t % cp_tp != 0) {
+  const int64_t cp_tp = int64_t{layout.cp_size()} * layout.tp_size();
+  if (layout.sp() && t % cp_tp != 0) {
     return Invalid(Mb(m) + "cu_seqlens_padded: total " + Num(t) +
                    " is not a multiple of cp_size*tp_size = " + Num(cp_tp) +
                    ", required with sp (T/CP a multiple of TP)");
@@ -111,6 +113,73 @@ Status ValidateMicrobatch(const StepMeta& meta, size_t m, int64_t* sum_sq) {
                    Num(max_valid) + "] (real tokens minus sequences: token 0 is never a target)");
   }
   *sum_sq = sq;
+  return Status::Ok();
+}
+
+// The layout of group size c: `parallel` with CP = c.
+Result<ParallelLayout> GroupLayoutOf(const ParallelLayout& parallel, int64_t c) {
+  if (c < 1 || c > kInt32Max) return Invalid("group size " + Num(c) + " out of range");
+  return ParallelLayout::Create(static_cast<int>(c), parallel.tp_size(), parallel.sp(),
+                                parallel.extra_alignment());
+}
+
+// Version 2's rules on groups and domain_rank; `layouts` gets each microbatch's layout.
+Status ValidateGroups(const StepMeta& meta, std::vector<ParallelLayout>* layouts) {
+  const size_t num_mb = meta.microbatches.size();
+  layouts->assign(num_mb, meta.parallel);
+  if (meta.groups.empty()) {
+    if (meta.domain_rank != 0) {
+      return Invalid("StepMeta.domain_rank = " + Num(meta.domain_rank) +
+                     ": must be 0 without groups (a static step)");
+    }
+    return Status::Ok();
+  }
+  if (meta.groups.size() != num_mb) {
+    return Invalid("StepMeta.groups has " + Num(static_cast<int64_t>(meta.groups.size())) +
+                   " entries for " + Num(static_cast<int64_t>(num_mb)) +
+                   " microbatches: one group per microbatch");
+  }
+  const int64_t cp = meta.parallel.cp_size();
+  const int64_t domain = int64_t{meta.dp_size} * cp;
+  if (meta.domain_rank < 0 || meta.domain_rank >= domain ||
+      meta.domain_rank / cp != meta.replica) {
+    return Invalid("StepMeta.domain_rank = " + Num(meta.domain_rank) + ": must be in [" +
+                   Num(meta.replica * cp) + ", " + Num((meta.replica + 1) * cp) +
+                   ") (replica " + Num(meta.replica) + " of a domain of DP*CP = " + Num(domain) +
+                   " ranks)");
+  }
+  for (size_t m = 0; m < num_mb; ++m) {
+    const MicrobatchGroup& g = meta.groups[m];
+    const std::string at = "StepMeta.groups[" + std::to_string(m) + "]";
+    if (g.num_ranks == 0) {
+      const MicrobatchMeta& mb = meta.microbatches[m];
+      if (mb.cu_seqlens != std::vector<int32_t>{0} ||
+          mb.cu_seqlens_padded != std::vector<int32_t>{0} || mb.max_seqlen != 0 ||
+          mb.n_valid != 0) {
+        return Invalid(Mb(m) + "cu_seqlens: an idle microbatch (" + at +
+                       ".num_ranks = 0) holds no sequence: cu_seqlens = cu_seqlens_padded = {0}, "
+                       "max_seqlen = n_valid = 0");
+      }
+      if (g.first_rank != 0) {
+        return Invalid(at + ".first_rank = " + Num(g.first_rank) + ": must be 0 when idle");
+      }
+      continue;
+    }
+    if (g.num_ranks < 0 || g.first_rank < 0 ||
+        int64_t{g.first_rank} + g.num_ranks > domain) {
+      return Invalid(at + ": ranks [" + Num(g.first_rank) + ", " +
+                     Num(int64_t{g.first_rank} + g.num_ranks) +
+                     ") must lie inside the domain [0, " + Num(domain) + ")");
+    }
+    if (meta.domain_rank < g.first_rank || meta.domain_rank >= g.first_rank + g.num_ranks) {
+      return Invalid(at + ": ranks [" + Num(g.first_rank) + ", " +
+                     Num(int64_t{g.first_rank} + g.num_ranks) +
+                     ") do not contain this rank's domain_rank " + Num(meta.domain_rank));
+    }
+    auto layout = GroupLayoutOf(meta.parallel, g.num_ranks);
+    if (!layout.ok()) return Invalid(at + ": " + layout.status().message());
+    (*layouts)[m] = *layout;
+  }
   return Status::Ok();
 }
 
@@ -125,10 +194,13 @@ Status ValidateStepMeta(const StepMeta& meta) {
   if (meta.microbatches.empty()) {
     return Invalid("StepMeta.microbatches is empty: a step has at least one microbatch");
   }
+  std::vector<ParallelLayout> layouts;
+  THDPACK_RETURN_IF_ERROR(ValidateGroups(meta, &layouts));
   int64_t real = 0, padded = 0, sum_sq = 0, n_valid = 0;
   for (size_t m = 0; m < meta.microbatches.size(); ++m) {
     int64_t sq = 0;
-    THDPACK_RETURN_IF_ERROR(ValidateMicrobatch(meta, m, &sq));
+    if (!meta.groups.empty() && meta.groups[m].num_ranks == 0) continue;  // idle: checked
+    THDPACK_RETURN_IF_ERROR(ValidateMicrobatch(meta, layouts[m], m, &sq));
     const MicrobatchMeta& mb = meta.microbatches[m];
     // Each term is < 2^62; only the step sums can overflow.
     if (__builtin_add_overflow(real, mb.cu_seqlens.back(), &real) ||
@@ -234,8 +306,9 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   for (const auto& mb : meta.microbatches) sequences += mb.cu_seqlens.size() - 1;
   std::vector<uint8_t> out;
   out.reserve(96 + 24 * meta.microbatches.size() + 3 * sequences + 10 * meta.skipped_ids.size());
+  const bool groups = !meta.groups.empty();
   for (uint8_t b : kStepMetaMagic) out.push_back(b);
-  out.push_back(kStepMetaVersion);
+  out.push_back(groups ? kStepMetaVersionGroups : kStepMetaVersionStatic);
   wire::PutFixed32(&out, 0);  // total_length, filled in below
   wire::PutVarint64(&out, meta.step);
   wire::PutVarint64(&out, meta.epoch);
@@ -251,10 +324,21 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.padded_tokens));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.sum_sq));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.n_loss_tokens));
+  if (groups) wire::PutVarint64(&out, static_cast<uint64_t>(meta.domain_rank));
   wire::PutVarint64(&out, meta.microbatches.size());
   std::vector<uint32_t> lens, excess;
-  for (const auto& mb : meta.microbatches) {
-    EncodeMicrobatch(mb, parallel.sequence_alignment(), &lens, &excess, &out);
+  for (size_t m = 0; m < meta.microbatches.size(); ++m) {
+    int64_t pm = parallel.sequence_alignment();
+    if (groups) {
+      // Version 2: the group first; an idle microbatch is nothing more.
+      const MicrobatchGroup& g = meta.groups[m];
+      wire::PutVarint64(&out, static_cast<uint64_t>(g.first_rank));
+      wire::PutVarint64(&out, static_cast<uint64_t>(g.num_ranks));
+      if (g.num_ranks == 0) continue;
+      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayoutOf(parallel, g.num_ranks));
+      pm = layout.sequence_alignment();
+    }
+    EncodeMicrobatch(meta.microbatches[m], pm, &lens, &excess, &out);
   }
   wire::PutVarint64(&out, meta.skipped_ids.size());
   uint64_t prev = 0;
@@ -283,10 +367,12 @@ std::string Hex32(uint32_t v) {
   return buf;
 }
 
-// Reads the body of a version 1 message. Errors say the byte offset in the whole message.
-class BodyDecoderV1 {
+// Reads the body of a version 1 or 2 message (version 2 adds domain_rank and a group before
+// each microbatch). Errors say the byte offset in the whole message.
+class BodyDecoder {
  public:
-  explicit BodyDecoderV1(std::span<const uint8_t> body) : r_(body) {}
+  BodyDecoder(std::span<const uint8_t> body, uint8_t version)
+      : r_(body), groups_(version >= kStepMetaVersionGroups) {}
 
   Result<StepMeta> Decode() {
     StepMeta meta;
@@ -324,14 +410,48 @@ class BodyDecoderV1 {
     THDPACK_RETURN_IF_ERROR(Varint("n_loss_tokens", kNoMb, kInt64Max, &v));
     meta.n_loss_tokens = static_cast<int64_t>(v);
 
+    if (groups_) {
+      const int64_t domain = int64_t{meta.dp_size} * meta.parallel.cp_size();
+      THDPACK_RETURN_IF_ERROR(Varint("domain_rank", kNoMb, kInt32Max, &v));
+      if (static_cast<int64_t>(v) >= domain) {
+        return Error("domain_rank", kNoMb, Num(static_cast<int64_t>(v)) +
+                                               " is outside the domain of DP*CP = " + Num(domain) +
+                                               " ranks");
+      }
+      meta.domain_rank = static_cast<int32_t>(v);
+    }
     uint64_t num_mb = 0;
-    // Bounded by the bytes left before anything is allocated for it.
+    // Bounded by the bytes left before anything is allocated for it (an idle microbatch of
+    // version 2 takes 2 bytes, any other at least kMinMicrobatchBytes).
     THDPACK_RETURN_IF_ERROR(
-        Varint("num_microbatches", kNoMb, r_.remaining() / kMinMicrobatchBytes, &num_mb));
+        Varint("num_microbatches", kNoMb,
+               r_.remaining() / (groups_ ? 2 : kMinMicrobatchBytes), &num_mb));
     meta.microbatches.resize(num_mb);
+    if (groups_) meta.groups.resize(num_mb);
     for (size_t m = 0; m < num_mb; ++m) {
-      THDPACK_RETURN_IF_ERROR(
-          DecodeMicrobatch(m, meta.parallel.sequence_alignment(), &meta.microbatches[m]));
+      int64_t pm = meta.parallel.sequence_alignment();
+      if (groups_) {
+        const int64_t domain = int64_t{meta.dp_size} * meta.parallel.cp_size();
+        uint64_t first = 0, size = 0;
+        THDPACK_RETURN_IF_ERROR(Varint("group.first_rank", m, kInt32Max, &first));
+        THDPACK_RETURN_IF_ERROR(Varint("group.num_ranks", m, kInt32Max, &size));
+        if (static_cast<int64_t>(first + size) > domain) {
+          return Error("group.num_ranks", m, "ranks [" + Num(static_cast<int64_t>(first)) +
+                                                  ", " + Num(static_cast<int64_t>(first + size)) +
+                                                  ") leave the domain of " + Num(domain) +
+                                                  " ranks");
+        }
+        meta.groups[m] = MicrobatchGroup{static_cast<int32_t>(first), static_cast<int32_t>(size)};
+        if (size == 0) {
+          meta.microbatches[m].cu_seqlens = {0};
+          meta.microbatches[m].cu_seqlens_padded = {0};
+          continue;  // idle; ValidateStepMeta checks first_rank
+        }
+        auto layout = GroupLayoutOf(meta.parallel, static_cast<int64_t>(size));
+        if (!layout.ok()) return Error("group.num_ranks", m, layout.status().message());
+        pm = layout->sequence_alignment();
+      }
+      THDPACK_RETURN_IF_ERROR(DecodeMicrobatch(m, pm, &meta.microbatches[m]));
     }
 
     uint64_t num_skipped = 0;
@@ -470,6 +590,7 @@ class BodyDecoderV1 {
   }
 
   wire::ByteReader r_;
+  bool groups_;
 };
 
 }  // namespace
@@ -524,7 +645,8 @@ Result<StepMeta> DecodeStepMeta(std::span<const uint8_t> bytes) {
                                  "; upgrade thdpack on the receiving ranks");
   }
   // One case per version ever written; old cases are kept so old messages stay readable.
-  BodyDecoderV1 decoder(bytes.subspan(kStepMetaHeaderSize, body_end - kStepMetaHeaderSize));
+  BodyDecoder decoder(bytes.subspan(kStepMetaHeaderSize, body_end - kStepMetaHeaderSize),
+                      version);
   THDPACK_ASSIGN_OR_RETURN(StepMeta meta, decoder.Decode());
   if (Status s = ValidateStepMeta(meta); !s.ok()) {
     return Status::Corruption("step metadata: decoded values break a rule: " + s.message());

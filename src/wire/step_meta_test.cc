@@ -639,12 +639,14 @@ TEST(WireCorruptionTest, MagicAndVersion) {
   EXPECT_TRUE(Contains(bad_magic.status(), "magic")) << bad_magic.status().ToString();
 
   msg = kGoldenBytes;
-  msg[4] = 2;  // a well-formed message from a newer writer
+  msg[4] = kStepMetaVersion + 1;  // a well-formed message from a newer writer
   Reseal(&msg);
   auto newer = DecodeStepMeta(msg);
   ASSERT_FALSE(newer.ok());
   EXPECT_EQ(newer.status().code(), StatusCode::kUnimplemented);
-  EXPECT_TRUE(Contains(newer.status(), "version 2 is newer")) << newer.status().ToString();
+  EXPECT_TRUE(Contains(newer.status(),
+                       "version " + std::to_string(kStepMetaVersion + 1) + " is newer"))
+      << newer.status().ToString();
 
   msg[4] = 0;
   Reseal(&msg);
