@@ -90,10 +90,15 @@ TEST(ThreadBackend, TimeoutNamesTheMembersThatDidNotArrive) {
       4,
       [&](ProcessGroup& world) -> Status {
         EXPECT_EQ(world.timeout(), std::chrono::milliseconds(100));
+        // The split itself under a generous timeout, so that a thread the scheduler delays
+        // past 100 ms on a loaded machine cannot fail it; its groups inherit the world's.
+        world.set_timeout(std::chrono::seconds(60));
         std::vector<std::vector<int>> halves = {{0, 1}, {2, 3}};
         auto half = world.Split(halves);
         if (!half.ok()) return half.status();
-        EXPECT_EQ((*half)->timeout(), std::chrono::milliseconds(100));
+        EXPECT_EQ((*half)->timeout(), std::chrono::seconds(60));
+        world.set_timeout(std::chrono::milliseconds(100));
+        (*half)->set_timeout(std::chrono::milliseconds(100));
         Status s;
         if (world.rank() == 3) {
           // Busy elsewhere until every peer has given up: never calls the collectives below.
