@@ -52,6 +52,10 @@ namespace {
 // Above this many microbatches per replica, bins are kept in ordered sets; below, a linear
 // scan over a replica's bins is faster.
 constexpr int kLinearBinsMax = 32;
+// Step A places a run of equal P at least this long (and at least DP/16) by merging sorted
+// sequences instead of through the heap (on the Wikipedia step of docs/scheduling.md, DP = 512,
+// any threshold from 16 to 512 gave about the same time).
+constexpr int32_t kMergedRunMin = 16;
 // Relative tolerance of the "within 1%" rule of the objective.
 constexpr double kNearBest = 1.01;
 // Work budget of the local search, in candidate evaluations (plus 2 per sample): fixed, so
@@ -135,6 +139,7 @@ class CostKey {
   }
   int index() const { return static_cast<int>(static_cast<uint32_t>(key_)); }
   bool Less(const CostKey& o) const { return key_ < o.key_; }
+  static bool Ordered(const CostKey& a, const CostKey& b) { return a.Less(b); }
 
  private:
   __extension__ typedef unsigned __int128 Key;
@@ -165,6 +170,9 @@ class MinCostHeap {
     v_.pop_back();
     if (!v_.empty()) ReplaceTop(last);
   }
+  // The keys in the heap's own layout. A vector sorted ascending is a valid heap (every child
+  // sits after its parent), so a caller may sort it in place or put a sorted vector here.
+  std::vector<CostKey>& keys() { return v_; }
   // Replaces the top by `k` and restores the heap.
   void ReplaceTop(const CostKey& k) {
     const size_t n = v_.size();
@@ -230,10 +238,11 @@ SortedStep SortStep(const PreparedStep& step) {
 class BalancedAtM {
  public:
   BalancedAtM(const PreparedStep& step, const ScheduleOptions& o, const SortedStep& sorted, int m,
-              bool plain_refill)
+              const BalancedTuning& tuning)
       : step_(step),
         o_(o),
-        plain_refill_(plain_refill),
+        tuning_(tuning),
+        plain_refill_(tuning.plain_refill),
         tails_matter_(o.parallel.splits_over_tp()),
         order_(sorted.order),
         padded_(sorted.padded),
@@ -275,33 +284,136 @@ class BalancedAtM {
     bin_of_[i] = -1;
   }
 
-  // A: LPT over replicas, best fit inside the chosen replica.
+  // A: LPT over replicas, best fit inside the chosen replica. Samples come in runs of equal P
+  // (equal cost); a replica parked for want of room stays parked through its run (its room is
+  // below the run's P and does not change), so parked replicas come back once per run. A long
+  // run goes to PlaceRunMerged, a short one to the heap sample by sample.
   bool PlaceLpt() {
     MinCostHeap heap;
     MaxRoomHeap parked;
     for (int r = 0; r < dp_; ++r) heap.push({0.0, r});
     const int32_t n = static_cast<int32_t>(step_.size());
-    for (int32_t i = 0; i < n; ++i) {
+    // Below this run length, sorting the heap's keys costs about what the heap would.
+    const int32_t merge_min = std::max(kMergedRunMin, dp_ / 16);
+    for (int32_t i = 0; i < n;) {
       const int64_t p = padded_[i];
+      int32_t end = i + 1;
+      while (end < n && padded_[end] == p) ++end;
       while (!parked.empty() && parked.top().room >= p) {
         const int r = parked.top().index;
         parked.pop();
         heap.push({cost_[r], r});
       }
+      if (end - i >= merge_min && !tuning_.plain_lpt) {
+        if (!PlaceRunMerged(i, end, heap, parked)) return false;
+      } else {
+        for (int32_t k = i; k < end; ++k) {
+          if (!PlaceByHeap(k, heap, parked)) return false;
+        }
+      }
+      i = end;
+    }
+    return true;
+  }
+
+  // Sample i to the heap's least (cost, index) replica with room (the plain form of step A);
+  // false when no replica has room.
+  bool PlaceByHeap(int32_t i, MinCostHeap& heap, MaxRoomHeap& parked) {
+    const int64_t p = padded_[i];
+    while (true) {
+      if (heap.empty()) return false;
+      const int r = heap.top().index();
+      const int b = bins_.BestFit(r, p);
+      if (b < 0) {
+        heap.pop();
+        parked.push({bins_.MaxFree(r), r});
+        continue;
+      }
+      Place(i, r, b);
+      heap.ReplaceTop({cost_[r], r});
+      return true;
+    }
+  }
+
+  // Ranks [begin, end), all of one P, placed as PlaceByHeap places them one by one, in
+  // O(D log D + run) instead of O(run log D). The heap's replicas sorted by (cost, index) are
+  // one ascending sequence; a replica that takes a sample leaves it and joins a FIFO with its
+  // new cost. The choices of LPT go in ascending key order, and a replica's new cost is
+  // fl(old + c) with the same c for the whole run, monotone in old, so the FIFO ascends too and
+  // the least key is the lesser of the two heads. Rounding can break that: fl(a + c) ==
+  // fl(b + c) for a < b puts the two in FIFO order, which disagrees with (cost, index) order
+  // when the first has the larger index. Every join is checked against the FIFO's last key; on
+  // the first that would not ascend, the rest of the run goes back to the heap. A replica
+  // without room for P is parked as PlaceByHeap parks it (the parking heap's keys are unique,
+  // so the order of pushes does not matter). After the run the two sequences are merged into
+  // one ascending vector: a valid heap for the next run.
+  bool PlaceRunMerged(int32_t begin, int32_t end, MinCostHeap& heap, MaxRoomHeap& parked) {
+    if (tuning_.lpt_runs_merged != nullptr) ++*tuning_.lpt_runs_merged;
+    const int64_t p = padded_[begin];
+    std::vector<CostKey>& s = heap.keys();
+    if (!std::is_sorted(s.begin(), s.end(), CostKey::Ordered)) {
+      std::sort(s.begin(), s.end(), CostKey::Ordered);
+    }
+    // The FIFO: a ring of at most DP live keys (each replica is in s or in it, once).
+    fifo_.resize(static_cast<size_t>(dp_), CostKey(0.0, 0));
+    const size_t cap = fifo_.size();
+    size_t head = 0, live = 0;
+    size_t sh = 0;  // s[0..sh) have left s
+    auto tail_key = [&]() -> const CostKey& {
+      return fifo_[(head + live - 1) % cap];
+    };
+    for (int32_t i = begin; i < end; ++i) {
       while (true) {
-        if (heap.empty()) return false;
-        const int r = heap.top().index();
+        const bool s_left = sh < s.size();
+        if (!s_left && live == 0) return false;  // no replica has room
+        const bool from_s = live == 0 || (s_left && s[sh].Less(fifo_[head]));
+        const int r = (from_s ? s[sh] : fifo_[head]).index();
+        if (from_s) {
+          ++sh;
+        } else {
+          head = head + 1 == cap ? 0 : head + 1;
+          --live;
+        }
         const int b = bins_.BestFit(r, p);
         if (b < 0) {
-          heap.pop();
           parked.push({bins_.MaxFree(r), r});
           continue;
         }
         Place(i, r, b);
-        heap.ReplaceTop({cost_[r], r});
+        const CostKey joined(cost_[r], r);
+        if (live > 0 && joined.Less(tail_key())) {
+          // Out of order by rounding: the remaining keys become the heap again, sorted.
+          if (tuning_.lpt_runs_fallback != nullptr) ++*tuning_.lpt_runs_fallback;
+          std::vector<CostKey> rest(s.begin() + static_cast<std::ptrdiff_t>(sh), s.end());
+          for (size_t j = 0; j < live; ++j) rest.push_back(fifo_[(head + j) % cap]);
+          rest.push_back(joined);
+          std::sort(rest.begin(), rest.end(), CostKey::Ordered);
+          s = std::move(rest);
+          for (int32_t k = i + 1; k < end; ++k) {
+            if (!PlaceByHeap(k, heap, parked)) return false;
+          }
+          return true;
+        }
+        fifo_[(head + live) % cap] = joined;
+        ++live;
         break;
       }
     }
+    merged_.clear();
+    merged_.reserve(s.size() - sh + live);
+    size_t q = 0;
+    while (sh < s.size() && q < live) {
+      const CostKey& f = fifo_[(head + q) % cap];
+      if (s[sh].Less(f)) {
+        merged_.push_back(s[sh++]);
+      } else {
+        merged_.push_back(f);
+        ++q;
+      }
+    }
+    merged_.insert(merged_.end(), s.begin() + static_cast<std::ptrdiff_t>(sh), s.end());
+    for (; q < live; ++q) merged_.push_back(fifo_[(head + q) % cap]);
+    s.swap(merged_);
     return true;
   }
 
@@ -644,6 +756,7 @@ class BalancedAtM {
 
   const PreparedStep& step_;
   const ScheduleOptions& o_;
+  const BalancedTuning& tuning_;
   const bool plain_refill_;  // RefillByHeaps whatever M (the reference of RefillByScan)
   const bool tails_matter_;
   const std::vector<int32_t>& order_;   // rank -> PreparedStep index
@@ -657,6 +770,8 @@ class BalancedAtM {
   std::vector<double> cost_;      // [DP]
   std::vector<int64_t> count_;    // [DP]
   std::vector<std::vector<int32_t>> items_of_;  // [DP], by rank
+  std::vector<CostKey> fifo_;    // PlaceRunMerged's ring, [DP]
+  std::vector<CostKey> merged_;  // PlaceRunMerged's scratch, [DP]
 };
 
 struct Candidate {
@@ -858,7 +973,7 @@ Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOpti
   for (int64_t m = m_lo; static_cast<int>(tried.size()) < o.max_microbatch_search && m <= max_m;) {
     tried.push_back(m);
     Assignment a;
-    BalancedAtM run(step, o, sorted, static_cast<int>(m), tuning.plain_refill);
+    BalancedAtM run(step, o, sorted, static_cast<int>(m), tuning);
     if (run.Run(&a)) {
       candidates.push_back(MakeCandidate(step, o, std::move(a),
                                          ScheduleOptions::Scheduler::kBalanced, figures));

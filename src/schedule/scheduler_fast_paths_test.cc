@@ -2,10 +2,13 @@
 // inputs: SampleIdIndex (direct table) against a std::map, the rank order (table + radix
 // sort) against the comparison sort, ScheduleWithFigures (figures from the scheduler's own
 // arrays, no validation) against Schedule + ValidatePlan + ComputePlanFigures, and the balanced
-// scheduler's microbatch refill by scan against its refill by heaps.
+// scheduler's microbatch refill by scan against its refill by heaps, and its step A by runs of
+// equal P merged from sorted sequences against the heap sample by sample.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -267,6 +270,104 @@ TEST(BalancedSequentialBoundTest, EqualsExactSequentialCostOnRandomSteps) {
   EXPECT_GT(compared, 150);
   EXPECT_GT(bounded, 150);
   EXPECT_GT(left_out, 100);  // the bound did leave it out on most steps
+}
+
+// Step A of the balanced scheduler places a long run of equal P by merging the heap's replicas,
+// sorted, with a FIFO of those that took a sample (PlaceRunMerged); the plain form is the heap,
+// sample by sample. The same plan on random steps built for it: a few distinct lengths in runs
+// up to several times DP (many ties of equal loads, broken by index), budgets and fixed M that
+// park replicas mid-run (M above 32 too, where bins are kept in sets), and, on most trials,
+// costs set by hand so that rounding makes fl(a + c) == fl(b + c) for loads a < b (loads near
+// 2^52 * s, whose last bit is s, and run costs c that are odd multiples of s/2).
+TEST(BalancedLptRunsTest, MergedRunsEqualHeapOnRandomSteps) {
+  std::mt19937_64 rng(41);
+  int compared = 0;
+  int merged = 0;
+  int fallback = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ScheduleOptions o;
+    o.dp_size = std::vector<int>{1, 2, 3, 5, 8, 13, 64, 130}[rng() % 8];
+    const int cp = 1 + static_cast<int>(rng() % 2);
+    o.parallel = ParallelLayout::Create(cp, 1, false).value();
+    o.cost = ParseCostSpec(rng() % 2 ? "llama2-7b" : "tokens").value();
+    o.scheduler = ScheduleOptions::Scheduler::kBalanced;
+    o.oversize = ScheduleOptions::OversizePolicy::kSkip;
+    // A few distinct lengths, each in a run of up to 4 DP + 60 samples, and a few singles.
+    std::vector<SampleLength> samples;
+    const int max_length = std::vector<int>{64, 1000, 8000}[rng() % 3];
+    const int distinct = 1 + static_cast<int>(rng() % 5);
+    for (int v = 0; v < distinct; ++v) {
+      const int64_t length = 1 + static_cast<int64_t>(rng() % max_length);
+      const int run = 1 + static_cast<int>(rng() % (4 * o.dp_size + 60));
+      for (int j = 0; j < run; ++j) samples.push_back({0, length, 0});
+    }
+    for (int j = static_cast<int>(rng() % 6); j > 0; --j) {
+      samples.push_back({0, 1 + static_cast<int64_t>(rng() % max_length), 0});
+    }
+    std::shuffle(samples.begin(), samples.end(), rng);
+    for (size_t j = 0; j < samples.size(); ++j) samples[j].id = static_cast<int64_t>(j) * 3 + 1;
+    // Budgets from the longest sample to a few times it, now and then at a fixed M (parked
+    // replicas, runs that find no room, M > 32).
+    const int64_t longest = std::max_element(samples.begin(), samples.end(),
+                                             [](const SampleLength& a, const SampleLength& b) {
+                                               return a.length < b.length;
+                                             })->length;
+    o.max_tokens_per_rank = (longest + 2 * cp) * (1 + static_cast<int64_t>(rng() % 4)) / cp + 1;
+    if (rng() % 3 == 0) {
+      o.num_microbatches = std::vector<int>{1, 2, 3, 40}[rng() % 4];
+    }
+    auto step = internal::PrepareStep(samples, o);
+    ASSERT_TRUE(step.ok());
+    if (!internal::CheckEnoughSamples(*step, o).ok()) continue;
+    if (rng() % 4 != 0) {
+      // Costs by hand, a function of P: the longest P near 2^52 * s, the others
+      // mostly odd multiples of s/2 (a tie to even in the sum), some multiples of s/4.
+      std::vector<int64_t> ps(step->padded.begin(), step->padded.end());
+      std::sort(ps.begin(), ps.end(), std::greater<>());
+      ps.erase(std::unique(ps.begin(), ps.end()), ps.end());
+      const double scale = std::ldexp(1.0, static_cast<int>(rng() % 3));
+      // Enough big samples for every replica to take one (else LPT never brings the replicas
+      // with a big load back into a run of small costs), now and then a class more.
+      size_t big = 0;
+      for (int64_t count = 0; big < ps.size() && count < o.dp_size; ++big) {
+        count += std::count(step->padded.begin(), step->padded.end(), ps[big]);
+      }
+      big = std::min<size_t>(ps.size() - 1, big + rng() % 2);
+      std::map<int64_t, double> cost_of;
+      for (size_t v = 0; v < ps.size(); ++v) {
+        cost_of[ps[v]] = v < big ? scale * (std::ldexp(1.0, 52) + static_cast<double>(rng() % 6))
+                  : rng() % 4 != 0 ? scale * (0.5 + static_cast<double>(rng() % 4))
+                                   : scale * 0.25 * static_cast<double>(1 + rng() % 12);
+      }
+      step->total_cost = 0;
+      step->max_cost = 0;
+      for (size_t i = 0; i < step->size(); ++i) {
+        step->cost[i] = cost_of[step->padded[i]];
+        step->total_cost += step->cost[i];
+        step->max_cost = std::max(step->max_cost, step->cost[i]);
+      }
+    }
+    ScheduleOptions::Scheduler who_merged{}, who_heap{};
+    Result<internal::Assignment> by_runs = internal::ScheduleBalanced(
+        *step, o, &who_merged, nullptr,
+        internal::BalancedTuning{.lpt_runs_merged = &merged, .lpt_runs_fallback = &fallback});
+    Result<internal::Assignment> by_heap = internal::ScheduleBalanced(
+        *step, o, &who_heap, nullptr, internal::BalancedTuning{.plain_lpt = true});
+    ASSERT_EQ(by_runs.ok(), by_heap.ok());
+    if (!by_runs.ok()) {
+      EXPECT_EQ(by_runs.status(), by_heap.status());
+      continue;
+    }
+    ++compared;
+    EXPECT_EQ(who_merged, who_heap);
+    EXPECT_EQ(by_runs->num_microbatches, by_heap->num_microbatches);
+    EXPECT_EQ(by_runs->offsets, by_heap->offsets);
+    EXPECT_EQ(by_runs->items, by_heap->items);
+  }
+  EXPECT_GT(compared, 250);
+  EXPECT_GT(merged, 500);   // most runs long enough went through the merge
+  EXPECT_GT(fallback, 20);  // and rounding sent some of them back to the heap
 }
 
 }  // namespace

@@ -102,6 +102,11 @@ struct BalancedTuning {
   // the sequential candidate's exact cost always computed (never left out by its bound)
   bool plain_sequential = false;
   int* sequential_left_out = nullptr;  // when set, counts the times the bound left it out
+  // step A by the heap sample by sample, never a run of equal P by the merge of two sorted
+  // sequences (PlaceRunMerged)
+  bool plain_lpt = false;
+  int* lpt_runs_merged = nullptr;    // when set, counts the runs placed by the merge
+  int* lpt_runs_fallback = nullptr;  // ... and those of them that rounding sent back to the heap
 };
 
 // A lower bound of ComputeAssignmentCost(step, options, a).max_replica_cost: the largest
