@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -193,7 +194,6 @@ class StepRunner::Impl {
   Status MakeDynamicPlan(RankStep& out);
   Status ExchangeTokensDynamic(RankStep& out);
   Status PackDynamic(RankStep& out);
-  Status DeliverMeta(ProcessGroup& group);
   Status ReceiveShardsDynamic(RankStep& out);
   Status MakeGroups(RankStep& out);
   void FinishLocalDynamic(RankStep& out);
@@ -204,9 +204,19 @@ class StepRunner::Impl {
   Status MakePlan(RankStep& out);
   Status ExchangeTokens(RankStep& out);
   Status PackReplica(RankStep& out);
-  Status Deliver();
   Status ReceiveShards(RankStep& out);
   void FinishLocal(RankStep& out);
+
+  // Shared by the static and the dynamic step.
+  RankStep StartStep(bool is_loader);
+  Status MoveSamples(ProcessGroup& group, const std::vector<SampleLength>& samples,
+                     const std::vector<std::vector<int64_t>>& send_ps,
+                     const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
+                     const std::function<bool(int64_t)>& keeps);
+  Status DeliverMeta(ProcessGroup& group);
+  Status SendShard(ProcessGroup& group, int member, int member_pp, const PackedShard& sh);
+  Status RecvShard(ProcessGroup& group, size_t local_tokens, PackedShard& sh);
+  LocalMicrobatch MakeLocal(RankStep& out, size_t m, int cp_size, int cp_rank);
 
   ProcessGroup& world_;
   Topology topo_;
@@ -461,6 +471,74 @@ Status StepRunner::Impl::MakePlan(RankStep& out) {
 // holds, for the samples s read that the plan sends to e (scheduling order), first all their
 // int32 tokens, then the masks of those that send one, padded to a multiple of 4 bytes so that
 // every block, and so every token array, stays 4-byte aligned in the receive buffer.
+// The token exchange of a step over `group`: the samples at the positions send_ps[e] (read by
+// this rank: own_ holds positions my_begin, my_begin + 1, ...) go to member e, tokens first
+// and then the masks that travel, in blocks padded to 4 bytes; those at recv_ps[e] come from
+// member e. refs_ then points at every sample this rank packs: its own where keeps(position),
+// the received ones in recv_buffer_.
+Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<SampleLength>& samples,
+                                     const std::vector<std::vector<int64_t>>& send_ps,
+                                     const std::vector<std::vector<int64_t>>& recv_ps,
+                                     int64_t my_begin, const std::function<bool(int64_t)>& keeps) {
+  const size_t n = static_cast<size_t>(group.size());
+  auto block_bytes = [&](const std::vector<int64_t>& ps) {
+    int64_t b = 0;
+    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)]);
+    return (b + 3) / 4 * 4;
+  };
+  std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
+  for (size_t e = 0; e < n; ++e) {
+    sc[e] = block_bytes(send_ps[e]);
+    rc[e] = block_bytes(recv_ps[e]);
+  }
+  for (size_t j = 1; j < n; ++j) {
+    sd[j] = sd[j - 1] + sc[j - 1];
+    rd[j] = rd[j - 1] + rc[j - 1];
+  }
+  std::vector<std::byte> send(static_cast<size_t>(sd[n - 1] + sc[n - 1]), std::byte{0});
+  for (size_t e = 0; e < n; ++e) {
+    std::byte* dst = send.data() + sd[e];
+    for (int64_t p : send_ps[e]) {
+      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
+      std::memcpy(dst, x.tokens.data(), x.tokens.size() * sizeof(TokenId));
+      dst += x.tokens.size() * sizeof(TokenId);
+    }
+    for (int64_t p : send_ps[e]) {
+      if (!SendsMask(samples[static_cast<size_t>(p)])) continue;
+      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
+      std::memcpy(dst, x.target_mask.data(), x.target_mask.size());
+      dst += x.target_mask.size();
+    }
+  }
+  recv_buffer_.assign(static_cast<size_t>(rd[n - 1] + rc[n - 1]), std::byte{0});
+  THDPACK_RETURN_IF_ERROR(group.AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
+
+  // Where each sample this rank packs lives now.
+  refs_.assign(samples.size(), SampleRef{});
+  for (size_t k = 0; k < own_.size(); ++k) {
+    if (!keeps(my_begin + static_cast<int64_t>(k))) continue;
+    const Sample& x = own_[k];
+    refs_[static_cast<size_t>(my_begin) + k] =
+        SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
+                  static_cast<int64_t>(x.tokens.size())};
+  }
+  for (size_t e = 0; e < n; ++e) {
+    const std::byte* at = recv_buffer_.data() + rd[e];
+    for (int64_t p : recv_ps[e]) {
+      const int64_t L = samples[static_cast<size_t>(p)].length;
+      refs_[static_cast<size_t>(p)] = SampleRef{reinterpret_cast<const TokenId*>(at), nullptr, L};
+      at += L * static_cast<int64_t>(sizeof(TokenId));
+    }
+    for (int64_t p : recv_ps[e]) {
+      const SampleLength& len = samples[static_cast<size_t>(p)];
+      if (!SendsMask(len)) continue;
+      refs_[static_cast<size_t>(p)].mask = reinterpret_cast<const uint8_t*>(at);
+      at += len.length;
+    }
+  }
+  return Status::Ok();
+}
+
 Status StepRunner::Impl::ExchangeTokens(RankStep& out) {
   const int dp = topo_.dp_size();
   const int me = coord_.dp;
@@ -473,68 +551,15 @@ Status StepRunner::Impl::ExchangeTokens(RankStep& out) {
     }
     return ps;
   };
-  auto block_bytes = [&](const std::vector<int64_t>& ps) {
-    int64_t b = 0;
-    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)]);
-    return (b + 3) / 4 * 4;
-  };
-  std::vector<int64_t> sc(udp, 0), sd(udp, 0), rc(udp, 0), rd(udp, 0);
   std::vector<std::vector<int64_t>> send_ps(udp), recv_ps(udp);
   for (int e = 0; e < dp; ++e) {
     if (e == me) continue;
     send_ps[static_cast<size_t>(e)] = positions(me, e);
-    sc[static_cast<size_t>(e)] = block_bytes(send_ps[static_cast<size_t>(e)]);
     recv_ps[static_cast<size_t>(e)] = positions(e, me);
-    rc[static_cast<size_t>(e)] = block_bytes(recv_ps[static_cast<size_t>(e)]);
-  }
-  for (size_t j = 1; j < udp; ++j) {
-    sd[j] = sd[j - 1] + sc[j - 1];
-    rd[j] = rd[j - 1] + rc[j - 1];
   }
   const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
-  std::vector<std::byte> send(static_cast<size_t>(sd[udp - 1] + sc[udp - 1]), std::byte{0});
-  for (int e = 0; e < dp; ++e) {
-    std::byte* dst = send.data() + sd[static_cast<size_t>(e)];
-    for (int64_t p : send_ps[static_cast<size_t>(e)]) {
-      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
-      std::memcpy(dst, x.tokens.data(), x.tokens.size() * sizeof(TokenId));
-      dst += x.tokens.size() * sizeof(TokenId);
-    }
-    for (int64_t p : send_ps[static_cast<size_t>(e)]) {
-      if (!SendsMask(samples[static_cast<size_t>(p)])) continue;
-      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
-      std::memcpy(dst, x.target_mask.data(), x.target_mask.size());
-      dst += x.target_mask.size();
-    }
-  }
-  recv_buffer_.assign(static_cast<size_t>(rd[udp - 1] + rc[udp - 1]), std::byte{0});
-  THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
-
-  // Where each sample of this replica lives now.
-  refs_.assign(samples.size(), SampleRef{});
-  for (size_t k = 0; k < own_.size(); ++k) {
-    if (replica_of_[static_cast<size_t>(my_begin) + k] != me) continue;
-    const Sample& x = own_[k];
-    refs_[static_cast<size_t>(my_begin) + k] =
-        SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
-                  static_cast<int64_t>(x.tokens.size())};
-  }
-  for (int s = 0; s < dp; ++s) {
-    if (s == me) continue;
-    const std::byte* at = recv_buffer_.data() + rd[static_cast<size_t>(s)];
-    for (int64_t p : recv_ps[static_cast<size_t>(s)]) {
-      const int64_t L = samples[static_cast<size_t>(p)].length;
-      refs_[static_cast<size_t>(p)] = SampleRef{reinterpret_cast<const TokenId*>(at), nullptr, L};
-      at += L * static_cast<int64_t>(sizeof(TokenId));
-    }
-    for (int64_t p : recv_ps[static_cast<size_t>(s)]) {
-      const SampleLength& len = samples[static_cast<size_t>(p)];
-      if (!SendsMask(len)) continue;
-      refs_[static_cast<size_t>(p)].mask = reinterpret_cast<const uint8_t*>(at);
-      at += len.length;
-    }
-  }
-  return Status::Ok();
+  return MoveSamples(*loaders_, samples, send_ps, recv_ps, my_begin,
+                     [&](int64_t p) { return replica_of_[static_cast<size_t>(p)] == me; });
 }
 
 // Packs this replica's microbatches: the loader (tp0) every CP rank's shards, a rank with
@@ -622,42 +647,70 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   return Status::Ok();
 }
 
-// tp0: metadata from the loader (replica position 0) to every other rank of the replica.
-Status StepRunner::Impl::Deliver() {
+// The step's metadata from position 0 of `group` (the loader of a replica, the head of a
+// column) to every other member.
+Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
   int64_t size = static_cast<int64_t>(meta_bytes_.size());
-  THDPACK_RETURN_IF_ERROR(replica_->BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(&size, 1), 0));
   if (size < 0 || size > (int64_t{1} << 32)) {
     return Status::Corruption("step metadata size " + std::to_string(size) + " out of range");
   }
-  if (replica_->rank() == 0) {
+  if (group.rank() == 0) {
     std::vector<uint8_t> wire = meta_bytes_;
     if (opts_.corrupt_metadata_of_replica == coord_.dp && !wire.empty()) {
       wire[wire.size() / 2] ^= 0x10;  // a test of the failure path flips one bit
     }
-    THDPACK_RETURN_IF_ERROR(replica_->BroadcastValues(std::span<uint8_t>(wire), 0));
-    return Status::Ok();
+    return group.BroadcastValues(std::span<uint8_t>(wire), 0);
   }
   meta_bytes_.assign(static_cast<size_t>(size), 0);
-  THDPACK_RETURN_IF_ERROR(replica_->BroadcastValues(std::span<uint8_t>(meta_bytes_), 0));
+  return group.BroadcastValues(std::span<uint8_t>(meta_bytes_), 0);
+}
+
+// One microbatch's shard from position 0 of `group` to member `member`, whose stage is
+// member_pp: tokens and positions to the first stage, labels and the loss mask to the last.
+Status StepRunner::Impl::SendShard(ProcessGroup& group, int member, int member_pp,
+                                   const PackedShard& sh) {
+  if (member_pp == 0) {
+    THDPACK_RETURN_IF_ERROR(
+        group.SendValues(std::span<const TokenId>(sh.tokens), member, kTagTokens));
+    THDPACK_RETURN_IF_ERROR(
+        group.SendValues(std::span<const int32_t>(sh.position_ids), member, kTagPositions));
+  }
+  if (member_pp == topo_.pp_size() - 1) {
+    THDPACK_RETURN_IF_ERROR(
+        group.SendValues(std::span<const TokenId>(sh.labels), member, kTagLabels));
+    THDPACK_RETURN_IF_ERROR(
+        group.SendValues(std::span<const uint8_t>(sh.loss_mask), member, kTagMask));
+  }
+  return Status::Ok();
+}
+
+// This rank's side of SendShard: the arrays of its stage, local_tokens each.
+Status StepRunner::Impl::RecvShard(ProcessGroup& group, size_t local_tokens, PackedShard& sh) {
+  if (coord_.pp == 0) {
+    sh.tokens.resize(local_tokens);
+    sh.position_ids.resize(local_tokens);
+    THDPACK_RETURN_IF_ERROR(group.RecvValues(std::span<TokenId>(sh.tokens), 0, kTagTokens));
+    THDPACK_RETURN_IF_ERROR(
+        group.RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
+  }
+  if (coord_.pp == topo_.pp_size() - 1) {
+    sh.labels.resize(local_tokens);
+    sh.loss_mask.resize(local_tokens);
+    THDPACK_RETURN_IF_ERROR(group.RecvValues(std::span<TokenId>(sh.labels), 0, kTagLabels));
+    THDPACK_RETURN_IF_ERROR(group.RecvValues(std::span<uint8_t>(sh.loss_mask), 0, kTagMask));
+  }
   return Status::Ok();
 }
 
 Status StepRunner::Impl::ReceiveShards(RankStep& out) {
-  const int pp_last = topo_.pp_size() - 1;
   if (replica_->rank() == 0) {
     // The loader sends, microbatch by microbatch, each member what its stage needs.
     for (size_t m = 0; m < shards_.size(); ++m) {
       for (int j = 1; j < replica_->size(); ++j) {
         THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(replica_->ranks()[static_cast<size_t>(j)]));
-        const PackedShard& sh = shards_[m][static_cast<size_t>(c.cp)];
-        if (c.pp == 0) {
-          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const TokenId>(sh.tokens), j, kTagTokens));
-          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const int32_t>(sh.position_ids), j, kTagPositions));
-        }
-        if (c.pp == pp_last) {
-          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const TokenId>(sh.labels), j, kTagLabels));
-          THDPACK_RETURN_IF_ERROR(replica_->SendValues(std::span<const uint8_t>(sh.loss_mask), j, kTagMask));
-        }
+        THDPACK_RETURN_IF_ERROR(
+            SendShard(*replica_, j, c.pp, shards_[m][static_cast<size_t>(c.cp)]));
       }
     }
     // The loader keeps CP rank 0's shard.
@@ -674,21 +727,43 @@ Status StepRunner::Impl::ReceiveShards(RankStep& out) {
                                              topo_.cp_size());
     PackedShard sh;
     sh.cp_rank = coord_.cp;
-    if (coord_.pp == 0) {
-      sh.tokens.resize(local);
-      sh.position_ids.resize(local);
-      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<TokenId>(sh.tokens), 0, kTagTokens));
-      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
-    }
-    if (coord_.pp == pp_last) {
-      sh.labels.resize(local);
-      sh.loss_mask.resize(local);
-      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<TokenId>(sh.labels), 0, kTagLabels));
-      THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(sh.loss_mask), 0, kTagMask));
-    }
+    THDPACK_RETURN_IF_ERROR(RecvShard(*replica_, local, sh));
     shards_[m].push_back(std::move(sh));
   }
   return Status::Ok();
+}
+
+// Microbatch m of this rank: the metadata's arrays, its place in its CP group of cp_size ranks,
+// and its shard (moved out of shards_) where its stage holds one.
+LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size, int cp_rank) {
+  const MicrobatchMeta& mm = out.meta.microbatches[m];
+  LocalMicrobatch lm;
+  lm.cu_seqlens = mm.cu_seqlens;
+  lm.cu_seqlens_padded = mm.cu_seqlens_padded;
+  lm.max_seqlen = mm.max_seqlen;
+  lm.n_valid = mm.n_valid;
+  lm.total_tokens = mm.cu_seqlens_padded.back();
+  lm.cp_size = cp_size;
+  lm.cp_rank = cp_rank;
+  lm.local_tokens = lm.total_tokens / cp_size;
+  if (m < shards_.size() && !shards_[m].empty()) {
+    PackedShard& sh = shards_[m][0];
+    if (out.first_stage) {
+      lm.tokens = std::move(sh.tokens);
+      lm.position_ids = std::move(sh.position_ids);
+    }
+    if (out.last_stage) {
+      lm.labels = std::move(sh.labels);
+      lm.loss_mask = std::move(sh.loss_mask);
+    }
+  }
+  lm.sp_range = {0, lm.local_tokens};
+  if (opts_.schedule.parallel.sp()) {
+    // The microbatch's layout (the group's, in a dynamic step) makes T/c a multiple of TP.
+    auto r = SpRange(lm.local_tokens, topo_.tp_size(), coord_.tp);
+    if (r.ok()) lm.sp_range = *r;
+  }
+  return lm;
 }
 
 // Every rank: its LocalMicrobatch list from the metadata and its shards.
@@ -696,49 +771,31 @@ void StepRunner::Impl::FinishLocal(RankStep& out) {
   const int cp = topo_.cp_size();
   out.microbatches.clear();
   for (size_t m = 0; m < out.meta.microbatches.size(); ++m) {
-    const MicrobatchMeta& mm = out.meta.microbatches[m];
-    LocalMicrobatch lm;
-    lm.cu_seqlens = mm.cu_seqlens;
-    lm.cu_seqlens_padded = mm.cu_seqlens_padded;
-    lm.max_seqlen = mm.max_seqlen;
-    lm.n_valid = mm.n_valid;
-    lm.total_tokens = mm.cu_seqlens_padded.back();
-    lm.local_tokens = lm.total_tokens / cp;
-    lm.cp_size = cp;
-    lm.cp_rank = coord_.cp;
+    LocalMicrobatch lm = MakeLocal(out, m, cp, coord_.cp);
     lm.first_rank = coord_.dp * cp;
-    if (m < shards_.size() && !shards_[m].empty()) {
-      PackedShard& sh = shards_[m][0];
-      if (out.first_stage) {
-        lm.tokens = std::move(sh.tokens);
-        lm.position_ids = std::move(sh.position_ids);
-      }
-      if (out.last_stage) {
-        lm.labels = std::move(sh.labels);
-        lm.loss_mask = std::move(sh.loss_mask);
-      }
-    }
-    lm.sp_range = {0, lm.local_tokens};
-    if (opts_.schedule.parallel.sp()) {
-      auto r = SpRange(lm.local_tokens, topo_.tp_size(), coord_.tp);
-      if (r.ok()) lm.sp_range = *r;  // ComputeLayout guarantees divisibility under SP
-    }
     out.microbatches.push_back(std::move(lm));
   }
 }
 
-Result<RankStep> StepRunner::Impl::Next() {
-  if (dynamic_) return NextDynamic();
+// A new step of this rank, and the per-step state reset.
+RankStep StepRunner::Impl::StartStep(bool is_loader) {
   RankStep out;
   out.step = step_;
   out.coord = coord_;
-  out.is_loader = reader_;
+  out.is_loader = is_loader;
+  out.dynamic = dynamic_;
   out.first_stage = coord_.pp == 0;
   out.last_stage = coord_.pp == topo_.pp_size() - 1;
   agree_seconds_ = 0;
   agree_bytes_ = 0;
   shards_.clear();
   meta_bytes_.clear();
+  return out;
+}
+
+Result<RankStep> StepRunner::Impl::Next() {
+  if (dynamic_) return NextDynamic();
+  RankStep out = StartStep(reader_);
   const bool tp0 = opts_.data_on == DataOn::kTp0;
 
   Status local;
@@ -770,7 +827,7 @@ Result<RankStep> StepRunner::Impl::Next() {
 
   BeginPhase(out, Phase::kDeliver);
   if (tp0) {
-    local = Deliver();
+    local = DeliverMeta(*replica_);
     if (local.ok() && replica_->rank() != 0) {
       auto meta = DecodeStepMeta(meta_bytes_);
       if (!meta.ok()) {
@@ -904,7 +961,7 @@ Status StepRunner::Impl::MakeDynamicPlan(RankStep& out) {
 // s read whose group contains e (scheduling order): their tokens, then the masks of those that
 // send one, padded to a multiple of 4 bytes. A loader keeps what its own head holds.
 Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
-  const int dp = topo_.dp_size(), cp = topo_.cp_size();
+  const int cp = topo_.cp_size();
   const int me = DomainIndex();
   const size_t gs = static_cast<size_t>(heads_->size());
   const auto& samples = out.samples;
@@ -920,76 +977,17 @@ Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
     }
     return ps;
   };
-  auto block_bytes = [&](const std::vector<int64_t>& ps) {
-    int64_t b = 0;
-    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)]);
-    return (b + 3) / 4 * 4;
-  };
-  std::vector<int64_t> sc(gs, 0), sd(gs, 0), rc(gs, 0), rd(gs, 0);
   std::vector<std::vector<int64_t>> send_ps(gs), recv_ps(gs);
   const bool loader = reader_;
   const int my_dp = coord_.dp;
   for (int e = 0; e < static_cast<int>(gs); ++e) {
     if (e == me) continue;
-    if (loader) {
-      send_ps[static_cast<size_t>(e)] = positions(my_dp, e);
-      sc[static_cast<size_t>(e)] = block_bytes(send_ps[static_cast<size_t>(e)]);
-    }
-    if (e % cp == 0) {  // a loader's head
-      recv_ps[static_cast<size_t>(e)] = positions(e / cp, me);
-      rc[static_cast<size_t>(e)] = block_bytes(recv_ps[static_cast<size_t>(e)]);
-    }
-  }
-  for (size_t j = 1; j < gs; ++j) {
-    sd[j] = sd[j - 1] + sc[j - 1];
-    rd[j] = rd[j - 1] + rc[j - 1];
+    if (loader) send_ps[static_cast<size_t>(e)] = positions(my_dp, e);
+    if (e % cp == 0) recv_ps[static_cast<size_t>(e)] = positions(e / cp, me);  // a loader's head
   }
   const int64_t my_begin = loader ? loader_offset_[static_cast<size_t>(my_dp)] : 0;
-  std::vector<std::byte> send(static_cast<size_t>(sd[gs - 1] + sc[gs - 1]), std::byte{0});
-  for (size_t e = 0; e < gs; ++e) {
-    std::byte* dst = send.data() + sd[e];
-    for (int64_t p : send_ps[e]) {
-      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
-      std::memcpy(dst, x.tokens.data(), x.tokens.size() * sizeof(TokenId));
-      dst += x.tokens.size() * sizeof(TokenId);
-    }
-    for (int64_t p : send_ps[e]) {
-      if (!SendsMask(samples[static_cast<size_t>(p)])) continue;
-      const Sample& x = own_[static_cast<size_t>(p - my_begin)];
-      std::memcpy(dst, x.target_mask.data(), x.target_mask.size());
-      dst += x.target_mask.size();
-    }
-  }
-  recv_buffer_.assign(static_cast<size_t>(rd[gs - 1] + rc[gs - 1]), std::byte{0});
-  THDPACK_RETURN_IF_ERROR(heads_->AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
-
-  refs_.assign(samples.size(), SampleRef{});
-  if (loader) {
-    for (size_t k = 0; k < own_.size(); ++k) {
-      if (!holds(my_begin + static_cast<int64_t>(k), me)) continue;
-      const Sample& x = own_[k];
-      refs_[static_cast<size_t>(my_begin) + k] =
-          SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
-                    static_cast<int64_t>(x.tokens.size())};
-    }
-  }
-  for (int s = 0; s < dp; ++s) {
-    const size_t e = static_cast<size_t>(s * cp);
-    if (static_cast<int>(e) == me) continue;
-    const std::byte* at = recv_buffer_.data() + rd[e];
-    for (int64_t p : recv_ps[e]) {
-      const int64_t L = samples[static_cast<size_t>(p)].length;
-      refs_[static_cast<size_t>(p)] = SampleRef{reinterpret_cast<const TokenId*>(at), nullptr, L};
-      at += L * static_cast<int64_t>(sizeof(TokenId));
-    }
-    for (int64_t p : recv_ps[e]) {
-      const SampleLength& len = samples[static_cast<size_t>(p)];
-      if (!SendsMask(len)) continue;
-      refs_[static_cast<size_t>(p)].mask = reinterpret_cast<const uint8_t*>(at);
-      at += len.length;
-    }
-  }
-  return Status::Ok();
+  return MoveSamples(*heads_, samples, send_ps, recv_ps, my_begin,
+                     [&](int64_t p) { return loader && holds(p, me); });
 }
 
 // Each head: per microbatch, its group's sequences packed with the group's layout and its own
@@ -1072,28 +1070,9 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
   return Status::Ok();
 }
 
-// Metadata from `group`'s position 0 to its other members (the static replica, or a column).
-Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
-  int64_t size = static_cast<int64_t>(meta_bytes_.size());
-  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(&size, 1), 0));
-  if (size < 0 || size > (int64_t{1} << 32)) {
-    return Status::Corruption("step metadata size " + std::to_string(size) + " out of range");
-  }
-  if (group.rank() == 0) {
-    std::vector<uint8_t> wire = meta_bytes_;
-    if (opts_.corrupt_metadata_of_replica == coord_.dp && !wire.empty()) {
-      wire[wire.size() / 2] ^= 0x10;  // a test of the failure path flips one bit
-    }
-    return group.BroadcastValues(std::span<uint8_t>(wire), 0);
-  }
-  meta_bytes_.assign(static_cast<size_t>(size), 0);
-  return group.BroadcastValues(std::span<uint8_t>(meta_bytes_), 0);
-}
-
 // The head sends each member of its column, microbatch by microbatch, what its stage needs;
 // idle microbatches carry nothing.
 Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
-  const int pp_last = topo_.pp_size() - 1;
   ProcessGroup& col = *column_;
   if (col.rank() == 0) {
     for (size_t m = 0; m < shards_.size(); ++m) {
@@ -1101,18 +1080,7 @@ Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
       if (sh.tokens.empty()) continue;
       for (int j = 1; j < col.size(); ++j) {
         THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(col.ranks()[static_cast<size_t>(j)]));
-        if (c.pp == 0) {
-          THDPACK_RETURN_IF_ERROR(
-              col.SendValues(std::span<const TokenId>(sh.tokens), j, kTagTokens));
-          THDPACK_RETURN_IF_ERROR(
-              col.SendValues(std::span<const int32_t>(sh.position_ids), j, kTagPositions));
-        }
-        if (c.pp == pp_last) {
-          THDPACK_RETURN_IF_ERROR(
-              col.SendValues(std::span<const TokenId>(sh.labels), j, kTagLabels));
-          THDPACK_RETURN_IF_ERROR(
-              col.SendValues(std::span<const uint8_t>(sh.loss_mask), j, kTagMask));
-        }
+        THDPACK_RETURN_IF_ERROR(SendShard(col, j, c.pp, sh));
       }
     }
     return Status::Ok();
@@ -1125,19 +1093,7 @@ Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
       const size_t local =
           static_cast<size_t>(out.meta.microbatches[m].cu_seqlens_padded.back() / g.num_ranks);
       sh.cp_rank = out.meta.domain_rank - g.first_rank;
-      if (coord_.pp == 0) {
-        sh.tokens.resize(local);
-        sh.position_ids.resize(local);
-        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<TokenId>(sh.tokens), 0, kTagTokens));
-        THDPACK_RETURN_IF_ERROR(
-            col.RecvValues(std::span<int32_t>(sh.position_ids), 0, kTagPositions));
-      }
-      if (coord_.pp == pp_last) {
-        sh.labels.resize(local);
-        sh.loss_mask.resize(local);
-        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<TokenId>(sh.labels), 0, kTagLabels));
-        THDPACK_RETURN_IF_ERROR(col.RecvValues(std::span<uint8_t>(sh.loss_mask), 0, kTagMask));
-      }
+      THDPACK_RETURN_IF_ERROR(RecvShard(col, local, sh));
     }
     shards_[m].push_back(std::move(sh));
   }
@@ -1218,52 +1174,19 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
 void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
   out.microbatches.clear();
   for (size_t m = 0; m < out.meta.microbatches.size(); ++m) {
-    const MicrobatchMeta& mm = out.meta.microbatches[m];
     const MicrobatchGroup& g = out.meta.groups[m];
-    LocalMicrobatch lm;
-    lm.cu_seqlens = mm.cu_seqlens;
-    lm.cu_seqlens_padded = mm.cu_seqlens_padded;
-    lm.max_seqlen = mm.max_seqlen;
-    lm.n_valid = mm.n_valid;
-    lm.total_tokens = mm.cu_seqlens_padded.back();
-    lm.idle = g.num_ranks == 0;
-    lm.cp_size = lm.idle ? 1 : g.num_ranks;
+    const bool idle = g.num_ranks == 0;
+    LocalMicrobatch lm = MakeLocal(out, m, idle ? 1 : g.num_ranks,
+                                   idle ? 0 : out.meta.domain_rank - g.first_rank);
+    lm.idle = idle;
     lm.first_rank = g.first_rank;
-    lm.cp_rank = lm.idle ? 0 : out.meta.domain_rank - g.first_rank;
-    lm.local_tokens = lm.total_tokens / lm.cp_size;
-    if (!lm.idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks});  // checked in MakeGroups
-    if (m < shards_.size() && !shards_[m].empty()) {
-      PackedShard& sh = shards_[m][0];
-      if (out.first_stage) {
-        lm.tokens = std::move(sh.tokens);
-        lm.position_ids = std::move(sh.position_ids);
-      }
-      if (out.last_stage) {
-        lm.labels = std::move(sh.labels);
-        lm.loss_mask = std::move(sh.loss_mask);
-      }
-    }
-    lm.sp_range = {0, lm.local_tokens};
-    if (opts_.schedule.parallel.sp()) {
-      auto r = SpRange(lm.local_tokens, topo_.tp_size(), coord_.tp);
-      if (r.ok()) lm.sp_range = *r;  // the group's layout makes T/c a multiple of TP under SP
-    }
+    if (!idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks});  // checked in MakeGroups
     out.microbatches.push_back(std::move(lm));
   }
 }
 
 Result<RankStep> StepRunner::Impl::NextDynamic() {
-  RankStep out;
-  out.step = step_;
-  out.coord = coord_;
-  out.is_loader = head_;
-  out.dynamic = true;
-  out.first_stage = coord_.pp == 0;
-  out.last_stage = coord_.pp == topo_.pp_size() - 1;
-  agree_seconds_ = 0;
-  agree_bytes_ = 0;
-  shards_.clear();
-  meta_bytes_.clear();
+  RankStep out = StartStep(head_);
 
   Status local;
   BeginPhase(out, Phase::kRead);
