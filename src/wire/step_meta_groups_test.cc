@@ -9,24 +9,15 @@
 #include <vector>
 
 #include "thdpack/wire.h"
-#include "wire/coding.h"
+#include "wire/step_meta_test_util.h"
 
 namespace thdpack {
 namespace {
 
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-bool Contains(const Status& s, const std::string& text) {
-  return s.message().find(text) != std::string::npos;
-}
-
-void Reseal(std::vector<uint8_t>* msg) {
-  ASSERT_GE(msg->size(), kStepMetaMinSize);
-  wire::EncodeFixed32(msg->data() + 5, static_cast<uint32_t>(msg->size()));
-  const size_t body_end = msg->size() - 4;
-  wire::EncodeFixed32(msg->data() + body_end,
-                      Crc32c(std::span<const uint8_t>(msg->data(), body_end)));
-}
+using wire_test::Contains;
+using wire_test::FillTotals;
+using wire_test::Reseal;
+using wire_test::RoundUp;
 
 // A group microbatch under `layout` (the group's): lengths padded by the rule, the SP tail on
 // the last sequence, n_valid of every target.
@@ -51,21 +42,6 @@ MicrobatchMeta GroupMicrobatch(const ParallelLayout& layout, const std::vector<i
   }
   mb.n_valid = real - static_cast<int64_t>(lengths.size()) - deficit;
   return mb;
-}
-
-void FillTotals(StepMeta* meta, int64_t other) {
-  meta->real_tokens = meta->padded_tokens = meta->sum_sq = 0;
-  int64_t n_valid = 0;
-  for (const auto& mb : meta->microbatches) {
-    meta->real_tokens += mb.cu_seqlens.back();
-    meta->padded_tokens += mb.cu_seqlens_padded.back();
-    for (size_t i = 0; i + 1 < mb.cu_seqlens_padded.size(); ++i) {
-      const int64_t p = int64_t{mb.cu_seqlens_padded[i + 1]} - mb.cu_seqlens_padded[i];
-      meta->sum_sq += p * p;
-    }
-    n_valid += mb.n_valid;
-  }
-  meta->n_loss_tokens = n_valid + other;
 }
 
 ParallelLayout Group(const ParallelLayout& p, int c) {

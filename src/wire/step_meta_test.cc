@@ -10,11 +10,15 @@
 
 #include "thdpack/wire.h"
 #include "wire/coding.h"
+#include "wire/step_meta_test_util.h"
 
 namespace thdpack {
 namespace {
 
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using wire_test::Contains;
+using wire_test::FillTotals;
+using wire_test::Reseal;
+using wire_test::RoundUp;
 
 // A microbatch of the given real and padded lengths, with its offsets and max_seqlen.
 MicrobatchMeta MakeMicrobatch(const std::vector<int64_t>& lengths,
@@ -29,23 +33,6 @@ MicrobatchMeta MakeMicrobatch(const std::vector<int64_t>& lengths,
   }
   mb.n_valid = n_valid;
   return mb;
-}
-
-// Fills real_tokens, padded_tokens, sum_sq from the microbatches; n_loss_tokens = sum n_valid
-// plus `other_replicas`.
-void FillTotals(StepMeta* meta, int64_t other_replicas = 0) {
-  meta->real_tokens = meta->padded_tokens = meta->sum_sq = 0;
-  int64_t n_valid = 0;
-  for (const auto& mb : meta->microbatches) {
-    meta->real_tokens += mb.cu_seqlens.back();
-    meta->padded_tokens += mb.cu_seqlens_padded.back();
-    for (size_t i = 0; i + 1 < mb.cu_seqlens_padded.size(); ++i) {
-      const int64_t p = int64_t{mb.cu_seqlens_padded[i + 1]} - mb.cu_seqlens_padded[i];
-      meta->sum_sq += p * p;
-    }
-    n_valid += mb.n_valid;
-  }
-  meta->n_loss_tokens = n_valid + other_replicas;
 }
 
 // The golden step of docs/wire_format.md: CP=2, m=4, one microbatch of lengths 3 and 5.
@@ -147,20 +134,6 @@ std::vector<uint8_t> Encode(const StepMeta& meta) {
   auto bytes = EncodeStepMeta(meta);
   EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
   return bytes.ok() ? *bytes : std::vector<uint8_t>{};
-}
-
-// Rewrites total_length to the buffer's size and the trailer to a valid CRC, so the decoder's
-// structural checks - not the checksum - must catch what was changed.
-void Reseal(std::vector<uint8_t>* msg) {
-  ASSERT_GE(msg->size(), kStepMetaMinSize);
-  wire::EncodeFixed32(msg->data() + 5, static_cast<uint32_t>(msg->size()));
-  const size_t body_end = msg->size() - 4;
-  wire::EncodeFixed32(msg->data() + body_end,
-                      Crc32c(std::span<const uint8_t>(msg->data(), body_end)));
-}
-
-bool Contains(const Status& s, const std::string& text) {
-  return s.message().find(text) != std::string::npos;
 }
 
 // ---------------------------------------------------------------------------------------------
