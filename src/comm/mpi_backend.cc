@@ -277,52 +277,60 @@ class MpiGroup final : public ProcessGroup {
     }
   }
 
-  // Polls a started collective until it completes or the timeout passes (then TimedOut).
-  Status WaitCollective(MPI_Request& req, std::string_view op) {
-    ++collectives_;
+  // The one polling loop: calls test(&ready) until it sets ready, answering meanwhile the
+  // queries of members whose collective timed out (in_collective: whether this rank waits in a
+  // collective of this group), pausing between polls; past the group's timeout, timed_out()
+  // ends the job (TimedOut does not return).
+  template <typename Test, typename OnTimeout>
+  Status PollUntil(bool in_collective, Test&& test, OnTimeout&& timed_out) {
     const Clock::time_point start = Clock::now();
     const Clock::time_point deadline = start + timeout();
     while (true) {
-      int done = 0;
-      THDPACK_MPI_CALL(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
-      if (done) return Status::Ok();
-      AnswerQueries(true);
-      if (Clock::now() >= deadline) TimedOut(op, MissingMembers());
+      int ready = 0;
+      THDPACK_RETURN_IF_ERROR(test(&ready));
+      if (ready) return Status::Ok();
+      AnswerQueries(in_collective);
+      if (Clock::now() >= deadline) timed_out();
       Pause(start);
     }
+  }
+
+  // Polls a started collective until it completes or the timeout passes (then TimedOut).
+  Status WaitCollective(MPI_Request& req, std::string_view op) {
+    ++collectives_;
+    return PollUntil(
+        true,
+        [&](int* done) -> Status {
+          THDPACK_MPI_CALL(MPI_Test(&req, done, MPI_STATUS_IGNORE));
+          return Status::Ok();
+        },
+        [&] { TimedOut(op, MissingMembers()); });
   }
 
   // Polls a started send to member `peer`.
   Status WaitPeer(MPI_Request& req, const std::string& op, int peer) {
-    const Clock::time_point start = Clock::now();
-    const Clock::time_point deadline = start + timeout();
-    while (true) {
-      int done = 0;
-      THDPACK_MPI_CALL(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
-      if (done) return Status::Ok();
-      AnswerQueries(false);
-      if (Clock::now() >= deadline) {
-        TimedOut(op, DescribeMembers(std::vector<int>{peer}) + " did not receive");
-      }
-      Pause(start);
-    }
+    return PollUntil(
+        false,
+        [&](int* done) -> Status {
+          THDPACK_MPI_CALL(MPI_Test(&req, done, MPI_STATUS_IGNORE));
+          return Status::Ok();
+        },
+        [&] { TimedOut(op, DescribeMembers(std::vector<int>{peer}) + " did not receive"); });
   }
 
   // Waits until a message from `src` with `tag` can be received.
   Status ProbePeer(int src, int tag, MPI_Status* st) {
-    const Clock::time_point start = Clock::now();
-    const Clock::time_point deadline = start + timeout();
-    while (true) {
-      int flag = 0;
-      THDPACK_MPI_CALL(MPI_Iprobe(src, tag, comm_, &flag, st));
-      if (flag) return Status::Ok();
-      AnswerQueries(false);
-      if (Clock::now() >= deadline) {
-        TimedOut("Recv from member " + std::to_string(src) + " (tag " + std::to_string(tag) + ")",
-                 DescribeMembers(std::vector<int>{src}) + " did not send");
-      }
-      Pause(start);
-    }
+    return PollUntil(
+        false,
+        [&](int* flag) -> Status {
+          THDPACK_MPI_CALL(MPI_Iprobe(src, tag, comm_, flag, st));
+          return Status::Ok();
+        },
+        [&] {
+          TimedOut("Recv from member " + std::to_string(src) + " (tag " + std::to_string(tag) +
+                       ")",
+                   DescribeMembers(std::vector<int>{src}) + " did not send");
+        });
   }
 
   // After a collective timed out: asks every other member which collective of this group it
