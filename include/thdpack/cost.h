@@ -146,6 +146,25 @@ class StepTimeModel {
         SequenceFlops(padded_length) / (static_cast<double>(c) * hardware_.flops_per_second);
     return std::max(compute, ExchangeSeconds(padded_length, c));
   }
+  // Whether t(P, c) is the exchange X(P, c) rather than the compute (never for c = 1).
+  bool ExchangeBound(int64_t padded_length, int64_t c) const {
+    if (c <= 1) return false;
+    return SequenceFlops(padded_length) / (static_cast<double>(c) * hardware_.flops_per_second) <
+           ExchangeSeconds(padded_length, c);
+  }
+  // The sum of t(P, c) over a group's sequences from integer sums: sum P and sum P^2 over the
+  // compute-bound ones, sum P over the exchange-bound ones (ExchangeBound). The same value in
+  // whatever order the sums were taken, as F and X are linear in them.
+  double GroupSeconds(int64_t c, int64_t compute_sum_p, double compute_sum_sq,
+                      int64_t exchange_sum_p) const {
+    const double cd = static_cast<double>(c);
+    const double compute = (per_token_ * static_cast<double>(compute_sum_p) +
+                            per_token_sq_ * compute_sum_sq) /
+                           (cd * hardware_.flops_per_second);
+    if (exchange_sum_p == 0) return compute;
+    return compute + 3.0 * (cd - 1.0) / cd * static_cast<double>(exchange_sum_p) *
+                         kv_bytes_per_token_ / hardware_.link_bytes_per_second;
+  }
 
  private:
   ModelDims dims_;

@@ -169,6 +169,27 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
     return Status::InvalidArgument("schedule: " + std::to_string(n) +
                                    " samples in one step; at most 2^31 - 1 are supported");
   }
+  // Sized once and written by index (no push_back's capacity check per sample), shrunk to the
+  // kept count at the end.
+  step.ids.resize(n);
+  step.length.resize(n);
+  step.n_targets.resize(n);
+  step.padded.resize(n);
+  step.cost.resize(n);
+  const int cp_size = o.parallel.cp_size();
+  const double cp = static_cast<double>(cp_size);
+  // cost(P) / CP as a product when CP is a power of two: x * 2^-k is x / 2^k exactly.
+  const bool cp_pow2 = std::has_single_bit(static_cast<unsigned>(cp_size));
+  const double inv_cp = 1.0 / cp;
+  // P = roundup(L, align): a mask when align is a power of two (2*CP, the usual case), the
+  // same value as PaddedLength's division.
+  const bool pow2 = std::has_single_bit(static_cast<uint64_t>(align));
+  // One pass checks, pads and costs every sample. Its errors keep their precedence: a bad
+  // length or n_targets (the first by position) before duplicate ids before an oversize
+  // sample (the first by position, policy 'error').
+  size_t kept = 0;
+  size_t first_oversize = n;
+  bool increasing = true;  // increasing ids are unique: no duplicate check then
   for (size_t i = 0; i < n; ++i) {
     const SampleLength& s = samples[i];
     if (s.length < 1 || s.length > (int64_t{1} << 50)) {
@@ -181,8 +202,29 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
                                      Str(s.n_targets) + " outside [0, L = " + Str(s.length) +
                                      "]");
     }
+    increasing = increasing && (i == 0 || s.id > samples[i - 1].id);
+    const int64_t p = pow2 ? (s.length + align - 1) & -align : o.parallel.PaddedLength(s.length);
+    THDPACK_DCHECK(p == o.parallel.PaddedLength(s.length));
+    if (p > step.capacity) {
+      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+        first_oversize = std::min(first_oversize, i);
+      } else {
+        step.skipped.push_back(s.id);
+      }
+      continue;
+    }
+    step.ids[kept] = s.id;
+    step.length[kept] = static_cast<int32_t>(s.length);
+    step.n_targets[kept] = static_cast<int32_t>(s.n_targets);
+    step.padded[kept] = p;
+    const double c = cp_pow2 ? o.cost.SequenceCost(p) * inv_cp : o.cost.SequenceCost(p) / cp;
+    step.cost[kept] = c;
+    ++kept;
+    step.total_padded += p;
+    step.total_cost += c;
+    step.max_cost = std::max(step.max_cost, c);
   }
-  if (HasDuplicateIds(samples)) {
+  if (!increasing && HasDuplicateIds(samples)) {
     // The first duplicate in id order names the error (the table only says there is one).
     const auto sorted = SortedIds(samples);
     for (size_t i = 1; i < sorted.size(); ++i) {
@@ -194,48 +236,19 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
       }
     }
   }
-  // Sized once and written by index (no push_back's capacity check per sample), shrunk to the
-  // kept count at the end.
-  step.ids.resize(n);
-  step.length.resize(n);
-  step.n_targets.resize(n);
-  step.padded.resize(n);
-  step.cost.resize(n);
-  const double cp = static_cast<double>(o.parallel.cp_size());
-  // P = roundup(L, align): a mask when align is a power of two (2*CP, the usual case), the
-  // same value as PaddedLength's division.
-  const bool pow2 = std::has_single_bit(static_cast<uint64_t>(align));
-  size_t kept = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const SampleLength& s = samples[i];
-    const int64_t p = pow2 ? (s.length + align - 1) & -align : o.parallel.PaddedLength(s.length);
-    THDPACK_DCHECK(p == o.parallel.PaddedLength(s.length));
-    if (p > step.capacity) {
-      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
-        std::string padded = "padded " + Str(p) + " with alignment " + Str(align);
-        if (p <= budget) {
-          padded += ", " + Str(o.parallel.MicrobatchTokens(p)) +
-                    " with the SP tail to a multiple of " + Str(o.parallel.token_quantum());
-        }
-        return Status::InvalidArgument(
-            "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (" + padded +
-            "), over the microbatch budget " + Str(budget) + " = CP " + Str(o.parallel.cp_size()) +
-            " x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
-            " (oversize policy 'error'; 'skip' leaves such samples out)");
-      }
-      step.skipped.push_back(s.id);
-      continue;
+  if (first_oversize < n) {
+    const SampleLength& s = samples[first_oversize];
+    const int64_t p = o.parallel.PaddedLength(s.length);
+    std::string padded = "padded " + Str(p) + " with alignment " + Str(align);
+    if (p <= budget) {
+      padded += ", " + Str(o.parallel.MicrobatchTokens(p)) + " with the SP tail to a multiple of " +
+                Str(o.parallel.token_quantum());
     }
-    step.ids[kept] = s.id;
-    step.length[kept] = static_cast<int32_t>(s.length);
-    step.n_targets[kept] = static_cast<int32_t>(s.n_targets);
-    step.padded[kept] = p;
-    const double c = o.cost.SequenceCost(p) / cp;
-    step.cost[kept] = c;
-    ++kept;
-    step.total_padded += p;
-    step.total_cost += c;
-    step.max_cost = std::max(step.max_cost, c);
+    return Status::InvalidArgument(
+        "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (" + padded +
+        "), over the microbatch budget " + Str(budget) + " = CP " + Str(o.parallel.cp_size()) +
+        " x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
+        " (oversize policy 'error'; 'skip' leaves such samples out)");
   }
   if (kept < n) {
     step.ids.resize(kept);
@@ -261,46 +274,74 @@ Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& o) {
                                  " microbatches, each of which needs at least one sample");
 }
 
-MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded, const ScheduleOptions& o) {
+MicrobatchCost CostOfSums(const GroupSums& g, const ScheduleOptions& o) {
   MicrobatchCost r;
-  int64_t sum = 0;
-  for (int64_t p : padded) sum += p;
-  r.padded_tokens = o.parallel.MicrobatchTokens(sum);
-  const int64_t tail = r.padded_tokens - sum;
-  double cost = 0;
-  for (size_t j = 0; j < padded.size(); ++j) {
-    const int64_t p = padded[j] + (j + 1 == padded.size() ? tail : 0);
-    int64_t sq = 0;
-    if (__builtin_mul_overflow(p, p, &sq) || __builtin_add_overflow(r.sum_sq, sq, &r.sum_sq)) {
-      r.overflow = true;
-    }
-    cost += o.cost.SequenceCost(p);
+  r.padded_tokens = o.parallel.MicrobatchTokens(g.sum_p);
+  const int64_t tail = r.padded_tokens - g.sum_p;
+  GroupSums::Wide sq = g.sum_sq;
+  if (tail > 0) {
+    // (last + tail)^2 = last^2 + 2 last tail + tail^2
+    sq += 2 * static_cast<GroupSums::Wide>(g.last_p) * static_cast<GroupSums::Wide>(tail) +
+          static_cast<GroupSums::Wide>(tail) * static_cast<GroupSums::Wide>(tail);
   }
-  r.cost = cost / static_cast<double>(o.parallel.cp_size());
+  constexpr auto kMax = static_cast<GroupSums::Wide>(std::numeric_limits<int64_t>::max());
+  r.overflow = sq > kMax;
+  r.sum_sq = static_cast<int64_t>(std::min(sq, kMax));
+  r.cost = o.cost.Cost(r.padded_tokens, static_cast<double>(sq)) /
+           static_cast<double>(o.parallel.cp_size());
   return r;
 }
+
+MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded, const ScheduleOptions& o) {
+  GroupSums g;
+  for (int64_t p : padded) g.Add(0, 0, p);
+  if (!padded.empty()) g.last_p = padded.back();
+  return CostOfSums(g, o);
+}
+
+std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n) {
+  std::vector<int32_t> group_of(n);
+  const size_t groups = a.offsets.size() - 1;
+  for (size_t g = 0; g < groups; ++g) {
+    for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
+      group_of[static_cast<size_t>(a.items[static_cast<size_t>(k)])] = static_cast<int32_t>(g);
+    }
+  }
+  return group_of;
+}
+
+namespace {
+
+// The sums of every group of `a`, in one pass over the step in input order (sequential reads;
+// the writes go to the DP*M sums), plus each group's last P in plan order.
+std::vector<GroupSums> AssignmentSums(const PreparedStep& step, const Assignment& a) {
+  const size_t groups = a.offsets.size() - 1;
+  std::vector<GroupSums> sums(groups);
+  const std::vector<int32_t> group_of = GroupOfItems(a, step.size());
+  for (size_t i = 0; i < step.size(); ++i) {
+    sums[static_cast<size_t>(group_of[i])].Add(step.length[i], step.n_targets[i], step.padded[i]);
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    if (a.offsets[g + 1] > a.offsets[g]) {
+      sums[g].last_p = step.padded[static_cast<size_t>(a.items[static_cast<size_t>(a.offsets[g + 1] - 1)])];
+    }
+  }
+  return sums;
+}
+
+}  // namespace
 
 AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOptions& o,
                                      const Assignment& a) {
   AssignmentCost r;
-  std::vector<int64_t> buf;
-  const int64_t total = static_cast<int64_t>(a.items.size());
+  const std::vector<GroupSums> sums = AssignmentSums(step, a);
   const int m_count = a.num_microbatches;
   for (int d = 0; d < a.dp_size; ++d) {
     double replica = 0;
     double lo = std::numeric_limits<double>::infinity();
     double hi = 0;
     for (int m = 0; m < m_count; ++m) {
-      const size_t g = static_cast<size_t>(d) * m_count + m;
-      buf.clear();
-      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
-        // A group's items are scattered over the step: load them a few entries ahead.
-        if (k + kPrefetchAhead < total) {
-          __builtin_prefetch(&step.padded[static_cast<size_t>(a.items[k + kPrefetchAhead])]);
-        }
-        buf.push_back(step.padded[static_cast<size_t>(a.items[k])]);
-      }
-      const double c = ComputeMicrobatchCost(buf, o).cost;
+      const double c = CostOfSums(sums[static_cast<size_t>(d) * m_count + m], o).cost;
       replica += c;
       lo = std::min(lo, c);
       hi = std::max(hi, c);
@@ -513,29 +554,19 @@ Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions
 namespace internal {
 namespace {
 
-// One entry of a plan as the figures see it.
-struct FigureEntry {
-  int64_t length;
-  int64_t n_targets;
-  int64_t padded;  // PaddedLength(length)
-  double cost;     // SequenceCost(padded) / CP
-};
-
-// The figures of a plan's groups, (d, m) = entries offsets[d*M+m] .. offsets[d*M+m+1]:
-// `entry(k)` gives entry k, and is called in increasing k (it may prefetch ahead). One code for
-// ComputePlanFigures (entries looked up by id) and AssignmentFigures (the scheduler's arrays),
-// so both sum the same numbers in the same order.
-template <typename EntryFn>
-Result<PlanFigures> FiguresOfGroups(const ScheduleOptions& options, int m_count,
-                                    std::span<const int64_t> offsets, int64_t n_skipped,
-                                    const EntryFn& entry) {
+// The figures of a plan from the sums of its groups, (d, m) at sums[d*M + m]. One code for
+// ComputePlanFigures (sums taken over the plan, ids looked up) and AssignmentFigures (sums
+// taken over the scheduler's arrays in input order): the same integer sums, so the same
+// figures.
+Result<PlanFigures> FiguresOfSums(const ScheduleOptions& options, int m_count,
+                                  std::span<const GroupSums> sums, int64_t n_skipped) {
   PlanFigures f;
   f.num_microbatches = m_count;
   f.n_skipped = n_skipped;
   f.replicas.resize(options.dp_size);
-  double total_seq_cost = 0;
-  double max_seq_cost = 0;
-  std::vector<int64_t> padded;
+  int64_t total_p = 0;
+  GroupSums::Wide total_sq = 0;
+  int64_t max_p = 0;
   for (int d = 0; d < options.dp_size; ++d) {
     ReplicaFigures& r = f.replicas[d];
     r.microbatches.resize(m_count);
@@ -543,18 +574,14 @@ Result<PlanFigures> FiguresOfGroups(const ScheduleOptions& options, int m_count,
     double hi = 0;
     for (int m = 0; m < m_count; ++m) {
       MicrobatchFigures& mb = r.microbatches[m];
-      padded.clear();
-      const int64_t end = offsets[static_cast<size_t>(d) * m_count + m + 1];
-      for (int64_t k = offsets[static_cast<size_t>(d) * m_count + m]; k < end; ++k) {
-        const FigureEntry e = entry(k);
-        padded.push_back(e.padded);
-        mb.real_tokens += e.length;
-        mb.n_loss_tokens += e.n_targets;
-        total_seq_cost += e.cost;
-        max_seq_cost = std::max(max_seq_cost, e.cost);
-      }
-      mb.n_samples = static_cast<int64_t>(padded.size());
-      const MicrobatchCost mc = ComputeMicrobatchCost(padded, options);
+      const GroupSums& g = sums[static_cast<size_t>(d) * m_count + m];
+      mb.n_samples = g.n_samples;
+      mb.real_tokens = g.real_tokens;
+      mb.n_loss_tokens = g.n_loss_tokens;
+      total_p += g.sum_p;
+      total_sq += g.sum_sq;
+      max_p = std::max(max_p, g.max_p);
+      const MicrobatchCost mc = CostOfSums(g, options);
       if (mc.overflow || __builtin_add_overflow(f.sum_sq, mc.sum_sq, &f.sum_sq)) {
         return Status::OutOfRange("plan figures: sum of P^2 overflows int64");
       }
@@ -573,6 +600,10 @@ Result<PlanFigures> FiguresOfGroups(const ScheduleOptions& options, int m_count,
     f.max_replica_cost = std::max(f.max_replica_cost, r.cost);
     f.max_microbatch_spread = std::max(f.max_microbatch_spread, hi - lo);
   }
+  // Every sequence once, without tails: sum of cost(P) / CP, and the costliest one.
+  const double cp = static_cast<double>(options.parallel.cp_size());
+  const double total_seq_cost = options.cost.Cost(total_p, static_cast<double>(total_sq)) / cp;
+  const double max_seq_cost = options.cost.SequenceCost(max_p) / cp;
   f.lower_bound = std::max(total_seq_cost / static_cast<double>(options.dp_size), max_seq_cost);
   f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;
   f.pad_fraction = f.padded_tokens > 0
@@ -587,22 +618,9 @@ Result<PlanFigures> FiguresOfGroups(const ScheduleOptions& options, int m_count,
 
 Result<PlanFigures> AssignmentFigures(const PreparedStep& step, const ScheduleOptions& options,
                                       const Assignment& a) {
-  const int64_t total = static_cast<int64_t>(a.items.size());
-  return FiguresOfGroups(
-      options, a.num_microbatches, a.offsets, static_cast<int64_t>(step.skipped.size()),
-      [&](int64_t k) {
-        // The items of a group are scattered over the step: load them a few entries ahead.
-        if (k + kPrefetchAhead < total) {
-          const size_t ahead = static_cast<size_t>(a.items[static_cast<size_t>(k + kPrefetchAhead)]);
-          __builtin_prefetch(&step.length[ahead]);
-          __builtin_prefetch(&step.n_targets[ahead]);
-          __builtin_prefetch(&step.padded[ahead]);
-          __builtin_prefetch(&step.cost[ahead]);
-        }
-        // P from the step (PaddedLength(L), made once by PrepareStep), not a division here.
-        const size_t i = static_cast<size_t>(a.items[static_cast<size_t>(k)]);
-        return FigureEntry{step.length[i], step.n_targets[i], step.padded[i], step.cost[i]};
-      });
+  const std::vector<GroupSums> sums = AssignmentSums(step, a);
+  return FiguresOfSums(options, a.num_microbatches, sums,
+                       static_cast<int64_t>(step.skipped.size()));
 }
 
 }  // namespace internal
@@ -612,19 +630,22 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
   const SampleIdIndex index(samples);
   THDPACK_RETURN_IF_ERROR(internal::ValidatePlanWithIndex(samples, index, options, plan));
   const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
-  const double cp = static_cast<double>(options.parallel.cp_size());
-  return internal::FiguresOfGroups(
-      options, plan.num_microbatches, plan.offsets, static_cast<int64_t>(plan.skipped.size()),
-      [&](int64_t k) {
-        if (k + internal::kPrefetchAhead < total) {
-          index.Prefetch(plan.sample_ids[static_cast<size_t>(k + internal::kPrefetchAhead)]);
-        }
-        const int64_t slot = index.Slot(plan.sample_ids[static_cast<size_t>(k)]);
-        const int64_t length = index.Length(slot);
-        const int64_t p = options.parallel.PaddedLength(length);
-        return internal::FigureEntry{length, index.NTargets(slot), p,
-                                     options.cost.SequenceCost(p) / cp};
-      });
+  const size_t groups = plan.offsets.size() - 1;
+  std::vector<internal::GroupSums> sums(groups);
+  for (size_t g = 0; g < groups; ++g) {
+    for (int64_t k = plan.offsets[g]; k < plan.offsets[g + 1]; ++k) {
+      if (k + internal::kPrefetchAhead < total) {
+        index.Prefetch(plan.sample_ids[static_cast<size_t>(k + internal::kPrefetchAhead)]);
+      }
+      const int64_t slot = index.Slot(plan.sample_ids[static_cast<size_t>(k)]);
+      const int64_t length = index.Length(slot);
+      const int64_t p = options.parallel.PaddedLength(length);
+      sums[g].Add(length, index.NTargets(slot), p);
+      sums[g].last_p = p;
+    }
+  }
+  return internal::FiguresOfSums(options, plan.num_microbatches, sums,
+                                 static_cast<int64_t>(plan.skipped.size()));
 }
 
 }  // namespace thdpack

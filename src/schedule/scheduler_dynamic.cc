@@ -142,19 +142,49 @@ GroupCost CostOfGroup(const StepTimeModel& model, const ParallelLayout& layout, 
   return g;
 }
 
-// CostOfGroup's seconds from padded lengths (P = PaddedLength(L), as a PreparedStep holds
-// them): the same P in the same order, so the same sum, without a division per sequence.
-double SecondsOfPaddedGroup(const StepTimeModel& model, const ParallelLayout& layout, int c,
-                            std::span<const int64_t> padded) {
-  int64_t sum = 0;
-  for (int64_t p : padded) sum += p;
-  const int64_t tail = layout.MicrobatchTokens(sum) - sum;
-  double seconds = 0;
-  for (size_t j = 0; j < padded.size(); ++j) {
-    seconds += model.SequenceSeconds(padded[j] + (j + 1 == padded.size() ? tail : 0), c);
+// The modelled seconds of one group of a static plan from integer sums (StepTimeModel::
+// GroupSeconds): the same value whatever order the sequences are added in, so the scheduler's
+// pass over its arrays in input order (AssignmentStepTime) and PlanStepTime's pass over the
+// plan agree exactly. Add every P, set last_p to the P of the group's last sample in plan
+// order (it takes the SP tail), then Seconds().
+class StaticGroupTime {
+ public:
+  void Add(const StepTimeModel& model, int c, int64_t p) {
+    if (model.ExchangeBound(p, c)) {
+      exchange_sum_p_ += p;
+    } else {
+      compute_sum_p_ += p;
+      compute_sum_sq_ += Square(p);
+    }
   }
-  return seconds;
-}
+  void set_last_p(int64_t p) { last_p_ = p; }
+  double Seconds(const StepTimeModel& model, const ParallelLayout& layout, int c) {
+    const int64_t sum = compute_sum_p_ + exchange_sum_p_;
+    const int64_t tail = layout.MicrobatchTokens(sum) - sum;
+    if (tail > 0) {
+      // The last sample's P becomes P + tail: out with the one, in with the other.
+      if (model.ExchangeBound(last_p_, c)) {
+        exchange_sum_p_ -= last_p_;
+      } else {
+        compute_sum_p_ -= last_p_;
+        compute_sum_sq_ -= Square(last_p_);
+      }
+      Add(model, c, last_p_ + tail);
+    }
+    return model.GroupSeconds(c, compute_sum_p_, static_cast<double>(compute_sum_sq_),
+                              exchange_sum_p_);
+  }
+
+ private:
+  __extension__ typedef unsigned __int128 Wide;
+  static Wide Square(int64_t p) {
+    return static_cast<Wide>(static_cast<uint64_t>(p) * static_cast<uint64_t>(p));
+  }
+  int64_t compute_sum_p_ = 0;
+  Wide compute_sum_sq_ = 0;
+  int64_t exchange_sum_p_ = 0;
+  int64_t last_p_ = 0;
+};
 
 // The modelled time of a plan whose ids are all in `index` (checked by the caller).
 Result<double> TimeOfPlan(const SampleIdIndex& index, const ScheduleOptions& o,
@@ -536,21 +566,27 @@ Result<double> AssignmentStepTime(const PreparedStep& step, const ScheduleOption
   if (!options.step_time.has_value()) {
     return Status::InvalidArgument("AssignmentStepTime: no step-time model in the options");
   }
+  const StepTimeModel& model = *options.step_time;
   const int cp = options.parallel.cp_size();
+  const size_t groups = a.offsets.size() - 1;
+  // One pass over the step in input order (StaticGroupTime's sums do not depend on it).
+  std::vector<StaticGroupTime> times(groups);
+  const std::vector<int32_t> group_of = GroupOfItems(a, step.size());
+  for (size_t i = 0; i < step.size(); ++i) {
+    times[static_cast<size_t>(group_of[i])].Add(model, cp, step.padded[i]);
+  }
   std::vector<GroupTask> tasks;
-  tasks.reserve(static_cast<size_t>(a.dp_size) * static_cast<size_t>(a.num_microbatches));
-  std::vector<int64_t> padded;
-  // The groups in PlanStepTime's order (microbatch, then replica), each in plan order.
+  tasks.reserve(groups);
+  // The groups in PlanStepTime's order (microbatch, then replica).
   for (int m = 0; m < a.num_microbatches; ++m) {
     for (int d = 0; d < a.dp_size; ++d) {
       const size_t g = static_cast<size_t>(d) * static_cast<size_t>(a.num_microbatches) +
                        static_cast<size_t>(m);
-      padded.clear();
-      for (int64_t k = a.offsets[g]; k < a.offsets[g + 1]; ++k) {
-        padded.push_back(step.padded[static_cast<size_t>(a.items[static_cast<size_t>(k)])]);
+      if (a.offsets[g + 1] > a.offsets[g]) {
+        times[g].set_last_p(
+            step.padded[static_cast<size_t>(a.items[static_cast<size_t>(a.offsets[g + 1] - 1)])]);
       }
-      tasks.push_back(
-          {d * cp, cp, SecondsOfPaddedGroup(*options.step_time, options.parallel, cp, padded)});
+      tasks.push_back({d * cp, cp, times[g].Seconds(model, options.parallel, cp)});
     }
   }
   return SimulateStepTime(a.dp_size * cp, tasks);
@@ -565,16 +601,19 @@ Result<double> PlanStepTime(std::span<const SampleLength> samples, const Schedul
   }
   THDPACK_RETURN_IF_ERROR(ValidatePlan(samples, options, plan));
   const SampleIdIndex index(samples);
+  const StepTimeModel& model = *options.step_time;
   const int cp = options.parallel.cp_size();
   std::vector<GroupTask> tasks;
   tasks.reserve(static_cast<size_t>(plan.dp_size) * static_cast<size_t>(plan.num_microbatches));
-  std::vector<int64_t> lengths;
   for (int m = 0; m < plan.num_microbatches; ++m) {
     for (int d = 0; d < plan.dp_size; ++d) {
-      lengths.clear();
-      for (int64_t id : plan.Microbatch(d, m)) lengths.push_back(index.Length(index.Slot(id)));
-      tasks.push_back(
-          {d * cp, cp, CostOfGroup(*options.step_time, options.parallel, cp, lengths).seconds});
+      StaticGroupTime time;
+      for (int64_t id : plan.Microbatch(d, m)) {
+        const int64_t p = options.parallel.PaddedLength(index.Length(index.Slot(id)));
+        time.Add(model, cp, p);
+        time.set_last_p(p);
+      }
+      tasks.push_back({d * cp, cp, time.Seconds(model, options.parallel, cp)});
     }
   }
   return SimulateStepTime(plan.dp_size * cp, tasks);

@@ -7,6 +7,7 @@
 #ifndef THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_
 #define THDPACK_SCHEDULE_SCHEDULER_INTERNAL_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -81,6 +82,37 @@ struct MicrobatchCost {
 };
 MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded,
                                      const ScheduleOptions& options);
+
+// The integer sums of one group (microbatch m of replica d) of an assignment or a plan: all
+// that its figures and cost need. Sums of integers do not depend on the order they are taken
+// in, so a pass over the step in input order (AssignmentFigures) gives exactly the figures of
+// a pass over the plan (ComputePlanFigures). The last sample of the group in plan order takes
+// the SP tail; its P is set by the caller.
+struct GroupSums {
+  __extension__ typedef unsigned __int128 Wide;
+  int64_t n_samples = 0;
+  int64_t real_tokens = 0;
+  int64_t n_loss_tokens = 0;
+  int64_t sum_p = 0;
+  Wide sum_sq = 0;     // sum P^2 (P < 2^32: no overflow below 2^64 samples)
+  int64_t max_p = 0;
+  int64_t last_p = 0;  // P of the last sample in plan order
+  void Add(int64_t length, int64_t n_targets, int64_t p) {
+    ++n_samples;
+    real_tokens += length;
+    n_loss_tokens += n_targets;
+    sum_p += p;
+    sum_sq += static_cast<Wide>(static_cast<uint64_t>(p) * static_cast<uint64_t>(p));
+    max_p = std::max(max_p, p);
+  }
+};
+
+// T, sum P^2 and cost of a microbatch from its sums: the tail (T - sum P, with SP) added to the
+// last P, cost = (a T + b sum P^2) / CP (CostModel::Cost). overflow: sum P^2 exceeds int64.
+MicrobatchCost CostOfSums(const GroupSums& sums, const ScheduleOptions& options);
+
+// group_of[i]: the group (d*M + m) of PreparedStep index i in `a` (n = the step's size).
+std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n);
 
 Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who);
 
