@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <queue>
@@ -82,6 +83,7 @@ class ReplicaBins {
 
   // The bin of replica r with the least room >= p (ties: lowest index), or -1.
   int BestFit(int r, int64_t p) const {
+    if (m_ == 1) return free_[static_cast<size_t>(r)] >= p ? 0 : -1;
     if (use_sets_) {
       auto it = sets_[r].lower_bound({p, -1});
       return it == sets_[r].end() ? -1 : it->second;
@@ -107,17 +109,21 @@ class ReplicaBins {
   // Room of bin (r, b) changes by -delta.
   void Take(int r, int b, int64_t delta) {
     const size_t k = Index(r, b);
-    if (use_sets_) {
-      auto node = sets_[r].extract({free_[k], b});
-      THDPACK_DCHECK(!node.empty());
-      node.value().first = free_[k] - delta;
-      sets_[r].insert(std::move(node));
-    }
+    if (use_sets_) TakeInSet(r, b, delta);
     free_[k] -= delta;
     THDPACK_DCHECK(free_[k] >= 0);
   }
 
  private:
+  // Take's change in replica r's ordered set (kept out of line: the common case has no sets).
+  [[gnu::noinline]] void TakeInSet(int r, int b, int64_t delta) {
+    const size_t k = Index(r, b);
+    auto node = sets_[r].extract({free_[k], b});
+    THDPACK_DCHECK(!node.empty());
+    node.value().first = free_[k] - delta;
+    sets_[r].insert(std::move(node));
+  }
+
   size_t Index(int r, int b) const { return static_cast<size_t>(r) * m_ + b; }
 
   int m_;
@@ -140,11 +146,82 @@ class CostKey {
   int index() const { return static_cast<int>(static_cast<uint32_t>(key_)); }
   bool Less(const CostKey& o) const { return key_ < o.key_; }
   static bool Ordered(const CostKey& a, const CostKey& b) { return a.Less(b); }
-
  private:
   __extension__ typedef unsigned __int128 Key;
   Key key_;
 };
+
+// Step A's replicas by (cost, index): a winner tree over one leaf per replica (padded to a
+// power of two with absent leaves), each node holding the least cost below it and its
+// replica. The left subtree's replicas all have lower indices, so the left child winning a
+// tie of costs gives (cost, index) order without comparing indices. The top is the root;
+// changing a replica's cost replays the matches on its leaf's path only, log2(leaves) of
+// them, each against the sibling's winner, which does not depend on the path (its loads are
+// not on the chain), by masks rather than a branch: no early exit for the predictor to miss,
+// as a heap's sift-down has. A replica without room is removed (its leaf made absent) and set
+// back later. Costs are >= +0 (sums of non-negative costs from 0), whose bits order like the
+// values; an absent leaf holds kAbsent, above every such cost's bits.
+class ReplicaTournament {
+ public:
+  explicit ReplicaTournament(int n)
+      : leaves_(std::bit_ceil(static_cast<size_t>(std::max(n, 1)))),
+        cost_(2 * leaves_, kAbsent),
+        index_(2 * leaves_, 0) {
+    for (size_t j = 0; j < leaves_; ++j) index_[leaves_ + j] = static_cast<uint32_t>(j);
+  }
+  bool empty() const { return cost_[1] == kAbsent; }
+  int top() const { return static_cast<int>(index_[1]); }
+  bool present(int r) const { return cost_[leaves_ + static_cast<size_t>(r)] != kAbsent; }
+  double cost(int r) const {
+    return std::bit_cast<double>(cost_[leaves_ + static_cast<size_t>(r)]);
+  }
+  void Set(int r, double cost) {
+    THDPACK_DCHECK(!std::signbit(cost) && !std::isnan(cost));
+    Replay(r, std::bit_cast<uint64_t>(cost));
+  }
+  void Remove(int r) { Replay(r, kAbsent); }
+  // Bulk changes: SetQuiet or RemoveQuiet any number of leaves, then Rebuild once (O(leaves)).
+  void SetQuiet(int r, double cost) {
+    cost_[leaves_ + static_cast<size_t>(r)] = std::bit_cast<uint64_t>(cost);
+  }
+  void RemoveQuiet(int r) { cost_[leaves_ + static_cast<size_t>(r)] = kAbsent; }
+  void Rebuild() {
+    for (size_t node = leaves_ - 1; node >= 1; --node) {
+      const size_t l = 2 * node, r = l + 1;
+      const bool right = cost_[r] < cost_[l];  // a tie goes left
+      cost_[node] = right ? cost_[r] : cost_[l];
+      index_[node] = right ? index_[r] : index_[l];
+    }
+  }
+
+ private:
+  // The bits of -inf: above those of every cost >= +0 (which are below +inf's), and below
+  // 2^64 - 1, so Replay's c + 1 does not wrap.
+  static constexpr uint64_t kAbsent = 0xFFF0'0000'0000'0000;
+
+  void Replay(int r, uint64_t c) {
+    size_t node = leaves_ + static_cast<size_t>(r);
+    uint64_t idx = static_cast<uint64_t>(r);
+    cost_[node] = c;
+    for (; node > 1; node >>= 1) {
+      const size_t sibling = node ^ 1;
+      const uint64_t oc = cost_[sibling];
+      const uint64_t oi = index_[sibling];
+      // The sibling wins when its cost is less, or equal and it is the left one (this node a
+      // right child): oc < c + 1 is oc <= c, and c + 1 never wraps (kAbsent is below 2^64-1).
+      const uint64_t take = -static_cast<uint64_t>(oc < c + (node & 1));
+      c = (oc & take) | (c & ~take);
+      idx = (oi & take) | (idx & ~take);
+      cost_[node >> 1] = c;
+      index_[node >> 1] = static_cast<uint32_t>(idx);
+    }
+  }
+
+  size_t leaves_;
+  std::vector<uint64_t> cost_;   // [2 * leaves]: node 1 the root, replica r's leaf at leaves + r
+  std::vector<uint32_t> index_;  // [2 * leaves]: the replica of each node's cost
+};
+
 // A 4-ary min-heap of CostKey with ReplaceTop: the replica (or microbatch) that took a sample
 // goes back with one sift-down instead of a pop and a push. Four children per node halve the
 // depth of the sift-down, a chain of dependent loads (DP = 512: 5 levels instead of 9), and
@@ -259,7 +336,6 @@ class BalancedAtM {
   // Runs A-D; false when some sample finds no room at this M.
   bool Run(Assignment* out) {
     if (!PlaceLpt()) return false;
-    BuildItemLists();
     RepairCounts();
     if (dp_ > 1) LocalSearch();
     FillMicrobatches();
@@ -284,16 +360,26 @@ class BalancedAtM {
     bin_of_[i] = -1;
   }
 
-  // A: LPT over replicas, best fit inside the chosen replica. Samples come in runs of equal P
-  // (equal cost); a replica parked for want of room stays parked through its run (its room is
-  // below the run's P and does not change), so parked replicas come back once per run. A long
-  // run goes to PlaceRunMerged, a short one to the heap sample by sample.
+  // A: LPT over replicas, best fit inside the chosen replica: each sample, by rank, goes to the
+  // replica of least (cost, index) among those with room for it. PlaceByScan is the plain form
+  // (BalancedTuning::plain_lpt). The fast form keeps the replicas in a winner tree: a replica
+  // found without room for the current P is removed and parked in a heap keyed by its largest
+  // room; its room does not change while parked, and P only decreases, so it is set back once P
+  // fits again (once per run of equal P at most). Samples come in runs of equal P (equal cost):
+  // a long run goes to PlaceRunMerged, a short one to the tree sample by sample.
   bool PlaceLpt() {
-    MinCostHeap heap;
-    MaxRoomHeap parked;
-    for (int r = 0; r < dp_; ++r) heap.push({0.0, r});
     const int32_t n = static_cast<int32_t>(step_.size());
-    // Below this run length, sorting the heap's keys costs about what the heap would.
+    if (tuning_.plain_lpt) {
+      for (int32_t i = 0; i < n; ++i) {
+        if (!PlaceByScan(i)) return false;
+      }
+      return true;
+    }
+    ReplicaTournament tree(dp_);
+    for (int r = 0; r < dp_; ++r) tree.SetQuiet(r, 0.0);
+    tree.Rebuild();
+    MaxRoomHeap parked;
+    // Below this run length, sorting the replicas' keys costs about what the tree would.
     const int32_t merge_min = std::max(kMergedRunMin, dp_ / 16);
     for (int32_t i = 0; i < n;) {
       const int64_t p = padded_[i];
@@ -302,13 +388,13 @@ class BalancedAtM {
       while (!parked.empty() && parked.top().room >= p) {
         const int r = parked.top().index;
         parked.pop();
-        heap.push({cost_[r], r});
+        tree.Set(r, cost_[r]);
       }
-      if (end - i >= merge_min && !tuning_.plain_lpt) {
-        if (!PlaceRunMerged(i, end, heap, parked)) return false;
+      if (end - i >= merge_min) {
+        if (!PlaceRunMerged(i, end, tree, parked)) return false;
       } else {
         for (int32_t k = i; k < end; ++k) {
-          if (!PlaceByHeap(k, heap, parked)) return false;
+          if (!PlaceByTree(k, tree, parked)) return false;
         }
       }
       i = end;
@@ -316,44 +402,62 @@ class BalancedAtM {
     return true;
   }
 
-  // Sample i to the heap's least (cost, index) replica with room (the plain form of step A);
-  // false when no replica has room.
-  bool PlaceByHeap(int32_t i, MinCostHeap& heap, MaxRoomHeap& parked) {
+  // The plain form of step A: a scan of every replica for the least (cost, index) one with a
+  // bin that holds sample i; false when none has.
+  bool PlaceByScan(int32_t i) {
+    const int64_t p = padded_[i];
+    int best = -1;
+    for (int r = 0; r < dp_; ++r) {
+      if (bins_.BestFit(r, p) < 0) continue;
+      if (best < 0 || CostKey(cost_[r], r).Less(CostKey(cost_[best], best))) best = r;
+    }
+    if (best < 0) return false;
+    Place(i, best, bins_.BestFit(best, p));
+    return true;
+  }
+
+  // Sample i to the tree's least (cost, index) replica with room; false when no replica has
+  // room.
+  bool PlaceByTree(int32_t i, ReplicaTournament& tree, MaxRoomHeap& parked) {
     const int64_t p = padded_[i];
     while (true) {
-      if (heap.empty()) return false;
-      const int r = heap.top().index();
+      if (tree.empty()) return false;
+      const int r = tree.top();
       const int b = bins_.BestFit(r, p);
       if (b < 0) {
-        heap.pop();
+        tree.Remove(r);
         parked.push({bins_.MaxFree(r), r});
         continue;
       }
       Place(i, r, b);
-      heap.ReplaceTop({cost_[r], r});
+      tree.Set(r, cost_[r]);
       return true;
     }
   }
 
-  // Ranks [begin, end), all of one P, placed as PlaceByHeap places them one by one, in
-  // O(D log D + run) instead of O(run log D). The heap's replicas sorted by (cost, index) are
+  // Ranks [begin, end), all of one P, placed as PlaceByTree places them one by one, in
+  // O(D log D + run) instead of O(run log D). The tree's replicas sorted by (cost, index) are
   // one ascending sequence; a replica that takes a sample leaves it and joins a FIFO with its
   // new cost. The choices of LPT go in ascending key order, and a replica's new cost is
   // fl(old + c) with the same c for the whole run, monotone in old, so the FIFO ascends too and
   // the least key is the lesser of the two heads. Rounding can break that: fl(a + c) ==
   // fl(b + c) for a < b puts the two in FIFO order, which disagrees with (cost, index) order
   // when the first has the larger index. Every join is checked against the FIFO's last key; on
-  // the first that would not ascend, the rest of the run goes back to the heap. A replica
-  // without room for P is parked as PlaceByHeap parks it (the parking heap's keys are unique,
-  // so the order of pushes does not matter). After the run the two sequences are merged into
-  // one ascending vector: a valid heap for the next run.
-  bool PlaceRunMerged(int32_t begin, int32_t end, MinCostHeap& heap, MaxRoomHeap& parked) {
+  // the first that would not ascend, the remaining keys go back into the tree and the rest of
+  // the run is placed by PlaceByTree. A replica without room for P is parked as PlaceByTree
+  // parks it (the parking heap's keys are unique, so the order of pushes does not matter).
+  bool PlaceRunMerged(int32_t begin, int32_t end, ReplicaTournament& tree, MaxRoomHeap& parked) {
     if (tuning_.lpt_runs_merged != nullptr) ++*tuning_.lpt_runs_merged;
     const int64_t p = padded_[begin];
-    std::vector<CostKey>& s = heap.keys();
-    if (!std::is_sorted(s.begin(), s.end(), CostKey::Ordered)) {
-      std::sort(s.begin(), s.end(), CostKey::Ordered);
+    // The replicas in the tree, sorted; their leaves are absent until the run ends.
+    std::vector<CostKey>& s = sorted_keys_;
+    s.clear();
+    for (int r = 0; r < dp_; ++r) {
+      if (!tree.present(r)) continue;
+      s.push_back(CostKey(tree.cost(r), r));
+      tree.RemoveQuiet(r);
     }
+    std::sort(s.begin(), s.end(), CostKey::Ordered);
     // The FIFO: a ring of at most DP live keys (each replica is in s or in it, once).
     fifo_.resize(static_cast<size_t>(dp_), CostKey(0.0, 0));
     const size_t cap = fifo_.size();
@@ -362,10 +466,22 @@ class BalancedAtM {
     auto tail_key = [&]() -> const CostKey& {
       return fifo_[(head + live - 1) % cap];
     };
+    // Every key still in s or the FIFO goes back into the tree.
+    auto restore = [&]() {
+      for (size_t j = sh; j < s.size(); ++j) tree.SetQuiet(s[j].index(), cost_[s[j].index()]);
+      for (size_t j = 0; j < live; ++j) {
+        const int r = fifo_[(head + j) % cap].index();
+        tree.SetQuiet(r, cost_[r]);
+      }
+      tree.Rebuild();
+    };
     for (int32_t i = begin; i < end; ++i) {
       while (true) {
         const bool s_left = sh < s.size();
-        if (!s_left && live == 0) return false;  // no replica has room
+        if (!s_left && live == 0) {
+          tree.Rebuild();
+          return false;  // no replica has room
+        }
         const bool from_s = live == 0 || (s_left && s[sh].Less(fifo_[head]));
         const int r = (from_s ? s[sh] : fifo_[head]).index();
         if (from_s) {
@@ -382,15 +498,12 @@ class BalancedAtM {
         Place(i, r, b);
         const CostKey joined(cost_[r], r);
         if (live > 0 && joined.Less(tail_key())) {
-          // Out of order by rounding: the remaining keys become the heap again, sorted.
+          // Out of order by rounding: back to the tree for the rest of the run.
           if (tuning_.lpt_runs_fallback != nullptr) ++*tuning_.lpt_runs_fallback;
-          std::vector<CostKey> rest(s.begin() + static_cast<std::ptrdiff_t>(sh), s.end());
-          for (size_t j = 0; j < live; ++j) rest.push_back(fifo_[(head + j) % cap]);
-          rest.push_back(joined);
-          std::sort(rest.begin(), rest.end(), CostKey::Ordered);
-          s = std::move(rest);
+          tree.SetQuiet(r, cost_[r]);
+          restore();
           for (int32_t k = i + 1; k < end; ++k) {
-            if (!PlaceByHeap(k, heap, parked)) return false;
+            if (!PlaceByTree(k, tree, parked)) return false;
           }
           return true;
         }
@@ -399,26 +512,16 @@ class BalancedAtM {
         break;
       }
     }
-    merged_.clear();
-    merged_.reserve(s.size() - sh + live);
-    size_t q = 0;
-    while (sh < s.size() && q < live) {
-      const CostKey& f = fifo_[(head + q) % cap];
-      if (s[sh].Less(f)) {
-        merged_.push_back(s[sh++]);
-      } else {
-        merged_.push_back(f);
-        ++q;
-      }
-    }
-    merged_.insert(merged_.end(), s.begin() + static_cast<std::ptrdiff_t>(sh), s.end());
-    for (; q < live; ++q) merged_.push_back(fifo_[(head + q) % cap]);
-    s.swap(merged_);
+    restore();
     return true;
   }
 
-  // items_of_[r]: the samples of replica r by rank (= decreasing cost, ties by id).
-  void BuildItemLists() {
+  // items_of_[r]: the samples of replica r by rank (= decreasing cost, ties by id), for steps
+  // B-D, built when one of them first needs it (a plan that needs none, one microbatch with
+  // every replica holding a sample and a straggler already near the bound, skips it).
+  void EnsureItemLists() {
+    if (items_built_) return;
+    items_built_ = true;
     for (int r = 0; r < dp_; ++r) {
       items_of_[r].clear();
       items_of_[r].reserve(static_cast<size_t>(count_[r]) + 1);
@@ -450,6 +553,7 @@ class BalancedAtM {
   void RepairCounts() {
     for (int r = 0; r < dp_; ++r) {
       while (count_[r] < m_) {
+        EnsureItemLists();
         int donor = -1;
         for (int q = 0; q < dp_; ++q) {
           if (count_[q] > m_ && (donor < 0 || cost_[q] > cost_[donor])) donor = q;
@@ -484,6 +588,7 @@ class BalancedAtM {
       }
       const double cost_a = cost_[a];
       if (cost_a <= lower_bound * (1 + kLocalSearchTolerance)) return;
+      EnsureItemLists();
       const double eps = 1e-12 * cost_a;
       others.clear();
       for (int r = 0; r < dp_; ++r) {
@@ -579,6 +684,7 @@ class BalancedAtM {
   void FillMicrobatches() {
     // One microbatch: the refill would put every sample back into bin 0, where A-C left it.
     if (m_ == 1) return;
+    EnsureItemLists();
     const size_t groups = static_cast<size_t>(dp_) * m_;
     std::vector<double> mb_cost(groups, 0.0);
     std::vector<int64_t> room(groups, step_.capacity);
@@ -769,9 +875,10 @@ class BalancedAtM {
   std::vector<int> bin_of_;       // [n]
   std::vector<double> cost_;      // [DP]
   std::vector<int64_t> count_;    // [DP]
-  std::vector<std::vector<int32_t>> items_of_;  // [DP], by rank
-  std::vector<CostKey> fifo_;    // PlaceRunMerged's ring, [DP]
-  std::vector<CostKey> merged_;  // PlaceRunMerged's scratch, [DP]
+  std::vector<std::vector<int32_t>> items_of_;  // [DP], by rank (EnsureItemLists)
+  bool items_built_ = false;
+  std::vector<CostKey> fifo_;         // PlaceRunMerged's ring, [DP]
+  std::vector<CostKey> sorted_keys_;  // PlaceRunMerged's sorted replicas, [DP]
 };
 
 struct Candidate {
@@ -865,67 +972,96 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
   if (n < 2) return PlainWithPadded(step, padded);
   int64_t lo = step.ids[0], hi = step.ids[0];
   int64_t max_padded = 0;
-  bool increasing = true;  // ids already in increasing order (as a data source numbers them)
+  size_t descents = 0;  // 0: the ids increase (as a data source numbers them)
   for (size_t i = 0; i < n; ++i) {
     lo = std::min(lo, step.ids[i]);
     hi = std::max(hi, step.ids[i]);
     max_padded = std::max(max_padded, step.padded[i]);
-    increasing = increasing && (i == 0 || step.ids[i] > step.ids[i - 1]);
   }
+  for (size_t i = 1; i < n; ++i) descents += step.ids[i] <= step.ids[i - 1] ? 1 : 0;
+  const bool increasing = descents == 0;
   const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
   if (max_padded > std::numeric_limits<int32_t>::max() ||
       (!increasing && (range == 0 || range > 4 * static_cast<uint64_t>(n) + 1024))) {
     return PlainWithPadded(step, padded);
   }
-  // 1. Increasing id: the step's own order when its ids increase, else a direct table over the
-  // (dense, unique) ids, read in order.
-  std::vector<int32_t> order;
-  order.reserve(n);
+  // Each item is one word, the key max_padded - P (so decreasing P) above the PreparedStep
+  // index, so a pass of the sort moves one array. Written, never read before, so not zeroed.
+  auto items = std::make_unique_for_overwrite<uint64_t[]>(n);
+  auto moved = std::make_unique_for_overwrite<uint64_t[]>(n);
+  auto item_of = [&](size_t i) {
+    return (static_cast<uint64_t>(max_padded - step.padded[i]) << 32) | static_cast<uint32_t>(i);
+  };
+  // 1. The items in increasing id order: the step's own order when its ids increase, else a
+  // direct table over the (dense, unique) ids, read in order.
   if (increasing) {
-    order.resize(n);
-    std::iota(order.begin(), order.end(), 0);
+    for (size_t i = 0; i < n; ++i) items[i] = item_of(i);
   } else {
     std::vector<int32_t> table(static_cast<size_t>(range), -1);
     for (size_t i = 0; i < n; ++i) {
       table[static_cast<size_t>(static_cast<uint64_t>(step.ids[i]) - static_cast<uint64_t>(lo))] =
           static_cast<int32_t>(i);
     }
+    size_t k = 0;
     for (int32_t i : table) {
-      if (i >= 0) order.push_back(i);
+      if (i >= 0) items[k++] = item_of(static_cast<size_t>(i));
     }
   }
-  // 2. Stable LSD radix sort on max_padded - P (so decreasing P), 11 bits a pass: equal P
-  // keep the increasing-id order of step 1.
-  constexpr int kBits = 11;
-  constexpr size_t kBuckets = size_t{1} << kBits;
-  std::vector<uint32_t> key(n), key_tmp(n);
-  std::vector<int32_t> tmp(n);
-  for (size_t k = 0; k < n; ++k) {
-    key[k] = static_cast<uint32_t>(max_padded - step.padded[static_cast<size_t>(order[k])]);
-  }
-  std::vector<size_t> start(kBuckets);
-  for (int shift = 0; shift < 32 && (static_cast<uint64_t>(max_padded) >> shift) != 0;
-       shift += kBits) {
-    std::fill(start.begin(), start.end(), 0);
-    for (size_t k = 0; k < n; ++k) ++start[(key[k] >> shift) & (kBuckets - 1)];
-    size_t sum = 0;
-    for (size_t& c : start) {
-      const size_t count = c;
-      c = sum;
-      sum += count;
+  // 2. Stable LSD radix sort on the key: equal P keep the increasing-id order of step 1. The
+  // digits split the key's bits evenly over as few passes as keep a pass's counts and write
+  // positions within L1 (at most 2^11 buckets; on 16K WLB-LLM lengths, 2 passes of 9 bits
+  // took half the time of 3 of 6). Real lengths crowd a few buckets of the high digit, and
+  // one bucket's write position is a chain through memory (load, add, store, load ...): the
+  // items are cut into kStreams consecutive streams with counts of their own, a stream's part
+  // of a bucket placed after the earlier streams' parts (so the sort stays stable), and the
+  // streams are moved side by side, kStreams independent chains.
+  constexpr int kMaxDigitBits = 11;
+  constexpr size_t kStreams = 4;
+  const int bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(max_padded))));
+  const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
+  const int digit = (bits + passes - 1) / passes;
+  const size_t buckets = size_t{1} << digit;
+  const uint64_t mask = buckets - 1;
+  const size_t q = (n + kStreams - 1) / kStreams;  // stream s: items [s*q, min(n, (s+1)*q))
+  size_t stream_end[kStreams];
+  for (size_t st = 0; st < kStreams; ++st) stream_end[st] = std::min(n, (st + 1) * q);
+  // count[stream * buckets + digit value], for the pass at hand (a stream holds other items
+  // at each pass).
+  std::vector<uint32_t> count(kStreams * buckets);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 32 + pass * digit;
+    std::fill(count.begin(), count.end(), 0);
+    for (size_t st = 0; st < kStreams; ++st) {
+      uint32_t* c = &count[st * buckets];
+      for (size_t k = st * q; k < stream_end[st]; ++k) ++c[(items[k] >> shift) & mask];
     }
-    for (size_t k = 0; k < n; ++k) {
-      const size_t at = start[(key[k] >> shift) & (kBuckets - 1)]++;
-      tmp[at] = order[k];
-      key_tmp[at] = key[k];
+    uint32_t* start = count.data();
+    uint32_t sum = 0;
+    for (size_t d = 0; d < buckets; ++d) {
+      for (size_t st = 0; st < kStreams; ++st) {
+        const uint32_t c = start[st * buckets + d];
+        start[st * buckets + d] = sum;
+        sum += c;
+      }
     }
-    order.swap(tmp);
-    key.swap(key_tmp);
+    for (size_t j = 0; j < q; ++j) {
+      for (size_t st = 0; st < kStreams; ++st) {
+        const size_t k = st * q + j;
+        if (k >= stream_end[st]) continue;
+        const uint64_t item = items[k];
+        moved[start[st * buckets + ((item >> shift) & mask)]++] = item;
+      }
+    }
+    items.swap(moved);
   }
+  std::vector<int32_t> order(n);
+  for (size_t k = 0; k < n; ++k) order[k] = static_cast<int32_t>(static_cast<uint32_t>(items[k]));
   if (padded != nullptr) {
     // The keys travelled with the indices: P by rank without a scattered load.
     padded->resize(n);
-    for (size_t k = 0; k < n; ++k) (*padded)[k] = max_padded - static_cast<int64_t>(key[k]);
+    for (size_t k = 0; k < n; ++k) {
+      (*padded)[k] = max_padded - static_cast<int64_t>(items[k] >> 32);
+    }
   }
   return order;
 }
