@@ -67,6 +67,19 @@ class HistogramSourceImpl final : public IndexedSource<HistogramSource> {
     const int64_t length = LengthOf(index);
     return SampleLength{0, length, length - 1};
   }
+  // One binary search for the first row, then row after row.
+  Status LengthsAt(int64_t first, std::span<SampleLength> out) const override {
+    size_t row = static_cast<size_t>(
+        std::upper_bound(ends_.begin(), ends_.end(), first) - ends_.begin());
+    int64_t index = first;
+    for (SampleLength& x : out) {
+      while (ends_[row] <= index) ++row;  // passes rows with a zero count
+      const int64_t length = histogram_.rows[row].length;
+      x = SampleLength{0, length, length - 1};
+      ++index;
+    }
+    return Status::Ok();
+  }
   Status FillAt(int64_t index, int64_t id, Sample* out) const override {
     FillMock(id, LengthOf(index), out);
     return Status::Ok();
