@@ -93,6 +93,14 @@ class SampleSource {
   // read, and so not checked, except by `jsonl`, which parses its whole line.
   [[nodiscard]] virtual Result<std::optional<SampleLength>> NextLength() = 0;
 
+  // Up to out.size() lengths at once: exactly what as many NextLength() calls would give (same
+  // cursor, ids, skipped empty documents and errors), written to out[0, n) in order. Returns
+  // n, which is below out.size() only at the end of the epoch (0 when already there; Reset()
+  // starts the next). On an error the source is broken as after NextLength's, and out holds
+  // nothing to use. The default calls NextLength() n times (the plain reference); sources
+  // with random access (all but `jsonl`) override it with one tight loop per batch.
+  [[nodiscard]] virtual Result<int64_t> NextLengths(std::span<SampleLength> out);
+
   // Rewinds to the start of the next epoch (also allowed before the end of this one). Ids keep
   // counting from where they were.
   [[nodiscard]] virtual Status Reset() = 0;

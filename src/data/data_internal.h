@@ -9,6 +9,7 @@
 #ifndef THDPACK_SRC_DATA_DATA_INTERNAL_H_
 #define THDPACK_SRC_DATA_DATA_INTERNAL_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
@@ -161,6 +162,33 @@ class IndexedSource : public Interface {
     return std::optional<SampleLength>(out);
   }
 
+  // One LengthsAt call per batch when no index is empty; otherwise the NextLength loop (each
+  // sample may first pass over empty indices).
+  Result<int64_t> NextLengths(std::span<SampleLength> out) final {
+    if (!error_.ok()) return error_;
+    if (empty_ > 0) return SampleSource::NextLengths(out);
+    const int64_t n = std::min(static_cast<int64_t>(out.size()), size_ - position_);
+    if (n <= 0) return int64_t{0};
+    const std::span<SampleLength> batch = out.first(static_cast<size_t>(n));
+    Status s;
+    if (permutation_) {
+      for (int64_t k = 0; k < n && s.ok(); ++k) {
+        Result<SampleLength> r = LengthAt(IndexOf(position_ + k));
+        if (r.ok()) {
+          batch[static_cast<size_t>(k)] = *r;
+        } else {
+          s = r.status();
+        }
+      }
+    } else {
+      s = LengthsAt(position_, batch);
+    }
+    if (!s.ok()) return error_ = s;
+    for (SampleLength& x : batch) x.id = next_id_++;
+    position_ += n;
+    return n;
+  }
+
   Status Reset() final {
     if (!error_.ok()) return error_;
     position_ = 0;
@@ -185,6 +213,17 @@ class IndexedSource : public Interface {
   // Length and n_targets of the sample at `index` (the id is set by the caller); length 0 for
   // an empty index (only when the constructor was told of some).
   virtual Result<SampleLength> LengthAt(int64_t index) const = 0;
+  // LengthAt of the indices first, first + 1, ..., first + out.size() - 1 into out (ids left
+  // to the caller). REQUIRES the range inside [0, size). The default calls LengthAt for each
+  // (the plain reference); a source overrides it where one loop over its table is cheaper.
+  virtual Status LengthsAt(int64_t first, std::span<SampleLength> out) const {
+    for (size_t k = 0; k < out.size(); ++k) {
+      Result<SampleLength> r = LengthAt(first + static_cast<int64_t>(k));
+      if (!r.ok()) return r.status();
+      out[k] = *r;
+    }
+    return Status::Ok();
+  }
   // Tokens and mask of the sample at `index`, whose id is `id`.
   virtual Status FillAt(int64_t index, int64_t id, Sample* out) const = 0;
 

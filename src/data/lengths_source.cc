@@ -2,6 +2,7 @@
 // (`length,count` rows). Tokens are mock; a histogram is never expanded to one entry per
 // sequence.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <span>
 
@@ -67,6 +68,19 @@ class HistogramSourceImpl final : public IndexedSource<HistogramSource> {
     const int64_t length = LengthOf(index);
     return SampleLength{0, length, length - 1};
   }
+  // One binary search for the first row, then row after row.
+  Status LengthsAt(int64_t first, std::span<SampleLength> out) const override {
+    size_t row = static_cast<size_t>(
+        std::upper_bound(ends_.begin(), ends_.end(), first) - ends_.begin());
+    int64_t index = first;
+    for (SampleLength& x : out) {
+      while (ends_[row] <= index) ++row;  // passes rows with a zero count
+      const int64_t length = histogram_.rows[row].length;
+      x = SampleLength{0, length, length - 1};
+      ++index;
+    }
+    return Status::Ok();
+  }
   Status FillAt(int64_t index, int64_t id, Sample* out) const override {
     FillMock(id, LengthOf(index), out);
     return Status::Ok();
@@ -93,6 +107,10 @@ class LengthsParser {
  public:
   LengthsParser(const std::string& path, bool allow_header, std::vector<int32_t>* out)
       : path_(path), allow_header_(allow_header), out_(out) {}
+
+  // True while no blank line was seen: a line of 1 to 9 digits with a value >= 1 is then a
+  // length, which ReadLengthsFile's loop takes without calling Line.
+  bool plain_lines() const { return first_blank_ == 0; }
 
   // Line n (1-based), without its '\n'.
   Status Line(std::string_view line, int64_t n) {
@@ -153,9 +171,36 @@ Result<std::vector<int32_t>> ReadLengthsFileByLine(const std::string& path, bool
 
 }  // namespace data_internal
 
+namespace {
+
+// '\n' bytes in [begin, end), eight at a time: a byte of x = word ^ "\n\n..." is zero exactly
+// where the word holds '\n', and ((x & 0x7f..) + 0x7f..) | x has its top bit clear there only;
+// the multiply adds the eight 0/1 bytes into the top one (no popcount: without -mpopcnt it is
+// a library call).
+size_t CountNewlines(const char* begin, const char* end) {
+  constexpr uint64_t kNewlines = 0x0a0a0a0a0a0a0a0aULL;
+  constexpr uint64_t kLow7 = 0x7f7f7f7f7f7f7f7fULL;
+  constexpr uint64_t kOnes = 0x0101010101010101ULL;
+  size_t count = 0;
+  const char* p = begin;
+  for (; end - p >= 8; p += 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    const uint64_t x = word ^ kNewlines;
+    const uint64_t hits = (~(((x & kLow7) + kLow7) | x) & ~kLow7) >> 7;  // 1 per '\n' byte
+    count += static_cast<size_t>((hits * kOnes) >> 56);
+  }
+  for (; p < end; ++p) count += *p == '\n' ? 1 : 0;
+  return count;
+}
+
+}  // namespace
+
 // The file mapped and split at '\n' as getline splits it (a last line without '\n' counts; a
-// final '\n' opens no line), with room for every line reserved first. Files that cannot be
-// mapped (pipes, ...) are read line by line.
+// final '\n' opens no line), with room for every line reserved first. A line of 1 to 9 digits
+// and value >= 1 (while no blank line was seen) is taken by the loop here; every other line
+// goes to LengthsParser::Line, the rules ReadLengthsFileByLine (the plain reference) applies
+// to every line. Files that cannot be mapped (pipes, ...) are read line by line.
 Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path, bool allow_header) {
   Result<std::unique_ptr<MappedFile>> mapped = MappedFile::Open(path);
   if (!mapped.ok()) return data_internal::ReadLengthsFileByLine(path, allow_header);
@@ -164,20 +209,32 @@ Result<std::vector<int32_t>> ReadLengthsFile(const std::string& path, bool allow
   data_internal::StripBom(&text);  // as LineReader does
   const char* const begin = text.data();
   const char* const end = begin + text.size();
-  size_t lines = 0;
-  for (const char* p = begin; p < end; ++lines) {
-    const void* nl = std::memchr(p, '\n', static_cast<size_t>(end - p));
-    p = nl == nullptr ? end : static_cast<const char*>(nl) + 1;
-  }
   std::vector<int32_t> lengths;
-  lengths.reserve(lines);
+  lengths.reserve(CountNewlines(begin, end) + 1);
   LengthsParser parser(path, allow_header, &lengths);
-  int64_t n = 0;
-  for (const char* p = begin; p < end;) {
+  int64_t n = 0;  // lines so far
+  const char* p = begin;
+  while (p < end) {
+    ++n;
+    if (parser.plain_lines()) {
+      const char* const digits_end = end - p > 9 ? p + 9 : end;
+      const char* q = p;
+      int32_t v = 0;
+      for (; q < digits_end; ++q) {
+        const unsigned d = static_cast<unsigned>(static_cast<unsigned char>(*q)) - '0';
+        if (d > 9) break;
+        v = v * 10 + static_cast<int32_t>(d);
+      }
+      if (q != p && v >= 1 && (q == end || *q == '\n')) {
+        lengths.push_back(v);
+        p = q == end ? end : q + 1;
+        continue;
+      }
+    }
     const void* nl = std::memchr(p, '\n', static_cast<size_t>(end - p));
     const char* line_end = nl == nullptr ? end : static_cast<const char*>(nl);
     THDPACK_RETURN_IF_ERROR(
-        parser.Line(std::string_view(p, static_cast<size_t>(line_end - p)), ++n));
+        parser.Line(std::string_view(p, static_cast<size_t>(line_end - p)), n));
     p = line_end == end ? end : line_end + 1;
   }
   return lengths;

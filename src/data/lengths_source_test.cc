@@ -160,6 +160,50 @@ TEST(LengthsSourceTest, MappedReaderEqualsTheLineReaderOnRandomFiles) {
   }
 }
 
+// The same on longer files (up to a few thousand lines, so the newline count runs over whole
+// words and a tail), mostly lines the mapped reader's own loop takes (1 to 9 digits) among
+// ones it hands to the line rules: 10 digits, zeros, signs, spaces, CR, headers, blank lines,
+// a byte-order mark; the same lengths, or the same error (file, line, text).
+TEST(LengthsSourceTest, MappedReaderEqualsTheLineReaderOnLongRandomFiles) {
+  TempDir dir;
+  const std::vector<std::string> odd = {"1234567890", "999999999", "000000001", "0", "00",
+                                        "+7",         "-1",        " 12",       "12 ",
+                                        "12\r",       "\t5",       "",          "len",
+                                        "2147483647", "2147483648", "1e3",      "12x"};
+  std::mt19937_64 rng(std::random_device{}());
+  int parsed = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    std::string text;
+    if (rng() % 8 == 0) text += "\xEF\xBB\xBF";
+    if (rng() % 4 == 0) text += "length\n";
+    const int lines = static_cast<int>(rng() % 3000);
+    const uint64_t odd_every = 1 + rng() % 4000;  // many files hold no odd line at all
+    for (int i = 0; i < lines; ++i) {
+      if (rng() % odd_every == 0) {
+        text += odd[rng() % odd.size()];
+      } else {
+        text += std::to_string(1 + rng() % (rng() % 2 ? 999999999 : 100000));
+      }
+      if (i + 1 < lines || rng() % 2) text += '\n';
+    }
+    for (uint64_t k = rng() % 3; k > 0; --k) text += '\n';  // trailing blank lines
+    const std::string path = dir.File("long" + std::to_string(trial) + ".txt");
+    WriteText(path, text);
+    const bool header = rng() % 2 == 0;
+    auto fast = ReadLengthsFile(path, header);
+    auto plain = data_internal::ReadLengthsFileByLine(path, header);
+    ASSERT_EQ(fast.ok(), plain.ok()) << (fast.ok() ? plain.status() : fast.status()).ToString();
+    if (fast.ok()) {
+      EXPECT_EQ(*fast, *plain);
+      ++parsed;
+    } else {
+      EXPECT_EQ(fast.status(), plain.status());
+    }
+  }
+  EXPECT_GT(parsed, 20);  // most files parse, so the lengths are compared, not only errors
+}
+
 TEST(LengthsSourceTest, RealWlbllmDocLengths) {
   const std::string path = DataFile("wlbllm_doc_lengths.txt");
   auto v = ReadLengthsFile(path);

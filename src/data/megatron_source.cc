@@ -112,6 +112,13 @@ class MegatronSource final : public IndexedSource<SampleSource> {
     const int64_t length = DocumentLength(index);
     return SampleLength{0, length, length - 1};
   }
+  Status LengthsAt(int64_t first, std::span<SampleLength> out) const override {
+    for (size_t k = 0; k < out.size(); ++k) {
+      const int64_t length = DocumentLength(first + static_cast<int64_t>(k));
+      out[k] = SampleLength{0, length, length - 1};
+    }
+    return Status::Ok();
+  }
 
   Status FillAt(int64_t index, int64_t /*id*/, Sample* out) const override {
     out->tokens.resize(static_cast<size_t>(DocumentLength(index)));

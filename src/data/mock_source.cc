@@ -32,6 +32,13 @@ class MockDistributionSource final : public IndexedSource<SampleSource> {
     const int64_t length = MockLength(config_, options().seed, index);
     return SampleLength{0, length, length - 1};
   }
+  Status LengthsAt(int64_t first, std::span<SampleLength> out) const override {
+    for (size_t k = 0; k < out.size(); ++k) {
+      const int64_t length = MockLength(config_, options().seed, first + static_cast<int64_t>(k));
+      out[k] = SampleLength{0, length, length - 1};
+    }
+    return Status::Ok();
+  }
   Status FillAt(int64_t index, int64_t id, Sample* out) const override {
     FillMock(id, MockLength(config_, options().seed, index), out);
     return Status::Ok();
@@ -51,6 +58,14 @@ class LengthsVectorSource final : public IndexedSource<SampleSource> {
   Result<SampleLength> LengthAt(int64_t index) const override {
     const int64_t length = lengths_[static_cast<size_t>(index)];
     return SampleLength{0, length, length - 1};
+  }
+  Status LengthsAt(int64_t first, std::span<SampleLength> out) const override {
+    const int32_t* lengths = lengths_.data() + first;
+    for (size_t k = 0; k < out.size(); ++k) {
+      const int64_t length = lengths[k];
+      out[k] = SampleLength{0, length, length - 1};
+    }
+    return Status::Ok();
   }
   Status FillAt(int64_t index, int64_t id, Sample* out) const override {
     FillMock(id, lengths_[static_cast<size_t>(index)], out);

@@ -1,10 +1,23 @@
-// OpenSource: the spec-string factory the command line uses.
+// OpenSource: the spec-string factory the command line uses; SampleSource's default batched
+// read.
 #include "data/data_internal.h"
 #include "thdpack/data.h"
 
 #include <new>
 
 namespace thdpack {
+
+Result<int64_t> SampleSource::NextLengths(std::span<SampleLength> out) {
+  int64_t n = 0;
+  for (SampleLength& slot : out) {
+    THDPACK_ASSIGN_OR_RETURN(std::optional<SampleLength> next, NextLength());
+    if (!next.has_value()) break;
+    slot = *next;
+    ++n;
+  }
+  return n;
+}
+
 namespace {
 
 Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,

@@ -1,7 +1,9 @@
 // StepReader: N samples per step from a streaming source, wrapping around at its end.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,28 +26,39 @@ Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch
 
 // The wrap-around lives here only. global_batch 0: one whole epoch, then Reset (the previous
 // "all" step ended with a Reset, so this starts an epoch). N >= 1: N samples, with a Reset at
-// the end of the source; two ends in a row with nothing between = an empty source.
+// the end of the source; two ends in a row with nothing between = an empty source. A run of
+// positions read as lengths only (all of them for Next, the DP - 1 between a loader's own for
+// NextShare) is read with one NextLengths call per kLengthBatch.
 template <typename Full, typename Take>
 Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
+  constexpr int64_t kLengthBatch = 1024;
   const std::string empty_message =
       "data source \"" + source_->spec() + "\" holds no samples (a step needs at least one)";
   int64_t epoch = source_->epoch();
   const int64_t empty_before = source_->skipped_empty();
+  std::array<SampleLength, kLengthBatch> batch;
   int64_t i = 0;
   bool wrapped = false;  // the last read hit the end of the source
   while (global_batch_ == 0 || i < global_batch_) {
-    std::optional<SampleLength> length;
+    int64_t got = 0;
     std::optional<Sample> sample;
     if (full(i)) {
       THDPACK_ASSIGN_OR_RETURN(sample, source_->Next());
       if (sample) {
-        length = SampleLength{sample->id, static_cast<int64_t>(sample->tokens.size()),
-                              NumTargets(*sample)};
+        batch[0] = SampleLength{sample->id, static_cast<int64_t>(sample->tokens.size()),
+                                NumTargets(*sample)};
+        got = 1;
       }
     } else {
-      THDPACK_ASSIGN_OR_RETURN(length, source_->NextLength());
+      int64_t run = 1;  // positions i .. i + run - 1 are read as lengths
+      while (run < kLengthBatch && (global_batch_ == 0 || i + run < global_batch_) &&
+             !full(i + run)) {
+        ++run;
+      }
+      THDPACK_ASSIGN_OR_RETURN(got, source_->NextLengths(std::span(batch).first(
+                                        static_cast<size_t>(run))));
     }
-    if (!length.has_value()) {
+    if (got == 0) {
       if (global_batch_ == 0) break;
       if (wrapped) return Status::InvalidArgument(empty_message);
       THDPACK_RETURN_IF_ERROR(source_->Reset());
@@ -54,8 +67,10 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
     }
     wrapped = false;
     if (i == 0) epoch = source_->epoch();
-    THDPACK_RETURN_IF_ERROR(take(i, *length, sample ? &*sample : nullptr));
-    ++i;
+    for (int64_t k = 0; k < got; ++k) {
+      THDPACK_RETURN_IF_ERROR(take(i, batch[static_cast<size_t>(k)], sample ? &*sample : nullptr));
+      ++i;
+    }
   }
   if (i == 0) return Status::InvalidArgument(empty_message);
   if (global_batch_ == 0) THDPACK_RETURN_IF_ERROR(source_->Reset());

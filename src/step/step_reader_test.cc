@@ -406,6 +406,110 @@ TEST(StepReaderShare, EmptyMegatronDocumentsLeaveGapsInTheIds) {
   }
 }
 
+// A source that reads its lengths one at a time only: NextLengths is SampleSource's default
+// loop over NextLength, the plain reference of the sources' batched reads.
+class OneByOneSource final : public SampleSource {
+ public:
+  explicit OneByOneSource(std::unique_ptr<SampleSource> inner) : inner_(std::move(inner)) {}
+  Result<std::optional<Sample>> Next() override { return inner_->Next(); }
+  Result<std::optional<SampleLength>> NextLength() override { return inner_->NextLength(); }
+  Status Reset() override { return inner_->Reset(); }
+  std::optional<int64_t> size_hint() const override { return inner_->size_hint(); }
+  int64_t epoch() const override { return inner_->epoch(); }
+  const std::string& spec() const override { return inner_->spec(); }
+  int64_t skipped_empty() const override { return inner_->skipped_empty(); }
+
+ private:
+  std::unique_ptr<SampleSource> inner_;
+};
+
+// The reader's batched length reads (NextLengths, many samples per call) give the same steps
+// and shares as one NextLength per sample, on sources of up to a few thousand samples (so
+// steps span several batches and wrap around), lengths and Megatron with empty documents,
+// shuffled or not, at several DP sizes and global batches, "all" included.
+TEST(StepReaderRandom, BatchedReadsEqualOneByOneReads) {
+  std::mt19937_64 rng(std::random_device{}());
+  TempDir dir;
+  for (int trial = 0; trial < 16; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const int64_t size = 1 + static_cast<int64_t>(rng() % 5000);
+    std::string spec;
+    if (trial % 2 == 0) {
+      std::string text;
+      for (int64_t i = 0; i < size; ++i) text += std::to_string(1 + rng() % 9000) + "\n";
+      const std::string path = dir.File("b" + std::to_string(trial) + ".txt");
+      WriteText(path, text);
+      spec = "lengths:" + path;
+    } else {
+      const std::string prefix = dir.File("b" + std::to_string(trial));
+      auto w = MegatronWriter::Create(prefix, MegatronDType::kUint16);
+      ASSERT_TRUE(w.ok());
+      for (int64_t k = 0; k < size; ++k) {
+        if (k == 0 || rng() % 4 != 0) {  // else an empty document
+          ASSERT_TRUE((*w)->AddSequence(std::vector<int64_t>(1 + rng() % 9, 7)).ok());
+        }
+        ASSERT_TRUE((*w)->EndDocument().ok());
+      }
+      ASSERT_TRUE((*w)->Finish().ok());
+      spec = "megatron:" + prefix;
+    }
+    SourceOptions options;
+    options.shuffle = rng() % 2 == 0;
+    const int dp = std::vector<int>{1, 2, 3, 8, 64, 512, 1500}[rng() % 7];
+    const int64_t global_batch =
+        rng() % 3 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(2 * size));
+    SCOPED_TRACE(spec + " dp " + std::to_string(dp) + " global batch " +
+                 std::to_string(global_batch));
+    auto fast = OpenSource(spec, options);
+    auto plain_inner = OpenSource(spec, options);
+    ASSERT_TRUE(fast.ok() && plain_inner.ok());
+    OneByOneSource plain(std::move(plain_inner).value());
+    auto a = StepReader::Create(fast->get(), global_batch, dp);
+    auto b = StepReader::Create(&plain, global_batch, dp);
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (int s = 0; s < 3; ++s) {
+      auto x = a->Next();
+      auto y = b->Next();
+      ASSERT_TRUE(x.ok()) << x.status().ToString();
+      ASSERT_TRUE(y.ok()) << y.status().ToString();
+      EXPECT_EQ(x->step, y->step);
+      EXPECT_EQ(x->epoch, y->epoch);
+      EXPECT_EQ(x->n_empty, y->n_empty);
+      EXPECT_EQ(Ids(*x), Ids(*y));
+      EXPECT_EQ(Lengths(*x), Lengths(*y));
+      ASSERT_EQ(x->samples.size(), y->samples.size());
+      for (size_t k = 0; k < x->samples.size(); ++k) {
+        EXPECT_EQ(x->samples[k].n_targets, y->samples[k].n_targets);
+      }
+    }
+    // One loader's shares (its samples in full, the others' lengths in runs of DP - 1).
+    const int loader = static_cast<int>(rng() % static_cast<uint64_t>(dp));
+    auto fast2 = OpenSource(spec, options);
+    auto plain2_inner = OpenSource(spec, options);
+    ASSERT_TRUE(fast2.ok() && plain2_inner.ok());
+    OneByOneSource plain2(std::move(plain2_inner).value());
+    auto c = StepReader::Create(fast2->get(), global_batch, dp);
+    auto d = StepReader::Create(&plain2, global_batch, dp);
+    ASSERT_TRUE(c.ok() && d.ok());
+    for (int s = 0; s < 2; ++s) {
+      auto x = c->NextShare(loader);
+      auto y = d->NextShare(loader);
+      ASSERT_TRUE(x.ok()) << x.status().ToString();
+      ASSERT_TRUE(y.ok()) << y.status().ToString();
+      EXPECT_EQ(x->epoch, y->epoch);
+      EXPECT_EQ(x->n, y->n);
+      EXPECT_EQ(x->first_id, y->first_id);
+      EXPECT_EQ(x->id_span, y->id_span);
+      EXPECT_EQ(x->n_empty, y->n_empty);
+      ASSERT_EQ(x->samples.size(), y->samples.size());
+      for (size_t k = 0; k < x->samples.size(); ++k) {
+        EXPECT_EQ(x->samples[k].id, y->samples[k].id);
+        EXPECT_EQ(x->samples[k].tokens, y->samples[k].tokens);
+      }
+    }
+  }
+}
+
 TEST(StepReaderShare, LoaderOutsideDpIsAnError) {
   TempDir dir;
   WriteText(dir.File("one.txt"), "5\n");
