@@ -310,6 +310,12 @@ std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n) {
   return group_of;
 }
 
+const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n, std::vector<int32_t>* scratch) {
+  if (a.group_of.size() == n) return a.group_of;
+  *scratch = GroupOfItems(a, n);
+  return *scratch;
+}
+
 namespace {
 
 // The sums of every group of `a`, in one pass over the step in input order (sequential reads;
@@ -317,7 +323,8 @@ namespace {
 std::vector<GroupSums> AssignmentSums(const PreparedStep& step, const Assignment& a) {
   const size_t groups = a.offsets.size() - 1;
   std::vector<GroupSums> sums(groups);
-  const std::vector<int32_t> group_of = GroupOfItems(a, step.size());
+  std::vector<int32_t> scratch;
+  const std::vector<int32_t>& group_of = GroupOf(a, step.size(), &scratch);
   for (size_t i = 0; i < step.size(); ++i) {
     sums[static_cast<size_t>(group_of[i])].Add(step.length[i], step.n_targets[i], step.padded[i]);
   }

@@ -389,6 +389,7 @@ class BalancedAtM {
         const int r = parked.top().index;
         parked.pop();
         tree.Set(r, cost_[r]);
+        sorted_keys_current_ = false;
       }
       if (end - i >= merge_min) {
         if (!PlaceRunMerged(i, end, tree, parked)) return false;
@@ -419,6 +420,7 @@ class BalancedAtM {
   // Sample i to the tree's least (cost, index) replica with room; false when no replica has
   // room.
   bool PlaceByTree(int32_t i, ReplicaTournament& tree, MaxRoomHeap& parked) {
+    sorted_keys_current_ = false;
     const int64_t p = padded_[i];
     while (true) {
       if (tree.empty()) return false;
@@ -449,15 +451,21 @@ class BalancedAtM {
   bool PlaceRunMerged(int32_t begin, int32_t end, ReplicaTournament& tree, MaxRoomHeap& parked) {
     if (tuning_.lpt_runs_merged != nullptr) ++*tuning_.lpt_runs_merged;
     const int64_t p = padded_[begin];
-    // The replicas in the tree, sorted; their leaves are absent until the run ends.
+    // The replicas in the tree, sorted (still so from the last run when the tree has not
+    // changed since); their leaves are absent until the run ends.
     std::vector<CostKey>& s = sorted_keys_;
-    s.clear();
-    for (int r = 0; r < dp_; ++r) {
-      if (!tree.present(r)) continue;
-      s.push_back(CostKey(tree.cost(r), r));
-      tree.RemoveQuiet(r);
+    if (sorted_keys_current_) {
+      for (const CostKey& k : s) tree.RemoveQuiet(k.index());
+    } else {
+      s.clear();
+      for (int r = 0; r < dp_; ++r) {
+        if (!tree.present(r)) continue;
+        s.push_back(CostKey(tree.cost(r), r));
+        tree.RemoveQuiet(r);
+      }
+      std::sort(s.begin(), s.end(), CostKey::Ordered);
     }
-    std::sort(s.begin(), s.end(), CostKey::Ordered);
+    sorted_keys_current_ = false;
     // The FIFO: a ring of at most DP live keys (each replica is in s or in it, once).
     fifo_.resize(static_cast<size_t>(dp_), CostKey(0.0, 0));
     const size_t cap = fifo_.size();
@@ -466,7 +474,7 @@ class BalancedAtM {
     auto tail_key = [&]() -> const CostKey& {
       return fifo_[(head + live - 1) % cap];
     };
-    // Every key still in s or the FIFO goes back into the tree.
+    // Every key still in s or the FIFO goes back into the tree (by the rounding fallback).
     auto restore = [&]() {
       for (size_t j = sh; j < s.size(); ++j) tree.SetQuiet(s[j].index(), cost_[s[j].index()]);
       for (size_t j = 0; j < live; ++j) {
@@ -512,7 +520,25 @@ class BalancedAtM {
         break;
       }
     }
-    restore();
+    // The rest of s and the FIFO, both ascending, merged: the tree's replicas sorted, for the
+    // next run if nothing changes the tree before it.
+    merged_.clear();
+    size_t q = 0;
+    while (sh < s.size() && q < live) {
+      const CostKey& f = fifo_[(head + q) % cap];
+      if (s[sh].Less(f)) {
+        merged_.push_back(s[sh++]);
+      } else {
+        merged_.push_back(f);
+        ++q;
+      }
+    }
+    merged_.insert(merged_.end(), s.begin() + static_cast<std::ptrdiff_t>(sh), s.end());
+    for (; q < live; ++q) merged_.push_back(fifo_[(head + q) % cap]);
+    for (const CostKey& k : merged_) tree.SetQuiet(k.index(), cost_[k.index()]);
+    tree.Rebuild();
+    s.swap(merged_);
+    sorted_keys_current_ = true;
     return true;
   }
 
@@ -684,7 +710,6 @@ class BalancedAtM {
   void FillMicrobatches() {
     // One microbatch: the refill would put every sample back into bin 0, where A-C left it.
     if (m_ == 1) return;
-    EnsureItemLists();
     const size_t groups = static_cast<size_t>(dp_) * m_;
     std::vector<double> mb_cost(groups, 0.0);
     std::vector<int64_t> room(groups, step_.capacity);
@@ -784,10 +809,12 @@ class BalancedAtM {
     }
     for (int r = 0; r < dp_; ++r) {
       if (!ok[r]) {
+        EnsureItemLists();
         FillEmptyBins(r);
         continue;
       }
       if (!tails_matter_) continue;
+      EnsureItemLists();
       // With SP tails the arrangement changes the replica's cost: keep the refill only when
       // it is not dearer than the best-fit bins (the straggler comes before the spread).
       const auto& items = items_of_[r];
@@ -848,7 +875,9 @@ class BalancedAtM {
     const int32_t n = static_cast<int32_t>(step_.size());
     // Walking the samples in arrival order fills every group already sorted (no sort per
     // group): group_of maps a PreparedStep index to its group (one scatter in rank order).
-    std::vector<int32_t> group_of(static_cast<size_t>(n));
+    // It is kept in the assignment for the figures' and step time's passes.
+    std::vector<int32_t>& group_of = out->group_of;
+    group_of.resize(static_cast<size_t>(n));
     for (int32_t i = 0; i < n; ++i) {
       const int32_t g = replica_of_[i] * m_ + bin_of_[i];
       group_of[static_cast<size_t>(order_[i])] = g;
@@ -879,6 +908,10 @@ class BalancedAtM {
   bool items_built_ = false;
   std::vector<CostKey> fifo_;         // PlaceRunMerged's ring, [DP]
   std::vector<CostKey> sorted_keys_;  // PlaceRunMerged's sorted replicas, [DP]
+  std::vector<CostKey> merged_;       // PlaceRunMerged's scratch, [DP]
+  // sorted_keys_ holds the tree's replicas with their current costs (no change since the
+  // last merged run).
+  bool sorted_keys_current_ = false;
 };
 
 struct Candidate {
@@ -972,12 +1005,17 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
   if (n < 2) return PlainWithPadded(step, padded);
   int64_t lo = step.ids[0], hi = step.ids[0];
   int64_t max_padded = 0;
-  size_t descents = 0;  // 0: the ids increase (as a data source numbers them)
+  uint64_t any_bits = 0;  // every P is a multiple of 2^countr_zero(any_bits)
+  size_t descents = 0;    // 0: the ids increase (as a data source numbers them)
   for (size_t i = 0; i < n; ++i) {
     lo = std::min(lo, step.ids[i]);
     hi = std::max(hi, step.ids[i]);
     max_padded = std::max(max_padded, step.padded[i]);
+    any_bits |= static_cast<uint64_t>(step.padded[i]);
   }
+  // The key drops the low zero bits every P shares (P is a multiple of the alignment, 2*CP):
+  // fewer bits, fewer or smaller passes.
+  const int zeros = std::countr_zero(any_bits | (uint64_t{1} << 62));
   for (size_t i = 1; i < n; ++i) descents += step.ids[i] <= step.ids[i - 1] ? 1 : 0;
   const bool increasing = descents == 0;
   const uint64_t range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;
@@ -985,12 +1023,14 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
       (!increasing && (range == 0 || range > 4 * static_cast<uint64_t>(n) + 1024))) {
     return PlainWithPadded(step, padded);
   }
-  // Each item is one word, the key max_padded - P (so decreasing P) above the PreparedStep
-  // index, so a pass of the sort moves one array. Written, never read before, so not zeroed.
+  // Each item is one word, the key (max_padded - P) / 2^zeros (so decreasing P) above the
+  // PreparedStep index, so a pass of the sort moves one array. Written, never read before, so
+  // not zeroed.
   auto items = std::make_unique_for_overwrite<uint64_t[]>(n);
   auto moved = std::make_unique_for_overwrite<uint64_t[]>(n);
   auto item_of = [&](size_t i) {
-    return (static_cast<uint64_t>(max_padded - step.padded[i]) << 32) | static_cast<uint32_t>(i);
+    return (static_cast<uint64_t>(max_padded - step.padded[i]) >> zeros << 32) |
+           static_cast<uint32_t>(i);
   };
   // 1. The items in increasing id order: the step's own order when its ids increase, else a
   // direct table over the (dense, unique) ids, read in order.
@@ -1017,7 +1057,8 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
   // streams are moved side by side, kStreams independent chains.
   constexpr int kMaxDigitBits = 11;
   constexpr size_t kStreams = 4;
-  const int bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(max_padded))));
+  const int bits =
+      std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(max_padded) >> zeros)));
   const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
   const int digit = (bits + passes - 1) / passes;
   const size_t buckets = size_t{1} << digit;
@@ -1060,7 +1101,7 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
     // The keys travelled with the indices: P by rank without a scattered load.
     padded->resize(n);
     for (size_t k = 0; k < n; ++k) {
-      (*padded)[k] = max_padded - static_cast<int64_t>(items[k] >> 32);
+      (*padded)[k] = max_padded - (static_cast<int64_t>(items[k] >> 32) << zeros);
     }
   }
   return order;

@@ -571,7 +571,8 @@ Result<double> AssignmentStepTime(const PreparedStep& step, const ScheduleOption
   const size_t groups = a.offsets.size() - 1;
   // One pass over the step in input order (StaticGroupTime's sums do not depend on it).
   std::vector<StaticGroupTime> times(groups);
-  const std::vector<int32_t> group_of = GroupOfItems(a, step.size());
+  std::vector<int32_t> scratch;
+  const std::vector<int32_t>& group_of = GroupOf(a, step.size(), &scratch);
   for (size_t i = 0; i < step.size(); ++i) {
     times[static_cast<size_t>(group_of[i])].Add(model, cp, step.padded[i]);
   }

@@ -61,6 +61,9 @@ struct Assignment {
   int dp_size = 0;
   std::vector<int32_t> items;
   std::vector<int64_t> offsets;
+  // Optional, from the scheduler that made it: group_of[i], the group of PreparedStep index i
+  // (as GroupOfItems gives it); empty when not kept.
+  std::vector<int32_t> group_of;
 };
 
 // Exact per-rank costs of an assignment (the SP tail charged to each microbatch's last
@@ -113,6 +116,8 @@ MicrobatchCost CostOfSums(const GroupSums& sums, const ScheduleOptions& options)
 
 // group_of[i]: the group (d*M + m) of PreparedStep index i in `a` (n = the step's size).
 std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n);
+// a.group_of when the assignment keeps it, else GroupOfItems in *scratch.
+const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n, std::vector<int32_t>* scratch);
 
 Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who);
 
