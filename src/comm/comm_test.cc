@@ -84,21 +84,23 @@ TEST(ThreadBackend, TimeoutInsteadOfHang) {
 // group split from it (which inherits the world's timeout).
 TEST(ThreadBackend, TimeoutNamesTheMembersThatDidNotArrive) {
   ThreadBackendOptions options;
-  options.timeout = std::chrono::milliseconds(100);
+  // Long enough that ranks 0 and 1, which leave the Split together, both reach the AllReduce
+  // before it times out even on a loaded machine (at 100 ms one was once late, and named).
+  options.timeout = std::chrono::milliseconds(500);
   std::atomic<int> done{0};
   auto statuses = RunOnThreads(
       4,
       [&](ProcessGroup& world) -> Status {
-        EXPECT_EQ(world.timeout(), std::chrono::milliseconds(100));
+        EXPECT_EQ(world.timeout(), std::chrono::milliseconds(500));
         // The split itself under a generous timeout, so that a thread the scheduler delays
-        // past 100 ms on a loaded machine cannot fail it; its groups inherit the world's.
+        // past 500 ms on a loaded machine cannot fail it; its groups inherit the world's.
         world.set_timeout(std::chrono::seconds(60));
         std::vector<std::vector<int>> halves = {{0, 1}, {2, 3}};
         auto half = world.Split(halves);
         if (!half.ok()) return half.status();
         EXPECT_EQ((*half)->timeout(), std::chrono::seconds(60));
-        world.set_timeout(std::chrono::milliseconds(100));
-        (*half)->set_timeout(std::chrono::milliseconds(100));
+        world.set_timeout(std::chrono::milliseconds(500));
+        (*half)->set_timeout(std::chrono::milliseconds(500));
         Status s;
         if (world.rank() == 3) {
           // Busy elsewhere until every peer has given up: never calls the collectives below.
@@ -118,7 +120,7 @@ TEST(ThreadBackend, TimeoutNamesTheMembersThatDidNotArrive) {
   for (int r : {0, 1}) {
     EXPECT_EQ(statuses[r].code(), StatusCode::kAborted) << statuses[r].ToString();
     EXPECT_NE(statuses[r].message().find("AllReduce on threads group [0,1,2,3]: not complete "
-                                         "after 100 ms"),
+                                         "after 500 ms"),
               std::string::npos)
         << statuses[r].ToString();
     // Rank 2 is in its own Barrier, rank 3 nowhere: neither arrived.
@@ -127,7 +129,7 @@ TEST(ThreadBackend, TimeoutNamesTheMembersThatDidNotArrive) {
         << statuses[r].ToString();
   }
   EXPECT_EQ(statuses[2].code(), StatusCode::kAborted);
-  EXPECT_NE(statuses[2].message().find("Barrier on threads group [2,3]: not complete after 100 ms"
+  EXPECT_NE(statuses[2].message().find("Barrier on threads group [2,3]: not complete after 500 ms"
                                        " (the timeout): member 1 (global rank 3) did not arrive"),
             std::string::npos)
       << statuses[2].ToString();
