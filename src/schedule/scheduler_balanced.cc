@@ -209,12 +209,29 @@ class ReplicaTournament {
       const uint64_t oi = index_[sibling];
       // The sibling wins when its cost is less, or equal and it is the left one (this node a
       // right child): oc < c + 1 is oc <= c, and c + 1 never wraps (kAbsent is below 2^64-1).
-      const uint64_t take = -static_cast<uint64_t>(oc < c + (node & 1));
-      c = (oc & take) | (c & ~take);
-      idx = (oi & take) | (idx & ~take);
+      SelectIfLess(oc, c + (node & 1), oc, oi, c, idx);
       cost_[node >> 1] = c;
       index_[node >> 1] = static_cast<uint32_t>(idx);
     }
+  }
+
+  // (c, idx) = (oc, oi) when a < b. On x86-64 two conditional moves: the compilers turn the
+  // plain form's selects into a branch, which mispredicts about half the time here, or into
+  // masks, two more operations on the chain of matches.
+  static void SelectIfLess(uint64_t a, uint64_t b, uint64_t oc, uint64_t oi, uint64_t& c,
+                           uint64_t& idx) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    asm("cmpq %[b], %[a]\n\t"
+        "cmovbq %[oc], %[c]\n\t"
+        "cmovbq %[oi], %[idx]"
+        : [c] "+r"(c), [idx] "+r"(idx)
+        : [a] "r"(a), [b] "r"(b), [oc] "r"(oc), [oi] "r"(oi)
+        : "cc");
+#else
+    const uint64_t take = -static_cast<uint64_t>(a < b);
+    c = (oc & take) | (c & ~take);
+    idx = (oi & take) | (idx & ~take);
+#endif
   }
 
   size_t leaves_;
@@ -383,22 +400,25 @@ class BalancedAtM {
     const int32_t merge_min = std::max(kMergedRunMin, dp_ / 16);
     for (int32_t i = 0; i < n;) {
       const int64_t p = padded_[i];
-      int32_t end = i + 1;
-      while (end < n && padded_[end] == p) ++end;
+      // A replica parked inside the current run of equal P has room below P: only the first
+      // sample of a run can bring replicas back.
       while (!parked.empty() && parked.top().room >= p) {
         const int r = parked.top().index;
         parked.pop();
         tree.Set(r, cost_[r]);
         sorted_keys_current_ = false;
       }
-      if (end - i >= merge_min) {
+      // A run at least merge_min long (P sorted: its last sample tells) goes to the merge;
+      // the rest sample by sample, without looking for where their run ends.
+      if (i + merge_min <= n && padded_[i + merge_min - 1] == p) {
+        int32_t end = i + merge_min;
+        while (end < n && padded_[end] == p) ++end;
         if (!PlaceRunMerged(i, end, tree, parked)) return false;
+        i = end;
       } else {
-        for (int32_t k = i; k < end; ++k) {
-          if (!PlaceByTree(k, tree, parked)) return false;
-        }
+        if (!PlaceByTree(i, tree, parked)) return false;
+        ++i;
       }
-      i = end;
     }
     return true;
   }
