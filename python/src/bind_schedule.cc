@@ -30,6 +30,16 @@ class IntArrayView {
   }
   size_t size() const { return size_; }
   int64_t operator[](size_t i) const { return wide_ ? (*wide_)[i] : (*narrow_)[i]; }
+  // Calls fn(span) with the elements as they are stored (int64 or int32): one loop per dtype,
+  // not a dtype test per element.
+  template <typename Fn>
+  void Visit(Fn&& fn) const {
+    if (wide_) {
+      fn(std::span<const int64_t>(*wide_));
+    } else {
+      fn(std::span<const int32_t>(*narrow_));
+    }
+  }
 
  private:
   std::optional<HeldSpan<int64_t>> wide_;  // each keeps its buffer alive
@@ -243,11 +253,18 @@ void BindSchedule(py::module_& m) {
           o.step_time = ValueOrThrow(StepTimeModel::Create(*dims, hardware));
         }
         std::vector<SampleLength> samples(lengths.size());
-        for (size_t i = 0; i < samples.size(); ++i) {
-          const int64_t length = lengths[i];
-          samples[i].id = ids ? (*ids)[i] : static_cast<int64_t>(i);
-          samples[i].length = length;
-          samples[i].n_targets = n_targets ? (*n_targets)[i] : length - 1;
+        // The usual call (lengths only): one tight loop per dtype.
+        lengths.Visit([&](auto view) {
+          for (size_t i = 0; i < samples.size(); ++i) {
+            const int64_t length = view[i];
+            samples[i] = {static_cast<int64_t>(i), length, length - 1};
+          }
+        });
+        if (ids) {
+          for (size_t i = 0; i < samples.size(); ++i) samples[i].id = (*ids)[i];
+        }
+        if (n_targets) {
+          for (size_t i = 0; i < samples.size(); ++i) samples[i].n_targets = (*n_targets)[i];
         }
         if (o.scheduler == ScheduleOptions::Scheduler::kDynamic) {
           PyDynamicPlan out;

@@ -1076,42 +1076,58 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
   // of a bucket placed after the earlier streams' parts (so the sort stays stable), and the
   // streams are moved side by side, kStreams independent chains.
   constexpr int kMaxDigitBits = 11;
-  constexpr size_t kStreams = 4;
+  constexpr size_t kStreams = 4;  // written out four times below
   const int bits =
       std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(max_padded) >> zeros)));
   const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
   const int digit = (bits + passes - 1) / passes;
   const size_t buckets = size_t{1} << digit;
   const uint64_t mask = buckets - 1;
-  const size_t q = (n + kStreams - 1) / kStreams;  // stream s: items [s*q, min(n, (s+1)*q))
-  size_t stream_end[kStreams];
-  for (size_t st = 0; st < kStreams; ++st) stream_end[st] = std::min(n, (st + 1) * q);
+  // Stream st < 3: items [st*q, st*q + q); the last one [3q, n), the longest.
+  const size_t q = n / kStreams;
+  const size_t last = n - (kStreams - 1) * q;
   // count[stream * buckets + digit value], for the pass at hand (a stream holds other items
   // at each pass).
   std::vector<uint32_t> count(kStreams * buckets);
   for (int pass = 0; pass < passes; ++pass) {
     const int shift = 32 + pass * digit;
     std::fill(count.begin(), count.end(), 0);
-    for (size_t st = 0; st < kStreams; ++st) {
-      uint32_t* c = &count[st * buckets];
-      for (size_t k = st * q; k < stream_end[st]; ++k) ++c[(items[k] >> shift) & mask];
+    uint32_t* c0 = &count[0];
+    uint32_t* c1 = &count[buckets];
+    uint32_t* c2 = &count[2 * buckets];
+    uint32_t* c3 = &count[3 * buckets];
+    const uint64_t* i0 = &items[0];
+    const uint64_t* i1 = &items[q];
+    const uint64_t* i2 = &items[2 * q];
+    const uint64_t* i3 = &items[3 * q];
+    size_t j = 0;
+    for (; j < q; ++j) {
+      ++c0[(i0[j] >> shift) & mask];
+      ++c1[(i1[j] >> shift) & mask];
+      ++c2[(i2[j] >> shift) & mask];
+      ++c3[(i3[j] >> shift) & mask];
     }
-    uint32_t* start = count.data();
+    for (; j < last; ++j) ++c3[(i3[j] >> shift) & mask];
     uint32_t sum = 0;
     for (size_t d = 0; d < buckets; ++d) {
       for (size_t st = 0; st < kStreams; ++st) {
-        const uint32_t c = start[st * buckets + d];
-        start[st * buckets + d] = sum;
+        const uint32_t c = count[st * buckets + d];
+        count[st * buckets + d] = sum;
         sum += c;
       }
     }
-    for (size_t j = 0; j < q; ++j) {
-      for (size_t st = 0; st < kStreams; ++st) {
-        const size_t k = st * q + j;
-        if (k >= stream_end[st]) continue;
-        const uint64_t item = items[k];
-        moved[start[st * buckets + ((item >> shift) & mask)]++] = item;
-      }
+    uint64_t* out = moved.get();
+    j = 0;
+    for (; j < q; ++j) {
+      const uint64_t a0 = i0[j], a1 = i1[j], a2 = i2[j], a3 = i3[j];
+      out[c0[(a0 >> shift) & mask]++] = a0;
+      out[c1[(a1 >> shift) & mask]++] = a1;
+      out[c2[(a2 >> shift) & mask]++] = a2;
+      out[c3[(a3 >> shift) & mask]++] = a3;
+    }
+    for (; j < last; ++j) {
+      const uint64_t a3 = i3[j];
+      out[c3[(a3 >> shift) & mask]++] = a3;
     }
     items.swap(moved);
   }
@@ -1128,7 +1144,7 @@ std::vector<int32_t> SortByPaddedThenId(const PreparedStep& step, std::vector<in
 }
 
 int64_t BestFitDecreasingBins(const PreparedStep& step) {
-  std::vector<int64_t> sizes(step.padded);
+  std::vector<int64_t> sizes(step.padded.begin(), step.padded.end());
   std::sort(sizes.begin(), sizes.end(), std::greater<int64_t>());
   std::multiset<int64_t> rooms;
   int64_t bins = 0;

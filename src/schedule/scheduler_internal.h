@@ -9,21 +9,48 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "thdpack/schedule.h"
 
 namespace thdpack::internal {
 
+// An allocator that leaves a new element of a trivial type uninitialised (value-initialises
+// nothing): a vector sized once and then written in full skips the zero fill.
+template <typename T>
+class OverwriteAllocator : public std::allocator<T> {
+ public:
+  template <typename U>
+  struct rebind {
+    using other = OverwriteAllocator<U>;
+  };
+  OverwriteAllocator() = default;
+  template <typename U>
+  OverwriteAllocator(const OverwriteAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using StepArray = std::vector<T, OverwriteAllocator<T>>;
+
 struct PreparedStep {
-  std::vector<int64_t> ids;      // [n] kept samples, input order
+  StepArray<int64_t> ids;      // [n] kept samples, input order
   // L and n_targets fit int32: a kept sample's P fits the budget, which fits int32.
-  std::vector<int32_t> length;     // [n] L
-  std::vector<int32_t> n_targets;  // [n]
-  std::vector<int64_t> padded;   // [n] P
-  std::vector<double> cost;      // [n] cost(P) / CP
+  StepArray<int32_t> length;     // [n] L
+  StepArray<int32_t> n_targets;  // [n]
+  StepArray<int64_t> padded;   // [n] P
+  StepArray<double> cost;      // [n] cost(P) / CP
   std::vector<int64_t> skipped;  // oversize ids left out, input order
   // The largest sum of P one microbatch may hold: the budget, rounded down to a multiple of
   // CP*TP with SP (MicrobatchTokens(sum) <= budget  <=>  sum <= capacity).
