@@ -189,6 +189,10 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
   // sample (the first by position, policy 'error').
   size_t kept = 0;
   size_t first_oversize = n;
+  // The totals in locals: the arrays' stores could alias the step's own fields.
+  int64_t total_padded = 0;
+  double total_cost = 0;
+  double max_cost = 0;
   bool increasing = true;  // increasing ids are unique: no duplicate check then
   for (size_t i = 0; i < n; ++i) {
     const SampleLength& s = samples[i];
@@ -220,10 +224,13 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
     const double c = cp_pow2 ? o.cost.SequenceCost(p) * inv_cp : o.cost.SequenceCost(p) / cp;
     step.cost[kept] = c;
     ++kept;
-    step.total_padded += p;
-    step.total_cost += c;
-    step.max_cost = std::max(step.max_cost, c);
+    total_padded += p;
+    total_cost += c;
+    max_cost = std::max(max_cost, c);
   }
+  step.total_padded = total_padded;
+  step.total_cost = total_cost;
+  step.max_cost = max_cost;
   if (!increasing && HasDuplicateIds(samples)) {
     // The first duplicate in id order names the error (the table only says there is one).
     const auto sorted = SortedIds(samples);
