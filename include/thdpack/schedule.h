@@ -245,11 +245,15 @@ struct ScheduledPlan {
 };
 
 // Schedule, and the figures ComputePlanFigures gives for its plan (equal field for field: the
-// same sums in the same order), computed from the scheduler's own arrays: no id lookup, and no
+// same integer sums), computed from the scheduler's own arrays: no id lookup, and no
 // second validation of the plan it has just made (ValidatePlan and ComputePlanFigures stay the
 // reference, compared with this on random steps in the tests). Errors: those of Schedule, and
 // OutOfRange if sum_sq overflows int64 (as ComputePlanFigures).
 [[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
+                                                        const ScheduleOptions& options);
+// The same, consuming `samples`: their memory is released as soon as the step is prepared (the
+// scheduler keeps its own arrays), so a large step does not hold both while it is scheduled.
+[[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::vector<SampleLength>&& samples,
                                                         const ScheduleOptions& options);
 
 // ---- The step-time model applied to plans (cost.h; docs/scheduling.md). ----

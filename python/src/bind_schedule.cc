@@ -252,12 +252,13 @@ void BindSchedule(py::module_& m) {
           coef = ValueOrThrow(ComputeFlopsCoefficients(*dims));
           o.step_time = ValueOrThrow(StepTimeModel::Create(*dims, hardware));
         }
-        std::vector<SampleLength> samples(lengths.size());
+        std::vector<SampleLength> samples;
+        samples.reserve(lengths.size());  // each written once, not zeroed first
         // The usual call (lengths only): one tight loop per dtype.
         lengths.Visit([&](auto view) {
-          for (size_t i = 0; i < samples.size(); ++i) {
+          for (size_t i = 0; i < view.size(); ++i) {
             const int64_t length = view[i];
-            samples[i] = {static_cast<int64_t>(i), length, length - 1};
+            samples.push_back({static_cast<int64_t>(i), length, length - 1});
           }
         });
         if (ids) {

@@ -96,7 +96,8 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
   if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
     return PlanDynamicStep(job, *step, sample_ids);
   }
-  Result<ScheduledPlan> scheduled = ScheduleWithFigures(step->samples, job.schedule);
+  // The step's samples are handed over: freed once the scheduler has its own arrays.
+  Result<ScheduledPlan> scheduled = ScheduleWithFigures(std::move(step->samples), job.schedule);
   if (!scheduled.ok()) return ScheduleError(step->step, scheduled.status());
   PlannedStep out;
   // From the scheduler's arrays (ScheduleWithFigures), not PlanStepTime's validated re-read.

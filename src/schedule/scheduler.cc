@@ -429,11 +429,14 @@ namespace {
 
 // Schedule up to the assignment: the prepared step it indexes and who made it.
 // With `figures`, also the figures of the assignment (AssignmentFigures).
+// With `release`, the vector behind `samples` is emptied (its memory freed) once the step is
+// prepared.
 Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> samples,
                                                 const ScheduleOptions& options,
                                                 internal::PreparedStep* step,
                                                 ScheduleOptions::Scheduler* who,
-                                                PlanFigures* figures = nullptr) {
+                                                PlanFigures* figures = nullptr,
+                                                std::vector<SampleLength>* release = nullptr) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   if (options.scheduler == ScheduleOptions::Scheduler::kDynamic) {
     return Status::InvalidArgument(
@@ -441,6 +444,7 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
         "ScheduleDynamic");
   }
   THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
+  if (release != nullptr) std::vector<SampleLength>().swap(*release);
   THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(*step, options));
   if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
     *who = ScheduleOptions::Scheduler::kSequential;
@@ -465,18 +469,34 @@ Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptio
   return internal::ToPlan(step, a, who);
 }
 
-Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
-                                          const ScheduleOptions& options) {
+namespace {
+
+Result<ScheduledPlan> ScheduleWithFiguresImpl(std::span<const SampleLength> samples,
+                                              const ScheduleOptions& options,
+                                              std::vector<SampleLength>* release) {
   internal::PreparedStep step;
   ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
   ScheduledPlan out;
-  THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
-                           ScheduleAssignment(samples, options, &step, &who, &out.figures));
+  THDPACK_ASSIGN_OR_RETURN(
+      internal::Assignment a,
+      ScheduleAssignment(samples, options, &step, &who, &out.figures, release));
   if (options.step_time.has_value()) {
     THDPACK_ASSIGN_OR_RETURN(out.sim_step_time, internal::AssignmentStepTime(step, options, a));
   }
   out.plan = internal::ToPlan(step, a, who);
   return out;
+}
+
+}  // namespace
+
+Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
+                                          const ScheduleOptions& options) {
+  return ScheduleWithFiguresImpl(samples, options, nullptr);
+}
+
+Result<ScheduledPlan> ScheduleWithFigures(std::vector<SampleLength>&& samples,
+                                          const ScheduleOptions& options) {
+  return ScheduleWithFiguresImpl(samples, options, &samples);
 }
 
 namespace internal {

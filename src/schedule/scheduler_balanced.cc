@@ -157,8 +157,8 @@ class CostKey {
 // tie of costs gives (cost, index) order without comparing indices. The top is the root;
 // changing a replica's cost replays the matches on its leaf's path only, log2(leaves) of
 // them, each against the sibling's winner, which does not depend on the path (its loads are
-// not on the chain), by masks rather than a branch: no early exit for the predictor to miss,
-// as a heap's sift-down has. A replica without room is removed (its leaf made absent) and set
+// not on the chain), by conditional moves rather than a branch (SelectIfLess): no early exit
+// for the predictor to miss, as a heap's sift-down has. A replica without room is removed (its leaf made absent) and set
 // back later. Costs are >= +0 (sums of non-negative costs from 0), whose bits order like the
 // values; an absent leaf holds kAbsent, above every such cost's bits.
 class ReplicaTournament {

@@ -188,6 +188,32 @@ TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps)
   EXPECT_GT(scheduled, 200);  // the comparison ran on most trials, not just the errors
 }
 
+// The consuming form gives what the span form gives, and leaves the samples' vector empty.
+TEST(ScheduleWithFiguresTest, ConsumingFormEqualsSpanForm) {
+  std::mt19937_64 rng(34);
+  int compared = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const auto samples = RandomSamples(rng, trial % 2);
+    const ScheduleOptions o = RandomOptions(rng);
+    Result<ScheduledPlan> by_span = ScheduleWithFigures(samples, o);
+    std::vector<SampleLength> owned = samples;
+    Result<ScheduledPlan> consumed = ScheduleWithFigures(std::move(owned), o);
+    ASSERT_EQ(by_span.ok(), consumed.ok());
+    if (!by_span.ok()) {
+      EXPECT_EQ(by_span.status(), consumed.status());
+      continue;
+    }
+    ++compared;
+    EXPECT_TRUE(owned.empty());
+    EXPECT_EQ(consumed->plan.sample_ids, by_span->plan.sample_ids);
+    EXPECT_EQ(consumed->plan.offsets, by_span->plan.offsets);
+    EXPECT_EQ(consumed->plan.skipped, by_span->plan.skipped);
+    ExpectSameFigures(consumed->figures, by_span->figures);
+  }
+  EXPECT_GT(compared, 30);
+}
+
 // The refill (step D of the balanced scheduler) by a scan over a replica's microbatches, used
 // up to 32 microbatches, against the heaps it replaces: the same assignment on random steps
 // that need several microbatches (small budgets, many samples per replica).
