@@ -102,7 +102,9 @@ std::string RandomLengths(std::mt19937_64& rng, int64_t n) {
 }
 
 TEST(NextLengthsTest, EqualsNextLengthForEverySourceKind) {
-  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));  // a failure can be replayed with it
+  std::mt19937_64 rng(seed);
   TempDir dir;
   for (int trial = 0; trial < 12; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));

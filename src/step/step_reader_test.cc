@@ -284,7 +284,9 @@ TEST(StepReaderRandom, AWrongSizeHintGivesTheSameSteps) {
 // loader's share is its run of Next's step (same ids, lengths, order), the shares together
 // are the step, and steps, epochs and wrap-around agree, "all" included.
 TEST(StepReaderShare, SharesOfEveryLoaderMakeNextsStep) {
-  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));  // a failure can be replayed with it
+  std::mt19937_64 rng(seed);
   TempDir dir;
   for (int trial = 0; trial < 30; ++trial) {
     const int64_t size = 1 + static_cast<int64_t>(rng() % 30);
@@ -336,7 +338,9 @@ TEST(StepReaderShare, SharesOfEveryLoaderMakeNextsStep) {
 // step's ids have gaps. Every loader's share still makes Next()'s step, the ids increase inside
 // [first_id, first_id + id_span), and each step counts the empty documents it passed over.
 TEST(StepReaderShare, EmptyMegatronDocumentsLeaveGapsInTheIds) {
-  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));  // a failure can be replayed with it
+  std::mt19937_64 rng(seed);
   TempDir dir;
   for (int trial = 0; trial < 20; ++trial) {
     const std::string prefix = dir.File("m" + std::to_string(trial));
@@ -428,7 +432,9 @@ class OneByOneSource final : public SampleSource {
 // steps span several batches and wrap around), lengths and Megatron with empty documents,
 // shuffled or not, at several DP sizes and global batches, "all" included.
 TEST(StepReaderRandom, BatchedReadsEqualOneByOneReads) {
-  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));  // a failure can be replayed with it
+  std::mt19937_64 rng(seed);
   TempDir dir;
   for (int trial = 0; trial < 16; ++trial) {
     SCOPED_TRACE("trial " + std::to_string(trial));
