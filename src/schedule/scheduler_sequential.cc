@@ -23,15 +23,19 @@ namespace thdpack::internal {
 Result<Assignment> ScheduleSequential(const PreparedStep& step, const ScheduleOptions& o,
                                       int fixed_m) {
   const int32_t n = static_cast<int32_t>(step.size());
-  // Next-fit; groups kept as vectors because splitting pops from the back of any of them.
-  std::vector<std::vector<int32_t>> groups;
+  // Next-fit in arrival order: each group is a range [first, end) of the step.
+  struct Range {
+    int32_t first;
+    int32_t end;
+  };
+  std::vector<Range> groups;
   int64_t sum = 0;
   for (int32_t i = 0; i < n; ++i) {
     if (groups.empty() || sum + step.padded[i] > step.capacity) {
-      groups.emplace_back();
+      groups.push_back({i, i});
       sum = 0;
     }
-    groups.back().push_back(i);
+    groups.back().end = i + 1;
     sum += step.padded[i];
   }
   const int64_t dp = o.dp_size;
@@ -59,11 +63,11 @@ Result<Assignment> ScheduleSequential(const PreparedStep& step, const ScheduleOp
   }
   int64_t to_move = target - g;
   for (int64_t i = g - 1; to_move > 0; ) {
-    // target <= n guarantees enough multi-sample groups among the original ones.
-    if (groups[i].size() > 1) {
-      const int32_t moved = groups[i].back();
-      groups[i].pop_back();
-      groups.push_back({moved});
+    // target <= n guarantees enough multi-sample groups among the original ones. The last
+    // sample of group i becomes a group of its own.
+    if (groups[i].end - groups[i].first > 1) {
+      const int32_t moved = --groups[i].end;
+      groups.push_back({moved, moved + 1});
       --to_move;
     } else {
       --i;
@@ -77,8 +81,8 @@ Result<Assignment> ScheduleSequential(const PreparedStep& step, const ScheduleOp
   a.offsets.push_back(0);
   for (int64_t d = 0; d < dp; ++d) {
     for (int64_t m = 0; m < a.num_microbatches; ++m) {
-      const auto& group = groups[m * dp + d];
-      a.items.insert(a.items.end(), group.begin(), group.end());
+      const Range& group = groups[m * dp + d];
+      for (int32_t i = group.first; i < group.end; ++i) a.items.push_back(i);
       a.offsets.push_back(static_cast<int64_t>(a.items.size()));
     }
   }
