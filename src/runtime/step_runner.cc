@@ -187,6 +187,19 @@ class StepRunner::Impl {
     agree_bytes_ += world_.bytes_sent() - b0;
     return s;
   }
+  // One phase of a step: timed, `work` run on the ranks that take part (`here`; the others
+  // contribute Ok), then the outcome agreed by every rank under `context`.
+  template <typename Work>
+  Status RunPhase(RankStep& out, Phase phase, bool here, const char* context, Work&& work) {
+    BeginPhase(out, phase);
+    const Status local = here ? work() : Status::Ok();
+    EndPhase(out);
+    return Agree(local, context);
+  }
+  // The metadata a rank received (meta_bytes_) from `sender`, decoded and checked against this
+  // rank's topology and step (a dynamic step's also against its domain rank, with groups);
+  // kept in out.meta and out.epoch when good.
+  Status AcceptMeta(RankStep& out, const std::string& sender, bool dynamic);
 
   Status InitDynamic();
   Result<RankStep> NextDynamic();
@@ -793,60 +806,54 @@ RankStep StepRunner::Impl::StartStep(bool is_loader) {
   return out;
 }
 
+Status StepRunner::Impl::AcceptMeta(RankStep& out, const std::string& sender, bool dynamic) {
+  auto meta = DecodeStepMeta(meta_bytes_);
+  if (!meta.ok()) {
+    return meta.status().WithContext("step " + std::to_string(step_) +
+                                     " metadata received from " + sender);
+  }
+  const bool dynamic_ok = !dynamic || (!meta->groups.empty() && meta->domain_rank == DomainIndex());
+  if (meta->dp_size != topo_.dp_size() || meta->replica != coord_.dp ||
+      meta->parallel != opts_.schedule.parallel || meta->step != static_cast<uint64_t>(step_) ||
+      !dynamic_ok) {
+    const std::string where = dynamic ? "domain rank " + std::to_string(meta->domain_rank)
+                                      : "replica " + std::to_string(meta->replica);
+    return Status::InvalidArgument(
+        "step metadata received by rank " + std::to_string(world_.rank()) +
+        " does not match its topology " + topo_.ToString() + " (" + where + ", DP " +
+        std::to_string(meta->dp_size) + ", " + meta->parallel.ToString() + ", step " +
+        std::to_string(meta->step) + (dynamic && meta->groups.empty() ? ", no groups" : "") +
+        ")");
+  }
+  out.meta = std::move(*meta);
+  out.epoch = static_cast<int64_t>(out.meta.epoch);
+  return Status::Ok();
+}
+
 Result<RankStep> StepRunner::Impl::Next() {
   if (dynamic_) return NextDynamic();
   RankStep out = StartStep(reader_);
   const bool tp0 = opts_.data_on == DataOn::kTp0;
 
-  Status local;
-  BeginPhase(out, Phase::kRead);
-  if (reader_) local = ReadShare(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "read"));
-
-  BeginPhase(out, Phase::kLengths);
-  if (reader_) local = ExchangeLengths(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "lengths"));
-
-  BeginPhase(out, Phase::kPlan);
-  if (reader_) local = MakePlan(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "plan"));
-
-  BeginPhase(out, Phase::kExchange);
-  if (reader_) local = ExchangeTokens(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "exchange"));
-
-  BeginPhase(out, Phase::kPack);
-  if (reader_) local = PackReplica(out);
-  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); }));
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kLengths, reader_, "lengths", [&] { return ExchangeLengths(out); }));
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kPlan, reader_, "plan", [&] { return MakePlan(out); }));
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kExchange, reader_, "exchange", [&] { return ExchangeTokens(out); }));
+  const Status packed =
+      RunPhase(out, Phase::kPack, reader_, "pack", [&] { return PackReplica(out); });
   own_.clear();  // packed: the samples are no longer needed
-  THDPACK_RETURN_IF_ERROR(Agree(local, "pack"));
+  THDPACK_RETURN_IF_ERROR(packed);
 
+  Status local;
   BeginPhase(out, Phase::kDeliver);
   if (tp0) {
     local = DeliverMeta(*replica_);
     if (local.ok() && replica_->rank() != 0) {
-      auto meta = DecodeStepMeta(meta_bytes_);
-      if (!meta.ok()) {
-        local = meta.status().WithContext("step " + std::to_string(step_) +
-                                          " metadata received from the loader of replica " +
-                                          std::to_string(coord_.dp));
-      } else if (meta->dp_size != topo_.dp_size() || meta->replica != coord_.dp ||
-                 meta->parallel != opts_.schedule.parallel ||
-                 meta->step != static_cast<uint64_t>(step_)) {
-        local = Status::InvalidArgument(
-            "step metadata received by rank " + std::to_string(world_.rank()) +
-            " does not match its topology " + topo_.ToString() + " (replica " +
-            std::to_string(meta->replica) + ", DP " + std::to_string(meta->dp_size) + ", " +
-            meta->parallel.ToString() + ", step " +
-            std::to_string(meta->step) + ")");
-      } else {
-        out.meta = std::move(*meta);
-        out.epoch = static_cast<int64_t>(out.meta.epoch);
-      }
+      local = AcceptMeta(out, "the loader of replica " + std::to_string(coord_.dp), false);
     }
     // Nobody waits for shards until every rank holds good metadata.
     Status agreed = Agree(local, "deliver metadata");
@@ -1188,57 +1195,27 @@ void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
 Result<RankStep> StepRunner::Impl::NextDynamic() {
   RankStep out = StartStep(head_);
 
-  Status local;
-  BeginPhase(out, Phase::kRead);
-  if (reader_) local = ReadShare(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "read"));
-
-  BeginPhase(out, Phase::kLengths);
-  if (head_) local = ExchangeLengthsDynamic(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "lengths"));
-
-  BeginPhase(out, Phase::kPlan);
-  if (head_) local = MakeDynamicPlan(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "plan"));
-
-  BeginPhase(out, Phase::kExchange);
-  if (head_) local = ExchangeTokensDynamic(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "exchange"));
-
-  BeginPhase(out, Phase::kPack);
-  if (head_) local = PackDynamic(out);
-  EndPhase(out);
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); }));
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kLengths, head_, "lengths",
+               [&] { return ExchangeLengthsDynamic(out); }));
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kPlan, head_, "plan", [&] { return MakeDynamicPlan(out); }));
+  THDPACK_RETURN_IF_ERROR(
+      RunPhase(out, Phase::kExchange, head_, "exchange",
+               [&] { return ExchangeTokensDynamic(out); }));
+  const Status packed =
+      RunPhase(out, Phase::kPack, head_, "pack", [&] { return PackDynamic(out); });
   own_.clear();
   recv_buffer_.clear();
   refs_.clear();
-  THDPACK_RETURN_IF_ERROR(Agree(local, "pack"));
+  THDPACK_RETURN_IF_ERROR(packed);
 
   BeginPhase(out, Phase::kDeliver);
-  local = DeliverMeta(*column_);
+  Status local = DeliverMeta(*column_);
   if (local.ok() && column_->rank() != 0) {
-    auto meta = DecodeStepMeta(meta_bytes_);
-    if (!meta.ok()) {
-      local = meta.status().WithContext("step " + std::to_string(step_) +
-                                        " metadata received from the head of domain rank " +
-                                        std::to_string(DomainIndex()));
-    } else if (meta->dp_size != topo_.dp_size() || meta->replica != coord_.dp ||
-               meta->parallel != opts_.schedule.parallel ||
-               meta->step != static_cast<uint64_t>(step_) || meta->groups.empty() ||
-               meta->domain_rank != DomainIndex()) {
-      local = Status::InvalidArgument(
-          "step metadata received by rank " + std::to_string(world_.rank()) +
-          " does not match its topology " + topo_.ToString() + " (domain rank " +
-          std::to_string(meta->domain_rank) + ", DP " + std::to_string(meta->dp_size) + ", " +
-          meta->parallel.ToString() + ", step " + std::to_string(meta->step) +
-          (meta->groups.empty() ? ", no groups" : "") + ")");
-    } else {
-      out.meta = std::move(*meta);
-      out.epoch = static_cast<int64_t>(out.meta.epoch);
-    }
+    local = AcceptMeta(out, "the head of domain rank " + std::to_string(DomainIndex()), true);
   }
   Status agreed = Agree(local, "deliver metadata");
   if (!agreed.ok()) {
