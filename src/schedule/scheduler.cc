@@ -317,7 +317,8 @@ std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n) {
   return group_of;
 }
 
-const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n, std::vector<int32_t>* scratch) {
+const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n,
+                                    std::vector<int32_t>* scratch) {
   if (a.group_of.size() == n) return a.group_of;
   *scratch = GroupOfItems(a, n);
   return *scratch;
@@ -335,11 +336,7 @@ std::vector<GroupSums> AssignmentSums(const PreparedStep& step, const Assignment
   for (size_t i = 0; i < step.size(); ++i) {
     sums[static_cast<size_t>(group_of[i])].Add(step.length[i], step.n_targets[i], step.padded[i]);
   }
-  for (size_t g = 0; g < groups; ++g) {
-    if (a.offsets[g + 1] > a.offsets[g]) {
-      sums[g].last_p = step.padded[static_cast<size_t>(a.items[static_cast<size_t>(a.offsets[g + 1] - 1)])];
-    }
-  }
+  for (size_t g = 0; g < groups; ++g) sums[g].last_p = LastPadded(step, a, g);
   return sums;
 }
 

@@ -7,11 +7,11 @@
 //
 // For one M (BalancedAtM):
 //   A. LPT with best fit. Samples in decreasing padded length (= decreasing cost; ties by id)
-//      go to the replica of least cost (a heap) whose M bins can still hold them, into the bin
-//      of that replica with the least room that fits (best fit, the choice that keeps packing
-//      feasible near a full budget). A replica with no room for the current sample is parked
-//      in a second heap keyed by its largest room, and comes back once the samples get small
-//      enough: every sample costs O(log DP + bin lookup), never a scan over all replicas.
+//      go to the replica of least cost (a winner tree) whose M bins can still hold them, into
+//      the bin of that replica with the least room that fits (best fit, the choice that keeps
+//      packing feasible near a full budget). A replica with no room for the current sample
+//      is parked in a heap keyed by its largest room, and comes back once the samples get
+//      small enough: every sample costs O(log DP + bin lookup), never a scan over all replicas.
 //   B. Count repair: a replica with fewer than M samples takes the cheapest sample of the
 //      costliest replica that has more than M (into an empty bin: always fits).
 //   C. Local search between the straggler and the other replicas: the single move or swap of
@@ -54,7 +54,7 @@ namespace {
 // scan over a replica's bins is faster.
 constexpr int kLinearBinsMax = 32;
 // Step A places a run of equal P at least this long (and at least DP/16) by merging sorted
-// sequences instead of through the heap (on the Wikipedia step of docs/scheduling.md, DP = 512,
+// sequences instead of through the tree (on the Wikipedia step of docs/scheduling.md, DP = 512,
 // any threshold from 16 to 512 gave about the same time).
 constexpr int32_t kMergedRunMin = 16;
 // Relative tolerance of the "within 1%" rule of the objective.
@@ -132,10 +132,11 @@ class ReplicaBins {
   std::vector<std::set<std::pair<int64_t, int>>> sets_;   // per replica: (room, bin)
 };
 
-// (cost, index) min-heap entries; the index breaks ties, so heaps are deterministic. Stored as
-// one integer, the cost's bits above the index: for costs >= +0 (sums of non-negative costs
-// from 0, as in every heap here) the bits order like the values, so (cost, index) compares as
-// one integer comparison, without the branches and NaN checks of comparing doubles.
+// (cost, index) keys of step A's merged runs and of the refill's heaps; the index breaks ties,
+// so both are deterministic. Stored as one integer, the cost's bits above the index: for costs
+// >= +0 (sums of non-negative costs from 0, as everywhere here) the bits order like the
+// values, so (cost, index) compares as one integer comparison, without the branches and NaN
+// checks of comparing doubles.
 class CostKey {
  public:
   CostKey(double cost, int index)
@@ -158,9 +159,10 @@ class CostKey {
 // changing a replica's cost replays the matches on its leaf's path only, log2(leaves) of
 // them, each against the sibling's winner, which does not depend on the path (its loads are
 // not on the chain), by conditional moves rather than a branch (SelectIfLess): no early exit
-// for the predictor to miss, as a heap's sift-down has. A replica without room is removed (its leaf made absent) and set
-// back later. Costs are >= +0 (sums of non-negative costs from 0), whose bits order like the
-// values; an absent leaf holds kAbsent, above every such cost's bits.
+// for the predictor to miss, as a heap's sift-down has. A replica without room is removed
+// (its leaf made absent) and set back later. Costs are >= +0 (sums of non-negative costs from
+// 0), whose bits order like the values; an absent leaf holds kAbsent, above every such cost's
+// bits.
 class ReplicaTournament {
  public:
   explicit ReplicaTournament(int n)
@@ -239,8 +241,8 @@ class ReplicaTournament {
   std::vector<uint32_t> index_;  // [2 * leaves]: the replica of each node's cost
 };
 
-// A 4-ary min-heap of CostKey with ReplaceTop: the replica (or microbatch) that took a sample
-// goes back with one sift-down instead of a pop and a push. Four children per node halve the
+// A 4-ary min-heap of CostKey with ReplaceTop (the refill's plain form, RefillByHeaps): the
+// microbatch that took a sample goes back with one sift-down instead of a pop and a push. Four children per node halve the
 // depth of the sift-down, a chain of dependent loads (DP = 512: 5 levels instead of 9), and
 // the four sit in one or two cache lines. Keys are unique (the index), so the top is the same
 // whatever the heap's arity or inner layout.
@@ -264,9 +266,6 @@ class MinCostHeap {
     v_.pop_back();
     if (!v_.empty()) ReplaceTop(last);
   }
-  // The keys in the heap's own layout. A vector sorted ascending is a valid heap (every child
-  // sits after its parent), so a caller may sort it in place or put a sorted vector here.
-  std::vector<CostKey>& keys() { return v_; }
   // Replaces the top by `k` and restores the heap.
   void ReplaceTop(const CostKey& k) {
     const size_t n = v_.size();

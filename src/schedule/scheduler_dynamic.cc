@@ -583,10 +583,7 @@ Result<double> AssignmentStepTime(const PreparedStep& step, const ScheduleOption
     for (int d = 0; d < a.dp_size; ++d) {
       const size_t g = static_cast<size_t>(d) * static_cast<size_t>(a.num_microbatches) +
                        static_cast<size_t>(m);
-      if (a.offsets[g + 1] > a.offsets[g]) {
-        times[g].set_last_p(
-            step.padded[static_cast<size_t>(a.items[static_cast<size_t>(a.offsets[g + 1] - 1)])]);
-      }
+      times[g].set_last_p(LastPadded(step, a, g));
       tasks.push_back({d * cp, cp, times[g].Seconds(model, options.parallel, cp)});
     }
   }

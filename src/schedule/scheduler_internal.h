@@ -144,7 +144,14 @@ MicrobatchCost CostOfSums(const GroupSums& sums, const ScheduleOptions& options)
 // group_of[i]: the group (d*M + m) of PreparedStep index i in `a` (n = the step's size).
 std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n);
 // a.group_of when the assignment keeps it, else GroupOfItems in *scratch.
-const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n, std::vector<int32_t>* scratch);
+const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n,
+                                    std::vector<int32_t>* scratch);
+// P of the last sample of group g of `a` in plan order (the one that takes the SP tail); 0 for
+// an empty group.
+inline int64_t LastPadded(const PreparedStep& step, const Assignment& a, size_t g) {
+  if (a.offsets[g + 1] == a.offsets[g]) return 0;
+  return step.padded[static_cast<size_t>(a.items[static_cast<size_t>(a.offsets[g + 1] - 1)])];
+}
 
 Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who);
 
