@@ -43,7 +43,13 @@ void BindCost(py::module_& m) {
         if (padded_tokens.is_none() || sum_sq.is_none()) {
           throw py::value_error("flops: give cu_seqlens_padded, or both padded_tokens and sum_sq");
         }
-        return TrainingFlops(c, padded_tokens.cast<int64_t>(), sum_sq.cast<double>());
+        double sq = 0;
+        try {
+          sq = py::float_(sum_sq).cast<double>();
+        } catch (const std::exception& e) {
+          throw py::value_error(std::string("sum_sq: expected a number (") + e.what() + ")");
+        }
+        return TrainingFlops(c, Int64Of(padded_tokens, "padded_tokens"), sq);
       },
       py::arg("model"), py::arg("cu_seqlens_padded") = py::none(), py::kw_only(),
       py::arg("padded_tokens") = py::none(), py::arg("sum_sq") = py::none(),

@@ -20,7 +20,7 @@ SourceOptions MakeOptions(int64_t vocab_size, uint64_t seed, bool shuffle) {
 
 int64_t Limit(const py::object& limit) {
   if (limit.is_none()) return std::numeric_limits<int64_t>::max();
-  const int64_t n = limit.cast<int64_t>();
+  const int64_t n = Int64Of(limit, "limit");
   if (n < 0) throw py::value_error("limit = " + std::to_string(n) + ": must be >= 0 or None");
   return n;
 }

@@ -22,6 +22,7 @@
 // empty_grad_cache() gives it back.
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <list>
 #include <mutex>
 #include <string>
@@ -145,8 +146,22 @@ void BindGradCache(py::module_& m) {
           throw py::value_error("grad_buffer: shape (" + std::to_string(rows) + ", " +
                                 std::to_string(cols) + ") has a negative dimension");
         }
+        if (dtype.attr("hasobject").cast<bool>()) {
+          throw py::value_error("grad_buffer: dtype " + py::str(py::object(dtype)).cast<std::string>() +
+                                " holds Python objects; expected a numeric dtype");
+        }
         const size_t item = static_cast<size_t>(dtype.itemsize());
-        const size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(cols) * item;
+        size_t bytes = 0;
+        if (__builtin_mul_overflow(static_cast<size_t>(rows), static_cast<size_t>(cols), &bytes) ||
+            __builtin_mul_overflow(bytes, item, &bytes) ||
+            bytes > static_cast<size_t>(std::numeric_limits<py::ssize_t>::max())) {
+          PyErr_SetString(PyExc_MemoryError,
+                          ("grad_buffer: shape (" + std::to_string(rows) + ", " +
+                           std::to_string(cols) + ") of " + std::to_string(item) +
+                           "-byte items does not fit in memory")
+                              .c_str());
+          throw py::error_already_set();
+        }
         Block b = Cache().Take(bytes);
         auto* owned = new Block(b);
         py::capsule base(owned, [](void* p) {

@@ -5,6 +5,7 @@
 // Finalize) with the all-reduce passed in as a Python callable (torch.distributed's).
 #include <algorithm>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,16 +43,10 @@ void RethrowIfRaised(const std::exception_ptr& raised) {
   if (raised) std::rethrow_exception(raised);
 }
 
+// counted: any 0/1 array (MaskView1D), as the bytes AccumulateShardLoss reads.
 std::vector<uint8_t> CountedFlags(const py::handle& obj) {
-  py::array a = AsArray(obj, "counted");
-  if (HasDtype<uint8_t>(a)) {
-    auto v = View1D<uint8_t>(a, "counted");
-    return std::vector<uint8_t>(v.begin(), v.end());
-  }
-  auto v = View1D<bool>(a, "counted");
-  std::vector<uint8_t> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] ? 1 : 0;
-  return out;
+  auto v = MaskView1D(obj, "counted");
+  return std::vector<uint8_t>(v.begin(), v.end());
 }
 
 py::dict SummaryDict(const LossSummary& s) {
@@ -85,19 +80,26 @@ void BindLossTotals(py::module_& m) {
              const py::handle& cu_seqlens_padded, int cp_size, int cp_rank,
              const py::object& cp_all_reduce) {
             CrossEntropyResult r;
-            auto lp = View1D<double>(logprobs, "logprobs");
-            auto en = View1D<double>(entropy, "entropy");
+            auto lp = DoubleView1D(logprobs, "logprobs");
+            auto en = DoubleView1D(entropy, "entropy");
             r.logprobs.assign(lp.begin(), lp.end());
             r.entropy.assign(en.begin(), en.end());
             r.counted = CountedFlags(counted);
-            for (size_t t = 0; t < r.counted.size() && t < r.logprobs.size(); ++t) {
+            if (r.entropy.size() != r.logprobs.size() || r.counted.size() != r.logprobs.size()) {
+              throw py::value_error("add_shard: logprobs, entropy and counted have " +
+                                    std::to_string(r.logprobs.size()) + ", " +
+                                    std::to_string(r.entropy.size()) + " and " +
+                                    std::to_string(r.counted.size()) +
+                                    " entries: one per token of the shard each");
+            }
+            for (size_t t = 0; t < r.counted.size(); ++t) {
               if (!r.counted[t]) continue;
               ++r.n_valid;
               r.loss_sum -= r.logprobs[t];
               r.entropy_sum += r.entropy[t];
             }
-            auto cu = View1D<int32_t>(cu_seqlens, "cu_seqlens");
-            auto cup = View1D<int32_t>(cu_seqlens_padded, "cu_seqlens_padded");
+            auto cu = IntView1D<int32_t>(cu_seqlens, "cu_seqlens");
+            auto cup = IntView1D<int32_t>(cu_seqlens_padded, "cu_seqlens_padded");
             if (cp_size > 1 && cp_all_reduce.is_none()) {
               throw py::value_error(
                   "add_shard: cp_size = " + std::to_string(cp_size) +
@@ -119,8 +121,9 @@ void BindLossTotals(py::module_& m) {
           py::arg("cp_all_reduce") = py::none(),
           R"doc(Adds CP rank cp_rank's shard of one packed microbatch.
 
-logprobs, entropy: float64 [T/CP] (0 where not counted); counted: uint8 or bool [T/CP], in the
-shard's zigzag order; cu_seqlens, cu_seqlens_padded: int32 [n+1], the microbatch's GLOBAL
+logprobs, entropy: float64 [T/CP] (0 where not counted; float16/float32 widened); counted:
+[T/CP] of 0/1 (bool, any integer or float dtype), in the shard's zigzag order; cu_seqlens,
+cu_seqlens_padded: [n+1] of any integer dtype (int32 values), the microbatch's GLOBAL
 offsets. With cp_size > 1, cp_all_reduce(array) must sum a float64 array over the CP group in
 place (every CP rank calls add_shard for the same microbatch): the per-sequence sums are
 reduced, and each sequence's perplexity term is kept on CP rank 0 only.)doc")
@@ -155,51 +158,52 @@ void BindLoss(py::module_& m) {
       [](const py::handle& logits_obj, const py::handle& labels_obj, const py::handle& mask_obj,
          int64_t normalizer, bool with_grad, double grad_scale, int num_threads,
          const py::handle& grad_out) {
-        py::array logits = AsArray(logits_obj, "logits");
-        if (logits.ndim() != 2) {
-          throw py::value_error("logits: got a " + DescribeArray(logits) +
+        const py::array given = AsArray(logits_obj, "logits", /*bfloat16_bits=*/true);
+        if (given.ndim() != 2) {
+          throw py::value_error("logits: got a " + DescribeArray(given) +
                                 ", expected a 2-D [T, V] array");
         }
-        RequireContiguous(logits, "logits");
         LogitsView view;
-        if (HasDtype<float>(logits)) {
+        if (HoldsType<float>(given)) {
           view.dtype = LogitsDtype::kFloat32;
-        } else if (HasDtype<double>(logits)) {
+        } else if (HoldsType<double>(given)) {
           view.dtype = LogitsDtype::kFloat64;
-        } else if (HasDtype<uint16_t>(logits) || HasDtype<int16_t>(logits)) {
+        } else if (HoldsType<uint16_t>(given) || HoldsType<int16_t>(given)) {
           view.dtype = LogitsDtype::kBFloat16;
         } else {
-          throw py::value_error("logits: got a " + DescribeArray(logits) +
-                                ", expected float32, float64, or bfloat16 bits as uint16/int16");
+          throw py::value_error("logits: got a " + DescribeArray(given) +
+                                ", expected float32, float64, or bfloat16 (a torch tensor, or "
+                                "its bits as uint16/int16)");
         }
+        const py::array logits = Readable(given, "logits");
         view.num_tokens = logits.shape(0);
         view.vocab_size = logits.shape(1);
         view.data = std::span<const std::byte>(static_cast<const std::byte*>(logits.data()),
                                                static_cast<size_t>(logits.nbytes()));
         TokenTargets targets;
         py::array labels = AsArray(labels_obj, "labels");
-        if (HasDtype<int64_t>(labels)) {
-          targets.labels_i64 = View1D<int64_t>(labels, "labels");
-        } else if (HasDtype<int32_t>(labels)) {
-          targets.labels_i32 = View1D<int32_t>(labels, "labels");
+        std::optional<HeldSpan<int64_t>> labels64;
+        std::optional<HeldSpan<int32_t>> labels32;
+        if (HoldsType<int32_t>(labels)) {
+          labels32.emplace(View1D<int32_t>(labels, "labels"));
+          targets.labels_i32 = *labels32;
         } else {
-          throw py::value_error("labels: got a " + DescribeArray(labels) +
-                                ", expected int64 or int32");
+          // int64 in place; any other integer dtype converted exactly (IntView1D).
+          labels64.emplace(IntView1D<int64_t>(labels, "labels"));
+          targets.labels_i64 = *labels64;
         }
-        py::array mask;
+        std::optional<HeldSpan<float>> mask_f32;
+        std::optional<HeldSpan<uint8_t>> mask_u8;
         if (!mask_obj.is_none()) {
-          mask = AsArray(mask_obj, "loss_mask");
-          if (HasDtype<float>(mask)) {
-            targets.mask_f32 = View1D<float>(mask, "loss_mask");
-          } else if (HasDtype<uint8_t>(mask)) {
-            targets.mask_u8 = View1D<uint8_t>(mask, "loss_mask");
-          } else if (HasDtype<bool>(mask)) {
-            auto b = View1D<bool>(mask, "loss_mask");
-            targets.mask_u8 =
-                std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(b.data()), b.size());
+          py::array mask = AsArray(mask_obj, "loss_mask");
+          if (HoldsType<float>(mask)) {
+            mask_f32.emplace(View1D<float>(mask, "loss_mask"));
+            targets.mask_f32 = *mask_f32;
           } else {
-            throw py::value_error("loss_mask: got a " + DescribeArray(mask) +
-                                  ", expected float32, uint8 or bool");
+            // bool and uint8 in place; any other integer or float dtype checked 0/1 and
+            // converted (MaskView1D).
+            mask_u8.emplace(MaskView1D(mask, "loss_mask"));
+            targets.mask_u8 = *mask_u8;
           }
         }
         CrossEntropyOptions o;
@@ -207,22 +211,35 @@ void BindLoss(py::module_& m) {
         o.normalizer = normalizer;
         o.grad_scale = grad_scale;
         o.num_threads = num_threads;
+        // The gradient goes into grad_out itself when C++ can write it through a plain pointer,
+        // else into a new array copied into grad_out afterwards (np.copyto honours its strides
+        // and byte order).
         py::array grad;
+        py::object grad_target = py::none();  // grad_out as given
         std::span<std::byte> grad_bytes;
         if (with_grad && !grad_out.is_none()) {
-          grad = AsArray(grad_out, "grad_out");
-          if (!grad.dtype().is(logits.dtype()) || grad.ndim() != 2 ||
-              grad.shape(0) != logits.shape(0) || grad.shape(1) != logits.shape(1)) {
-            throw py::value_error("grad_out: got a " + DescribeArray(grad) +
+          py::array target =
+              AsArray(grad_out, "grad_out", /*bfloat16_bits=*/true, /*allow_list=*/false);
+          if (target.dtype().kind() != logits.dtype().kind() ||
+              target.itemsize() != logits.itemsize() || target.ndim() != 2 ||
+              target.shape(0) != logits.shape(0) || target.shape(1) != logits.shape(1)) {
+            throw py::value_error("grad_out: got a " + DescribeArray(target) +
                                   ", expected the logits' dtype and shape (" +
-                                  DescribeArray(logits) + ")");
+                                  DescribeArray(given) + ")");
           }
-          RequireContiguous(grad, "grad_out");
-          if (!grad.writeable()) throw py::value_error("grad_out: the array is read-only");
-          grad_bytes = std::span<std::byte>(static_cast<std::byte*>(grad.mutable_data()),
-                                            static_cast<size_t>(grad.nbytes()));
+          if (!target.writeable()) throw py::value_error("grad_out: the array is read-only");
+          py::object np = py::module_::import("numpy");
+          if (np.attr("may_share_memory")(target, given).cast<bool>()) {
+            throw py::value_error("grad_out: shares memory with logits: give it its own buffer");
+          }
+          grad = IsReadableInPlace(target)
+                     ? target
+                     : py::array(logits.dtype(), {logits.shape(0), logits.shape(1)});
+          grad_target = target;
         } else if (with_grad) {
           grad = py::array(logits.dtype(), {logits.shape(0), logits.shape(1)});
+        }
+        if (with_grad) {
           grad_bytes = std::span<std::byte>(static_cast<std::byte*>(grad.mutable_data()),
                                             static_cast<size_t>(grad.nbytes()));
         }
@@ -232,6 +249,10 @@ void BindLoss(py::module_& m) {
           r = CrossEntropy(view, targets, o, grad_bytes);
         }
         CrossEntropyResult res = ValueOrThrow(std::move(r));
+        if (!grad_target.is_none() && !grad.is(grad_target)) {
+          py::module_::import("numpy").attr("copyto")(grad_target, grad);
+          grad = grad_target;
+        }
         py::dict d;
         d["loss_sum"] = res.loss_sum;
         d["entropy_sum"] = res.entropy_sum;
@@ -247,14 +268,17 @@ void BindLoss(py::module_& m) {
       py::arg("num_threads") = 0, py::arg("grad_out") = py::none(),
       R"doc(Cross-entropy of one rank's local logits (docs/design.md section 8).
 
-logits: [T, V] float32, float64, or bfloat16 bits as uint16/int16, C-contiguous (not copied).
-labels: int64 or int32 [T] (-100 ignored). loss_mask: float32/uint8/bool [T] of 0/1, or None.
+logits: [T, V] float32, float64, or bfloat16 (a CPU torch tensor, or its bits as a uint16/int16
+array), read in place when C-contiguous, aligned and native, else converted first (a copy).
+labels: [T] of any integer dtype (-100 ignored). loss_mask: [T] of 0/1 values (bool or any
+integer or float dtype), or None.
 normalizer: N, the GLOBAL loss-token count of the step (used by the gradient).
 Returns a dict: loss_sum (sum of masked token losses, not divided), entropy_sum, n_valid,
 logprobs and entropy (float64 [T], 0 where not counted), counted (uint8 [T]) and, with
 with_grad, grad = grad_scale * (softmax - onehot) * counted / N in the logits' dtype,
-written into grad_out when given (a C-contiguous writable array of the logits' dtype and shape,
-e.g. a torch tensor's .numpy() view: no allocation here), else into a new array.)doc");
+written into grad_out when given (a writable array of the logits' dtype and shape, e.g. a torch
+tensor or its .numpy() view, not sharing memory with the logits: no allocation when it is
+C-contiguous, aligned and native), else into a new array.)doc");
 
   BindLossTotals(m);
 }

@@ -32,6 +32,11 @@ SampleArgs ReadSamples(const py::object& samples_obj, const py::object& target_m
   if (n == 0) throw py::value_error("samples: empty list; a microbatch holds at least one sample");
   py::sequence masks;
   if (!target_masks.is_none()) {
+    if (!py::isinstance<py::sequence>(target_masks) || py::isinstance<py::str>(target_masks)) {
+      throw py::value_error("target_masks: expected None or a list with one mask (or None) per "
+                            "sample, got " +
+                            std::string(py::str(py::type::of(target_masks).attr("__name__"))));
+    }
     masks = target_masks.cast<py::sequence>();
     if (py::len(masks) != n) {
       throw py::value_error("target_masks: has " + std::to_string(py::len(masks)) +
@@ -42,12 +47,12 @@ SampleArgs ReadSamples(const py::object& samples_obj, const py::object& target_m
   std::vector<int64_t> id_values(n);
   for (size_t i = 0; i < n; ++i) id_values[i] = static_cast<int64_t>(i);
   if (!ids.is_none()) {
-    py::sequence s = ids.cast<py::sequence>();
-    if (py::len(s) != n) {
-      throw py::value_error("ids: has " + std::to_string(py::len(s)) + " entries, samples has " +
+    auto s = IntView1D<int64_t>(ids, "ids");
+    if (s.size() != n) {
+      throw py::value_error("ids: has " + std::to_string(s.size()) + " entries, samples has " +
                             std::to_string(n));
     }
-    for (size_t i = 0; i < n; ++i) id_values[i] = s[i].cast<int64_t>();
+    for (size_t i = 0; i < n; ++i) id_values[i] = s[i];
   }
   out.views.resize(n);
   out.tokens.reserve(n);

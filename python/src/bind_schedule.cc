@@ -14,14 +14,15 @@
 namespace thdpack::python {
 namespace {
 
-// An integer array argument: int32 viewed in place, any other integer dtype (or a tensor or
-// list, common.h: AsArray) as int64 through IntView1D (in place when it is int64).
+// An integer array argument: int32 viewed in place (when readable), any other integer dtype
+// (or a tensor or list, common.h: AsArray) as int64 through IntView1D (in place when it is
+// readable int64).
 class IntArrayView {
  public:
   IntArrayView(const py::handle& obj, const std::string& name) {
     py::array a = AsArray(obj, name);
-    if (HasDtype<int32_t>(a)) {
-      narrow_.emplace(View1D<int32_t>(a, name), a);
+    if (HoldsType<int32_t>(a)) {
+      narrow_.emplace(View1D<int32_t>(a, name));
       size_ = narrow_->size();
     } else {
       wide_.emplace(IntView1D<int64_t>(a, name));

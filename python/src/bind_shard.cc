@@ -1,6 +1,7 @@
 // python/src/bind_shard.cc: CP zigzag sharding and the SP split (shard.h) on NumPy arrays of
-// any dtype: a token is one row (all elements after the first axis). Arrays may also be CPU
-// torch tensors or lists (AsArray); cu_seqlens_padded may have any integer dtype (IntView1D).
+// any dtype but Python objects: a token is one row (all elements after the first axis). Arrays
+// may also be CPU torch tensors or lists (AsArray), in any layout (Readable converts what C++
+// cannot read in place); cu_seqlens_padded may have any integer dtype (IntView1D).
 #include <string>
 
 #include "common.h"
@@ -20,12 +21,14 @@ std::vector<py::ssize_t> Shape(const py::array& a) {
   return std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim());
 }
 
-void RequireRows(const py::array& a, const std::string& name) {
+// `a` as rows C++ may copy bytewise (Readable: converted when strided, byte-swapped or
+// misaligned); ValueError for a 0-d array or one of Python objects.
+py::array Rows(const py::array& a, const std::string& name) {
   if (a.ndim() < 1) {
     throw py::value_error(name + ": got a " + DescribeArray(a) +
                           ", expected at least one dimension (tokens first)");
   }
-  RequireContiguous(a, name);
+  return Readable(a, name);
 }
 
 }  // namespace
@@ -67,8 +70,7 @@ void BindShard(py::module_& m) {
   m.def(
       "shard",
       [](const py::handle& array_obj, const py::handle& cu_obj, int cp_size, int cp_rank) {
-        py::array full = AsArray(array_obj, "array");
-        RequireRows(full, "array");
+        py::array full = Rows(AsArray(array_obj, "array"), "array");
         auto cu = IntView1D<int32_t>(cu_obj, "cu_seqlens_padded");
         if (cp_size < 1) {
           throw py::value_error("cp_size = " + std::to_string(cp_size) + ": must be >= 1");
@@ -97,8 +99,8 @@ void BindShard(py::module_& m) {
         return out;
       },
       py::arg("array"), py::arg("cu_seqlens_padded"), py::arg("cp_size"), py::arg("cp_rank"),
-      R"doc(CP rank cp_rank's zigzag shard of a packed array: array [T, ...] (any dtype,
-C-contiguous, tokens first) -> [T/CP, ...] of the same dtype, equal to
+      R"doc(CP rank cp_rank's zigzag shard of a packed array: array [T, ...] (any dtype but
+object, any layout, tokens first) -> [T/CP, ...] of the same dtype, equal to
 array[cp_partition_indices(cu_seqlens_padded, cp_size, cp_rank)].)doc");
 
   m.def(
@@ -111,8 +113,7 @@ array[cp_partition_indices(cu_seqlens_padded, cp_size, cp_rank)].)doc");
         std::vector<std::span<const std::byte>> views;
         for (size_t r = 0; r < cp; ++r) {
           const std::string name = "shards[" + std::to_string(r) + "]";
-          py::array a = AsArray(shards[r], name);
-          RequireRows(a, name);
+          py::array a = Rows(AsArray(shards[r], name), name);
           if (r > 0 && (!a.dtype().equal(arrays[0].dtype()) || Shape(a) != Shape(arrays[0]))) {
             throw py::value_error(name + ": got a " + DescribeArray(a) + ", shards[0] is a " +
                                   DescribeArray(arrays[0]) +
@@ -146,11 +147,15 @@ order (cp_size = len(shards)); returns the full [T, ...] array.)doc");
       "sp_split",
       [](const py::handle& array_obj, int tp_size, int tp_rank) {
         py::array local = AsArray(array_obj, "array");
-        RequireRows(local, "array");
+        if (local.ndim() < 1) {
+          throw py::value_error("array: got a " + DescribeArray(local) +
+                                ", expected at least one dimension (tokens first)");
+        }
         auto range = ValueOrThrow(SpRange(local.shape(0), tp_size, tp_rank));
         py::slice rows(static_cast<py::ssize_t>(range.first),
                        static_cast<py::ssize_t>(range.first + range.second), 1);
-        return local[rows];
+        py::object part = local.attr("__getitem__")(rows);
+        return part;
       },
       py::arg("array"), py::arg("tp_size"), py::arg("tp_rank"),
       R"doc(TP rank tp_rank's contiguous part of the CP-local array [T/CP, ...]: a view (no copy)

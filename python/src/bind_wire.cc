@@ -6,6 +6,7 @@
 // and optionally max_seqlen (so a pack() result can be passed as is). Totals left out are
 // computed from the microbatches.
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "common.h"
@@ -19,30 +20,32 @@ std::vector<int32_t> CopyInt32(const py::handle& obj, const std::string& name) {
   return std::vector<int32_t>(v.begin(), v.end());
 }
 
-// The bytes of an encoded message as the caller holds them: bytes, bytearray, memoryview, a
-// 1-D C-contiguous NumPy array of 1-byte items (uint8, int8), or a CPU torch tensor of them
-// (viewed, no copy). ValueError naming `data` otherwise.
+// The bytes of an encoded message as the caller holds them: bytes or bytearray (viewed), a
+// memoryview, a 1-D NumPy array of 1-byte integers (uint8, int8) or a CPU torch tensor of them
+// (viewed when contiguous, else copied by NumPy). ValueError naming `data` otherwise.
 HeldSpan<uint8_t> MessageBytes(const py::handle& obj) {
-  py::object held = py::reinterpret_borrow<py::object>(obj);
-  if (!py::isinstance<py::bytes>(obj) && !py::isinstance<py::bytearray>(obj) &&
-      !py::isinstance<py::memoryview>(obj)) {
-    held = AsArray(obj, "data");  // NumPy arrays, tensors and lists
+  if (py::isinstance<py::bytes>(obj) || py::isinstance<py::bytearray>(obj)) {
+    py::object held = py::reinterpret_borrow<py::object>(obj);
+    py::buffer_info info = held.cast<py::buffer>().request();
+    std::span<const uint8_t> view(static_cast<const uint8_t*>(info.ptr),
+                                  static_cast<size_t>(info.size));
+    return HeldSpan<uint8_t>(view, std::move(held));
   }
-  if (!PyObject_CheckBuffer(held.ptr())) {
-    throw py::value_error("data: expected bytes, bytearray, memoryview or a uint8 array, got " +
-                          std::string(py::str(py::type::of(obj).attr("__name__"))));
+  py::array a;
+  if (py::isinstance<py::memoryview>(obj)) {
+    a = py::module_::import("numpy").attr("asarray")(obj).cast<py::array>();
+  } else {
+    a = AsArray(obj, "data");  // NumPy arrays, tensors and lists
   }
-  py::buffer_info info = held.cast<py::buffer>().request();
-  const bool contiguous = info.ndim == 1 && (info.shape[0] <= 1 || info.strides[0] == 1);
-  if (info.itemsize != 1 || !contiguous) {
-    throw py::value_error("data: got a buffer of " + std::to_string(info.ndim) +
-                          " dimension(s) with " + std::to_string(info.itemsize) +
-                          "-byte items (format '" + info.format +
-                          "'), expected a contiguous 1-D sequence of bytes (uint8)");
+  const char kind = a.dtype().kind();
+  if ((kind != 'u' && kind != 'i') || a.itemsize() != 1 || a.ndim() != 1) {
+    throw py::value_error("data: got a " + DescribeArray(a) +
+                          ", expected bytes, bytearray or a 1-D array of bytes (uint8)");
   }
-  std::span<const uint8_t> view(static_cast<const uint8_t*>(info.ptr),
-                                static_cast<size_t>(info.shape[0]));
-  return HeldSpan<uint8_t>(view, std::move(held));
+  py::array r = Readable(a, "data");
+  std::span<const uint8_t> view(static_cast<const uint8_t*>(r.data()),
+                                static_cast<size_t>(r.size()));
+  return HeldSpan<uint8_t>(view, std::move(r));
 }
 
 py::dict ToDict(StepMeta meta) {
@@ -94,9 +97,24 @@ void BindWire(py::module_& m) {
         StepMeta meta;
         meta.domain_rank = domain_rank;
         if (!groups.is_none()) {
+          if (!py::isinstance<py::sequence>(groups)) {
+            throw py::value_error("groups: expected a list of (first_rank, num_ranks) pairs");
+          }
+          size_t g = 0;
           for (auto h : groups.cast<py::sequence>()) {
-            auto pair = h.cast<std::pair<int32_t, int32_t>>();
-            meta.groups.push_back(MicrobatchGroup{pair.first, pair.second});
+            const std::string name = "groups[" + std::to_string(g++) + "]";
+            if (!py::isinstance<py::sequence>(h) || py::len(h) != 2) {
+              throw py::value_error(name + ": expected a (first_rank, num_ranks) pair");
+            }
+            auto pair = h.cast<py::sequence>();
+            const int64_t first = Int64Of(pair[0], name + "[0]");
+            const int64_t count = Int64Of(pair[1], name + "[1]");
+            if (first < 0 || first > INT32_MAX || count < 0 || count > INT32_MAX) {
+              throw py::value_error(name + " = (" + std::to_string(first) + ", " +
+                                    std::to_string(count) + "): outside [0, 2^31)");
+            }
+            meta.groups.push_back(
+                MicrobatchGroup{static_cast<int32_t>(first), static_cast<int32_t>(count)});
           }
         }
         meta.step = step;
@@ -107,10 +125,17 @@ void BindWire(py::module_& m) {
         meta.parallel = ValueOrThrow(
             pad_multiple.is_none()
                 ? ParallelLayout::Create(cp_size, tp_size, sp)
-                : ParallelLayout::FromWire(cp_size, tp_size, sp, pad_multiple.cast<int64_t>()));
-        int64_t real = 0, padded = 0, sq = 0, valid = 0;
+                : ParallelLayout::FromWire(cp_size, tp_size, sp,
+                                           Int64Of(pad_multiple, "pad_multiple")));
+        int64_t real = 0, padded = 0, valid = 0, sq = 0;
+        bool overflow = false;  // of the default sums: an error, never a wrapped total
         for (size_t i = 0; i < py::len(microbatches); ++i) {
           const std::string name = "microbatches[" + std::to_string(i) + "]";
+          if (!py::isinstance<py::dict>(microbatches[i])) {
+            throw py::value_error(name + ": expected a dict, got " +
+                                  std::string(py::str(
+                                      py::type::of(microbatches[i]).attr("__name__"))));
+          }
           py::dict d = microbatches[i].cast<py::dict>();
           for (const char* key : {"cu_seqlens", "cu_seqlens_padded", "n_valid"}) {
             if (!d.contains(key)) throw py::value_error(name + ": missing key '" + key + "'");
@@ -118,25 +143,44 @@ void BindWire(py::module_& m) {
           MicrobatchMeta mb;
           mb.cu_seqlens = CopyInt32(d["cu_seqlens"], name + "['cu_seqlens']");
           mb.cu_seqlens_padded = CopyInt32(d["cu_seqlens_padded"], name + "['cu_seqlens_padded']");
-          mb.n_valid = d["n_valid"].cast<int64_t>();
+          mb.n_valid = Int64Of(d["n_valid"], name + "['n_valid']");
+          // Defaults of max_seqlen and the totals; lengths outside [0, 2^31) are left for
+          // EncodeStepMeta to reject with its own message.
           int32_t largest = 0;
           for (size_t k = 0; k + 1 < mb.cu_seqlens_padded.size(); ++k) {
             const int64_t p = int64_t{mb.cu_seqlens_padded[k + 1]} - mb.cu_seqlens_padded[k];
+            if (p < 0 || p > INT32_MAX) continue;
             largest = std::max<int32_t>(largest, static_cast<int32_t>(p));
-            sq += p * p;
+            overflow |= __builtin_add_overflow(sq, p * p, &sq);  // p * p < 2^62
           }
-          mb.max_seqlen = d.contains("max_seqlen") ? d["max_seqlen"].cast<int32_t>() : largest;
+          if (d.contains("max_seqlen")) {
+            const int64_t m = Int64Of(d["max_seqlen"], name + "['max_seqlen']");
+            if (m < 0 || m > INT32_MAX) {
+              throw py::value_error(name + "['max_seqlen'] = " + std::to_string(m) +
+                                    ": outside [0, 2^31)");
+            }
+            mb.max_seqlen = static_cast<int32_t>(m);
+          } else {
+            mb.max_seqlen = largest;
+          }
           if (!mb.cu_seqlens.empty()) real += mb.cu_seqlens.back();
           if (!mb.cu_seqlens_padded.empty()) padded += mb.cu_seqlens_padded.back();
-          valid += mb.n_valid;
+          overflow |= __builtin_add_overflow(valid, mb.n_valid, &valid);
           meta.microbatches.push_back(std::move(mb));
         }
-        meta.real_tokens = real_tokens.is_none() ? real : real_tokens.cast<int64_t>();
-        meta.padded_tokens = padded_tokens.is_none() ? padded : padded_tokens.cast<int64_t>();
-        meta.sum_sq = sum_sq.is_none() ? sq : sum_sq.cast<int64_t>();
-        meta.n_loss_tokens = n_loss_tokens.is_none() ? valid : n_loss_tokens.cast<int64_t>();
+        meta.real_tokens = real_tokens.is_none() ? real : Int64Of(real_tokens, "real_tokens");
+        meta.padded_tokens =
+            padded_tokens.is_none() ? padded : Int64Of(padded_tokens, "padded_tokens");
+        if (overflow) {
+          throw py::value_error("microbatches: the sum of squared padded lengths or of n_valid "
+                                "exceeds int64");
+        }
+        meta.sum_sq = sum_sq.is_none() ? sq : Int64Of(sum_sq, "sum_sq");
+        meta.n_loss_tokens =
+            n_loss_tokens.is_none() ? valid : Int64Of(n_loss_tokens, "n_loss_tokens");
         if (!skipped_ids.is_none()) {
-          for (auto h : skipped_ids.cast<py::sequence>()) meta.skipped_ids.push_back(h.cast<int64_t>());
+          auto ids = IntView1D<int64_t>(skipped_ids, "skipped_ids");
+          meta.skipped_ids.assign(ids.begin(), ids.end());
         }
         std::vector<uint8_t> bytes = ValueOrThrow(EncodeStepMeta(meta));
         return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());

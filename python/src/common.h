@@ -1,10 +1,14 @@
 // python/src/common.h: shared glue of the thdpack Python module: Status -> Python exceptions,
-// zero-copy views of NumPy arguments with checked dtype and layout, and NumPy arrays that own
-// C++ vectors (no copy on return).
+// views of array arguments with checked dtype, and NumPy arrays that own C++ vectors (no copy
+// on return).
 //
-// Every argument check raises ValueError naming the argument, what it got (dtype, shape,
-// layout) and what is expected. Views are valid while the caller holds the array, which it does
-// for the whole call, so the GIL can be released around the C++ work.
+// An array argument may be any NumPy array (strided, sliced, transposed, byte-swapped,
+// misaligned, read-only, empty), a CPU torch tensor or a list. It is viewed in place when C++
+// can read it through a plain pointer (C-contiguous, aligned, native byte order) and converted
+// by NumPy into a new array otherwise: C++ never reads an array's memory through its own idea
+// of the layout. Every check raises ValueError naming the argument, what it got (dtype, shape)
+// and what is expected. A view holds the array it reads (HeldSpan), so it stays valid for the
+// whole call and the GIL can be released around the C++ work.
 #ifndef THDPACK_PYTHON_COMMON_H_
 #define THDPACK_PYTHON_COMMON_H_
 
@@ -46,40 +50,40 @@ ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_align
 std::string DescribeArray(const py::array& a);
 
 // A py::array from what a user holds, or ValueError naming `name`: a NumPy array as is; a
-// torch tensor on the CPU as its NumPy view (no copy; a tensor on another device, or of a dtype
-// NumPy has no name for, is a ValueError saying what to do); a list or tuple as np.asarray of
-// it (a new array; a ragged or non-numeric list is a ValueError). Defined in module.cc.
-py::array AsArray(const py::handle& obj, const std::string& name);
+// torch tensor on the CPU as its NumPy view (no copy; detached, its conjugate and negative bits
+// resolved; bfloat16 as its int16 bit pattern when `bfloat16_bits`, else a ValueError); a list
+// or tuple as np.asarray of it (a new array; a ragged or non-numeric list is a ValueError), unless
+// `allow_list` is false (an output, which a new array could not carry back). A tensor on another
+// device, or of a dtype NumPy has no name for, is a ValueError saying what to do. Defined in
+// module.cc.
+py::array AsArray(const py::handle& obj, const std::string& name, bool bfloat16_bits = false,
+                  bool allow_list = true);
 
-// Raises ValueError unless `a` is C-contiguous.
-void RequireContiguous(const py::array& a, const std::string& name);
+// `a` in a form C++ may read through a plain pointer: C-contiguous, aligned and in native byte
+// order. Returned as is when it is one already (no copy), else as a new array of the same values
+// (np.require): a strided, sliced, transposed, byte-swapped or misaligned array is read only
+// through NumPy's own conversion, never past its view. ValueError for an array of Python objects
+// (its bytes are references, not values). Defined in module.cc.
+py::array Readable(const py::array& a, const std::string& name);
 
-// Whether `a` has T's dtype, however it is spelled: '<i4', '=i4' and 'int32' are one dtype on a
-// little-endian machine (unpickled arrays carry an explicit byte order), '>i4' is not.
+// `value` as an int64 (a Python int, a NumPy integer, a 0-d integer array: operator.index, so
+// a float is never truncated), or ValueError naming `name`. Defined in module.cc.
+int64_t Int64Of(const py::handle& value, const std::string& name);
+
+// Whether `a` is C-contiguous, aligned and in native byte order (Readable returns it as is).
+bool IsReadableInPlace(const py::array& a);
+
+// Whether `a` holds T's values in any byte order and layout: '<i4', '>i4', '=i4' and 'int32' all
+// hold int32 (unpickled and foreign arrays carry an explicit byte order); int32 and uint32 differ.
 template <typename T>
-bool HasDtype(const py::array& a) {
-  return a.dtype().equal(py::dtype::of<T>());
+bool HoldsType(const py::array& a) {
+  const py::dtype want = py::dtype::of<T>();
+  return a.dtype().kind() == want.kind() && a.itemsize() == want.itemsize();
 }
 
-// A read-only 1-D view of `a` as T: ValueError unless its dtype is T's (HasDtype), it is 1-D
-// and C-contiguous.
-template <typename T>
-std::span<const T> View1D(const py::array& a, const std::string& name) {
-  if (!HasDtype<T>(a)) {
-    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected dtype " +
-                          std::string(py::str(py::dtype::of<T>())) +
-                          " (convert with .astype(); no silent conversion is made)");
-  }
-  if (a.ndim() != 1) {
-    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected a 1-D array");
-  }
-  RequireContiguous(a, name);
-  return std::span<const T>(static_cast<const T*>(a.data()), static_cast<size_t>(a.size()));
-}
-
-// A span that keeps alive the array it views (AsArray may make a new one, from a list or a
-// tensor). It is a std::span<const T>, so it goes wherever one is expected; keep it while the
-// span is used.
+// A span that keeps alive the array it views (AsArray or Readable may make a new one, from a
+// list, a tensor, or a strided or byte-swapped array). It is a std::span<const T>, so it goes
+// wherever one is expected; keep it while the span is used.
 template <typename T>
 struct HeldSpan : std::span<const T> {
   HeldSpan(std::span<const T> view, py::object held)
@@ -87,27 +91,40 @@ struct HeldSpan : std::span<const T> {
   py::object owner;
 };
 
+// A read-only 1-D view of `a` as T: ValueError naming `name` unless it holds T's values
+// (HoldsType) and is 1-D. Any strides and byte order are accepted (converted by Readable).
 template <typename T>
-HeldSpan<T> View1D(const py::handle& obj, const std::string& name) {
-  py::array a = AsArray(obj, name);
-  std::span<const T> view = View1D<T>(a, name);
-  return HeldSpan<T>(view, std::move(a));
+HeldSpan<T> View1D(const py::array& a, const std::string& name) {
+  if (!HoldsType<T>(a)) {
+    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected dtype " +
+                          std::string(py::str(py::dtype::of<T>())) +
+                          " (convert with .astype(); no silent conversion is made)");
+  }
+  if (a.ndim() != 1) {
+    throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected a 1-D array");
+  }
+  py::array r = Readable(a, name);
+  std::span<const T> view(static_cast<const T*>(r.data()), static_cast<size_t>(r.size()));
+  return HeldSpan<T>(view, std::move(r));
 }
 
-// A 1-D array of any integer dtype as T values: viewed in place when its dtype is T's, else
-// converted exactly into a new array, every value checked to be representable in T
-// (ValueError naming `name[index]`, the value and T's range otherwise). Floats and bools are not
-// integers (ValueError). The rules of the values themselves are the library's to check.
+template <typename T>
+HeldSpan<T> View1D(const py::handle& obj, const std::string& name) {
+  return View1D<T>(AsArray(obj, name), name);
+}
+
+// A 1-D array of any integer dtype as T values: viewed in place when it holds T's values in
+// readable form, else converted exactly into a new array, every value checked to be
+// representable in T (ValueError naming `name[index]`, the value and T's range otherwise). Floats
+// and bools are not integers (ValueError). The rules of the values themselves are the library's
+// to check.
 template <typename T>
 HeldSpan<T> IntView1D(const py::handle& obj, const std::string& name) {
   static_assert(std::is_integral_v<T> && std::is_signed_v<T>);
   py::array a = AsArray(obj, name);
-  if (HasDtype<T>(a)) {
-    std::span<const T> view = View1D<T>(a, name);
-    return HeldSpan<T>(view, std::move(a));
-  }
+  if (HoldsType<T>(a)) return View1D<T>(a, name);
   const char kind = a.dtype().kind();
-  if (a.size() == 0 && a.ndim() == 1) {  // np.asarray([]) is float64
+  if (a.size() == 0 && a.ndim() == 1 && kind != 'O') {  // np.asarray([]) is float64
     return HeldSpan<T>(std::span<const T>(), std::move(a));
   }
   if ((kind != 'i' && kind != 'u') || a.ndim() != 1) {
@@ -125,6 +142,8 @@ HeldSpan<T> IntView1D(const py::handle& obj, const std::string& name) {
   };
   py::array_t<T> out(a.size());
   T* dst = out.mutable_data();
+  // array_t<..., forcecast> converts through NumPy (strides and byte order included); every
+  // integer dtype widens exactly to int64, and uint64 is read as itself.
   if (kind == 'u' && a.itemsize() == 8) {
     py::array_t<uint64_t, py::array::c_style | py::array::forcecast> wide(a);
     const uint64_t* v = wide.data();
@@ -144,22 +163,34 @@ HeldSpan<T> IntView1D(const py::handle& obj, const std::string& name) {
   return HeldSpan<T>(view, std::move(out));
 }
 
-// A 1-D 0/1 mask as bytes: bool and uint8 arrays are viewed in place (the library checks that
-// uint8 values are 0 or 1); any other integer or floating dtype is converted into a new uint8
-// array after checking that every value is exactly 0 or 1 (ValueError naming `name[index]` and
-// the value otherwise).
+// A 1-D array of floats as double values: float64 viewed in place when readable; float16 and
+// float32 widened exactly into a new array. Any other dtype (integers, long double, complex)
+// is a ValueError naming `name`.
+inline HeldSpan<double> DoubleView1D(const py::handle& obj, const std::string& name) {
+  py::array a = AsArray(obj, name);
+  if (HoldsType<double>(a)) return View1D<double>(a, name);
+  if (a.dtype().kind() != 'f' || a.itemsize() > 8 || a.ndim() != 1) {
+    throw py::value_error(name + ": got a " + DescribeArray(a) +
+                          ", expected a 1-D array of float64 (float16 and float32 are widened)");
+  }
+  py::array_t<double, py::array::c_style | py::array::forcecast> wide(a);
+  std::span<const double> view(wide.data(), static_cast<size_t>(wide.size()));
+  return HeldSpan<double>(view, std::move(wide));
+}
+
+// A 1-D 0/1 mask as bytes: bool and uint8 arrays are viewed in place when readable (the library
+// checks that uint8 values are 0 or 1); any other integer or floating dtype is converted into a
+// new uint8 array after checking that every value is exactly 0 or 1 (ValueError naming
+// `name[index]` and the value otherwise).
 inline HeldSpan<uint8_t> MaskView1D(const py::handle& obj, const std::string& name) {
   py::array a = AsArray(obj, name);
-  if (HasDtype<bool>(a)) {
-    std::span<const bool> b = View1D<bool>(a, name);
+  if (HoldsType<bool>(a)) {
+    HeldSpan<bool> b = View1D<bool>(a, name);
     return HeldSpan<uint8_t>(
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(b.data()), b.size()),
-        std::move(a));
+        std::move(b.owner));
   }
-  if (HasDtype<uint8_t>(a)) {
-    std::span<const uint8_t> view = View1D<uint8_t>(a, name);
-    return HeldSpan<uint8_t>(view, std::move(a));
-  }
+  if (HoldsType<uint8_t>(a)) return View1D<uint8_t>(a, name);
   const char kind = a.dtype().kind();
   if ((kind != 'i' && kind != 'u' && kind != 'f') || a.ndim() != 1) {
     throw py::value_error(name + ": got a " + DescribeArray(a) + ", expected a 1-D array of " +

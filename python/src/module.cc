@@ -43,20 +43,33 @@ std::string DescribeArray(const py::array& a) {
   return s.str();
 }
 
-py::array AsArray(const py::handle& obj, const std::string& name) {
+py::array AsArray(const py::handle& obj, const std::string& name, bool bfloat16_bits,
+                  bool allow_list) {
   if (py::isinstance<py::array>(obj)) return py::reinterpret_borrow<py::array>(obj);
   const std::string type_name = py::str(py::type::of(obj).attr("__name__"));
   const std::string module_name = py::str(py::type::of(obj).attr("__module__"));
   if (module_name.rfind("torch", 0) == 0 && py::hasattr(obj, "numpy")) {
-    // A tensor: its NumPy view shares the tensor's memory (no copy); tokens and masks carry no
-    // gradient, so a tensor that requires one is detached first.
+    // A tensor: its NumPy view shares the tensor's memory (no copy). Tokens and masks carry no
+    // gradient, so a tensor that requires one is detached first; a lazily conjugated or negated
+    // view is materialised (NumPy cannot express those bits).
     const std::string device = py::str(obj.attr("device").attr("type"));
     if (device != "cpu") {
       throw py::value_error(name + ": got a torch tensor on device " + device +
                             ", expected one on the CPU (move it with .cpu())");
     }
+    const std::string layout = py::str(obj.attr("layout"));
+    if (layout != "torch.strided") {
+      throw py::value_error(name + ": got a torch tensor of layout " + layout +
+                            ", expected a dense (strided) tensor (use .to_dense())");
+    }
     try {
-      return obj.attr("detach")().attr("numpy")().cast<py::array>();
+      py::object t = obj.attr("detach")();
+      if (py::hasattr(t, "resolve_conj")) t = t.attr("resolve_conj")().attr("resolve_neg")();
+      const std::string dtype = py::str(t.attr("dtype"));
+      if (bfloat16_bits && dtype == "torch.bfloat16") {
+        t = t.attr("view")(py::module_::import("torch").attr("int16"));
+      }
+      return t.attr("numpy")().cast<py::array>();
     } catch (const py::error_already_set& e) {
       throw py::value_error(name + ": got a torch tensor of dtype " +
                             std::string(py::str(obj.attr("dtype"))) +
@@ -64,6 +77,10 @@ py::array AsArray(const py::handle& obj, const std::string& name) {
     }
   }
   if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+    if (!allow_list) {
+      throw py::value_error(name + ": got a " + type_name + ", expected a writable NumPy array " +
+                            "or CPU torch tensor (the result is written into it)");
+    }
     py::array a;
     try {
       a = py::module_::import("numpy").attr("asarray")(obj).cast<py::array>();
@@ -82,11 +99,36 @@ py::array AsArray(const py::handle& obj, const std::string& name) {
                         type_name);
 }
 
-void RequireContiguous(const py::array& a, const std::string& name) {
-  if (!(a.flags() & py::array::c_style)) {
-    throw py::value_error(name + ": got a non-contiguous " + DescribeArray(a) +
-                          ", expected a C-contiguous array (use np.ascontiguousarray)");
+int64_t Int64Of(const py::handle& value, const std::string& name) {
+  try {
+    return py::module_::import("operator").attr("index")(value).cast<int64_t>();
+  } catch (const std::exception& e) {
+    throw py::value_error(name + ": expected an integer, got " +
+                          std::string(py::str(py::type::of(value).attr("__name__"))) + " (" +
+                          e.what() + ")");
   }
+}
+
+bool IsReadableInPlace(const py::array& a) {
+  constexpr int kNeeded =
+      py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  return (a.flags() & kNeeded) == kNeeded && a.dtype().attr("isnative").cast<bool>();
+}
+
+py::array Readable(const py::array& a, const std::string& name) {
+  if (a.dtype().attr("hasobject").cast<bool>()) {
+    throw py::value_error(name + ": got a " + DescribeArray(a) +
+                          ", which holds Python objects; expected an array of numbers");
+  }
+  if (IsReadableInPlace(a)) return a;
+  py::object np = py::module_::import("numpy");
+  py::object native = a.dtype().attr("newbyteorder")("=");
+  py::array r = np.attr("require")(a, native, "CA").cast<py::array>();
+  if (!IsReadableInPlace(r)) {  // NumPy's contract; checked, as the reads below rely on it
+    throw std::runtime_error(name + ": numpy.require returned a " + DescribeArray(r) +
+                             " that is not C-contiguous, aligned and native");
+  }
+  return r;
 }
 
 }  // namespace thdpack::python

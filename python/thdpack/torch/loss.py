@@ -62,7 +62,7 @@ def _check_inputs(logits, labels, loss_mask):
     if not isinstance(labels, torch.Tensor) or labels.shape != (t,):
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"labels: expected a tensor of shape ({t},), got {got}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels: expected an integer tensor, got {labels.dtype}")
     labels = labels.to(device=logits.device, dtype=torch.int64).contiguous()
     counted = labels != IGNORE_INDEX
@@ -302,6 +302,8 @@ def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chu
     n = int(n_loss_tokens)
     if n < 0:
         raise ValueError(f"n_loss_tokens = {n}: must be >= 0")
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits: expected a [T, V] tensor, got {type(logits).__name__}")
     # No gradient buffer under torch.no_grad() or for logits that do not require one.
     want_grad = torch.is_grad_enabled() and logits.requires_grad
     return _LocalLoss.apply(logits, labels, loss_mask, n, float(grad_factor), bool(chunked),

@@ -13,16 +13,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _thdpack
+from .sharding import _int_array
 
 
 def _lengths(seqlens):
-    if isinstance(seqlens, torch.Tensor):
-        seqlens = seqlens.detach().cpu().numpy()
-    a = np.asarray(seqlens)
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise ValueError(f"seqlens: expected a 1-D integer array, got {a.dtype} of shape "
-                         f"{a.shape}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return _int_array(seqlens, "seqlens", np.int64)
 
 
 def micro_batch_indices(seqlens, max_token_len, *, num_micro_batches=None,
@@ -78,11 +73,17 @@ def _batch_size_and_lengths(batch):
     if isinstance(batch, torch.Tensor) or isinstance(batch, np.ndarray) or \
             isinstance(batch, (list, tuple)):
         return None, _lengths(batch)
+    if not hasattr(batch, "keys"):
+        raise ValueError(f"batch: expected a dict, a TensorDict or a 1-D sequence of lengths, "
+                         f"got {type(batch).__name__}")
     if "attention_mask" in batch.keys():
         mask = batch["attention_mask"]
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            raise ValueError("batch['attention_mask']: expected a [B, S] tensor")
-        return mask.shape[0], _lengths(mask.sum(dim=1).to(torch.int64))
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_complex():
+            raise ValueError("batch['attention_mask']: expected a [B, S] tensor of 0/1")
+        m = mask.detach()
+        if not bool(((m == 0) | (m == 1)).all()):
+            raise ValueError("batch['attention_mask']: holds values other than 0 and 1")
+        return mask.shape[0], _lengths(m.to(torch.int64).sum(dim=1))
     if "seqlens" in batch.keys():
         lengths = _lengths(batch["seqlens"])
         return lengths.size, lengths

@@ -4,14 +4,51 @@ import torch
 
 from .. import _thdpack
 
+def _int_array(value, name, dtype):
+    """A 1-D integer array (tensor on any device, NumPy array of any layout and byte order, or
+    list) as a new C-contiguous NumPy array of `dtype`, every value checked to fit it: a value
+    that does not is a ValueError naming it, never wrapped."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-D integer tensor, got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        value = value.detach().cpu().to(torch.int64).numpy()
+    elif not isinstance(value, (np.ndarray, list, tuple)):
+        raise ValueError(f"{name}: expected a tensor, a NumPy array or a list of integers, got "
+                         f"{type(value).__name__}")
+    try:
+        a = np.asarray(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: not a rectangular list of integers ({e})") from None
+    # An empty list is float64 to NumPy: an empty array of any number type is accepted.
+    if a.ndim != 1 or a.dtype.kind not in ("iu" if a.size else "biuf"):
+        raise ValueError(f"{name}: expected a 1-D integer array, got {a.dtype} of shape {a.shape}")
+    if a.size:
+        info = np.iinfo(dtype)
+        bad = np.flatnonzero((a < info.min) | (a > info.max))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i}] = {int(a[i])}: does not fit {np.dtype(dtype)} "
+                             f"[{info.min}, {info.max}]")
+    return np.array(a, dtype=dtype, order="C")
+
+
 def _cu(cu_seqlens, name):
     """int32 NumPy copy of a small metadata array (tensor, array or list)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = cu_seqlens.detach().cpu().numpy()
-    a = np.asarray(cu_seqlens)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise ValueError(f"{name}: expected a 1-D integer array, got {a.dtype} of shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.int32)
+    return _int_array(cu_seqlens, name, np.int32)
+
+
+def _tensor_arg(tensor, name):
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _dim_arg(tensor, dim, name):
+    if not -tensor.dim() <= dim < max(tensor.dim(), 1) or tensor.dim() == 0:
+        raise ValueError(f"{name}: dim = {dim} is not a dimension of a tensor of shape "
+                         f"{tuple(tensor.shape)}")
+    return dim
 
 
 def partition_indices(cu_seqlens_padded, cp_size, cp_rank, device=None):
@@ -23,6 +60,9 @@ def partition_indices(cu_seqlens_padded, cp_size, cp_rank, device=None):
 
 def shard(tensor, cu_seqlens_padded, cp_size, cp_rank, dim=0):
     """CP rank cp_rank's zigzag shard of `tensor` along `dim` ([T] -> [T/CP]); differentiable."""
+    _dim_arg(_tensor_arg(tensor, "tensor"), dim, "tensor")
+    if int(cp_size) < 1:
+        raise ValueError(f"cp_size = {cp_size}: must be >= 1")
     if tensor.shape[dim] % cp_size != 0:
         raise ValueError(f"shard: tensor has {tensor.shape[dim]} tokens along dim {dim}, "
                          f"not divisible by cp_size {cp_size}")
@@ -35,9 +75,13 @@ def shard(tensor, cu_seqlens_padded, cp_size, cp_rank, dim=0):
 
 def unshard(shards, cu_seqlens_padded, dim=0):
     """The inverse of shard: every CP rank's shard in rank order -> the full tensor."""
+    if not isinstance(shards, (list, tuple)):
+        raise ValueError(f"shards: expected a list of tensors, got {type(shards).__name__}")
     cp_size = len(shards)
     if cp_size == 0:
         raise ValueError("unshard: shards is empty; one shard per CP rank expected")
+    for r, s in enumerate(shards):
+        _dim_arg(_tensor_arg(s, f"shards[{r}]"), dim, f"shards[{r}]")
     device = shards[0].device
     perm = torch.cat([partition_indices(cu_seqlens_padded, cp_size, r, device)
                       for r in range(cp_size)])
@@ -46,6 +90,12 @@ def unshard(shards, cu_seqlens_padded, dim=0):
         if s.shape[dim] != local:
             raise ValueError(f"unshard: shards[{r}] has {s.shape[dim]} tokens, shards[0] has "
                              f"{local}: every shard must have T/CP tokens")
+        if s.dtype != shards[0].dtype or s.device != device or \
+                s.shape[:dim] + s.shape[dim + 1:] != shards[0].shape[:dim] + shards[0].shape[dim + 1:]:
+            raise ValueError(f"unshard: shards[{r}] is a {s.dtype} tensor of shape "
+                             f"{tuple(s.shape)} on {s.device}, shards[0] a {shards[0].dtype} "
+                             f"one of shape {tuple(shards[0].shape)} on {device}: every shard "
+                             f"must have the same dtype, device and other dimensions")
     if perm.numel() != local * cp_size:
         raise ValueError(f"unshard: shards hold {local * cp_size} tokens, cu_seqlens_padded "
                          f"describes {perm.numel()}")
@@ -56,5 +106,6 @@ def unshard(shards, cu_seqlens_padded, dim=0):
 
 def sp_split(tensor, tp_size, tp_rank, dim=0):
     """TP rank tp_rank's contiguous part of the CP-local tensor along `dim` (a view)."""
+    _dim_arg(_tensor_arg(tensor, "tensor"), dim, "tensor")
     offset, count = _thdpack.sp_range(tensor.shape[dim], tp_size, tp_rank)
     return tensor.narrow(dim, offset, count)
