@@ -143,16 +143,19 @@ HeldSpan<T> IntView1D(const py::handle& obj, const std::string& name) {
   py::array_t<T> out(a.size());
   T* dst = out.mutable_data();
   // array_t<..., forcecast> converts through NumPy (strides and byte order included); every
-  // integer dtype widens exactly to int64, and uint64 is read as itself.
+  // integer dtype widens exactly to int64, and uint64 is read as itself. It asks NumPy for a
+  // C-contiguous array only, and returns one of the same dtype as is, misaligned or not: so the
+  // input is made readable (aligned, native) first.
+  const py::array r = Readable(a, name);
   if (kind == 'u' && a.itemsize() == 8) {
-    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> wide(a);
+    py::array_t<uint64_t, py::array::c_style | py::array::forcecast> wide(r);
     const uint64_t* v = wide.data();
     for (py::ssize_t j = 0; j < wide.size(); ++j) {
       if (v[j] > static_cast<uint64_t>(hi)) throw out_of_range(j, std::to_string(v[j]));
       dst[j] = static_cast<T>(v[j]);
     }
   } else {
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(r);
     const int64_t* v = wide.data();
     for (py::ssize_t j = 0; j < wide.size(); ++j) {
       if (v[j] < lo || v[j] > hi) throw out_of_range(j, std::to_string(v[j]));
@@ -173,7 +176,8 @@ inline HeldSpan<double> DoubleView1D(const py::handle& obj, const std::string& n
     throw py::value_error(name + ": got a " + DescribeArray(a) +
                           ", expected a 1-D array of float64 (float16 and float32 are widened)");
   }
-  py::array_t<double, py::array::c_style | py::array::forcecast> wide(a);
+  const py::array r = Readable(a, name);  // aligned first: see IntView1D
+  py::array_t<double, py::array::c_style | py::array::forcecast> wide(r);
   std::span<const double> view(wide.data(), static_cast<size_t>(wide.size()));
   return HeldSpan<double>(view, std::move(wide));
 }
@@ -203,15 +207,16 @@ inline HeldSpan<uint8_t> MaskView1D(const py::handle& obj, const std::string& na
   };
   py::array_t<uint8_t> out(a.size());
   uint8_t* dst = out.mutable_data();
+  const py::array r = Readable(a, name);  // aligned first: see IntView1D
   if (kind == 'f') {
-    py::array_t<double, py::array::c_style | py::array::forcecast> v(a);
+    py::array_t<double, py::array::c_style | py::array::forcecast> v(r);
     for (py::ssize_t j = 0; j < v.size(); ++j) {
       if (v.data()[j] != 0.0 && v.data()[j] != 1.0) throw not_01(j);  // NaN too
       dst[j] = static_cast<uint8_t>(v.data()[j]);
     }
   } else {
     // A uint64 above 2^63 wraps to a negative int64: still neither 0 nor 1.
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> v(a);
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> v(r);
     for (py::ssize_t j = 0; j < v.size(); ++j) {
       if (v.data()[j] != 0 && v.data()[j] != 1) throw not_01(j);
       dst[j] = static_cast<uint8_t>(v.data()[j]);
