@@ -135,6 +135,29 @@ py::array Readable(const py::array& a, const std::string& name) {
 
 PYBIND11_MODULE(_thdpack, m) {
   namespace tp = thdpack::python;
+  namespace py = pybind11;
+#if PYBIND11_VERSION_MAJOR < 2 || (PYBIND11_VERSION_MAJOR == 2 && PYBIND11_VERSION_MINOR < 12)
+  // A pybind11 older than 2.12 reads arrays with NumPy 1's struct layout: against NumPy 2 it
+  // takes wrong item sizes and strides (garbage results, reads past buffers). CMake refuses that
+  // pairing when it sees it (cmake/python.cmake); this catches a NumPy upgraded afterwards.
+  {
+    const std::string numpy_version =
+        py::str(py::module_::import("numpy").attr("__version__")).cast<std::string>();
+    // The major version is the leading digits ("1.24.2", "2.4.6").
+    int major = 0;
+    for (char c : numpy_version) {
+      if (c < '0' || c > '9') break;
+      major = major * 10 + (c - '0');
+    }
+    if (major >= 2) {
+      throw py::import_error(
+          "thdpack was built with pybind11 " + std::to_string(PYBIND11_VERSION_MAJOR) + "." +
+          std::to_string(PYBIND11_VERSION_MINOR) + ", which cannot read NumPy " + numpy_version +
+          "'s arrays (NumPy 2 needs pybind11 >= 2.12): rebuild it against this interpreter "
+          "(pip install .)");
+    }
+  }
+#endif
   m.doc() = "thdpack: scheduling, THD packing, CP/SP sharding, step metadata and CP-local loss";
   m.attr("__version__") = thdpack::kVersion;
   tp::BindLayout(m);
