@@ -1,8 +1,12 @@
 # thdpack: the two commands a new machine needs.
 #   make demo   install what is missing, build, and run the main job on built-in defaults
-#   make test   install what is missing, build, and pass every test (also under ASan + UBSan),
-#               then build the library and the fuzz targets with clang and run each briefly
+#   make test   install what is missing, build, and pass every test on Debian's stack; then the
+#               current PyPI stack (a virtual environment made once): the wheel pip builds, in
+#               fresh environments, with the whole Python suite; then everything under
+#               ASan + UBSan (the Python suite on the current stack too); then the library and
+#               the fuzz targets with clang, each run briefly
 #   make fuzz   the fuzz targets for FUZZ_SECONDS each (docs/testing.md)
+# A user installs the Python package with `pip install .` (pyproject.toml).
 JOBS ?= $(shell nproc)
 BUILD ?= build
 WITH_MPI ?= ON
@@ -20,8 +24,13 @@ CMAKE_FLAGS ?=
 # The Python module is built for Debian's interpreter (NumPy and PyTorch live there), whatever
 # python3 comes first on PATH.
 PYTHON ?= /usr/bin/python3
+# The current stack: a virtual environment of Debian's interpreter with the newest NumPy 2,
+# pybind11 3, PyTorch and megatron-core from PyPI (python/requirements-current.txt), made once
+# by scripts/make_venv.sh and reused; `make clean` keeps it (a 3.4 GB download).
+VENV ?= .venv
+WHEEL_BUILD ?= build-wheel
 
-.PHONY: all deps build test test-unit test-asan test-fuzz build-clang fuzz demo bench clean
+.PHONY: all deps venv build test test-unit test-current test-asan test-fuzz build-clang fuzz demo bench clean
 
 all: build
 
@@ -39,14 +48,26 @@ build: deps $(BUILD)/CMakeCache.txt
 test-unit: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
+venv: deps
+	bash scripts/make_venv.sh $(VENV) $(PYTHON)
+
+# The wheel as pip builds it, installed into fresh environments (NumPy alone; the current
+# stack), and the whole Python suite against it (scripts/test_current_stack.sh).
+test-current: venv build
+	bash scripts/test_current_stack.sh $(VENV) $(BUILD) $(WHEEL_BUILD)
+
 # Sanitizers in a build folder of their own; flags are given here, never forced by CMakeLists.
-$(ASAN_BUILD)/CMakeCache.txt:
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF \
+# The Python module is built for the current stack's interpreter, and ctest runs the Python
+# suite with the ASan runtime preloaded (python/CMakeLists.txt), so a read past an array's
+# buffer under NumPy 2 is a report, not a silent wrong value.
+$(ASAN_BUILD)/CMakeCache.txt: | venv
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF \
+	  -DPython3_EXECUTABLE=$(abspath $(VENV))/bin/python \
 	  -DTHDPACK_WITH_MPI=$(WITH_MPI) -DCMAKE_CXX_FLAGS_DEBUG="$(DEBUG_INFO)" \
 	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
-test-asan: deps $(ASAN_BUILD)/CMakeCache.txt
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli fuzz_targets
+test-asan: deps venv $(ASAN_BUILD)/CMakeCache.txt
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli fuzz_targets thdpack_python
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -E '^package\.' -LE mpi
 
@@ -68,7 +89,7 @@ test-fuzz: build-clang
 fuzz: build-clang
 	bash fuzz/run_fuzzers.sh $(CLANG_BUILD) $(FUZZ_SECONDS)
 
-test: test-unit test-asan test-fuzz
+test: test-unit test-current test-asan test-fuzz
 
 demo: build
 	bash scripts/demo.sh $(BUILD)
@@ -77,4 +98,4 @@ bench: build
 	bash scripts/bench.sh $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(CLANG_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(CLANG_BUILD) $(WHEEL_BUILD)

@@ -8,7 +8,7 @@ packages=(
   libgtest-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
-  pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
+  pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-venv binutils ninja-build
   clang libclang-rt-dev
 )
 

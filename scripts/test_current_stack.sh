@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# make test's current-stack part: thdpack as a user of today's PyPI stack gets it.
+#   1. the wheel, built by pip through scikit-build-core with the system's nlohmann_json hidden
+#      (so the headers come from PyPI's nlohmann-json), incremental in OUT/build; its contents
+#      checked: the thdpack package only, a module that links neither libtorch nor libpython;
+#   2. a fresh virtual environment with NumPy alone: the wheel installed, the smoke test;
+#   3. a fresh virtual environment with the current stack (VENV's packages through a .pth file,
+#      so 5 GB of torch are not copied): the wheel installed, the smoke test, then the whole
+#      Python suite against the installed package (THDPACK_CLI: the command line of BUILD).
+# Prints the time of each part and the wheel's size. Usage: test_current_stack.sh VENV BUILD [OUT]
+set -euo pipefail
+venv=$(realpath "${1:?usage: test_current_stack.sh VENV BUILD [OUT]}")
+build=$(realpath "${2:?usage: test_current_stack.sh VENV BUILD [OUT]}")
+here=$(cd "$(dirname "$0")/.." && pwd)
+out=$(realpath -m "${3:-$here/build-wheel}")
+cd "$here"
+unset PYTHONPATH
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+python=$venv/bin/python
+base=$(readlink -f "$(dirname "$(readlink -f "$python")")")/python3  # the interpreter of the venv
+version=$(sed -n 's/^project(thdpack VERSION \([0-9.]*\).*/\1/p' CMakeLists.txt)
+clock() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(clock)" 'BEGIN { printf "%.1f s", b - a }'; }
+
+t=$(clock)
+rm -rf "$out/dist"
+"$python" -m pip wheel . -q --no-build-isolation --no-deps -w "$out/dist" \
+  --config-settings=build-dir="$out/build" \
+  --config-settings=cmake.define.CMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON
+wheel=$(ls "$out"/dist/thdpack-*.whl)
+echo "current stack: wheel $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB, built in $(since "$t")"
+"$python" - "$wheel" <<'PY'
+import subprocess, sys, tempfile, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+stray = [n for n in names if not (n.startswith("thdpack/") or ".dist-info/" in n)]
+assert not stray, f"the wheel holds more than the package: {stray}"
+modules = [n for n in names if n.startswith("thdpack/_thdpack") and n.endswith(".so")]
+assert len(modules) == 1 and "thdpack/torch/loss.py" in names, names
+with tempfile.TemporaryDirectory() as d:
+    path = zipfile.ZipFile(sys.argv[1]).extract(modules[0], d)
+    needed = subprocess.run(["readelf", "-d", path], check=True, capture_output=True,
+                            text=True).stdout
+needed = [l.split("[")[1].rstrip("]") for l in needed.splitlines() if "(NEEDED)" in l]
+bad = [n for n in needed if n.startswith(("libtorch", "libc10", "libpython"))]
+assert not bad, f"the module links {bad}: it must serve every torch and Python build"
+print(f"current stack: the wheel holds {len(names)} files, the module needs {', '.join(needed)}")
+PY
+
+t=$(clock)
+env_numpy=$out/env-numpy
+"$base" -m venv --clear "$env_numpy"
+"$env_numpy/bin/pip" install -q --no-index --find-links "$venv/wheels" numpy "$wheel"
+(cd "$out" && "$env_numpy/bin/python" -I "$here/scripts/smoke_installed.py" "$version")
+echo "current stack: NumPy-only environment made and checked in $(since "$t")"
+
+t=$(clock)
+env_torch=$out/env-torch
+"$base" -m venv --clear "$env_torch"
+site=$("$env_torch/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/current-stack.pth"
+"$env_torch/bin/pip" install -q --no-index --no-deps "$wheel"
+(cd "$out" && "$env_torch/bin/python" -I "$here/scripts/smoke_installed.py" "$version")
+(cd "$out" && "$env_torch/bin/python" -I -c "import thdpack, thdpack.torch")
+echo "current stack: torch environment made and checked in $(since "$t")"
+
+t=$(clock)
+(cd "$out" && THDPACK_CLI="$build/thdpack" OMP_NUM_THREADS=1 \
+  "$env_torch/bin/python" -m pytest -q -p no:cacheprovider -rs "$here/python/tests")
+echo "current stack: the Python suite on the installed wheel in $(since "$t")"
