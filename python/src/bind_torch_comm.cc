@@ -22,10 +22,14 @@ class TorchProcessGroup final : public ProcessGroup {
         options_(std::move(options)) {
     dist_ = py::module_::import("torch.distributed");
     torch_ = py::module_::import("torch");
+    // CUDA tensors on a pure NCCL group only (TorchCommOptions::cuda_device).
+    const std::string backend = py::str(dist_.attr("get_backend")(group_));
+    device_ = backend == "nccl" ? options_->cuda_device : py::none();
   }
   ~TorchProcessGroup() override {
     py::gil_scoped_acquire gil;
     group_ = py::object();
+    device_ = py::object();
     dist_ = py::object();
     torch_ = py::object();
     options_.reset();
@@ -184,7 +188,8 @@ class TorchProcessGroup final : public ProcessGroup {
 
   // The caller's groups when every list is one of them (agreed over this group: one 8-byte
   // all-reduce), else one dist.new_group per list, in list order on every member (torch
-  // requires every rank of the default group to make every group, in one order).
+  // requires every rank of the default group to make every group, in one order), with the
+  // world's backend.
   Result<std::unique_ptr<ProcessGroup>> Split(std::span<const std::vector<int>> groups) override {
     int my_group = -1, my_index = -1;
     THDPACK_RETURN_IF_ERROR(CheckSplit(groups, &my_group, &my_index));
@@ -207,7 +212,8 @@ class TorchProcessGroup final : public ProcessGroup {
       for (size_t g = 0; g < groups.size(); ++g) {
         py::list torch_ranks;
         for (int r : groups[g]) torch_ranks.append(options_->torch_ranks[static_cast<size_t>(r)]);
-        py::object made = dist_.attr("new_group")(py::arg("ranks") = torch_ranks);
+        py::object made = dist_.attr("new_group")(py::arg("ranks") = torch_ranks,
+                                                  py::arg("backend") = options_->backend);
         if (static_cast<int>(g) == my_group) {
           mine.reset(new TorchProcessGroup(groups[g], my_index, made, options_));
         }
@@ -252,12 +258,12 @@ class TorchProcessGroup final : public ProcessGroup {
     return torch_.attr("from_numpy")(a);
   }
   py::object ToDevice(py::object t) const {
-    if (options_->device.is_none()) return t;
-    return t.attr("to")(options_->device);
+    if (device_.is_none()) return t;
+    return t.attr("to")(device_);
   }
   // Copies a device tensor back into the span (no-op on CPU, where t is the span itself).
   void FromDevice(const py::object& t, std::span<std::byte> out) const {
-    if (options_->device.is_none() || out.empty()) return;
+    if (device_.is_none() || out.empty()) return;
     py::object cpu = t.attr("cpu")().attr("contiguous")();
     py::object view = torch_.attr("from_numpy")(py::array(py::dtype::of<uint8_t>(),
                                                           {static_cast<py::ssize_t>(out.size())},
@@ -267,6 +273,7 @@ class TorchProcessGroup final : public ProcessGroup {
 
   py::object group_;
   std::shared_ptr<const TorchCommOptions> options_;
+  py::object device_;  // None: CPU tensors
   py::object dist_;
   py::object torch_;
 };

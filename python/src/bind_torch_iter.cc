@@ -3,7 +3,7 @@
 // (torch_comm.h) - and, for tests, the same step over threads in one process.
 //
 //   thdpack._thdpack._TorchStepRunner(world, torch_ranks, known, options, source, take_share,
-//                                     device, monitored_barrier_seconds)
+//                                     cuda_device, monitored_barrier_seconds)
 //       .next() -> dict: one step as this rank holds it (NumPy arrays)
 //   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares)
 //       -> [rank][step] dicts of the same form
@@ -191,6 +191,16 @@ Result<std::string> FiguresOf(ProcessGroup& world, const Job& job, const RankSte
   if (step.is_loader) {
     auto f =
         ComputeStepFigures(step.step, step.epoch, step.samples, job.schedule, step.plan, job.flops);
+    // The modelled step time, as `plan --json` and `run --json` give it (null without a model
+    // cost, as there).
+    if (f.ok() && job.schedule.step_time.has_value()) {
+      Result<double> t = PlanStepTime(step.samples, job.schedule, step.plan);
+      if (t.ok()) {
+        f->sim_step_time = *t;
+      } else {
+        f = t.status();
+      }
+    }
     if (f.ok()) {
       mine = StepFiguresJson(*f, /*summary_only=*/false);
       totals = StepFiguresJson(*f, /*summary_only=*/true);
@@ -223,7 +233,9 @@ class TorchStepRunner {
       comm->known.push_back(
           KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
     }
-    comm->device = std::move(device);
+    comm->cuda_device = std::move(device);
+    comm->backend = py::str(py::module_::import("torch.distributed").attr("get_backend")(world_group))
+                        .cast<std::string>();
     comm->monitored_barrier_seconds = monitored_barrier_seconds;
     if (static_cast<int>(comm->torch_ranks.size()) != job_.topology.world_size()) {
       throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
@@ -359,7 +371,7 @@ void BindTorchIter(py::module_& m) {
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
                     py::object, double>(),
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
-           py::arg("source"), py::arg("take_share"), py::arg("device"),
+           py::arg("source"), py::arg("take_share"), py::arg("cuda_device"),
            py::arg("monitored_barrier_seconds"))
       .def("next", &TorchStepRunner::Next)
       .def("topology", &TorchStepRunner::Topology);

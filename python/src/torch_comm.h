@@ -4,7 +4,7 @@
 //
 // Every collective takes the GIL for its call (the step may run with the GIL released),
 // wraps the byte spans as CPU tensors without a copy (torch.from_numpy over the span), copies
-// them to `device` and back when the group runs on CUDA (NCCL), and turns a Python exception
+// them to the CUDA device and back when the group runs on NCCL, and turns a Python exception
 // into kAborted naming the operation and the group. Torch 1.13 lacks a list all_to_all and an
 // uneven all_gather on gloo: AllToAllV is all_to_all_single with uneven splits, AllGatherV an
 // all_gather of buffers padded to the largest count.
@@ -38,8 +38,14 @@ struct TorchCommOptions {
   std::vector<int> torch_ranks;
   // The groups Split may reuse instead of making new ones.
   std::vector<KnownGroup> known;
-  // None: CPU tensors (gloo); else the torch.device the collectives run on (NCCL: cuda).
-  py::object device;
+  // The CUDA device a group on NCCL copies its buffers to (None where there is no CUDA). Each
+  // group decides by its own backend: NCCL moves CUDA tensors, every other backend (gloo, and
+  // gloo's part of "cpu:gloo,cuda:nccl") CPU tensors, so a gloo world inside an NCCL job (and
+  // a caller's NCCL groups beside it) works.
+  py::object cuda_device;
+  // The world's backend (dist.get_backend(world)): every group Split makes is made with it,
+  // not with the default group's.
+  std::string backend;
   // Barrier() uses dist.monitored_barrier (gloo only) with this timeout, so that a rank that
   // stopped answering is named; <= 0: plain dist.barrier.
   double monitored_barrier_seconds = 0;

@@ -7,6 +7,7 @@ Megatron's entry points return Megatron's shapes and a PackedSeqParams.
 One spawned world per world size runs every topology of that size (groups made once per
 topology), to keep the suite within CI's time.
 """
+import dataclasses
 import json
 import os
 import pickle
@@ -188,20 +189,32 @@ def worker(rank, world, port, data_path, out_dir):
     dist.destroy_process_group()
 
 
+@dataclasses.dataclass
 class StandInPackedSeqParams:
-    """Megatron's PackedSeqParams fields, for a machine without megatron.core."""
-
-    def __init__(self, qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None,
-                 cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
-                 max_seqlen_kv=None, local_cp_size=None, cp_group=None):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
+    """Megatron-LM main's PackedSeqParams fields, for a stack without megatron.core."""
+    qkv_format: str = None
+    cu_seqlens_q: torch.Tensor = None
+    cu_seqlens_kv: torch.Tensor = None
+    cu_seqlens_q_padded: torch.Tensor = None
+    cu_seqlens_kv_padded: torch.Tensor = None
+    max_seqlen_q: int = None
+    max_seqlen_kv: int = None
+    local_cp_size: int = None
+    cp_group: object = None
+    total_tokens: int = None
+    pad_between_seqs: bool = None
 
 
 def megatron_entry_points(groups, data_path, tp, cp, dp, pp, sp):
-    for name in ("megatron", "megatron.core", "megatron.core.packed_seq_params"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["megatron.core.packed_seq_params"].PackedSeqParams = StandInPackedSeqParams
+    """Megatron's entry points over the iterator: the real PackedSeqParams where megatron.core
+    imports (the current stack), a stand-in with Megatron main's fields elsewhere."""
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+    except ImportError:
+        for name in ("megatron", "megatron.core", "megatron.core.packed_seq_params"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["megatron.core.packed_seq_params"].PackedSeqParams = StandInPackedSeqParams
+        PackedSeqParams = StandInPackedSeqParams
     from thdpack.torch import megatron
     config = types.SimpleNamespace(max_seqlen_per_dp_cp_rank=MAX_TOKENS,
                                    sequence_packing_scheduler="dp_balanced",
@@ -218,10 +231,12 @@ def megatron_entry_points(groups, data_path, tp, cp, dp, pp, sp):
             t = megatron.get_batch_on_this_rank_for_sequence_packing(it, pg_collection=pgs,
                                                                      config=config)
             assert len(t) == 7 and t[3] is None
-            assert isinstance(t[5], StandInPackedSeqParams) and t[5].qkv_format == "thd"
+            assert type(t[5]) is PackedSeqParams and t[5].qkv_format == "thd"
+            assert t[5].local_cp_size is None and t[5].cp_group is None  # static CP
             batches.append({"tokens": t[0].numpy(), "labels": t[1].numpy(),
                             "loss_mask": t[2].numpy(), "position_ids": t[4].numpy(),
                             "cu_seqlens_q": t[5].cu_seqlens_q.numpy(),
+                            "cu_seqlens_kv_padded": t[5].cu_seqlens_kv_padded.numpy(),
                             "max_seqlen_q": t[5].max_seqlen_q, "padding_mask": t[6].numpy()})
         with pytest.raises(StopIteration):
             next(it)
@@ -370,8 +385,10 @@ def test_iterator_equals_threads_and_reference(world, tmp_path):
                     for k in ("tokens", "labels", "loss_mask", "position_ids", "padding_mask"):
                         assert b[k].shape == (1, mb[k].shape[0]), k
                         same_array(b[k][0], mb[k], f"megatron rank {r} step {s} {k}")
-                    # Megatron main passes cu_seqlens_padded as cu_seqlens (its TE workaround).
-                    same_array(b["cu_seqlens_q"], mb["cu_seqlens_padded"], "megatron cu_seqlens_q")
+                    # The real offsets and the padded ones, as Megatron builds them.
+                    same_array(b["cu_seqlens_q"], mb["cu_seqlens"], "megatron cu_seqlens_q")
+                    same_array(b["cu_seqlens_kv_padded"], mb["cu_seqlens_padded"],
+                               "megatron cu_seqlens_kv_padded")
                     assert b["max_seqlen_q"] == mb["max_seqlen"]
         failures = [got[r]["failure"] for r in range(world)]
         assert all(f is not None for f in failures), failures
@@ -429,6 +446,87 @@ def test_iterable_source_rules(tmp_path):
     assert "token-aligned" in out["length"], out["length"]
     assert "expected a dict with 'input_ids'" in out["not_dict"], out["not_dict"]
     assert "permutation" in out["order"], out["order"]
+
+
+def world_backend_worker(rank, world, port, data_path, out_dir):
+    """A world given as its own group (Megatron keeps gloo groups beside its NCCL ones): every
+    group the step makes must be made with that world's backend, never the default one (with an
+    NCCL default group, a group made without a backend is NCCL and the CPU collectives fail).
+    NCCL cannot run here, so every dist.new_group call is recorded and its backend checked."""
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from thdpack.torch import Groups, PackedDataIterator
+    world_group = dist.new_group(list(range(world)), backend="gloo")
+    tp, cp, dp, pp, sp = BACKEND_TOPOLOGY
+    given = make_groups(tp, cp, dp, pp)  # made before the recording starts
+    calls = []
+    made = dist.new_group
+
+    def recording_new_group(*args, **kwargs):
+        calls.append(kwargs.get("backend", args[2] if len(args) > 2 else None))
+        return made(*args, **kwargs)
+
+    dist.new_group = recording_new_group
+    try:
+        opts = options(tp, cp, dp, pp, sp, "tp0")
+        for k in ("tp", "cp", "dp", "pp"):
+            del opts[k]
+        # The caller's TP and CP groups and its world; the step makes the others it needs (its
+        # loaders' group, the replica group of TP x CP ranks) itself.
+        groups = Groups(tp=given.tp, cp=given.cp, world=world_group)
+        it = PackedDataIterator("jsonl:" + data_path, groups, **opts)
+        steps = [to_numpy(next(it)) for _ in range(STEPS)]
+        it.close()
+    finally:
+        dist.new_group = made
+    with open(os.path.join(out_dir, f"backend{rank}.pkl"), "wb") as f:
+        pickle.dump({"calls": calls, "world_backend": dist.get_backend(world_group),
+                     "steps": steps}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# One replica of TP x CP = 2 x 2: its replica group is none of the caller's groups.
+BACKEND_TOPOLOGY = (2, 2, 1, 1, False)
+
+
+def test_groups_the_step_makes_take_the_worlds_backend(tmp_path):
+    world = 4
+    data = str(tmp_path / "samples.jsonl")
+    write_samples(data)
+    mp.spawn(world_backend_worker, args=(world, free_port(), data, str(tmp_path)), nprocs=world,
+             join=True)
+    tp, cp, dp, pp, sp = BACKEND_TOPOLOGY
+    threads = _thdpack._run_steps_on_threads(options(tp, cp, dp, pp, sp, "tp0"), STEPS,
+                                             "jsonl:" + data, None)
+    for r in range(world):
+        got = pickle.load(open(tmp_path / f"backend{r}.pkl", "rb"))
+        assert got["calls"], f"rank {r}: the step made no group (nothing was checked)"
+        assert all(b == got["world_backend"] for b in got["calls"]), (r, got["calls"])
+        for s in range(STEPS):
+            for a, b in zip(got["steps"][s]["microbatches"], threads[r][s]["microbatches"]):
+                for k in ("tokens", "labels", "loss_mask", "cu_seqlens_padded"):
+                    same_array(a[k], b[k], f"rank {r} step {s} {k}")
+
+
+def test_step_figures_equal_plan_json():
+    """step.figures (FiguresOf, the same code on threads as over torch) is plan --json's step for
+    the same options: every field, sim_step_time included (a model cost), on loaders; the
+    totals without per-replica detail elsewhere. The memory report is plan's alone."""
+    opts = dict(tp=2, cp=2, dp=2, pp=1, global_batch=24, max_tokens_per_rank=16384,
+                cost="llama2-7b", scheduler="balanced")
+    threads = _thdpack._run_steps_on_threads(opts, 2, "mock", None)
+    plan = thdpack.plan_job(data="mock", steps=2, **opts)
+    for s in range(2):
+        want = {k: v for k, v in plan["steps"][s].items() if k != "memory"}
+        assert want["sim_step_time"] > 0
+        for r, steps in enumerate(threads):
+            got = steps[s]["figures"]
+            if steps[s]["is_loader"]:
+                assert got == want, (s, r)
+            else:
+                assert got == {k: v for k, v in want.items() if k != "replicas"}, (s, r)
 
 
 def test_iterator_refuses_the_dynamic_scheduler():

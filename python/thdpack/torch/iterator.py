@@ -208,7 +208,12 @@ class PackedDataIterator:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
-        self._comm_device = self.device if nccl else None
+        # The world's collectives (and those of any NCCL group of the caller's) run on CUDA
+        # tensors when the group is NCCL, on CPU tensors otherwise: a gloo world inside an NCCL
+        # job stays on the CPU. Groups the step makes take the world's backend.
+        cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else None
+        self._comm_device = cuda if nccl else None
         self._steps = steps
         self._done = 0
         self._finished = False
@@ -229,7 +234,7 @@ class PackedDataIterator:
         self._runner = _thdpack._TorchStepRunner(
             groups.world, groups.world_ranks, groups.known, opts,
             source if not self._fed else None, self._take_share if self._fed else None,
-            self._comm_device, float(monitored_barrier_seconds))
+            cuda, float(monitored_barrier_seconds))
 
     @staticmethod
     def _loader_count(n, dp, d):

@@ -17,6 +17,8 @@ DP). Any keyword argument of PackedDataIterator given to wrap_data_iterator over
 """
 from __future__ import annotations
 
+import torch
+
 from .iterator import Groups, PackedDataIterator
 
 _SCHEDULERS = {"dp_balanced": "balanced", "balanced": "balanced", "sequential": "sequential"}
@@ -32,6 +34,29 @@ def _packed_seq_params_class():
         return PackedSeqParams
     except ImportError:
         return None
+
+
+def packed_seq_params(mb):
+    """Megatron's PackedSeqParams of one of PackedDataIterator's microbatches, built as Megatron's
+    own get_batch_on_this_rank_for_sequence_packing builds it for static CP: cu_seqlens_q/kv the
+    real offsets, cu_seqlens_*_padded the padded ones (TransformerEngine reads the tokens at the
+    padded offsets and attends over the real lengths), max_seqlen the largest padded length,
+    total_tokens the padded total, pad_between_seqs whether any sequence is padded,
+    local_cp_size and cp_group None (they name a per-microbatch CP group: dynamic CP only).
+    Only the fields the installed class has are passed (megatron-core 0.16 has no total_tokens
+    or pad_between_seqs). Without megatron.core, the dict of the same fields."""
+    cu, cup = mb["cu_seqlens"], mb["cu_seqlens_padded"]
+    fields = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
+                  cu_seqlens_kv_padded=cup, max_seqlen_q=mb["max_seqlen"],
+                  max_seqlen_kv=mb["max_seqlen"], local_cp_size=None, cp_group=None,
+                  total_tokens=int(cup[-1]), pad_between_seqs=not torch.equal(cu, cup))
+    cls = _packed_seq_params_class()
+    if cls is None:
+        return fields
+    names = getattr(cls, "__dataclass_fields__", None)
+    if names is not None:
+        fields = {k: v for k, v in fields.items() if k in names}
+    return cls(**fields)
 
 
 def iterator_options(config, num_microbatches, dp_size):
@@ -100,11 +125,9 @@ def get_batch_on_this_rank_for_sequence_packing(data_iterator, vpp_size=None,
 
     tokens and position_ids (int64) on the first stage, labels (int64) and loss_mask (float32)
     on the last, None elsewhere; every tensor ``[1, T/CP]`` (CP-local; with SP as well).
-    packed_seq_params is Megatron's PackedSeqParams when megatron.core imports (the dict of
-    PackedDataIterator otherwise), built as Megatron main builds it: every cu_seqlens field is
-    cu_seqlens_padded (Megatron's workaround for TransformerEngine; padding sits at the tail of
-    each sequence, so causal attention of real tokens never sees it). padding_mask is bool
-    ``[1, T/CP]``, True on padding (Megatron returns one only when padding for CUDA graphs).
+    packed_seq_params is Megatron's PackedSeqParams when megatron.core imports (a dict of the same
+    fields otherwise), built as Megatron builds it (``packed_seq_params`` above). padding_mask is
+    bool ``[1, T/CP]``, True on padding.
     """
     if dynamic_cp:
         raise ValueError("dynamic_cp: not supported by thdpack's step (CP is the topology's)")
@@ -123,11 +146,5 @@ def get_batch_on_this_rank_for_sequence_packing(data_iterator, vpp_size=None,
     position_ids = row("position_ids", first or mtp_on_this_rank)
     labels = row("labels", last or mtp_on_this_rank)
     loss_mask = row("loss_mask", last or mtp_on_this_rank)
-    cup = mb["cu_seqlens_padded"]
-    fields = dict(qkv_format="thd", cu_seqlens_q=cup, cu_seqlens_kv=cup, cu_seqlens_q_padded=cup,
-                  cu_seqlens_kv_padded=cup, max_seqlen_q=mb["max_seqlen"],
-                  max_seqlen_kv=mb["max_seqlen"])
-    cls = _packed_seq_params_class()
-    packed_seq_params = cls(**fields) if cls is not None else fields
     padding_mask = mb["padding_mask"].view(1, -1)
-    return tokens, labels, loss_mask, None, position_ids, packed_seq_params, padding_mask
+    return tokens, labels, loss_mask, None, position_ids, packed_seq_params(mb), padding_mask
