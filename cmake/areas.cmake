@@ -25,7 +25,7 @@ thdpack_area(common   HEADERS status.h sample.h version.h parallel_layout.h SHAR
 thdpack_area(topology DEPS common HEADERS topology.h)
 thdpack_area(comm     DEPS common HEADERS comm.h)
 thdpack_area(data     DEPS common HEADERS data.h megatron_dataset.h LIBS nlohmann_json::nlohmann_json)
-thdpack_area(cost     DEPS common HEADERS cost.h)
+thdpack_area(cost     DEPS common HEADERS cost.h profile.h LIBS nlohmann_json::nlohmann_json)
 thdpack_area(shard    DEPS common HEADERS shard.h)
 thdpack_area(wire     DEPS common HEADERS wire.h)
 thdpack_area(schedule DEPS data cost HEADERS schedule.h)

@@ -53,20 +53,28 @@ struct FlopsCoefficients {
 };
 [[nodiscard]] Result<FlopsCoefficients> ComputeFlopsCoefficients(const ModelDims& dims);
 
-// The cost model. Defaults to `tokens` (a=1, b=0): balance padded tokens.
+// The cost model. Defaults to `tokens` (a=1, b=0): balance padded tokens. A measured profile
+// (profile.h) adds c, a constant per sequence, and its unit is seconds.
 struct CostModel {
   double a = 1.0;
   double b = 0.0;
-  std::string name = "tokens";  // for reports: "tokens", "llama2-7b", "a,b", ...
+  std::string name = "tokens";  // for reports: "tokens", "llama2-7b", "a,b", "profile:FILE", ...
+  double c = 0.0;               // per sequence (0 but for measured profiles)
+  // What a unit of cost is: "tokens" (the default), "FLOPs" (a model's training FLOPs), "seconds"
+  // (a measured profile), "" (a hand-given "A,B").
+  std::string unit = "tokens";
+
+  // Whether the cost was measured on the hardware (a profile) rather than derived.
+  bool measured() const { return unit == "seconds"; }
 
   // cost(P) for one padded sequence on one replica (not divided by CP).
   double SequenceCost(int64_t padded_length) const {
     const double p = static_cast<double>(padded_length);
-    return a * p + b * p * p;
+    return a * p + b * p * p + c;
   }
-  // Cost of a set of sequences given sum P and sum P^2.
-  double Cost(int64_t sum_p, double sum_p_sq) const {
-    return a * static_cast<double>(sum_p) + b * sum_p_sq;
+  // Cost of `count` sequences given sum P and sum P^2.
+  double Cost(int64_t count, int64_t sum_p, double sum_p_sq) const {
+    return a * static_cast<double>(sum_p) + b * sum_p_sq + c * static_cast<double>(count);
   }
 };
 
@@ -78,7 +86,10 @@ struct CostModel {
 //   "llama2-7b", "llama3-8b"    the presets above
 //   "A,B"                       two non-negative numbers, a and b (not both zero)
 //   "l=32,h=4096,nh=32,nkv=8,f=14336,v=128256"   any dimensions (all six keys)
-// Errors name the spec and what is wrong.
+//   "profile:FILE"              a measured cost profile (profile.h): a, b, c in seconds; the
+//                               file is read and validated (errors name it and the field)
+// Errors name the spec and what is wrong. ResolveCost (below) is what the jobs and the Python
+// module call: it also gives the dimensions, FLOPs and the step-time model of a spec.
 [[nodiscard]] Result<CostModel> ParseCostSpec(std::string_view spec);
 // The dimensions behind a FLOPs-capable spec (a preset or dimensions), for FLOPs reporting;
 // NotFound for "tokens" and "A,B".
@@ -100,13 +111,18 @@ double TrainingFlops(const FlopsCoefficients& coef, int64_t sum_p, double sum_p_
 //
 // One yardstick for every scheduler. A sequence of padded length P on a CP group of c ranks
 // costs each of those ranks
-//   t(P, c) = max(F(P) / (c*R), X(P, c)) seconds,
-//   F(P)    = per_token*P + per_token_sq*P^2            (training FLOPs of that sequence)
-//   X(P, c) = 3 * (c-1)/c * P * l * 4*h*n_kv/n_h / B    (ring exchange of bf16 K and V,
-//                                                         forward plus backward; 0 for c = 1)
-// with R the achieved FLOP/s and B the CP link bandwidth (bytes/s) of one rank of the DP x CP
-// domain (with TP > 1, a TP group counts as one rank). A group's microbatch takes the sum over
-// its sequences; SimulateStepTime turns the groups of a step into its time.
+//   t(P, c) = max(C(P) / c, X(P, c)) seconds,
+//   C(P)    = a*P + b*P^2 + s                           (compute of that sequence, seconds)
+//   X(P, c) = 3 * (c-1)/c * P * kv_bytes / B            (ring exchange of K and V, forward plus
+//                                                         backward; 0 for c = 1)
+// and every group's microbatch costs m more (a constant per microbatch a rank takes part in).
+// From model dimensions and hardware (the preset): a = F_token / R, b = F_token_sq / R, s = m
+// = 0, with F the training FLOPs (FlopsCoefficients), R the achieved FLOP/s, kv_bytes =
+// l * 4*h*n_kv/n_h (bf16 K and V over all layers) and B the CP link bandwidth (bytes/s) of one
+// rank of the DP x CP domain (with TP > 1, a TP group counts as one rank). From a measured
+// profile: a, b, s, m are the profile's (profile.h), kv_bytes its model's when it names one
+// (else X = 0: the exchange is not modelled). A group's microbatch takes the sum over its
+// sequences; SimulateStepTime turns the groups of a step into its time.
 
 // The hardware of the model.
 struct Hardware {
@@ -119,59 +135,77 @@ struct Hardware {
 // "R,B" (two positive finite numbers). Errors name the spec and the rule.
 [[nodiscard]] Result<Hardware> ParseHardwareSpec(std::string_view spec);
 
+// The coefficients of t(P, c), all in seconds (or bytes, bytes/s).
+struct StepTimeCoefficients {
+  double seconds_per_token = 0;        // a
+  double seconds_per_token_sq = 0;     // b
+  double seconds_per_sequence = 0;     // s
+  double seconds_per_microbatch = 0;   // m
+  double kv_bytes_per_token = 0;       // 0: the exchange is not modelled
+  double link_bytes_per_second = 0;    // B (> 0 when kv_bytes_per_token > 0)
+  std::string name;                    // for reports: "llama2-7b on h100-ib", "profile:FILE"
+};
+
+// K and V bytes of one token over all layers in bf16: l * 4*h*n_kv/n_h (the exchange of CP).
+double KvBytesPerToken(const ModelDims& dims);
+
 class StepTimeModel {
  public:
-  // REQUIRES (checked): valid dims (ValidateModelDims), R and B positive and finite.
+  // REQUIRES (checked): every coefficient finite and >= 0, a, b and s not all 0, B > 0 when
+  // kv_bytes_per_token > 0.
+  [[nodiscard]] static Result<StepTimeModel> Create(const StepTimeCoefficients& coefficients);
+  // The preset of a model on hardware: compute from training FLOPs at R, the exchange of its
+  // K/V at B. REQUIRES (checked): valid dims (ValidateModelDims), R and B positive and finite.
   [[nodiscard]] static Result<StepTimeModel> Create(const ModelDims& dims,
                                                     const Hardware& hardware);
 
-  const ModelDims& dims() const { return dims_; }
-  const Hardware& hardware() const { return hardware_; }
+  const StepTimeCoefficients& coefficients() const { return k_; }
 
-  // F(P): training FLOPs of one sequence of padded length P.
-  double SequenceFlops(int64_t padded_length) const {
+  // C(P): compute seconds of one sequence of padded length P on one rank.
+  double SequenceCompute(int64_t padded_length) const {
     const double p = static_cast<double>(padded_length);
-    return per_token_ * p + per_token_sq_ * p * p;
+    return k_.seconds_per_token * p + k_.seconds_per_token_sq * p * p + k_.seconds_per_sequence;
   }
-  // X(P, c) in seconds; 0 for c = 1. REQUIRES c >= 1.
+  // X(P, c) in seconds; 0 for c = 1 or without an exchange term. REQUIRES c >= 1.
   double ExchangeSeconds(int64_t padded_length, int64_t c) const {
-    if (c <= 1) return 0.0;
+    if (c <= 1 || k_.kv_bytes_per_token == 0) return 0.0;
     const double cd = static_cast<double>(c);
-    return 3.0 * (cd - 1.0) / cd * static_cast<double>(padded_length) * kv_bytes_per_token_ /
-           hardware_.link_bytes_per_second;
+    return 3.0 * (cd - 1.0) / cd * static_cast<double>(padded_length) * k_.kv_bytes_per_token /
+           k_.link_bytes_per_second;
   }
-  // t(P, c) in seconds, per rank of the group. REQUIRES c >= 1.
+  // t(P, c) in seconds, per rank of the group (without the microbatch constant m).
+  // REQUIRES c >= 1.
   double SequenceSeconds(int64_t padded_length, int64_t c) const {
-    const double compute =
-        SequenceFlops(padded_length) / (static_cast<double>(c) * hardware_.flops_per_second);
+    const double compute = SequenceCompute(padded_length) / static_cast<double>(c);
     return std::max(compute, ExchangeSeconds(padded_length, c));
   }
   // Whether t(P, c) is the exchange X(P, c) rather than the compute (never for c = 1).
   bool ExchangeBound(int64_t padded_length, int64_t c) const {
     if (c <= 1) return false;
-    return SequenceFlops(padded_length) / (static_cast<double>(c) * hardware_.flops_per_second) <
+    return SequenceCompute(padded_length) / static_cast<double>(c) <
            ExchangeSeconds(padded_length, c);
   }
-  // The sum of t(P, c) over a group's sequences from integer sums: sum P and sum P^2 over the
-  // compute-bound ones, sum P over the exchange-bound ones (ExchangeBound). The same value in
-  // whatever order the sums were taken, as F and X are linear in them.
-  double GroupSeconds(int64_t c, int64_t compute_sum_p, double compute_sum_sq,
+  // A group's microbatch from integer sums: the count, sum P and sum P^2 of its compute-bound
+  // sequences, sum P of its exchange-bound ones (ExchangeBound), plus m when it holds any. The
+  // same value in whatever order the sums were taken, as C and X are linear in them.
+  double GroupSeconds(int64_t c, int64_t compute_count, int64_t compute_sum_p,
+                      double compute_sum_sq, int64_t exchange_count,
                       int64_t exchange_sum_p) const {
     const double cd = static_cast<double>(c);
-    const double compute = (per_token_ * static_cast<double>(compute_sum_p) +
-                            per_token_sq_ * compute_sum_sq) /
-                           (cd * hardware_.flops_per_second);
-    if (exchange_sum_p == 0) return compute;
-    return compute + 3.0 * (cd - 1.0) / cd * static_cast<double>(exchange_sum_p) *
-                         kv_bytes_per_token_ / hardware_.link_bytes_per_second;
+    double t = (k_.seconds_per_token * static_cast<double>(compute_sum_p) +
+                k_.seconds_per_token_sq * compute_sum_sq +
+                k_.seconds_per_sequence * static_cast<double>(compute_count)) /
+               cd;
+    if (exchange_sum_p > 0) {
+      t += 3.0 * (cd - 1.0) / cd * static_cast<double>(exchange_sum_p) * k_.kv_bytes_per_token /
+           k_.link_bytes_per_second;
+    }
+    if (compute_count + exchange_count > 0) t += k_.seconds_per_microbatch;
+    return t;
   }
 
  private:
-  ModelDims dims_;
-  Hardware hardware_;
-  double per_token_ = 0;
-  double per_token_sq_ = 0;
-  double kv_bytes_per_token_ = 0;  // l * 4*h*n_kv/n_h: K and V in bf16 over all layers
+  StepTimeCoefficients k_;
 };
 
 // One group's microbatch in a step: ranks [first_rank, first_rank + num_ranks) of the domain

@@ -35,6 +35,7 @@
 #include "thdpack/loss.h"
 #include "thdpack/memory_report.h"
 #include "thdpack/probe.h"
+#include "thdpack/profile.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
 #include "thdpack/step_runner.h"
@@ -100,6 +101,9 @@ struct Job {
   // FLOPs coefficients for presets and dimensions, nullopt for tokens and A,B.
   std::optional<ModelDims> model;
   std::optional<FlopsCoefficients> flops;
+  // With --cost profile:FILE: the measured profile (its form in use is schedule.cost, in
+  // seconds; model and flops are its model's when measured_on.model names dimensions).
+  std::optional<CostProfile> profile;
   // The step-time model (model dimensions and --hw) is schedule.step_time: set with a model.
   MemoryReportOptions memory;  // vocab_size from the model when not given
   DataOn data_on = DataOn::kTp0;

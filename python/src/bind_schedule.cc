@@ -9,6 +9,7 @@
 #include "common.h"
 #include "thdpack/cost.h"
 #include "thdpack/job.h"
+#include "thdpack/profile.h"
 #include "thdpack/schedule.h"
 
 namespace thdpack::python {
@@ -242,17 +243,15 @@ void BindSchedule(py::module_& m) {
         o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment);
         o.max_tokens_per_rank = max_tokens_per_rank;
         o.scheduler = ValueOrThrow(ParseSchedulerName(scheduler));
-        o.cost = ValueOrThrow(ParseCostSpec(cost));
         o.microbatch_multiple = microbatch_multiple;
         o.num_microbatches = num_microbatches;
         o.oversize = ValueOrThrow(ParseOversizePolicy(oversize));
         o.cp_sizes = ValueOrThrow(ParseCpSizes(cp_sizes));
-        const Hardware hardware = ValueOrThrow(ParseHardwareSpec(hw));
-        std::optional<FlopsCoefficients> coef;
-        if (auto dims = ParseModelDims(cost); dims.ok()) {
-          coef = ValueOrThrow(ComputeFlopsCoefficients(*dims));
-          o.step_time = ValueOrThrow(StepTimeModel::Create(*dims, hardware));
-        }
+        // The one resolution of cost and hardware (profile.h), as plan and run do.
+        ResolvedCost resolved = ValueOrThrow(ResolveCost(cost, hw));
+        o.cost = std::move(resolved.cost);
+        o.step_time = std::move(resolved.step_time);
+        const std::optional<FlopsCoefficients> coef = resolved.flops;
         std::vector<SampleLength> samples;
         samples.reserve(lengths.size());  // each written once, not zeroed first
         // The usual call (lengths only): one tight loop per dtype.
@@ -320,8 +319,9 @@ Options as ScheduleOptions in thdpack/schedule.h; scheduler "balanced", "sequent
 "dynamic" (needs a model cost; returns a DynamicPlan whose `groups` give, per microbatch, the
 CP groups {'ranks', 'samples'} of the dp_size*cp_size ranks; cp_sizes "any" or "pow2");
 hw the step-time model's hardware ("h100-ib", "h100-nvlink" or "R,B", for sim_step_time),
-cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=..";
-default the command line's, "llama2-7b"),
+cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=..", or
+"profile:FILE", a measured profile (thdpack.torch.calibrate, thdpack calibrate); default the
+command line's, "llama2-7b"),
 oversize "error" or "skip", num_microbatches 0 to let the scheduler choose.
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }

@@ -1,4 +1,5 @@
 #include "thdpack/cost.h"
+#include "thdpack/profile.h"
 
 #include <cerrno>
 #include <cmath>
@@ -89,6 +90,7 @@ Result<CostModel> CostModelFromDims(const ModelDims& dims, std::string name) {
   m.a = static_cast<double>(c.per_token);
   m.b = static_cast<double>(c.per_token_sq);
   m.name = name.empty() ? "dims" : std::move(name);
+  m.unit = "FLOPs";
   return m;
 }
 
@@ -134,6 +136,16 @@ Result<ModelDims> ParseModelDims(std::string_view spec) {
 
 Result<CostModel> ParseCostSpec(std::string_view spec) {
   if (spec == "tokens") return CostModel{};
+  constexpr std::string_view kProfile = "profile:";
+  if (spec.substr(0, kProfile.size()) == kProfile) {
+    if (spec.size() == kProfile.size()) {
+      return Status::InvalidArgument("cost spec \"profile:\" needs a file: profile:FILE");
+    }
+    THDPACK_ASSIGN_OR_RETURN(CostProfile profile,
+                             ReadCostProfile(std::string(spec.substr(kProfile.size()))));
+    const ProfileForm& used = profile.used();
+    return CostModel{used.a, used.b, std::string(spec), used.c, "seconds"};
+  }
   auto dims = ParseModelDims(spec);
   if (dims.ok()) {
     const bool preset = spec.find('=') == std::string_view::npos;
@@ -148,12 +160,12 @@ Result<CostModel> ParseCostSpec(std::string_view spec) {
       return Status::InvalidArgument("cost spec \"" + std::string(spec) +
                                      "\": a and b must be >= 0 and not both 0");
     }
-    return CostModel{a, b, std::string(spec)};
+    return CostModel{a, b, std::string(spec), 0.0, ""};
   }
   return Status::InvalidArgument(
       "cost spec \"" + std::string(spec) +
       "\" is not one of: tokens, llama2-7b, llama3-8b, A,B (two numbers), "
-      "l=..,h=..,nh=..,nkv=..,f=..,v=.. (model dimensions)");
+      "l=..,h=..,nh=..,nkv=..,f=..,v=.. (model dimensions), profile:FILE (a measured profile)");
 }
 
 Result<LengthSums> SumsFromCuSeqlens(std::span<const int32_t> cu) {

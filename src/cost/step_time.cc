@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "thdpack/cost.h"
@@ -37,6 +38,33 @@ Result<Hardware> ParseHardwareSpec(std::string_view spec) {
                                  "numbers: achieved FLOP/s and CP link bytes/s per rank)");
 }
 
+Result<StepTimeModel> StepTimeModel::Create(const StepTimeCoefficients& k) {
+  const std::pair<const char*, double> fields[] = {
+      {"seconds per token", k.seconds_per_token},
+      {"seconds per squared token", k.seconds_per_token_sq},
+      {"seconds per sequence", k.seconds_per_sequence},
+      {"seconds per microbatch", k.seconds_per_microbatch},
+      {"K/V bytes per token", k.kv_bytes_per_token},
+      {"link bytes per second", k.link_bytes_per_second}};
+  for (const auto& [what, v] : fields) {
+    if (!std::isfinite(v) || v < 0) {
+      return Status::InvalidArgument("step-time model \"" + k.name + "\": " + what + " = " +
+                                     std::to_string(v) + " must be finite and >= 0");
+    }
+  }
+  if (k.seconds_per_token == 0 && k.seconds_per_token_sq == 0 && k.seconds_per_sequence == 0) {
+    return Status::InvalidArgument("step-time model \"" + k.name +
+                                   "\": the compute coefficients are all 0");
+  }
+  if (k.kv_bytes_per_token > 0 && !(k.link_bytes_per_second > 0)) {
+    return Status::InvalidArgument("step-time model \"" + k.name +
+                                   "\": an exchange of K/V needs a link bandwidth > 0");
+  }
+  StepTimeModel m;
+  m.k_ = k;
+  return m;
+}
+
 Result<StepTimeModel> StepTimeModel::Create(const ModelDims& dims, const Hardware& hardware) {
   THDPACK_RETURN_IF_ERROR(ValidateModelDims(dims));
   if (!std::isfinite(hardware.flops_per_second) || !(hardware.flops_per_second > 0) ||
@@ -45,16 +73,19 @@ Result<StepTimeModel> StepTimeModel::Create(const ModelDims& dims, const Hardwar
                                    "\": R and B must be positive and finite");
   }
   THDPACK_ASSIGN_OR_RETURN(FlopsCoefficients coef, ComputeFlopsCoefficients(dims));
-  StepTimeModel m;
-  m.dims_ = dims;
-  m.hardware_ = hardware;
-  m.per_token_ = static_cast<double>(coef.per_token);
-  m.per_token_sq_ = static_cast<double>(coef.per_token_sq);
+  StepTimeCoefficients k;
+  k.seconds_per_token = static_cast<double>(coef.per_token) / hardware.flops_per_second;
+  k.seconds_per_token_sq = static_cast<double>(coef.per_token_sq) / hardware.flops_per_second;
+  k.kv_bytes_per_token = KvBytesPerToken(dims);
+  k.link_bytes_per_second = hardware.link_bytes_per_second;
+  k.name = "FLOPs at " + hardware.name;
+  return Create(k);
+}
+
+double KvBytesPerToken(const ModelDims& dims) {
   // 4*h*n_kv/n_h bytes a token a layer: K and V (2), bf16 (2 bytes), h*n_kv/n_h values each.
-  m.kv_bytes_per_token_ = static_cast<double>(dims.layers) * 4.0 *
-                          static_cast<double>(dims.hidden) * static_cast<double>(dims.kv_heads) /
-                          static_cast<double>(dims.heads);
-  return m;
+  return static_cast<double>(dims.layers) * 4.0 * static_cast<double>(dims.hidden) *
+         static_cast<double>(dims.kv_heads) / static_cast<double>(dims.heads);
 }
 
 Result<double> SimulateStepTime(int domain_size, std::span<const GroupTask> tasks) {

@@ -1,6 +1,8 @@
 // The step-time model against values worked out by hand.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <string>
 #include <vector>
 
 #include "thdpack/cost.h"
@@ -19,7 +21,7 @@ TEST(StepTimeTest, SequenceSecondsByHand) {
   ASSERT_TRUE(hw.ok()) << hw.status().ToString();
   auto m = StepTimeModel::Create(ModelDims{2, 8, 2, 1, 16, 10}, *hw);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  EXPECT_DOUBLE_EQ(m->SequenceFlops(100), 1699200.0);
+  EXPECT_DOUBLE_EQ(m->SequenceCompute(100), 1699.2);
   EXPECT_DOUBLE_EQ(m->SequenceSeconds(100, 1), 1699.2);
   EXPECT_DOUBLE_EQ(m->ExchangeSeconds(100, 1), 0.0);
   EXPECT_DOUBLE_EQ(m->ExchangeSeconds(100, 2), 480.0);
@@ -39,7 +41,7 @@ TEST(StepTimeTest, Llama2OnInfiniBand) {
   auto m = StepTimeModel::Create(kLlama2_7B, *hw);
   ASSERT_TRUE(m.ok());
   const double f = 39642464256.0 * 32768 + 786432.0 * 32768.0 * 32768.0;
-  EXPECT_DOUBLE_EQ(m->SequenceFlops(32768), f);
+  EXPECT_NEAR(m->SequenceCompute(32768), f / 400e12, 1e-12 * f / 400e12);
   const double x = 3.0 * 0.75 * 32768 * 32 * 4 * 4096 / 25e9;
   EXPECT_NEAR(x, 1.54619, 1e-5);
   EXPECT_DOUBLE_EQ(m->SequenceSeconds(32768, 4), x);
@@ -49,7 +51,68 @@ TEST(StepTimeTest, Llama2OnInfiniBand) {
   EXPECT_EQ(nv->link_bytes_per_second, 200e9);
   auto mn = StepTimeModel::Create(kLlama2_7B, *nv);
   ASSERT_TRUE(mn.ok());
-  EXPECT_DOUBLE_EQ(mn->SequenceSeconds(32768, 4), f / 1600e12);  // compute-bound on NVLink
+  // Compute-bound on NVLink.
+  EXPECT_NEAR(mn->SequenceSeconds(32768, 4), f / 1600e12, 1e-12 * f / 1600e12);
+}
+
+// The model from coefficients (a measured profile's): a = 1e-6 s a token, b = 1e-9 s a squared
+// token, s = 2e-3 s a sequence, m = 5e-3 s a microbatch, no exchange.
+//   P = 1000: C = 1e-3 + 1e-3 + 2e-3 = 4e-3 s; on c = 2: 2e-3 s (no exchange term).
+//   A group of P = 1000, 1000, 500 on c = 2: (1e-6 * 2500 + 1e-9 * 2.25e6 + 2e-3 * 3) / 2 + 5e-3
+//   = (2.5e-3 + 2.25e-3 + 6e-3) / 2 + 5e-3 = 0.010375 s.
+TEST(StepTimeTest, FromCoefficientsByHand) {
+  StepTimeCoefficients k;
+  k.seconds_per_token = 1e-6;
+  k.seconds_per_token_sq = 1e-9;
+  k.seconds_per_sequence = 2e-3;
+  k.seconds_per_microbatch = 5e-3;
+  k.name = "by hand";
+  auto m = StepTimeModel::Create(k);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_DOUBLE_EQ(m->SequenceCompute(1000), 4e-3);
+  EXPECT_DOUBLE_EQ(m->SequenceSeconds(1000, 2), 2e-3);
+  EXPECT_EQ(m->ExchangeSeconds(1000, 2), 0.0);
+  EXPECT_FALSE(m->ExchangeBound(1000, 8));
+  EXPECT_DOUBLE_EQ(m->GroupSeconds(2, 3, 2500, 2.25e6, 0, 0), 0.010375);
+  EXPECT_DOUBLE_EQ(m->GroupSeconds(2, 0, 0, 0, 0, 0), 0.0);  // an idle group costs nothing
+  // With an exchange (32 bytes a token at 10 bytes/s), P = 1000 on c = 4 is exchange-bound:
+  // X = 3 * 3/4 * 1000 * 32 / 10 = 7200 s; the group of it alone: 7200 + m.
+  k.kv_bytes_per_token = 32;
+  k.link_bytes_per_second = 10;
+  auto x = StepTimeModel::Create(k);
+  ASSERT_TRUE(x.ok());
+  EXPECT_TRUE(x->ExchangeBound(1000, 4));
+  EXPECT_DOUBLE_EQ(x->SequenceSeconds(1000, 4), 7200.0);
+  EXPECT_DOUBLE_EQ(x->GroupSeconds(4, 0, 0, 0, 1, 1000), 7200.0 + 5e-3);
+}
+
+TEST(StepTimeTest, BadCoefficientsNameTheField) {
+  StepTimeCoefficients ok;
+  ok.seconds_per_token = 1e-6;
+  ok.name = "m";
+  ASSERT_TRUE(StepTimeModel::Create(ok).ok());
+  struct Case {
+    double StepTimeCoefficients::*field;
+    double value;
+    const char* says;
+  };
+  const Case cases[] = {
+      {&StepTimeCoefficients::seconds_per_token, -1, "seconds per token"},
+      {&StepTimeCoefficients::seconds_per_token_sq, std::nan(""), "seconds per squared token"},
+      {&StepTimeCoefficients::seconds_per_sequence, -1e-3, "seconds per sequence"},
+      {&StepTimeCoefficients::seconds_per_microbatch, 1.0 / 0.0, "seconds per microbatch"},
+      {&StepTimeCoefficients::kv_bytes_per_token, 32, "link bandwidth"},
+  };
+  for (const Case& c : cases) {
+    StepTimeCoefficients k = ok;
+    k.*c.field = c.value;
+    auto m = StepTimeModel::Create(k);
+    ASSERT_FALSE(m.ok()) << c.says;
+    EXPECT_NE(m.status().message().find(c.says), std::string::npos) << m.status().message();
+  }
+  StepTimeCoefficients zero;
+  zero.seconds_per_microbatch = 1;
+  EXPECT_FALSE(StepTimeModel::Create(zero).ok());  // no compute coefficient
 }
 
 TEST(StepTimeTest, BadHardwareSpecsNameTheSpec) {

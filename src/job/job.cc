@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "thdpack/job.h"
+#include "thdpack/profile.h"
 
 namespace thdpack {
 namespace {
@@ -60,26 +61,17 @@ Status CheckNumbers(const JobOptions& o) {
   return Status::Ok();
 }
 
-// The cost spec, parsed once: the cost model, and for presets and dimensions the model's
-// dimensions and FLOPs coefficients.
-Status ResolveCost(const std::string& spec, Job& job) {
-  Result<CostModel> cost = ParseCostSpec(spec);
-  if (!cost.ok()) return Fail("--cost", cost.status().message());
-  job.schedule.cost = std::move(*cost);
-  Result<ModelDims> dims = ParseModelDims(spec);
-  if (!dims.ok()) {
-    if (dims.status().code() == StatusCode::kNotFound) return Status::Ok();
-    return Fail("--cost", dims.status().message());
-  }
-  job.model = *dims;
-  Result<FlopsCoefficients> flops = ComputeFlopsCoefficients(*dims);
-  if (!flops.ok()) return Fail("--cost", flops.status().message());
-  job.flops = *flops;
-  Result<Hardware> hw = ParseHardwareSpec(job.options.hw);
-  if (!hw.ok()) return Fail("--hw", hw.status().message());
-  Result<StepTimeModel> model = StepTimeModel::Create(*dims, *hw);
-  if (!model.ok()) return Fail("--cost/--hw", model.status().message());
-  job.schedule.step_time = std::move(*model);
+// The cost spec and --hw, resolved once by the cost area's ResolveCost (profile.h): the cost
+// model, and for presets, dimensions and profiles naming a model the model's dimensions and
+// FLOPs coefficients, and the step-time model.
+Status ResolveJobCost(const JobOptions& o, Job& job) {
+  Result<ResolvedCost> r = ResolveCost(o.cost, o.hw, CostSpecNames{"--cost", "--hw"});
+  if (!r.ok()) return r.status();
+  job.schedule.cost = std::move(r->cost);
+  job.schedule.step_time = std::move(r->step_time);
+  job.model = r->dims;
+  job.flops = r->flops;
+  job.profile = std::move(r->profile);
   return Status::Ok();
 }
 
@@ -103,14 +95,21 @@ Status FillSchedule(const JobOptions& o, Job& job) {
   Result<ScheduleOptions::CpSizes> cp_sizes = ParseCpSizes(o.cp_sizes);
   if (!cp_sizes.ok()) return Fail("--cp-sizes", cp_sizes.status().message());
   s.cp_sizes = *cp_sizes;
-  // --hw is checked even without a model, so that a typo is not silent.
-  Result<Hardware> hw = ParseHardwareSpec(o.hw);
-  if (!hw.ok()) return Fail("--hw", hw.status().message());
-  THDPACK_RETURN_IF_ERROR(ResolveCost(o.cost, job));
+  // --hw is checked even without a model, so that a typo is not silent (ResolveCost).
+  THDPACK_RETURN_IF_ERROR(ResolveJobCost(o, job));
   if (s.scheduler == ScheduleOptions::Scheduler::kDynamic && !s.step_time.has_value()) {
     return Fail("--scheduler", "dynamic minimises the modelled step time, which needs model "
-                               "dimensions: pass a model --cost (llama2-7b, llama3-8b or "
-                               "l=..,h=..,nh=..,nkv=..,f=..,v=..), not \"" + o.cost + "\"");
+                               "dimensions or a measured profile: pass a model --cost "
+                               "(llama2-7b, llama3-8b or l=..,h=..,nh=..,nkv=..,f=..,v=..) or "
+                               "profile:FILE, not \"" + o.cost + "\"");
+  }
+  if (s.scheduler == ScheduleOptions::Scheduler::kDynamic && job.profile.has_value() &&
+      !job.model.has_value() && job.topology.dp_size() * job.topology.cp_size() > 1) {
+    return Fail("--scheduler",
+                "dynamic weighs each CP degree's K/V exchange, which needs the model's "
+                "dimensions: the profile " + o.cost + " names no model with dimensions "
+                "(measured_on.model: a preset such as llama2-7b or l=..,h=..,nh=..,nkv=..,f=..,"
+                "v=..); calibrate with one");
   }
   return Status::Ok();
 }

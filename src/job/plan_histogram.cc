@@ -15,11 +15,13 @@ Result<std::optional<PlannedStep>> PlanHistogramStep(
   PlannedStep out;
   if (options.step_time.has_value()) {
     // PlanHistogram applies on DP = 1 without an SP tail: the step is the sum of its
-    // microbatches, each the sum of t(P, CP) over its sequences.
+    // microbatches, each the sum of t(P, CP) over its sequences plus the microbatch constant.
     double seconds = 0;
     const int cp = options.parallel.cp_size();
     for (const MicrobatchClass& c : plan->classes) {
-      double one = 0;
+      double one = c.lengths.empty()
+                       ? 0.0
+                       : options.step_time->coefficients().seconds_per_microbatch;
       for (int64_t l : c.lengths) {
         one += options.step_time->SequenceSeconds(options.parallel.PaddedLength(l), cp);
       }

@@ -143,10 +143,12 @@ Status ValidateOptions(const ScheduleOptions& o) {
   if (o.max_microbatch_search < 1) {
     return bad("max_microbatch_search = " + Str(o.max_microbatch_search) + " must be >= 1");
   }
-  if (!std::isfinite(o.cost.a) || !std::isfinite(o.cost.b) || o.cost.a < 0 || o.cost.b < 0 ||
-      (o.cost.a == 0 && o.cost.b == 0)) {
+  if (!std::isfinite(o.cost.a) || !std::isfinite(o.cost.b) || !std::isfinite(o.cost.c) ||
+      o.cost.a < 0 || o.cost.b < 0 || o.cost.c < 0 ||
+      (o.cost.a == 0 && o.cost.b == 0 && o.cost.c == 0)) {
     return bad("cost model '" + o.cost.name + "': a = " + std::to_string(o.cost.a) +
-               ", b = " + std::to_string(o.cost.b) + " must be finite, >= 0 and not both 0");
+               ", b = " + std::to_string(o.cost.b) + ", c = " + std::to_string(o.cost.c) +
+               " must be finite, >= 0 and not all 0");
   }
   if (static_cast<int64_t>(o.dp_size) * o.microbatch_multiple > std::numeric_limits<int32_t>::max()) {
     return bad("dp_size * microbatch_multiple must fit int32");
@@ -294,7 +296,7 @@ MicrobatchCost CostOfSums(const GroupSums& g, const ScheduleOptions& o) {
   constexpr auto kMax = static_cast<GroupSums::Wide>(std::numeric_limits<int64_t>::max());
   r.overflow = sq > kMax;
   r.sum_sq = static_cast<int64_t>(std::min(sq, kMax));
-  r.cost = o.cost.Cost(r.padded_tokens, static_cast<double>(sq)) /
+  r.cost = o.cost.Cost(g.n_samples, r.padded_tokens, static_cast<double>(sq)) /
            static_cast<double>(o.parallel.cp_size());
   return r;
 }
@@ -633,7 +635,8 @@ Result<PlanFigures> FiguresOfSums(const ScheduleOptions& options, int m_count,
   }
   // Every sequence once, without tails: sum of cost(P) / CP, and the costliest one.
   const double cp = static_cast<double>(options.parallel.cp_size());
-  const double total_seq_cost = options.cost.Cost(total_p, static_cast<double>(total_sq)) / cp;
+  const double total_seq_cost =
+      options.cost.Cost(f.n_samples, total_p, static_cast<double>(total_sq)) / cp;
   const double max_seq_cost = options.cost.SequenceCost(max_p) / cp;
   f.lower_bound = std::max(total_seq_cost / static_cast<double>(options.dp_size), max_seq_cost);
   f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;

@@ -123,7 +123,7 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
 }
 
 // Seconds of one group's microbatch: t(P, c) summed over its sequences (lengths in order), the
-// SP tail on the last. Also its T and whether T fits the group's budget.
+// SP tail on the last, plus the microbatch constant. Also its T.
 struct GroupCost {
   double seconds = 0;
   int64_t padded_tokens = 0;
@@ -139,6 +139,7 @@ GroupCost CostOfGroup(const StepTimeModel& model, const ParallelLayout& layout, 
     const int64_t p = layout.PaddedLength(lengths[j]) + (j + 1 == lengths.size() ? tail : 0);
     g.seconds += model.SequenceSeconds(p, c);
   }
+  if (!lengths.empty()) g.seconds += model.coefficients().seconds_per_microbatch;
   return g;
 }
 
@@ -151,8 +152,10 @@ class StaticGroupTime {
  public:
   void Add(const StepTimeModel& model, int c, int64_t p) {
     if (model.ExchangeBound(p, c)) {
+      ++exchange_count_;
       exchange_sum_p_ += p;
     } else {
+      ++compute_count_;
       compute_sum_p_ += p;
       compute_sum_sq_ += Square(p);
     }
@@ -164,14 +167,17 @@ class StaticGroupTime {
     if (tail > 0) {
       // The last sample's P becomes P + tail: out with the one, in with the other.
       if (model.ExchangeBound(last_p_, c)) {
+        --exchange_count_;
         exchange_sum_p_ -= last_p_;
       } else {
+        --compute_count_;
         compute_sum_p_ -= last_p_;
         compute_sum_sq_ -= Square(last_p_);
       }
       Add(model, c, last_p_ + tail);
     }
-    return model.GroupSeconds(c, compute_sum_p_, static_cast<double>(compute_sum_sq_),
+    return model.GroupSeconds(c, compute_count_, compute_sum_p_,
+                              static_cast<double>(compute_sum_sq_), exchange_count_,
                               exchange_sum_p_);
   }
 
@@ -180,8 +186,10 @@ class StaticGroupTime {
   static Wide Square(int64_t p) {
     return static_cast<Wide>(static_cast<uint64_t>(p) * static_cast<uint64_t>(p));
   }
+  int64_t compute_count_ = 0;
   int64_t compute_sum_p_ = 0;
   Wide compute_sum_sq_ = 0;
+  int64_t exchange_count_ = 0;
   int64_t exchange_sum_p_ = 0;
   int64_t last_p_ = 0;
 };
