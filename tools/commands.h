@@ -11,6 +11,7 @@ namespace thdpack::tools {
 void AddLayoutCommand(CLI::App& app, int* exit_code);
 void AddRunCommand(CLI::App& app, int* exit_code);
 void AddPlanCommand(CLI::App& app, int* exit_code);
+void AddCalibrateCommand(CLI::App& app, int* exit_code);
 
 }  // namespace thdpack::tools
 

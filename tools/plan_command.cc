@@ -69,15 +69,46 @@ constexpr int kPaletteSize = 10;
 // The chart's layout in pixels: margins, the height of a step's panel and the gap between.
 constexpr double kLeft = 100, kRight = 200, kTop = 50, kPanelHeight = 260, kGap = 70;
 
+// The y axis of a load panel: costs divided by `scale` are in `unit`, and `label` says what the
+// cost is (measured or not).
+struct AxisUnit {
+  double scale = 1;
+  std::string label;
+};
+AxisUnit AxisFor(const CostModel& cost, double ymax) {
+  AxisUnit u;
+  if (cost.measured()) {
+    const bool ms = ymax < 1;
+    u.scale = ms ? 1e-3 : 1;
+    u.label = std::string("cost per rank, ") + (ms ? "ms" : "s") + " (measured)";
+  } else if (cost.unit == "FLOPs") {
+    static constexpr std::pair<double, const char*> kPrefixes[] = {
+        {1e18, "EFLOP"}, {1e15, "PFLOP"}, {1e12, "TFLOP"}, {1e9, "GFLOP"}, {1, "FLOP"}};
+    for (const auto& [scale, name] : kPrefixes) {
+      if (ymax >= scale || scale == 1) {
+        u.scale = scale;
+        u.label = std::string("cost per rank, ") + name + " (from FLOPs, not measured)";
+        break;
+      }
+    }
+  } else if (cost.unit == "tokens") {
+    u.label = "cost per rank, padded tokens";
+  } else {
+    u.label = "cost per rank (" + cost.name + ", not measured)";
+  }
+  return u;
+}
+
 // Panel k: one bar per replica, one <rect class="mb"> per (replica, microbatch) stacked
 // bottom-up in microbatch order, height = the microbatch's per-rank cost; a dashed line at the
 // lower bound; a y axis with ticks.
-std::string DrawPanel(const StepFigures& f, size_t k, double plot_w) {
+std::string DrawPanel(const StepFigures& f, size_t k, double plot_w, const CostModel& cost) {
   const double left = kLeft, top = kTop, panel_h = kPanelHeight, gap = kGap;
   std::string s;
   const PlanFigures& p = f.plan;
   const double y0 = top + k * (panel_h + gap) + 20;  // top of the plot area
   const double ymax = std::max(p.max_replica_cost, p.lower_bound) * 1.08;
+  const AxisUnit unit = AxisFor(cost, ymax);
   auto ypix = [&](double v) { return y0 + panel_h - (ymax > 0 ? v / ymax * panel_h : 0); };
   char title[200];
   std::snprintf(title, sizeof title,
@@ -99,11 +130,11 @@ std::string DrawPanel(const StepFigures& f, size_t k, double plot_w) {
     s += "<line x1=\"" + Num(left - 4) + "\" y1=\"" + Num(y) + "\" x2=\"" + Num(left) +
          "\" y2=\"" + Num(y) + "\" stroke=\"black\"/>\n";
     s += "<text x=\"" + Num(left - 6) + "\" y=\"" + Num(y + 4) + "\" text-anchor=\"end\">" +
-         Num(v) + "</text>\n";
+         Num(v / unit.scale) + "</text>\n";
   }
   s += "<text x=\"" + Num(left - 85) + "\" y=\"" + Num(y0 + panel_h / 2) +
        "\" transform=\"rotate(-90 " + Num(left - 85) + " " + Num(y0 + panel_h / 2) +
-       ")\" text-anchor=\"middle\">cost per rank</text>\n";
+       ")\" text-anchor=\"middle\" font-size=\"11\">" + XmlEscape(unit.label) + "</text>\n";
   s += "<text x=\"" + Num(left + plot_w / 2) + "\" y=\"" + Num(y0 + panel_h + 32) +
        "\" text-anchor=\"middle\">DP replica</text>\n";
   const int dp = static_cast<int>(p.replicas.size());
@@ -133,7 +164,7 @@ std::string DrawPanel(const StepFigures& f, size_t k, double plot_w) {
                      ": " + std::to_string(mb.n_samples) + " samples, " +
                      std::to_string(mb.real_tokens) + " real / " +
                      std::to_string(mb.padded_tokens) + " padded tokens, cost " +
-                     Num(mb.cost) + "; ids " + ids) +
+                     Num(mb.cost / unit.scale) + " (" + unit.label + "); ids " + ids) +
            "</title></rect>\n";
     }
     if (d % label_every == 0) {
@@ -221,11 +252,19 @@ std::string DrawLegend(int max_m, double plot_w) {
 
 // A stacked-bar chart per step (DrawPanel) and a legend of microbatch colours.
 std::string DrawSvg(const std::vector<StepFigures>& steps, const JobOptions& args,
-                    const std::string& cost_name) {
+                    const CostModel& cost, const std::string& cost_note) {
   const size_t n_panels = std::min(steps.size(), kMaxSvgSteps);
   const double left = kLeft, right = kRight, top = kTop, panel_h = kPanelHeight, gap = kGap;
   const double plot_w = std::max(400.0, std::min(1600.0, 14.0 * args.dp));
-  const double width = left + plot_w + right;
+  const std::string title =
+      std::string(args.scheduler == "dynamic"
+                      ? "thdpack plan: CP groups per microbatch (colour: group size), "
+                      : "thdpack plan: per-replica load, ") +
+      "DP=" + std::to_string(args.dp) + " CP=" + std::to_string(args.cp) + ", " + args.scheduler +
+      " scheduler, " + cost_note;
+  // Wide enough for the title (about 0.6 em a character at 15 px) and the panels' titles.
+  const double text_w = std::max(0.6 * 15 * static_cast<double>(title.size()), 0.6 * 12 * 110.0);
+  const double width = std::max(left + plot_w + right, left + text_w + 20);
   const double height = top + n_panels * (panel_h + gap) + 20;
   std::string s;
   s += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
@@ -235,18 +274,12 @@ std::string DrawSvg(const std::vector<StepFigures>& steps, const JobOptions& arg
   s += "<rect x=\"0\" y=\"0\" width=\"" + Num(width) + "\" height=\"" + Num(height) +
        "\" fill=\"white\"/>\n";
   s += "<text x=\"" + Num(left) + "\" y=\"24\" font-size=\"15\" font-weight=\"bold\">" +
-       XmlEscape(std::string(args.scheduler == "dynamic"
-                                 ? "thdpack plan: CP groups per microbatch (colour: group size, "
-                                 : "thdpack plan: per-replica load (cost per rank, ") +
-                 cost_name + "), DP=" +
-                 std::to_string(args.dp) + " CP=" + std::to_string(args.cp) + ", " +
-                 args.scheduler + " scheduler") +
-       "</text>\n";
+       XmlEscape(title) + "</text>\n";
   int max_m = 1;
   for (size_t k = 0; k < n_panels; ++k) max_m = std::max(max_m, steps[k].plan.num_microbatches);
   const bool dynamic = n_panels > 0 && steps.front().dynamic;
   for (size_t k = 0; k < n_panels; ++k) {
-    s += dynamic ? DrawGroupsPanel(steps[k], k, plot_w) : DrawPanel(steps[k], k, plot_w);
+    s += dynamic ? DrawGroupsPanel(steps[k], k, plot_w) : DrawPanel(steps[k], k, plot_w, cost);
   }
   if (!dynamic) s += DrawLegend(max_m, plot_w);
   s += "</svg>\n";
@@ -270,15 +303,21 @@ void PrintTable(const std::vector<StepFigures>& steps) {
   }
 }
 
+// The device a profile was measured on ("" without one).
+std::string Device(const Job& job) {
+  return job.profile ? job.profile->measured_on.device : std::string();
+}
+
 void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
   const JobOptions& o = job.options;
   std::printf("thdpack plan: data %s, DP=%d CP=%d TP=%d PP=%d%s, %lld max tokens per rank, "
-              "global batch %s, %s scheduler, cost %s, hw %s\n",
+              "global batch %s, %s scheduler, %s, hw %s\n",
               o.data.c_str(), o.dp, o.cp, o.tp, o.pp, o.sp ? " SP" : "",
               static_cast<long long>(o.max_tokens_per_rank), args.job.global_batch.c_str(),
-              o.scheduler.c_str(), job.schedule.cost.name.c_str(), o.hw.c_str());
+              o.scheduler.c_str(), CostNote(job.schedule.cost, Device(job)).c_str(),
+              o.hw.c_str());
   if (!args.summary_only) PrintTable(plan.steps);
-  PrintSummaryBlock(plan.steps, plan.memory);
+  PrintSummaryBlock(plan.steps, plan.memory, CostNote(job.schedule.cost, Device(job)));
   if (!args.svg.empty()) std::printf("  chart              %s\n", args.svg.c_str());
 }
 
@@ -317,7 +356,8 @@ int RunPlan(const PlanArgs& args) {
   if (!plan.ok()) return fail(plan.status());
   if (!args.svg.empty()) {
     std::ofstream out(args.svg, std::ios::binary | std::ios::trunc);
-    out << DrawSvg(plan->steps, job->options, job->schedule.cost.name);
+    out << DrawSvg(plan->steps, job->options, job->schedule.cost,
+                   CostNote(job->schedule.cost, Device(*job)));
     out.close();
     if (!out) return fail(Status::InvalidArgument("--svg: cannot write \"" + args.svg + "\""));
   }

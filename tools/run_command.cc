@@ -60,9 +60,11 @@ Status RankLoop(ProcessGroup& world, const RunArgs& args, const Job& job, const 
 }
 
 // Without --json: plan's summary block, and the time of the steps.
-void PrintRunSummary(const RunTotals& totals) {
+void PrintRunSummary(const RunTotals& totals, const Job& job) {
   if (totals.steps.empty()) return;
-  PrintSummaryBlock(totals.steps, totals.memory);
+  PrintSummaryBlock(totals.steps, totals.memory,
+                    CostNote(job.schedule.cost,
+                             job.profile ? job.profile->measured_on.device : std::string()));
   std::printf("  step time          %.1f ms in all, %.1f ms a step (each step: its slowest rank, "
               "start to end)\n",
               1000 * totals.seconds, 1000 * totals.seconds / static_cast<double>(totals.steps.size()));
@@ -88,7 +90,7 @@ int RunOnBackend(const RunArgs& args, const Job& job, const RunSetup& run) {
     });
     const size_t cause = CauseRank(statuses);
     if (cause == statuses.size()) {
-      if (!args.json) PrintRunSummary(totals);
+      if (!args.json) PrintRunSummary(totals, job);
       return kExitOk;
     }
     // Rank 0's error names the rank that failed first; report another rank's only if rank 0
@@ -112,7 +114,7 @@ int RunOnBackend(const RunArgs& args, const Job& job, const RunSetup& run) {
     // The same on every rank: an agreed failure carries the failed rank's code as origin.
     return ExitCodeOf(s);
   }
-  if (!args.json && (*world)->rank() == 0) PrintRunSummary(totals);
+  if (!args.json && (*world)->rank() == 0) PrintRunSummary(totals, job);
   return kExitOk;
 }
 

@@ -60,8 +60,19 @@ std::string Flops(bool has, double flops) {
   return buf;
 }
 
+std::string CostNote(const CostModel& cost, const std::string& measured_on_device) {
+  if (cost.measured()) {
+    return "cost measured: " + cost.name +
+           (measured_on_device.empty() ? "" : " (" + measured_on_device + ")") + ", seconds";
+  }
+  if (cost.unit == "FLOPs") return "cost from FLOPs (" + cost.name + "), not measured";
+  if (cost.unit == "tokens") return "cost tokens, not measured";
+  return "cost " + cost.name + " (given), not measured";
+}
+
 void PrintSummaryBlock(const std::vector<StepFigures>& steps,
-                       const std::vector<StepMemoryFigures>& memory) {
+                       const std::vector<StepMemoryFigures>& memory,
+                       const std::string& cost_note) {
   const SummaryFigures summary = Summarize(steps);
   std::printf("\nsummary over %lld step%s (epochs %lld-%lld):\n",
               static_cast<long long>(summary.n_steps), summary.n_steps == 1 ? "" : "s",
@@ -75,8 +86,9 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
   std::printf("  tokens             %s real, %s padded, %s loss tokens\n",
               Thousands(summary.real_tokens).c_str(), Thousands(summary.padded_tokens).c_str(),
               Thousands(summary.n_loss_tokens).c_str());
-  std::printf("  imbalance          mean %.4f, max %.4f (1 = every replica at the lower bound)\n",
-              summary.mean_imbalance, summary.max_imbalance);
+  std::printf("  imbalance          mean %.4f, max %.4f (1 = every replica at the lower bound; "
+              "%s)\n",
+              summary.mean_imbalance, summary.max_imbalance, cost_note.c_str());
   std::printf("  pad fraction       %.2f%%\n", 100 * summary.pad_fraction);
   std::printf("  fill               %.2f%% of M * DP * CP * max tokens per rank\n",
               100 * summary.fill);
@@ -85,7 +97,8 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
     std::printf("  modelled time      %s s over all steps (step-time model, --hw)\n",
                 Seconds(summary.sim_step_time).c_str());
   } else {
-    std::printf("  modelled time      - (no model dimensions: pass a model --cost)\n");
+    std::printf("  modelled time      - (no step-time model: pass a model --cost or "
+                "profile:FILE)\n");
   }
   PrintMemorySummary(memory, steps);
   PrintSkipped(steps);

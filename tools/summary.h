@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "thdpack/cost.h"
 #include "thdpack/figures.h"
 #include "thdpack/memory_report.h"
 
@@ -17,10 +18,15 @@ std::string Flops(bool has, double flops);
 // The modelled step time in seconds ("76.8"), or "-" without model dimensions.
 std::string Seconds(const std::optional<double>& s);
 
+// What the cost is, said once where balance is reported: "cost from FLOPs (llama2-7b), not
+// measured", "cost measured: profile:F.json (NVIDIA H200), seconds", "cost tokens, not
+// measured", "cost 1,0.02 (given), not measured".
+std::string CostNote(const CostModel& cost, const std::string& measured_on_device);
+
 // Prints "\nsummary over N steps (epochs a-b):" and its lines on stdout. memory[k] belongs to
-// steps[k] (same length).
+// steps[k] (same length); `cost_note` (CostNote) says what the imbalance is measured in.
 void PrintSummaryBlock(const std::vector<StepFigures>& steps,
-                       const std::vector<StepMemoryFigures>& memory);
+                       const std::vector<StepMemoryFigures>& memory, const std::string& cost_note);
 
 }  // namespace thdpack::tools
 

@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
       "  run     the distributed step loop on thread or MPI ranks: the same figures, the bytes\n"
       "          each rank sent and the time of each phase (--verify checks the data end to end)\n"
       "  layout  context-parallel zigzag shards and sequence-parallel splits of given lengths\n"
+      "  calibrate  a measured cost profile (--cost profile:FILE) from timed microbatches\n"
       "`thdpack VERB --help` lists a verb's options. Exit codes: 0 success, 2 bad usage or bad\n"
       "input, 1 a failure while running (docs/errors.md)."};
   app.set_version_flag("--version", std::string("thdpack ") + thdpack::kVersion);
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
   thdpack::tools::AddLayoutCommand(app, &exit_code);
   thdpack::tools::AddRunCommand(app, &exit_code);
   thdpack::tools::AddPlanCommand(app, &exit_code);
+  thdpack::tools::AddCalibrateCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ExtrasError& e) {

@@ -12,6 +12,7 @@
 #include "thdpack/memory_report.h"
 #include "thdpack/pack.h"
 #include "thdpack/probe.h"
+#include "thdpack/profile.h"
 #include "thdpack/rank_step.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"

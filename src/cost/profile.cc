@@ -19,7 +19,7 @@
 namespace thdpack {
 namespace {
 
-using Json = nlohmann::json;
+using Json = nlohmann::ordered_json;
 
 constexpr const char* kFormat = "thdpack-cost-profile";
 constexpr int kFormatVersion = 1;

@@ -107,7 +107,15 @@ ScheduleOptions RandomOptions(std::mt19937_64& rng) {
   const int tp = std::vector<int>{1, 2}[rng() % 2];
   o.parallel = ParallelLayout::Create(cp, tp, tp > 1 && rng() % 2 == 0).value();
   o.max_tokens_per_rank = std::vector<int64_t>{2048, 20000, 1 << 20}[rng() % 3];
-  o.cost = ParseCostSpec(rng() % 2 ? "llama2-7b" : "tokens").value();
+  switch (rng() % 3) {
+    case 0: o.cost = ParseCostSpec("llama2-7b").value(); break;
+    case 1: o.cost = ParseCostSpec("tokens").value(); break;
+    default:
+      // A measured profile's cost: seconds, with a constant per sequence.
+      o.cost = CostModel{1e-6 * static_cast<double>(1 + rng() % 5),
+                         1e-11 * static_cast<double>(rng() % 5), "measured",
+                         1e-4 * static_cast<double>(1 + rng() % 5), "seconds"};
+  }
   o.microbatch_multiple = 1 + static_cast<int>(rng() % 2);
   if (rng() % 4 == 0) o.num_microbatches = o.microbatch_multiple * (1 + static_cast<int>(rng() % 3));
   o.scheduler = rng() % 3 == 0 ? ScheduleOptions::Scheduler::kSequential
@@ -151,7 +159,20 @@ TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps)
     SCOPED_TRACE("trial " + std::to_string(trial));
     const auto samples = RandomSamples(rng, trial % 2);  // dense or sparse ids, no duplicates
     ScheduleOptions o = RandomOptions(rng);
-    if (o.cost.name != "tokens" && rng() % 2 == 0) {
+    if (o.cost.measured()) {
+      // The profile's step-time model: its coefficients, a constant per microbatch, and the
+      // exchange of llama2-7b's K/V or none.
+      StepTimeCoefficients k;
+      k.seconds_per_token = o.cost.a;
+      k.seconds_per_token_sq = o.cost.b;
+      k.seconds_per_sequence = o.cost.c;
+      k.seconds_per_microbatch = 1e-3 * static_cast<double>(rng() % 3);
+      if (rng() % 2) {
+        k.kv_bytes_per_token = KvBytesPerToken(kLlama2_7B);
+        k.link_bytes_per_second = 25e9;
+      }
+      o.step_time = StepTimeModel::Create(k).value();
+    } else if (o.cost.name != "tokens" && rng() % 2 == 0) {
       o.step_time = StepTimeModel::Create(ParseModelDims("llama2-7b").value(),
                                           ParseHardwareSpec(rng() % 2 ? "h100-ib" : "h100-nvlink")
                                               .value())
