@@ -1,10 +1,105 @@
 // python/src/bind_cost.cc: the cost model and training FLOPs (cost.h).
+#include <string>
+#include <vector>
+
 #include "common.h"
 #include "thdpack/cost.h"
+#include "thdpack/profile.h"
 
 namespace thdpack::python {
 
+namespace {
+
+// The profile as Python objects (json.loads of its file text).
+py::object ProfileObject(const CostProfile& p) {
+  return py::module_::import("json").attr("loads")(CostProfileJson(p));
+}
+
+}  // namespace
+
 void BindCost(py::module_& m) {
+  m.def(
+      "fit_cost_profile",
+      [](const py::sequence& timings, const py::object& held_out, const std::string& model,
+         const std::string& device, const std::string& dtype, const std::string& attention,
+         int tp_size, int cp_size, bool refine, const py::object& out) {
+        std::vector<TimedMicrobatch> rows;
+        rows.reserve(py::len(timings));
+        for (size_t i = 0; i < py::len(timings); ++i) {
+          const std::string name = "timings[" + std::to_string(i) + "]";
+          py::object item = timings[i];
+          if (!py::isinstance<py::sequence>(item) || py::len(item) != 2) {
+            throw py::value_error(name + ": expected a (seconds, lengths) pair");
+          }
+          TimedMicrobatch r;
+          try {
+            r.seconds = py::float_(item[py::int_(0)]).cast<double>();
+          } catch (const std::exception& e) {
+            throw py::value_error(name + "[0]: expected the seconds, a number (" + e.what() + ")");
+          }
+          auto lengths = IntView1D<int64_t>(item[py::int_(1)], name + "[1]");
+          r.lengths.assign(lengths.begin(), lengths.end());
+          rows.push_back(std::move(r));
+        }
+        if (!held_out.is_none()) {
+          auto flags = MaskView1D(held_out, "held_out");
+          if (flags.size() != rows.size()) {
+            throw py::value_error("held_out: has " + std::to_string(flags.size()) +
+                                  " entries, timings has " + std::to_string(rows.size()));
+          }
+          for (size_t i = 0; i < rows.size(); ++i) rows[i].held_out = flags[i] != 0;
+        }
+        MeasuredOn on;
+        on.model = model;
+        on.device = device;
+        on.dtype = dtype;
+        on.attention = attention;
+        on.tp_size = tp_size;
+        on.cp_size = cp_size;
+        if (tp_size < 1 || cp_size < 1) {
+          throw py::value_error("tp_size and cp_size must be >= 1");
+        }
+        FitOptions options;
+        options.refine = refine;
+        CostProfile p = ValueOrThrow(FitCostProfile(rows, on, options));
+        if (!out.is_none()) {
+          ThrowIfError(WriteCostProfile(p, py::str(out).cast<std::string>()));
+        }
+        return ProfileObject(p);
+      },
+      py::arg("timings"), py::arg("held_out") = py::none(), py::kw_only(),
+      py::arg("model") = "", py::arg("device") = "", py::arg("dtype") = "",
+      py::arg("attention") = "", py::arg("tp_size") = 1, py::arg("cp_size") = 1,
+      py::arg("refine") = true, py::arg("out") = py::none(),
+      R"doc(Fits a measured cost profile (thdpack/profile.h): cost(P) = a P + b P^2 + c seconds a
+sequence of padded length P, by non-negative least squares of the relative error.
+
+timings: a list of (seconds, lengths) pairs, one per timed microbatch (lengths: its padded
+sequence lengths, any integer array or list). held_out: 0/1 per microbatch, the ones not fitted
+on (their errors are reported). model, device, dtype, attention, tp_size, cp_size: what was
+measured (model a cost spec with dimensions - "llama2-7b", "l=..,h=..,..." - gives the
+step-time model its K/V exchange). refine: also try a constant per microbatch. out: a path to
+write the profile to (for --cost profile:FILE). Returns the profile as the file's JSON objects.
+ValueError when there are too few microbatches or they do not vary enough.)doc");
+
+  m.def(
+      "read_cost_profile",
+      [](const std::string& path) { return ProfileObject(ValueOrThrow(ReadCostProfile(path))); },
+      py::arg("path"),
+      "A profile file, validated (ValueError naming the file and field; OSError if unreadable).");
+
+  m.def(
+      "read_timings_csv",
+      [](const std::string& path, int hold_out_every) {
+        py::list out;
+        for (TimedMicrobatch& r : ValueOrThrow(ReadTimingsCsv(path, hold_out_every))) {
+          out.append(py::make_tuple(r.seconds, ToNumpy(std::move(r.lengths)), r.held_out));
+        }
+        return out;
+      },
+      py::arg("path"), py::arg("hold_out_every") = 4,
+      "Timings CSV (header `seconds,lengths`) as (seconds, lengths, held_out) triples.");
+
   m.def(
       "cost_model",
       [](const std::string& spec) {

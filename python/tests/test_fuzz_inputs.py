@@ -79,6 +79,18 @@ MESSAGE = np.frombuffer(thdpack.encode_metadata(
 SHARD_CU, SHARD_CUP = np.array([0, 2, 5], np.int32), np.array([0, 2, 6], np.int32)
 
 
+def _fit_rows():
+    rows = []
+    for t in (2048, 4096, 8192):
+        for pack in ([256] * (t // 256), [t], [t // 2] + [256] * (t // 512), [t // 4] * 4):
+            p = np.array(pack, np.float64)
+            rows.append((float(2e-6 * p.sum() + 4e-11 * (p * p).sum() + 3e-5 * len(p)), pack))
+    return rows
+
+
+FIT_ROWS = _fit_rows()
+
+
 def loss_totals(**kw):
     args = dict(logprobs=-np.arange(1, T + 1) / 7.0, entropy=np.arange(T) / 3.0,
                 counted=np.array([1, 0, 1, 1, 1, 0], bool), cu_seqlens=SHARD_CU,
@@ -167,6 +179,12 @@ SLOTS = {
                                         labels(np.random.default_rng(9)), None, 20,
                                         with_grad=True, grad_out=a), False),
     "flops.cu_seqlens_padded": (cu_padded, lambda a: thdpack.flops("llama2-7b", a), False),
+    "fit_cost_profile.lengths": (
+        lambda r: np.array([1024, 512, 512], np.int64),
+        lambda a: thdpack.fit_cost_profile([(0.005, a)] + FIT_ROWS), False),
+    "fit_cost_profile.held_out": (
+        lambda r: r.random(len(FIT_ROWS)) < 0.25,
+        lambda a: thdpack.fit_cost_profile(FIT_ROWS, a), False),
     "LossTotals.add_shard.logprobs": (
         lambda r: -np.arange(1, T + 1) / 7.0, lambda a: loss_totals(logprobs=a), False),
     "LossTotals.add_shard.entropy": (

@@ -275,6 +275,27 @@ bool ParseInt64(std::string_view text, int64_t* out) {
   return true;
 }
 
+// DescribeLengths' text back: "4096 256x2 7" -> 4096, 256, 256, 7.
+Result<std::vector<int64_t>> ParseDescribedLengths(const std::string& text,
+                                                   const std::string& where) {
+  std::vector<int64_t> out;
+  std::istringstream in(text);
+  std::string item;
+  while (in >> item) {
+    const size_t x = item.find('x');
+    int64_t length = 0, count = 1;
+    if (!ParseInt64(item.substr(0, x), &length) ||
+        (x != std::string::npos && !ParseInt64(item.substr(x + 1), &count)) || length < 1 ||
+        length > kMaxLength || count < 1 || count > (1 << 24)) {
+      return Status::InvalidArgument(where + ": lengths \"" + text + "\": \"" + item +
+                                     "\" is not L or LxN");
+    }
+    out.insert(out.end(), static_cast<size_t>(count), length);
+  }
+  if (out.empty()) return Status::InvalidArgument(where + ": lengths is empty");
+  return out;
+}
+
 std::string_view Trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) s.remove_suffix(1);
@@ -560,6 +581,21 @@ Result<CostProfile> ParseCostProfile(std::string_view text, std::string_view sou
       if (abc.contains("fit")) THDPACK_RETURN_IF_ERROR(ReadErrors(abc.at("fit"), &p.abc.fit));
       if (abc.contains("held_out")) {
         THDPACK_RETURN_IF_ERROR(ReadErrors(abc.at("held_out"), &p.abc.held_out));
+      }
+    }
+    if (fit.contains("held_out") && fit.at("held_out").is_array()) {
+      size_t k = 0;
+      for (const Json& row : fit.at("held_out")) {
+        const std::string rw = where + ": fit.held_out[" + std::to_string(k++) + "]";
+        if (!row.is_object() || !row.contains("lengths") || !row.at("lengths").is_string()) {
+          return Status::InvalidArgument(rw + ": expected an object with \"lengths\" and "
+                                              "\"seconds\"");
+        }
+        TimedMicrobatch r;
+        r.held_out = true;
+        THDPACK_ASSIGN_OR_RETURN(r.seconds, Coefficient(row, "seconds", rw));
+        THDPACK_ASSIGN_OR_RETURN(r.lengths, ParseDescribedLengths(row.at("lengths").get<std::string>(), rw));
+        p.held_out.push_back(std::move(r));
       }
     }
     if (p.refined && fit.contains("refined") && fit.at("refined").is_object()) {

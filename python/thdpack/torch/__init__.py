@@ -5,6 +5,7 @@
   thdpack.torch.iterator    PackedDataIterator: the C++ distributed step over torch.distributed
   thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
   thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
+  thdpack.torch.calibrate   a cost profile measured by timing the user's step on packed microbatches
 
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
 """
@@ -13,6 +14,7 @@ from .loss import (IGNORE_INDEX, LossStatistics, empty_grad_cache, grad_cache_in
                    set_grad_cache, token_statistics)
 from .iterator import Groups, PackedDataIterator, PackedStep
 from .microbatch import micro_batch_indices, rearrange_micro_batches
+from .calibrate import calibrate
 
 __all__ = [
     "IGNORE_INDEX", "LossStatistics", "local_loss", "micro_batch_indices", "partition_indices",
@@ -20,3 +22,4 @@ __all__ = [
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
+__all__ += ["calibrate"]
