@@ -156,13 +156,13 @@ def calibrate(step_fn, max_tokens, *, out=None, totals=None, short=256, warmup=1
         first_id += len(lengths)
         for _ in range(int(warmup)):
             step_fn(mb)
-        seconds = statistics.median(timed(lambda: step_fn(mb)) for _ in range(int(repeats)))
+        seconds = float(statistics.median(timed(lambda: step_fn(mb)) for _ in range(int(repeats))))
         if not seconds > 0:
             raise ValueError(f"the {name} pack of {t} tokens took {seconds} s: a timer that does "
                              "not advance (clock?)")
         timings.append((seconds, lengths))
         held_out.append(hold)
-        rows.append(f"{seconds!r},{' '.join(str(n) for n in lengths)}")
+        rows.append(f"{seconds!r},{' '.join(str(int(n)) for n in lengths)}")
         if verbose:
             print(f"calibrate: T={t} {name:<10} {len(lengths):5d} sequences  {seconds:.6g} s"
                   f"{'  (held out)' if hold else ''}")
