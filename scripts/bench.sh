@@ -9,6 +9,9 @@ for b in "$build"/*_bench; do
   "$b"
   echo
 done
+echo "== verify_speed.sh =="
+bash "$(dirname "$0")/../bench/verify_speed.sh" "$build/thdpack"
+echo
 if [ -d "$build/python/thdpack" ]; then
   here=$(cd "$(dirname "$0")/.." && pwd)
   echo "== schedule_vs_python.py =="

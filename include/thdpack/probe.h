@@ -33,10 +33,13 @@
 //   the world after each stage's compute: an error on one rank returns as an error on every
 //   rank, and none waits for activations a failed rank would never send.
 //
-// The reference (ProbeReferenceLoss) runs each sample alone on one rank, unpacked and unpadded
-// (positions 0..L-1), with its own plain attention loop; only the per-token building blocks
-// (embedding, projections, RoPE, norms, output layer) are shared, so a disagreement points at
-// the data path (packing, sharding, routing, metadata), not at the model.
+// The reference (ProbeReferenceLoss) runs each sample alone, unpacked and unpadded (positions
+// 0..L-1), from its own plain reading of the data; only the model's building blocks (embedding,
+// projections, RoPE, norms, the attention of one query row over its keys - a vectorised kernel
+// checked against a plain loop - and the output layer) are shared, so a disagreement points at
+// the data path (packing, sharding, routing, metadata), not at the model. Each sample's
+// reference is computed once: the samples are shared out over the ranks (and, where cores are
+// left, over threads), and the totals all-reduced.
 //
 // Thread-safety: ProbeModel is immutable after Create and may be shared between threads. A
 // ProbeRunner belongs to one rank (use it from that rank's thread only).
@@ -114,7 +117,8 @@ class ProbeModel {
 // tokens[j+1] mod V with target_mask[j+1], the fp64 CrossEntropyReference, statistics keyed by
 // sample id (LossStats, Finalize of thdpack/loss.h). REQUIRES unique ids.
 [[nodiscard]] Result<LossStats> ProbeReferenceLoss(const ProbeModel& model,
-                                                   std::span<const SampleView> samples);
+                                                   std::span<const SampleView> samples,
+                                                   int num_threads = 1);
 
 // Reads one step's samples (tokens and masks) the plain way, for the reference: N samples in
 // source order with Next(), Reset() at the end of an epoch; global_batch 0 = the rest of the
@@ -156,8 +160,8 @@ class ProbeRunner {
 // Check on every step, in order. Thread-safety: one rank's, as ProbeRunner.
 class StepVerifier {
  public:
-  // data, source and global_batch: those the StepRunner reads (thdpack/step_runner.h); rank 0
-  // opens `data` again. world and model must outlive the verifier. tolerance >= 0: the relative
+  // data, source and global_batch: those the StepRunner reads (thdpack/step_runner.h); every
+  // rank opens `data` again (each computes the reference of a share of the step's samples). world and model must outlive the verifier. tolerance >= 0: the relative
   // tolerance of CompareLossSummaries. Errors (agreed over the world): as ProbeRunner::Create,
   // the source's own, a negative tolerance (InvalidArgument).
   [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
@@ -180,7 +184,7 @@ class StepVerifier {
   int64_t global_batch_;
   double tolerance_;
   std::unique_ptr<ProbeRunner> probe_;
-  std::unique_ptr<SampleSource> plain_;  // rank 0 only
+  std::unique_ptr<SampleSource> plain_;  // every rank's own, read the plain way
 };
 
 // Relative difference |a - b| / max(|a|, |b|), 0 when both are 0.

@@ -5,8 +5,12 @@
 #include <cstdio>
 #include <set>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/splitmix64.h"
+#include "probe/probe_attention.h"
 #include "probe/probe_internal.h"
 #include "thdpack/probe.h"
 
@@ -37,12 +41,7 @@ void RmsNorm(const double* x, const double* w, int h, double* out) {
 
 // out[c] = sum_k x[k] W[k, c], W row-major [in, out].
 void MatVec(const double* x, const double* w, int in, int out_dim, double* out) {
-  std::fill(out, out + out_dim, 0.0);
-  for (int k = 0; k < in; ++k) {
-    const double xk = x[k];
-    const double* row = w + static_cast<int64_t>(k) * out_dim;
-    for (int c = 0; c < out_dim; ++c) out[c] += xk * row[c];
-  }
+  probe_internal::RowTimesMatrix(x, w, in, out_dim, out_dim, out);
 }
 
 }  // namespace
@@ -179,22 +178,20 @@ void ProbeModel::Logits(std::span<const double> x, int64_t col_begin, int64_t co
   for (size_t r = 0; r < rows; ++r) {
     RmsNorm(&x[r * static_cast<size_t>(h)], final_norm_.data(), h, xn.data());
     double* out = &logits[r * static_cast<size_t>(cols)];
-    std::fill(out, out + cols, 0.0);
-    for (int k = 0; k < h; ++k) {
-      const double xk = xn[static_cast<size_t>(k)];
-      const double* row = output_.data() + k * v + col_begin;
-      for (int64_t c = 0; c < cols; ++c) out[c] += xk * row[c];
-    }
+    probe_internal::RowTimesMatrix(xn.data(), output_.data() + col_begin, h, v, cols, out);
   }
 }
 
-Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const SampleView> samples) {
+namespace {
+
+// The reference of samples[s] for s in [begin, end), every `step`-th.
+Status ReferenceOfSamples(const ProbeModel& model, std::span<const SampleView> samples,
+                          size_t begin, size_t step, LossStats* out) {
   const ProbeConfig& c = model.config();
   const int h = c.hidden;
-  LossStats stats;
-  std::set<int64_t> seen;
+  LossStats& stats = *out;
   std::vector<double> scores;
-  for (size_t s = 0; s < samples.size(); ++s) {
+  for (size_t s = begin; s < samples.size(); s += step) {
     const SampleView& sample = samples[s];
     const int64_t len = static_cast<int64_t>(sample.tokens.size());
     if (len < 1 || len > kMaxSampleLength) {
@@ -207,21 +204,27 @@ Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const Sa
                                      "] (id " + std::to_string(sample.id) +
                                      "): target_mask must be empty or as long as tokens");
     }
-    if (!seen.insert(sample.id).second) {
-      return Status::InvalidArgument("ProbeReferenceLoss: samples[" + std::to_string(s) + "]: id " +
-                                     std::to_string(sample.id) + " repeats: ids must be unique");
-    }
     const size_t rows = static_cast<size_t>(len), hs = static_cast<size_t>(h);
     std::vector<double> x(rows * hs), q(rows * hs), k(rows * hs), v(rows * hs), attn(rows * hs);
     std::vector<int32_t> positions(rows);
     for (size_t j = 0; j < rows; ++j) positions[j] = static_cast<int32_t>(j);
     model.Embed(sample.tokens, x);
+    probe_internal::HeadMajorKv kv;
     for (int layer = 0; layer < c.layers; ++layer) {
       model.Qkv(layer, x, positions, q, k, v);
-      // Position p sees positions 0..p of its own sample: the first p + 1 rows.
-      for (size_t p = 0; p < rows; ++p) {
-        probe_internal::AttendRow(&q[p * hs], k.data(), v.data(), static_cast<int64_t>(p + 1),
-                                  c.heads, model.head_dim(), &attn[p * hs], scores);
+      kv.Assign(k.data(), v.data(), len, c.heads, model.head_dim());
+      // Position p sees positions 0..p of its own sample: the first p + 1 rows. Two
+      // positions at a time share their keys' loads.
+      size_t p = 0;
+      for (; p + 1 < rows; p += 2) {
+        probe_internal::AttendTwoRowsFast(&q[p * hs], &q[(p + 1) * hs], kv, 0,
+                                          static_cast<int64_t>(p + 1),
+                                          static_cast<int64_t>(p + 2), &attn[p * hs],
+                                          &attn[(p + 1) * hs], scores);
+      }
+      if (p < rows) {
+        probe_internal::AttendRowFast(&q[p * hs], kv, 0, static_cast<int64_t>(p + 1),
+                                      &attn[p * hs], scores);
       }
       model.AttnOutAndMlp(layer, attn, x);
     }
@@ -244,7 +247,36 @@ Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const Sa
     THDPACK_RETURN_IF_ERROR(AccumulateShardLoss(ce, cu, cu, 1, 0, std::span<const int64_t>(&key, 1),
                                                 &stats));
   }
-  return stats;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const SampleView> samples,
+                                     int num_threads) {
+  std::set<int64_t> seen;
+  for (size_t s = 0; s < samples.size(); ++s) {
+    if (!seen.insert(samples[s].id).second) {
+      return Status::InvalidArgument("ProbeReferenceLoss: samples[" + std::to_string(s) + "]: id " +
+                                     std::to_string(samples[s].id) +
+                                     " repeats: ids must be unique");
+    }
+  }
+  // Samples dealt round-robin over the threads (long ones spread), each its own statistics,
+  // merged in thread order: the same sums whatever the thread count, up to rounding.
+  const size_t threads = std::clamp<size_t>(static_cast<size_t>(std::max(num_threads, 1)), 1,
+                                            std::max<size_t>(samples.size(), 1));
+  std::vector<LossStats> part(threads);
+  std::vector<Status> status(threads);
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) {
+    pool.emplace_back([&, t] { status[t] = ReferenceOfSamples(model, samples, t, threads, &part[t]); });
+  }
+  status[0] = ReferenceOfSamples(model, samples, 0, threads, &part[0]);
+  for (std::thread& th : pool) th.join();
+  for (size_t t = 0; t < threads; ++t) THDPACK_RETURN_IF_ERROR(status[t]);
+  for (size_t t = 1; t < threads; ++t) part[0].Merge(part[t]);
+  return std::move(part[0]);
 }
 
 Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t global_batch,

@@ -1,11 +1,14 @@
 // The distributed probe forward of thdpack/probe.h: pipeline stages, CP attention over
 // all-gathered K/V masked by global position, the SP split, the vocab-parallel loss and the
 // topology-invariant statistics.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "probe/probe_attention.h"
 #include "probe/probe_internal.h"
 #include "thdpack/probe.h"
 #include "thdpack/shard.h"
@@ -191,6 +194,13 @@ class ProbeRunner::Impl {
       std::vector<double> k_cp, v_cp;                    // [CP * T/CP, H], rank order
       std::vector<double> k_glob(static_cast<size_t>(total) * h), v_glob(k_glob.size());
       std::vector<double> scores;
+      probe_internal::HeadMajorKv kv;
+      // Without SP every TP rank holds the same rows: the ranks split the heads, as tensor
+      // parallelism does, and gather the attention output over TP.
+      const int tp = topo_.tp_size();
+      const bool split_heads = !sp_ && tp > 1 && c.heads % tp == 0;
+      const int head_begin = split_heads ? c.heads / tp * coord_.tp : 0;
+      const int head_end = split_heads ? c.heads / tp * (coord_.tp + 1) : c.heads;
       const std::span<const int32_t> my_pos =
           std::span<const int32_t>(positions).subspan(static_cast<size_t>(off), n_rows);
       for (int layer = first_layer; layer < end_layer; ++layer) {
@@ -227,19 +237,52 @@ class ProbeRunner::Impl {
         }
         // A query at global index g and position p of its sequence sees global indices
         // [g - p, g]: positions 0..p of the same sequence.
-        for (size_t i = 0; i < n_rows; ++i) {
+        kv.Assign(k_glob.data(), v_glob.data(), total, c.heads, model_.head_dim());
+        // Two consecutive local rows of one sequence (the next position: a zigzag chunk's
+        // rows are consecutive) share their keys' loads.
+        for (size_t i = 0; i < n_rows;) {
           const size_t kidx = static_cast<size_t>(off) + i;
           const int64_t g = mine[kidx];
           const int64_t p = positions[kidx];
-          const int64_t start = g - p;
-          probe_internal::AttendRow(&q[i * h], &k_glob[static_cast<size_t>(start) * h],
-                                    &v_glob[static_cast<size_t>(start) * h], p + 1, c.heads,
-                                    model_.head_dim(), &attn[i * h], scores);
+          if (i + 1 < n_rows && mine[kidx + 1] == g + 1 && positions[kidx + 1] == p + 1) {
+            probe_internal::AttendTwoRowsFast(&q[i * h], &q[(i + 1) * h], kv, g - p, p + 1,
+                                              p + 2, &attn[i * h], &attn[(i + 1) * h], scores,
+                                              head_begin, head_end);
+            i += 2;
+          } else {
+            probe_internal::AttendRowFast(&q[i * h], kv, g - p, p + 1, &attn[i * h], scores,
+                                          head_begin, head_end);
+            ++i;
+          }
+        }
+        if (split_heads) {
+          THDPACK_RETURN_IF_ERROR(GatherHeads(attn, n_rows, head_begin, head_end));
         }
         model_.AttnOutAndMlp(layer, attn, x);
       }
     }
     if (coord_.pp == topo_.pp_size() - 1) return Loss(mb, m, x, acc);
+    return Status::Ok();
+  }
+
+  // The attention output of every head on every TP rank, from each rank's heads
+  // [head_begin, head_end) (the same count on each): one all-gather over TP of the rows' columns.
+  Status GatherHeads(std::vector<double>& attn, size_t rows, int head_begin, int head_end) {
+    const size_t h = static_cast<size_t>(model_.config().hidden);
+    const size_t d = static_cast<size_t>(model_.head_dim());
+    const size_t cols = static_cast<size_t>(head_end - head_begin) * d;
+    const size_t tp = static_cast<size_t>(topo_.tp_size());
+    std::vector<double> mine(rows * cols), all(rows * cols * tp);
+    for (size_t r = 0; r < rows; ++r) {
+      std::copy_n(&attn[r * h + static_cast<size_t>(head_begin) * d], cols, &mine[r * cols]);
+    }
+    THDPACK_RETURN_IF_ERROR(
+        tp_->AllGatherValues(std::span<const double>(mine), std::span<double>(all)));
+    for (size_t t = 0; t < tp; ++t) {
+      for (size_t r = 0; r < rows; ++r) {
+        std::copy_n(&all[(t * rows + r) * cols], cols, &attn[r * h + t * cols]);
+      }
+    }
     return Status::Ok();
   }
 
@@ -395,13 +438,11 @@ Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
   auto v = std::unique_ptr<StepVerifier>(new StepVerifier(world, model, global_batch, tolerance));
   THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, topology, model, sp));
   Status local = Status::Ok();
-  if (world.rank() == 0) {
-    auto plain = OpenSource(data, source);
-    if (plain.ok()) {
-      v->plain_ = std::move(*plain);
-    } else {
-      local = plain.status();
-    }
+  auto plain = OpenSource(data, source);
+  if (plain.ok()) {
+    v->plain_ = std::move(*plain);
+  } else {
+    local = plain.status();
   }
   THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "verify setup"));
   return v;
@@ -409,19 +450,44 @@ Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
 
 Result<LossSummary> StepVerifier::Check(const RankStep& step) {
   THDPACK_ASSIGN_OR_RETURN(LossSummary got, probe_->Forward(step));
-  Status local = Status::Ok();
-  if (world_.rank() == 0) local = CompareWithReference(step, got);
-  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "verify"));
+  THDPACK_RETURN_IF_ERROR(CompareWithReference(step, got));
   return got;
 }
 
+// Every rank reads the step's samples the plain way and computes the reference of its share
+// (samples k with k mod W = rank; with cores to spare, over threads too); the totals are summed
+// over the world, and every rank compares. No rank waits idle while another computes it.
 Status StepVerifier::CompareWithReference(const RankStep& step, const LossSummary& got) {
-  THDPACK_ASSIGN_OR_RETURN(std::vector<Sample> samples,
-                           ReadStepSamplesPlain(*plain_, global_batch_, step.meta.skipped_ids));
-  std::vector<SampleView> views(samples.begin(), samples.end());
-  THDPACK_ASSIGN_OR_RETURN(LossStats ref, ProbeReferenceLoss(model_, views));
-  return CompareLossSummaries(got, Finalize(ref), tolerance_)
-      .WithContext("--verify, step " + std::to_string(step.step));
+  Status local = Status::Ok();
+  LossTotals mine;
+  {
+    Result<std::vector<Sample>> samples =
+        ReadStepSamplesPlain(*plain_, global_batch_, step.meta.skipped_ids);
+    if (samples.ok()) {
+      std::vector<SampleView> share;
+      for (size_t k = static_cast<size_t>(world_.rank()); k < samples->size();
+           k += static_cast<size_t>(world_.size())) {
+        share.emplace_back((*samples)[k]);
+      }
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      const int threads = static_cast<int>(std::max<unsigned>(1, cores / static_cast<unsigned>(world_.size())));
+      Result<LossStats> ref = ProbeReferenceLoss(model_, share, threads);
+      if (ref.ok()) {
+        mine.Add(*ref);
+      } else {
+        local = ref.status();
+      }
+    } else {
+      local = samples.status();
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "verify reference"));
+  THDPACK_RETURN_IF_ERROR(mine.AllReduce(
+      [this](std::span<double> values) { return world_.AllReduceFloat64(values, ReduceOp::kSum); }));
+  local = CompareLossSummaries(got, Finalize(mine), tolerance_)
+              .WithContext("--verify, step " + std::to_string(step.step));
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "verify"));
+  return Status::Ok();
 }
 
 }  // namespace thdpack
