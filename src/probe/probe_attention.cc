@@ -39,32 +39,20 @@ THDPACK_INLINE double HorizontalSum(Vec v) {
   return s;
 }
 
-// ExpNonPositive on eight lanes (the same operations, so the same bits as the scalar form).
+// ExpNonPositive on eight lanes: the same arithmetic (ExpReduced), so the same bits.
 THDPACK_INLINE Vec ExpNonPositiveVec(Vec x) {
-  x = Max(x, Splat(-700.0));
-  const Vec shifted = x * 1.4426950408889634074 + 0x1.8p52;
-  const Vec kd = shifted - 0x1.8p52;
-  const Vec r = (x - kd * 6.93147180369123816490e-01) - kd * 1.90821492927058770002e-10;
-  Vec p = Splat(1.0 / 479001600.0);
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  const VecU k = (VecU)shifted - std::bit_cast<uint64_t>(0x1.8p52);
+  Vec shifted;
+  const Vec p = ExpReduced(Max(x, Splat(kExpFloor)), &shifted);
+  const VecU k = (VecU)shifted - std::bit_cast<uint64_t>(kExpShift);
   return (Vec)((VecU)p + (k << 52));
 }
 
-// s[i] = sum_j qs[j] kt[j][i] over the keys, and the largest. Four blocks of eight keys a pass:
-// each key's d products summed in a register (one store per key).
-THDPACK_INLINE double Scores(const double* qs, const double* kt, int64_t stride, int64_t n, int d, double* s) {
+// s[i] = sum_j qs[j] kt[j * stride + i] for i in [0, n), and the largest: a row of d values times
+// the first n columns of a row-major matrix [d, stride] (the scores of a query over its keys, and
+// the probe's projections). Four blocks of eight columns a pass: each column's d products summed
+// in a register (one store per column).
+THDPACK_INLINE double ProductAndMax(const double* qs, const double* kt, int64_t stride, int64_t n,
+                                    int d, double* s) {
   Vec mv = Splat(-std::numeric_limits<double>::infinity());
   int64_t i = 0;
   for (; i + 4 * kW <= n; i += 4 * kW) {
@@ -262,7 +250,7 @@ void AttendKernel(const double* q, const double* kt, const double* vt, int64_t s
     const double* k_head = kt + static_cast<int64_t>(h) * d * stride;
     const double* v_head = vt + static_cast<int64_t>(h) * d * stride;
     for (int j = 0; j < d; ++j) qs[j] = q[h * d + j] * scale;
-    const double m = Scores(qs, k_head, stride, n, d, s);
+    const double m = ProductAndMax(qs, k_head, stride, n, d, s);
     const double denom = Exponentials(m, n, s);
     WeightedValues(s, v_head, stride, n, d, 1.0 / denom, out + h * d);
   }
@@ -271,33 +259,7 @@ void AttendKernel(const double* q, const double* kt, const double* vt, int64_t s
 THDPACK_PROBE_CLONES
 void RowTimesMatrixKernel(const double* x, const double* w, int in, int64_t stride, int64_t cols,
                           double* out) {
-  int64_t c = 0;
-  // 32 columns a pass in four registers, then 8, then one at a time.
-  for (; c + 4 * kW <= cols; c += 4 * kW) {
-    Vec a0{}, a1{}, a2{}, a3{};
-    for (int k = 0; k < in; ++k) {
-      const Vec xk = Splat(x[k]);
-      const double* row = w + k * stride + c;
-      a0 += xk * Load(row);
-      a1 += xk * Load(row + kW);
-      a2 += xk * Load(row + 2 * kW);
-      a3 += xk * Load(row + 3 * kW);
-    }
-    Store(out + c, a0);
-    Store(out + c + kW, a1);
-    Store(out + c + 2 * kW, a2);
-    Store(out + c + 3 * kW, a3);
-  }
-  for (; c + kW <= cols; c += kW) {
-    Vec a{};
-    for (int k = 0; k < in; ++k) a += Splat(x[k]) * Load(w + k * stride + c);
-    Store(out + c, a);
-  }
-  for (; c < cols; ++c) {
-    double a = 0;
-    for (int k = 0; k < in; ++k) a += x[k] * w[k * stride + c];
-    out[c] = a;
-  }
+  ProductAndMax(x, w, stride, cols, in, out);  // the largest is not needed here
 }
 
 }  // namespace

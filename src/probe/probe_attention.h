@@ -27,21 +27,21 @@
 
 namespace thdpack::probe_internal {
 
-// exp(x) for x <= 0 (and x >= -inf): Cody-Waite reduction x = k ln 2 + r, |r| <= ln2/2, a
-// Taylor polynomial of degree 12 for exp(r) (truncation below 2e-16 relative) and 2^k added to
-// the exponent's bits. Inputs below -700 are taken as -700 (exp(-700) = 1e-304: a softmax term
-// below the largest one's 1 by 300 orders, not representable in the sum anyway).
-inline double ExpNonPositive(double x) {
-  x = x < -700.0 ? -700.0 : x;
+// The arithmetic of ExpNonPositive on a double or on a vector of doubles (T): for x >= -700,
+// Cody-Waite reduction x = k ln 2 + r, |r| <= ln2/2, and a Taylor polynomial of degree 12 for
+// exp(r) (truncation below 2e-16 relative). Returns exp(r); *shifted holds k in its low bits
+// (two's complement around the bits of kExpShift), for the caller to add to the exponent.
+inline constexpr double kExpFloor = -700.0;
+inline constexpr double kExpShift = 0x1.8p52;  // adding it rounds to an integer in the low bits
+template <typename T>
+inline T ExpReduced(T x, T* shifted) {
   constexpr double kLog2e = 1.4426950408889634074;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;  // ln 2, high bits (exact products)
   constexpr double kLn2Lo = 1.90821492927058770002e-10;
-  constexpr double kShift = 0x1.8p52;                    // rounds to an integer in the low bits
-  const double shifted = x * kLog2e + kShift;
-  const double kd = shifted - kShift;                    // round(x / ln 2), as a double
-  const double r = (x - kd * kLn2Hi) - kd * kLn2Lo;
-  double p = 1.0 / 479001600.0;                          // 1/12!
-  p = p * r + 1.0 / 39916800.0;
+  *shifted = x * kLog2e + kExpShift;
+  const T kd = *shifted - kExpShift;  // round(x / ln 2)
+  const T r = (x - kd * kLn2Hi) - kd * kLn2Lo;
+  T p = r * (1.0 / 479001600.0) + 1.0 / 39916800.0;  // 1/12!, 1/11!
   p = p * r + 1.0 / 3628800.0;
   p = p * r + 1.0 / 362880.0;
   p = p * r + 1.0 / 40320.0;
@@ -52,11 +52,17 @@ inline double ExpNonPositive(double x) {
   p = p * r + 1.0 / 6.0;
   p = p * r + 0.5;
   p = p * r + 1.0;
-  p = p * r + 1.0;
-  // k sits in the low bits of `shifted` (two's complement around the shift's bits).
-  const int64_t k = static_cast<int64_t>(std::bit_cast<uint64_t>(shifted) -
-                                         std::bit_cast<uint64_t>(kShift));
-  return std::bit_cast<double>(std::bit_cast<uint64_t>(p) + (static_cast<uint64_t>(k) << 52));
+  return p * r + 1.0;
+}
+
+// exp(x) for x <= 0 (and x >= -inf): ExpReduced, then 2^k added to the exponent's bits. Inputs
+// below -700 are taken as -700 (exp(-700) = 1e-304: a softmax term below the largest one's 1 by
+// 300 orders, not representable in the sum anyway).
+inline double ExpNonPositive(double x) {
+  double shifted;
+  const double p = ExpReduced(x < kExpFloor ? kExpFloor : x, &shifted);
+  const uint64_t k = std::bit_cast<uint64_t>(shifted) - std::bit_cast<uint64_t>(kExpShift);
+  return std::bit_cast<double>(std::bit_cast<uint64_t>(p) + (k << 52));
 }
 
 // The largest head dimension (hidden / heads) the kernel takes; ProbeConfig keeps hidden <= 4096.
