@@ -115,6 +115,9 @@ struct FitOptions {
                                                                   int columns,
                                                                   std::span<const double> target);
 
+// The cost model a profile gives plans: its form in use (a, b, c), in seconds, named `name`.
+CostModel CostModelOfProfile(const CostProfile& profile, std::string name);
+
 // The profile as its JSON text (the file format above; numbers round-trip exactly).
 std::string CostProfileJson(const CostProfile& profile);
 // Parses and validates a profile's JSON text; `source` names it in errors.

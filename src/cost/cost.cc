@@ -143,8 +143,7 @@ Result<CostModel> ParseCostSpec(std::string_view spec) {
     }
     THDPACK_ASSIGN_OR_RETURN(CostProfile profile,
                              ReadCostProfile(std::string(spec.substr(kProfile.size()))));
-    const ProfileForm& used = profile.used();
-    return CostModel{used.a, used.b, std::string(spec), used.c, "seconds"};
+    return CostModelOfProfile(profile, std::string(spec));
   }
   auto dims = ParseModelDims(spec);
   if (dims.ok()) {

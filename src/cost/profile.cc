@@ -445,6 +445,11 @@ Result<CostProfile> FitCostProfile(std::span<const TimedMicrobatch> timed,
   return p;
 }
 
+CostModel CostModelOfProfile(const CostProfile& profile, std::string name) {
+  const ProfileForm& used = profile.used();
+  return CostModel{used.a, used.b, std::move(name), used.c, "seconds"};
+}
+
 std::string CostProfileJson(const CostProfile& p) {
   const ProfileForm& used = p.used();
   Json held = Json::array();
@@ -731,7 +736,7 @@ Result<ResolvedCost> ResolveCost(std::string_view cost_spec, std::string_view hw
     Result<CostProfile> profile = ReadCostProfile(path);
     if (!profile.ok()) return fail(names.cost, profile.status());
     const ProfileForm& used = profile->used();
-    r.cost = CostModel{used.a, used.b, std::string(cost_spec), used.c, "seconds"};
+    r.cost = CostModelOfProfile(*profile, std::string(cost_spec));
     StepTimeCoefficients k;
     k.seconds_per_token = used.a;
     k.seconds_per_token_sq = used.b;
