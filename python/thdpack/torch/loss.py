@@ -356,8 +356,8 @@ class LossStatistics:
         if cp_size > 1 and cp_group is None:
             raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
                              "all-reduced over the CP group)")
-        cu = _cu(cu_seqlens, "cu_seqlens")
-        cup = _cu(cu_seqlens_padded, "cu_seqlens_padded")
+        cu = _cu(cu_seqlens)
+        cup = _cu(cu_seqlens_padded)
         logprob, entropy, counted = token_statistics(logits, labels, loss_mask, chunked=chunked,
                                                      chunk_tokens=chunk_tokens)
         f64 = torch.float64

@@ -13,7 +13,35 @@ import torch
 import torch.distributed as dist
 
 from .. import _thdpack
-from .sharding import _int_array
+
+
+def _int_array(value, name, dtype):
+    """A 1-D integer array (tensor on any device, NumPy array of any layout and byte order, or
+    list) as a new C-contiguous NumPy array of `dtype`, every value checked to fit it: a value
+    that does not is a ValueError naming it, never wrapped."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-D integer tensor, got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        value = value.detach().cpu().to(torch.int64).numpy()
+    elif not isinstance(value, (np.ndarray, list, tuple)):
+        raise ValueError(f"{name}: expected a tensor, a NumPy array or a list of integers, got "
+                         f"{type(value).__name__}")
+    try:
+        a = np.asarray(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: not a rectangular list of integers ({e})") from None
+    # An empty list is float64 to NumPy: an empty array of any number type is accepted.
+    if a.ndim != 1 or a.dtype.kind not in ("iu" if a.size else "biuf"):
+        raise ValueError(f"{name}: expected a 1-D integer array, got {a.dtype} of shape {a.shape}")
+    if a.size:
+        info = np.iinfo(dtype)
+        bad = np.flatnonzero((a < info.min) | (a > info.max))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name}[{i}] = {int(a[i])}: does not fit {np.dtype(dtype)} "
+                             f"[{info.min}, {info.max}]")
+    return np.array(a, dtype=dtype, order="C")
 
 
 def _lengths(seqlens):

@@ -1,41 +1,15 @@
 """thdpack.torch.sharding: zigzag CP shards and SP ranges of torch tensors, with thdpack's indices."""
-import numpy as np
 import torch
 
 from .. import _thdpack
 
-def _int_array(value, name, dtype):
-    """A 1-D integer array (tensor on any device, NumPy array of any layout and byte order, or
-    list) as a new C-contiguous NumPy array of `dtype`, every value checked to fit it: a value
-    that does not is a ValueError naming it, never wrapped."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(f"{name}: expected a 1-D integer tensor, got {value.dtype} of shape "
-                             f"{tuple(value.shape)}")
-        value = value.detach().cpu().to(torch.int64).numpy()
-    elif not isinstance(value, (np.ndarray, list, tuple)):
-        raise ValueError(f"{name}: expected a tensor, a NumPy array or a list of integers, got "
-                         f"{type(value).__name__}")
-    try:
-        a = np.asarray(value)
-    except ValueError as e:
-        raise ValueError(f"{name}: not a rectangular list of integers ({e})") from None
-    # An empty list is float64 to NumPy: an empty array of any number type is accepted.
-    if a.ndim != 1 or a.dtype.kind not in ("iu" if a.size else "biuf"):
-        raise ValueError(f"{name}: expected a 1-D integer array, got {a.dtype} of shape {a.shape}")
-    if a.size:
-        info = np.iinfo(dtype)
-        bad = np.flatnonzero((a < info.min) | (a > info.max))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"{name}[{i}] = {int(a[i])}: does not fit {np.dtype(dtype)} "
-                             f"[{info.min}, {info.max}]")
-    return np.array(a, dtype=dtype, order="C")
-
-
-def _cu(cu_seqlens, name):
-    """int32 NumPy copy of a small metadata array (tensor, array or list)."""
-    return _int_array(cu_seqlens, name, np.int32)
+def _cu(cu_seqlens):
+    """A small metadata array (tensor on any device, NumPy array, list) as the C++ bindings take
+    it: a tensor is moved to the CPU; dtype, layout and the range of every value are checked
+    there (common.h: IntView1D), naming the argument."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens.detach().cpu()
+    return cu_seqlens
 
 
 def _tensor_arg(tensor, name):
@@ -53,7 +27,7 @@ def _dim_arg(tensor, dim, name):
 
 def partition_indices(cu_seqlens_padded, cp_size, cp_rank, device=None):
     """Global positions CP rank cp_rank keeps (int64 tensor [T/CP] on `device`)."""
-    idx = _thdpack.cp_partition_indices(_cu(cu_seqlens_padded, "cu_seqlens_padded"),
+    idx = _thdpack.cp_partition_indices(_cu(cu_seqlens_padded),
                                         cp_size, cp_rank)
     return torch.from_numpy(idx).to(device=device, dtype=torch.int64)
 
