@@ -41,10 +41,9 @@ THDPACK_INLINE double HorizontalSum(Vec v) {
 
 // ExpNonPositive on eight lanes: the same arithmetic (ExpReduced), so the same bits.
 THDPACK_INLINE Vec ExpNonPositiveVec(Vec x) {
-  Vec shifted;
-  const Vec p = ExpReduced(Max(x, Splat(kExpFloor)), &shifted);
-  const VecU k = (VecU)shifted - std::bit_cast<uint64_t>(kExpShift);
-  return (Vec)((VecU)p + (k << 52));
+  const ExpParts<Vec> e = ExpReduced(Max(x, Splat(kExpFloor)));
+  const VecU k = (VecU)e.shifted - std::bit_cast<uint64_t>(kExpShift);
+  return (Vec)((VecU)e.p + (k << 52));
 }
 
 // s[i] = sum_j qs[j] kt[j * stride + i] for i in [0, n), and the largest: a row of d values times

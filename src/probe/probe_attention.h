@@ -29,17 +29,24 @@ namespace thdpack::probe_internal {
 
 // The arithmetic of ExpNonPositive on a double or on a vector of doubles (T): for x >= -700,
 // Cody-Waite reduction x = k ln 2 + r, |r| <= ln2/2, and a Taylor polynomial of degree 12 for
-// exp(r) (truncation below 2e-16 relative). Returns exp(r); *shifted holds k in its low bits
+// exp(r) (truncation below 2e-16 relative). `p` is exp(r); `shifted` holds k in its low bits
 // (two's complement around the bits of kExpShift), for the caller to add to the exponent.
 inline constexpr double kExpFloor = -700.0;
 inline constexpr double kExpShift = 0x1.8p52;  // adding it rounds to an integer in the low bits
 template <typename T>
-inline T ExpReduced(T x, T* shifted) {
+struct ExpParts {
+  T p;
+  T shifted;
+};
+// Always inlined: on a vector it must take the width of the clone it is called from (a call
+// between clones of different widths would pass the vector by another ABI).
+template <typename T>
+__attribute__((always_inline)) inline ExpParts<T> ExpReduced(T x) {
   constexpr double kLog2e = 1.4426950408889634074;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;  // ln 2, high bits (exact products)
   constexpr double kLn2Lo = 1.90821492927058770002e-10;
-  *shifted = x * kLog2e + kExpShift;
-  const T kd = *shifted - kExpShift;  // round(x / ln 2)
+  const T shifted = x * kLog2e + kExpShift;
+  const T kd = shifted - kExpShift;  // round(x / ln 2)
   const T r = (x - kd * kLn2Hi) - kd * kLn2Lo;
   T p = r * (1.0 / 479001600.0) + 1.0 / 39916800.0;  // 1/12!, 1/11!
   p = p * r + 1.0 / 3628800.0;
@@ -52,17 +59,16 @@ inline T ExpReduced(T x, T* shifted) {
   p = p * r + 1.0 / 6.0;
   p = p * r + 0.5;
   p = p * r + 1.0;
-  return p * r + 1.0;
+  return {p * r + 1.0, shifted};
 }
 
 // exp(x) for x <= 0 (and x >= -inf): ExpReduced, then 2^k added to the exponent's bits. Inputs
 // below -700 are taken as -700 (exp(-700) = 1e-304: a softmax term below the largest one's 1 by
 // 300 orders, not representable in the sum anyway).
 inline double ExpNonPositive(double x) {
-  double shifted;
-  const double p = ExpReduced(x < kExpFloor ? kExpFloor : x, &shifted);
-  const uint64_t k = std::bit_cast<uint64_t>(shifted) - std::bit_cast<uint64_t>(kExpShift);
-  return std::bit_cast<double>(std::bit_cast<uint64_t>(p) + (k << 52));
+  const ExpParts<double> e = ExpReduced(x < kExpFloor ? kExpFloor : x);
+  const uint64_t k = std::bit_cast<uint64_t>(e.shifted) - std::bit_cast<uint64_t>(kExpShift);
+  return std::bit_cast<double>(std::bit_cast<uint64_t>(e.p) + (k << 52));
 }
 
 // The largest head dimension (hidden / heads) the kernel takes; ProbeConfig keeps hidden <= 4096.
