@@ -4,10 +4,12 @@
 // topologies (the same topologies run under mpirun in tests/cli_verify_test.cmake).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dynamic_checks.h"
@@ -163,12 +165,19 @@ void CheckStep(const Topo& t, const Topology& topo, const StepRunnerOptions& o, 
   }
 }
 
+// Runs `steps` dynamic steps at `t` and checks every one; with `out`, every rank's steps are
+// also handed back. data_on "all": every (tp, pp) slice plans and packs for itself;
+// max_cp_groups > 0 bounds the cache of CP groups.
 void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
-                 int64_t max_tokens, int steps, bool skip = false) {
+                 int64_t max_tokens, int steps, bool skip = false,
+                 const std::string& data_on = "tp0", int max_cp_groups = 0,
+                 std::map<std::pair<int64_t, int>, RankStep>* out = nullptr) {
   auto job = testing::DynamicJob(t, data, global_batch, max_tokens, steps);
   ASSERT_TRUE(job.ok()) << Name(t) << ": " << job.status().ToString();
   if (skip) job->schedule.oversize = ScheduleOptions::OversizePolicy::kSkip;
-  const StepRunnerOptions o = RunnerOptions(*job);
+  StepRunnerOptions o = RunnerOptions(*job);
+  o.data_on = ParseDataOn(data_on).value();
+  if (max_cp_groups > 0) o.max_cp_groups = max_cp_groups;
   Collected got;
   const std::vector<Status> statuses =
       RunOnThreads(job->topology.world_size(), [&](ProcessGroup& world) -> Status {
@@ -183,16 +192,24 @@ void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
   for (size_t r = 0; r < statuses.size(); ++r) {
     ASSERT_TRUE(statuses[r].ok()) << Name(t) << " rank " << r << ": " << statuses[r].ToString();
   }
-  int64_t made = 0, reused = 0, skipped = 0;
+  int64_t made = 0, reused = 0, skipped = 0, evicted = 0;
   for (int s = 0; s < steps; ++s) {
     std::map<int, RankStep> by_rank;
     for (int r = 0; r < job->topology.world_size(); ++r) by_rank[r] = got.steps.at({s, r});
     CheckStep(t, job->topology, o, s, by_rank);
-    // Group counts: the same on every rank.
+    // Group counts: the same on every rank; the cache within its bound unless this step's own
+    // groups are more.
+    const RankStep& r0 = by_rank.at(0);
     for (const auto& [r, st] : by_rank) {
-      EXPECT_EQ(st.groups_made, by_rank.at(0).groups_made);
-      EXPECT_EQ(st.groups_reused, by_rank.at(0).groups_reused);
+      EXPECT_EQ(st.groups_made, r0.groups_made);
+      EXPECT_EQ(st.groups_reused, r0.groups_reused);
+      EXPECT_EQ(st.groups_evicted, r0.groups_evicted);
+      EXPECT_EQ(st.groups_cached, r0.groups_cached);
     }
+    EXPECT_LE(r0.groups_cached, std::max<int64_t>(o.max_cp_groups,
+                                                  r0.groups_made + r0.groups_reused))
+        << Name(t) << " step " << s;
+    evicted += r0.groups_evicted;
     made += by_rank.at(0).groups_made;
     reused += by_rank.at(0).groups_reused;
     // Skipped samples are reported to every rank.
@@ -204,7 +221,11 @@ void RunAndCheck(const Topo& t, const std::string& data, int64_t global_batch,
   }
   if (skip) EXPECT_GT(skipped, 0) << Name(t) << ": no sample was over the budget";
   EXPECT_GT(made, 0) << Name(t);
-  if (steps > 1) EXPECT_GT(reused, 0) << Name(t) << ": no group was reused across steps";
+  if (steps > 1 && max_cp_groups == 0) {
+    EXPECT_GT(reused, 0) << Name(t) << ": no group was reused across steps";
+  }
+  if (max_cp_groups == 1 && steps > 1) EXPECT_GT(evicted, 0) << Name(t) << ": nothing evicted";
+  if (out != nullptr) *out = std::move(got.steps);
 }
 
 // Random lengths up to a few times the per-rank budget, so that groups of many sizes are used.
@@ -229,15 +250,46 @@ TEST(DynamicStep, OversizeSkipLeavesSamplesOutAndSaysSo) {
   RunAndCheck(Topo{1, 2, 1, 1, false}, "jsonl:" + file.path(), 12, 40, 2, /*skip=*/true);
 }
 
-TEST(DynamicStep, DataOnAllIsRefusedNamingTheOption) {
-  JobOptions o;
-  o.scheduler = "dynamic";
-  o.data_on = "all";
-  auto job = ResolveJob(o);
-  ASSERT_TRUE(job.ok()) << job.status().ToString();
-  auto run = ResolveRun(*job, RunOptions{});
-  ASSERT_FALSE(run.ok());
-  EXPECT_NE(run.status().message().find("--data-on"), std::string::npos) << run.status().ToString();
+// --data-on all: every (tp, pp) slice reads, plans and packs for itself; every rank ends the
+// step with what the tp0 step delivers it, array for array.
+TEST(DynamicStep, DataOnAllEqualsTp0) {
+  ScratchFile file("thdpack_dynamic_all.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 40, 300, 29);
+  const std::string data = "jsonl:" + file.path();
+  for (const Topo& t : {Topo{1, 2, 2, 1, false}, Topo{2, 2, 2, 1, true}, Topo{1, 2, 2, 2, false},
+                        Topo{2, 3, 1, 2, false}}) {
+    std::map<std::pair<int64_t, int>, RankStep> tp0, all;
+    RunAndCheck(t, data, 16, 128, 2, false, "tp0", 0, &tp0);
+    RunAndCheck(t, data, 16, 128, 2, false, "all", 0, &all);
+    ASSERT_EQ(tp0.size(), all.size()) << Name(t);
+    for (const auto& [key, a] : all) {
+      const RankStep& b = tp0.at(key);
+      const std::string where = Name(t) + " step " + std::to_string(key.first) + " rank " +
+                                std::to_string(key.second);
+      EXPECT_EQ(a.meta, b.meta) << where;
+      ASSERT_EQ(a.microbatches.size(), b.microbatches.size()) << where;
+      for (size_t m = 0; m < a.microbatches.size(); ++m) {
+        const LocalMicrobatch &x = a.microbatches[m], &y = b.microbatches[m];
+        EXPECT_EQ(x.tokens, y.tokens) << where << " mb " << m;
+        EXPECT_EQ(x.position_ids, y.position_ids) << where << " mb " << m;
+        EXPECT_EQ(x.labels, y.labels) << where << " mb " << m;
+        EXPECT_EQ(x.loss_mask, y.loss_mask) << where << " mb " << m;
+        EXPECT_EQ(x.sp_range, y.sp_range) << where << " mb " << m;
+        EXPECT_EQ(std::make_tuple(x.cp_size, x.cp_rank, x.first_rank, x.idle),
+                  std::make_tuple(y.cp_size, y.cp_rank, y.first_rank, y.idle))
+            << where << " mb " << m;
+      }
+    }
+  }
+}
+
+// A cache of one group: groups are dropped and made again, and every step still delivers
+// exactly what the plan says.
+TEST(DynamicStep, BoundedGroupCacheEvictsAndStaysCorrect) {
+  ScratchFile file("thdpack_dynamic_lru.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 60, 300, 31);
+  RunAndCheck(Topo{1, 2, 2, 1, false}, "jsonl:" + file.path(), 16, 96, 3, false, "tp0", 1);
+  RunAndCheck(Topo{1, 4, 1, 2, false}, "jsonl:" + file.path(), 16, 96, 3, false, "all", 1);
 }
 
 // run --verify with dynamic at the topologies, in one process: the probe's loss, ppl,

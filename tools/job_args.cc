@@ -33,11 +33,15 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
       "--steps", a->steps,
       "Steps (default 3, or 1 with --global-batch all; the source wraps into the next epoch)");
   cmd->add_option("--scheduler", o.scheduler,
-                  "balanced | sequential | dynamic (a CP group per microbatch and sequence, "
-                  "plan only; needs a model --cost)")
+                  "balanced | sequential | dynamic (a CP group per microbatch and sequence; "
+                  "needs a model --cost)")
       ->capture_default_str();
   cmd->add_option("--cp-sizes", o.cp_sizes,
                   "Group sizes of --scheduler dynamic: any (1 to DP*CP) | pow2")
+      ->capture_default_str();
+  cmd->add_option("--max-cp-groups", o.max_cp_groups,
+                  "CP process groups a dynamic run keeps across steps (those unused longest "
+                  "are dropped)")
       ->capture_default_str();
   cmd->add_option("--hw", o.hw,
                   "Hardware of the step-time model (sim_step_time): h100-ib (R=400e12 FLOP/s, "

@@ -62,6 +62,9 @@ struct JobOptions {
   std::optional<int64_t> steps;
   std::string scheduler = "balanced";  // --scheduler: balanced | sequential | dynamic
   std::string cp_sizes = "any";        // --cp-sizes: any | pow2 (group sizes of dynamic)
+  // --max-cp-groups (run and the torch iterator): the CP process groups a dynamic run keeps
+  // across steps, >= 1 (StepRunnerOptions::max_cp_groups).
+  int max_cp_groups = kDefaultMaxCpGroups;
   // --hw: h100-ib | h100-nvlink | R,B: the hardware of the step-time model (cost.h), used with
   // a model --cost (sim_step_time; the dynamic scheduler needs it).
   std::string hw = "h100-ib";
@@ -223,9 +226,10 @@ struct RunStepReport {
   PhaseTable phases;         // every rank's bytes and the slowest rank's seconds per phase
   std::optional<LossSummary> loss;  // with verify: the probe's figures, checked
   int dp_size = 1;
-  // --scheduler dynamic: the CP process groups split this step and those reused from earlier
-  // steps (RankStep::groups_made, groups_reused); unset for static schedulers.
-  std::optional<std::array<int64_t, 2>> groups;
+  // --scheduler dynamic: the CP process groups split this step, reused from earlier steps,
+  // dropped from the cache after it, and held in it (RankStep::groups_made, groups_reused,
+  // groups_evicted, groups_cached); unset for static schedulers.
+  std::optional<std::array<int64_t, 4>> groups;
 };
 
 // Called on world rank 0 after each step (the other ranks go on to the next step's
@@ -239,7 +243,8 @@ using RunStepCallback = std::function<Status(const RunStepReport& step)>;
                                   const RunStepCallback& on_step);
 
 // `thdpack run --json`'s line for a step (no newline): StepFiguresJson with, in order, memory,
-// loss, ppl, entropy, n_tokens (with verify), groups_made and groups_reused (dynamic only),
+// loss, ppl, entropy, n_tokens (with verify), groups_made, groups_reused, groups_evicted and
+// groups_cached (dynamic only),
 // bytes_sent {<phase>: [per rank], total},
 // time_<phase> per phase and time_step.
 std::string RunStepJson(const RunStepReport& step, bool summary_only);

@@ -73,7 +73,9 @@ struct RankStep {
   int64_t step = 0;   // 0, 1, ...
   int64_t epoch = 0;  // the source's epoch when the step's first sample was read
   Coord coord;
-  bool is_loader = false;     // read and planned (every rank with DataOn::kAll)
+  // Planned the step: the loaders (every rank with DataOn::kAll); with the dynamic scheduler the
+  // heads (every rank with DataOn::kAll).
+  bool is_loader = false;
   bool first_stage = false;   // pp == 0
   bool last_stage = false;    // pp == PP-1
   // This replica's metadata as every rank of the replica holds it (decoded from the wire on
@@ -88,12 +90,15 @@ struct RankStep {
   // The dynamic scheduler: dynamic is true on every rank; dynamic_plan is set, with samples, on
   // the heads that plan (tp = 0, pp = 0 of every domain index), and `plan` stays empty.
   // groups_made / groups_reused: the CP process groups this step split from the world and took
-  // from the runner's cache (keyed by first rank and size, kept across steps), the same on
-  // every rank.
+  // from the runner's cache (keyed by first rank and size, kept across steps); groups_evicted:
+  // those the cache dropped after this step (StepRunnerOptions::max_cp_groups); groups_cached:
+  // those it holds now. The same on every rank.
   bool dynamic = false;
   DynamicPlan dynamic_plan;
   int64_t groups_made = 0;
   int64_t groups_reused = 0;
+  int64_t groups_evicted = 0;
+  int64_t groups_cached = 0;
   // Loaders only: empty documents the source passed over in this step (StepShare::n_empty).
   int64_t n_empty = 0;
   // One entry per phase that ran, in Phase order (kAgree last).

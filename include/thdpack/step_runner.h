@@ -23,8 +23,8 @@
 // With `--data-on all` every rank reads its replica's share itself and builds its own tensors:
 // read, lengths, plan, exchange and pack run on every rank (within its DP group); no deliver.
 //
-// With the dynamic scheduler (schedule.scheduler kDynamic; tp0 only) the DP x CP ranks are one
-// domain (index dp*CP + cp) and its heads, the ranks tp = 0, pp = 0, do the planning:
+// With the dynamic scheduler (schedule.scheduler kDynamic) the DP x CP ranks are one domain
+// (index dp*CP + cp) and its heads, the ranks tp = 0, pp = 0, do the planning:
 //   lengths   all-gathered among the heads (loaders contribute their samples);
 //   plan      every head computes the same DynamicPlan (ScheduleDynamic);
 //   exchange  all-to-all-v among the heads: each sample goes from its loader to the head of
@@ -35,7 +35,12 @@
 //             domain index), then the CP groups of the step are split from the world (those
 //             not made in an earlier step; RankStep::groups_made / groups_reused).
 // Each LocalMicrobatch then carries its group (cp_size, cp_rank, first_rank, cp_group) or is
-// flagged idle (thdpack/rank_step.h).
+// flagged idle (thdpack/rank_step.h). With `--data-on all` every (tp, pp) slice of the world is
+// a domain of its own heads: its ranks cp = 0 read their replica's share, and every rank plans,
+// receives its group's samples and packs its own shard (the arrays of its stage); nothing is
+// delivered. The CP groups are cached across steps, at most max_cp_groups of them: when a step
+// leaves more, those unused longest are dropped (the same ones on every rank, which all see the
+// same plans), never one the step uses.
 //
 // Failures: every phase ends with AgreeOnStatus over the world before any rank waits for data a
 // failed rank would send, so an error on one rank (bad sample, budget overflow, a schedule
@@ -84,6 +89,12 @@ inline constexpr bool kCheckPlanHashByDefault =
     true;
 #endif
 
+// The CP groups a dynamic step keeps by default: every group of --cp-sizes pow2 at a domain
+// of up to 16 ranks (31 aligned groups), every contiguous group of --cp-sizes any up to 7
+// (28). A group costs a communicator per member (an NCCL one holds device buffers), so the
+// bound is a memory bound; raise it where a step's plans use more groups than it holds.
+inline constexpr int kDefaultMaxCpGroups = 32;
+
 struct StepRunnerOptions {
   // The source spec (thdpack/data.h) and its options; every reading rank opens its own copy.
   std::string data = "mock";
@@ -107,6 +118,9 @@ struct StepRunnerOptions {
   // (consecutive ids, no empty documents passed over). An error it returns
   // fails the read phase on that rank (agreed as any other). Default: unset.
   std::function<Result<StepShare>(int64_t step, int loader)> read_share;
+  // The dynamic scheduler: the most CP process groups kept across steps (>= 1). Default
+  // kDefaultMaxCpGroups.
+  int max_cp_groups = kDefaultMaxCpGroups;
   // For tests of the failure path: the loader of this replica flips one byte of the encoded
   // metadata before sending it (-1, the default: never).
   int corrupt_metadata_of_replica = -1;

@@ -95,6 +95,9 @@ Status FillSchedule(const JobOptions& o, Job& job) {
   Result<ScheduleOptions::CpSizes> cp_sizes = ParseCpSizes(o.cp_sizes);
   if (!cp_sizes.ok()) return Fail("--cp-sizes", cp_sizes.status().message());
   s.cp_sizes = *cp_sizes;
+  if (o.max_cp_groups < 1) {
+    return Fail("--max-cp-groups", "must be >= 1, got " + std::to_string(o.max_cp_groups));
+  }
   // --hw is checked even without a model, so that a typo is not silent (ResolveCost).
   THDPACK_RETURN_IF_ERROR(ResolveJobCost(o, job));
   if (s.scheduler == ScheduleOptions::Scheduler::kDynamic && !s.step_time.has_value()) {
@@ -217,6 +220,7 @@ StepRunnerOptions RunnerOptions(const Job& job) {
   o.pad_id = job.options.pad_id;
   o.data_on = job.data_on;
   o.check_plan_hash = job.options.check_plan_hash;
+  o.max_cp_groups = job.options.max_cp_groups;
   return o;
 }
 
@@ -253,12 +257,6 @@ Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text) {
 }
 
 Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
-  if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic &&
-      job.data_on != DataOn::kTp0) {
-    return Fail("--data-on", std::string(DataOnName(job.data_on)) +
-                                 " is not supported with --scheduler dynamic (a rank's samples "
-                                 "follow its group in each microbatch; use tp0)");
-  }
   RunSetup run;
   run.options = options;
   if (options.verify) {

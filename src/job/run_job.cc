@@ -28,7 +28,8 @@ Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTabl
     r.phases = std::move(phases);
     r.loss = std::move(loss);
     r.dp_size = job.topology.dp_size();
-    r.groups = std::array<int64_t, 2>{step.groups_made, step.groups_reused};
+    r.groups = std::array<int64_t, 4>{step.groups_made, step.groups_reused, step.groups_evicted,
+                                      step.groups_cached};
     return r;
   }
   THDPACK_ASSIGN_OR_RETURN(r.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
@@ -118,6 +119,8 @@ std::string RunStepJson(const RunStepReport& step, bool summary_only) {
     // The dynamic scheduler's CP process groups: split this step, and taken from the cache.
     extra.emplace_back("groups_made", nlohmann::json((*step.groups)[0]).dump());
     extra.emplace_back("groups_reused", nlohmann::json((*step.groups)[1]).dump());
+    extra.emplace_back("groups_evicted", nlohmann::json((*step.groups)[2]).dump());
+    extra.emplace_back("groups_cached", nlohmann::json((*step.groups)[3]).dump());
   }
   extra.emplace_back("bytes_sent", bytes.dump());
   for (size_t k = 0; k < phases.seconds.size(); ++k) {

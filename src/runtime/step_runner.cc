@@ -104,42 +104,91 @@ int64_t PayloadBytes(const SampleLength& s) {
   return s.length * static_cast<int64_t>(sizeof(TokenId)) + (SendsMask(s) ? s.length : 0);
 }
 
-uint64_t HashPlan(const Plan& plan) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](int64_t v) {
+// FNV-1a over the bytes of int64 values (least significant first): the plan hash loaders (or
+// heads) compare.
+class PlanHasher {
+ public:
+  void Mix(int64_t v) {
     for (int i = 0; i < 8; ++i) {
-      h ^= (static_cast<uint64_t>(v) >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(plan.num_microbatches);
-  mix(plan.dp_size);
-  for (int64_t v : plan.offsets) mix(v);
-  for (int64_t v : plan.sample_ids) mix(v);
-  for (int64_t v : plan.skipped) mix(v);
-  return h;
-}
-
-uint64_t HashDynamicPlan(const DynamicPlan& plan) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (static_cast<uint64_t>(v) >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(plan.num_microbatches);
-  mix(plan.domain_size);
-  for (const auto& groups : plan.microbatches) {
-    mix(static_cast<int64_t>(groups.size()));
-    for (const CpGroup& g : groups) {
-      mix(g.first_rank);
-      mix(g.num_ranks);
-      for (int64_t id : g.sample_ids) mix(id);
+      h_ ^= (static_cast<uint64_t>(v) >> (8 * i)) & 0xff;
+      h_ *= 1099511628211ull;
     }
   }
-  for (int64_t v : plan.skipped) mix(v);
-  return h;
+  void Mix(std::span<const int64_t> values) {
+    for (int64_t v : values) Mix(v);
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
+
+uint64_t HashPlan(const Plan& plan) {
+  PlanHasher h;
+  h.Mix(plan.num_microbatches);
+  h.Mix(plan.dp_size);
+  h.Mix(plan.offsets);
+  h.Mix(plan.sample_ids);
+  h.Mix(plan.skipped);
+  return h.value();
+}
+
+uint64_t HashPlan(const DynamicPlan& plan) {
+  PlanHasher h;
+  h.Mix(plan.num_microbatches);
+  h.Mix(plan.domain_size);
+  for (const auto& groups : plan.microbatches) {
+    h.Mix(static_cast<int64_t>(groups.size()));
+    for (const CpGroup& g : groups) {
+      h.Mix(g.first_rank);
+      h.Mix(g.num_ranks);
+      h.Mix(g.sample_ids);
+    }
+  }
+  h.Mix(plan.skipped);
+  return h.value();
+}
+
+// Every planner of `group` holds the same hash `h` (one all-reduce of 4 int64), else Internal
+// naming `what` and the step.
+Status AgreeOnPlanHash(ProcessGroup& group, uint64_t h, const std::string& what, int64_t step) {
+  const int64_t lo = static_cast<int64_t>(h & 0xffffffffu), hi = static_cast<int64_t>(h >> 32);
+  std::vector<int64_t> v = {lo, hi, -lo, -hi};
+  THDPACK_RETURN_IF_ERROR(group.AllReduceInt64(std::span<int64_t>(v), ReduceOp::kMin));
+  if (v[0] != lo || v[1] != hi || v[2] != -lo || v[3] != -hi) {
+    return Status::Internal(what + " of step " + std::to_string(step) +
+                            " differs between planners (hash check)");
+  }
+  return Status::Ok();
+}
+
+// The step's metadata header, common to both kinds of step.
+StepMeta MetaHeader(int64_t step, int64_t epoch, int dp_size, int replica,
+                    const ParallelLayout& parallel, std::vector<int64_t> skipped) {
+  StepMeta meta;
+  meta.step = static_cast<uint64_t>(step);
+  meta.epoch = static_cast<uint64_t>(epoch);
+  meta.dp_size = dp_size;
+  meta.replica = replica;
+  meta.parallel = parallel;
+  meta.skipped_ids = std::move(skipped);
+  return meta;
+}
+
+// One packed microbatch into the metadata, with the step's token sums.
+void AddMicrobatch(StepMeta& meta, Layout layout, int64_t n_valid) {
+  MicrobatchMeta mm;
+  mm.cu_seqlens = std::move(layout.cu_seqlens);
+  mm.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
+  mm.max_seqlen = layout.max_seqlen;
+  mm.n_valid = n_valid;
+  meta.real_tokens += mm.cu_seqlens.back();
+  meta.padded_tokens += mm.cu_seqlens_padded.back();
+  for (size_t i = 0; i + 1 < mm.cu_seqlens_padded.size(); ++i) {
+    const int64_t p = mm.cu_seqlens_padded[i + 1] - mm.cu_seqlens_padded[i];
+    meta.sum_sq += p * p;
+  }
+  meta.microbatches.push_back(std::move(mm));
 }
 
 // A received sample: views into the exchange buffer.
@@ -203,7 +252,6 @@ class StepRunner::Impl {
 
   Status InitDynamic();
   Result<RankStep> NextDynamic();
-  Status ExchangeLengthsDynamic(RankStep& out);
   Status MakeDynamicPlan(RankStep& out);
   Status ExchangeTokensDynamic(RankStep& out);
   Status PackDynamic(RankStep& out);
@@ -213,7 +261,6 @@ class StepRunner::Impl {
   int DomainIndex() const { return coord_.dp * topo_.cp_size() + coord_.cp; }
 
   Status ReadShare(RankStep& out);
-  Status ExchangeLengths(RankStep& out);
   Status MakePlan(RankStep& out);
   Status ExchangeTokens(RankStep& out);
   Status PackReplica(RankStep& out);
@@ -222,6 +269,14 @@ class StepRunner::Impl {
 
   // Shared by the static and the dynamic step.
   RankStep StartStep(bool is_loader);
+  // The lengths phase over `group`, whose member d * loader_stride is loader d (the others
+  // read nothing).
+  Status ExchangeLengths(ProcessGroup& group, int loader_stride, RankStep& out);
+  // The deliver phase: with a `group`, its member 0 broadcasts the metadata (AcceptMeta on the
+  // others, agreed) and then receive() runs; with none (data on every rank), nothing moves.
+  // Then, agreed, `then` (the dynamic step's groups) when given.
+  Status Deliver(RankStep& out, ProcessGroup* group, const std::string& sender,
+                 const std::function<Status()>& receive, const std::function<Status()>& then);
   Status MoveSamples(ProcessGroup& group, const std::vector<SampleLength>& samples,
                      const std::vector<std::vector<int64_t>>& send_ps,
                      const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
@@ -241,15 +296,21 @@ class StepRunner::Impl {
   std::unique_ptr<ProcessGroup> loaders_;  // the loaders exchanging lengths and tokens
   std::unique_ptr<ProcessGroup> replica_;  // tp0: every rank of this replica, loader first
   int64_t step_ = 0;
-  // The dynamic scheduler. heads_: the D ranks tp = 0, pp = 0 of the domain, in domain order
-  // (dp*CP + cp; loader d at position d*CP), which plan, receive their groups' samples and
-  // pack; column_: the ranks of one domain index (every tp and pp), its head first; groups_:
-  // the CP groups split so far, by (first rank, size), null where this rank is not a member.
+  // The dynamic scheduler. heads_: the D ranks of this rank's domain in domain order (dp*CP +
+  // cp; loader d at position d*CP) - with tp0 the ranks tp = 0, pp = 0, with all those of this
+  // rank's (tp, pp) - which plan, receive their groups' samples and pack; column_ (tp0): the
+  // ranks of one domain index (every tp and pp), its head first; groups_: the CP groups kept,
+  // by (first rank, size), the group null where this rank is not a member, with the last step
+  // that used it.
+  struct CachedGroup {
+    std::shared_ptr<ProcessGroup> group;
+    int64_t last_step = 0;
+  };
   bool dynamic_ = false;
   bool head_ = false;
   std::unique_ptr<ProcessGroup> heads_;
   std::unique_ptr<ProcessGroup> column_;
-  std::map<std::pair<int, int>, std::shared_ptr<ProcessGroup>> groups_;
+  std::map<std::pair<int, int>, CachedGroup> groups_;
   int64_t groups_bytes_ = 0;
   std::vector<std::pair<int, int>> group_of_;  // [n]: (first rank, size) per position, (-1, 0)
 
@@ -297,20 +358,22 @@ Status StepRunner::Impl::Init() {
                                     " must be >= 0 (0 = the whole source)");
   }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
-  if (local.ok() && dynamic_ && opts_.data_on != DataOn::kTp0) {
-    local = Status::InvalidArgument(
-        "StepRunner: --data-on all is not supported with --scheduler dynamic (a rank's samples "
-        "depend on its group in each microbatch; use --data-on tp0)");
+  if (local.ok() && dynamic_ && opts_.max_cp_groups < 1) {
+    local = Status::InvalidArgument("StepRunner: max_cp_groups = " +
+                                    std::to_string(opts_.max_cp_groups) + " must be >= 1");
   }
+  const bool all = opts_.data_on == DataOn::kAll;
   if (local.ok()) {
     auto c = topo_.CoordOf(world_.rank());
     if (!c.ok()) {
       local = c.status();
     } else {
       coord_ = *c;
-      reader_ = opts_.data_on == DataOn::kAll ||
-                (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0);
-      head_ = dynamic_ && coord_.tp == 0 && coord_.pp == 0;
+      // Static: the loaders (every rank with all). Dynamic: with all, the ranks cp = 0 of every
+      // (tp, pp) slice, which is a domain of its own.
+      reader_ = dynamic_ ? (coord_.cp == 0 && (all || (coord_.tp == 0 && coord_.pp == 0)))
+                         : (all || (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0));
+      head_ = dynamic_ && (all || (coord_.tp == 0 && coord_.pp == 0));
       if (reader_ && !opts_.read_share) {
         auto src = OpenSource(opts_.data, opts_.source);
         if (src.ok()) {
@@ -329,9 +392,10 @@ Status StepRunner::Impl::Init() {
   }
   THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "opening the step runner"));
 
+  if (dynamic_) return InitDynamic();
   // Loaders: with tp0 the DP group at tp = cp = pp = 0; with all, every DP group.
   std::vector<std::vector<int>> loader_groups;
-  if (opts_.data_on == DataOn::kAll) {
+  if (all) {
     loader_groups = topo_.AllGroups(GroupKind::kDp);
   } else {
     THDPACK_ASSIGN_OR_RETURN(auto g, topo_.GroupOf(GroupKind::kDp, 0));
@@ -355,29 +419,40 @@ Status StepRunner::Impl::Init() {
     }
     THDPACK_ASSIGN_OR_RETURN(replica_, world_.Split(replicas));
   }
-  if (dynamic_) THDPACK_RETURN_IF_ERROR(InitDynamic());
   return Status::Ok();
 }
 
 Status StepRunner::Impl::InitDynamic() {
   const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
-  std::vector<std::vector<int>> heads(1);
+  const bool all = opts_.data_on == DataOn::kAll;
+  // Heads: one domain per (tp, pp) slice with all, the slice tp = pp = 0 alone with tp0.
+  std::vector<std::vector<int>> heads;
+  for (int pp = 0; pp < (all ? topo_.pp_size() : 1); ++pp) {
+    for (int tp = 0; tp < (all ? topo_.tp_size() : 1); ++tp) {
+      std::vector<int> list;
+      for (int d = 0; d < domain; ++d) {
+        THDPACK_ASSIGN_OR_RETURN(int r, topo_.RankOf(Coord{tp, d % cp, d / cp, pp}));
+        list.push_back(r);
+      }
+      heads.push_back(std::move(list));
+    }
+  }
+  THDPACK_ASSIGN_OR_RETURN(heads_, world_.Split(heads));
+  if (head_ && (!heads_ || heads_->rank() != DomainIndex())) {
+    return Status::Internal("StepRunner: head group position differs from the domain index");
+  }
+  if (all) return Status::Ok();
   std::vector<std::vector<int>> columns(static_cast<size_t>(domain));
   for (int d = 0; d < domain; ++d) {
-    THDPACK_ASSIGN_OR_RETURN(int r, topo_.RankOf(Coord{0, d % cp, d / cp, 0}));
-    heads[0].push_back(r);
-    columns[static_cast<size_t>(d)].push_back(r);
+    columns[static_cast<size_t>(d)].push_back(heads[0][static_cast<size_t>(d)]);
   }
   for (int r = 0; r < topo_.world_size(); ++r) {
     THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(r));
     if (c.tp == 0 && c.pp == 0) continue;
     columns[static_cast<size_t>(c.dp * cp + c.cp)].push_back(r);
   }
-  THDPACK_ASSIGN_OR_RETURN(heads_, world_.Split(heads));
   THDPACK_ASSIGN_OR_RETURN(column_, world_.Split(columns));
-  if ((head_ && (!heads_ || heads_->rank() != DomainIndex())) || !column_) {
-    return Status::Internal("StepRunner: head group position differs from the domain index");
-  }
+  if (!column_) return Status::Internal("StepRunner: no column group");
   return Status::Ok();
 }
 
@@ -417,32 +492,48 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   return Status::Ok();
 }
 
-Status StepRunner::Impl::ExchangeLengths(RankStep& out) {
+// Every member sends a header (its sample count, and the step's first id, id span and epoch,
+// which members that read nothing take from loader 0), then the loaders' (id offset, L,
+// n_targets) triples, 12 bytes a sample, gathered in loader order.
+Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, RankStep& out) {
   const int dp = topo_.dp_size();
-  std::vector<int64_t> counts(static_cast<size_t>(dp));
-  const int64_t mine = static_cast<int64_t>(own_.size());
+  const size_t gs = static_cast<size_t>(g.size());
+  const int64_t header[4] = {static_cast<int64_t>(own_.size()), first_id_, id_span_, out.epoch};
+  std::vector<int64_t> all(4 * gs);
   THDPACK_RETURN_IF_ERROR(
-      loaders_->AllGatherValues(std::span<const int64_t>(&mine, 1), std::span<int64_t>(counts)));
+      g.AllGatherValues(std::span<const int64_t>(header, 4), std::span<int64_t>(all)));
+  if (!reader_) {
+    first_id_ = all[1];
+    id_span_ = all[2];
+    out.epoch = all[3];
+  }
+  std::vector<int64_t> c(gs, 0), dsp(gs, 0);
   loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
-  for (int d = 0; d < dp; ++d) {
-    loader_offset_[static_cast<size_t>(d) + 1] = loader_offset_[static_cast<size_t>(d)] + counts[static_cast<size_t>(d)];
+  for (size_t j = 0; j < gs; ++j) {
+    const int64_t n_j = all[4 * j];
+    const bool loader = j % static_cast<size_t>(loader_stride) == 0;
+    if (n_j < 0 || n_j > (int64_t{1} << 40) || (!loader && n_j != 0)) {
+      return Status::Internal("length exchange: member " + std::to_string(j) + " count " +
+                              std::to_string(n_j) + " out of range");
+    }
+    if (loader) {
+      const size_t d = j / static_cast<size_t>(loader_stride);
+      loader_offset_[d + 1] = loader_offset_[d] + n_j;
+    }
+    c[j] = 3 * n_j;
+    if (j > 0) dsp[j] = dsp[j - 1] + c[j - 1];
   }
   const int64_t n = loader_offset_.back();
   std::vector<int32_t> send;
   send.reserve(3 * own_.size());
-  for (const Sample& s : own_) {
-    send.push_back(static_cast<int32_t>(s.id - first_id_));
-    send.push_back(static_cast<int32_t>(s.tokens.size()));
-    send.push_back(static_cast<int32_t>(NumTargets(s)));
+  for (const Sample& x : own_) {
+    send.push_back(static_cast<int32_t>(x.id - first_id_));
+    send.push_back(static_cast<int32_t>(x.tokens.size()));
+    send.push_back(static_cast<int32_t>(NumTargets(x)));
   }
   std::vector<int32_t> recv(static_cast<size_t>(3 * n));
-  std::vector<int64_t> c(static_cast<size_t>(dp)), dsp(static_cast<size_t>(dp));
-  for (int d = 0; d < dp; ++d) {
-    c[static_cast<size_t>(d)] = 3 * counts[static_cast<size_t>(d)];
-    dsp[static_cast<size_t>(d)] = 3 * loader_offset_[static_cast<size_t>(d)];
-  }
-  THDPACK_RETURN_IF_ERROR(loaders_->AllGatherVValues(std::span<const int32_t>(send),
-                                                     std::span<int32_t>(recv), c, dsp));
+  THDPACK_RETURN_IF_ERROR(
+      g.AllGatherVValues(std::span<const int32_t>(send), std::span<int32_t>(recv), c, dsp));
   out.samples.resize(static_cast<size_t>(n));
   position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
   for (int64_t p = 0; p < n; ++p) {
@@ -452,7 +543,8 @@ Status StepRunner::Impl::ExchangeLengths(RankStep& out) {
                               " out of range or repeated");
     }
     position_of_offset_[static_cast<size_t>(off)] = p;
-    out.samples[static_cast<size_t>(p)] = SampleLength{first_id_ + off, recv[3 * p + 1], recv[3 * p + 2]};
+    out.samples[static_cast<size_t>(p)] =
+        SampleLength{first_id_ + off, recv[3 * p + 1], recv[3 * p + 2]};
   }
   return Status::Ok();
 }
@@ -460,14 +552,7 @@ Status StepRunner::Impl::ExchangeLengths(RankStep& out) {
 Status StepRunner::Impl::MakePlan(RankStep& out) {
   THDPACK_ASSIGN_OR_RETURN(out.plan, Schedule(out.samples, opts_.schedule));
   if (opts_.check_plan_hash) {
-    const uint64_t h = HashPlan(out.plan);
-    const int64_t lo = static_cast<int64_t>(h & 0xffffffffu), hi = static_cast<int64_t>(h >> 32);
-    std::vector<int64_t> v = {lo, hi, -lo, -hi};
-    THDPACK_RETURN_IF_ERROR(loaders_->AllReduceInt64(std::span<int64_t>(v), ReduceOp::kMin));
-    if (v[0] != lo || v[1] != hi || v[2] != -lo || v[3] != -hi) {
-      return Status::Internal("plan of step " + std::to_string(step_) +
-                              " differs between loaders (hash check)");
-    }
+    THDPACK_RETURN_IF_ERROR(AgreeOnPlanHash(*loaders_, HashPlan(out.plan), "plan", step_));
   }
   replica_of_.assign(out.samples.size(), -1);
   for (int d = 0; d < out.plan.dp_size; ++d) {
@@ -585,13 +670,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   po.parallel = opts_.schedule.parallel;
   po.pad_id = opts_.pad_id;
   StepMeta& meta = out.meta;
-  meta = StepMeta{};
-  meta.step = static_cast<uint64_t>(step_);
-  meta.epoch = static_cast<uint64_t>(out.epoch);
-  meta.dp_size = topo_.dp_size();
-  meta.replica = me;
-  meta.parallel = opts_.schedule.parallel;
-  meta.skipped_ids = plan.skipped;
+  meta = MetaHeader(step_, out.epoch, topo_.dp_size(), me, opts_.schedule.parallel, plan.skipped);
   for (size_t p = 0; p < out.samples.size(); ++p) {
     if (replica_of_[p] >= 0) meta.n_loss_tokens += out.samples[p].n_targets;
   }
@@ -639,18 +718,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
     } else {
       THDPACK_ASSIGN_OR_RETURN(n_valid, PackShardInto(views, layout, po, coord_.cp, bufs[0]));
     }
-    MicrobatchMeta mm;
-    mm.cu_seqlens = std::move(layout.cu_seqlens);
-    mm.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
-    mm.max_seqlen = layout.max_seqlen;
-    mm.n_valid = n_valid;
-    meta.real_tokens += mm.cu_seqlens.back();
-    meta.padded_tokens += mm.cu_seqlens_padded.back();
-    for (size_t i = 0; i + 1 < mm.cu_seqlens_padded.size(); ++i) {
-      const int64_t p = mm.cu_seqlens_padded[i + 1] - mm.cu_seqlens_padded[i];
-      meta.sum_sq += p * p;
-    }
-    meta.microbatches.push_back(std::move(mm));
+    AddMicrobatch(meta, std::move(layout), n_valid);
   }
   if (tp0) {
     THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
@@ -830,6 +898,37 @@ Status StepRunner::Impl::AcceptMeta(RankStep& out, const std::string& sender, bo
   return Status::Ok();
 }
 
+Status StepRunner::Impl::Deliver(RankStep& out, ProcessGroup* group, const std::string& sender,
+                                 const std::function<Status()>& receive,
+                                 const std::function<Status()>& then) {
+  BeginPhase(out, Phase::kDeliver);
+  Status local;
+  if (group != nullptr) {
+    local = DeliverMeta(*group);
+    if (local.ok() && group->rank() != 0) local = AcceptMeta(out, sender, dynamic_);
+    // Nobody waits for shards until every rank holds good metadata.
+    Status agreed = Agree(local, "deliver metadata");
+    if (!agreed.ok()) {
+      EndPhase(out);
+      return agreed;
+    }
+    local = receive();
+  }
+  if (then) {
+    // Every rank is here with its data: `then` runs on all of them together.
+    Status agreed = Agree(local, "deliver");
+    if (!agreed.ok()) {
+      EndPhase(out);
+      return agreed;
+    }
+    local = then();
+    EndPhase(out);
+    return Agree(local, "groups");
+  }
+  EndPhase(out);
+  return Agree(local, "deliver");
+}
+
 Result<RankStep> StepRunner::Impl::Next() {
   if (dynamic_) return NextDynamic();
   RankStep out = StartStep(reader_);
@@ -837,8 +936,8 @@ Result<RankStep> StepRunner::Impl::Next() {
 
   THDPACK_RETURN_IF_ERROR(
       RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); }));
-  THDPACK_RETURN_IF_ERROR(
-      RunPhase(out, Phase::kLengths, reader_, "lengths", [&] { return ExchangeLengths(out); }));
+  THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kLengths, reader_, "lengths",
+                                   [&] { return ExchangeLengths(*loaders_, 1, out); }));
   THDPACK_RETURN_IF_ERROR(
       RunPhase(out, Phase::kPlan, reader_, "plan", [&] { return MakePlan(out); }));
   THDPACK_RETURN_IF_ERROR(
@@ -848,23 +947,10 @@ Result<RankStep> StepRunner::Impl::Next() {
   own_.clear();  // packed: the samples are no longer needed
   THDPACK_RETURN_IF_ERROR(packed);
 
-  Status local;
-  BeginPhase(out, Phase::kDeliver);
-  if (tp0) {
-    local = DeliverMeta(*replica_);
-    if (local.ok() && replica_->rank() != 0) {
-      local = AcceptMeta(out, "the loader of replica " + std::to_string(coord_.dp), false);
-    }
-    // Nobody waits for shards until every rank holds good metadata.
-    Status agreed = Agree(local, "deliver metadata");
-    if (!agreed.ok()) {
-      EndPhase(out);
-      return agreed;
-    }
-    local = ReceiveShards(out);
-  }
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "deliver"));
+  THDPACK_RETURN_IF_ERROR(
+      Deliver(out, tp0 ? replica_.get() : nullptr,
+              "the loader of replica " + std::to_string(coord_.dp),
+              [&] { return ReceiveShards(out); }, nullptr));
   FinishLocal(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
@@ -879,73 +965,11 @@ Result<RankStep> StepRunner::Impl::Next() {
 // metadata (wire version 2) and delivers both down its column (every tp and pp of its domain
 // index); the CP process groups the plan uses are split from the world (cached across steps).
 
-// Lengths among the heads: loaders contribute their samples, other heads nothing; every head
-// also learns the step's first id, id span and epoch from loader 0.
-Status StepRunner::Impl::ExchangeLengthsDynamic(RankStep& out) {
-  ProcessGroup& g = *heads_;
-  const int dp = topo_.dp_size(), cp = topo_.cp_size();
-  const size_t gs = static_cast<size_t>(g.size());
-  const int64_t header[4] = {static_cast<int64_t>(own_.size()), first_id_, id_span_, out.epoch};
-  std::vector<int64_t> all(4 * gs);
-  THDPACK_RETURN_IF_ERROR(g.AllGatherValues(std::span<const int64_t>(header, 4),
-                                            std::span<int64_t>(all)));
-  if (!reader_) {
-    first_id_ = all[1];
-    id_span_ = all[2];
-    out.epoch = all[3];
-  }
-  std::vector<int64_t> counts(gs, 0), c(gs, 0), dsp(gs, 0);
-  loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
-  for (int d = 0; d < dp; ++d) {
-    const int64_t n_d = all[4 * static_cast<size_t>(d * cp)];
-    if (n_d < 0 || n_d > (int64_t{1} << 40)) {
-      return Status::Internal("length exchange: loader " + std::to_string(d) + " count " +
-                              std::to_string(n_d) + " out of range");
-    }
-    counts[static_cast<size_t>(d * cp)] = n_d;
-    loader_offset_[static_cast<size_t>(d) + 1] = loader_offset_[static_cast<size_t>(d)] + n_d;
-  }
-  for (size_t j = 0; j < gs; ++j) {
-    c[j] = 3 * counts[j];
-    if (j > 0) dsp[j] = dsp[j - 1] + c[j - 1];
-  }
-  const int64_t n = loader_offset_.back();
-  std::vector<int32_t> send;
-  send.reserve(3 * own_.size());
-  for (const Sample& x : own_) {
-    send.push_back(static_cast<int32_t>(x.id - first_id_));
-    send.push_back(static_cast<int32_t>(x.tokens.size()));
-    send.push_back(static_cast<int32_t>(NumTargets(x)));
-  }
-  std::vector<int32_t> recv(static_cast<size_t>(3 * n));
-  THDPACK_RETURN_IF_ERROR(
-      g.AllGatherVValues(std::span<const int32_t>(send), std::span<int32_t>(recv), c, dsp));
-  out.samples.resize(static_cast<size_t>(n));
-  position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
-  for (int64_t p = 0; p < n; ++p) {
-    const int32_t off = recv[3 * p];
-    if (off < 0 || off >= id_span_ || position_of_offset_[static_cast<size_t>(off)] != -1) {
-      return Status::Internal("length exchange: sample offset " + std::to_string(off) +
-                              " out of range or repeated");
-    }
-    position_of_offset_[static_cast<size_t>(off)] = p;
-    out.samples[static_cast<size_t>(p)] =
-        SampleLength{first_id_ + off, recv[3 * p + 1], recv[3 * p + 2]};
-  }
-  return Status::Ok();
-}
-
 Status StepRunner::Impl::MakeDynamicPlan(RankStep& out) {
   THDPACK_ASSIGN_OR_RETURN(out.dynamic_plan, ScheduleDynamic(out.samples, opts_.schedule));
   if (opts_.check_plan_hash) {
-    const uint64_t h = HashDynamicPlan(out.dynamic_plan);
-    const int64_t lo = static_cast<int64_t>(h & 0xffffffffu), hi = static_cast<int64_t>(h >> 32);
-    std::vector<int64_t> v = {lo, hi, -lo, -hi};
-    THDPACK_RETURN_IF_ERROR(heads_->AllReduceInt64(std::span<int64_t>(v), ReduceOp::kMin));
-    if (v[0] != lo || v[1] != hi || v[2] != -lo || v[3] != -hi) {
-      return Status::Internal("dynamic plan of step " + std::to_string(step_) +
-                              " differs between heads (hash check)");
-    }
+    THDPACK_RETURN_IF_ERROR(
+        AgreeOnPlanHash(*heads_, HashPlan(out.dynamic_plan), "dynamic plan", step_));
   }
   group_of_.assign(out.samples.size(), {-1, 0});
   for (const auto& groups : out.dynamic_plan.microbatches) {
@@ -1004,19 +1028,16 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
   const int me = DomainIndex();
   const DynamicPlan& plan = out.dynamic_plan;
   StepMeta& meta = out.meta;
-  meta = StepMeta{};
-  meta.step = static_cast<uint64_t>(step_);
-  meta.epoch = static_cast<uint64_t>(out.epoch);
-  meta.dp_size = topo_.dp_size();
-  meta.replica = coord_.dp;
-  meta.parallel = opts_.schedule.parallel;
+  meta = MetaHeader(step_, out.epoch, topo_.dp_size(), coord_.dp, opts_.schedule.parallel,
+                    plan.skipped);
   meta.domain_rank = me;
-  meta.skipped_ids = plan.skipped;
   for (size_t p = 0; p < out.samples.size(); ++p) {
     if (group_of_[p].second > 0) meta.n_loss_tokens += out.samples[p].n_targets;
   }
   PackOptions po;
   po.pad_id = opts_.pad_id;
+  const bool tp0 = opts_.data_on == DataOn::kTp0;
+  const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
   std::vector<SampleView> views;
   std::vector<int64_t> lengths;
@@ -1051,29 +1072,27 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
     const size_t local = static_cast<size_t>(layout.total_tokens / mine->num_ranks);
     PackedShard& sh = shards.back();
     sh.cp_rank = me - mine->first_rank;
-    sh.tokens.resize(local);
-    sh.position_ids.resize(local);
-    sh.labels.resize(local);
-    sh.loss_mask.resize(local);
+    // A head of tp0 packs every array for its column; with all, the arrays of its stage.
+    if (tp0 || first) {
+      sh.tokens.resize(local);
+      sh.position_ids.resize(local);
+    }
+    if (tp0 || last) {
+      sh.labels.resize(local);
+      sh.loss_mask.resize(local);
+    }
     THDPACK_ASSIGN_OR_RETURN(
         int64_t n_valid,
         PackShardInto(views, layout, po, sh.cp_rank,
                       PackBuffers{sh.tokens, sh.position_ids, sh.labels, sh.loss_mask}));
-    MicrobatchMeta mm;
-    mm.cu_seqlens = std::move(layout.cu_seqlens);
-    mm.cu_seqlens_padded = std::move(layout.cu_seqlens_padded);
-    mm.max_seqlen = layout.max_seqlen;
-    mm.n_valid = n_valid;
-    meta.real_tokens += mm.cu_seqlens.back();
-    meta.padded_tokens += mm.cu_seqlens_padded.back();
-    for (size_t i = 0; i + 1 < mm.cu_seqlens_padded.size(); ++i) {
-      const int64_t p = mm.cu_seqlens_padded[i + 1] - mm.cu_seqlens_padded[i];
-      meta.sum_sq += p * p;
-    }
     meta.groups.push_back(MicrobatchGroup{mine->first_rank, mine->num_ranks});
-    meta.microbatches.push_back(std::move(mm));
+    AddMicrobatch(meta, std::move(layout), n_valid);
   }
-  THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
+  if (tp0) {
+    THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
+  } else {
+    THDPACK_RETURN_IF_ERROR(ValidateStepMeta(meta));
+  }
   return Status::Ok();
 }
 
@@ -1142,7 +1161,8 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
                               std::to_string(c) + ") outside the domain");
     }
     const std::pair<int, int> key{first, c};
-    if (groups_.count(key) != 0) {
+    if (auto it = groups_.find(key); it != groups_.end()) {
+      it->second.last_step = step_;
       ++out.groups_reused;
       continue;
     }
@@ -1158,16 +1178,31 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
       }
     }
     THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> g, world_.Split(lists));
-    groups_[key] = std::shared_ptr<ProcessGroup>(std::move(g));
+    groups_[key] = CachedGroup{std::shared_ptr<ProcessGroup>(std::move(g)), step_};
     ++out.groups_made;
   }
+  // Over the bound: drop the groups unused longest (earliest last step, then the smallest key),
+  // never one of this step's; every rank drops the same ones. A microbatch of an earlier step
+  // still holding a dropped group keeps it alive until it is freed.
+  while (static_cast<int64_t>(groups_.size()) > opts_.max_cp_groups) {
+    auto oldest = groups_.end();
+    for (auto it = groups_.begin(); it != groups_.end(); ++it) {
+      if (it->second.last_step == step_) continue;
+      if (oldest == groups_.end() || it->second.last_step < oldest->second.last_step) oldest = it;
+    }
+    if (oldest == groups_.end()) break;  // this step alone uses more than the bound
+    groups_.erase(oldest);
+    ++out.groups_evicted;
+  }
+  out.groups_cached = static_cast<int64_t>(groups_.size());
   // Every group this rank's metadata names is split, and holds it at its position.
   for (size_t m = 0; m < out.meta.groups.size(); ++m) {
     const MicrobatchGroup& g = out.meta.groups[m];
     if (g.num_ranks == 0) continue;
     auto it = groups_.find({g.first_rank, g.num_ranks});
-    if (it == groups_.end() || !it->second || it->second->size() != g.num_ranks ||
-        it->second->rank() != out.meta.domain_rank - g.first_rank) {
+    const ProcessGroup* group = it == groups_.end() ? nullptr : it->second.group.get();
+    if (group == nullptr || group->size() != g.num_ranks ||
+        group->rank() != out.meta.domain_rank - g.first_rank) {
       return Status::Internal("dynamic step " + std::to_string(step_) + ": microbatch " +
                               std::to_string(m) + "'s group [" + std::to_string(g.first_rank) +
                               ", +" + std::to_string(g.num_ranks) +
@@ -1187,19 +1222,19 @@ void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
                                    idle ? 0 : out.meta.domain_rank - g.first_rank);
     lm.idle = idle;
     lm.first_rank = g.first_rank;
-    if (!idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks});  // checked in MakeGroups
+    if (!idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks}).group;  // MakeGroups checked
     out.microbatches.push_back(std::move(lm));
   }
 }
 
 Result<RankStep> StepRunner::Impl::NextDynamic() {
   RankStep out = StartStep(head_);
+  const int cp = topo_.cp_size();
 
   THDPACK_RETURN_IF_ERROR(
       RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); }));
-  THDPACK_RETURN_IF_ERROR(
-      RunPhase(out, Phase::kLengths, head_, "lengths",
-               [&] { return ExchangeLengthsDynamic(out); }));
+  THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kLengths, head_, "lengths",
+                                   [&] { return ExchangeLengths(*heads_, cp, out); }));
   THDPACK_RETURN_IF_ERROR(
       RunPhase(out, Phase::kPlan, head_, "plan", [&] { return MakeDynamicPlan(out); }));
   THDPACK_RETURN_IF_ERROR(
@@ -1212,26 +1247,10 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
   refs_.clear();
   THDPACK_RETURN_IF_ERROR(packed);
 
-  BeginPhase(out, Phase::kDeliver);
-  Status local = DeliverMeta(*column_);
-  if (local.ok() && column_->rank() != 0) {
-    local = AcceptMeta(out, "the head of domain rank " + std::to_string(DomainIndex()), true);
-  }
-  Status agreed = Agree(local, "deliver metadata");
-  if (!agreed.ok()) {
-    EndPhase(out);
-    return agreed;
-  }
-  local = ReceiveShardsDynamic(out);
-  agreed = Agree(local, "deliver");
-  if (!agreed.ok()) {
-    EndPhase(out);
-    return agreed;
-  }
-  // Every rank is here with its data: the groups are split by all of them together.
-  local = MakeGroups(out);
-  EndPhase(out);
-  THDPACK_RETURN_IF_ERROR(Agree(local, "groups"));
+  THDPACK_RETURN_IF_ERROR(Deliver(out, column_.get(),
+                                  "the head of domain rank " + std::to_string(DomainIndex()),
+                                  [&] { return ReceiveShardsDynamic(out); },
+                                  [&] { return MakeGroups(out); }));
   FinishLocalDynamic(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
