@@ -242,6 +242,23 @@ using RunStepCallback = std::function<Status(const RunStepReport& step)>;
 [[nodiscard]] Status RunJobOnRank(ProcessGroup& world, const Job& job, const RunSetup& run,
                                   const RunStepCallback& on_step);
 
+// ---- a step's report: both kinds of step, every caller (run, the torch iterator) ----
+
+// The figures and memory `plan` gives for the step a planning rank holds (RankStep::is_loader:
+// a loader, or a head of a dynamic step), from its samples and plan: the figures with
+// sim_step_time and n_empty, the memory figures; sample_ids false leaves out the per-sample
+// detail. InvalidArgument on a rank that did not plan; the figures' own errors otherwise.
+[[nodiscard]] Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step,
+                                                 bool sample_ids = true);
+
+// The step's figures as one JSON object on every rank. Collective over `world` (the runner's):
+// a planning rank gets its own (StepFiguresJson with per-replica detail), every other rank
+// world rank 0's summary (StepFiguresJson summary_only); a dynamic step appends groups_made,
+// groups_reused, groups_evicted and groups_cached (RankStep). An error on one planning rank is
+// agreed: every rank returns it.
+[[nodiscard]] Result<std::string> StepFiguresJsonOnEveryRank(ProcessGroup& world, const Job& job,
+                                                             const RankStep& step);
+
 // `thdpack run --json`'s line for a step (no newline): StepFiguresJson with, in order, memory,
 // loss, ppl, entropy, n_tokens (with verify), groups_made, groups_reused, groups_evicted and
 // groups_cached (dynamic only),

@@ -63,6 +63,16 @@ namespace thdpack {
 [[nodiscard]] Status LocalPositionIdsInto(std::span<const int32_t> cu_seqlens_padded,
                                           int cp_size, int cp_rank, std::span<int32_t> out);
 
+// Which tokens of CP rank cp_rank's shard are padding, [T/CP] (1: padding), from the metadata
+// alone (every stage can compute it): token k is padding when its global position lies past
+// its sequence's real length cu_seqlens[i+1] - cu_seqlens[i]. InvalidArgument when cu_seqlens
+// and cu_seqlens_padded differ in size or a real length exceeds its padded one. An idle
+// microbatch of a dynamic step (both {0}) has none.
+// REQUIRES otherwise: as CpPartitionIndices.
+[[nodiscard]] Result<std::vector<uint8_t>> ShardPaddingMask(
+    std::span<const int32_t> cu_seqlens, std::span<const int32_t> cu_seqlens_padded, int cp_size,
+    int cp_rank);
+
 // Local sequence boundaries of every CP rank's shard: cu_seqlens_padded / CP, [n+1]. For the
 // loss and unsharding; attention (TransformerEngine) takes the GLOBAL cu_seqlens_padded.
 // REQUIRES: ValidateCuSeqlensPadded(cu_seqlens_padded, cp_size).

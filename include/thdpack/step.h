@@ -112,6 +112,16 @@ std::vector<int64_t> LoaderIndices(int64_t n, int dp_size, int loader);
 int64_t LoaderCount(int64_t n, int dp_size, int loader);
 int64_t LoaderOffset(int64_t n, int dp_size, int loader);
 
+// One loader's share of step `step` from samples a caller fed it (thdpack.torch's iterable
+// sources): the loader's own samples of a step of global_batch samples, in source order, with
+// the ids a file source gives (the k-th sample of loader d in step s has id
+// s * global_batch + k * DP + d; first_id = s * global_batch, n = global_batch, id_span 0:
+// consecutive). InvalidArgument naming the loader and the step when there are not
+// LoaderCount(global_batch, dp_size, loader) samples. REQUIRES: global_batch >= 1,
+// 0 <= loader < dp_size.
+[[nodiscard]] Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step,
+                                             int loader, std::vector<Sample> samples);
+
 // Reorders the n samples of a step from source order into scheduling order (loader 0's first,
 // each loader's in source order). REQUIRES: dp_size >= 1.
 std::vector<SampleLength> ToSchedulingOrder(const std::vector<SampleLength>& source_order,

@@ -24,7 +24,7 @@ bool ReadOptions(const py::kwargs& kwargs, bool run, JobOptions& job, RunOptions
       summary_only = value.cast<bool>();
       continue;
     }
-    if (!IsJobOption(name, run)) {
+    if (!IsJobOption(name, run ? OptionsOf::kRun : OptionsOf::kPlan)) {
       throw py::type_error(std::string(run ? "run_job" : "plan_job") +
                            "() got an unexpected keyword argument '" + name + "'");
     }

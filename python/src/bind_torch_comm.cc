@@ -28,6 +28,18 @@ class TorchProcessGroup final : public ProcessGroup {
   }
   ~TorchProcessGroup() override {
     py::gil_scoped_acquire gil;
+    if (owned_) {
+      // A group Split made is destroyed with it (the dynamic step's cache drops groups, the
+      // iterator's close drops them all), unless torch.distributed is already shut down. A
+      // failure here has no one to report to: the group is then left to torch.
+      try {
+        if (dist_.attr("is_initialized")().cast<bool>()) {
+          dist_.attr("destroy_process_group")(group_);
+        }
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("thdpack: destroying a torch process group");
+      }
+    }
     group_ = py::object();
     device_ = py::object();
     dist_ = py::object();
@@ -36,6 +48,10 @@ class TorchProcessGroup final : public ProcessGroup {
   }
 
   std::string_view backend() const override { return "torch"; }
+
+  const py::object& group() const { return group_; }
+  // Split made the torch group (not one of the caller's): the destructor destroys it.
+  void set_owned() { owned_ = true; }
 
   Status Broadcast(std::span<std::byte> data, int root) override {
     THDPACK_RETURN_IF_ERROR(CheckRoot("Broadcast", root));
@@ -215,7 +231,9 @@ class TorchProcessGroup final : public ProcessGroup {
         py::object made = dist_.attr("new_group")(py::arg("ranks") = torch_ranks,
                                                   py::arg("backend") = options_->backend);
         if (static_cast<int>(g) == my_group) {
-          mine.reset(new TorchProcessGroup(groups[g], my_index, made, options_));
+          auto* group = new TorchProcessGroup(groups[g], my_index, made, options_);
+          group->set_owned();
+          mine.reset(group);
         }
       }
     });
@@ -272,6 +290,7 @@ class TorchProcessGroup final : public ProcessGroup {
   }
 
   py::object group_;
+  bool owned_ = false;
   std::shared_ptr<const TorchCommOptions> options_;
   py::object device_;  // None: CPU tensors
   py::object dist_;
@@ -279,6 +298,11 @@ class TorchProcessGroup final : public ProcessGroup {
 };
 
 }  // namespace
+
+py::object TorchGroupOf(const ProcessGroup* group) {
+  const auto* t = dynamic_cast<const TorchProcessGroup*>(group);
+  return t == nullptr ? py::none() : t->group();
+}
 
 std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
                                              std::shared_ptr<const TorchCommOptions> options) {

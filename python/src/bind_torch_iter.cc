@@ -31,27 +31,12 @@
 namespace thdpack::python {
 namespace {
 
-// The job options the iterator takes as keyword arguments (thdpack.torch.PackedDataIterator's
-// docstring): the topology comes from the groups, the data from `source`, and the options of
-// `run` alone (verify, probe, timeout) have no meaning here.
-bool IsIteratorOption(const std::string& name) {
-  static const std::set<std::string> names = {
-      "tp",          "cp",       "dp",
-      "pp",          "sp",       "seed",
-      "shuffle",     "vocab",    "mock_samples",
-      "align",       "max_tokens_per_rank", "global_batch",
-      "scheduler",   "cost",     "microbatch_multiple",
-      "num_microbatches", "oversize", "pad_id",
-      "data_on",     "check_plan_hash"};
-  return names.count(name) > 0;
-}
-
 Job ResolveOptions(const py::dict& options, const py::object& source) {
   JobOptions o;
   RunOptions unused;
   for (const auto& [key, value] : options) {
     const std::string name = key.cast<std::string>();
-    if (!IsIteratorOption(name)) {
+    if (!IsJobOption(name, OptionsOf::kIterator)) {
       throw py::type_error("PackedDataIterator() got an unexpected keyword argument '" + name +
                            "'");
     }
@@ -65,38 +50,10 @@ Job ResolveOptions(const py::dict& options, const py::object& source) {
         "global_batch, got " +
         std::to_string(o.global_batch));
   }
-  if (o.scheduler == "dynamic") {
-    throw py::value_error(
-        "scheduler: \"dynamic\" is not supported by the torch iterator (its tensors hold one CP "
-        "group per run); use \"balanced\" or \"sequential\", or `thdpack run --scheduler "
-        "dynamic`");
-  }
   return ValueOrThrow(ResolveJob(o));
 }
 
-// One loader's samples of a caller-fed step: ids by the file rule.
-Result<StepShare> MakeShare(const Job& job, int64_t step, int loader, std::vector<Sample> samples) {
-  const int64_t n = job.options.global_batch;
-  const int dp = job.topology.dp_size();
-  const int64_t want = LoaderCount(n, dp, loader);
-  if (static_cast<int64_t>(samples.size()) != want) {
-    return Status::InvalidArgument(
-        "source of loader dp=" + std::to_string(loader) + ", step " + std::to_string(step) +
-        ": gave " + std::to_string(samples.size()) + " samples, its share of global_batch " +
-        std::to_string(n) + " over DP " + std::to_string(dp) + " is " + std::to_string(want));
-  }
-  StepShare share;
-  share.step = step;
-  share.n = n;
-  share.first_id = step * n;
-  for (size_t k = 0; k < samples.size(); ++k) {
-    samples[k].id = share.first_id + static_cast<int64_t>(k) * dp + loader;
-  }
-  share.samples = std::move(samples);
-  return share;
-}
-
-// (int32 tokens, uint8 mask or None) pairs -> samples (ids set by MakeShare). ValueError-free:
+// (int32 tokens, uint8 mask or None) pairs -> samples (ids set by FedStepShare). ValueError-free:
 // errors come back as a Status naming the loader, step and sample.
 Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_t step) {
   std::vector<Sample> out;
@@ -122,14 +79,20 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
   return out;
 }
 
-// One rank's step as a dict of NumPy arrays.
-py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::string& figures) {
+// One rank's step as a dict of NumPy arrays. Each microbatch carries its CP group: cp_size,
+// cp_rank, first_rank, idle, cp_ranks (world positions of its members; the topology's CP group
+// for a static step, [] when idle) and cp_group (the torch group of a dynamic microbatch with
+// a group of more than one rank, else None: the iterator puts the caller's CP group there for a
+// static step).
+py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::string& figures,
+                      int world_rank) {
   py::dict d;
   d["step"] = step.step;
   d["epoch"] = step.epoch;
   d["is_loader"] = step.is_loader;
   d["first_stage"] = step.first_stage;
   d["last_stage"] = step.last_stage;
+  d["dynamic"] = step.dynamic;
   d["n_loss_tokens"] = step.meta.n_loss_tokens;
   d["num_microbatches"] = static_cast<int64_t>(step.microbatches.size());
   d["replica_real_tokens"] = step.meta.real_tokens;
@@ -137,31 +100,38 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   d["replica_sum_sq"] = step.meta.sum_sq;
   d["skipped_ids"] = step.meta.skipped_ids;
   d["figures"] = py::module_::import("json").attr("loads")(figures);
+  std::vector<int> topology_cp = ValueOrThrow(topo.GroupOf(GroupKind::kCp, world_rank));
   py::list mbs;
-  const int cp = topo.cp_size();
   for (LocalMicrobatch& mb : step.microbatches) {
     py::dict m;
-    const auto& cu = mb.cu_seqlens;
-    const auto& cup = mb.cu_seqlens_padded;
-    // Padding flags of this CP rank's tokens from the metadata alone (every stage).
-    auto idx = CpPartitionIndices(cup, cp, step.coord.cp);
-    ThrowIfError(idx.status());
-    py::array_t<bool> padding(static_cast<py::ssize_t>(idx->size()));
-    bool* pad = padding.mutable_data();
-    size_t s = 0;
-    for (size_t i = 0; i < idx->size(); ++i) {
-      const int32_t g = (*idx)[i];
-      while (g >= cup[s + 1]) ++s;  // the shard visits sequences in order
-      pad[i] = g - cup[s] >= cu[s + 1] - cu[s];
-    }
+    // Padding flags of this rank's shard, from the metadata alone (every stage), with the
+    // microbatch's own CP group.
+    std::vector<uint8_t> pad = ValueOrThrow(
+        ShardPaddingMask(mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank));
+    py::array_t<bool> padding(static_cast<py::ssize_t>(pad.size()));
+    std::copy(pad.begin(), pad.end(), padding.mutable_data());
     m["padding_mask"] = padding;
-    m["cu_seqlens"] = ToNumpy(std::vector<int32_t>(cu));
-    m["cu_seqlens_padded"] = ToNumpy(std::vector<int32_t>(cup));
+    m["cu_seqlens"] = ToNumpy(std::vector<int32_t>(mb.cu_seqlens));
+    m["cu_seqlens_padded"] = ToNumpy(std::vector<int32_t>(mb.cu_seqlens_padded));
     m["max_seqlen"] = mb.max_seqlen;
     m["n_valid"] = mb.n_valid;
     m["total_tokens"] = mb.total_tokens;
     m["local_tokens"] = mb.local_tokens;
     m["sp_range"] = py::make_tuple(mb.sp_range.first, mb.sp_range.second);
+    m["cp_size"] = mb.cp_size;
+    m["cp_rank"] = mb.cp_rank;
+    m["first_rank"] = mb.first_rank;
+    m["idle"] = mb.idle;
+    m["dynamic"] = step.dynamic;
+    if (mb.idle) {
+      m["cp_ranks"] = py::list();
+    } else if (mb.cp_group) {
+      const auto ranks = mb.cp_group->ranks();
+      m["cp_ranks"] = py::cast(std::vector<int>(ranks.begin(), ranks.end()));
+    } else {
+      m["cp_ranks"] = py::cast(topology_cp);
+    }
+    m["cp_group"] = mb.cp_group && mb.cp_size > 1 ? TorchGroupOf(mb.cp_group.get()) : py::none();
     if (step.first_stage) {
       m["tokens"] = Widen<int64_t>(std::span<const TokenId>(mb.tokens));
       m["position_ids"] = Widen<int64_t>(std::span<const int32_t>(mb.position_ids));
@@ -181,40 +151,6 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   d["microbatches"] = mbs;
   d["sp"] = sp;
   return d;
-}
-
-// The step's figures JSON: loaders compute it from their plan (with per-replica detail), and
-// the totals go to every rank from world rank 0 (always a loader). Collective over world.
-Result<std::string> FiguresOf(ProcessGroup& world, const Job& job, const RankStep& step) {
-  std::string mine, totals;
-  Status local;
-  if (step.is_loader) {
-    auto f =
-        ComputeStepFigures(step.step, step.epoch, step.samples, job.schedule, step.plan, job.flops);
-    // The modelled step time, as `plan --json` and `run --json` give it (null without a model
-    // cost, as there).
-    if (f.ok() && job.schedule.step_time.has_value()) {
-      Result<double> t = PlanStepTime(step.samples, job.schedule, step.plan);
-      if (t.ok()) {
-        f->sim_step_time = *t;
-      } else {
-        f = t.status();
-      }
-    }
-    if (f.ok()) {
-      mine = StepFiguresJson(*f, /*summary_only=*/false);
-      totals = StepFiguresJson(*f, /*summary_only=*/true);
-    } else {
-      local = f.status();
-    }
-  }
-  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "step figures"));
-  int64_t size = static_cast<int64_t>(totals.size());
-  THDPACK_RETURN_IF_ERROR(world.BroadcastValues(std::span<int64_t>(&size, 1), 0));
-  totals.resize(static_cast<size_t>(size));
-  THDPACK_RETURN_IF_ERROR(
-      world.Broadcast(std::as_writable_bytes(std::span<char>(totals.data(), totals.size())), 0));
-  return step.is_loader ? mine : totals;
 }
 
 class TorchStepRunner {
@@ -258,7 +194,8 @@ class TorchStepRunner {
                                            ", step " + std::to_string(step) + ": " + e.what());
           }
         }
-        return MakeShare(job_, step, loader, std::move(samples));
+        return FedStepShare(job_.options.global_batch, job_.topology.dp_size(), step, loader,
+                            std::move(samples));
       };
     }
     std::optional<Result<std::unique_ptr<StepRunner>>> runner;
@@ -280,11 +217,12 @@ class TorchStepRunner {
     {
       py::gil_scoped_release release;
       step.emplace(runner_->Next());
-      if (step->ok()) figures.emplace(FiguresOf(*world_, job_, **step));
+      if (step->ok()) figures.emplace(StepFiguresJsonOnEveryRank(*world_, job_, **step));
     }
     ThrowIfError(step->status());
     ThrowIfError(figures->status());
-    return StepToPython(std::move(**step), job_.topology, job_.options.sp, **figures);
+    return StepToPython(std::move(**step), job_.topology, job_.options.sp, **figures,
+                        world_->rank());
   }
 
   py::dict Topology() const {
@@ -295,6 +233,14 @@ class TorchStepRunner {
     d["pp"] = job_.topology.pp_size();
     d["global_batch"] = job_.options.global_batch;
     d["data_on"] = std::string(DataOnName(job_.data_on));
+    d["scheduler"] = job_.options.scheduler;
+    // Whether this rank reads (takes its replica's share from the caller's source): the step
+    // runner's rule (thdpack/step_runner.h).
+    const Coord c = ValueOrThrow(job_.topology.CoordOf(world_->rank()));
+    const bool all = job_.data_on == DataOn::kAll;
+    const bool dynamic = job_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
+    d["reader"] = dynamic ? (c.cp == 0 && (all || (c.tp == 0 && c.pp == 0)))
+                          : (all || (c.tp == 0 && c.cp == 0 && c.pp == 0));
     return d;
   }
 
@@ -328,9 +274,9 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
         return Status::OutOfRange("shares: loader " + std::to_string(loader) + " has no step " +
                                   std::to_string(step));
       }
-      return MakeShare(job, step, loader,
-                       std::vector<Sample>(all.begin() + static_cast<int64_t>(begin),
-                                           all.begin() + static_cast<int64_t>(begin) + count));
+      return FedStepShare(job.options.global_batch, job.topology.dp_size(), step, loader,
+                          std::vector<Sample>(all.begin() + static_cast<int64_t>(begin),
+                                              all.begin() + static_cast<int64_t>(begin) + count));
     };
   }
   const int world = job.topology.world_size();
@@ -343,7 +289,7 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
       THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(w, job.topology, ro));
       for (int64_t s = 0; s < steps; ++s) {
         THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
-        THDPACK_ASSIGN_OR_RETURN(std::string f, FiguresOf(w, job, step));
+        THDPACK_ASSIGN_OR_RETURN(std::string f, StepFiguresJsonOnEveryRank(w, job, step));
         got[static_cast<size_t>(w.rank())].push_back(std::move(step));
         figures[static_cast<size_t>(w.rank())].push_back(std::move(f));
       }
@@ -357,7 +303,7 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
     py::list per;
     for (size_t s = 0; s < got[static_cast<size_t>(r)].size(); ++s) {
       per.append(StepToPython(std::move(got[static_cast<size_t>(r)][s]), job.topology,
-                              job.options.sp, figures[static_cast<size_t>(r)][s]));
+                              job.options.sp, figures[static_cast<size_t>(r)][s], r));
     }
     out.append(per);
   }

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 
 namespace thdpack::python {
 namespace {
@@ -70,6 +71,9 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"global_batch", SetGlobalBatch},
       {"steps", SetSteps},
       {"scheduler", Field(&JobOptions::scheduler)},
+      {"cp_sizes", Field(&JobOptions::cp_sizes)},
+      {"max_cp_groups", Field(&JobOptions::max_cp_groups)},
+      {"hw", Field(&JobOptions::hw)},
       {"cost", Field(&JobOptions::cost)},
       {"microbatch_multiple", Field(&JobOptions::microbatch_multiple)},
       {"num_microbatches", Field(&JobOptions::num_microbatches)},
@@ -100,7 +104,14 @@ const std::map<std::string, Setter>& Setters(bool run) {
 
 }  // namespace
 
-bool IsJobOption(const std::string& name, bool run) { return Setters(run).count(name) > 0; }
+bool IsJobOption(const std::string& name, OptionsOf of) {
+  if (of == OptionsOf::kIterator) {
+    static const std::set<std::string> not_iterator = {"data",         "steps",      "vocab_size",
+                                                       "logits_dtype", "fused_grad", "memory_limit"};
+    return Setters(false).count(name) > 0 && not_iterator.count(name) == 0;
+  }
+  return Setters(of == OptionsOf::kRun).count(name) > 0;
+}
 
 void SetJobOption(const std::string& name, const py::handle& value, JobOptions& job,
                   RunOptions& run) {

@@ -12,11 +12,15 @@
 
 namespace thdpack::python {
 
-// Whether `name` is an option of `plan` (run = false) or of `run` (run = true: plan's and
-// timeout, verify, verify_tolerance, memory_profile_*, probe_*).
-bool IsJobOption(const std::string& name, bool run);
+// Whose options: `plan`'s; `run`'s (plan's and timeout, verify, verify_tolerance,
+// memory_profile_*, probe_*); the torch iterator's (plan's but data, which is its source,
+// steps, which its Python side counts, and the memory report's: vocab_size, logits_dtype,
+// fused_grad, memory_limit).
+enum class OptionsOf { kPlan, kRun, kIterator };
 
-// Sets option `name` (IsJobOption(name, true)) from `value`: TypeError naming the option when
+bool IsJobOption(const std::string& name, OptionsOf of);
+
+// Sets option `name` (IsJobOption(name, OptionsOf::kRun)) from `value`: TypeError naming the option when
 // the value has the wrong type, ValueError from the command line's parsers.
 void SetJobOption(const std::string& name, const py::handle& value, JobOptions& job,
                   RunOptions& run);

@@ -56,6 +56,10 @@ struct TorchCommOptions {
 std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
                                              std::shared_ptr<const TorchCommOptions> options);
 
+// The torch ProcessGroup behind a group of MakeTorchWorld's (or Split from it); None for any
+// other ProcessGroup (threads, MPI) or null. REQUIRES the GIL.
+py::object TorchGroupOf(const ProcessGroup* group);
+
 }  // namespace thdpack::python
 
 #endif  // THDPACK_PYTHON_TORCH_COMM_H_

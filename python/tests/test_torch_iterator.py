@@ -115,7 +115,16 @@ def to_numpy(step):
            "figures": step.figures, "microbatches": []}
     for mb in step:
         out["microbatches"].append({k: (v.numpy() if isinstance(v, torch.Tensor) else v)
-                                    for k, v in mb.items() if k != "packed_seq_params"})
+                                    for k, v in mb.items()
+                                    if k not in ("packed_seq_params", "cp_group")})
+        # The microbatch's CP group: a torch group of exactly cp_ranks (None for one rank).
+        g = mb["cp_group"]
+        if mb["cp_size"] == 1:
+            assert g is None
+        else:
+            world = dist.get_process_group_ranks(dist.group.WORLD)
+            assert [world.index(r) for r in dist.get_process_group_ranks(g)] == mb["cp_ranks"]
+            assert dist.get_rank(g) == mb["cp_rank"]
         psp = mb["packed_seq_params"]
         assert psp["qkv_format"] == "thd" and psp["max_seqlen_q"] == mb["max_seqlen"]
         assert torch.equal(psp["cu_seqlens_q"], mb["cu_seqlens"])
@@ -527,12 +536,3 @@ def test_step_figures_equal_plan_json():
                 assert got == want, (s, r)
             else:
                 assert got == {k: v for k, v in want.items() if k != "replicas"}, (s, r)
-
-
-def test_iterator_refuses_the_dynamic_scheduler():
-    """The iterator's tensors hold one CP group per run: scheduler="dynamic" is a clear error
-    (thdpack run --scheduler dynamic runs it)."""
-    with pytest.raises(ValueError, match="not supported by the torch iterator"):
-        _thdpack._run_steps_on_threads({"scheduler": "dynamic", "dp": 1, "cp": 2,
-                                        "global_batch": 4, "max_tokens_per_rank": 64},
-                                       1, "mock", None)

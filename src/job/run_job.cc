@@ -14,40 +14,73 @@
 namespace thdpack {
 namespace {
 
-// The figures of a step as `plan` computes them, from what the printing rank (a loader) holds.
-Result<RunStepReport> ReportStep(const Job& job, const RankStep& step, PhaseTable phases,
-                                 std::optional<LossSummary> loss) {
-  RunStepReport r;
-  if (step.dynamic) {
-    THDPACK_ASSIGN_OR_RETURN(PlannedStep planned,
-                             DynamicStepFigures(job, step.step, step.epoch, step.samples,
-                                                step.dynamic_plan, /*sample_ids=*/true));
-    r.figures = std::move(planned.figures);
-    r.memory = std::move(planned.memory);
-    r.figures.n_empty = step.n_empty;
-    r.phases = std::move(phases);
-    r.loss = std::move(loss);
-    r.dp_size = job.topology.dp_size();
-    r.groups = std::array<int64_t, 4>{step.groups_made, step.groups_reused, step.groups_evicted,
-                                      step.groups_cached};
-    return r;
-  }
-  THDPACK_ASSIGN_OR_RETURN(r.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
-                                                         job.schedule, step.plan, job.flops));
-  if (job.schedule.step_time.has_value()) {
-    THDPACK_ASSIGN_OR_RETURN(r.figures.sim_step_time,
-                             PlanStepTime(step.samples, job.schedule, step.plan));
-  }
-  r.figures.n_empty = step.n_empty;
-  THDPACK_ASSIGN_OR_RETURN(r.memory,
-                           ComputeStepMemory(step.samples, job.schedule, step.plan, job.memory));
-  r.phases = std::move(phases);
-  r.loss = std::move(loss);
-  r.dp_size = job.topology.dp_size();
-  return r;
+// Groups figures of a dynamic step, the same on every rank.
+std::array<int64_t, 4> GroupCounts(const RankStep& step) {
+  return {step.groups_made, step.groups_reused, step.groups_evicted, step.groups_cached};
+}
+
+JsonFields GroupFields(const std::array<int64_t, 4>& g) {
+  return {{"groups_made", nlohmann::json(g[0]).dump()},
+          {"groups_reused", nlohmann::json(g[1]).dump()},
+          {"groups_evicted", nlohmann::json(g[2]).dump()},
+          {"groups_cached", nlohmann::json(g[3]).dump()}};
 }
 
 }  // namespace
+
+Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool sample_ids) {
+  if (!step.is_loader) {
+    const Coord& c = step.coord;
+    return Status::InvalidArgument(
+        "ReportRankStep: the rank at (tp, cp, dp, pp) = (" + std::to_string(c.tp) + ", " +
+        std::to_string(c.cp) + ", " + std::to_string(c.dp) + ", " + std::to_string(c.pp) +
+        ") did not plan step " + std::to_string(step.step));
+  }
+  PlannedStep out;
+  if (step.dynamic) {
+    THDPACK_ASSIGN_OR_RETURN(out, DynamicStepFigures(job, step.step, step.epoch, step.samples,
+                                                     step.dynamic_plan, sample_ids));
+  } else {
+    THDPACK_ASSIGN_OR_RETURN(out.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
+                                                             job.schedule, step.plan, job.flops));
+    if (!sample_ids) out.figures.sample_ids.clear();
+    if (job.schedule.step_time.has_value()) {
+      THDPACK_ASSIGN_OR_RETURN(out.figures.sim_step_time,
+                               PlanStepTime(step.samples, job.schedule, step.plan));
+    }
+    THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemory(step.samples, job.schedule, step.plan,
+                                                           job.memory));
+  }
+  out.figures.n_empty = step.n_empty;
+  return out;
+}
+
+Result<std::string> StepFiguresJsonOnEveryRank(ProcessGroup& world, const Job& job,
+                                               const RankStep& step) {
+  const JsonFields extra = step.dynamic ? GroupFields(GroupCounts(step)) : JsonFields{};
+  std::string mine, summary;
+  Status local;
+  if (step.is_loader) {
+    Result<PlannedStep> planned = ReportRankStep(job, step);
+    if (planned.ok()) {
+      mine = StepFiguresJson(planned->figures, /*summary_only=*/false, extra);
+      summary = StepFiguresJson(planned->figures, /*summary_only=*/true, extra);
+    } else {
+      local = planned.status();
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "step figures"));
+  // World rank 0 plans in every mode (a loader, a head).
+  int64_t size = static_cast<int64_t>(summary.size());
+  THDPACK_RETURN_IF_ERROR(world.BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  if (size < 0 || size > (int64_t{1} << 31)) {
+    return Status::Corruption("step figures: " + std::to_string(size) + " bytes");
+  }
+  summary.resize(static_cast<size_t>(size));
+  THDPACK_RETURN_IF_ERROR(world.Broadcast(
+      std::as_writable_bytes(std::span<char>(summary.data(), summary.size())), 0));
+  return step.is_loader ? mine : summary;
+}
 
 static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const RunSetup& run,
                                     const RunStepCallback& on_step) {
@@ -74,8 +107,14 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
     }
     THDPACK_ASSIGN_OR_RETURN(PhaseTable phases, GatherPhases(world, step));
     if (world.rank() != 0) continue;
-    THDPACK_ASSIGN_OR_RETURN(RunStepReport report,
-                             ReportStep(job, step, std::move(phases), std::move(loss)));
+    THDPACK_ASSIGN_OR_RETURN(PlannedStep planned, ReportRankStep(job, step));
+    RunStepReport report;
+    report.figures = std::move(planned.figures);
+    report.memory = std::move(planned.memory);
+    report.phases = std::move(phases);
+    report.loss = std::move(loss);
+    report.dp_size = job.topology.dp_size();
+    if (step.dynamic) report.groups = GroupCounts(step);
     if (on_step) THDPACK_RETURN_IF_ERROR(on_step(report));
   }
   return Status::Ok();
@@ -116,11 +155,8 @@ std::string RunStepJson(const RunStepReport& step, bool summary_only) {
     extra.emplace_back("n_tokens", nlohmann::json(loss.n_tokens).dump());
   }
   if (step.groups) {
-    // The dynamic scheduler's CP process groups: split this step, and taken from the cache.
-    extra.emplace_back("groups_made", nlohmann::json((*step.groups)[0]).dump());
-    extra.emplace_back("groups_reused", nlohmann::json((*step.groups)[1]).dump());
-    extra.emplace_back("groups_evicted", nlohmann::json((*step.groups)[2]).dump());
-    extra.emplace_back("groups_cached", nlohmann::json((*step.groups)[3]).dump());
+    // The dynamic scheduler's CP process groups: split, reused, dropped and held.
+    for (auto& field : GroupFields(*step.groups)) extra.push_back(std::move(field));
   }
   extra.emplace_back("bytes_sent", bytes.dump());
   for (size_t k = 0; k < phases.seconds.size(); ++k) {

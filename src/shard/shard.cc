@@ -170,6 +170,33 @@ Result<std::vector<int32_t>> CpPartitionIndices(std::span<const int32_t> cu, int
   return out;
 }
 
+Result<std::vector<uint8_t>> ShardPaddingMask(std::span<const int32_t> cu,
+                                              std::span<const int32_t> cup, int cp_size,
+                                              int cp_rank) {
+  if (cu.size() != cup.size()) {
+    return Status::InvalidArgument("ShardPaddingMask: cu_seqlens has " +
+                                   std::to_string(cu.size()) + " entries, cu_seqlens_padded " +
+                                   std::to_string(cup.size()));
+  }
+  if (cup.size() == 1 && cup[0] == 0 && cu[0] == 0) return std::vector<uint8_t>();  // idle
+  THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> idx, CpPartitionIndices(cup, cp_size, cp_rank));
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    if (cu[i + 1] - cu[i] < 0 || cu[i + 1] - cu[i] > cup[i + 1] - cup[i]) {
+      return Status::InvalidArgument("ShardPaddingMask: sequence " + std::to_string(i) +
+                                     " has real length " + std::to_string(cu[i + 1] - cu[i]) +
+                                     ", padded " + std::to_string(cup[i + 1] - cup[i]));
+    }
+  }
+  std::vector<uint8_t> pad(idx.size());
+  size_t s = 0;
+  for (size_t k = 0; k < idx.size(); ++k) {
+    const int32_t g = idx[k];
+    while (g >= cup[s + 1]) ++s;  // the shard visits sequences in order
+    pad[k] = g - cup[s] >= cu[s + 1] - cu[s] ? 1 : 0;
+  }
+  return pad;
+}
+
 Status LocalPositionIdsInto(std::span<const int32_t> cu, int cp_size, int cp_rank,
                             std::span<int32_t> out) {
   THDPACK_RETURN_IF_ERROR(ValidateCuSeqlensPadded(cu, cp_size));

@@ -171,6 +171,27 @@ std::vector<int64_t> LoaderIndices(int64_t n, int dp_size, int loader) {
   return out;
 }
 
+Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step, int loader,
+                               std::vector<Sample> samples) {
+  const int64_t want = LoaderCount(global_batch, dp_size, loader);
+  if (static_cast<int64_t>(samples.size()) != want) {
+    return Status::InvalidArgument(
+        "source of loader dp=" + std::to_string(loader) + ", step " + std::to_string(step) +
+        ": gave " + std::to_string(samples.size()) + " samples, its share of global_batch " +
+        std::to_string(global_batch) + " over DP " + std::to_string(dp_size) + " is " +
+        std::to_string(want));
+  }
+  StepShare share;
+  share.step = step;
+  share.n = global_batch;
+  share.first_id = step * global_batch;
+  for (size_t k = 0; k < samples.size(); ++k) {
+    samples[k].id = share.first_id + static_cast<int64_t>(k) * dp_size + loader;
+  }
+  share.samples = std::move(samples);
+  return share;
+}
+
 int64_t LoaderCount(int64_t n, int dp_size, int loader) {
   return loader < n ? (n - loader + dp_size - 1) / dp_size : 0;
 }

@@ -114,13 +114,15 @@ def _to_sample(item, where):
 class PackedStep:
     """One global batch as this rank holds it; iterate for its microbatches (dicts of tensors).
 
-    Attributes: step, epoch, num_microbatches (M), n_loss_tokens (N, the global loss-token
-    count: the loss denominator), seqlen_sum (global padded tokens), seqlen_squared_sum (sum of
-    padded P^2 over the step), figures (``plan --json``'s step; per-replica detail on loaders
-    only), microbatches (the list), is_loader, first_stage, last_stage.
+    Attributes: step, epoch, num_microbatches (M, the same on every rank), n_loss_tokens (N,
+    the global loss-token count: the loss denominator), seqlen_sum (global padded tokens),
+    seqlen_squared_sum (sum of padded P^2 over the step), figures (``plan --json``'s step;
+    per-replica detail on the ranks that planned only; a dynamic step adds groups_made,
+    groups_reused, groups_evicted, groups_cached), microbatches (the list), dynamic,
+    is_loader, first_stage, last_stage.
     """
 
-    def __init__(self, raw, device):
+    def __init__(self, raw, device, cp_group=None):
         self.step = raw["step"]
         self.epoch = raw["epoch"]
         self.is_loader = raw["is_loader"]
@@ -132,7 +134,8 @@ class PackedStep:
         self.seqlen_sum = self.figures["padded_tokens"]
         self.seqlen_squared_sum = self.figures["sum_sq"]
         self.skipped_ids = list(raw["skipped_ids"])
-        self.microbatches = [_microbatch(m, device) for m in raw["microbatches"]]
+        self.dynamic = raw["dynamic"]
+        self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
 
     def __iter__(self):
         return iter(self.microbatches)
@@ -147,10 +150,15 @@ def _tensor(a, device):
     return torch.from_numpy(a).to(device)
 
 
-def _microbatch(m, device):
+def _microbatch(m, device, topology_cp_group):
     cu = _tensor(m["cu_seqlens"], device)
     cup = _tensor(m["cu_seqlens_padded"], device)
     max_seqlen = int(m["max_seqlen"])
+    cp_size = int(m["cp_size"])
+    # A dynamic microbatch's group comes with it; a static one's is the caller's CP group.
+    cp_group = m["cp_group"] if m["cp_group"] is not None else topology_cp_group
+    if cp_size == 1:
+        cp_group = None
     return {
         "tokens": _tensor(m["tokens"], device),
         "position_ids": _tensor(m["position_ids"], device),
@@ -162,6 +170,12 @@ def _microbatch(m, device):
         "max_seqlen": max_seqlen,
         "n_valid": int(m["n_valid"]),
         "sp_range": tuple(m["sp_range"]),
+        "cp_group": cp_group,
+        "cp_size": cp_size,
+        "cp_rank": int(m["cp_rank"]),
+        "cp_ranks": list(m["cp_ranks"]),
+        "idle": bool(m["idle"]),
+        "dynamic": bool(m["dynamic"]),
         "packed_seq_params": {
             "qkv_format": "thd",
             "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
@@ -186,9 +200,14 @@ class PackedDataIterator:
     or mid-step, is an error on every rank). Loaders: ranks (tp=0, cp=0, pp=0) with
     data_on="tp0", every rank with "all" (each reads its replica's share).
     groups: ``Groups``. device: where tensors go (default cuda with NCCL, else cpu).
+    scheduler: "balanced", "sequential", or "dynamic" (a CP group per microbatch and sequence,
+    over the DP x CP ranks; needs a model ``cost``; its loaders are the ranks cp = 0 of the
+    ranks that read, and with data_on="all" every rank cp = 0 reads).
     Other options (job options of ``thdpack plan``, same names): seed, shuffle, vocab,
     mock_samples, align, microbatch_multiple, num_microbatches, oversize, pad_id,
-    check_plan_hash; ``steps`` (default None: no limit) stops after that many steps;
+    check_plan_hash, hw and cp_sizes (dynamic), max_cp_groups (dynamic: the CP groups kept
+    across steps, default 32; those unused longest are destroyed first, never one of the
+    current step); ``steps`` (default None: no limit) stops after that many steps;
     ``monitored_barrier_seconds`` (default 0: off) makes the backend's barrier gloo's
     monitored_barrier, which names a rank that stopped answering.
 
@@ -223,18 +242,19 @@ class PackedDataIterator:
                     max_tokens_per_rank=max_tokens_per_rank, scheduler=scheduler, cost=cost,
                     sp=sp, data_on=data_on)
         c = groups.coord
-        self.is_loader = data_on == "all" or (c["tp"] == 0 and c["cp"] == 0 and c["pp"] == 0)
         self._fed = not isinstance(source, str)
         self._source = None
         self._share = None
-        if self._fed:
-            if self.is_loader and source is not None:
-                self._source = iter(source)
-            self._count = self._loader_count(global_batch, groups.sizes["dp"], c["dp"])
         self._runner = _thdpack._TorchStepRunner(
             groups.world, groups.world_ranks, groups.known, opts,
             source if not self._fed else None, self._take_share if self._fed else None,
             cuda, float(monitored_barrier_seconds))
+        # The ranks that read: the step runner's rule (it depends on the scheduler).
+        self.is_loader = bool(self._runner.topology()["reader"])
+        if self._fed:
+            if self.is_loader and source is not None:
+                self._source = iter(source)
+            self._count = self._loader_count(global_batch, groups.sizes["dp"], c["dp"])
 
     @staticmethod
     def _loader_count(n, dp, d):
@@ -302,7 +322,7 @@ class PackedDataIterator:
             self._finished = True
             raise
         self._done += 1
-        return PackedStep(raw, self.device)
+        return PackedStep(raw, self.device, self.groups.cp)
 
     def close(self):
         """Drops the C++ step and the groups it made (also done when the iterator is freed)."""

@@ -367,6 +367,20 @@ class LossStatistics:
         reduce = _torch_all_reduce(cp_group, logits.device) if cp_size > 1 else None
         self._totals.add_shard(lp, en, ct, cu, cup, int(cp_size), int(cp_rank), reduce)
 
+    def add_microbatch(self, logits, mb, *, chunked=False, chunk_tokens=None):
+        """add_shard with one of PackedDataIterator's microbatches (a dict): its labels,
+        loss_mask, offsets and CP group (cp_size, cp_rank, cp_group: the topology's for a static
+        step, the microbatch's own for a dynamic one). An idle microbatch (a dynamic step's rank
+        in no group) adds nothing; its logits must have no rows."""
+        if mb.get("idle", False):
+            if logits.shape[0] != 0:
+                raise ValueError(f"add_microbatch: the microbatch is idle on this rank, but the "
+                                 f"logits have {logits.shape[0]} rows")
+            return
+        self.add_shard(logits, mb["labels"], mb["loss_mask"], mb["cu_seqlens"],
+                       mb["cu_seqlens_padded"], cp_size=mb["cp_size"], cp_rank=mb["cp_rank"],
+                       cp_group=mb["cp_group"], chunked=chunked, chunk_tokens=chunk_tokens)
+
     def summary(self, group=None):
         """{'n_tokens', 'n_loss_tokens', 'loss', 'ppl', 'entropy'} over everything added on every
         rank of `group` (all-reduced when a group is given)."""

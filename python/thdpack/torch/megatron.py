@@ -11,9 +11,14 @@ tensor is broadcast over TP afterwards: thdpack's step already delivered every r
 
 Config fields read (docs/python.md has the table): ``max_seqlen_per_dp_cp_rank`` ->
 max_tokens_per_rank; ``sequence_packing_scheduler`` ("dp_balanced" -> "balanced";
-"sequential" and "balanced" pass through; dynamic CP is not supported); ``sequence_parallel``
--> sp; ``global_batch_size`` -> global_batch (else num_microbatches * ``micro_batch_size`` *
-DP). Any keyword argument of PackedDataIterator given to wrap_data_iterator overrides these.
+"sequential", "balanced" and "dynamic" pass through); ``hybrid_context_parallel`` (True ->
+"dynamic": a CP group per microbatch, as Megatron's hybrid CP); ``sequence_parallel`` -> sp;
+``global_batch_size`` -> global_batch (else num_microbatches * ``micro_batch_size`` * DP). Any
+keyword argument of PackedDataIterator given to wrap_data_iterator overrides these.
+
+With the dynamic scheduler each microbatch's PackedSeqParams carries its group as Megatron's
+hybrid CP path expects it: local_cp_size the group's size, cp_group its torch group (None for a
+group of one rank, which TransformerEngine reads as "CP off for this microbatch").
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import torch
 
 from .iterator import Groups, PackedDataIterator
 
-_SCHEDULERS = {"dp_balanced": "balanced", "balanced": "balanced", "sequential": "sequential"}
+_SCHEDULERS = {"dp_balanced": "balanced", "balanced": "balanced", "sequential": "sequential",
+               "dynamic": "dynamic"}
 
 # Iterators built from a caller's source, by the source object (kept alive with it), so that
 # wrap_data_iterator, which Megatron calls once per global batch, continues the same step loop.
@@ -41,14 +47,17 @@ def packed_seq_params(mb):
     own get_batch_on_this_rank_for_sequence_packing builds it for static CP: cu_seqlens_q/kv the
     real offsets, cu_seqlens_*_padded the padded ones (TransformerEngine reads the tokens at the
     padded offsets and attends over the real lengths), max_seqlen the largest padded length,
-    total_tokens the padded total, pad_between_seqs whether any sequence is padded,
-    local_cp_size and cp_group None (they name a per-microbatch CP group: dynamic CP only).
+    total_tokens the padded total, pad_between_seqs whether any sequence is padded;
+    local_cp_size and cp_group the microbatch's group with the dynamic scheduler (cp_group None
+    for a group of one rank), None for a static one (the CP group is the model's).
     Only the fields the installed class has are passed (megatron-core 0.16 has no total_tokens
     or pad_between_seqs). Without megatron.core, the dict of the same fields."""
     cu, cup = mb["cu_seqlens"], mb["cu_seqlens_padded"]
     fields = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
                   cu_seqlens_kv_padded=cup, max_seqlen_q=mb["max_seqlen"],
-                  max_seqlen_kv=mb["max_seqlen"], local_cp_size=None, cp_group=None,
+                  max_seqlen_kv=mb["max_seqlen"],
+                  local_cp_size=mb["cp_size"] if mb.get("dynamic") else None,
+                  cp_group=mb["cp_group"] if mb.get("dynamic") else None,
                   total_tokens=int(cup[-1]), pad_between_seqs=not torch.equal(cu, cup))
     cls = _packed_seq_params_class()
     if cls is None:
@@ -71,6 +80,8 @@ def iterator_options(config, num_microbatches, dp_size):
             raise ValueError(f"config.sequence_packing_scheduler: {name!r} is not supported "
                              f"(expected one of {sorted(_SCHEDULERS)})")
         opts["scheduler"] = _SCHEDULERS[name]
+    if getattr(config, "hybrid_context_parallel", False):
+        opts["scheduler"] = "dynamic"
     if getattr(config, "sequence_parallel", None) is not None:
         opts["sp"] = bool(config.sequence_parallel)
     gbs = getattr(config, "global_batch_size", None)
@@ -129,12 +140,13 @@ def get_batch_on_this_rank_for_sequence_packing(data_iterator, vpp_size=None,
     fields otherwise), built as Megatron builds it (``packed_seq_params`` above). padding_mask is
     bool ``[1, T/CP]``, True on padding.
     """
-    if dynamic_cp:
-        raise ValueError("dynamic_cp: not supported by thdpack's step (CP is the topology's)")
     if data_iterator is None:
         raise ValueError("data_iterator: every rank needs the iterator wrap_data_iterator "
                          "returned (thdpack delivers every rank its own tensors)")
     mb = next(data_iterator)
+    if dynamic_cp and not mb.get("dynamic"):
+        raise ValueError("dynamic_cp: True, but the iterator's scheduler is static (pass "
+                         "scheduler=\"dynamic\" or config.hybrid_context_parallel)")
     first = vp_stage is None or vp_stage == 0
     last = vp_stage is None or vpp_size is None or vp_stage == vpp_size - 1
 
