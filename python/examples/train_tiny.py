@@ -137,7 +137,7 @@ def new_groups(ranks_of):
     return mine
 
 
-def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=dp * cp * pp)
@@ -159,8 +159,15 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
     # The data path is thdpack's: each loader hands its own share; the C++ step schedules,
     # moves tokens between loaders, packs, CP-shards and delivers every stage its tensors.
     source = loader_share(dp, dp_rank, steps, global_batch) if loader else None
-    it = tt.PackedDataIterator(source, groups, global_batch=global_batch,
-                               max_tokens_per_rank=48, scheduler="balanced", cost="1,0.05")
+    if scheduler == "dynamic":
+        # A CP group per microbatch over the DP x CP ranks, sized by the tiny model's own
+        # dimensions; 24 tokens a rank, so that the longer samples need groups of several ranks.
+        it = tt.PackedDataIterator(source, groups, global_batch=global_batch,
+                                   max_tokens_per_rank=24, scheduler="dynamic",
+                                   cost=f"l=2,h={HIDDEN},nh=1,nkv=1,f={2 * HIDDEN},v={VOCAB}")
+    else:
+        it = tt.PackedDataIterator(source, groups, global_batch=global_batch,
+                                   max_tokens_per_rank=48, scheduler=scheduler, cost="1,0.05")
     model = TinyLM()
     names = STAGE_PARAMS[0] + STAGE_PARAMS[1] if pp == 1 else STAGE_PARAMS[stage]
     params = [getattr(model, n) for n in names]
@@ -168,21 +175,26 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
     for step in it:
         n_loss = step.n_loss_tokens  # N: the global loss-token count of the step
         stats = tt.LossStatistics()
-        for p in params:
-            p.grad = None
+        for p in params:  # a rank idle in every microbatch of a dynamic step adds zeros
+            p.grad = torch.zeros_like(p)
         for mb in step:
+            if mb["idle"]:  # dynamic: this rank is in no group of this microbatch
+                continue
+            # The microbatch's CP group: the topology's for a static step, its own for a
+            # dynamic one.
+            c_size, c_rank, c_group = mb["cp_size"], mb["cp_rank"], mb["cp_group"]
             cu, cup = mb["cu_seqlens"].numpy(), mb["cu_seqlens_padded"].numpy()
-            local = int(cup[-1]) // cp
+            local = int(cup[-1]) // c_size
             if first:
                 # Global positions and sequence of every token, for the sequence-aware mask.
                 seq = torch.from_numpy(np.repeat(np.arange(len(cu) - 1), np.diff(cup)))
-                q_pos = tt.partition_indices(cup, cp, cp_rank)
+                q_pos = tt.partition_indices(cup, c_size, c_rank)
                 k_pos = torch.arange(int(cup[-1]))
 
                 def attend(q, k, v):
-                    if cp > 1:  # K/V of the whole microbatch, back in global order
-                        k = tt.unshard(list(_GatherCp.apply(k, cp_group, cp, cp_rank)), cup)
-                        v = tt.unshard(list(_GatherCp.apply(v, cp_group, cp, cp_rank)), cup)
+                    if c_size > 1:  # K/V of the whole microbatch, back in global order
+                        k = tt.unshard(list(_GatherCp.apply(k, c_group, c_size, c_rank)), cup)
+                        v = tt.unshard(list(_GatherCp.apply(v, c_group, c_size, c_rank)), cup)
                     return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
 
                 x = model.emb[mb["tokens"]] + model.pos[mb["position_ids"]]
@@ -203,8 +215,7 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
             share.backward()
             if pp > 1:
                 dist.send(x.grad, dst=at(cp_rank, dp_rank, stage - 1))
-            stats.add_shard(logits.detach(), mb["labels"], mb["loss_mask"], cu, cup,
-                            cp_size=cp, cp_rank=cp_rank, cp_group=cp_group if cp > 1 else None)
+            stats.add_microbatch(logits.detach(), mb)
         # The shares are designed for a SUM over DP x CP.
         grads = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(grads, group=dpcp_group)
@@ -220,6 +231,8 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
             total[stage] = float(sum(p.sum() for p in params))
         dist.all_reduce(total)
         summary["num_microbatches"] = step.num_microbatches
+        if step.dynamic:  # sequences per CP group size: {"c": count}
+            summary["cp_degrees"] = step.figures["cp_degrees"]
         summary["param_sum"] = float(total.sum())
         results.append(summary)
     if rank == at(0, 0, pp - 1):
@@ -282,6 +295,8 @@ def main():
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
                     help="pipeline stages: 2 splits the model after the attention block")
+    ap.add_argument("--scheduler", default="balanced", choices=("balanced", "dynamic"),
+                    help="dynamic: a CP group per microbatch over the DP x CP ranks")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=12)
     ap.add_argument("--check", action="store_true",
@@ -291,17 +306,21 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.global_batch,
-                               free_port(), out),
+                               free_port(), out, args.scheduler),
                  nprocs=args.dp * args.cp * args.pp, join=True)
         with open(out) as f:
             multi = json.load(f)
-    print(f"DP={args.dp} CP={args.cp} PP={args.pp}: {args.steps} steps of {args.global_batch} samples")
+    print(f"DP={args.dp} CP={args.cp} PP={args.pp} {args.scheduler}: {args.steps} steps of "
+          f"{args.global_batch} samples")
     single = single_process(args.steps, args.global_batch) if args.check else None
     failures = 0
     for s, r in enumerate(multi):
         line = (f"step {s}: microbatches {r['num_microbatches']} tokens {r['n_tokens']} "
                 f"loss tokens {r['n_loss_tokens']} loss {r['loss']:.12f} ppl {r['ppl']:.6f} "
                 f"entropy {r['entropy']:.6f}")
+        if "cp_degrees" in r:
+            # Sequences per CP group size, e.g. "cp sizes 1:10,2:2": 10 on one rank, 2 on two.
+            line += " cp sizes " + ",".join(f"{c}:{n}" for c, n in r["cp_degrees"].items())
         if single is not None:
             ref = single[s]
             worst = 0.0
