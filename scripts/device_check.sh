@@ -30,5 +30,6 @@ nvidia-smi -L
 run install python3 -m pip install -v --no-build-isolation . || exit 1
 run suite python3 -m pytest -q -p no:cacheprovider -rs python/tests
 run nccl python3 scripts/nccl_iterator_check.py
+run nccl-dynamic python3 scripts/nccl_iterator_check.py --scheduler dynamic
 run balance python3 bench/balance_measured.py --device cuda --steps "$steps" --out "$out/h_profile.json"
 cat "$out/balance.log"

@@ -6,7 +6,7 @@ given as a gloo group made inside the NCCL job (as Megatron keeps gloo groups be
 ones), and checks that every tensor of every step is equal and on the GPU. Prints the time a
 step of each. Exits 0 with a message where there is no GPU (the tests cover the gloo paths).
 
-Usage: PYTHONPATH=... python3 scripts/nccl_iterator_check.py [--steps 4]
+Usage: PYTHONPATH=... python3 scripts/nccl_iterator_check.py [--steps 4] [--scheduler dynamic]
 """
 import argparse
 import os
@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--backend", default="nccl",
                     help="the job's backend (gloo: the same check on the CPU, for this script)")
+    ap.add_argument("--scheduler", default="balanced", choices=("balanced", "dynamic"))
     args = ap.parse_args()
     cuda = args.backend == "nccl"
     if cuda and not torch.cuda.is_available():
@@ -38,7 +39,8 @@ def main():
         torch.cuda.set_device(0)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dist.init_process_group(args.backend, rank=0, world_size=1)
-    opts = dict(global_batch=64, max_tokens_per_rank=16384, steps=args.steps)
+    opts = dict(global_batch=64, max_tokens_per_rank=16384, steps=args.steps,
+                scheduler=args.scheduler, cost="llama2-7b")
     runs = {}
     for name, groups in ((args.backend, Groups()),
                          ("gloo world in the job", Groups(world=dist.new_group([0], backend="gloo")))):
@@ -62,7 +64,7 @@ def main():
                 assert torch.equal(ma[k], mb[k]), k
                 n += 1
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
-    print(f"nccl_iterator_check: {n} tensors of {args.steps} steps equal; {1000 * ta:.1f} ms a "
+    print(f"nccl_iterator_check ({args.scheduler}): {n} tensors of {args.steps} steps equal; {1000 * ta:.1f} ms a "
           f"step on {args.backend}, {1000 * tb:.1f} ms with a gloo world inside the job "
           f"({where}, torch {torch.__version__})")
     dist.destroy_process_group()
