@@ -65,6 +65,9 @@ TEST(Job, ErrorsNameTheOption) {
   o = JobOptions{};
   o.data_on = "tp1";
   ExpectError(o, "--data-on");
+  o = JobOptions{};
+  o.max_cp_groups = 0;
+  ExpectError(o, "--max-cp-groups");
   // Options that make no sense together.
   o = JobOptions{};
   o.sp = true;

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -176,6 +177,58 @@ void CheckShardAgainstReference(uint64_t seed) {
       ASSERT_TRUE(dirty == full);
     }
   }
+}
+
+// The padding flags of a shard against a plain walk over the global layout: the zigzag chunks
+// of each sequence by the definition of docs/design.md (chunk r and 2*CP-1-r), a token padding
+// when its offset in its sequence is past the real length.
+TEST(ShardTest, PaddingMaskMatchesAPlainWalkOnRandomLayouts) {
+  std::mt19937 rng(20261126);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int cp = 1 + static_cast<int>(rng() % 5);
+    const int n = 1 + static_cast<int>(rng() % 6);
+    Ints cu = {0}, cup = {0};
+    std::vector<int32_t> real, padded;
+    for (int i = 0; i < n; ++i) {
+      const int32_t L = static_cast<int32_t>(rng() % 40);
+      const int32_t m = cp == 1 ? 1 : 2 * cp;
+      const int32_t P = std::max<int32_t>(m, (L + m - 1) / m * m + m * static_cast<int32_t>(rng() % 2));
+      real.push_back(L);
+      padded.push_back(P);
+      cu.push_back(cu.back() + L);
+      cup.push_back(cup.back() + P);
+    }
+    for (int r = 0; r < cp; ++r) {
+      std::vector<uint8_t> want;
+      for (int i = 0; i < n; ++i) {
+        if (cp == 1) {
+          for (int32_t j = 0; j < padded[i]; ++j) want.push_back(j >= real[i]);
+          continue;
+        }
+        const int32_t c = padded[i] / (2 * cp);
+        for (int32_t chunk : {r, 2 * cp - 1 - r}) {
+          for (int32_t j = chunk * c; j < (chunk + 1) * c; ++j) want.push_back(j >= real[i]);
+        }
+      }
+      auto got = ShardPaddingMask(cu, cup, cp, r);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_EQ(*got, want) << "trial " << trial << " cp " << cp << " rank " << r;
+    }
+  }
+}
+
+TEST(ShardTest, PaddingMaskOfAnIdleMicrobatchIsEmptyAndBadInputIsNamed) {
+  auto idle = ShardPaddingMask(Ints{0}, Ints{0}, 1, 0);
+  ASSERT_TRUE(idle.ok());
+  EXPECT_TRUE(idle->empty());
+  auto sizes = ShardPaddingMask(Ints{0, 3}, Ints{0, 4, 8}, 1, 0);
+  ASSERT_FALSE(sizes.ok());
+  EXPECT_NE(sizes.status().message().find("cu_seqlens has 2 entries"), std::string::npos);
+  auto longer = ShardPaddingMask(Ints{0, 5}, Ints{0, 4}, 1, 0);
+  ASSERT_FALSE(longer.ok());
+  EXPECT_NE(longer.status().message().find("sequence 0 has real length 5, padded 4"),
+            std::string::npos);
+  EXPECT_FALSE(ShardPaddingMask(Ints{0, 3}, Ints{0, 4}, 2, 2).ok());  // cp_rank out of range
 }
 
 TEST(ShardTest, MatchesReferenceAndRoundTripsUint8) { CheckShardAgainstReference<uint8_t>(1); }
