@@ -1,0 +1,108 @@
+// thdpack/cuda_loss.h: the cross-entropy of a rank's logits on the GPU (docs/loss.md, "On the
+// GPU"), framework-free: device pointers, sizes and a cudaStream_t (as void*), no allocation,
+// no host synchronisation. The Python module calls it with torch's tensors' data_ptr() and
+// torch's current stream, and never links libtorch.
+//
+// Legend: T rows (tokens of this rank's shard), V this rank's columns (the whole vocabulary, or
+// V/TP when vocab-parallel), logits [T, V] row-major with a row stride of ld elements.
+// Per row, in fp32 (the arithmetic of src/kernels/ce_row.h, shared with the CPU execution
+// below): a counted row (label != -100 and loss_mask != 0) gets
+//   logprob = z_y - lse, entropy = -sum p log p, grad[v] = (p_v - [v == y]) * grad_scale
+// with the target term and the scale applied in fp32 before the one rounding to the output
+// dtype; an uncounted row gets 0, 0 and a zero gradient row. grad_scale is the caller's
+// grad_factor / N (0 when N = 0).
+//
+// Calls:
+//   CrossEntropyFused     one kernel: each row read for its statistics, then again for its
+//                         gradient (from L2 when the row is still there): the logits are read
+//                         twice and the gradient written once.
+//   vocab-parallel (TP): CrossEntropyPartials writes each row's partial state (RowStats, 16
+//   bytes); the caller all-gathers the partials of the TP ranks over its TP group (one
+//   collective), CombinePartials merges them (every rank the same), and CrossEntropyFinish
+//   writes logprob, entropy and the gradient of this rank's columns.
+//
+// In place: grad == logits (the same pointer and stride) overwrites the logits with their
+// gradient (each element read before it is written, by the thread that writes it).
+//
+// Errors. The launches' own errors (no device, a bad configuration) return as a Status naming
+// the call. Input errors cannot stop a kernel: with `error` set, the first bad row writes
+// ErrorCode(kind, row) there (a device uint64 the caller zeroes), and DecodeCudaLossError turns
+// the value the caller copied back into the Status the CPU kernel gives (the token, the rule).
+// With `error` null nothing is checked and nothing syncs: the calls can be captured in a CUDA
+// graph.
+//
+// Without CUDA (THDPACK_WITH_CUDA off or no nvcc at build time) every device call returns
+// Unimplemented; CudaLossBuilt() says which. The *Host functions run the kernels' arithmetic on
+// the CPU, thread by thread of a block as the GPU would, on host pointers: the tests' way to
+// check it without a GPU.
+//
+// Thread-safety: no state; calls on different streams are independent.
+#ifndef THDPACK_CUDA_LOSS_H_
+#define THDPACK_CUDA_LOSS_H_
+
+#include <cstdint>
+
+#include "thdpack/status.h"
+
+namespace thdpack {
+
+enum class CudaDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// A row's partial state over some columns: max m, sum exp(z - m), sum exp(z - m) * (z - m), and
+// the target's logit (-inf where the target is not among the columns, or the row is not
+// counted). 16 bytes.
+struct RowStats {
+  float max;
+  float sum_exp;
+  float sum_exp_shifted;
+  float target;
+};
+static_assert(sizeof(RowStats) == 16);
+
+struct CudaLossArgs {
+  CudaDtype dtype = CudaDtype::kBFloat16;
+  const void* logits = nullptr;  // [T, ld] device
+  int64_t num_tokens = 0;        // T
+  int64_t vocab_size = 0;        // V: this rank's columns
+  int64_t ld = 0;                // row stride in elements, >= V (0: V)
+  const int64_t* labels = nullptr;   // [T] device; -100 ignores the row
+  const float* loss_mask = nullptr;  // [T] device, 0 or 1; null: all ones
+  // Vocab-parallel: this rank's first column's vocabulary id and the whole vocabulary (0: V).
+  int64_t vocab_start = 0;
+  int64_t vocab_total = 0;
+  float grad_scale = 0;        // grad_factor / N
+  void* grad = nullptr;        // [T, ld] in dtype, device; == logits: in place; null: none
+  float* logprob = nullptr;    // [T] device, or null
+  float* entropy = nullptr;    // [T] device, or null
+  RowStats* stats = nullptr;   // [T] device: written by Partials, read by Finish
+  unsigned long long* error = nullptr;  // device flag, zeroed by the caller; null: no checks
+};
+
+// Whether this build has the CUDA kernels.
+bool CudaLossBuilt();
+
+[[nodiscard]] Status CrossEntropyFused(const CudaLossArgs& args, void* stream);
+[[nodiscard]] Status CrossEntropyPartials(const CudaLossArgs& args, void* stream);
+// gathered: [tp][T] partials of the TP ranks (rank order), out: [T]. Device pointers.
+[[nodiscard]] Status CombinePartials(const RowStats* gathered, int tp, int64_t num_tokens,
+                                     RowStats* out, void* stream);
+[[nodiscard]] Status CrossEntropyFinish(const CudaLossArgs& args, void* stream);
+
+// The Status of a nonzero error flag (0: OK), as the CPU kernel words it.
+[[nodiscard]] Status DecodeCudaLossError(unsigned long long flag, int64_t vocab_total);
+
+// The same computations on the CPU, host pointers, simulating `block_threads` threads per row
+// (a power of two, 32 to 1024) with the kernels' column split and merge order. For tests.
+[[nodiscard]] Status CrossEntropyFusedHost(const CudaLossArgs& args, int block_threads);
+[[nodiscard]] Status CrossEntropyPartialsHost(const CudaLossArgs& args, int block_threads);
+[[nodiscard]] Status CombinePartialsHost(const RowStats* gathered, int tp, int64_t num_tokens,
+                                         RowStats* out);
+[[nodiscard]] Status CrossEntropyFinishHost(const CudaLossArgs& args, int block_threads);
+
+// The threads per row block the kernels use for V columns (the Host functions take it to
+// simulate the same split): 256 below 16,384 columns, else 512, else 1024 from 65,536.
+int CudaLossBlockThreads(int64_t vocab_size);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_CUDA_LOSS_H_

@@ -1,0 +1,242 @@
+// The CUDA cross-entropy kernels run on the CPU (thdpack/cuda_loss.h's *Host functions): the
+// same ce_row.h functions, the same column split per simulated thread (ForEachColumn, vectors
+// where the rows are 16-byte aligned) and the same merge tree (a butterfly within each warp of
+// 32 threads, lane 0 of each warp into a butterfly over the warps, lane 0's result for every
+// thread) as ce_kernels.cu. Only exp and log differ (the CPU's libm instead of __expf/__logf).
+// This is what `make test` checks the kernels' arithmetic with on a machine without a GPU.
+#include <cstdint>
+#include <vector>
+
+#include "kernels/ce_row.h"
+#include "kernels/cuda_loss_internal.h"
+#include "thdpack/cuda_loss.h"
+
+namespace thdpack {
+namespace {
+
+using kernels::Elem;
+using kernels::RowState;
+
+constexpr int64_t kIgnoreIndex = -100;
+
+// The butterfly of one warp over lanes[0..31], in place (every lane ends with its result).
+void WarpMerge(RowState* lanes) {
+  RowState next[32];
+  for (int off = 16; off > 0; off >>= 1) {
+    for (int l = 0; l < 32; ++l) next[l] = kernels::MergeStates(lanes[l], lanes[l ^ off]);
+    for (int l = 0; l < 32; ++l) lanes[l] = next[l];
+  }
+}
+
+// The block's state as every simulated thread gets it (BlockMerge of ce_kernels.cu).
+RowState BlockMerge(std::vector<RowState>& threads) {
+  const int n = static_cast<int>(threads.size());
+  for (int w = 0; w < n / 32; ++w) WarpMerge(threads.data() + 32 * w);
+  if (n == 32) return threads[0];
+  RowState lanes[32];
+  for (int l = 0; l < 32; ++l) lanes[l] = l < n / 32 ? threads[32 * l] : kernels::EmptyState();
+  WarpMerge(lanes);
+  return lanes[0];
+}
+
+void Flag(const CudaLossArgs& a, int kind, int64_t row) {
+  if (a.error != nullptr && *a.error == 0) *a.error = kernels::ErrorCode(kind, row);
+}
+
+int64_t VocabTotal(const CudaLossArgs& a) { return a.vocab_total > 0 ? a.vocab_total : a.vocab_size; }
+int64_t Ld(const CudaLossArgs& a) { return a.ld > 0 ? a.ld : a.vocab_size; }
+
+bool RowCounted(const CudaLossArgs& a, int64_t r) {
+  const int64_t y = a.labels[r];
+  const float mask = a.loss_mask == nullptr ? 1.0f : a.loss_mask[r];
+  if (mask != 0.0f && mask != 1.0f) {
+    Flag(a, kernels::kBadMask, r);
+    return false;
+  }
+  if (y == kIgnoreIndex || mask == 0.0f) return false;
+  if (y < 0 || y >= VocabTotal(a)) {
+    Flag(a, kernels::kLabelOutOfRange, r);
+    return false;
+  }
+  return true;
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <int kDtype>
+RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V, bool vectors, int n) {
+  using E = Elem<kDtype>;
+  constexpr int kN = 16 / sizeof(typename E::Bits);
+  std::vector<RowState> threads(static_cast<size_t>(n), kernels::EmptyState());
+  for (int j = 0; j < n; ++j) {
+    RowState& st = threads[static_cast<size_t>(j)];
+    kernels::ForEachColumn(
+        j, n, V, kN, vectors,
+        [&](int64_t k) {
+          for (int e = 0; e < kN; ++e) kernels::AddLogit(st, E::ToFloat(x[k * kN + e]));
+        },
+        [&](int64_t v) { kernels::AddLogit(st, E::ToFloat(x[v])); });
+  }
+  return BlockMerge(threads);
+}
+
+template <int kDtype>
+void GradPass(const typename Elem<kDtype>::Bits* x, typename Elem<kDtype>::Bits* g, int64_t V,
+              bool vectors, bool counted, float lse, int64_t y, float scale, int n) {
+  using E = Elem<kDtype>;
+  constexpr int kN = 16 / sizeof(typename E::Bits);
+  auto one = [&](int64_t v) {
+    g[v] = E::FromFloat(counted ? kernels::LogitGrad(E::ToFloat(x[v]), lse, v == y, scale) : 0.0f);
+  };
+  for (int j = 0; j < n; ++j) {
+    kernels::ForEachColumn(
+        j, n, V, kN, vectors,
+        [&](int64_t k) {
+          for (int e = 0; e < kN; ++e) one(k * kN + e);
+        },
+        one);
+  }
+}
+
+Status CheckThreads(int block_threads) {
+  if (block_threads < 32 || block_threads > 1024 || (block_threads & (block_threads - 1)) != 0) {
+    return Status::InvalidArgument("block_threads = " + std::to_string(block_threads) +
+                                   ": must be a power of two in [32, 1024]");
+  }
+  return Status::Ok();
+}
+
+template <int kDtype>
+void FusedRows(const CudaLossArgs& a, int n) {
+  using Bits = typename Elem<kDtype>::Bits;
+  for (int64_t r = 0; r < a.num_tokens; ++r) {
+    const Bits* x = static_cast<const Bits*>(a.logits) + r * Ld(a);
+    Bits* g = a.grad == nullptr ? nullptr : static_cast<Bits*>(a.grad) + r * Ld(a);
+    bool counted = RowCounted(a, r);
+    const int64_t y = counted ? a.labels[r] - a.vocab_start : -1;
+    const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
+    float lse = 0, logprob = 0, entropy = 0;
+    if (counted) {
+      const RowState st = RowPass<kDtype>(x, a.vocab_size, vectors, n);
+      if (kernels::RowFinite(st)) {
+        lse = kernels::RowLse(st);
+        logprob = Elem<kDtype>::ToFloat(x[y]) - lse;
+        entropy = kernels::RowEntropy(st);
+      } else {
+        Flag(a, kernels::kNonFiniteRow, r);
+        counted = false;
+      }
+    }
+    if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
+    if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
+    if (g != nullptr) GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n);
+  }
+}
+
+template <int kDtype>
+void PartialRows(const CudaLossArgs& a, int n) {
+  using Bits = typename Elem<kDtype>::Bits;
+  for (int64_t r = 0; r < a.num_tokens; ++r) {
+    const Bits* x = static_cast<const Bits*>(a.logits) + r * Ld(a);
+    if (!RowCounted(a, r)) {
+      a.stats[r] = RowStats{kernels::NegInf(), 0.0f, 0.0f, kernels::NegInf()};
+      continue;
+    }
+    const RowState st = RowPass<kDtype>(x, a.vocab_size, Aligned16(x), n);
+    const int64_t y = a.labels[r] - a.vocab_start;
+    const float target =
+        y >= 0 && y < a.vocab_size ? Elem<kDtype>::ToFloat(x[y]) : kernels::NegInf();
+    a.stats[r] = RowStats{st.m, st.s, st.t, target};
+  }
+}
+
+template <int kDtype>
+void FinishRows(const CudaLossArgs& a, int n) {
+  using Bits = typename Elem<kDtype>::Bits;
+  for (int64_t r = 0; r < a.num_tokens; ++r) {
+    const Bits* x = static_cast<const Bits*>(a.logits) + r * Ld(a);
+    Bits* g = a.grad == nullptr ? nullptr : static_cast<Bits*>(a.grad) + r * Ld(a);
+    const RowStats p = a.stats[r];
+    const RowState st{p.max, p.sum_exp, p.sum_exp_shifted};
+    bool counted = RowCounted(a, r);
+    const int64_t y = counted ? a.labels[r] - a.vocab_start : -1;
+    float lse = 0;
+    if (counted) {
+      if (kernels::RowFinite(st) && kernels::IsFinite(p.target)) {
+        lse = kernels::RowLse(st);
+      } else {
+        Flag(a, kernels::kNonFiniteRow, r);
+        counted = false;
+      }
+    }
+    if (a.logprob != nullptr) a.logprob[r] = counted ? p.target - lse : 0.0f;
+    if (a.entropy != nullptr) a.entropy[r] = counted ? kernels::RowEntropy(st) : 0.0f;
+    const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
+    if (g != nullptr) GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n);
+  }
+}
+
+template <template <int> class Rows>
+Status ByDtype(const CudaLossArgs& a, int n) {
+  switch (a.dtype) {
+    case CudaDtype::kFloat32: Rows<kernels::kF32>::Run(a, n); return Status::Ok();
+    case CudaDtype::kBFloat16: Rows<kernels::kBF16>::Run(a, n); return Status::Ok();
+    case CudaDtype::kFloat16: Rows<kernels::kF16>::Run(a, n); return Status::Ok();
+  }
+  return Status::InvalidArgument("dtype " + std::to_string(static_cast<int>(a.dtype)) +
+                                 " is not float32, bfloat16 or float16");
+}
+template <int kDtype>
+struct Fused {
+  static void Run(const CudaLossArgs& a, int n) { FusedRows<kDtype>(a, n); }
+};
+template <int kDtype>
+struct Partials {
+  static void Run(const CudaLossArgs& a, int n) { PartialRows<kDtype>(a, n); }
+};
+template <int kDtype>
+struct Finish {
+  static void Run(const CudaLossArgs& a, int n) { FinishRows<kDtype>(a, n); }
+};
+
+}  // namespace
+
+Status CrossEntropyFusedHost(const CudaLossArgs& args, int block_threads) {
+  THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyFusedHost", false));
+  return ByDtype<Fused>(args, block_threads);
+}
+
+Status CrossEntropyPartialsHost(const CudaLossArgs& args, int block_threads) {
+  THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyPartialsHost", true));
+  return ByDtype<Partials>(args, block_threads);
+}
+
+Status CrossEntropyFinishHost(const CudaLossArgs& args, int block_threads) {
+  THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyFinishHost", true));
+  return ByDtype<Finish>(args, block_threads);
+}
+
+Status CombinePartialsHost(const RowStats* gathered, int tp, int64_t num_tokens, RowStats* out) {
+  for (int64_t r = 0; r < num_tokens; ++r) {
+    RowState st = kernels::EmptyState();
+    float target = kernels::NegInf();
+    for (int k = 0; k < tp; ++k) {
+      const RowStats p = gathered[static_cast<int64_t>(k) * num_tokens + r];
+      st = kernels::MergeStates(st, RowState{p.max, p.sum_exp, p.sum_exp_shifted});
+      target = p.target > target ? p.target : target;
+    }
+    out[r] = RowStats{st.m, st.s, st.t, target};
+  }
+  return Status::Ok();
+}
+
+int CudaLossBlockThreads(int64_t vocab_size) {
+  if (vocab_size >= 65536) return 1024;
+  if (vocab_size >= 16384) return 512;
+  return 256;
+}
+
+}  // namespace thdpack

@@ -1,0 +1,129 @@
+// thdpack/cuda_loss.h: the Status API over the launchers of ce_kernels.cu (ce_launch.h), the
+// checks every call makes on the host (sizes, strides, dtypes: nothing that needs the device),
+// and the words of the device error flag.
+#include "thdpack/cuda_loss.h"
+
+#include <string>
+
+#include "kernels/ce_launch.h"
+#include "kernels/ce_row.h"
+#include "kernels/cuda_loss_internal.h"
+
+namespace thdpack {
+namespace {
+
+kernels::CeArgs ToLaunch(const CudaLossArgs& a) {
+  return kernels::CeArgs{static_cast<int>(a.dtype), a.logits,      a.num_tokens, a.vocab_size,
+                         a.ld,                      a.labels,      a.loss_mask,  a.vocab_start,
+                         a.vocab_total,             a.grad_scale,  a.grad,       a.logprob,
+                         a.entropy,                 a.stats,       a.error};
+}
+
+}  // namespace
+
+Status CheckCudaLossArgs(const CudaLossArgs& a, const char* call, bool needs_stats) {
+  const std::string where = std::string(call) + ": ";
+  if (a.dtype != CudaDtype::kFloat32 && a.dtype != CudaDtype::kBFloat16 &&
+      a.dtype != CudaDtype::kFloat16) {
+    return Status::InvalidArgument(where + "dtype " + std::to_string(static_cast<int>(a.dtype)) +
+                                   " is not float32, bfloat16 or float16");
+  }
+  if (a.num_tokens < 0 || a.num_tokens > 0x7fffffff) {
+    return Status::InvalidArgument(where + "num_tokens = " + std::to_string(a.num_tokens) +
+                                   " must lie in [0, 2^31)");
+  }
+  if (a.vocab_size < 1) {
+    return Status::InvalidArgument(where + "vocab_size = " + std::to_string(a.vocab_size) +
+                                   " must be >= 1");
+  }
+  if (a.ld != 0 && a.ld < a.vocab_size) {
+    return Status::InvalidArgument(where + "ld = " + std::to_string(a.ld) +
+                                   " is below vocab_size " + std::to_string(a.vocab_size));
+  }
+  const int64_t total = a.vocab_total > 0 ? a.vocab_total : a.vocab_size;
+  if (a.vocab_start < 0 || a.vocab_start + a.vocab_size > total) {
+    return Status::InvalidArgument(where + "columns [" + std::to_string(a.vocab_start) + ", " +
+                                   std::to_string(a.vocab_start + a.vocab_size) +
+                                   ") lie outside the vocabulary of " + std::to_string(total));
+  }
+  if (a.num_tokens > 0 && (a.logits == nullptr || a.labels == nullptr)) {
+    return Status::InvalidArgument(where + "logits and labels are required");
+  }
+  if (needs_stats && a.num_tokens > 0 && a.stats == nullptr) {
+    return Status::InvalidArgument(where + "stats ([T] RowStats) is required");
+  }
+  if (!kernels::IsFinite(a.grad_scale)) {
+    return Status::InvalidArgument(where + "grad_scale must be finite");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+Status FromLaunch(int code, const char* call) {
+  if (code == 0) return Status::Ok();
+  if (code == kernels::kCeNotBuilt) {
+    return Status::Unimplemented(std::string(call) +
+                                 ": thdpack was built without CUDA (THDPACK_WITH_CUDA, nvcc)");
+  }
+  return Status::Internal(std::string(call) + ": CUDA error " + std::to_string(code) + " (" +
+                          kernels::CeErrorString(code) + ")");
+}
+
+}  // namespace
+
+bool CudaLossBuilt() { return kernels::CeBuilt(); }
+
+Status CrossEntropyFused(const CudaLossArgs& args, void* stream) {
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyFused", false));
+  return FromLaunch(
+      kernels::CeFused(ToLaunch(args), CudaLossBlockThreads(args.vocab_size), stream),
+      "CrossEntropyFused");
+}
+
+Status CrossEntropyPartials(const CudaLossArgs& args, void* stream) {
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyPartials", true));
+  return FromLaunch(
+      kernels::CePartials(ToLaunch(args), CudaLossBlockThreads(args.vocab_size), stream),
+      "CrossEntropyPartials");
+}
+
+Status CombinePartials(const RowStats* gathered, int tp, int64_t num_tokens, RowStats* out,
+                       void* stream) {
+  if (tp < 1 || num_tokens < 0 || num_tokens > 0x7fffffff ||
+      (num_tokens > 0 && (gathered == nullptr || out == nullptr))) {
+    return Status::InvalidArgument("CombinePartials: tp = " + std::to_string(tp) +
+                                   ", num_tokens = " + std::to_string(num_tokens) +
+                                   " (tp >= 1, T in [0, 2^31), both arrays given)");
+  }
+  return FromLaunch(kernels::CeCombine(gathered, tp, num_tokens, out, stream), "CombinePartials");
+}
+
+Status CrossEntropyFinish(const CudaLossArgs& args, void* stream) {
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyFinish", true));
+  return FromLaunch(
+      kernels::CeFinish(ToLaunch(args), CudaLossBlockThreads(args.vocab_size), stream),
+      "CrossEntropyFinish");
+}
+
+Status DecodeCudaLossError(unsigned long long flag, int64_t vocab_total) {
+  if (flag == 0) return Status::Ok();
+  const int kind = static_cast<int>(flag >> 48);
+  const int64_t token = static_cast<int64_t>(flag & 0xffffffffffffull);
+  switch (kind) {
+    case kernels::kLabelOutOfRange:
+      return Status::InvalidArgument("labels[" + std::to_string(token) +
+                                     "]: a counted label outside [0, V = " +
+                                     std::to_string(vocab_total) + ") (-100 ignores a token)");
+    case kernels::kNonFiniteRow:
+      return Status::InvalidArgument("logits row " + std::to_string(token) +
+                                     ": its log-sum-exp is not finite (inf or NaN logits in a "
+                                     "counted row)");
+    case kernels::kBadMask:
+      return Status::InvalidArgument("loss_mask[" + std::to_string(token) +
+                                     "]: a value other than 0 and 1");
+  }
+  return Status::Internal("CUDA loss error flag " + std::to_string(flag) + " is not a known code");
+}
+
+}  // namespace thdpack

@@ -1,0 +1,18 @@
+// src/kernels/cuda_loss_internal.h: private to the kernels area - the host-side checks every
+// call of thdpack/cuda_loss.h makes (on the GPU and in the CPU execution alike).
+#ifndef THDPACK_KERNELS_CUDA_LOSS_INTERNAL_H_
+#define THDPACK_KERNELS_CUDA_LOSS_INTERNAL_H_
+
+#include "thdpack/cuda_loss.h"
+
+namespace thdpack {
+
+// InvalidArgument naming `call` and the field: an unknown dtype, T outside [0, 2^31), V < 1,
+// ld < V, columns outside the vocabulary, missing logits or labels, missing stats where
+// `needs_stats`, a non-finite grad_scale.
+[[nodiscard]] Status CheckCudaLossArgs(const CudaLossArgs& args, const char* call,
+                                       bool needs_stats);
+
+}  // namespace thdpack
+
+#endif  // THDPACK_KERNELS_CUDA_LOSS_INTERNAL_H_
