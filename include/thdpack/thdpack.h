@@ -4,6 +4,7 @@
 
 #include "thdpack/comm.h"
 #include "thdpack/cost.h"
+#include "thdpack/cuda_loss.h"
 #include "thdpack/data.h"
 #include "thdpack/figures.h"
 #include "thdpack/job.h"

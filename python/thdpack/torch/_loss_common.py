@@ -1,0 +1,66 @@
+"""thdpack.torch._loss_common: what every backend of thdpack.torch.loss shares - the input
+checks, the accumulation dtype and the chunk size of the paths that stage rows in float32."""
+import torch
+
+from .. import _thdpack
+
+IGNORE_INDEX = _thdpack.IGNORE_INDEX
+
+# Extra memory of the chunked path: its two float32 (float64) chunk buffers stay within this
+# fraction of the logits' bytes (and at least one token per chunk).
+
+
+_CHUNK_FRACTION = 8
+
+
+def _accumulation_dtype(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check_inputs(logits, labels, loss_mask):
+    """Shapes; labels and mask on the logits' device. Returns (labels, loss_mask, counted)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits: expected a [T, V] tensor, got {shape}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
+    t, v = logits.shape
+    if v < 1:
+        raise ValueError(f"logits: V = {v} columns: expected at least one")
+    if not isinstance(labels, torch.Tensor) or labels.shape != (t,):
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels: expected a tensor of shape ({t},), got {got}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels: expected an integer tensor, got {labels.dtype}")
+    labels = labels.to(device=logits.device, dtype=torch.int64).contiguous()
+    counted = labels != IGNORE_INDEX
+    if loss_mask is not None:
+        if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (t,):
+            got = (tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor)
+                   else type(loss_mask).__name__)
+            raise ValueError(f"loss_mask: expected a tensor of shape ({t},), got {got}")
+        loss_mask = loss_mask.to(logits.device)
+        bad_mask = (loss_mask != 0) & (loss_mask != 1)
+        counted = counted & (loss_mask != 0)
+    else:
+        bad_mask = None
+    bad_label = counted & ((labels < 0) | (labels >= v))
+    bad = bad_label.any() if bad_mask is None else (bad_label.any() | bad_mask.any())
+    if bool(bad):  # one device sync, for a clear error instead of a wrong loss
+        if bad_mask is not None and bool(bad_mask.any()):
+            i = int(bad_mask.nonzero()[0])
+            raise ValueError(f"loss_mask[{i}] = {float(loss_mask[i])}: must be 0 or 1")
+        i = int(bad_label.nonzero()[0])
+        raise ValueError(f"labels[{i}] = {int(labels[i])}: a counted label must lie in [0, {v})")
+    return labels, loss_mask, counted
+
+
+def _chunk_rows(logits, chunk_tokens):
+    t, v = logits.shape
+    if chunk_tokens is not None:
+        if int(chunk_tokens) < 1:
+            raise ValueError(f"chunk_tokens = {chunk_tokens}: must be >= 1")
+        return int(chunk_tokens)
+    acc = 8 if logits.dtype == torch.float64 else 4
+    budget = t * v * logits.element_size() // _CHUNK_FRACTION  # bytes for the two buffers
+    return max(1, budget // (2 * v * acc))
