@@ -73,11 +73,13 @@ test-asan: deps venv $(ASAN_BUILD)/CMakeCache.txt
 
 # The clang build: the library and the libFuzzer targets (fuzz/), instrumented by
 # THDPACK_BUILD_FUZZ; -O1 without NDEBUG keeps the library's internal checks on while fuzzing.
+# No CUDA: the fuzz targets read files and messages, and nvcc would take clang as its host
+# compiler.
 $(CLANG_BUILD)/CMakeCache.txt:
 	cmake -S . -B $(CLANG_BUILD) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 $(DEBUG_INFO)" -DTHDPACK_BUILD_FUZZ=ON -DTHDPACK_BUILD_TESTS=OFF \
 	  -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF -DTHDPACK_BUILD_TOOLS=OFF \
-	  -DTHDPACK_WITH_MPI=$(WITH_MPI)
+	  -DTHDPACK_WITH_MPI=$(WITH_MPI) -DTHDPACK_WITH_CUDA=OFF
 
 build-clang: deps $(CLANG_BUILD)/CMakeCache.txt
 	cmake --build $(CLANG_BUILD) -j $(JOBS)

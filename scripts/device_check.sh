@@ -5,7 +5,8 @@
 #   1. pip install --no-build-isolation . into the image's Python (torch, NumPy 2, pybind11);
 #   2. the Python suite against it;
 #   3. the iterator on NCCL at world size 1, beside a gloo world inside the NCCL job;
-#   4. calibrate a llama2-7b-sized layer and the measured-balance benchmark (bench/).
+#   4. calibrate a llama2-7b-sized layer and the measured-balance benchmark (bench/);
+#   5. the CUDA loss benchmark (bench/loss_cuda.py; the suite's `cuda` tests check it first).
 # Writes its logs under $OUT when set. Usage: scripts/device_check.sh [STEPS]
 set -uo pipefail
 out=${OUT:-/tmp/device_check}
@@ -33,3 +34,5 @@ run nccl python3 scripts/nccl_iterator_check.py
 run nccl-dynamic python3 scripts/nccl_iterator_check.py --scheduler dynamic
 run balance python3 bench/balance_measured.py --device cuda --steps "$steps" --out "$out/h_profile.json"
 cat "$out/balance.log"
+run loss-cuda python3 bench/loss_cuda.py --json "$out/loss_cuda.json"
+cat "$out/loss-cuda.log"

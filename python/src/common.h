@@ -253,6 +253,7 @@ void BindPack(py::module_& m);
 void BindShard(py::module_& m);
 void BindWire(py::module_& m);
 void BindLoss(py::module_& m);
+void BindCudaLoss(py::module_& m);
 void BindCost(py::module_& m);
 void BindData(py::module_& m);
 void BindJob(py::module_& m);

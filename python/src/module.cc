@@ -166,6 +166,7 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindShard(m);
   tp::BindWire(m);
   tp::BindLoss(m);
+  tp::BindCudaLoss(m);
   tp::BindGradCache(m);
   tp::BindCost(m);
   tp::BindData(m);

@@ -8,3 +8,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise SystemExit(f"cannot import thdpack ({e}); run with PYTHONPATH=<build>/python "
                      f"(sys.executable={sys.executable}, PYTHONPATH={os.environ.get('PYTHONPATH')})")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped where torch sees none)")

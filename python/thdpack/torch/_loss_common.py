@@ -17,8 +17,9 @@ def _accumulation_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(logits, labels, loss_mask):
-    """Shapes; labels and mask on the logits' device. Returns (labels, loss_mask, counted)."""
+def _check_inputs(logits, labels, loss_mask, check_values=True):
+    """Shapes; labels and mask on the logits' device; with check_values (one device sync) the
+    label range and the mask's 0/1 values. Returns (labels, loss_mask, counted)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits: expected a [T, V] tensor, got {shape}")
@@ -44,6 +45,8 @@ def _check_inputs(logits, labels, loss_mask):
         counted = counted & (loss_mask != 0)
     else:
         bad_mask = None
+    if not check_values:
+        return labels, loss_mask, counted
     bad_label = counted & ((labels < 0) | (labels >= v))
     bad = bad_label.any() if bad_mask is None else (bad_label.any() | bad_mask.any())
     if bool(bad):  # one device sync, for a clear error instead of a wrong loss

@@ -37,23 +37,74 @@ from .. import _thdpack
 from ._loss_common import IGNORE_INDEX, _accumulation_dtype, _check_inputs  # noqa: F401
 from ._loss_cpu import _per_token_cpu
 from ._loss_cpu import empty_grad_cache, grad_cache_info, set_grad_cache  # noqa: F401 (API)
+from . import _loss_cuda
 from ._loss_torch import _per_token_chunked
 from .sharding import _cu
 
 
-def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, chunk_tokens):
+_BACKENDS = ("auto", "cpu", "cuda", "torch")
+
+
+def _backend_of(logits, backend, chunked, inplace):
+    """The backend a call runs: "cpu" (the C++ kernel), "cuda" (the CUDA kernel) or "torch"
+    (chunked torch operations)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend = {backend!r}: expected one of {_BACKENDS}")
+    if chunked:
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"chunked=True is the torch backend, not {backend!r}")
+        backend = "torch"
+    if backend == "auto":
+        if logits.device.type == "cpu":
+            backend = "cpu"
+        elif _loss_cuda.CUDA_KERNEL_BY_DEFAULT and _loss_cuda.kernel_takes(logits):
+            backend = "cuda"
+        else:
+            backend = "torch"
+    if backend == "cpu" and logits.device.type != "cpu":
+        raise ValueError(f"backend 'cpu': the logits are on {logits.device}")
+    if backend == "cuda" and not _loss_cuda.kernel_takes(logits):
+        raise ValueError(f"backend 'cuda': {_loss_cuda.why_not(logits)}")
+    if inplace and backend != "cuda":
+        raise ValueError("inplace=True writes the gradient over the logits: the CUDA kernel "
+                         f"only (backend 'cuda'), not {backend!r}")
+    return backend
+
+
+def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, chunk_tokens,
+               backend="auto", inplace=False, validate=True, tp=None):
     """(logprob, entropy, counted, grad): per-token values of the whole shard, float64 on the
-    kernel path, the accumulation dtype on the chunked one; grad None unless want_grad."""
-    labels, loss_mask, counted = _check_inputs(logits, labels, loss_mask)
-    if n is not None:  # the share: N is global, never below this shard's count
-        n_valid = int(counted.sum())
-        if n < n_valid:
-            raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
-                             f"({n_valid}): N must be the GLOBAL loss-token count of the step")
-    if logits.device.type == "cpu" and not chunked:
+    CPU kernel, float32 on the CUDA kernel, the accumulation dtype on the chunked path; grad
+    None unless want_grad (the logits themselves with inplace)."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits: expected a [T, V] tensor, got {type(logits).__name__}")
+    backend = _backend_of(logits, backend, chunked, inplace)
+    tp_group, vocab_start, vocab_total = tp if tp is not None else (None, 0, 0)
+    if tp_group is not None and backend != "cuda":
+        raise ValueError("tp_group (vocab-parallel logits) needs backend 'cuda'")
+    # The CUDA kernel checks the values on the device (validate), without a second sync.
+    labels, loss_mask, counted = _check_inputs(logits, labels, loss_mask,
+                                               check_values=backend != "cuda")
+    if tp_group is not None and not (0 <= vocab_start and
+                                     vocab_start + logits.shape[1] <= vocab_total):
+        raise ValueError(f"vocab_start = {vocab_start}: this rank's {logits.shape[1]} columns "
+                         f"must lie within vocab_total = {vocab_total}")
+    scale = grad_factor / n if n else 0.0
+    if backend == "cuda":
+        logprob, entropy, counted, grad, n_valid = _loss_cuda.per_token_cuda(
+            logits, labels, loss_mask, want_grad, scale, inplace, validate, tp_group,
+            vocab_start, vocab_total)
+    else:
+        n_valid = int(counted.sum()) if n is not None else None
+    if n is not None and n_valid is not None and n < n_valid:
+        # the share: N is global, never below this shard's count
+        raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
+                         f"({n_valid}): N must be the GLOBAL loss-token count of the step")
+    if backend == "cuda":
+        return logprob, entropy, counted, grad
+    if backend == "cpu":
         return _per_token_cpu(logits, labels, loss_mask, n or 0, want_grad, grad_factor,
                               chunk_tokens)
-    scale = grad_factor / n if n else 0.0
     logprob, entropy, grad = _per_token_chunked(logits, labels, counted, want_grad, scale,
                                                 chunk_tokens)
     return logprob, entropy, counted, grad
@@ -63,13 +114,16 @@ class _LocalLoss(torch.autograd.Function):
     """The share and its gradient, made in the forward pass into one buffer."""
 
     @staticmethod
-    def forward(ctx, logits, labels, loss_mask, n, grad_factor, chunked, chunk_tokens, want_grad):
+    def forward(ctx, logits, labels, loss_mask, n, grad_factor, chunked, chunk_tokens, want_grad,
+                backend, inplace, validate, tp):
         scale = float(grad_factor) / n if n > 0 else 0.0
         logprob, _, _, grad = _per_token(logits, labels, loss_mask, n, want_grad,
-                                         float(grad_factor), chunked, chunk_tokens)
+                                         float(grad_factor), chunked, chunk_tokens, backend,
+                                         inplace, validate, tp)
         ctx.grad = grad
         acc = _accumulation_dtype(logits)
-        total = logprob.sum().to(device=logits.device, dtype=acc)
+        # Summed in float64 (the CPU kernel's values are float64 already).
+        total = logprob.sum(dtype=torch.float64).to(device=logits.device, dtype=acc)
         return -total * scale
 
     @staticmethod
@@ -81,25 +135,36 @@ class _LocalLoss(torch.autograd.Function):
         ctx.grad = None  # autograd may take the buffer as logits.grad without a copy
         if grad.device.type != "cpu" or float(grad_output) != 1.0:
             grad.mul_(grad_output.to(grad.dtype))
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
 def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chunked=False,
-               chunk_tokens=None):
+               chunk_tokens=None, backend="auto", inplace=False, validate=True, tp_group=None,
+               vocab_start=0, vocab_total=0):
     """This (dp, cp) rank's share of the step loss: -sum(counted log p) / N * grad_factor.
 
     n_loss_tokens: N, the GLOBAL loss-token count of the step (thdpack metadata). The shares
     summed over DP x CP (and microbatches) equal the step loss L, and so do their gradients;
     pass grad_factor = dp_size * cp_size when the framework averages gradients. N == 0 gives a
     zero loss (and zero gradients), never a division by zero; N below this shard's own count of
-    loss tokens is a ValueError (N is global).
+    loss tokens is a ValueError (N is global). With a dynamic step (PackedDataIterator,
+    scheduler="dynamic") the same holds whatever CP group each microbatch had: the share takes
+    no group.
 
     An autograd function: the gradient is made in the forward pass (when logits require it),
     in the logits' dtype, and handed to autograd in backward (which therefore runs once per
-    call). CPU float32/bfloat16/float64 logits use the C++ kernel; other devices and dtypes
-    the chunked torch path; chunked=True forces the chunked path on CPU too (tests, benchmark),
-    chunk_tokens sets its rows per chunk (default: two float32 chunk buffers within 1/8 of the
-    logits' bytes). The share is float32 (float64 for float64 logits) on the logits' device.
+    call). backend: "auto" (CPU float32/bfloat16/float64 logits: the C++ kernel; other devices
+    and dtypes: the chunked torch path), "cpu", "torch" (the chunked path; chunked=True says the
+    same), or "cuda": thdpack's CUDA kernel (float32, bfloat16, float16 CUDA logits with unit
+    column stride), where inplace=True writes the gradient over the logits (they are consumed:
+    no copy of the logits' size is made) and validate=False skips the one device-to-host read
+    that turns a bad label or mask into a ValueError (then nothing synchronises and the call can
+    be captured in a CUDA graph; bad inputs give undefined values). With tp_group (the CUDA
+    kernel), the logits are this TP rank's columns [vocab_start, vocab_start + V) of
+    vocab_total: each row's partial state (16 bytes) is all-gathered over tp_group once and
+    merged, and the gradient is that of this rank's columns. chunk_tokens sets the
+    chunked path's rows per chunk (default: two float32 chunk buffers within 1/8 of the logits'
+    bytes). The share is float32 (float64 for float64 logits) on the logits' device.
     """
     n = int(n_loss_tokens)
     if n < 0:
@@ -108,22 +173,24 @@ def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chu
         raise ValueError(f"logits: expected a [T, V] tensor, got {type(logits).__name__}")
     # No gradient buffer under torch.no_grad() or for logits that do not require one.
     want_grad = torch.is_grad_enabled() and logits.requires_grad
+    tp = None if tp_group is None else (tp_group, int(vocab_start), int(vocab_total))
     return _LocalLoss.apply(logits, labels, loss_mask, n, float(grad_factor), bool(chunked),
-                            chunk_tokens, want_grad)
+                            chunk_tokens, want_grad, backend, bool(inplace), bool(validate), tp)
 
 
-def token_statistics(logits, labels, loss_mask=None, *, chunked=False, chunk_tokens=None):
+def token_statistics(logits, labels, loss_mask=None, *, chunked=False, chunk_tokens=None,
+                     backend="auto"):
     """Per-token (logprob, entropy, counted) of local logits [T, V] (any device and float dtype).
 
     logprob = log p(label) and entropy = -sum p log p, both 0 where the token is not counted;
     counted: bool [T]. Accumulated in float32 (float64 for float64 logits); float64 tensors on
-    the CPU (the C++ kernel's output), the accumulation dtype elsewhere. Not differentiable:
-    local_loss is the differentiable share. ValueError for a counted label outside [0, V) or a
-    loss_mask value other than 0/1.
+    the CPU (the C++ kernel's output), the accumulation dtype elsewhere (float32 from the CUDA
+    kernel, backend="cuda"). Not differentiable: local_loss is the differentiable share.
+    ValueError for a counted label outside [0, V) or a loss_mask value other than 0/1.
     """
     with torch.no_grad():
         logprob, entropy, counted, _ = _per_token(logits, labels, loss_mask, None, False, 0.0,
-                                                  chunked, chunk_tokens)
+                                                  chunked, chunk_tokens, backend)
     return logprob, entropy, counted
 
 

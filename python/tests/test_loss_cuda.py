@@ -1,0 +1,149 @@
+"""thdpack's CUDA cross-entropy through thdpack.torch.local_loss(backend="cuda") and
+token_statistics: the values and gradients against F.cross_entropy in float64 on the same
+(rounded) logits, every dtype, V not a multiple of any block size, masked and ignored tokens,
+N = 0, rows with a stride, in place, without validation, a bad label named, and the
+vocab-parallel path (partials, one all-gather, combine, finish) over a one-process gloo-free
+split. The tests marked `cuda` run wherever torch sees a GPU; the others run everywhere and
+check what a machine without one must say."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thdpack
+import thdpack.torch as tt
+from thdpack import _thdpack
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-6, torch.float16: 2e-6}
+GRAD_REL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def reference(logits, labels, mask, n, factor):
+    """float64 per-token log p, entropy and the gradient of the share -sum(log p)/N*factor."""
+    z = logits.detach().double().requires_grad_(True)
+    counted = (labels != -100) & (mask != 0)
+    logp = torch.log_softmax(z, -1)
+    lp = torch.where(counted, -F.cross_entropy(z, labels.clamp(min=0), reduction="none"),
+                     torch.zeros_like(z[:, 0]))
+    ent = torch.where(counted, -(logp.exp() * logp).sum(-1), torch.zeros_like(lp))
+    share = -lp.sum() / n * factor if n > 0 else lp.sum() * 0
+    share.backward()
+    return lp.detach(), ent.detach(), z.grad
+
+
+def make(t, v, dtype, seed, ld=None):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    full = torch.randn(t, ld or v, generator=g) * 3
+    logits = full.to(dtype).cuda()[:, :v]
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[::7] = -100
+    mask = (torch.rand(t, generator=g) > 0.2).float()
+    return logits, labels.cuda(), mask.cuda()
+
+
+def test_backend_cuda_is_a_clear_error_where_it_cannot_run():
+    x = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="backend 'cuda'"):
+        tt.local_loss(x, torch.zeros(4, dtype=torch.long), None, 4, backend="cuda")
+    with pytest.raises(ValueError, match="inplace=True"):
+        tt.local_loss(x, torch.zeros(4, dtype=torch.long), None, 4, inplace=True)
+    with pytest.raises(ValueError, match="backend = 'gpu'"):
+        tt.token_statistics(x, torch.zeros(4, dtype=torch.long), backend="gpu")
+    with pytest.raises(ValueError, match="tp_group"):
+        tt.local_loss(x, torch.zeros(4, dtype=torch.long), None, 4, tp_group=object(),
+                      vocab_total=20)
+    # The module is built with the kernels wherever nvcc was at build time; a call without a GPU
+    # is an error that says why, never a crash.
+    if _thdpack.cuda_loss_built() and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CrossEntropyFused: CUDA error"):
+            _thdpack._cuda_cross_entropy("fused", 1, 1, 2, 3, 3, 1, 0, 0, 0, 1.0, 0, 0, 0, 0, 0,
+                                         0)
+    with pytest.raises(ValueError, match="labels\\[5\\]"):
+        _thdpack._cuda_loss_error((1 << 48) | 5, 100)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,v,ld", [(37, 1000, None), (64, 32000, None), (9, 151936, None),
+                                    (13, 4099, 4104), (5, 7, None)])
+def test_kernel_equals_float64(dtype, t, v, ld):
+    logits, labels, mask = make(t, v, dtype, seed=t * v)
+    n = int(((labels != -100) & (mask != 0)).sum()) + 3
+    lp_ref, ent_ref, grad_ref = reference(logits, labels, mask, n, 2.0)
+    lp, ent, counted = tt.token_statistics(logits, labels, mask, backend="cuda")
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), lp_ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
+    torch.testing.assert_close(ent.double(), ent_ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
+    x = logits.clone().requires_grad_(True)
+    share = tt.local_loss(x, labels, mask, n, 2.0, backend="cuda")
+    torch.testing.assert_close(share.double(), -lp_ref.sum() / n * 2.0, rtol=1e-6, atol=1e-6)
+    share.backward()
+    assert x.grad.dtype == dtype
+    err = (x.grad.double() - grad_ref).abs()
+    bound = GRAD_REL[dtype] * grad_ref.abs() + 1e-6 * 2.0 / n
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@cuda
+@pytest.mark.cuda
+def test_in_place_without_validation_and_zero_n():
+    logits, labels, mask = make(50, 5000, torch.bfloat16, seed=5)
+    n = int(((labels != -100) & (mask != 0)).sum())
+    _, _, grad_ref = reference(logits, labels, mask, n, 1.0)
+    x = logits.clone()
+    ptr = x.data_ptr()
+    lp, _, _, grad = thdpack.torch.loss._per_token(x, labels, mask, n, True, 1.0, False, None,
+                                                  "cuda", True, False)
+    assert grad.data_ptr() == ptr  # the logits became their gradient
+    err = (x.double() - grad_ref).abs()
+    assert bool((err <= 2 ** -7 * grad_ref.abs() + 1e-6 / n).all())
+    zero = tt.local_loss(logits.clone().requires_grad_(True), labels, torch.zeros_like(mask), 0,
+                         backend="cuda")
+    assert float(zero) == 0.0
+
+
+@cuda
+@pytest.mark.cuda
+def test_bad_label_names_the_token():
+    logits, labels, mask = make(8, 100, torch.float32, seed=1)
+    labels[3] = 100
+    mask[3] = 1
+    with pytest.raises(ValueError, match="labels\\[3\\]"):
+        tt.local_loss(logits, labels, mask, 8, backend="cuda")
+
+
+@cuda
+@pytest.mark.cuda
+def test_vocab_parallel_pieces_equal_the_whole_row():
+    """The partials of uneven column ranges, combined, equal the whole row (one process: the
+    all-gather is a stack)."""
+    t, v = 33, 3001
+    logits, labels, mask = make(t, v, torch.bfloat16, seed=9)
+    n = int(((labels != -100) & (mask != 0)).sum())
+    lp_ref, _, grad_ref = reference(logits, labels, mask, n, 1.0)
+    cuts = [0, 1000, 1001, 2500, v]
+    parts = []
+    stream = torch.cuda.current_stream().cuda_stream
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        cols = logits[:, a:b].contiguous()
+        stats = torch.empty(t, 4, device="cuda")
+        lp = torch.empty(t, device="cuda")
+        _thdpack._cuda_cross_entropy("partials", 1, cols.data_ptr(), t, b - a, b - a,
+                                     labels.data_ptr(), mask.data_ptr(), a, v, 0.0, 0,
+                                     lp.data_ptr(), 0, stats.data_ptr(), 0, stream)
+        parts.append((a, b, cols, stats))
+    gathered = torch.stack([p[3] for p in parts])
+    merged = torch.empty(t, 4, device="cuda")
+    _thdpack._cuda_combine_partials(gathered.data_ptr(), len(parts), t, merged.data_ptr(), stream)
+    for a, b, cols, _ in parts:
+        grad = torch.empty_like(cols)
+        lp = torch.empty(t, device="cuda")
+        _thdpack._cuda_cross_entropy("finish", 1, cols.data_ptr(), t, b - a, b - a,
+                                     labels.data_ptr(), mask.data_ptr(), a, v, 1.0 / n,
+                                     grad.data_ptr(), lp.data_ptr(), 0, merged.data_ptr(), 0,
+                                     stream)
+        torch.testing.assert_close(lp.double(), lp_ref, rtol=2e-6, atol=2e-5)
+        err = (grad.double() - grad_ref[:, a:b]).abs()
+        assert bool((err <= 2 ** -7 * grad_ref[:, a:b].abs() + 1e-6 / n).all())

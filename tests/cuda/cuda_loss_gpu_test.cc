@@ -1,0 +1,246 @@
+// The CUDA cross-entropy kernels on a GPU (ctest label `cuda`; skipped where no device is):
+// each kernel's outputs against the CPU execution of the same arithmetic (the *Host functions,
+// which tests/cuda_loss_host_test.cc checks against the fp64 reference) on the same random
+// rows: every dtype, V around the block sizes and at the vocabularies, rows aligned and
+// not, in place, the vocab-parallel path, and a bad label reported through the flag. The two
+// differ only by exp/log (__expf/__logf against libm) and the order the compiler fuses
+// multiply-adds in, so the tolerance is a few fp32 ulps (values) and one ulp of the dtype
+// (gradients).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "thdpack/cuda_loss.h"
+#include "thdpack/loss.h"
+
+namespace thdpack {
+namespace {
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device"
+
+template <typename T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t count) : n(count) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)), cudaSuccess); }
+  Dev(const Dev&) = delete;
+  ~Dev() { cudaFree(p); }
+  void Put(const std::vector<T>& h) { ASSERT_EQ(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess); }
+  std::vector<T> Get() const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+float ElemToFloat(CudaDtype d, uint16_t bits, float f32) {
+  if (d == CudaDtype::kFloat32) return f32;
+  if (d == CudaDtype::kBFloat16) return BFloat16{bits}.ToFloat();
+  // half
+  const int e = (bits >> 10) & 31, m = bits & 1023;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -24) : std::ldexp(static_cast<float>(1024 + m), e - 25);
+  return (bits & 0x8000) ? -v : v;
+}
+
+struct Rows {
+  CudaDtype dtype;
+  int64_t T, V, ld;
+  std::vector<uint8_t> bytes;  // T * ld elements
+  std::vector<int64_t> labels;
+  std::vector<float> mask;
+  int64_t es() const { return dtype == CudaDtype::kFloat32 ? 4 : 2; }
+  float At(const std::vector<uint8_t>& b, int64_t t, int64_t v) const {
+    const uint8_t* p = b.data() + (t * ld + v) * es();
+    float f = 0;
+    uint16_t h = 0;
+    if (es() == 4) std::memcpy(&f, p, 4); else std::memcpy(&h, p, 2);
+    return ElemToFloat(dtype, h, f);
+  }
+};
+
+Rows Make(std::mt19937_64& rng, CudaDtype dtype, int64_t T, int64_t V, int64_t ld) {
+  Rows r{dtype, T, V, ld, {}, {}, {}};
+  r.bytes.resize(static_cast<size_t>(T * ld * r.es()));
+  std::normal_distribution<float> z(0, 3);
+  for (int64_t i = 0; i < T * ld; ++i) {
+    const float x = z(rng);
+    if (dtype == CudaDtype::kFloat32) {
+      std::memcpy(r.bytes.data() + i * 4, &x, 4);
+    } else {
+      // bf16 bits (also valid, if odd, as half bits: keep magnitudes sane by halving the exponent)
+      uint16_t b = BFloat16::FromFloat(x).bits;
+      if (dtype == CudaDtype::kFloat16) b = static_cast<uint16_t>((b & 0x8000) | (0x3c00 + (static_cast<int>(rng() % 2048) - 1024)));
+      std::memcpy(r.bytes.data() + i * 2, &b, 2);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    r.labels.push_back(t % 7 == 3 ? -100 : static_cast<int64_t>(rng() % static_cast<uint64_t>(V)));
+    r.mask.push_back(t % 5 == 4 ? 0.0f : 1.0f);
+  }
+  return r;
+}
+
+struct Outputs {
+  std::vector<float> logprob, entropy;
+  std::vector<uint8_t> grad;
+  unsigned long long flag = 0;
+};
+
+// Runs the fused kernel (or partials/combine/finish over `cuts` when given) on the GPU.
+Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64_t>& cuts = {}) {
+  Outputs o;
+  Dev<uint8_t> x(r.bytes.size()), g(r.bytes.size());
+  Dev<int64_t> y(r.labels.size());
+  Dev<float> m(r.mask.size()), lp(static_cast<size_t>(r.T)), en(static_cast<size_t>(r.T));
+  Dev<unsigned long long> flag(1);
+  x.Put(r.bytes);
+  y.Put(r.labels);
+  m.Put(r.mask);
+  flag.Put({0});
+  CudaLossArgs a;
+  a.dtype = r.dtype;
+  a.logits = x.p;
+  a.num_tokens = r.T;
+  a.vocab_size = r.V;
+  a.ld = r.ld;
+  a.labels = y.p;
+  a.loss_mask = m.p;
+  a.grad_scale = scale;
+  a.grad = in_place ? static_cast<void*>(x.p) : static_cast<void*>(g.p);
+  a.logprob = lp.p;
+  a.entropy = en.p;
+  a.error = flag.p;
+  if (cuts.empty()) {
+    EXPECT_TRUE(CrossEntropyFused(a, nullptr).ok());
+  } else {
+    // Each rank's columns as its own [T, V_k] array at ld = V_k... here simply views of the
+    // same rows (ld stays the full row), which is what a column slice of a tensor is.
+    const int tp = static_cast<int>(cuts.size()) - 1;
+    Dev<RowStats> gathered(static_cast<size_t>(tp * r.T)), merged(static_cast<size_t>(r.T));
+    for (int k = 0; k < tp; ++k) {
+      CudaLossArgs p = a;
+      p.logits = x.p + cuts[static_cast<size_t>(k)] * r.es();
+      p.vocab_size = cuts[static_cast<size_t>(k) + 1] - cuts[static_cast<size_t>(k)];
+      p.vocab_start = cuts[static_cast<size_t>(k)];
+      p.vocab_total = r.V;
+      p.stats = gathered.p + k * r.T;
+      EXPECT_TRUE(CrossEntropyPartials(p, nullptr).ok());
+    }
+    EXPECT_TRUE(CombinePartials(gathered.p, tp, r.T, merged.p, nullptr).ok());
+    for (int k = 0; k < tp; ++k) {
+      CudaLossArgs p = a;
+      p.logits = x.p + cuts[static_cast<size_t>(k)] * r.es();
+      p.grad = g.p + cuts[static_cast<size_t>(k)] * r.es();
+      p.vocab_size = cuts[static_cast<size_t>(k) + 1] - cuts[static_cast<size_t>(k)];
+      p.vocab_start = cuts[static_cast<size_t>(k)];
+      p.vocab_total = r.V;
+      p.stats = merged.p;
+      EXPECT_TRUE(CrossEntropyFinish(p, nullptr).ok());
+    }
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  o.logprob = lp.Get();
+  o.entropy = en.Get();
+  o.grad = in_place ? x.Get() : g.Get();
+  o.flag = flag.Get()[0];
+  return o;
+}
+
+Outputs OnHost(const Rows& r, float scale) {
+  Outputs o;
+  std::vector<uint8_t> x = r.bytes;
+  o.grad.assign(r.bytes.size(), 0);
+  o.logprob.assign(static_cast<size_t>(r.T), 0);
+  o.entropy.assign(static_cast<size_t>(r.T), 0);
+  CudaLossArgs a;
+  a.dtype = r.dtype;
+  a.logits = x.data();
+  a.num_tokens = r.T;
+  a.vocab_size = r.V;
+  a.ld = r.ld;
+  a.labels = r.labels.data();
+  a.loss_mask = r.mask.data();
+  a.grad_scale = scale;
+  a.grad = o.grad.data();
+  a.logprob = o.logprob.data();
+  a.entropy = o.entropy.data();
+  a.error = &o.flag;
+  EXPECT_TRUE(CrossEntropyFusedHost(a, CudaLossBlockThreads(r.V)).ok());
+  return o;
+}
+
+void Compare(const Rows& r, const Outputs& gpu, const Outputs& host, float scale,
+             const std::string& where) {
+  EXPECT_EQ(gpu.flag, host.flag) << where;
+  for (int64_t t = 0; t < r.T; ++t) {
+    EXPECT_NEAR(gpu.logprob[static_cast<size_t>(t)], host.logprob[static_cast<size_t>(t)],
+                1e-5f * (1 + std::fabs(host.logprob[static_cast<size_t>(t)]))) << where << " row " << t;
+    EXPECT_NEAR(gpu.entropy[static_cast<size_t>(t)], host.entropy[static_cast<size_t>(t)],
+                1e-5f * (1 + std::fabs(host.entropy[static_cast<size_t>(t)]))) << where << " row " << t;
+  }
+  const double rel = r.dtype == CudaDtype::kFloat32 ? 1e-5 : r.dtype == CudaDtype::kBFloat16 ? 1.0 / 64 : 1.0 / 512;
+  int bad = 0;
+  for (int64_t t = 0; t < r.T && bad < 5; ++t) {
+    for (int64_t v = 0; v < r.V && bad < 5; ++v) {
+      const double a = r.At(gpu.grad, t, v), b = r.At(host.grad, t, v);
+      if (std::fabs(a - b) > rel * std::fabs(b) + 1e-6 * std::fabs(scale)) {
+        ADD_FAILURE() << where << ": grad[" << t << "][" << v << "] GPU " << a << " CPU " << b;
+        ++bad;
+      }
+    }
+  }
+}
+
+TEST(CudaLossGpu, FusedEqualsTheCpuExecution) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(1);
+  for (CudaDtype d : {CudaDtype::kFloat32, CudaDtype::kBFloat16, CudaDtype::kFloat16}) {
+    for (int64_t V : {7, 255, 1000, 4099, 32000, 32005, 151936}) {
+      for (int64_t ld : {V, V + 1, (V + 7) / 8 * 8}) {
+        const Rows r = Make(rng, d, 19, V, ld);
+        const float scale = 1.0f / 17;
+        const std::string where = "dtype " + std::to_string(static_cast<int>(d)) + " V " +
+                                  std::to_string(V) + " ld " + std::to_string(ld);
+        const Outputs host = OnHost(r, scale);
+        Compare(r, OnGpu(r, scale, false), host, scale, where);
+        Compare(r, OnGpu(r, scale, true), host, scale, where + " in place");
+      }
+    }
+  }
+}
+
+TEST(CudaLossGpu, VocabParallelEqualsTheCpuExecution) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(2);
+  for (CudaDtype d : {CudaDtype::kFloat32, CudaDtype::kBFloat16}) {
+    const Rows r = Make(rng, d, 23, 50000, 50000);
+    const float scale = 0.01f;
+    Compare(r, OnGpu(r, scale, false, {0, 12345, 12346, 40000, 50000}), OnHost(r, scale), scale,
+            "tp dtype " + std::to_string(static_cast<int>(d)));
+  }
+}
+
+TEST(CudaLossGpu, BadLabelSetsTheFlag) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(3);
+  Rows r = Make(rng, CudaDtype::kFloat32, 8, 100, 100);
+  r.labels[5] = 100;
+  r.mask[5] = 1;
+  const Outputs gpu = OnGpu(r, 0.1f, false);
+  const Status s = DecodeCudaLossError(gpu.flag, 100);
+  EXPECT_NE(s.message().find("labels[5]"), std::string::npos) << s.ToString();
+}
+
+}  // namespace
+}  // namespace thdpack
