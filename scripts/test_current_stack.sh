@@ -41,8 +41,9 @@ with tempfile.TemporaryDirectory() as d:
     needed = subprocess.run(["readelf", "-d", path], check=True, capture_output=True,
                             text=True).stdout
 needed = [l.split("[")[1].rstrip("]") for l in needed.splitlines() if "(NEEDED)" in l]
-bad = [n for n in needed if n.startswith(("libtorch", "libc10", "libpython"))]
-assert not bad, f"the module links {bad}: it must serve every torch and Python build"
+bad = [n for n in needed if n.startswith(("libtorch", "libc10", "libpython", "libcudart", "libcuda."))]
+assert not bad, (f"the module links {bad}: it must serve every torch and Python build, and load "
+                 f"without a GPU (the CUDA runtime is linked statically)")
 print(f"current stack: the wheel holds {len(names)} files, the module needs {', '.join(needed)}")
 PY
 
