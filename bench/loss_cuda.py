@@ -17,7 +17,9 @@ Methods: thdpack's kernel with a separate gradient and in place (local_loss(back
 thdpack's chunked torch path (backend="torch"), F.cross_entropy on the bf16 logits, on
 logits.float(), torch.compile of the latter, and Liger-Kernel's cross-entropy and Cut
 Cross-Entropy where they import (carry their wheels to the device). A method that runs out of
-memory prints "out of memory".
+memory prints "out of memory". Then (--linear TxVxH, default 65536x151936x4096) the fused
+linear loss (thdpack.torch.linear_loss) against the unfused GEMM + kernel, Liger's fused linear
+cross-entropy and Cut Cross-Entropy: time, peak memory and its ratio to the logits' bytes.
 
   python3 bench/loss_cuda.py [--shapes 16384x32000,4096x151936,32768x151936,65536x151936]
                              [--repeat 5] [--json FILE]
@@ -204,10 +206,81 @@ def run(args):
             finally:
                 work = None
                 torch.cuda.empty_cache()
+    if args.linear:
+        rows += linear(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def linear(args):
+    """The fused linear loss (hidden [T, H] x weight [V, H], never the [T, V] logits) against the
+    unfused GEMM + thdpack's kernel + the backward GEMMs, and the peers where they import."""
+    import thdpack.torch as tt
+    t, v, h = (int(x) for x in args.linear.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hidden = (torch.randn(t, h, device="cuda", generator=g) / h ** 0.5).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) / 4).bfloat16()
+    labels = torch.randint(0, v, (t,), device="cuda", generator=g)
+    mask = torch.ones(t, device="cuda")
+    logit_bytes = t * v * 2
+
+    def fused():
+        x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        loss = tt.linear_loss(x, w, labels, mask, t, backend="cuda")
+        loss.backward()
+        return loss
+
+    def unfused():
+        x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        loss = tt.local_loss(x @ w.t(), labels, mask, t, backend="cuda")
+        loss.backward()
+        return loss
+
+    table = [("thdpack linear_loss", fused), ("GEMM + thdpack kernel (unfused)", unfused)]
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        flce = LigerFusedLinearCrossEntropyLoss()
+
+        def liger():
+            x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+            loss = flce(w, x, labels)
+            loss.backward()
+            return loss
+        table.append(("Liger fused linear cross-entropy", liger))
+    except Exception as e:  # noqa: BLE001
+        print(f"(Liger fused linear cross-entropy not loaded: {type(e).__name__}: {e})")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce():
+            x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+            loss = linear_cross_entropy(x, w, labels)
+            loss.backward()
+            return loss
+        table.append(("Cut Cross-Entropy", cce))
+    except Exception as e:  # noqa: BLE001
+        print(f"(Cut Cross-Entropy not loaded: {type(e).__name__}: {e})")
+    print(f"\nlinear loss {t} x {v}, H = {h}, bf16: the logits would be {logit_bytes / 1e9:.1f} GB")
+    print(f"  {'method':40s} {'time ms':>9s} {'peak GB':>8s} {'/logits':>8s} {'loss':>12s}")
+    rows = []
+    for name, fn in table:
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = float(fn())
+            peak = torch.cuda.max_memory_allocated() - base
+            ms = events_time(fn, args.repeat)
+            print(f"  {name:40s} {ms:9.2f} {peak / 1e9:8.2f} {peak / logit_bytes:8.3f} {loss:12.6f}",
+                  flush=True)
+            rows.append(dict(linear=args.linear, method=name, ms=ms, peak_bytes=peak, loss=loss))
+        except torch.cuda.OutOfMemoryError:
+            print(f"  {name:40s} out of memory")
+            rows.append(dict(linear=args.linear, method=name, oom=True))
+    return rows
 
 
 def main():
@@ -216,6 +289,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--json", default="")
+    ap.add_argument("--linear", default="65536x151936x4096",
+                    help="TxVxH of the fused linear loss comparison ('' to skip)")
     return run(ap.parse_args())
 
 

@@ -147,3 +147,24 @@ def test_vocab_parallel_pieces_equal_the_whole_row():
         torch.testing.assert_close(lp.double(), lp_ref, rtol=2e-6, atol=2e-5)
         err = (grad.double() - grad_ref[:, a:b]).abs()
         assert bool((err <= 2 ** -7 * grad_ref[:, a:b].abs() + 1e-6 / n).all())
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_loss_on_the_kernel_equals_float64(dtype):
+    g = torch.Generator().manual_seed(4)
+    t, v, h = 300, 5003, 64
+    hidden = (torch.randn(t, h, generator=g) / 3).to(dtype).cuda().requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) / 3).to(dtype).cuda().requires_grad_(True)
+    labels = torch.randint(0, v, (t,), generator=g).cuda()
+    mask = torch.ones(t, device="cuda")
+    hd, wd = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    ref = -torch.log_softmax(hd @ wd.t(), -1).gather(-1, labels[:, None]).sum() / t
+    ref.backward()
+    loss = tt.linear_loss(hidden, weight, labels, mask, t, chunk_tokens=64, backend="cuda")
+    loss.backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert abs(float(loss) - float(ref)) <= tol * abs(float(ref))
+    for got, want in ((hidden.grad, hd.grad), (weight.grad, wd.grad)):
+        assert float((got.double() - want).abs().max()) <= 4 * tol * float(want.abs().max())

@@ -2,6 +2,7 @@
 
   thdpack.torch.sharding    zigzag CP shards and SP ranges of torch tensors (shard, unshard, ...)
   thdpack.torch.loss        the CP-local token-mean loss and its topology-invariant statistics
+  thdpack.torch.linear_loss the lm-head GEMM fused with the loss (never [T, V] logits)
   thdpack.torch.iterator    PackedDataIterator: the C++ distributed step over torch.distributed
   thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
   thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
@@ -12,6 +13,7 @@ The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(.
 from .sharding import partition_indices, shard, sp_split, unshard
 from .loss import (IGNORE_INDEX, LossStatistics, empty_grad_cache, grad_cache_info, local_loss,
                    set_grad_cache, token_statistics)
+from .linear_loss import linear_loss
 from .iterator import Groups, PackedDataIterator, PackedStep
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 from .calibrate import calibrate
@@ -22,4 +24,4 @@ __all__ = [
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
-__all__ += ["calibrate"]
+__all__ += ["calibrate", "linear_loss"]

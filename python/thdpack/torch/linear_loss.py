@@ -1,0 +1,122 @@
+"""thdpack.torch.linear_loss: the lm-head GEMM fused with the loss, never holding [T, V] logits.
+
+``linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, ...)`` is
+``local_loss(hidden @ weight.T, labels, loss_mask, n_loss_tokens, ...)`` computed a chunk of
+tokens at a time: per chunk the logits ``[rows, V]`` (one GEMM), the loss and their gradient by
+thdpack's kernel of the backend (in place on the chunk with the CUDA kernel), then
+``grad_hidden[chunk] = grad_logits @ weight`` and ``grad_weight += grad_logits.T @ hidden[chunk]``
+(accumulated in float32, float64 for float64 inputs). Extra memory: one chunk of logits (two
+with the CPU kernel, which writes the gradient beside them, and a float32 copy of the chunk's
+gradient for the weight's accumulation with bfloat16/float16 inputs), the float32 weight
+gradient, and nothing of size T x V. Everything is computed in the forward pass, as for
+local_loss; backward hands the gradients to autograd, scaled by the incoming gradient.
+
+Vocab-parallel (``tp_group`` with the CUDA kernel): ``weight`` is this TP rank's rows
+``[vocab_start, vocab_start + V/TP)`` of ``vocab_total``; each chunk's row states are
+all-gathered over the TP group (16 bytes a row), and ``grad_hidden`` is all-reduced over it
+(the sum of every rank's part, as Megatron's column-parallel linear does in its backward) unless
+``reduce_grad_hidden=False``. Context parallelism needs nothing here: ``hidden`` is the rank's
+CP shard and N the step's global loss-token count, as for local_loss.
+"""
+import torch
+import torch.distributed as dist
+
+from . import loss as _loss
+
+
+def _chunk_rows(hidden, weight, chunk_tokens):
+    """Rows per chunk: the given count, else logits of at most 1/8 of the weight's bytes
+    (and between 1 and 8192 rows)."""
+    if chunk_tokens is not None:
+        if int(chunk_tokens) < 1:
+            raise ValueError(f"chunk_tokens = {chunk_tokens}: must be >= 1")
+        return int(chunk_tokens)
+    v, h = weight.shape
+    return max(1, min(8192, (v * h // 8) // max(1, v)))
+
+
+class _LinearLoss(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, loss_mask, n, grad_factor, chunk_tokens, backend,
+                tp, reduce_grad_hidden, want_h, want_w):
+        t, hdim = hidden.shape
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        rows = _chunk_rows(hidden, weight, chunk_tokens)
+        scale = float(grad_factor) / n if n > 0 else 0.0
+        want = want_h or want_w
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        with torch.no_grad():
+            for s in range(0, t, rows):
+                e = min(t, s + rows)
+                h = hidden[s:e].detach()
+                z = h @ weight.detach().t()  # [rows, V]: the one chunk of logits
+                # The CUDA kernel writes the chunk's gradient over its logits.
+                inplace = want and _loss._backend_of(z, backend, False, False) == "cuda"
+                mask = None if loss_mask is None else loss_mask[s:e]
+                logprob, _, _, g = _loss._per_token(z, labels[s:e], mask, n, want,
+                                                    float(grad_factor), False, None, backend,
+                                                    inplace, True, tp)
+                total += logprob.sum(dtype=torch.float64)
+                if want:
+                    if want_h:
+                        grad_h[s:e] = g @ weight.detach()
+                    if want_w:
+                        grad_w.addmm_(g.t().to(acc), h.to(acc))
+                del z, g
+        if want_h and tp is not None and reduce_grad_hidden:
+            dist.all_reduce(grad_h, group=tp[0])
+        ctx.grads = (grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return (-total * scale).to(acc)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_h, grad_w = ctx.grads
+        if grad_h is None and grad_w is None:
+            raise RuntimeError("linear_loss: backward ran twice; its gradients were handed to "
+                               "autograd the first time (call linear_loss again)")
+        ctx.grads = (None, None)
+        one = float(grad_output) == 1.0
+        gh = gw = None
+        if grad_h is not None:
+            gh = grad_h if one else grad_h * grad_output.to(grad_h.dtype)
+        if grad_w is not None:
+            gw = (grad_w if one else grad_w * grad_output.to(grad_w.dtype)).to(ctx.weight_dtype)
+        return gh, gw, None, None, None, None, None, None, None, None, None, None
+
+
+def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *,
+                chunk_tokens=None, backend="auto", tp_group=None, vocab_start=0, vocab_total=0,
+                reduce_grad_hidden=True):
+    """This (dp, cp) rank's share of the step loss from hidden states and the lm-head weight,
+    without [T, V] logits: -sum(counted log p) / N * grad_factor with logits = hidden @ weight.T.
+
+    hidden: [T, H] (this rank's CP shard), weight: [V, H] (V/TP rows with tp_group), labels and
+    loss_mask as local_loss's, N the step's GLOBAL loss-token count. backend: local_loss's
+    ("cuda": the CUDA kernel, in place on each chunk). The weight's gradient is accumulated in
+    float32 (float64 for float64 inputs) and handed to autograd in that dtype's cast to the
+    weight's dtype. chunk_tokens: rows per chunk (default: logits within 1/8 of the weight's
+    bytes, at most 8192 rows).
+    """
+    n = int(n_loss_tokens)
+    if n < 0:
+        raise ValueError(f"n_loss_tokens = {n}: must be >= 0")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected a 2-d tensor, got {got}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden is [T, {hidden.shape[1]}] but weight is "
+                         f"[V, {weight.shape[1]}]: H must agree")
+    if hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
+                         f"{weight.device}) must share dtype and device")
+    grad_on = torch.is_grad_enabled()
+    want_h = grad_on and hidden.requires_grad
+    want_w = grad_on and weight.requires_grad
+    tp = None if tp_group is None else (tp_group, int(vocab_start), int(vocab_total))
+    return _LinearLoss.apply(hidden, weight, labels, loss_mask, n, float(grad_factor),
+                             chunk_tokens, backend, tp, bool(reduce_grad_hidden), want_h, want_w)
