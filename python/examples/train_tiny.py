@@ -211,11 +211,15 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
                 x.requires_grad_(True)
             h = x + torch.tanh(x @ model.w1) @ model.w2
             logits = h @ model.head
-            share = tt.local_loss(logits, mb["labels"], mb["loss_mask"], n_loss)
+            # One pass over the logits: the share, its gradient and the per-token values the
+            # statistics take.
+            token_values = {}
+            share = tt.local_loss(logits, mb["labels"], mb["loss_mask"], n_loss,
+                                  token_values=token_values)
             share.backward()
             if pp > 1:
                 dist.send(x.grad, dst=at(cp_rank, dp_rank, stage - 1))
-            stats.add_microbatch(logits.detach(), mb)
+            stats.add_microbatch(None, mb, token_values=token_values)
         # The shares are designed for a SUM over DP x CP.
         grads = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(grads, group=dpcp_group)

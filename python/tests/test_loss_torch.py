@@ -317,3 +317,27 @@ def test_loss_totals_raise_the_transports_exception():
     s = t.summary()
     assert s["n_loss_tokens"] == 2 and s["n_tokens"] == 1  # zigzag positions 0 and 3 of 3 real
     assert s["ppl"] == pytest.approx(np.exp(6.0 / 4))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_one_pass_feeds_the_statistics(chunked):
+    """local_loss(..., token_values=d) then add_shard(None, ..., token_values=d): the same
+    statistics, bit for bit, as add_shard reading the logits again (two shards of one CP
+    group of one process each: cp_size 1)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 33, generator=g, dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, 33, (40,), generator=g)
+    labels[::6] = -100
+    mask = (torch.rand(40, generator=g) > 0.3).float()
+    cu = np.array([0, 11, 25, 40], np.int32)
+    one, two = tt.LossStatistics(), tt.LossStatistics()
+    d = {}
+    tt.local_loss(logits, labels, mask, 60, chunked=chunked, token_values=d).backward()
+    assert set(d) == {"logprob", "entropy", "counted"}
+    one.add_shard(None, labels, mask, cu, cu, token_values=d)
+    two.add_shard(logits.detach(), labels, mask, cu, cu, chunked=chunked)
+    assert one.summary() == two.summary()
+    with pytest.raises(ValueError, match="token_values"):
+        one.add_shard(None, labels, mask, cu, cu, token_values={"logprob": d["logprob"]})
+    with pytest.raises(ValueError, match="token_values"):
+        tt.local_loss(logits, labels, mask, 60, token_values=[])

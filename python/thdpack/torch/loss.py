@@ -115,11 +115,13 @@ class _LocalLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, loss_mask, n, grad_factor, chunked, chunk_tokens, want_grad,
-                backend, inplace, validate, tp):
+                backend, inplace, validate, tp, token_values):
         scale = float(grad_factor) / n if n > 0 else 0.0
-        logprob, _, _, grad = _per_token(logits, labels, loss_mask, n, want_grad,
-                                         float(grad_factor), chunked, chunk_tokens, backend,
-                                         inplace, validate, tp)
+        logprob, entropy, counted, grad = _per_token(logits, labels, loss_mask, n, want_grad,
+                                                     float(grad_factor), chunked, chunk_tokens,
+                                                     backend, inplace, validate, tp)
+        if token_values is not None:  # the same pass feeds the statistics (add_shard)
+            token_values.update(logprob=logprob, entropy=entropy, counted=counted)
         ctx.grad = grad
         acc = _accumulation_dtype(logits)
         # Summed in float64 (the CPU kernel's values are float64 already).
@@ -135,12 +137,12 @@ class _LocalLoss(torch.autograd.Function):
         ctx.grad = None  # autograd may take the buffer as logits.grad without a copy
         if grad.device.type != "cpu" or float(grad_output) != 1.0:
             grad.mul_(grad_output.to(grad.dtype))
-        return grad, None, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chunked=False,
                chunk_tokens=None, backend="auto", inplace=False, validate=True, tp_group=None,
-               vocab_start=0, vocab_total=0):
+               vocab_start=0, vocab_total=0, token_values=None):
     """This (dp, cp) rank's share of the step loss: -sum(counted log p) / N * grad_factor.
 
     n_loss_tokens: N, the GLOBAL loss-token count of the step (thdpack metadata). The shares
@@ -162,7 +164,10 @@ def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chu
     be captured in a CUDA graph; bad inputs give undefined values). With tp_group (the CUDA
     kernel), the logits are this TP rank's columns [vocab_start, vocab_start + V) of
     vocab_total: each row's partial state (16 bytes) is all-gathered over tp_group once and
-    merged, and the gradient is that of this rank's columns. chunk_tokens sets the
+    merged, and the gradient is that of this rank's columns. token_values: a dict that gets
+    the pass's per-token logprob, entropy and counted tensors, for
+    LossStatistics.add_shard(..., token_values=...) without a second pass over the logits (the
+    only way with inplace=True, which consumes them). chunk_tokens sets the
     chunked path's rows per chunk (default: two float32 chunk buffers within 1/8 of the logits'
     bytes). The share is float32 (float64 for float64 logits) on the logits' device.
     """
@@ -174,8 +179,12 @@ def local_loss(logits, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *, chu
     # No gradient buffer under torch.no_grad() or for logits that do not require one.
     want_grad = torch.is_grad_enabled() and logits.requires_grad
     tp = None if tp_group is None else (tp_group, int(vocab_start), int(vocab_total))
+    if token_values is not None and not isinstance(token_values, dict):
+        raise ValueError(f"token_values: expected a dict to fill, got "
+                         f"{type(token_values).__name__}")
     return _LocalLoss.apply(logits, labels, loss_mask, n, float(grad_factor), bool(chunked),
-                            chunk_tokens, want_grad, backend, bool(inplace), bool(validate), tp)
+                            chunk_tokens, want_grad, backend, bool(inplace), bool(validate), tp,
+                            token_values)
 
 
 def token_statistics(logits, labels, loss_mask=None, *, chunked=False, chunk_tokens=None,
@@ -215,40 +224,56 @@ class LossStatistics:
         self._totals = _thdpack.LossTotals()
 
     def add_shard(self, logits, labels, loss_mask, cu_seqlens, cu_seqlens_padded,
-                  cp_size=1, cp_rank=0, cp_group=None, *, chunked=False, chunk_tokens=None):
+                  cp_size=1, cp_rank=0, cp_group=None, *, chunked=False, chunk_tokens=None,
+                  token_values=None):
         """Adds CP rank cp_rank's shard of one packed microbatch.
 
         cu_seqlens, cu_seqlens_padded: the microbatch's GLOBAL offsets [n+1]. With cp_size > 1,
         cp_group (the CP process group) is required: per-sequence sums are all-reduced over it
-        (no rank holds a whole sequence).
+        (no rank holds a whole sequence). token_values: the dict local_loss(...,
+        token_values=d) filled in its pass over these logits: its per-token values are used and
+        the logits are not read again (logits may then be None).
         """
         if cp_size > 1 and cp_group is None:
             raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
                              "all-reduced over the CP group)")
         cu = _cu(cu_seqlens)
         cup = _cu(cu_seqlens_padded)
-        logprob, entropy, counted = token_statistics(logits, labels, loss_mask, chunked=chunked,
-                                                     chunk_tokens=chunk_tokens)
+        if token_values is not None:
+            try:
+                logprob, entropy, counted = (token_values[k] for k in
+                                             ("logprob", "entropy", "counted"))
+            except KeyError as e:
+                raise ValueError(f"token_values: no {e.args[0]!r}: pass the dict local_loss("
+                                 f"..., token_values=d) filled") from None
+            device = logprob.device
+        else:
+            logprob, entropy, counted = token_statistics(logits, labels, loss_mask,
+                                                         chunked=chunked,
+                                                         chunk_tokens=chunk_tokens)
+            device = logits.device
         f64 = torch.float64
         lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
         en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
         ct = counted.to("cpu").contiguous().numpy()
-        reduce = _torch_all_reduce(cp_group, logits.device) if cp_size > 1 else None
+        reduce = _torch_all_reduce(cp_group, device) if cp_size > 1 else None
         self._totals.add_shard(lp, en, ct, cu, cup, int(cp_size), int(cp_rank), reduce)
 
-    def add_microbatch(self, logits, mb, *, chunked=False, chunk_tokens=None):
+    def add_microbatch(self, logits, mb, *, chunked=False, chunk_tokens=None,
+                       token_values=None):
         """add_shard with one of PackedDataIterator's microbatches (a dict): its labels,
         loss_mask, offsets and CP group (cp_size, cp_rank, cp_group: the topology's for a static
         step, the microbatch's own for a dynamic one). An idle microbatch (a dynamic step's rank
         in no group) adds nothing; its logits must have no rows."""
         if mb.get("idle", False):
-            if logits.shape[0] != 0:
+            if logits is not None and logits.shape[0] != 0:
                 raise ValueError(f"add_microbatch: the microbatch is idle on this rank, but the "
                                  f"logits have {logits.shape[0]} rows")
             return
         self.add_shard(logits, mb["labels"], mb["loss_mask"], mb["cu_seqlens"],
                        mb["cu_seqlens_padded"], cp_size=mb["cp_size"], cp_rank=mb["cp_rank"],
-                       cp_group=mb["cp_group"], chunked=chunked, chunk_tokens=chunk_tokens)
+                       cp_group=mb["cp_group"], chunked=chunked, chunk_tokens=chunk_tokens,
+                       token_values=token_values)
 
     def summary(self, group=None):
         """{'n_tokens', 'n_loss_tokens', 'loss', 'ppl', 'entropy'} over everything added on every
