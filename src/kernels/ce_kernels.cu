@@ -118,19 +118,22 @@ __device__ __forceinline__ void GradPass(const typename Elem<kDtype>::Bits* x,
       });
 }
 
+// Row r's error of `kind` into the call's flag (thread 0 of the block; the first writer wins).
+__device__ __forceinline__ void FlagRow(const CeArgs& a, int kind, int64_t r) {
+  if (a.error != nullptr && threadIdx.x == 0) atomicCAS(a.error, 0ull, ErrorCode(kind, r));
+}
+
 // Row r's label checks: whether it counts, and its flag when the label or mask is bad.
 __device__ __forceinline__ bool RowCounted(const CeArgs& a, int64_t r, int64_t vocab_total) {
   const int64_t y = a.labels[r];
   const float mask = a.loss_mask == nullptr ? 1.0f : a.loss_mask[r];
   if (mask != 0.0f && mask != 1.0f) {
-    if (a.error != nullptr && threadIdx.x == 0) atomicCAS(a.error, 0ull, ErrorCode(kBadMask, r));
+    FlagRow(a, kBadMask, r);
     return false;
   }
   if (y == kIgnoreIndex || mask == 0.0f) return false;
   if (y < 0 || y >= vocab_total) {
-    if (a.error != nullptr && threadIdx.x == 0) {
-      atomicCAS(a.error, 0ull, ErrorCode(kLabelOutOfRange, r));
-    }
+    FlagRow(a, kLabelOutOfRange, r);
     return false;
   }
   return true;
@@ -155,9 +158,7 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(CeArgs a) {
       logprob = Elem<kDtype>::ToFloat(x[y]) - lse;
       entropy = RowEntropy(st);
     } else {
-      if (a.error != nullptr && threadIdx.x == 0) {
-        atomicCAS(a.error, 0ull, ErrorCode(kNonFiniteRow, r));
-      }
+      FlagRow(a, kNonFiniteRow, r);
       counted = false;
     }
   }
@@ -223,9 +224,7 @@ __global__ void __launch_bounds__(kThreads) FinishKernel(CeArgs a) {
     if (RowFinite(st) && IsFinite(p.target)) {
       lse = RowLse(st);
     } else {
-      if (a.error != nullptr && threadIdx.x == 0) {
-        atomicCAS(a.error, 0ull, ErrorCode(kNonFiniteRow, r));
-      }
+      FlagRow(a, kNonFiniteRow, r);
       counted = false;
     }
   }

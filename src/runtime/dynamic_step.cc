@@ -174,12 +174,7 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
     meta.groups.push_back(MicrobatchGroup{mine->first_rank, mine->num_ranks});
     AddMicrobatch(meta, std::move(layout), n_valid);
   }
-  if (tp0) {
-    THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
-  } else {
-    THDPACK_RETURN_IF_ERROR(ValidateStepMeta(meta));
-  }
-  return Status::Ok();
+  return SealMeta(meta);
 }
 
 // The head sends each member of its column, microbatch by microbatch, what its stage needs;

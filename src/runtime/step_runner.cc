@@ -443,12 +443,15 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
     }
     AddMicrobatch(meta, std::move(layout), n_valid);
   }
-  if (tp0) {
+  return SealMeta(meta);
+}
+
+Status StepRunner::Impl::SealMeta(const StepMeta& meta) {
+  if (opts_.data_on == DataOn::kTp0) {
     THDPACK_ASSIGN_OR_RETURN(meta_bytes_, EncodeStepMeta(meta));
-  } else {
-    THDPACK_RETURN_IF_ERROR(ValidateStepMeta(meta));
+    return Status::Ok();
   }
-  return Status::Ok();
+  return ValidateStepMeta(meta);
 }
 
 // The step's metadata from position 0 of `group` (the loader of a replica, the head of a

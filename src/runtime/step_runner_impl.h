@@ -219,6 +219,8 @@ class StepRunner::Impl {
                      const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
                      const std::function<bool(int64_t)>& keeps);
   Status DeliverMeta(ProcessGroup& group);
+  // A packed step's metadata: encoded for delivery (tp0: meta_bytes_), else validated.
+  Status SealMeta(const StepMeta& meta);
   Status SendShard(ProcessGroup& group, int member, int member_pp, const PackedShard& sh);
   Status RecvShard(ProcessGroup& group, size_t local_tokens, PackedShard& sh);
   LocalMicrobatch MakeLocal(RankStep& out, size_t m, int cp_size, int cp_rank);
