@@ -109,6 +109,31 @@ def torch_loss(x, y, m):
     return share, x.grad
 
 
+H_LINEAR = 4
+
+
+def hidden(rng):
+    return rng.standard_normal((T, H_LINEAR)).astype(np.float32)
+
+
+def weight(rng):
+    return (rng.standard_normal((V, H_LINEAR)) / 2).astype(np.float32)
+
+
+def torch_linear(h, w, y, m):
+    """linear_loss and both gradients (of the inputs that can have one)."""
+    h, w = (x.detach().requires_grad_(True)
+            if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in (h, w))
+    loss = tt.linear_loss(h, w, y, m, 20)
+    loss.backward()
+    return (loss,) + tuple(x.grad for x in (h, w) if isinstance(x, torch.Tensor))
+
+
+def linear_args(rng):
+    return (torch.from_numpy(hidden(rng)), torch.from_numpy(weight(rng)),
+            torch.from_numpy(labels(rng)), torch.from_numpy(mask(rng)))
+
+
 def torch_args(rng):
     return (torch.from_numpy(logits(rng)), torch.from_numpy(labels(rng)),
             torch.from_numpy(mask(rng)))
@@ -212,6 +237,16 @@ SLOTS = {
     "torch.token_statistics.logits": (
         logits, lambda a: tt.token_statistics(a, *torch_args(np.random.default_rng(13))[1:]),
         True),
+    "torch.linear_loss.hidden": (
+        hidden, lambda a: torch_linear(a, *linear_args(np.random.default_rng(15))[1:]), True),
+    "torch.linear_loss.weight": (
+        weight, lambda a: torch_linear(*_with(linear_args(np.random.default_rng(16)), 1, a)),
+        True),
+    "torch.linear_loss.labels": (
+        labels, lambda a: torch_linear(*_with(linear_args(np.random.default_rng(17)), 2, a)),
+        True),
+    "torch.linear_loss.loss_mask": (
+        mask, lambda a: torch_linear(*_with(linear_args(np.random.default_rng(18)), 3, a)), True),
     "torch.LossStatistics.add_shard.cu_seqlens": (
         lambda r: SHARD_CU.copy(),
         lambda a: _stats(a), False),
@@ -222,6 +257,11 @@ SLOTS = {
         lambda r: r.integers(1, 61, int(r.integers(1, 20))),
         lambda a: tt.rearrange_micro_batches({"seqlens": a}, 64)[1], False),
 }
+
+
+def _with(args, k, a):
+    """args with its k-th entry replaced by a."""
+    return tuple(a if i == k else x for i, x in enumerate(args))
 
 
 def _stats(cu):

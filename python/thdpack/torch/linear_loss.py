@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import loss as _loss
+from ._loss_common import _check_inputs
 
 
 def _chunk_rows(hidden, weight, chunk_tokens):
@@ -48,11 +49,16 @@ class _LinearLoss(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        # The GEMMs on contiguous operands (a result must not depend on the inputs' layout), in
+        # float32 for float16 on the CPU (which has no float16 GEMM).
+        mm = torch.float32 if hidden.dtype == torch.float16 and hidden.device.type == "cpu" \
+            else hidden.dtype
+        w = weight.detach().to(mm).contiguous()
         with torch.no_grad():
             for s in range(0, t, rows):
                 e = min(t, s + rows)
-                h = hidden[s:e].detach()
-                z = h @ weight.detach().t()  # [rows, V]: the one chunk of logits
+                h = hidden[s:e].detach().to(mm).contiguous()
+                z = h @ w.t()  # [rows, V]: the one chunk of logits
                 # The CUDA kernel writes the chunk's gradient over its logits.
                 inplace = want and _loss._backend_of(z, backend, False, False) == "cuda"
                 mask = None if loss_mask is None else loss_mask[s:e]
@@ -62,7 +68,7 @@ class _LinearLoss(torch.autograd.Function):
                 total += logprob.sum(dtype=torch.float64)
                 if want:
                     if want_h:
-                        grad_h[s:e] = g @ weight.detach()
+                        grad_h[s:e] = g @ w
                     if want_w:
                         grad_w.addmm_(g.t().to(acc), h.to(acc))
                 del z, g
@@ -108,12 +114,20 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected a 2-d tensor, got {got}")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden is [T, {hidden.shape[1]}] but weight is "
                          f"[V, {weight.shape[1]}]: H must agree")
     if hidden.dtype != weight.dtype or hidden.device != weight.device:
         raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
                          f"{weight.device}) must share dtype and device")
+    # Labels and mask checked once for the whole shard (shapes, and values against V unless
+    # vocab-parallel), against a logits-shaped view that holds no memory.
+    like = torch.empty((), dtype=hidden.dtype, device=hidden.device).expand(
+        hidden.shape[0], weight.shape[0])
+    labels, loss_mask, _ = _check_inputs(like, labels, loss_mask, check_values=tp_group is None)
     grad_on = torch.is_grad_enabled()
     want_h = grad_on and hidden.requires_grad
     want_w = grad_on and weight.requires_grad
