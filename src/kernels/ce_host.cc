@@ -17,8 +17,6 @@ namespace {
 using kernels::Elem;
 using kernels::RowState;
 
-constexpr int64_t kIgnoreIndex = -100;
-
 // The butterfly of one warp over lanes[0..31], in place (every lane ends with its result).
 void WarpMerge(RowState* lanes) {
   RowState next[32];
@@ -46,19 +44,12 @@ void Flag(const CudaLossArgs& a, int kind, int64_t row) {
 int64_t VocabTotal(const CudaLossArgs& a) { return a.vocab_total > 0 ? a.vocab_total : a.vocab_size; }
 int64_t Ld(const CudaLossArgs& a) { return a.ld > 0 ? a.ld : a.vocab_size; }
 
+// Whether row r counts (RowRule), its flag set when its label or mask is bad.
 bool RowCounted(const CudaLossArgs& a, int64_t r) {
-  const int64_t y = a.labels[r];
-  const float mask = a.loss_mask == nullptr ? 1.0f : a.loss_mask[r];
-  if (mask != 0.0f && mask != 1.0f) {
-    Flag(a, kernels::kBadMask, r);
-    return false;
-  }
-  if (y == kIgnoreIndex || mask == 0.0f) return false;
-  if (y < 0 || y >= VocabTotal(a)) {
-    Flag(a, kernels::kLabelOutOfRange, r);
-    return false;
-  }
-  return true;
+  const int rule =
+      kernels::RowRule(a.labels[r], a.loss_mask == nullptr ? 1.0f : a.loss_mask[r], VocabTotal(a));
+  if (rule > 0) Flag(a, rule, r);
+  return rule == kernels::kCounted;
 }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -118,14 +109,8 @@ void FusedRows(const CudaLossArgs& a, int n) {
     float lse = 0, logprob = 0, entropy = 0;
     if (counted) {
       const RowState st = RowPass<kDtype>(x, a.vocab_size, vectors, n);
-      if (kernels::RowFinite(st)) {
-        lse = kernels::RowLse(st);
-        logprob = Elem<kDtype>::ToFloat(x[y]) - lse;
-        entropy = kernels::RowEntropy(st);
-      } else {
-        Flag(a, kernels::kNonFiniteRow, r);
-        counted = false;
-      }
+      counted = kernels::RowOutputs(st, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
+      if (!counted) Flag(a, kernels::kNonFiniteRow, r);
     }
     if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
     if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
@@ -160,17 +145,15 @@ void FinishRows(const CudaLossArgs& a, int n) {
     const RowState st{p.max, p.sum_exp, p.sum_exp_shifted};
     bool counted = RowCounted(a, r);
     const int64_t y = counted ? a.labels[r] - a.vocab_start : -1;
-    float lse = 0;
+    float lse = 0, logprob = 0, entropy = 0;
     if (counted) {
-      if (kernels::RowFinite(st) && kernels::IsFinite(p.target)) {
-        lse = kernels::RowLse(st);
-      } else {
-        Flag(a, kernels::kNonFiniteRow, r);
-        counted = false;
-      }
+      // Merged partials: the target must have been found (finite) on one rank.
+      counted = kernels::IsFinite(p.target) &&
+                kernels::RowOutputs(st, p.target, lse, logprob, entropy);
+      if (!counted) Flag(a, kernels::kNonFiniteRow, r);
     }
-    if (a.logprob != nullptr) a.logprob[r] = counted ? p.target - lse : 0.0f;
-    if (a.entropy != nullptr) a.entropy[r] = counted ? kernels::RowEntropy(st) : 0.0f;
+    if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
+    if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
     const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
     if (g != nullptr) GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n);
   }

@@ -19,8 +19,6 @@
 namespace thdpack::kernels {
 namespace {
 
-constexpr int64_t kIgnoreIndex = -100;
-
 struct Stats4 {
   float max, sum_exp, sum_exp_shifted, target;
 };
@@ -123,20 +121,12 @@ __device__ __forceinline__ void FlagRow(const CeArgs& a, int kind, int64_t r) {
   if (a.error != nullptr && threadIdx.x == 0) atomicCAS(a.error, 0ull, ErrorCode(kind, r));
 }
 
-// Row r's label checks: whether it counts, and its flag when the label or mask is bad.
+// Whether row r counts (RowRule), its flag set when its label or mask is bad.
 __device__ __forceinline__ bool RowCounted(const CeArgs& a, int64_t r, int64_t vocab_total) {
-  const int64_t y = a.labels[r];
-  const float mask = a.loss_mask == nullptr ? 1.0f : a.loss_mask[r];
-  if (mask != 0.0f && mask != 1.0f) {
-    FlagRow(a, kBadMask, r);
-    return false;
-  }
-  if (y == kIgnoreIndex || mask == 0.0f) return false;
-  if (y < 0 || y >= vocab_total) {
-    FlagRow(a, kLabelOutOfRange, r);
-    return false;
-  }
-  return true;
+  const int rule =
+      RowRule(a.labels[r], a.loss_mask == nullptr ? 1.0f : a.loss_mask[r], vocab_total);
+  if (rule > 0) FlagRow(a, rule, r);
+  return rule == kCounted;
 }
 
 template <int kDtype, int kThreads>
@@ -153,14 +143,8 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(CeArgs a) {
   float lse = 0.0f, logprob = 0.0f, entropy = 0.0f;
   if (counted) {
     const RowState st = RowPass<kDtype, kThreads>(x, a.vocab_size, vectors);
-    if (RowFinite(st)) {
-      lse = RowLse(st);
-      logprob = Elem<kDtype>::ToFloat(x[y]) - lse;
-      entropy = RowEntropy(st);
-    } else {
-      FlagRow(a, kNonFiniteRow, r);
-      counted = false;
-    }
+    counted = RowOutputs(st, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
+    if (!counted) FlagRow(a, kNonFiniteRow, r);
   }
   if (threadIdx.x == 0) {
     if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
@@ -219,18 +203,15 @@ __global__ void __launch_bounds__(kThreads) FinishKernel(CeArgs a) {
   // The same rule as the partials pass (which flagged the same bad labels and masks).
   bool counted = RowCounted(a, r, vocab_total);
   const int64_t y = counted ? a.labels[r] - a.vocab_start : -1;
-  float lse = 0.0f;
+  float lse = 0.0f, logprob = 0.0f, entropy = 0.0f;
   if (counted) {
-    if (RowFinite(st) && IsFinite(p.target)) {
-      lse = RowLse(st);
-    } else {
-      FlagRow(a, kNonFiniteRow, r);
-      counted = false;
-    }
+    // Merged partials: the target must have been found (finite) on one rank.
+    counted = IsFinite(p.target) && RowOutputs(st, p.target, lse, logprob, entropy);
+    if (!counted) FlagRow(a, kNonFiniteRow, r);
   }
   if (threadIdx.x == 0) {
-    if (a.logprob != nullptr) a.logprob[r] = counted ? p.target - lse : 0.0f;
-    if (a.entropy != nullptr) a.entropy[r] = counted ? RowEntropy(st) : 0.0f;
+    if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
+    if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
   }
   const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
   if (g != nullptr) GradPass<kDtype, kThreads>(x, g, a.vocab_size, vectors, counted, lse, y,

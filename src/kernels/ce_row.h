@@ -213,6 +213,33 @@ THDPACK_HD unsigned long long ErrorCode(int kind, int64_t token) {
          (static_cast<unsigned long long>(token) & 0xffffffffffffull);
 }
 
+// ---- which rows count, and a counted row's outputs ----
+
+inline constexpr int64_t kIgnoreIndex = -100;
+inline constexpr int kCounted = 0;
+inline constexpr int kNotCounted = -1;
+
+// The rule of thdpack/loss.h for a row with `label` and `mask`: kCounted; kNotCounted (label
+// -100 or mask 0); or the ErrorKind of a bad row (a mask other than 0 and 1, a counted label
+// outside [0, vocab_total)), which is not counted either.
+THDPACK_HD int RowRule(int64_t label, float mask, int64_t vocab_total) {
+  if (mask != 0.0f && mask != 1.0f) return kBadMask;
+  if (label == kIgnoreIndex || mask == 0.0f) return kNotCounted;
+  if (label < 0 || label >= vocab_total) return kLabelOutOfRange;
+  return kCounted;
+}
+
+// A counted row's log-sum-exp, log p(target) = target - lse and entropy from its state; false
+// (outputs untouched) when the log-sum-exp is not finite.
+THDPACK_HD bool RowOutputs(const RowState& st, float target, float& lse, float& logprob,
+                           float& entropy) {
+  if (!RowFinite(st)) return false;
+  lse = RowLse(st);
+  logprob = target - lse;
+  entropy = RowEntropy(st);
+  return true;
+}
+
 }  // namespace thdpack::kernels
 
 #endif  // THDPACK_KERNELS_CE_ROW_H_
