@@ -246,10 +246,11 @@ using RunStepCallback = std::function<Status(const RunStepReport& step)>;
 
 // The figures and memory `plan` gives for the step a planning rank holds (RankStep::is_loader:
 // a loader, or a head of a dynamic step), from its samples and plan: the figures with
-// sim_step_time and n_empty, the memory figures; sample_ids false leaves out the per-sample
-// detail. InvalidArgument on a rank that did not plan; the figures' own errors otherwise.
+// sim_step_time and n_empty, and (with_memory) the memory figures of a static step; a dynamic
+// step's come with its figures. InvalidArgument on a rank that did not plan; the figures' own
+// errors otherwise.
 [[nodiscard]] Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step,
-                                                 bool sample_ids = true);
+                                                 bool with_memory = true);
 
 // The step's figures as one JSON object on every rank. Collective over `world` (the runner's):
 // a planning rank gets its own (StepFiguresJson with per-replica detail), every other rank

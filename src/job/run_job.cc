@@ -28,7 +28,7 @@ JsonFields GroupFields(const std::array<int64_t, 4>& g) {
 
 }  // namespace
 
-Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool sample_ids) {
+Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool with_memory) {
   if (!step.is_loader) {
     const Coord& c = step.coord;
     return Status::InvalidArgument(
@@ -39,17 +39,18 @@ Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool sa
   PlannedStep out;
   if (step.dynamic) {
     THDPACK_ASSIGN_OR_RETURN(out, DynamicStepFigures(job, step.step, step.epoch, step.samples,
-                                                     step.dynamic_plan, sample_ids));
+                                                     step.dynamic_plan, /*sample_ids=*/true));
   } else {
     THDPACK_ASSIGN_OR_RETURN(out.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
                                                              job.schedule, step.plan, job.flops));
-    if (!sample_ids) out.figures.sample_ids.clear();
     if (job.schedule.step_time.has_value()) {
       THDPACK_ASSIGN_OR_RETURN(out.figures.sim_step_time,
                                PlanStepTime(step.samples, job.schedule, step.plan));
     }
-    THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemory(step.samples, job.schedule, step.plan,
-                                                           job.memory));
+    if (with_memory) {
+      THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemory(step.samples, job.schedule,
+                                                             step.plan, job.memory));
+    }
   }
   out.figures.n_empty = step.n_empty;
   return out;
@@ -61,7 +62,8 @@ Result<std::string> StepFiguresJsonOnEveryRank(ProcessGroup& world, const Job& j
   std::string mine, summary;
   Status local;
   if (step.is_loader) {
-    Result<PlannedStep> planned = ReportRankStep(job, step);
+    // The JSON carries no memory report: none is computed for it.
+    Result<PlannedStep> planned = ReportRankStep(job, step, /*with_memory=*/false);
     if (planned.ok()) {
       mine = StepFiguresJson(planned->figures, /*summary_only=*/false, extra);
       summary = StepFiguresJson(planned->figures, /*summary_only=*/true, extra);
