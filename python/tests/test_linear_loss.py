@@ -77,3 +77,7 @@ def test_bad_inputs_are_named():
         tt.linear_loss(hidden, weight, labels, mask, -1)
     with pytest.raises(ValueError, match="labels"):
         tt.linear_loss(hidden, weight, torch.full((4,), 10), mask, 4)
+    # N below the shard's count, though above every one-row chunk's: the whole shard decides.
+    y, m = torch.zeros(4, dtype=torch.long), torch.ones(4)
+    with pytest.raises(ValueError, match="GLOBAL"):
+        tt.linear_loss(hidden, weight, y, m, 3, chunk_tokens=1)

@@ -127,7 +127,12 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
     # vocab-parallel), against a logits-shaped view that holds no memory.
     like = torch.empty((), dtype=hidden.dtype, device=hidden.device).expand(
         hidden.shape[0], weight.shape[0])
-    labels, loss_mask, _ = _check_inputs(like, labels, loss_mask, check_values=tp_group is None)
+    labels, loss_mask, counted = _check_inputs(like, labels, loss_mask,
+                                               check_values=tp_group is None)
+    n_valid = int(counted.sum())  # N is global: never below the whole shard's count
+    if n < n_valid:
+        raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
+                         f"({n_valid}): N must be the GLOBAL loss-token count of the step")
     grad_on = torch.is_grad_enabled()
     want_h = grad_on and hidden.requires_grad
     want_w = grad_on and weight.requires_grad
