@@ -132,6 +132,23 @@ def to_numpy(step):
     return out
 
 
+def without_topology(opts):
+    """Job options as PackedDataIterator takes them: the topology comes from the groups."""
+    return {k: v for k, v in opts.items() if k not in ("tp", "cp", "dp", "pp")}
+
+
+def second_step_error(source, groups, opts):
+    """The error ("Type: message") the iterator's second step raises on this rank, or None."""
+    from thdpack.torch import PackedDataIterator
+    it = PackedDataIterator(source, groups, **without_topology(opts))
+    next(it)
+    try:
+        next(it)
+        return None
+    except Exception as e:  # noqa: BLE001 - the test looks at every rank's error
+        return f"{type(e).__name__}: {e}"
+
+
 class FailingShare:
     """Yields a loader's share, then raises at sample `at`."""
 
@@ -163,10 +180,8 @@ def worker(rank, world, port, data_path, out_dir):
                           if loader else None)
             else:
                 source = "jsonl:" + data_path
-            opts = options(tp, cp, dp, pp, sp, data_on)
-            for k in ("tp", "cp", "dp", "pp"):
-                del opts[k]
-            it = PackedDataIterator(source, groups, **opts)
+            it = PackedDataIterator(source, groups,
+                                    **without_topology(options(tp, cp, dp, pp, sp, data_on)))
             steps = [to_numpy(step) for step in it] if fed else \
                 [to_numpy(next(it)) for _ in range(STEPS)]
             results[(tp, cp, dp, pp, sp, data_on, fed)] = steps
@@ -182,16 +197,7 @@ def worker(rank, world, port, data_path, out_dir):
             items = [as_item(x, k) for k, x in enumerate(share_of(samples, dp, c["dp"]))]
             per_step = len(items) // STEPS
             source = FailingShare(items, per_step + 2 if c["dp"] == 1 else len(items) + 1)
-        opts = options(tp, cp, dp, pp, sp, "tp0")
-        for k in ("tp", "cp", "dp", "pp"):
-            del opts[k]
-        it = PackedDataIterator(source, groups, **opts)
-        next(it)
-        try:
-            next(it)
-            results["failure"] = None
-        except Exception as e:  # noqa: BLE001 - the test looks at every rank's error
-            results["failure"] = f"{type(e).__name__}: {e}"
+        results["failure"] = second_step_error(source, groups, options(tp, cp, dp, pp, sp, "tp0"))
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
     dist.barrier()
@@ -478,9 +484,7 @@ def world_backend_worker(rank, world, port, data_path, out_dir):
 
     dist.new_group = recording_new_group
     try:
-        opts = options(tp, cp, dp, pp, sp, "tp0")
-        for k in ("tp", "cp", "dp", "pp"):
-            del opts[k]
+        opts = without_topology(options(tp, cp, dp, pp, sp, "tp0"))
         # The caller's TP and CP groups and its world; the step makes the others it needs (its
         # loaders' group, the replica group of TP x CP ranks) itself.
         groups = Groups(tp=given.tp, cp=given.cp, world=world_group)

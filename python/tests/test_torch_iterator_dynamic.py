@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from thdpack import _thdpack
 from test_torch_iterator import (FailingShare, as_item, coords, free_port, make_groups,
-                                 same_array, to_numpy)
+                                 same_array, second_step_error, to_numpy, without_topology)
 
 STEPS = 2
 GLOBAL_BATCH = 14
@@ -75,10 +75,7 @@ def is_reader(c, data_on):
 
 def iterate(groups, source, topo, data_on, steps=STEPS, **extra):
     from thdpack.torch import PackedDataIterator
-    opts = options(*topo, data_on, **extra)
-    for k in ("tp", "cp", "dp", "pp"):
-        del opts[k]
-    it = PackedDataIterator(source, groups, **opts)
+    it = PackedDataIterator(source, groups, **without_topology(options(*topo, data_on, **extra)))
     out = [to_numpy(next(it)) for _ in range(steps)]
     it.close()
     return out
@@ -117,17 +114,7 @@ def worker(rank, world, port, data_path, out_dir):
             items = [as_item(x, k) for k, x in enumerate(share_of(samples, dp, c["dp"]))]
             per_step = len(items) // STEPS
             source = FailingShare(items, per_step + 2 if c["dp"] == 1 else len(items) + 1)
-        from thdpack.torch import PackedDataIterator
-        opts = options(*topo, "tp0")
-        for k in ("tp", "cp", "dp", "pp"):
-            del opts[k]
-        it = PackedDataIterator(source, groups, **opts)
-        next(it)
-        try:
-            next(it)
-            results["failure"] = None
-        except Exception as e:  # noqa: BLE001 - the test looks at every rank's error
-            results["failure"] = f"{type(e).__name__}: {e}"
+        results["failure"] = second_step_error(source, groups, options(*topo, "tp0"))
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
     dist.barrier()
