@@ -254,6 +254,20 @@ LossSummary Finalize(const LossStats& stats);
                                          int cp_rank, std::span<const int64_t> sequence_keys,
                                          LossStats* stats);
 
+// The sequences of CP rank cp_rank's shard of one packed microbatch, for a caller that sums
+// the per-token values where they are (thdpack.torch sums them on the GPU, without moving them
+// to the host): sequence i is local tokens [local_cu[i], local_cu[i+1]) (cu_seqlens_padded /
+// CP), real_tokens[i] of them real (AccumulateShardLoss's rule: the global position inside the
+// padded sequence is below L_i). Its per-sequence sums and totals are AccumulateShardLoss's.
+// REQUIRES and errors: AccumulateShardLoss's, on the offsets and cp_rank.
+struct ShardSequences {
+  std::vector<int64_t> local_cu;     // [n+1]
+  std::vector<int64_t> real_tokens;  // [n]
+};
+[[nodiscard]] Result<ShardSequences> ShardSequenceLayout(
+    std::span<const int32_t> cu_seqlens, std::span<const int32_t> cu_seqlens_padded,
+    int cp_size, int cp_rank);
+
 // ---------------------------------------------------------------------------------------------
 // Statistics across ranks, through the caller's transport (this area has no communicator: a
 // framework passes its own all-reduce, e.g. torch.distributed's over its CP or DP x CP group).
@@ -285,6 +299,10 @@ struct LossTotals {
   // totals of different microbatches and replicas add without key collisions.
   void Add(const LossStats& whole);
   void Add(const LossTotals& other);
+  // Totals from their six sums in this order: n_tokens, n_loss_tokens, loss_sum, entropy_sum,
+  // ppl_sum, n_ppl (a caller's own accumulation, e.g. on a GPU). InvalidArgument unless there
+  // are 6 and each count is a non-negative integer below 2^53.
+  [[nodiscard]] static Result<LossTotals> FromSums(std::span<const double> sums);
   // Sums the totals over the ranks of a group (6 doubles; counts exact below 2^53). An error
   // when a reduced count is negative or not an integer (ranks disagreeing on the layout).
   [[nodiscard]] Status AllReduce(const AllReduceSum& all_reduce_sum);

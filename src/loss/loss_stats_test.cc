@@ -396,6 +396,74 @@ TEST(LossStatsTest, AccumulateAttributesZigzagTokensToSequences) {
   EXPECT_NE(bad.message().find("T/CP = 8"), std::string::npos) << bad.ToString();
 }
 
+TEST(LossStatsTest, ShardSequenceLayoutHandWorkedAndAgreesWithThePaddingMask) {
+  // cu = {0, 7, 10}, cup = {0, 8, 16}, CP = 2: rank 0 keeps positions 0, 1, 6, 7 of each
+  // sequence, rank 1 positions 2..5.
+  const std::vector<int32_t> cu = {0, 7, 10}, cup = {0, 8, 16};
+  Result<ShardSequences> r0 = ShardSequenceLayout(cu, cup, 2, 0);
+  Result<ShardSequences> r1 = ShardSequenceLayout(cu, cup, 2, 1);
+  ASSERT_TRUE(r0.ok() && r1.ok()) << r0.status().ToString() << r1.status().ToString();
+  EXPECT_EQ(r0->local_cu, (std::vector<int64_t>{0, 4, 8}));
+  EXPECT_EQ(r0->real_tokens, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(r1->real_tokens, (std::vector<int64_t>{4, 1}));
+  // Random offsets: real tokens per sequence are the non-padding tokens of ShardPaddingMask
+  // (shard.h, an independent definition) inside the sequence's local range.
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int cp = std::vector<int>{1, 2, 3, 4, 8}[trial % 5];
+    std::uniform_int_distribution<int> nseq(1, 6), chunks(1, 5), coin(0, 4);
+    std::vector<int32_t> c = {0}, cp_off = {0};
+    for (int i = nseq(rng); i > 0; --i) {
+      const int padded = (cp == 1 ? 1 : 2 * cp) * chunks(rng);
+      const int real = coin(rng) == 0 ? 0 : std::uniform_int_distribution<int>(0, padded)(rng);
+      cp_off.push_back(cp_off.back() + padded);
+      c.push_back(c.back() + real);
+    }
+    for (int rank = 0; rank < cp; ++rank) {
+      Result<ShardSequences> got = ShardSequenceLayout(c, cp_off, cp, rank);
+      Result<std::vector<uint8_t>> pad = ShardPaddingMask(c, cp_off, cp, rank);
+      ASSERT_TRUE(got.ok() && pad.ok()) << got.status().ToString();
+      ASSERT_EQ(got->local_cu.size(), cp_off.size());
+      for (size_t i = 0; i + 1 < cp_off.size(); ++i) {
+        EXPECT_EQ(got->local_cu[i], cp_off[i] / cp);
+        int64_t real = 0;
+        for (int64_t k = got->local_cu[i]; k < got->local_cu[i + 1]; ++k) {
+          real += (*pad)[static_cast<size_t>(k)] == 0;
+        }
+        EXPECT_EQ(got->real_tokens[i], real) << "trial " << trial << " rank " << rank;
+      }
+    }
+  }
+  // Its errors are AccumulateShardLoss's, named for it.
+  Result<ShardSequences> bad = ShardSequenceLayout(std::vector<int32_t>{0, 9, 10}, cup, 2, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("ShardSequenceLayout: sequence 0"), std::string::npos)
+      << bad.status().ToString();
+  bad = ShardSequenceLayout(cu, cup, 2, -1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("cp_rank = -1"), std::string::npos);
+}
+
+TEST(LossStatsTest, TotalsFromSumsChecksTheCounts) {
+  const std::vector<double> sums = {10, 6, 3.0, 1.5, 4.0, 2};
+  Result<LossTotals> t = LossTotals::FromSums(sums);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->n_tokens, 10);
+  EXPECT_EQ(t->n_loss_tokens, 6);
+  EXPECT_EQ(t->n_ppl, 2);
+  EXPECT_EQ(Finalize(*t).loss, 0.5);
+  EXPECT_EQ(*Finalize(*t).ppl, 2.0);
+  Result<LossTotals> bad = LossTotals::FromSums(std::vector<double>{10, 6, 3.0});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("takes 6"), std::string::npos);
+  bad = LossTotals::FromSums(std::vector<double>{10, -1, 3.0, 1.5, 4.0, 2});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("n_loss_tokens"), std::string::npos);
+  bad = LossTotals::FromSums(std::vector<double>{10, 6, 3.0, 1.5, 4.0, 0.5});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("sequence count"), std::string::npos);
+}
+
 // The required check. 131,072 tokens x 151,936 columns x 2 bytes (bf16):
 //   131072 * 151936 = 2^17 * 151936 = 150000 * 131072 + 1936 * 131072
 //                   = 19,660,800,000 + 253,755,392 = 19,914,555,392 logits;

@@ -44,30 +44,48 @@ void LossTotals::Add(const LossTotals& other) {
 
 namespace {
 
-// A reduced count back from a double: an error unless it is a non-negative integer.
-Result<int64_t> CountOf(double v, const char* fn, const std::string& what) {
+// A summed count back from a double: an error unless it is a non-negative integer.
+constexpr const char* kRanksAgree = " (do the ranks of the group agree on what they reduce?)";
+
+Result<int64_t> CountOf(double v, const char* fn, const std::string& what,
+                        const char* hint = "") {
   if (!(v >= 0) || v > 9007199254740992.0 || v != std::floor(v)) {
-    return Status::InvalidArgument(std::string(fn) + ": the all-reduced " + what + " is " +
+    return Status::InvalidArgument(std::string(fn) + ": the summed " + what + " is " +
                                    std::to_string(v) +
-                                   ": a count must be a non-negative integer below 2^53 (do the "
-                                   "ranks of the group agree on what they reduce?)");
+                                   ": a count must be a non-negative integer below 2^53" + hint);
   }
   return static_cast<int64_t>(v);
 }
 
 }  // namespace
 
+Result<LossTotals> LossTotals::FromSums(std::span<const double> sums) {
+  const char* f = "LossTotals::FromSums";
+  if (sums.size() != 6) {
+    return Status::InvalidArgument(std::string(f) + ": " + std::to_string(sums.size()) +
+                                   " sums given: it takes 6 (n_tokens, n_loss_tokens, loss_sum, "
+                                   "entropy_sum, ppl_sum, n_ppl)");
+  }
+  LossTotals t;
+  THDPACK_ASSIGN_OR_RETURN(t.n_tokens, CountOf(sums[0], f, "n_tokens"));
+  THDPACK_ASSIGN_OR_RETURN(t.n_loss_tokens, CountOf(sums[1], f, "n_loss_tokens"));
+  THDPACK_ASSIGN_OR_RETURN(t.n_ppl, CountOf(sums[5], f, "sequence count"));
+  t.loss_sum = sums[2];
+  t.entropy_sum = sums[3];
+  t.ppl_sum = sums[4];
+  return t;
+}
+
 Status LossTotals::AllReduce(const AllReduceSum& all_reduce_sum) {
   double v[6] = {static_cast<double>(n_tokens), static_cast<double>(n_loss_tokens), loss_sum,
                  entropy_sum, ppl_sum, static_cast<double>(n_ppl)};
   THDPACK_RETURN_IF_ERROR(all_reduce_sum(std::span<double>(v)));
-  const char* f = "LossTotals::AllReduce";
-  THDPACK_ASSIGN_OR_RETURN(n_tokens, CountOf(v[0], f, "n_tokens"));
-  THDPACK_ASSIGN_OR_RETURN(n_loss_tokens, CountOf(v[1], f, "n_loss_tokens"));
-  THDPACK_ASSIGN_OR_RETURN(n_ppl, CountOf(v[5], f, "sequence count"));
-  loss_sum = v[2];
-  entropy_sum = v[3];
-  ppl_sum = v[4];
+  Result<LossTotals> reduced = FromSums(v);
+  if (!reduced.ok()) {
+    return Status::InvalidArgument("LossTotals::AllReduce: " + reduced.status().message() +
+                                   kRanksAgree);
+  }
+  *this = *reduced;
   return Status::Ok();
 }
 
@@ -114,18 +132,21 @@ Status ReduceSequencesOverCp(const AllReduceSum& all_reduce_sum, int cp_rank, Lo
   for (auto& [key, seq] : stats->sequences) {
     seq.logprob_sum = v[i];
     THDPACK_ASSIGN_OR_RETURN(seq.n_loss_tokens,
-                             CountOf(v[n + i], f, "loss-token count of sequence " +
-                                                      std::to_string(key)));
+                             CountOf(v[n + i], f,
+                                     "loss-token count of sequence " + std::to_string(key),
+                                     kRanksAgree));
     ++i;
   }
   return Status::Ok();
 }
 
-Status AccumulateShardLoss(const CrossEntropyResult& result, std::span<const int32_t> cu_seqlens,
-                           std::span<const int32_t> cu_seqlens_padded, int cp_size, int cp_rank,
-                           std::span<const int64_t> sequence_keys, LossStats* stats) {
-  const std::string f = "AccumulateShardLoss";
-  if (stats == nullptr) return Status::InvalidArgument(f + ": stats is null");
+namespace {
+
+// The offsets' checks and the sequences of one shard, for AccumulateShardLoss and
+// ShardSequenceLayout; errors start with f.
+Result<ShardSequences> LayoutOf(std::span<const int32_t> cu_seqlens,
+                                std::span<const int32_t> cu_seqlens_padded, int cp_size,
+                                int cp_rank, const std::string& f) {
   if (Status st = ValidateCuSeqlensPadded(cu_seqlens_padded, cp_size); !st.ok()) {
     return st.WithContext(f + ": cu_seqlens_padded");
   }
@@ -153,13 +174,45 @@ Status AccumulateShardLoss(const CrossEntropyResult& result, std::span<const int
           " (cu_seqlens_padded): it needs 0 <= real <= padded");
     }
   }
+  // A local token is real when its global position inside its padded sequence is below L_i.
+  THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> pos,
+                           LocalPositionIds(cu_seqlens_padded, cp_size, cp_rank));
+  ShardSequences layout;
+  layout.local_cu.resize(n + 1);
+  layout.real_tokens.assign(n, 0);
+  for (size_t i = 0; i <= n; ++i) layout.local_cu[i] = cu_seqlens_padded[i] / cp_size;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t len = int64_t{cu_seqlens[i + 1]} - cu_seqlens[i];
+    for (int64_t k = layout.local_cu[i]; k < layout.local_cu[i + 1]; ++k) {
+      if (pos[static_cast<size_t>(k)] < len) ++layout.real_tokens[i];
+    }
+  }
+  return layout;
+}
+
+}  // namespace
+
+Result<ShardSequences> ShardSequenceLayout(std::span<const int32_t> cu_seqlens,
+                                           std::span<const int32_t> cu_seqlens_padded,
+                                           int cp_size, int cp_rank) {
+  return LayoutOf(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, "ShardSequenceLayout");
+}
+
+Status AccumulateShardLoss(const CrossEntropyResult& result, std::span<const int32_t> cu_seqlens,
+                           std::span<const int32_t> cu_seqlens_padded, int cp_size, int cp_rank,
+                           std::span<const int64_t> sequence_keys, LossStats* stats) {
+  const std::string f = "AccumulateShardLoss";
+  if (stats == nullptr) return Status::InvalidArgument(f + ": stats is null");
+  THDPACK_ASSIGN_OR_RETURN(ShardSequences layout,
+                           LayoutOf(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, f));
+  const size_t n = layout.real_tokens.size();
   if (!sequence_keys.empty() && sequence_keys.size() != n) {
     return Status::InvalidArgument(f + ": sequence_keys has " +
                                    std::to_string(sequence_keys.size()) +
                                    " entries: it must be empty or have one per sequence, n = " +
                                    std::to_string(n));
   }
-  const size_t local = static_cast<size_t>(cu_seqlens_padded[n] / cp_size);
+  const size_t local = static_cast<size_t>(layout.local_cu[n]);
   if (result.logprobs.size() != local || result.entropy.size() != local ||
       result.counted.size() != local) {
     return Status::InvalidArgument(
@@ -168,17 +221,14 @@ Status AccumulateShardLoss(const CrossEntropyResult& result, std::span<const int
         std::to_string(result.counted.size()) + " counted flags: each must have T/CP = " +
         std::to_string(local));
   }
-  THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> pos,
-                           LocalPositionIds(cu_seqlens_padded, cp_size, cp_rank));
   LossStats add;
   for (size_t i = 0; i < n; ++i) {
     const int64_t key = sequence_keys.empty() ? static_cast<int64_t>(i) : sequence_keys[i];
-    const int64_t len = int64_t{cu_seqlens[i + 1]} - cu_seqlens[i];
     SequenceLoss seq;
-    const size_t begin = static_cast<size_t>(cu_seqlens_padded[i] / cp_size);
-    const size_t end = static_cast<size_t>(cu_seqlens_padded[i + 1] / cp_size);
+    add.n_tokens += layout.real_tokens[i];
+    const size_t begin = static_cast<size_t>(layout.local_cu[i]);
+    const size_t end = static_cast<size_t>(layout.local_cu[i + 1]);
     for (size_t k = begin; k < end; ++k) {
-      if (pos[k] < len) ++add.n_tokens;
       if (!result.counted[k]) continue;
       seq.logprob_sum += result.logprobs[k];
       seq.n_loss_tokens += 1;
