@@ -139,6 +139,16 @@ reduced, and each sequence's perplexity term is kept on CP rank 0 only.)doc")
           "Sums the totals over a group: all_reduce(array) sums a float64 array in place.")
       .def("add", [](LossTotals& self, const LossTotals& other) { self.Add(other); },
            py::arg("other"))
+      .def(
+          "add_sums",
+          [](LossTotals& self, const py::handle& sums) {
+            auto v = DoubleView1D(sums, "sums");
+            self.Add(ValueOrThrow(LossTotals::FromSums(std::vector<double>(v.begin(), v.end()))));
+          },
+          py::arg("sums"),
+          "Adds totals given as their six sums (float64 [6]: n_tokens, n_loss_tokens, loss_sum, "
+          "entropy_sum, ppl_sum, n_ppl), e.g. accumulated on a GPU; ValueError unless each "
+          "count is a non-negative integer.")
       .def("summary", [](const LossTotals& self) { return SummaryDict(Finalize(self)); },
            "{'n_tokens', 'n_loss_tokens', 'loss', 'ppl' (None without a loss token), "
            "'entropy'}: Finalize of thdpack/loss.h.");
@@ -281,6 +291,21 @@ tensor or its .numpy() view, not sharing memory with the logits: no allocation w
 C-contiguous, aligned and native), else into a new array.)doc");
 
   BindLossTotals(m);
+  m.def(
+      "shard_sequence_layout",
+      [](const py::handle& cu_seqlens, const py::handle& cu_seqlens_padded, int cp_size,
+         int cp_rank) {
+        auto cu = IntView1D<int32_t>(cu_seqlens, "cu_seqlens");
+        auto cup = IntView1D<int32_t>(cu_seqlens_padded, "cu_seqlens_padded");
+        ShardSequences layout = ValueOrThrow(ShardSequenceLayout(cu, cup, cp_size, cp_rank));
+        return py::make_tuple(ToNumpy(std::move(layout.local_cu)),
+                              ToNumpy(std::move(layout.real_tokens)));
+      },
+      py::arg("cu_seqlens"), py::arg("cu_seqlens_padded"), py::arg("cp_size") = 1,
+      py::arg("cp_rank") = 0,
+      R"doc((local_cu int64 [n+1], real_tokens int64 [n]) of CP rank cp_rank's shard: sequence
+i is local tokens [local_cu[i], local_cu[i+1]), real_tokens[i] of them real (loss.h:
+ShardSequenceLayout). ValueError naming the offset that breaks a rule.)doc");
 }
 
 }  // namespace thdpack::python

@@ -19,7 +19,6 @@ import os
 import random
 
 import numpy as np
-import pytest
 import torch
 
 import thdpack
@@ -250,6 +249,17 @@ SLOTS = {
     "torch.LossStatistics.add_shard.cu_seqlens": (
         lambda r: SHARD_CU.copy(),
         lambda a: _stats(a), False),
+    "torch.LossStatistics.add_shard.token_values.logprob": (
+        lambda r: -np.arange(1, T + 1) / 7.0, lambda a: _device_stats(a), True),
+    "shard_sequence_layout.cu_seqlens": (
+        lambda r: SHARD_CU.copy(),
+        lambda a: thdpack._thdpack.shard_sequence_layout(a, SHARD_CUP, 1, 0), False),
+    "shard_sequence_layout.cu_seqlens_padded": (
+        lambda r: SHARD_CUP.copy(),
+        lambda a: thdpack._thdpack.shard_sequence_layout(SHARD_CU, a, 2, 1), False),
+    "LossTotals.add_sums.sums": (
+        lambda r: np.array([5.0, 3.0, 1.5, 0.5, 2.0, 1.0]),
+        lambda a: thdpack._thdpack.LossTotals().add_sums(a), False),
     "torch.micro_batch_indices.seqlens": (
         lambda r: r.integers(1, 61, int(r.integers(1, 20))),
         lambda a: tt.micro_batch_indices(a, 64), False),
@@ -268,6 +278,15 @@ def _stats(cu):
     s = tt.LossStatistics()
     x, y, m = torch_args(np.random.default_rng(14))
     s.add_shard(x, y, m, cu, SHARD_CUP)
+    return s.summary()
+
+
+def _device_stats(logprob):
+    """The statistics' device path (on CPU tensors) with a fuzzed per-token logprob."""
+    s = tt.LossStatistics()
+    d = {"logprob": logprob, "entropy": torch.arange(T, dtype=torch.float64) / 3.0,
+         "counted": torch.tensor([1, 0, 1, 1, 1, 0], dtype=torch.bool)}
+    s.add_shard(None, None, None, SHARD_CU, SHARD_CUP, token_values=d, on_device=True)
     return s.summary()
 
 

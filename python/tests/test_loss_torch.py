@@ -3,7 +3,6 @@ path (any device; forced on CPU here) against plain float64 torch and against ea
 fresh random inputs; the statistics (C++ aggregation, CP all-reduce over gloo) at several world
 sizes against a per-sequence float64 reference."""
 import os
-import socket
 import tempfile
 
 import numpy as np
@@ -11,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 import thdpack.torch as tt
 
@@ -271,12 +269,15 @@ def stats_worker(rank, world, init, out_dir):
         d, c = rank // cp, rank % cp
         cp_groups = [dist.new_group(list(range(r * cp, r * cp + cp))) if cp > 1 else None
                      for r in range(dp)]
-        stats = tt.LossStatistics()
-        for step in range(3):  # microbatches of replica d
-            logits, labels, mask, cu, cup = make_microbatch(100 * d + step, cp, 37)
-            args = [tt.shard(x, cup, cp, c) for x in (logits, labels, mask)]
-            stats.add_shard(*args, cu, cup, cp, c, cp_groups[d])
-        results[f"{dp}x{cp}"] = stats.summary(group=dist.group.WORLD)
+        # The host path (C++) and the device path (_stats_device, here on CPU tensors).
+        for on_device in (False, True):
+            stats = tt.LossStatistics()
+            for step in range(3):  # microbatches of replica d
+                logits, labels, mask, cu, cup = make_microbatch(100 * d + step, cp, 37)
+                args = [tt.shard(x, cup, cp, c) for x in (logits, labels, mask)]
+                stats.add_shard(*args, cu, cup, cp, c, cp_groups[d], on_device=on_device)
+            results[f"{dp}x{cp}" + ("dev" if on_device else "")] = stats.summary(
+                group=dist.group.WORLD)
     torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -290,10 +291,67 @@ def test_statistics_over_gloo_match_unsharded_reference():
         want = expected_summary([make_microbatch(100 * d + step, cp, 37)
                                  for d in range(dp) for step in range(3)])
         for r in range(4):
-            s = got[r][f"{dp}x{cp}"]
-            assert s["n_tokens"] == want["n_tokens"] and s["n_loss_tokens"] == want["n_loss_tokens"]
-            for k in ("loss", "entropy", "ppl"):
-                assert s[k] == pytest.approx(want[k], rel=1e-12), (dp, cp, r, k)
+            for key in (f"{dp}x{cp}", f"{dp}x{cp}dev"):
+                s = got[r][key]
+                assert s["n_tokens"] == want["n_tokens"], key
+                assert s["n_loss_tokens"] == want["n_loss_tokens"], key
+                for k in ("loss", "entropy", "ppl"):
+                    assert s[k] == pytest.approx(want[k], rel=1e-12), (key, r, k)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_sums_match_the_host_definition(seed):
+    """_stats_device (on_device=True) against C++'s AccumulateShardLoss and LossTotals
+    (on_device=False) on fresh random shards of CP rank r of a CP = 1..4 layout with no other
+    rank (cp_size 1 each, as CP rank 0 sees it): counted padding tokens, uncounted tokens with
+    garbage values, sequences without a loss token, several microbatches added."""
+    rng = np.random.default_rng(seed)
+    host, dev = tt.LossStatistics(), tt.LossStatistics()
+    for _ in range(4):
+        lengths = rng.integers(1, 40, size=int(rng.integers(1, 8)))
+        padded = lengths + rng.integers(0, 5, size=lengths.size)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        cup = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+        t = int(cup[-1])
+        logprob = torch.from_numpy(-rng.exponential(3.0, t))
+        entropy = torch.from_numpy(rng.exponential(2.0, t)).float()
+        counted = torch.from_numpy(rng.random(t) < 0.6)
+        counted[int(cup[1]) - 1] = True  # a padding position may count (the labels say so)
+        if lengths.size > 1:
+            counted[int(cup[1]):int(cup[2])] = False  # a sequence without a loss token
+        d = {"logprob": logprob, "entropy": entropy, "counted": counted}
+        host.add_shard(None, None, None, cu, cup, token_values=d, on_device=False)
+        dev.add_shard(None, None, None, torch.from_numpy(cu), cup, token_values=d,
+                      on_device=True)
+    h, g = host.summary(), dev.summary()
+    assert g["n_tokens"] == h["n_tokens"] and g["n_loss_tokens"] == h["n_loss_tokens"]
+    for k in ("loss", "entropy", "ppl"):
+        assert g[k] == pytest.approx(h[k], rel=1e-13), k
+
+
+def test_device_sums_errors():
+    cu = np.array([0, 3, 8], np.int32)
+    cup = np.array([0, 4, 8], np.int32)
+    d = {"logprob": torch.zeros(8), "entropy": torch.zeros(8),
+         "counted": torch.ones(8, dtype=torch.bool)}
+    stats = tt.LossStatistics()
+    with pytest.raises(ValueError, match="sequence 1 has real length 5"):
+        stats.add_shard(None, None, None, cu, cup, token_values=d, on_device=True)
+    cu = np.array([0, 3, 7], np.int32)
+    with pytest.raises(ValueError, match=r"logprob is \(7,\): the shard has T/CP = 8"):
+        stats.add_shard(None, None, None, cu, cup, on_device=True,
+                        token_values=dict(d, logprob=torch.zeros(7)))
+    with pytest.raises(ValueError, match="cp_group"):
+        stats.add_shard(None, None, None, cu, cup, 2, 0, token_values=d, on_device=True)
+    with pytest.raises(ValueError, match="token_values: expected the dict"):
+        stats.add_shard(None, None, None, cu, cup, token_values=[1], on_device=True)
+    stats.add_shard(None, None, None, cu, cup, token_values=d, on_device=True)
+    assert stats.summary()["n_tokens"] == 7 and stats.summary()["n_loss_tokens"] == 8
+    from thdpack import _thdpack
+    with pytest.raises(ValueError, match="n_loss_tokens"):
+        _thdpack.LossTotals().add_sums(np.array([1.0, 0.5, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match="takes 6"):
+        _thdpack.LossTotals().add_sums(np.array([1.0, 2.0]))
 
 
 def test_loss_totals_raise_the_transports_exception():
@@ -337,6 +395,9 @@ def test_one_pass_feeds_the_statistics(chunked):
     one.add_shard(None, labels, mask, cu, cu, token_values=d)
     two.add_shard(logits.detach(), labels, mask, cu, cu, chunked=chunked)
     assert one.summary() == two.summary()
+    three = tt.LossStatistics()  # the same values summed by the device path
+    three.add_shard(None, labels, mask, cu, cu, token_values=d, on_device=True)
+    assert three.summary() == pytest.approx(one.summary(), rel=1e-13)
     with pytest.raises(ValueError, match="token_values"):
         one.add_shard(None, labels, mask, cu, cu, token_values={"logprob": d["logprob"]})
     with pytest.raises(ValueError, match="token_values"):

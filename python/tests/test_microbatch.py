@@ -3,7 +3,6 @@ a sample over the cap is an error naming it; and on real lengths (data/) the spl
 (ceil(total / cap) microbatches balanced by the largest differencing method) goes over its cap
 where thdpack's does not."""
 import heapq
-import os
 import pathlib
 
 import numpy as np

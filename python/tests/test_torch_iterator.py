@@ -129,6 +129,9 @@ def to_numpy(step):
         assert psp["qkv_format"] == "thd" and psp["max_seqlen_q"] == mb["max_seqlen"]
         assert torch.equal(psp["cu_seqlens_q"], mb["cu_seqlens"])
         assert torch.equal(psp["cu_seqlens_kv_padded"], mb["cu_seqlens_padded"])
+        for k in ("cu_seqlens", "cu_seqlens_padded"):  # the host copies
+            assert mb[k + "_cpu"].device.type == "cpu"
+            assert torch.equal(mb[k + "_cpu"], mb[k].cpu())
     return out
 
 

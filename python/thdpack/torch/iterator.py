@@ -167,6 +167,10 @@ def _microbatch(m, device, topology_cp_group):
         "padding_mask": _tensor(m["padding_mask"], device),
         "cu_seqlens": cu,
         "cu_seqlens_padded": cup,
+        # The same offsets in host memory, for whatever needs their values without waiting for
+        # the device (LossStatistics.add_microbatch).
+        "cu_seqlens_cpu": torch.from_numpy(m["cu_seqlens"]),
+        "cu_seqlens_padded_cpu": torch.from_numpy(m["cu_seqlens_padded"]),
         "max_seqlen": max_seqlen,
         "n_valid": int(m["n_valid"]),
         "sp_range": tuple(m["sp_range"]),

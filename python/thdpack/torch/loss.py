@@ -13,10 +13,12 @@ log-softmax of the whole shard:
     chunk-sized buffers (at most 1/8 of the logits' bytes by default, `chunk_tokens` to choose).
 
 Torch computes per-token values only; the per-sequence aggregation, the CP reduction of the
-per-sequence sums and the statistics (loss, ppl, entropy) are C++'s (thdpack._thdpack.LossTotals:
-AccumulateShardLoss, ReduceSequencesOverCp, Finalize of thdpack/loss.h), with torch.distributed
-as the transport of the all-reduces. Only small per-token and per-sequence arrays go through
-NumPy.
+per-sequence sums and the statistics (loss, ppl, entropy) are defined by C++
+(thdpack._thdpack.LossTotals: AccumulateShardLoss, ReduceSequencesOverCp, Finalize of
+thdpack/loss.h), with torch.distributed as the transport of the all-reduces. Per-token values
+on the CPU go to C++ through NumPy; values on a GPU are summed per sequence and CP-reduced on
+the GPU (_stats_device: the same definition, checked against C++), and only six sums per
+LossStatistics reach the host, in summary().
 
 Loss semantics (docs/design.md section 8):
   * per token -log p(label), accumulated in float32 (float64 for float64 logits); a token counts
@@ -38,6 +40,7 @@ from ._loss_common import IGNORE_INDEX, _accumulation_dtype, _check_inputs  # no
 from ._loss_cpu import _per_token_cpu
 from ._loss_cpu import empty_grad_cache, grad_cache_info, set_grad_cache  # noqa: F401 (API)
 from . import _loss_cuda
+from . import _stats_device
 from ._loss_torch import _per_token_chunked
 from .sharding import _cu
 
@@ -217,22 +220,29 @@ class LossStatistics:
 
     Call add_shard once per microbatch on every (dp, cp) rank of the last pipeline stage (one TP
     rank only), then summary(group) with the DP x CP group (None: this process only). The
-    figures are C++'s (thdpack/loss.h: AccumulateShardLoss, ReduceSequencesOverCp, Finalize).
+    figures are C++'s (thdpack/loss.h: AccumulateShardLoss, ReduceSequencesOverCp, Finalize),
+    made on the host for CPU values; for values on a GPU, the per-sequence sums, their CP
+    reduction and the additive sums are made on the device (same definition, in
+    _stats_device) and reach C++ once, in summary().
     """
 
     def __init__(self):
         self._totals = _thdpack.LossTotals()
+        self._device_sums = None  # float64 [6] on the device of the values on_device
 
     def add_shard(self, logits, labels, loss_mask, cu_seqlens, cu_seqlens_padded,
                   cp_size=1, cp_rank=0, cp_group=None, *, chunked=False, chunk_tokens=None,
-                  token_values=None):
+                  token_values=None, on_device=None):
         """Adds CP rank cp_rank's shard of one packed microbatch.
 
-        cu_seqlens, cu_seqlens_padded: the microbatch's GLOBAL offsets [n+1]. With cp_size > 1,
+        cu_seqlens, cu_seqlens_padded: the microbatch's GLOBAL offsets [n+1] (host arrays, or
+        tensors: a device tensor is read back, which waits for the device). With cp_size > 1,
         cp_group (the CP process group) is required: per-sequence sums are all-reduced over it
         (no rank holds a whole sequence). token_values: the dict local_loss(...,
         token_values=d) filled in its pass over these logits: its per-token values are used and
-        the logits are not read again (logits may then be None).
+        the logits are not read again (logits may then be None). on_device: make the sums where
+        the per-token values are, without moving them to the host or waiting for the device
+        (None: when they are not on the CPU); False: C++ on the host.
         """
         if cp_size > 1 and cp_group is None:
             raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
@@ -240,45 +250,72 @@ class LossStatistics:
         cu = _cu(cu_seqlens)
         cup = _cu(cu_seqlens_padded)
         if token_values is not None:
+            if not isinstance(token_values, dict):
+                raise ValueError(f"token_values: expected the dict local_loss filled, got "
+                                 f"{type(token_values).__name__}")
             try:
                 logprob, entropy, counted = (token_values[k] for k in
                                              ("logprob", "entropy", "counted"))
             except KeyError as e:
                 raise ValueError(f"token_values: no {e.args[0]!r}: pass the dict local_loss("
                                  f"..., token_values=d) filled") from None
-            device = logprob.device
         else:
             logprob, entropy, counted = token_statistics(logits, labels, loss_mask,
                                                          chunked=chunked,
                                                          chunk_tokens=chunk_tokens)
-            device = logits.device
+        for name, x in (("logprob", logprob), ("entropy", entropy), ("counted", counted)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"token_values: {name} is a {type(x).__name__}: expected the "
+                                 f"tensor local_loss put there")
+        # Statistics are not differentiable: values that require grad are read detached.
+        logprob, entropy, counted = logprob.detach(), entropy.detach(), counted.detach()
+        if on_device is None:
+            on_device = logprob.device.type != "cpu"
+        if on_device:
+            local_cu, n_real = _stats_device.shard_layout(cu, cup, cp_size, cp_rank)
+            sums = _stats_device.shard_sums(logprob, entropy, counted, local_cu, n_real,
+                                            int(cp_size), int(cp_rank), cp_group)
+            if self._device_sums is None:
+                self._device_sums = sums
+            elif self._device_sums.device != sums.device:
+                raise ValueError(f"add_shard: these values are on {sums.device}, earlier ones "
+                                 f"on {self._device_sums.device}: one device per statistics")
+            else:
+                self._device_sums += sums
+            return
         f64 = torch.float64
         lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
         en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
         ct = counted.to("cpu").contiguous().numpy()
-        reduce = _torch_all_reduce(cp_group, device) if cp_size > 1 else None
+        reduce = _torch_all_reduce(cp_group, logprob.device) if cp_size > 1 else None
         self._totals.add_shard(lp, en, ct, cu, cup, int(cp_size), int(cp_rank), reduce)
 
     def add_microbatch(self, logits, mb, *, chunked=False, chunk_tokens=None,
-                       token_values=None):
+                       token_values=None, on_device=None):
         """add_shard with one of PackedDataIterator's microbatches (a dict): its labels,
-        loss_mask, offsets and CP group (cp_size, cp_rank, cp_group: the topology's for a static
-        step, the microbatch's own for a dynamic one). An idle microbatch (a dynamic step's rank
-        in no group) adds nothing; its logits must have no rows."""
+        loss_mask, offsets (the host copies: nothing waits for the device) and CP group
+        (cp_size, cp_rank, cp_group: the topology's for a static step, the microbatch's own for
+        a dynamic one). An idle microbatch (a dynamic step's rank in no group) adds nothing; its
+        logits must have no rows."""
         if mb.get("idle", False):
             if logits is not None and logits.shape[0] != 0:
                 raise ValueError(f"add_microbatch: the microbatch is idle on this rank, but the "
                                  f"logits have {logits.shape[0]} rows")
             return
-        self.add_shard(logits, mb["labels"], mb["loss_mask"], mb["cu_seqlens"],
-                       mb["cu_seqlens_padded"], cp_size=mb["cp_size"], cp_rank=mb["cp_rank"],
-                       cp_group=mb["cp_group"], chunked=chunked, chunk_tokens=chunk_tokens,
-                       token_values=token_values)
+        cu = mb.get("cu_seqlens_cpu", mb["cu_seqlens"])
+        cup = mb.get("cu_seqlens_padded_cpu", mb["cu_seqlens_padded"])
+        self.add_shard(logits, mb["labels"], mb["loss_mask"], cu, cup, cp_size=mb["cp_size"],
+                       cp_rank=mb["cp_rank"], cp_group=mb["cp_group"], chunked=chunked,
+                       chunk_tokens=chunk_tokens, token_values=token_values,
+                       on_device=on_device)
 
     def summary(self, group=None):
         """{'n_tokens', 'n_loss_tokens', 'loss', 'ppl', 'entropy'} over everything added on every
-        rank of `group` (all-reduced when a group is given)."""
+        rank of `group` (all-reduced when a group is given). Sums made on a device come to the
+        host here, once."""
         totals = self._totals.copy()
+        if self._device_sums is not None:
+            totals.add_sums(self._device_sums.cpu().numpy())
         if group is not None:
             device = "cpu"
             if dist.get_backend(group) == "nccl":

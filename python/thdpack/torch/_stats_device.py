@@ -1,0 +1,77 @@
+"""thdpack.torch._stats_device: LossStatistics' sums made where the per-token values are.
+
+The host definition is C++'s (thdpack/loss.h: AccumulateShardLoss, ReduceSequencesOverCp,
+LossTotals::Add): it needs the per-token values in host memory, which for a GPU's values means
+a device-to-host copy of three [T/CP] arrays and a synchronisation per microbatch. Here the same
+figures are made on the values' device with torch operations:
+
+  * the shard's sequences come from C++ (ShardSequenceLayout, on the small host offsets: local
+    ranges and real-token counts, validated there);
+  * per-sequence log-prob sums and loss-token counts are differences of float64 prefix sums at
+    the sequences' bounds (deterministic, unlike atomics), and are all-reduced over the CP group
+    on the device (torch.distributed: NCCL for CUDA tensors);
+  * CP rank 0 keeps each sequence's perplexity term, as ReduceSequencesOverCp does;
+  * the six additive sums (n_tokens, n_loss_tokens, loss_sum, entropy_sum, ppl_sum, n_ppl) are
+    accumulated in one float64 tensor on the device.
+
+Nothing here waits for the device: the offsets go to it with non-blocking copies, and the sums
+come to the host once, when LossStatistics.summary() hands them to C++'s LossTotals
+(FromSums, which checks the counts) for the reduction over DP x CP and Finalize.
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import _thdpack
+
+
+def shard_layout(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank):
+    """(local_cu int64 [n+1], real tokens of the shard): C++'s ShardSequenceLayout on host
+    offsets (NumPy arrays, lists or CPU tensors)."""
+    local_cu, real = _thdpack.shard_sequence_layout(cu_seqlens, cu_seqlens_padded,
+                                                    int(cp_size), int(cp_rank))
+    return local_cu, int(real.sum())
+
+
+def shard_sums(logprob, entropy, counted, local_cu, n_real, cp_size, cp_rank, cp_group):
+    """This shard's additive sums after the CP reduction: float64 [6] on the values' device.
+
+    logprob, entropy, counted: [T/CP] tensors on one device (values of uncounted tokens are
+    ignored); local_cu, n_real: shard_layout's. With cp_size > 1 every rank of cp_group calls
+    this for the same microbatch (one all-reduce of 2n float64 values)."""
+    t = int(local_cu[-1])
+    for name, x in (("logprob", logprob), ("entropy", entropy), ("counted", counted)):
+        if not isinstance(x, torch.Tensor) or x.shape != (t,):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"add_shard: {name} is {got}: the shard has T/CP = {t} tokens "
+                             f"(cu_seqlens_padded[-1] / cp_size)")
+    dev = logprob.device
+    if entropy.device != dev or counted.device != dev:
+        raise ValueError(f"add_shard: logprob ({dev}), entropy ({entropy.device}) and counted "
+                         f"({counted.device}) must be on one device")
+    f64 = torch.float64
+    mask = counted.to(torch.bool)
+    lp = torch.where(mask, logprob.to(f64), torch.zeros((), dtype=f64, device=dev))
+    en = torch.where(mask, entropy.to(f64), torch.zeros((), dtype=f64, device=dev))
+    bounds = torch.from_numpy(np.ascontiguousarray(local_cu, dtype=np.int64))
+    bounds = bounds.to(dev, non_blocking=True)
+    zero = torch.zeros(1, dtype=f64, device=dev)
+    lp_prefix = torch.cat([zero, torch.cumsum(lp, 0)])
+    cnt_prefix = torch.cat([zero, torch.cumsum(mask.to(f64), 0)])  # exact below 2^53
+    seq = torch.stack([lp_prefix[bounds[1:]] - lp_prefix[bounds[:-1]],
+                       cnt_prefix[bounds[1:]] - cnt_prefix[bounds[:-1]]])  # [2, n]
+    if cp_size > 1:
+        if cp_group is None:
+            raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
+                             "all-reduced over the CP group)")
+        dist.all_reduce(seq, group=cp_group)
+    seq_lp, seq_cnt = seq[0], seq[1]
+    if cp_rank == 0:  # the CP group's sequences count once: on its rank 0
+        has = seq_cnt > 0
+        ppl = torch.where(has, torch.exp(-seq_lp / seq_cnt.clamp(min=1)),
+                          torch.zeros((), dtype=f64, device=dev)).sum()
+        n_ppl = has.to(f64).sum()
+    else:
+        ppl = n_ppl = torch.zeros((), dtype=f64, device=dev)
+    return torch.stack([torch.zeros((), dtype=f64, device=dev) + n_real,
+                        mask.to(f64).sum(), -lp.sum(), en.sum(), ppl, n_ppl])
