@@ -81,3 +81,12 @@ def test_bad_inputs_are_named():
     y, m = torch.zeros(4, dtype=torch.long), torch.ones(4)
     with pytest.raises(ValueError, match="GLOBAL"):
         tt.linear_loss(hidden, weight, y, m, 3, chunk_tokens=1)
+    # validate=False skips the check with the CUDA kernel only: the CPU backends still check.
+    with pytest.raises(ValueError, match=r"labels\[0\] = 10"):
+        tt.linear_loss(hidden, weight, torch.full((4,), 10), mask, 4, validate=False)
+    with pytest.raises(ValueError, match="GLOBAL"):
+        tt.linear_loss(hidden, weight, y, m, 3, chunk_tokens=1, validate=False)
+    with pytest.raises(ValueError, match=r"loss_mask\[1\] = 0.5"):
+        tt.linear_loss(hidden, weight, y, torch.tensor([1, 0.5, 1, 1]), 4)
+    with pytest.raises(ValueError, match="needs backend 'cuda'"):
+        tt.linear_loss(hidden, weight, y, m, 4, tp_group=object(), vocab_total=20)

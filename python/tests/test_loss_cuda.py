@@ -168,3 +168,14 @@ def test_linear_loss_on_the_kernel_equals_float64(dtype):
     assert abs(float(loss.detach()) - float(ref.detach())) <= tol * abs(float(ref.detach()))
     for got, want in ((hidden.grad, hd.grad), (weight.grad, wd.grad)):
         assert float((got.double() - want).abs().max()) <= 4 * tol * float(want.abs().max())
+    # Without validation the same values, and nothing read back from the device.
+    h2 = hidden.detach().clone().requires_grad_(True)
+    again = tt.linear_loss(h2, weight.detach(), labels, mask, t, chunk_tokens=64,
+                           backend="cuda", validate=False)
+    again.backward()
+    assert float(again.detach()) == float(loss.detach())
+    assert torch.equal(h2.grad, hidden.grad)
+    bad = labels.clone()
+    bad[7] = v
+    with pytest.raises(ValueError, match=r"labels\[7\]"):
+        tt.linear_loss(hidden, weight, bad, mask, t, chunk_tokens=64, backend="cuda")

@@ -17,9 +17,11 @@ def _accumulation_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _check_inputs(logits, labels, loss_mask, check_values=True):
+def _check_inputs(logits, labels, loss_mask, check_values=True, vocab=None):
     """Shapes; labels and mask on the logits' device; with check_values (one device sync) the
-    label range and the mask's 0/1 values. Returns (labels, loss_mask, counted)."""
+    label range [0, vocab) (vocab: the logits' V unless given, e.g. the whole vocabulary of
+    vocab-parallel columns) and the mask's 0/1 values, and the counted tokens. Returns (labels,
+    loss_mask, counted, n_valid); n_valid is None without check_values."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits: expected a [T, V] tensor, got {shape}")
@@ -28,6 +30,8 @@ def _check_inputs(logits, labels, loss_mask, check_values=True):
     t, v = logits.shape
     if v < 1:
         raise ValueError(f"logits: V = {v} columns: expected at least one")
+    if vocab is None:
+        vocab = v
     if not isinstance(labels, torch.Tensor) or labels.shape != (t,):
         got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"labels: expected a tensor of shape ({t},), got {got}")
@@ -44,18 +48,21 @@ def _check_inputs(logits, labels, loss_mask, check_values=True):
         bad_mask = (loss_mask != 0) & (loss_mask != 1)
         counted = counted & (loss_mask != 0)
     else:
-        bad_mask = None
+        bad_mask = torch.zeros_like(counted)
     if not check_values:
-        return labels, loss_mask, counted
-    bad_label = counted & ((labels < 0) | (labels >= v))
-    bad = bad_label.any() if bad_mask is None else (bad_label.any() | bad_mask.any())
-    if bool(bad):  # one device sync, for a clear error instead of a wrong loss
-        if bad_mask is not None and bool(bad_mask.any()):
-            i = int(bad_mask.nonzero()[0])
-            raise ValueError(f"loss_mask[{i}] = {float(loss_mask[i])}: must be 0 or 1")
+        return labels, loss_mask, counted, None
+    bad_label = counted & ((labels < 0) | (labels >= vocab))
+    # One device sync, for a clear error instead of a wrong loss, and the counted tokens.
+    any_mask, any_label, n_valid = (int(x) for x in torch.stack(
+        [bad_mask.any().long(), bad_label.any().long(), counted.sum()]).tolist())
+    if any_mask:
+        i = int(bad_mask.nonzero()[0])
+        raise ValueError(f"loss_mask[{i}] = {float(loss_mask[i])}: must be 0 or 1")
+    if any_label:
         i = int(bad_label.nonzero()[0])
-        raise ValueError(f"labels[{i}] = {int(labels[i])}: a counted label must lie in [0, {v})")
-    return labels, loss_mask, counted
+        raise ValueError(f"labels[{i}] = {int(labels[i])}: a counted label must lie in "
+                         f"[0, {vocab})")
+    return labels, loss_mask, counted, n_valid
 
 
 def _chunk_rows(logits, chunk_tokens):

@@ -40,7 +40,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, n, grad_factor, chunk_tokens, backend,
-                tp, reduce_grad_hidden, want_h, want_w):
+                tp, reduce_grad_hidden, want_h, want_w, mm):
         t, hdim = hidden.shape
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         rows = _chunk_rows(hidden, weight, chunk_tokens)
@@ -49,22 +49,20 @@ class _LinearLoss(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-        # The GEMMs on contiguous operands (a result must not depend on the inputs' layout), in
-        # float32 for float16 on the CPU (which has no float16 GEMM).
-        mm = torch.float32 if hidden.dtype == torch.float16 and hidden.device.type == "cpu" \
-            else hidden.dtype
+        # The GEMMs on contiguous operands (a result must not depend on the inputs' layout).
         w = weight.detach().to(mm).contiguous()
+        # The CUDA kernel writes the chunk's gradient over its logits.
+        inplace = want and backend == "cuda"
         with torch.no_grad():
             for s in range(0, t, rows):
                 e = min(t, s + rows)
                 h = hidden[s:e].detach().to(mm).contiguous()
                 z = h @ w.t()  # [rows, V]: the one chunk of logits
-                # The CUDA kernel writes the chunk's gradient over its logits.
-                inplace = want and _loss._backend_of(z, backend, False, False) == "cuda"
                 mask = None if loss_mask is None else loss_mask[s:e]
+                # Values checked once for the whole shard (linear_loss): no sync per chunk.
                 logprob, _, _, g = _loss._per_token(z, labels[s:e], mask, n, want,
                                                     float(grad_factor), False, None, backend,
-                                                    inplace, True, tp)
+                                                    inplace, False, tp, checked=True)
                 total += logprob.sum(dtype=torch.float64)
                 if want:
                     if want_h:
@@ -91,12 +89,12 @@ class _LinearLoss(torch.autograd.Function):
             gh = grad_h if one else grad_h * grad_output.to(grad_h.dtype)
         if grad_w is not None:
             gw = (grad_w if one else grad_w * grad_output.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None, None
 
 
 def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *,
                 chunk_tokens=None, backend="auto", tp_group=None, vocab_start=0, vocab_total=0,
-                reduce_grad_hidden=True):
+                reduce_grad_hidden=True, validate=True):
     """This (dp, cp) rank's share of the step loss from hidden states and the lm-head weight,
     without [T, V] logits: -sum(counted log p) / N * grad_factor with logits = hidden @ weight.T.
 
@@ -105,7 +103,10 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
     ("cuda": the CUDA kernel, in place on each chunk). The weight's gradient is accumulated in
     float32 (float64 for float64 inputs) and handed to autograd in that dtype's cast to the
     weight's dtype. chunk_tokens: rows per chunk (default: logits within 1/8 of the weight's
-    bytes, at most 8192 rows).
+    bytes, at most 8192 rows). The labels' and mask's values and N are checked once for the
+    whole shard (one device synchronisation, none per chunk); validate=False skips that with
+    the CUDA kernel, so that nothing synchronises (bad values then give undefined results; the
+    other backends always check).
     """
     n = int(n_loss_tokens)
     if n < 0:
@@ -123,19 +124,32 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
     if hidden.dtype != weight.dtype or hidden.device != weight.device:
         raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
                          f"{weight.device}) must share dtype and device")
-    # Labels and mask checked once for the whole shard (shapes, and values against V unless
-    # vocab-parallel), against a logits-shaped view that holds no memory.
+    tp = None if tp_group is None else (tp_group, int(vocab_start), int(vocab_total))
+    # The GEMMs' dtype: float32 for float16 on the CPU (which has no float16 GEMM). The backend
+    # is the one a chunk of logits [rows, V] of that dtype gets.
+    mm = torch.float32 if hidden.dtype == torch.float16 and hidden.device.type == "cpu" \
+        else hidden.dtype
+    chunk_like = torch.empty((1, weight.shape[0]), dtype=mm, device=hidden.device)
+    backend = _loss._backend_of(chunk_like, backend, False, False)
+    if tp is not None:
+        if backend != "cuda":
+            raise ValueError("tp_group (vocab-parallel logits) needs backend 'cuda'")
+        if not (0 <= tp[1] and tp[1] + weight.shape[0] <= tp[2]):
+            raise ValueError(f"vocab_start = {tp[1]}: this rank's {weight.shape[0]} weight rows "
+                             f"must lie within vocab_total = {tp[2]}")
+    # Labels and mask checked once for the whole shard (shapes, and values against the whole
+    # vocabulary), against a logits-shaped view that holds no memory.
     like = torch.empty((), dtype=hidden.dtype, device=hidden.device).expand(
         hidden.shape[0], weight.shape[0])
-    labels, loss_mask, counted = _check_inputs(like, labels, loss_mask,
-                                               check_values=tp_group is None)
-    n_valid = int(counted.sum())  # N is global: never below the whole shard's count
-    if n < n_valid:
+    check = bool(validate) or backend != "cuda"
+    labels, loss_mask, counted, n_valid = _check_inputs(
+        like, labels, loss_mask, check_values=check, vocab=None if tp is None else tp[2])
+    if check and n < n_valid:  # N is global: never below the whole shard's count
         raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
                          f"({n_valid}): N must be the GLOBAL loss-token count of the step")
     grad_on = torch.is_grad_enabled()
     want_h = grad_on and hidden.requires_grad
     want_w = grad_on and weight.requires_grad
-    tp = None if tp_group is None else (tp_group, int(vocab_start), int(vocab_total))
     return _LinearLoss.apply(hidden, weight, labels, loss_mask, n, float(grad_factor),
-                             chunk_tokens, backend, tp, bool(reduce_grad_hidden), want_h, want_w)
+                             chunk_tokens, backend, tp, bool(reduce_grad_hidden), want_h, want_w,
+                             mm)

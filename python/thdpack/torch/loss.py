@@ -75,10 +75,12 @@ def _backend_of(logits, backend, chunked, inplace):
 
 
 def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, chunk_tokens,
-               backend="auto", inplace=False, validate=True, tp=None):
+               backend="auto", inplace=False, validate=True, tp=None, checked=False):
     """(logprob, entropy, counted, grad): per-token values of the whole shard, float64 on the
     CPU kernel, float32 on the CUDA kernel, the accumulation dtype on the chunked path; grad
-    None unless want_grad (the logits themselves with inplace)."""
+    None unless want_grad (the logits themselves with inplace). checked: the caller has checked
+    the labels' and mask's values and N (linear_loss, once for all its chunks): nothing here
+    reads the device back."""
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"logits: expected a [T, V] tensor, got {type(logits).__name__}")
     backend = _backend_of(logits, backend, chunked, inplace)
@@ -86,8 +88,8 @@ def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, ch
     if tp_group is not None and backend != "cuda":
         raise ValueError("tp_group (vocab-parallel logits) needs backend 'cuda'")
     # The CUDA kernel checks the values on the device (validate), without a second sync.
-    labels, loss_mask, counted = _check_inputs(logits, labels, loss_mask,
-                                               check_values=backend != "cuda")
+    labels, loss_mask, counted, n_valid = _check_inputs(
+        logits, labels, loss_mask, check_values=backend != "cuda" and not checked)
     if tp_group is not None and not (0 <= vocab_start and
                                      vocab_start + logits.shape[1] <= vocab_total):
         raise ValueError(f"vocab_start = {vocab_start}: this rank's {logits.shape[1]} columns "
@@ -95,10 +97,8 @@ def _per_token(logits, labels, loss_mask, n, want_grad, grad_factor, chunked, ch
     scale = grad_factor / n if n else 0.0
     if backend == "cuda":
         logprob, entropy, counted, grad, n_valid = _loss_cuda.per_token_cuda(
-            logits, labels, loss_mask, want_grad, scale, inplace, validate, tp_group,
-            vocab_start, vocab_total)
-    else:
-        n_valid = int(counted.sum()) if n is not None else None
+            logits, labels, loss_mask, want_grad, scale, inplace, validate and not checked,
+            tp_group, vocab_start, vocab_total)
     if n is not None and n_valid is not None and n < n_valid:
         # the share: N is global, never below this shard's count
         raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
