@@ -175,7 +175,42 @@ def test_linear_loss_on_the_kernel_equals_float64(dtype):
     again.backward()
     assert float(again.detach()) == float(loss.detach())
     assert torch.equal(h2.grad, hidden.grad)
+    # The weight's gradient through the float32-output GEMM equals the widened path's.
+    from thdpack.torch import linear_loss as ll
+    if ll._FP32_OUT_GEMM and dtype != torch.float32:
+        saved = ll._FP32_OUT_GEMM
+        try:
+            ll._FP32_OUT_GEMM = False
+            w2 = weight.detach().clone().requires_grad_(True)
+            tt.linear_loss(hidden.detach(), w2, labels, mask, t, chunk_tokens=64,
+                           backend="cuda").backward()
+        finally:
+            ll._FP32_OUT_GEMM = saved
+        torch.testing.assert_close(weight.grad.float(), w2.grad.float(), rtol=1e-2, atol=1e-6)
     bad = labels.clone()
     bad[7] = v
     with pytest.raises(ValueError, match=r"labels\[7\]"):
         tt.linear_loss(hidden, weight, bad, mask, t, chunk_tokens=64, backend="cuda")
+
+
+@cuda
+@pytest.mark.cuda
+def test_statistics_on_the_device_equal_the_host_ones():
+    """The kernel's per-token values summed per sequence on the GPU (LossStatistics picks the
+    device path for CUDA values) against the same values summed by C++ on the host."""
+    import numpy as np
+    logits, labels, mask = make(96, 5003, torch.bfloat16, 21)
+    cu = np.array([0, 10, 40, 41, 90], np.int32)
+    cup = np.array([0, 16, 48, 56, 96], np.int32)
+    d = {}
+    tt.local_loss(logits.detach().requires_grad_(True), labels, mask, 200, backend="cuda",
+                  token_values=d).backward()
+    assert d["logprob"].is_cuda
+    dev, host = tt.LossStatistics(), tt.LossStatistics()
+    dev.add_shard(None, labels, mask, cu, cup, token_values=d)
+    assert dev._device_sums is not None and dev._device_sums.is_cuda
+    host.add_shard(None, labels, mask, cu, cup, token_values=d, on_device=False)
+    got, want = dev.summary(), host.summary()
+    assert got["n_tokens"] == want["n_tokens"] and got["n_loss_tokens"] == want["n_loss_tokens"]
+    for k in ("loss", "entropy", "ppl"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12), k

@@ -5,10 +5,11 @@
 tokens at a time: per chunk the logits ``[rows, V]`` (one GEMM), the loss and their gradient by
 thdpack's kernel of the backend (in place on the chunk with the CUDA kernel), then
 ``grad_hidden[chunk] = grad_logits @ weight`` and ``grad_weight += grad_logits.T @ hidden[chunk]``
-(accumulated in float32, float64 for float64 inputs). Extra memory: one chunk of logits (two
-with the CPU kernel, which writes the gradient beside them, and a float32 copy of the chunk's
-gradient for the weight's accumulation with bfloat16/float16 inputs), the float32 weight
-gradient, and nothing of size T x V. Everything is computed in the forward pass, as for
+(accumulated in float32, float64 for float64 inputs; on CUDA one bfloat16/float16 GEMM with a
+float32 output added into the accumulator). Extra memory: one chunk of logits (two with the CPU
+kernel, which writes the gradient beside them; a float32 copy of the chunk's gradient for the
+weight's accumulation where torch's GEMM has no float32 output: the CPU, torch < 2.8), the
+float32 weight gradient, and nothing of size T x V. Everything is computed in the forward pass, as for
 local_loss; backward hands the gradients to autograd, scaled by the incoming gradient.
 
 Vocab-parallel (``tp_group`` with the CUDA kernel): ``weight`` is this TP rank's rows
@@ -26,14 +27,39 @@ from ._loss_common import _check_inputs
 
 
 def _chunk_rows(hidden, weight, chunk_tokens):
-    """Rows per chunk: the given count, else logits of at most 1/8 of the weight's bytes
-    (and between 1 and 8192 rows)."""
+    """Rows per chunk: the given count, else H/2 (between 1 and 8192): a chunk's logits are at
+    most half the weight's bytes, and the weight-gradient GEMM reduces over H/2 rows per chunk.
+    Fewer rows would make that GEMM memory-bound: each chunk reads and writes the float32
+    [V, H] accumulator (8VH bytes for 2 * rows * VH flops, so at 512 rows on an H100 the
+    accumulator's traffic takes longer than the arithmetic)."""
     if chunk_tokens is not None:
         if int(chunk_tokens) < 1:
             raise ValueError(f"chunk_tokens = {chunk_tokens}: must be >= 1")
         return int(chunk_tokens)
-    v, h = weight.shape
-    return max(1, min(8192, (v * h // 8) // max(1, v)))
+    return max(1, min(8192, weight.shape[1] // 2))
+
+
+# Whether torch.addmm takes out_dtype here (torch >= 2.8, CUDA): a bfloat16/float16 GEMM whose
+# float32 output accumulates into a float32 tensor. None until the first try.
+_FP32_OUT_GEMM = None
+
+
+def _accumulate(grad_w, g, h):
+    """grad_w += g.T @ h, grad_w in float32 (float64 for float64 inputs). On CUDA with
+    bfloat16/float16 operands: one tensor-core GEMM with a float32 output added into grad_w
+    (torch.addmm's out_dtype), no widened copy of the chunk's gradient. Elsewhere, or where
+    torch has no out_dtype, the operands are widened first (a float32 copy of the chunk, and a
+    float32 GEMM)."""
+    global _FP32_OUT_GEMM
+    if (g.is_cuda and g.dtype in (torch.bfloat16, torch.float16)
+            and grad_w.dtype == torch.float32 and _FP32_OUT_GEMM is not False):
+        try:
+            torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
+            _FP32_OUT_GEMM = True
+            return
+        except (TypeError, NotImplementedError):  # no such overload in this torch
+            _FP32_OUT_GEMM = False
+    grad_w.addmm_(g.t().to(grad_w.dtype), h.to(grad_w.dtype))
 
 
 class _LinearLoss(torch.autograd.Function):
@@ -68,7 +94,7 @@ class _LinearLoss(torch.autograd.Function):
                     if want_h:
                         grad_h[s:e] = g @ w
                     if want_w:
-                        grad_w.addmm_(g.t().to(acc), h.to(acc))
+                        _accumulate(grad_w, g, h)
                 del z, g
         if want_h and tp is not None and reduce_grad_hidden:
             dist.all_reduce(grad_h, group=tp[0])
@@ -102,8 +128,8 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
     loss_mask as local_loss's, N the step's GLOBAL loss-token count. backend: local_loss's
     ("cuda": the CUDA kernel, in place on each chunk). The weight's gradient is accumulated in
     float32 (float64 for float64 inputs) and handed to autograd in that dtype's cast to the
-    weight's dtype. chunk_tokens: rows per chunk (default: logits within 1/8 of the weight's
-    bytes, at most 8192 rows). The labels' and mask's values and N are checked once for the
+    weight's dtype. chunk_tokens: rows per chunk (default: H/2, at most 8192: a chunk's logits
+    within half the weight's bytes). The labels' and mask's values and N are checked once for the
     whole shard (one device synchronisation, none per chunk); validate=False skips that with
     the CUDA kernel, so that nothing synchronises (bad values then give undefined results; the
     other backends always check).
