@@ -7,6 +7,7 @@
 // checks the kernels; tests/cuda_loss_gpu_test.cc runs the kernels themselves where a GPU is.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -226,6 +227,51 @@ TEST(CudaLossHost, FusedEqualsTheReferenceOnRandomRows) {
   }
 }
 
+// Logits masked with the dtype's lowest finite value (masked_fill(mask, finfo.min)), in runs
+// and scattered, so that a thread's state holds several of them when a real logit arrives or
+// when states merge: the rescaled terms underflow to 0 while s * d overflows, and the entropy
+// must stay finite (it was NaN, unflagged, before the rescale skipped them).
+TEST(CudaLossHost, LowestFiniteMaskedLogitsKeepTheEntropyFinite) {
+  std::mt19937_64 rng(41);
+  for (CudaDtype dtype : kDtypes) {
+    const float lowest = dtype == CudaDtype::kFloat32    ? -FLT_MAX
+                         : dtype == CudaDtype::kBFloat16 ? BFloat16{0xff7f}.ToFloat()
+                                                         : -65504.0f;
+    for (int64_t V : {4, 100, 1031}) {
+      for (int threads : {32, 256}) {
+        Case c = MakeCase(rng, dtype, 6, V, V, 0);
+        const int64_t es = ElemSize(dtype);
+        for (int64_t t = 0; t < c.T; ++t) {
+          for (int64_t v = 0; v < V; ++v) {
+            // Row 0: the first half masked; others: two columns in three.
+            const bool masked = t == 0 ? v < V / 2 : v % 3 != 2;
+            if (!masked || v == c.labels[static_cast<size_t>(t)]) continue;
+            c.values[static_cast<size_t>(t * V + v)] = lowest;
+            Store(dtype, c.logits.data() + (t * V + v) * es, lowest);
+          }
+        }
+        const int64_t N = Counted(c) + 1;
+        std::vector<float> ref_grad;
+        const CrossEntropyResult ref = Reference(c, N, 1.0, &ref_grad);
+        std::vector<float> logprob, entropy;
+        CudaLossArgs a = ArgsOf(c, logprob, entropy);
+        std::vector<std::byte> grad(c.logits.size());
+        a.grad = grad.data();
+        a.grad_scale = 1.0f / static_cast<float>(N);
+        unsigned long long flag = 0;
+        a.error = &flag;
+        const std::string where = std::string(Name(dtype)) + " V " + std::to_string(V) +
+                                  " threads " + std::to_string(threads);
+        ASSERT_TRUE(CrossEntropyFusedHost(a, threads).ok()) << where;
+        EXPECT_EQ(flag, 0u) << where;
+        for (float e : entropy) EXPECT_TRUE(std::isfinite(e)) << where;
+        CompareTokens(ref, logprob, entropy, where);
+        CompareGrad(c, grad, ref_grad, a.grad_scale, where);
+      }
+    }
+  }
+}
+
 TEST(CudaLossHost, InPlaceAndNoGradientAndZeroN) {
   std::mt19937_64 rng(7);
   for (CudaDtype dtype : kDtypes) {
@@ -372,6 +418,17 @@ TEST(CudaLossHost, BadInputsSetTheFlagAndDecodeToTheCpuWords) {
   a.vocab_start = 10;
   EXPECT_NE(CrossEntropyPartialsHost(a, 256).message().find("outside the vocabulary"),
             std::string::npos);
+  // The fused call takes the whole vocabulary: a shard's label could name a column it lacks.
+  a = ArgsOf(c, lp, en);
+  a.vocab_start = 50;
+  a.vocab_total = 100;
+  EXPECT_NE(CrossEntropyFusedHost(a, 256).message().find("takes the whole vocabulary"),
+            std::string::npos);
+  a.vocab_start = 0;
+  EXPECT_NE(CrossEntropyFusedHost(a, 256).message().find("takes the whole vocabulary"),
+            std::string::npos);
+  a.vocab_total = 50;
+  EXPECT_TRUE(CrossEntropyFusedHost(a, 256).ok());
 }
 
 // The dtype conversions the kernels round with (ce_row.h) against independent definitions:

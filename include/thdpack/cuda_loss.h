@@ -14,8 +14,8 @@
 //
 // Calls:
 //   CrossEntropyFused     one kernel: each row read for its statistics, then again for its
-//                         gradient (from L2 when the row is still there): the logits are read
-//                         twice and the gradient written once.
+//                         gradient: the logits are read twice and the gradient written once.
+//                         It takes the whole vocabulary (vocab_start 0, vocab_total 0 or V).
 //   vocab-parallel (TP): CrossEntropyPartials writes each row's partial state (RowStats, 16
 //   bytes); the caller all-gathers the partials of the TP ranks over its TP group (one
 //   collective), CombinePartials merges them (every rank the same), and CrossEntropyFinish

@@ -73,9 +73,11 @@ __device__ __forceinline__ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// read_only: nothing writes the logits during this kernel, so they may go through the
+// read-only data cache (__ldg); false in place, where the same kernel overwrites them.
 template <int kDtype, int kThreads>
 __device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V,
-                                            bool vectors) {
+                                            bool vectors, bool read_only) {
   using E = Elem<kDtype>;
   using VT = Vec<kDtype>;
   RowState st = EmptyState();
@@ -83,7 +85,8 @@ __device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x
       threadIdx.x, kThreads, V, VT::kN, vectors,
       [&](int64_t k) {
         typename VT::U u;
-        u.raw = __ldg(reinterpret_cast<const uint4*>(x) + k);
+        const uint4* p = reinterpret_cast<const uint4*>(x) + k;
+        u.raw = read_only ? __ldg(p) : *p;
 #pragma unroll
         for (int e = 0; e < VT::kN; ++e) AddLogit(st, E::ToFloat(u.e[e]));
       },
@@ -142,7 +145,8 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(CeArgs a) {
   const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
   float lse = 0.0f, logprob = 0.0f, entropy = 0.0f;
   if (counted) {
-    const RowState st = RowPass<kDtype, kThreads>(x, a.vocab_size, vectors);
+    const RowState st =
+        RowPass<kDtype, kThreads>(x, a.vocab_size, vectors, g != static_cast<const void*>(x));
     counted = RowOutputs(st, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
     if (!counted) FlagRow(a, kNonFiniteRow, r);
   }
@@ -168,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) PartialsKernel(CeArgs a) {
     if (threadIdx.x == 0) stats[r] = Stats4{NegInf(), 0.0f, 0.0f, NegInf()};
     return;
   }
-  const RowState st = RowPass<kDtype, kThreads>(x, a.vocab_size, Aligned16(x));
+  const RowState st = RowPass<kDtype, kThreads>(x, a.vocab_size, Aligned16(x), true);
   if (threadIdx.x == 0) {
     const int64_t y = a.labels[r] - a.vocab_start;
     const float target = y >= 0 && y < a.vocab_size ? Elem<kDtype>::ToFloat(x[y]) : NegInf();

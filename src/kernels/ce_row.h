@@ -155,10 +155,12 @@ THDPACK_HD void AddLogit(RowState& st, float z) {
     st.s = z;
     return;
   }
-  // A new max: rescale what was summed relative to the old one.
+  // A new max: rescale what was summed relative to the old one. Where that rescale is 0 (the
+  // old terms underflow: an old max of -FLT_MAX, a masked_fill with finfo.min), so is their
+  // part of t, whose s * d may have overflowed to -inf (0 * -inf would be NaN).
   const float d = st.m - z;  // < 0, or -inf on the first finite logit
   const float e = st.s > 0.0f ? Exp(d) : 0.0f;
-  st.t = st.s > 0.0f ? e * (st.t + st.s * d) : 0.0f;
+  st.t = e > 0.0f ? e * (st.t + st.s * d) : 0.0f;
   st.s = st.s * e + 1.0f;
   st.m = z;
 }
@@ -173,7 +175,11 @@ THDPACK_HD RowState MergeStates(const RowState& a, const RowState& b) {
   const float m = a.m > b.m ? a.m : b.m;
   const float da = a.m - m, db = b.m - m;
   const float ea = Exp(da), eb = Exp(db);
-  return RowState{m, a.s * ea + b.s * eb, ea * (a.t + a.s * da) + eb * (b.t + b.s * db)};
+  // A side whose rescale underflows to 0 adds nothing to t (its s * d may be -inf: see
+  // AddLogit).
+  const float ta = ea > 0.0f ? ea * (a.t + a.s * da) : 0.0f;
+  const float tb = eb > 0.0f ? eb * (b.t + b.s * db) : 0.0f;
+  return RowState{m, a.s * ea + b.s * eb, ta + tb};
 }
 
 THDPACK_HD float RowLse(const RowState& st) { return st.m + Log(st.s); }

@@ -21,7 +21,7 @@ kernels::CeArgs ToLaunch(const CudaLossArgs& a) {
 
 }  // namespace
 
-Status CheckCudaLossArgs(const CudaLossArgs& a, const char* call, bool needs_stats) {
+Status CheckCudaLossArgs(const CudaLossArgs& a, const char* call, bool vocab_parallel) {
   const std::string where = std::string(call) + ": ";
   if (a.dtype != CudaDtype::kFloat32 && a.dtype != CudaDtype::kBFloat16 &&
       a.dtype != CudaDtype::kFloat16) {
@@ -46,10 +46,19 @@ Status CheckCudaLossArgs(const CudaLossArgs& a, const char* call, bool needs_sta
                                    std::to_string(a.vocab_start + a.vocab_size) +
                                    ") lie outside the vocabulary of " + std::to_string(total));
   }
+  // The fused call reads the target among its own columns: it takes the whole vocabulary
+  // (a shard's label could name a column another rank holds).
+  if (!vocab_parallel && (a.vocab_start != 0 || total != a.vocab_size)) {
+    return Status::InvalidArgument(where + "vocab_start = " + std::to_string(a.vocab_start) +
+                                   ", vocab_total = " + std::to_string(a.vocab_total) +
+                                   ": the fused call takes the whole vocabulary (vocab_start 0, "
+                                   "vocab_total 0 or V); a shard of it goes through the "
+                                   "vocab-parallel calls");
+  }
   if (a.num_tokens > 0 && (a.logits == nullptr || a.labels == nullptr)) {
     return Status::InvalidArgument(where + "logits and labels are required");
   }
-  if (needs_stats && a.num_tokens > 0 && a.stats == nullptr) {
+  if (vocab_parallel && a.num_tokens > 0 && a.stats == nullptr) {
     return Status::InvalidArgument(where + "stats ([T] RowStats) is required");
   }
   if (!kernels::IsFinite(a.grad_scale)) {

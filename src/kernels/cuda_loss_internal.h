@@ -8,10 +8,11 @@
 namespace thdpack {
 
 // InvalidArgument naming `call` and the field: an unknown dtype, T outside [0, 2^31), V < 1,
-// ld < V, columns outside the vocabulary, missing logits or labels, missing stats where
-// `needs_stats`, a non-finite grad_scale.
+// ld < V, columns outside the vocabulary, missing logits or labels, a non-finite grad_scale;
+// for a vocab-parallel call (Partials, Finish) missing stats, for the fused one a shard of the
+// vocabulary (vocab_start != 0 or vocab_total not in {0, V}).
 [[nodiscard]] Status CheckCudaLossArgs(const CudaLossArgs& args, const char* call,
-                                       bool needs_stats);
+                                       bool vocab_parallel);
 
 }  // namespace thdpack
 
