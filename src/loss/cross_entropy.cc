@@ -93,19 +93,28 @@ THDPACK_INLINE F Splat(float x) {
   return F{} + x;
 }
 
-// exp(x) for x <= ~0 (and a little above): range reduction x = n ln2 + r (|r| <= ln2/2, ln2 in
-// two parts), then a degree-6 polynomial fitted for relative error (max 1.9e-9 in exact
-// arithmetic, so float rounding dominates: at most 1.06 ulp with FMA, checked on every float
-// in [-87, 16) against exp in double), and 2^n built in the exponent bits. n is
-// rounded by adding 1.5 * 2^23, whose float bits then hold n in the low bits: (bits + 127) << 23
-// is 2^n, with no float-to-int conversion. Inputs below -87 are clamped (exp(-87) ~ 1.6e-38;
-// the callers zero the lanes whose logit is -inf); the clamp keeps NaN, so NaN stays NaN.
+// ExpV's domain starts at kExpFloor: its callers clamp the argument first (ClampBelow), and the
+// shifted-sum term e * d must use that clamped d too. A logit of -FLT_MAX (masked_fill with
+// finfo.min) has d near -3.4e38, and exp(-87) * d would add about -5.5 to w per such logit (the
+// entropy wrong by tens) where the true term is 0; with the clamped d it adds -1.4e-36.
+constexpr float kExpFloor = -87.0f;
+
 template <typename VecT>
-THDPACK_INLINE typename VecT::F ExpV(const typename VecT::F& x_in) {
+THDPACK_INLINE typename VecT::F ClampBelow(const typename VecT::F& x, const typename VecT::F& lo) {
+  return lo > x ? lo : x;  // maxps(lo, x): NaN passes through
+}
+
+// exp(x) for x in [kExpFloor, ~0] (and a little above; the caller clamps below): range
+// reduction x = n ln2 + r (|r| <= ln2/2, ln2 in two parts), then a degree-6 polynomial fitted
+// for relative error (max 1.9e-9 in exact arithmetic, so float rounding dominates: at most
+// 1.06 ulp with FMA, checked on every float in [-87, 16) against exp in double), and 2^n built
+// in the exponent bits. n is rounded by adding 1.5 * 2^23, whose float bits then hold n in the
+// low bits: (bits + 127) << 23 is 2^n, with no float-to-int conversion. exp(-87) ~ 1.6e-38;
+// the callers zero the lanes whose logit is -inf; the clamp keeps NaN, so NaN stays NaN.
+template <typename VecT>
+THDPACK_INLINE typename VecT::F ExpV(const typename VecT::F& x) {
   using F = typename VecT::F;
   using U = typename VecT::U;
-  const F lo = Splat<F>(-87.0f);
-  const F x = lo > x_in ? lo : x_in;  // maxps(lo, x): NaN passes through
   const F magic = Splat<F>(12582912.0f);  // 1.5 * 2^23
   const F nf = x * 1.44269504088896341f + magic;  // round(x / ln2) in the low mantissa bits
   const F n = nf - magic;
@@ -201,11 +210,12 @@ THDPACK_INLINE ChunkSums<VecT> ExpPassMasked(const In* src, int64_t full, int64_
   const F vref = Splat<F>(ref);
   const F ninf = Splat<F>(kNegInf);
   const F zero = Splat<F>(0.0f);
+  const F lo = Splat<F>(kExpFloor);
   ChunkSums<VecT> c{zero, zero, ninf};
   for (int64_t j = 0; j < nv; j += VecT::kL) {
     const F z = j < full ? Load<VecT>(src + j) : Load<VecT>(tail);
     c.max = z > c.max ? z : c.max;
-    const F d = z - vref;
+    const F d = ClampBelow<VecT>(z - vref, lo);
     const F e = z == ninf ? zero : ExpV<VecT>(d);
     c.s += e;
     c.w += z == ninf ? zero : e * d;
@@ -225,13 +235,14 @@ THDPACK_INLINE ChunkSums<VecT> ExpPass(const In* src, int64_t full, int64_t nv, 
   const F vref = Splat<F>(ref);
   const F ninf = Splat<F>(kNegInf);
   const F zero = Splat<F>(0.0f);
+  const F lo = Splat<F>(kExpFloor);
   ChunkSums<VecT> c{zero, zero, ninf};
   F mn = Splat<F>(std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < full; j += VecT::kL) {
     const F z = Load<VecT>(src + j);
     c.max = z > c.max ? z : c.max;
     mn = z < mn ? z : mn;
-    const F d = z - vref;
+    const F d = ClampBelow<VecT>(z - vref, lo);
     const F e = ExpV<VecT>(d);
     c.s += e;
     c.w += e * d;
@@ -372,15 +383,19 @@ THDPACK_INLINE void RowFloat(const Job& job, int64_t t, float* tail, float* scra
         S = 0.0f;
         W = 0.0f;
       } else {
+        // A rescale that underflows to 0 drops the old terms whole: (M - m) * S may have
+        // overflowed to -inf (an old max of -FLT_MAX), and 0 * -inf would be NaN.
         const float a = std::exp(M - m);
-        W = a * (W + (M - m) * S);
+        W = a > 0.0f ? a * (W + (M - m) * S) : 0.0f;
         S = a * S;
       }
       M = m;
     }
     const float b = std::exp(ref - M);  // ref <= M
-    S += b * sc;
-    W += b * (wc + (ref - M) * sc);
+    if (b > 0.0f) {  // as above: a chunk far below the max adds nothing
+      S += b * sc;
+      W += b * (wc + (ref - M) * sc);
+    }
   }
   job.stats[t] = RowStats{M, S, W};
   if constexpr (kGrad) {
@@ -439,6 +454,7 @@ THDPACK_INLINE void GradRowsFloat(const Job& job, int64_t begin, int64_t end) {
   const F zero = Splat<F>(0.0f);
   const float scale = static_cast<float>(job.scale);
   const F vscale = Splat<F>(scale);
+  const F lo = Splat<F>(kExpFloor);
   for (int64_t t = begin; t < end; ++t) {
     const In* row = reinterpret_cast<const In*>(job.logits) + t * V;
     In* out = reinterpret_cast<In*>(job.grad) + t * V;
@@ -451,7 +467,8 @@ THDPACK_INLINE void GradRowsFloat(const Job& job, int64_t begin, int64_t end) {
     int64_t j = 0;
     for (; j + kL <= V; j += kL) {
       const F z = Load<VecT>(row + j);
-      Store<VecT>(out + j, z == ninf ? zero : ExpV<VecT>(z - vl) * vscale);
+      Store<VecT>(out + j,
+                  z == ninf ? zero : ExpV<VecT>(ClampBelow<VecT>(z - vl, lo)) * vscale);
     }
     for (; j < V; ++j) {
       const float z = ToFloat(row[j]);
@@ -574,21 +591,25 @@ void ForwardRowsF64(const Job& job, int64_t begin, int64_t end) {
         if (z == -kInf) continue;
         const double e = std::exp(z - m);
         sc += e;
-        wc += e * (z - m);
+        if (e > 0) wc += e * (z - m);
       }
+      // Rescales that underflow to 0 drop their terms whole (0 * -inf would be NaN): see the
+      // float rows.
       if (m > M) {
         if (M == -kInf) {
           S = W = 0;
         } else {
           const double a = std::exp(M - m);
-          W = a * (W + (M - m) * S);
+          W = a > 0 ? a * (W + (M - m) * S) : 0.0;
           S = a * S;
         }
         M = m;
       }
       const double b = std::exp(m - M);
-      S += b * sc;
-      W += b * (wc + (m - M) * sc);
+      if (b > 0) {
+        S += b * sc;
+        W += b * (wc + (m - M) * sc);
+      }
     }
     job.stats[t] = RowStats{M, S, W};
     if (out) {
@@ -848,6 +869,7 @@ Result<VocabParallelCombined> CombineVocabPartials(
       const VocabPartial& q = part[t];
       if (q.max == -kInf) continue;
       const double b = std::exp(q.max - M);
+      if (b == 0) continue;  // a partial far below the max adds nothing (0 * -inf is NaN)
       S += b * q.sum_exp;
       W += b * (q.sum_exp_shifted + (q.max - M) * q.sum_exp);
     }

@@ -384,10 +384,14 @@ TEST(CrossEntropyTest, MinusInfinityLogitsHaveZeroProbability) {
 
 // Rows shaped to reach every branch of the chunked pass: a first chunk far below a later
 // one (the chunk is redone relative to its own max), a chunk of only -inf, a row starting
-// with -inf, and a last partial vector.
+// with -inf, and a last partial vector; and rows masked with the dtype's lowest finite value
+// (masked_fill with finfo.min: exp underflows while the shifted term z - max does not).
 void ExpectLateLargeAndMinusInfinityChunksMatch(LogitsDtype d) {
   SCOPED_TRACE(LogitsDtypeName(d));
-  const int64_t T = 4, V = 3 * 2048 + 37;
+  const double lowest = d == LogitsDtype::kFloat64    ? -std::numeric_limits<double>::max()
+                        : d == LogitsDtype::kBFloat16 ? BFloat16{0xff7f}.ToFloat()
+                                                      : -std::numeric_limits<float>::max();
+  const int64_t T = 6, V = 3 * 2048 + 37;
   Logits l(d, T, V);
   std::mt19937_64 rng(8);
   std::normal_distribution<double> z(0.0, 1.0);
@@ -398,13 +402,15 @@ void ExpectLateLargeAndMinusInfinityChunksMatch(LogitsDtype d) {
       if (t == 1 && v >= 2048 && v < 4096) x = -INFINITY;
       if (t == 2 && v < 40) x = -INFINITY;
       if (t == 3 && v == V - 1) x = 25.0;
+      if (t == 4 && v % 2 == 0) x = lowest;                // scattered
+      if (t == 5 && v >= 1000 && v < 5000) x = lowest;     // a masked run across chunks
       l.Set(t * V + v, x);
     }
   }
-  const std::vector<int64_t> labels = {5000, 17, 6000, V - 1};
+  const std::vector<int64_t> labels = {5000, 17, 6000, V - 1, 7, 6100};
   CrossEntropyOptions o;
   o.with_grad = true;
-  o.normalizer = 4;
+  o.normalizer = T;
   auto g = GradBuffer(l);
   auto gr = GradBuffer(l);
   auto r = CrossEntropy(l.View(), {{}, labels, {}, {}}, o, g);
