@@ -82,7 +82,9 @@ def test_kernel_equals_float64(dtype, t, v, ld):
     share.backward()
     assert x.grad.dtype == dtype
     err = (x.grad.double() - grad_ref).abs()
-    bound = GRAD_REL[dtype] * grad_ref.abs() + 1e-6 * 2.0 / n
+    # float16 gradients of a large V are subnormal, where one step is 2^-24.
+    floor = 2 ** -24 if dtype == torch.float16 else 0.0
+    bound = GRAD_REL[dtype] * grad_ref.abs() + 1e-6 * 2.0 / n + floor
     assert bool((err <= bound).all()), float((err - bound).max())
 
 

@@ -58,10 +58,12 @@ def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validat
         grad = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=dev)
     error = torch.zeros(1, dtype=torch.int64, device=dev) if validate else None
     vocab = v if tp_group is None else int(vocab_total)
+    # The row stride; a tensor of at most one row may have any (e.g. a transposed column).
+    ld = logits.stride(0) if t > 1 else v
 
     def call(which, stats):
         _thdpack._cuda_cross_entropy(
-            which, _DTYPES[logits.dtype], logits.data_ptr(), t, v, logits.stride(0),
+            which, _DTYPES[logits.dtype], logits.data_ptr(), t, v, ld,
             labels.data_ptr(), 0 if mask is None else mask.data_ptr(), int(vocab_start),
             vocab if tp_group is not None else 0, float(scale),
             0 if grad is None or which == "partials" else grad.data_ptr(),
