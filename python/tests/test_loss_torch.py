@@ -402,3 +402,26 @@ def test_one_pass_feeds_the_statistics(chunked):
         one.add_shard(None, labels, mask, cu, cu, token_values={"logprob": d["logprob"]})
     with pytest.raises(ValueError, match="token_values"):
         tt.local_loss(logits, labels, mask, 60, token_values=[])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=IDS[:3])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_logits_masked_with_the_lowest_finite_value(dtype, chunked):
+    """masked_fill(mask, finfo.min), scattered and in runs across the C++ kernel's 2048-logit
+    chunks: the exps underflow while the shifted logits do not. Entropy and log-probabilities
+    against float64 on the same logits."""
+    g = torch.Generator().manual_seed(9)
+    t, v = 6, 5031
+    z = (torch.randn(t, v, generator=g, dtype=torch.float64) * 2).to(dtype)
+    low = torch.finfo(dtype).min
+    z[:, ::3] = low
+    z[0, :4000] = low
+    z[1, 2048:4096] = low
+    labels = torch.arange(t) * 3 + 4001
+    lp, ent, _ = tt.token_statistics(z, labels, chunked=chunked)
+    ref = torch.log_softmax(z.double(), -1)
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=tol, atol=tol)
+    torch.testing.assert_close(lp.double(), ref.gather(1, labels[:, None])[:, 0], rtol=tol,
+                               atol=tol)
