@@ -4,6 +4,7 @@ over N - on fresh random inputs: its value and the gradients of hidden and weigh
 size from one row to all of them, both CPU backends (the C++ kernel and the chunked torch
 path), float64, float32 and bfloat16, a grad_output other than 1, one input without a gradient,
 N = 0, and the errors of bad shapes."""
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,30 @@ def test_bad_inputs_are_named():
         tt.linear_loss(hidden, weight, y, torch.tensor([1, 0.5, 1, 1]), 4)
     with pytest.raises(ValueError, match="needs backend 'cuda'"):
         tt.linear_loss(hidden, weight, y, m, 4, tp_group=object(), vocab_total=20)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, None])
+def test_token_values_are_the_unfused_per_token_values(chunk):
+    """linear_loss(..., token_values=d): the whole shard's per-token values, chunk by chunk, equal
+    token_statistics of the unfused logits, and feed LossStatistics like local_loss's."""
+    t, v, hdim = 23, 97, 16
+    hidden, weight, labels, mask = inputs(t, v, hdim, torch.float64, seed=31)
+    n = int(((labels != -100) & (mask != 0)).sum())
+    d = {}
+    tt.linear_loss(hidden.clone().requires_grad_(True), weight, labels, mask, n,
+                   chunk_tokens=chunk, token_values=d).backward()
+    assert set(d) == {"logprob", "entropy", "counted"}
+    lp, ent, counted = tt.token_statistics(hidden @ weight.t(), labels, mask)
+    torch.testing.assert_close(d["logprob"], lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d["entropy"], ent, rtol=1e-12, atol=1e-12)
+    assert torch.equal(d["counted"], counted)
+    cu = np.array([0, 5, 17, 23], np.int32)
+    one, two = tt.LossStatistics(), tt.LossStatistics()
+    one.add_shard(None, labels, mask, cu, cu, token_values=d)
+    two.add_shard(hidden @ weight.t(), labels, mask, cu, cu)
+    assert one.summary() == pytest.approx(two.summary(), rel=1e-12)
+    with pytest.raises(ValueError, match="token_values"):
+        tt.linear_loss(hidden, weight, labels, mask, n, token_values=[])
+    empty = {}
+    tt.linear_loss(hidden[:0], weight, labels[:0], mask[:0], 0, token_values=empty)
+    assert empty["logprob"].shape == (0,) and empty["counted"].shape == (0,)

@@ -66,7 +66,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, n, grad_factor, chunk_tokens, backend,
-                tp, reduce_grad_hidden, want_h, want_w, mm):
+                tp, reduce_grad_hidden, want_h, want_w, mm, token_values):
         t, hdim = hidden.shape
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         rows = _chunk_rows(hidden, weight, chunk_tokens)
@@ -86,16 +86,27 @@ class _LinearLoss(torch.autograd.Function):
                 z = h @ w.t()  # [rows, V]: the one chunk of logits
                 mask = None if loss_mask is None else loss_mask[s:e]
                 # Values checked once for the whole shard (linear_loss): no sync per chunk.
-                logprob, _, _, g = _loss._per_token(z, labels[s:e], mask, n, want,
-                                                    float(grad_factor), False, None, backend,
-                                                    inplace, False, tp, checked=True)
+                logprob, entropy, _, g = _loss._per_token(z, labels[s:e], mask, n, want,
+                                                          float(grad_factor), False, None,
+                                                          backend, inplace, False, tp,
+                                                          checked=True)
                 total += logprob.sum(dtype=torch.float64)
+                if token_values is not None:
+                    if s == 0:  # the backend's per-token dtype, for the whole shard
+                        lp_all = torch.empty(t, dtype=logprob.dtype, device=logprob.device)
+                        en_all = torch.empty(t, dtype=entropy.dtype, device=entropy.device)
+                    lp_all[s:e] = logprob
+                    en_all[s:e] = entropy
                 if want:
                     if want_h:
                         grad_h[s:e] = g @ w
                     if want_w:
                         _accumulate(grad_w, g, h)
                 del z, g
+        if token_values is not None:
+            if t == 0:
+                lp_all = en_all = torch.zeros(0, dtype=acc, device=hidden.device)
+            token_values.update(logprob=lp_all, entropy=en_all)
         if want_h and tp is not None and reduce_grad_hidden:
             dist.all_reduce(grad_h, group=tp[0])
         ctx.grads = (grad_h, grad_w)
@@ -109,18 +120,19 @@ class _LinearLoss(torch.autograd.Function):
             raise RuntimeError("linear_loss: backward ran twice; its gradients were handed to "
                                "autograd the first time (call linear_loss again)")
         ctx.grads = (None, None)
-        one = float(grad_output) == 1.0
+        # Reading a CUDA scalar back would synchronise: there, always scale.
+        one = grad_output.device.type == "cpu" and float(grad_output) == 1.0
         gh = gw = None
         if grad_h is not None:
             gh = grad_h if one else grad_h * grad_output.to(grad_h.dtype)
         if grad_w is not None:
             gw = (grad_w if one else grad_w * grad_output.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.0, *,
                 chunk_tokens=None, backend="auto", tp_group=None, vocab_start=0, vocab_total=0,
-                reduce_grad_hidden=True, validate=True):
+                reduce_grad_hidden=True, validate=True, token_values=None):
     """This (dp, cp) rank's share of the step loss from hidden states and the lm-head weight,
     without [T, V] logits: -sum(counted log p) / N * grad_factor with logits = hidden @ weight.T.
 
@@ -132,7 +144,9 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
     within half the weight's bytes). The labels' and mask's values and N are checked once for the
     whole shard (one device synchronisation, none per chunk); validate=False skips that with
     the CUDA kernel, so that nothing synchronises (bad values then give undefined results; the
-    other backends always check).
+    other backends always check). token_values: a dict that gets the per-token logprob,
+    entropy and counted tensors of the whole shard, as local_loss's (for RL, and for
+    LossStatistics.add_shard(None, ..., token_values=d)).
     """
     n = int(n_loss_tokens)
     if n < 0:
@@ -173,9 +187,14 @@ def linear_loss(hidden, weight, labels, loss_mask, n_loss_tokens, grad_factor=1.
     if check and n < n_valid:  # N is global: never below the whole shard's count
         raise ValueError(f"n_loss_tokens = {n} is smaller than this shard's counted tokens "
                          f"({n_valid}): N must be the GLOBAL loss-token count of the step")
+    if token_values is not None:
+        if not isinstance(token_values, dict):
+            raise ValueError(f"token_values: expected a dict to fill, got "
+                             f"{type(token_values).__name__}")
+        token_values["counted"] = counted
     grad_on = torch.is_grad_enabled()
     want_h = grad_on and hidden.requires_grad
     want_w = grad_on and weight.requires_grad
     return _LinearLoss.apply(hidden, weight, labels, loss_mask, n, float(grad_factor),
                              chunk_tokens, backend, tp, bool(reduce_grad_hidden), want_h, want_w,
-                             mm)
+                             mm, token_values)
