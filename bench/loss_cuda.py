@@ -132,7 +132,9 @@ def methods(args):
             loss = liger(x, y)
             loss.backward()
             return loss, x.grad
-        out.append(("Liger cross-entropy", liger_ce, False))
+        # Liger's kernel writes the gradient over its input: it gets a copy of the logits, as
+        # thdpack's in-place call does, so the reference and the next method see the logits.
+        out.append(("Liger cross-entropy (in place)", liger_ce, True))
     except Exception as e:  # noqa: BLE001 - report what is missing and go on
         print(f"(Liger-Kernel not loaded: {type(e).__name__}: {e})")
     try:
