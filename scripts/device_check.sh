@@ -6,7 +6,9 @@
 #   2. the Python suite against it;
 #   3. the iterator on NCCL at world size 1, beside a gloo world inside the NCCL job;
 #   4. calibrate a llama2-7b-sized layer and the measured-balance benchmark (bench/);
-#   5. the CUDA loss benchmark (bench/loss_cuda.py; the suite's `cuda` tests check it first).
+#   5. the CUDA loss benchmark (bench/loss_cuda.py; the suite's `cuda` tests check it first);
+#   6. the `cuda` tests under compute-sanitizer's memcheck and racecheck (Firecracker machines;
+#      gVisor ones refuse the device, which the log then says).
 # Writes its logs under $OUT when set. Usage: scripts/device_check.sh [STEPS]
 set -uo pipefail
 out=${OUT:-/tmp/device_check}
@@ -36,3 +38,7 @@ run balance python3 bench/balance_measured.py --device cuda --steps "$steps" --o
 cat "$out/balance.log"
 run loss-cuda python3 bench/loss_cuda.py --json "$out/loss_cuda.json"
 cat "$out/loss-cuda.log"
+for tool in memcheck racecheck; do
+  run "sanitizer-$tool" timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider -m cuda -x python/tests/test_loss_cuda.py
+done
