@@ -216,3 +216,59 @@ def test_statistics_on_the_device_equal_the_host_ones():
     assert got["n_tokens"] == want["n_tokens"] and got["n_loss_tokens"] == want["n_loss_tokens"]
     for k in ("loss", "entropy", "ppl"):
         assert got[k] == pytest.approx(want[k], rel=1e-12), k
+
+
+@cuda
+@pytest.mark.cuda
+def test_nothing_synchronises_without_validation():
+    """local_loss and linear_loss with validate=False, and the statistics' device path, make
+    no host synchronisation (torch's sync debug mode turns one into an error)."""
+    import numpy as np
+    logits, labels, mask = make(64, 5003, torch.bfloat16, 3)
+    cu = np.array([0, 30, 64], np.int32)
+    hidden = (torch.randn(64, 32, device="cuda") / 4).bfloat16().requires_grad_(True)
+    weight = (torch.randn(5003, 32, device="cuda") / 4).bfloat16().requires_grad_(True)
+    stats = tt.LossStatistics()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        d = {}
+        x = logits.detach().clone().requires_grad_(True)
+        tt.local_loss(x, labels, mask, 100, backend="cuda", validate=False,
+                      token_values=d).backward()
+        stats.add_shard(None, labels, mask, cu, cu, token_values=d)
+        tt.linear_loss(hidden, weight, labels, mask, 100, chunk_tokens=16, backend="cuda",
+                       validate=False).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert stats.summary()["n_tokens"] == 64
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_kernel_call_is_captured_in_a_cuda_graph():
+    """With validate=False the kernel's call records into a CUDA graph; a replay on new logits
+    gives what a direct call gives."""
+    from thdpack.torch.loss import _per_token
+    logits, labels, mask = make(40, 3001, torch.bfloat16, 8)
+    x = logits.clone()
+
+    def call():
+        return _per_token(x, labels, mask, 50, True, 1.0, False, None, "cuda", False, False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lp, ent, _, grad = call()
+    fresh, _, _ = make(40, 3001, torch.bfloat16, 9)
+    x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_lp, want_ent, _, want_grad = _per_token(fresh, labels, mask, 50, True, 1.0, False, None,
+                                                 "cuda", False, False)
+    assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    assert torch.equal(grad, want_grad)
