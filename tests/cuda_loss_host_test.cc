@@ -272,6 +272,88 @@ TEST(CudaLossHost, LowestFiniteMaskedLogitsKeepTheEntropyFinite) {
   }
 }
 
+// The one-read kernel's arithmetic: each block of a cluster folds its share of the row, the
+// shares' states merge in rank order, and each block writes its share's gradient. Against the
+// reference for every cluster size (shares around the vector width and the block sizes, a last
+// share shorter than the others or empty), aligned rows and not, separate and in place.
+TEST(CudaLossHost, OneReadEqualsTheReferenceForEveryClusterSize) {
+  std::mt19937_64 rng(20261127);
+  const int64_t vs[] = {1, 5, 9, 31, 64, 257, 1031, 4099};
+  for (CudaDtype dtype : kDtypes) {
+    for (int64_t V : vs) {
+      for (int cluster : {1, 2, 4, 8}) {
+        for (int threads : {32, 256}) {
+          for (int layout = 0; layout < 3; ++layout) {
+            const int64_t ld = layout == 0 ? (V + 7) / 8 * 8 : layout == 1 ? V : V + 1;
+            const int offset = layout == 2 ? 1 : 0;
+            Case c = MakeCase(rng, dtype, 7, V, ld, offset, V > 8 && layout == 1);
+            const int64_t N = Counted(c) + 2;
+            std::vector<float> ref_grad;
+            const CrossEntropyResult ref = Reference(c, N, 1.5, &ref_grad);
+            const bool in_place = layout == 0 && cluster == 2;
+            std::vector<float> logprob, entropy;
+            CudaLossArgs a = ArgsOf(c, logprob, entropy);
+            std::vector<std::byte> grad(c.logits.size(), std::byte{0x55});
+            std::vector<std::byte> logits_copy = c.logits;  // in place: the original stays here
+            a.grad = in_place ? const_cast<void*>(a.logits)
+                              : static_cast<void*>(grad.data() + c.offset * ElemSize(dtype));
+            a.grad_scale = static_cast<float>(1.5 / static_cast<double>(N));
+            unsigned long long flag = 0;
+            a.error = &flag;
+            const std::string where = std::string(Name(dtype)) + " V " + std::to_string(V) +
+                                      " cluster " + std::to_string(cluster) + " threads " +
+                                      std::to_string(threads) + " layout " +
+                                      std::to_string(layout) + (in_place ? " in place" : "");
+            ASSERT_TRUE(CrossEntropyOneReadHost(a, cluster, threads).ok()) << where;
+            EXPECT_EQ(flag, 0u) << where;
+            CompareTokens(ref, logprob, entropy, where);
+            CompareGrad(c, in_place ? c.logits : grad, ref_grad, a.grad_scale, where);
+            c.logits = logits_copy;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaLossHost, OneReadPlanSplitsLargeRowsOverClusters) {
+  // One block's share is at most 96 KB.
+  CudaOneReadPlan p = CudaLossOneReadPlan(CudaDtype::kBFloat16, 32000);
+  EXPECT_EQ(p.cluster, 1);
+  EXPECT_EQ(p.slice, 32000);
+  EXPECT_EQ(p.threads, 512);
+  p = CudaLossOneReadPlan(CudaDtype::kBFloat16, 151936);  // 297 KB: four shares of 74 KB
+  EXPECT_EQ(p.cluster, 4);
+  EXPECT_EQ(p.slice, 37984);
+  EXPECT_EQ(p.slice % 8, 0);
+  p = CudaLossOneReadPlan(CudaDtype::kFloat32, 151936);  // 594 KB: eight of 74 KB
+  EXPECT_EQ(p.cluster, 8);
+  EXPECT_EQ(p.slice, 18992);
+  p = CudaLossOneReadPlan(CudaDtype::kFloat16, 49153);  // just over one share
+  EXPECT_EQ(p.cluster, 2);
+  EXPECT_EQ(p.slice, 24584);
+  p = CudaLossOneReadPlan(CudaDtype::kBFloat16, 400000);  // more than 8 shares: not planned
+  EXPECT_EQ(p.cluster, 0);
+  for (CudaDtype d : kDtypes) {
+    for (int64_t V : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{151936}, int64_t{262144}}) {
+      const CudaOneReadPlan q = CudaLossOneReadPlan(d, V);
+      if (q.cluster == 0) continue;
+      EXPECT_GE(q.slice * q.cluster, V);
+      EXPECT_LT((q.cluster - 1) * q.slice, V) << "every block holds columns";
+      EXPECT_LE(q.slice * ElemSize(d), kCudaOneReadSliceBytes);
+    }
+  }
+  // Argument checks: the cluster size, and the whole vocabulary as the fused call.
+  std::mt19937_64 rng(5);
+  Case c = MakeCase(rng, CudaDtype::kFloat32, 2, 40, 40, 0);
+  std::vector<float> lp, en;
+  CudaLossArgs a = ArgsOf(c, lp, en);
+  EXPECT_NE(CrossEntropyOneReadHost(a, 3, 256).message().find("1, 2, 4 or 8"), std::string::npos);
+  a.vocab_total = 80;
+  EXPECT_NE(CrossEntropyOneReadHost(a, 2, 256).message().find("whole vocabulary"),
+            std::string::npos);
+}
+
 TEST(CudaLossHost, InPlaceAndNoGradientAndZeroN) {
   std::mt19937_64 rng(7);
   for (CudaDtype dtype : kDtypes) {

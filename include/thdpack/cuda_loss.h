@@ -16,6 +16,14 @@
 //   CrossEntropyFused     one kernel: each row read for its statistics, then again for its
 //                         gradient: the logits are read twice and the gradient written once.
 //                         It takes the whole vocabulary (vocab_start 0, vocab_total 0 or V).
+//   CrossEntropyOneRead   the same results with each row read ONCE: staged in shared memory
+//                         while its statistics are taken, the gradient written from there. A
+//                         row larger than one block's share (kCudaOneReadSliceBytes) is split
+//                         over a thread-block cluster of 2, 4 or 8 blocks that merge their
+//                         states through distributed shared memory (sm_90; Unimplemented on an
+//                         older device, and for rows of more than 8 shares). The whole
+//                         vocabulary, as the fused call. Its states merge in another order than
+//                         the fused call's, so the two agree to fp32 rounding, not bit for bit.
 //   vocab-parallel (TP): CrossEntropyPartials writes each row's partial state (RowStats, 16
 //   bytes); the caller all-gathers the partials of the TP ranks over its TP group (one
 //   collective), CombinePartials merges them (every rank the same), and CrossEntropyFinish
@@ -82,6 +90,7 @@ struct CudaLossArgs {
 bool CudaLossBuilt();
 
 [[nodiscard]] Status CrossEntropyFused(const CudaLossArgs& args, void* stream);
+[[nodiscard]] Status CrossEntropyOneRead(const CudaLossArgs& args, void* stream);
 [[nodiscard]] Status CrossEntropyPartials(const CudaLossArgs& args, void* stream);
 // gathered: [tp][T] partials of the TP ranks (rank order), out: [T]. Device pointers.
 [[nodiscard]] Status CombinePartials(const RowStats* gathered, int tp, int64_t num_tokens,
@@ -98,10 +107,30 @@ bool CudaLossBuilt();
 [[nodiscard]] Status CombinePartialsHost(const RowStats* gathered, int tp, int64_t num_tokens,
                                          RowStats* out);
 [[nodiscard]] Status CrossEntropyFinishHost(const CudaLossArgs& args, int block_threads);
+// CrossEntropyOneRead on the CPU with a cluster of `cluster` blocks (1, 2, 4 or 8; the GPU call
+// takes CudaLossOneReadPlan's) of block_threads simulated threads each.
+[[nodiscard]] Status CrossEntropyOneReadHost(const CudaLossArgs& args, int cluster,
+                                             int block_threads);
 
 // The threads per row block the kernels use for V columns (the Host functions take it to
 // simulate the same split): 256 below 16,384 columns, else 512, else 1024 from 65,536.
 int CudaLossBlockThreads(int64_t vocab_size);
+
+// The one-read kernel's split of a row: `cluster` blocks (0: the row is larger than 8 shares,
+// or V < 1),
+// each staging `slice` columns (a multiple of a 16-byte vector; the last block the rest) with
+// `threads` threads. A share is at most kCudaOneReadSliceBytes, so that two blocks fit one
+// multiprocessor's shared memory and one block's reads overlap another's writes.
+inline constexpr int64_t kCudaOneReadSliceBytes = 96 * 1024;
+struct CudaOneReadPlan {
+  int cluster = 0;
+  int64_t slice = 0;
+  int threads = 0;
+};
+CudaOneReadPlan CudaLossOneReadPlan(CudaDtype dtype, int64_t vocab_size);
+// The columns a block of a cluster of `cluster` blocks stages: ceil(V / cluster), rounded up
+// to a whole 16-byte vector.
+int64_t CudaLossOneReadSlice(CudaDtype dtype, int64_t vocab_size, int cluster);
 
 }  // namespace thdpack
 

@@ -159,6 +159,47 @@ void FinishRows(const CudaLossArgs& a, int n) {
   }
 }
 
+template <int kDtype>
+void OneReadRows(const CudaLossArgs& a, int cs, int64_t slice, int n) {
+  using Bits = typename Elem<kDtype>::Bits;
+  for (int64_t r = 0; r < a.num_tokens; ++r) {
+    const Bits* x = static_cast<const Bits*>(a.logits) + r * Ld(a);
+    Bits* g = a.grad == nullptr ? nullptr : static_cast<Bits*>(a.grad) + r * Ld(a);
+    bool counted = RowCounted(a, r);
+    const int64_t y = counted ? a.labels[r] : -1;
+    // Block c of the cluster: columns [c * slice, min(V, c * slice + slice)).
+    auto columns = [&](int c, int64_t* begin, int64_t* count) {
+      *begin = c * slice;
+      const int64_t end = *begin + slice < a.vocab_size ? *begin + slice : a.vocab_size;
+      *count = end > *begin ? end - *begin : 0;
+    };
+    auto vectors_of = [&](int64_t begin) {
+      return Aligned16(x + begin) && (g == nullptr || Aligned16(g + begin));
+    };
+    float lse = 0, logprob = 0, entropy = 0;
+    if (counted) {
+      RowState row = kernels::EmptyState();  // the blocks' states merged in rank order
+      for (int c = 0; c < cs; ++c) {
+        int64_t begin = 0, count = 0;
+        columns(c, &begin, &count);
+        const RowState st = RowPass<kDtype>(x + begin, count, vectors_of(begin), n);
+        row = cs == 1 ? st : kernels::MergeStates(row, st);
+      }
+      counted = kernels::RowOutputs(row, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
+      if (!counted) Flag(a, kernels::kNonFiniteRow, r);
+    }
+    if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
+    if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
+    if (g == nullptr) continue;
+    for (int c = 0; c < cs; ++c) {
+      int64_t begin = 0, count = 0;
+      columns(c, &begin, &count);
+      GradPass<kDtype>(x + begin, g + begin, count, vectors_of(begin), counted, lse, y - begin,
+                       a.grad_scale, n);
+    }
+  }
+}
+
 template <template <int> class Rows>
 Status ByDtype(const CudaLossArgs& a, int n) {
   switch (a.dtype) {
@@ -202,6 +243,22 @@ Status CrossEntropyFinishHost(const CudaLossArgs& args, int block_threads) {
   return ByDtype<Finish>(args, block_threads);
 }
 
+Status CrossEntropyOneReadHost(const CudaLossArgs& args, int cluster, int block_threads) {
+  THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyOneReadHost", false));
+  if (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8) {
+    return Status::InvalidArgument("CrossEntropyOneReadHost: cluster = " +
+                                   std::to_string(cluster) + ": must be 1, 2, 4 or 8");
+  }
+  const int64_t slice = CudaLossOneReadSlice(args.dtype, args.vocab_size, cluster);
+  switch (args.dtype) {
+    case CudaDtype::kFloat32: OneReadRows<kernels::kF32>(args, cluster, slice, block_threads); break;
+    case CudaDtype::kBFloat16: OneReadRows<kernels::kBF16>(args, cluster, slice, block_threads); break;
+    case CudaDtype::kFloat16: OneReadRows<kernels::kF16>(args, cluster, slice, block_threads); break;
+  }
+  return Status::Ok();
+}
+
 Status CombinePartialsHost(const RowStats* gathered, int tp, int64_t num_tokens, RowStats* out) {
   for (int64_t r = 0; r < num_tokens; ++r) {
     RowState st = kernels::EmptyState();
@@ -214,6 +271,24 @@ Status CombinePartialsHost(const RowStats* gathered, int tp, int64_t num_tokens,
     out[r] = RowStats{st.m, st.s, st.t, target};
   }
   return Status::Ok();
+}
+
+int64_t CudaLossOneReadSlice(CudaDtype dtype, int64_t vocab_size, int cluster) {
+  const int64_t vec = dtype == CudaDtype::kFloat32 ? 4 : 8;  // elements of a 16-byte vector
+  const int64_t share = (vocab_size + cluster - 1) / cluster;
+  return (share + vec - 1) / vec * vec;
+}
+
+CudaOneReadPlan CudaLossOneReadPlan(CudaDtype dtype, int64_t vocab_size) {
+  if (vocab_size < 1 || vocab_size > (int64_t{1} << 40)) return CudaOneReadPlan{};
+  const int64_t elem = dtype == CudaDtype::kFloat32 ? 4 : 2;
+  for (int cluster = 1; cluster <= 8; cluster *= 2) {
+    const int64_t slice = CudaLossOneReadSlice(dtype, vocab_size, cluster);
+    if (slice * elem <= kCudaOneReadSliceBytes) {
+      return CudaOneReadPlan{cluster, slice, CudaLossBlockThreads(slice)};
+    }
+  }
+  return CudaOneReadPlan{};
 }
 
 int CudaLossBlockThreads(int64_t vocab_size) {

@@ -7,10 +7,15 @@
 // again - from L2 when it is still there - and writes the gradient in the same vectors. Every
 // formula is ce_row.h's, which ce_host.cc runs on the CPU in the same order.
 //
+// The one-read kernel (OneReadKernel, below) stages each row in shared memory instead, split
+// over a thread-block cluster when it is larger than one block's share, so that the logits
+// are read once.
+//
 // Block size: 256 threads below 16,384 columns, 512 below 65,536, else 1024
 // (CudaLossBlockThreads): enough 16-byte loads in flight per row to cover the latency of HBM
 // with one block per row, and at V = 151,936 bf16 about 19 vectors per thread. To be tuned on
 // the GPU by bench/loss_cuda.py.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "kernels/ce_launch.h"
@@ -222,6 +227,138 @@ __global__ void __launch_bounds__(kThreads) FinishKernel(CeArgs a) {
                                                a.grad_scale);
 }
 
+// ---- the one-read kernel: each row staged in shared memory, over a cluster when large ----
+//
+// Block c of a cluster of `cs` blocks (1-D clusters: c = blockIdx.x % cs) takes row
+// blockIdx.x / cs's columns [c * slice, c * slice + slice), reads them from global memory once
+// into its shared memory while folding them into its state (the same per-thread columns and
+// block merge as RowPass), and publishes that state. After a cluster barrier every block merges
+// the cluster's states in rank order through distributed shared memory (every block the same
+// row state), block 0 reads the target logit from the block that holds it, and a second
+// barrier lets no block leave while another still reads its shared memory. Then each block
+// writes the gradient of its columns from its shared copy: the logits are read once and the
+// gradient written once (in place too: a block overwrites only the columns it has staged).
+// Clusters of more than one block need sm_90; CeOneRead refuses them elsewhere.
+template <int kDtype, int kThreads>
+__global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int64_t slice) {
+  using E = Elem<kDtype>;
+  using Bits = typename E::Bits;
+  using VT = Vec<kDtype>;
+  extern __shared__ uint4 staged_raw[];
+  Bits* staged = reinterpret_cast<Bits*>(staged_raw);
+  const int64_t r = blockIdx.x / cs;
+  const int c = static_cast<int>(blockIdx.x % cs);
+  const int64_t ld = a.ld > 0 ? a.ld : a.vocab_size;
+  const int64_t vocab_total = a.vocab_total > 0 ? a.vocab_total : a.vocab_size;
+  const int64_t begin = c * slice;
+  const int64_t end = begin + slice < a.vocab_size ? begin + slice : a.vocab_size;
+  const int64_t n = end > begin ? end - begin : 0;
+  const Bits* x = static_cast<const Bits*>(a.logits) + r * ld + begin;
+  Bits* g = a.grad == nullptr ? nullptr : static_cast<Bits*>(a.grad) + r * ld + begin;
+  // Every block of the cluster finds the same rule; block 0 alone flags a bad row.
+  const int rule =
+      RowRule(a.labels[r], a.loss_mask == nullptr ? 1.0f : a.loss_mask[r], vocab_total);
+  if (rule > 0 && c == 0) FlagRow(a, rule, r);
+  bool counted = rule == kCounted;
+  const int64_t y = counted ? a.labels[r] : -1;
+  const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
+  float lse = 0.0f;
+  if (counted) {  // the same for every block of the cluster: all of them reach the barriers
+    const bool read_only = g != static_cast<const void*>(x);
+    RowState st = EmptyState();
+    ForEachColumn(
+        threadIdx.x, kThreads, n, VT::kN, vectors,
+        [&](int64_t k) {
+          const uint4* p = reinterpret_cast<const uint4*>(x) + k;
+          typename VT::U u;
+          u.raw = read_only ? __ldg(p) : *p;
+          staged_raw[k] = u.raw;
+#pragma unroll
+          for (int e = 0; e < VT::kN; ++e) AddLogit(st, E::ToFloat(u.e[e]));
+        },
+        [&](int64_t v) {
+          const Bits b = x[v];
+          staged[v] = b;
+          AddLogit(st, E::ToFloat(b));
+        });
+    st = BlockMerge<kThreads>(st);  // its barriers also make `staged` whole for the block
+    RowState row = st;
+    float target = 0.0f;
+    if (cs > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      namespace cg = cooperative_groups;
+      __shared__ RowState published;  // this block's state, read by the cluster's blocks
+      cg::cluster_group cluster = cg::this_cluster();
+      if (threadIdx.x == 0) published = st;
+      cluster.sync();
+      row = EmptyState();
+      for (int k = 0; k < cs; ++k) row = MergeStates(row, *cluster.map_shared_rank(&published, k));
+      if (c == 0 && threadIdx.x == 0) {
+        const int owner = static_cast<int>(y / slice);
+        target = E::ToFloat(*cluster.map_shared_rank(staged + (y - owner * slice), owner));
+      }
+      cluster.sync();  // no block leaves (or is overwritten) while another reads its memory
+#else
+      __trap();  // CeOneRead launches clusters on sm_90 only
+#endif
+    } else if (threadIdx.x == 0) {
+      target = E::ToFloat(staged[y]);
+    }
+    float logprob = 0.0f, entropy = 0.0f;
+    if (c == 0 && threadIdx.x == 0) {
+      counted = RowOutputs(row, target, lse, logprob, entropy);
+      if (!counted) FlagRow(a, kNonFiniteRow, r);
+      if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
+      if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
+    }
+    // Every thread of every block: the same finiteness and log-sum-exp as block 0's thread 0.
+    counted = RowFinite(row);
+    lse = counted ? RowLse(row) : 0.0f;
+  } else if (c == 0 && threadIdx.x == 0) {
+    if (a.logprob != nullptr) a.logprob[r] = 0.0f;
+    if (a.entropy != nullptr) a.entropy[r] = 0.0f;
+  }
+  if (g != nullptr) {
+    GradPass<kDtype, kThreads>(staged, g, n, vectors, counted, lse, y - begin, a.grad_scale);
+  }
+}
+
+template <int kDtype, int kThreads>
+int LaunchOneReadAt(const CeArgs& a, int cs, int64_t slice, cudaStream_t s) {
+  const int64_t bytes = (slice * static_cast<int64_t>(sizeof(typename Elem<kDtype>::Bits)) + 15) /
+                        16 * 16;
+  auto kernel = OneReadKernel<kDtype, kThreads>;
+  if (bytes > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.num_tokens * cs));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(bytes);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cs);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cs > 1 ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a, cs, slice);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int kDtype>
+int LaunchOneRead(const CeArgs& a, int cs, int64_t slice, int threads, cudaStream_t s) {
+  switch (threads) {  // a share is at most 96 KB: 48K bf16 columns, 512 threads (the plan)
+    case 256: return LaunchOneReadAt<kDtype, 256>(a, cs, slice, s);
+    case 512: return LaunchOneReadAt<kDtype, 512>(a, cs, slice, s);
+  }
+  return static_cast<int>(cudaErrorInvalidConfiguration);
+}
+
 #define THDPACK_CE_KERNEL_TABLE(Kernel)                                                    \
   template <int kDtype>                                                                   \
   int Launch##Kernel(const CeArgs& a, int threads, cudaStream_t s) {                      \
@@ -261,6 +398,24 @@ int CePartials(const CeArgs& a, int block_threads, void* stream) {
 
 int CeFinish(const CeArgs& a, int block_threads, void* stream) {
   return LaunchFinishKernelAny(a, block_threads, static_cast<cudaStream_t>(stream));
+}
+
+int CeOneRead(const CeArgs& a, int cluster, int64_t slice, int block_threads, void* stream) {
+  if (a.num_tokens == 0) return 0;
+  if (cluster > 1) {  // thread-block clusters: sm_90 and later
+    int device = 0, major = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (major < 9) return kCeNeedsClusters;
+  }
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case kF32: return LaunchOneRead<kF32>(a, cluster, slice, block_threads, s);
+    case kBF16: return LaunchOneRead<kBF16>(a, cluster, slice, block_threads, s);
+    case kF16: return LaunchOneRead<kF16>(a, cluster, slice, block_threads, s);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 int CeCombine(const void* gathered, int tp, int64_t num_tokens, void* out, void* stream) {

@@ -11,6 +11,7 @@
 namespace thdpack::kernels {
 
 inline constexpr int kCeNotBuilt = -1;
+inline constexpr int kCeNeedsClusters = -2;  // a cluster of blocks on a device before sm_90
 
 // thdpack::CudaLossArgs, field for field (cuda_loss.cc copies one into the other).
 struct CeArgs {
@@ -34,6 +35,9 @@ struct CeArgs {
 int CeFused(const CeArgs& a, int block_threads, void* stream);
 int CePartials(const CeArgs& a, int block_threads, void* stream);
 int CeCombine(const void* gathered, int tp, int64_t num_tokens, void* out, void* stream);
+// The one-read kernel: clusters of `cluster` blocks of `block_threads`, each staging `slice`
+// columns of a row (CudaLossOneReadPlan).
+int CeOneRead(const CeArgs& a, int cluster, int64_t slice, int block_threads, void* stream);
 int CeFinish(const CeArgs& a, int block_threads, void* stream);
 const char* CeErrorString(int code);
 bool CeBuilt();

@@ -75,6 +75,11 @@ Status FromLaunch(int code, const char* call) {
     return Status::Unimplemented(std::string(call) +
                                  ": thdpack was built without CUDA (THDPACK_WITH_CUDA, nvcc)");
   }
+  if (code == kernels::kCeNeedsClusters) {
+    return Status::Unimplemented(std::string(call) +
+                                 ": this row needs a thread-block cluster, which this device "
+                                 "(before sm_90) does not have: use CrossEntropyFused");
+  }
   return Status::Internal(std::string(call) + ": CUDA error " + std::to_string(code) + " (" +
                           kernels::CeErrorString(code) + ")");
 }
@@ -88,6 +93,26 @@ Status CrossEntropyFused(const CudaLossArgs& args, void* stream) {
   return FromLaunch(
       kernels::CeFused(ToLaunch(args), CudaLossBlockThreads(args.vocab_size), stream),
       "CrossEntropyFused");
+}
+
+Status CrossEntropyOneRead(const CudaLossArgs& args, void* stream) {
+  THDPACK_RETURN_IF_ERROR(CheckCudaLossArgs(args, "CrossEntropyOneRead", false));
+  const CudaOneReadPlan plan = CudaLossOneReadPlan(args.dtype, args.vocab_size);
+  if (plan.cluster == 0) {
+    return Status::Unimplemented("CrossEntropyOneRead: a row of " +
+                                 std::to_string(args.vocab_size) +
+                                 " columns is larger than 8 blocks' shared memory: use "
+                                 "CrossEntropyFused");
+  }
+  if (args.num_tokens * plan.cluster > 0x7fffffff) {
+    return Status::InvalidArgument("CrossEntropyOneRead: num_tokens = " +
+                                   std::to_string(args.num_tokens) + " rows of " +
+                                   std::to_string(plan.cluster) +
+                                   " blocks each exceed the grid's 2^31 - 1 blocks");
+  }
+  return FromLaunch(kernels::CeOneRead(ToLaunch(args), plan.cluster, plan.slice, plan.threads,
+                                       stream),
+                    "CrossEntropyOneRead");
 }
 
 Status CrossEntropyPartials(const CudaLossArgs& args, void* stream) {

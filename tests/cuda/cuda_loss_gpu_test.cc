@@ -97,8 +97,10 @@ struct Outputs {
   unsigned long long flag = 0;
 };
 
-// Runs the fused kernel (or partials/combine/finish over `cuts` when given) on the GPU.
-Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64_t>& cuts = {}) {
+// Runs the fused kernel (the one-read kernel with one_read; partials/combine/finish over
+// `cuts` when given) on the GPU.
+Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64_t>& cuts = {},
+              bool one_read = false) {
   Outputs o;
   Dev<uint8_t> x(r.bytes.size()), g(r.bytes.size());
   Dev<int64_t> y(r.labels.size());
@@ -121,7 +123,10 @@ Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64
   a.logprob = lp.p;
   a.entropy = en.p;
   a.error = flag.p;
-  if (cuts.empty()) {
+  if (one_read) {
+    const Status st = CrossEntropyOneRead(a, nullptr);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  } else if (cuts.empty()) {
     EXPECT_TRUE(CrossEntropyFused(a, nullptr).ok());
   } else {
     // Each rank's columns as its own [T, V_k] array at ld = V_k... here simply views of the
@@ -157,7 +162,8 @@ Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64
   return o;
 }
 
-Outputs OnHost(const Rows& r, float scale) {
+// The CPU execution of the fused kernel, or of the one-read kernel with its GPU plan.
+Outputs OnHost(const Rows& r, float scale, bool one_read = false) {
   Outputs o;
   std::vector<uint8_t> x = r.bytes;
   o.grad.assign(r.bytes.size(), 0);
@@ -176,7 +182,12 @@ Outputs OnHost(const Rows& r, float scale) {
   a.logprob = o.logprob.data();
   a.entropy = o.entropy.data();
   a.error = &o.flag;
-  EXPECT_TRUE(CrossEntropyFusedHost(a, CudaLossBlockThreads(r.V)).ok());
+  if (one_read) {
+    const CudaOneReadPlan plan = CudaLossOneReadPlan(r.dtype, r.V);
+    EXPECT_TRUE(CrossEntropyOneReadHost(a, plan.cluster, plan.threads).ok());
+  } else {
+    EXPECT_TRUE(CrossEntropyFusedHost(a, CudaLossBlockThreads(r.V)).ok());
+  }
   return o;
 }
 
@@ -218,6 +229,32 @@ TEST(CudaLossGpu, FusedEqualsTheCpuExecution) {
         const Outputs host = OnHost(r, scale);
         Compare(r, OnGpu(r, scale, false), host, scale, where);
         Compare(r, OnGpu(r, scale, true), host, scale, where + " in place");
+      }
+    }
+  }
+}
+
+// Clusters of 1 (V up to 48K bf16 columns), 2, 4 (151,936 bf16) and 8 (151,936 float32, and
+// 300,000 bf16) blocks; sm_90 for clusters of more than one.
+TEST(CudaLossGpu, OneReadEqualsTheCpuExecution) {
+  SKIP_WITHOUT_GPU();
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  std::mt19937_64 rng(4);
+  for (CudaDtype d : {CudaDtype::kFloat32, CudaDtype::kBFloat16, CudaDtype::kFloat16}) {
+    for (int64_t V : {7, 1000, 4099, 32000, 49153, 151936, 300000}) {
+      const CudaOneReadPlan plan = CudaLossOneReadPlan(d, V);
+      if (plan.cluster == 0 || (plan.cluster > 1 && major < 9)) continue;
+      for (int64_t ld : {V, V + 1, (V + 7) / 8 * 8}) {
+        const Rows r = Make(rng, d, 13, V, ld);
+        const float scale = 1.0f / 11;
+        const std::string where = "one read dtype " + std::to_string(static_cast<int>(d)) +
+                                  " V " + std::to_string(V) + " ld " + std::to_string(ld) +
+                                  " cluster " + std::to_string(plan.cluster);
+        const Outputs host = OnHost(r, scale, true);
+        Compare(r, OnGpu(r, scale, false, {}, true), host, scale, where);
+        Compare(r, OnGpu(r, scale, true, {}, true), host, scale, where + " in place");
       }
     }
   }
