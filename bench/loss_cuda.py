@@ -8,12 +8,14 @@ of --repeat runs after a warm-up), and for each:
   time      milliseconds
   floor     time / the three-pass floor (read the logits twice, write the gradient once, at the
             card's device-to-device copy bandwidth measured here); the two-pass floor is the copy
-            itself
+            itself (the one-read kernel's goal: its rows are read once); /2-pass is time over it
   extra     peak memory beyond the logits and the gradient the method returns, as a multiple of
             the logits' bytes (in place: beyond the logits alone)
   loss err  |loss - the float64 loss| / |float64 loss|
   grad err  the largest |grad - float64 grad| over the largest |float64 grad| of its row
 Methods: thdpack's kernel with a separate gradient and in place (local_loss(backend="cuda")),
+its one-read kernel (rows staged in shared memory, a cluster of blocks per large row; sm_90 for
+clusters, where it does not run the fused kernel runs instead),
 thdpack's chunked torch path (backend="torch"), F.cross_entropy on the bf16 logits, on
 logits.float(), torch.compile of the latter, and Liger-Kernel's cross-entropy and Cut
 Cross-Entropy where they import (carry their wheels to the device). A method that runs out of
@@ -99,6 +101,17 @@ def methods(args):
         loss.backward()
         return loss, x.grad
 
+    def thdpack_one_read(logits, labels, mask, n, inplace=False):
+        """The one-read kernel (each row staged in shared memory, split over a cluster when
+        large) through the same call."""
+        from thdpack.torch import _loss_cuda
+        saved = _loss_cuda.ONE_READ_BY_DEFAULT
+        _loss_cuda.ONE_READ_BY_DEFAULT = True
+        try:
+            return thdpack_kernel(logits, labels, mask, n, inplace)
+        finally:
+            _loss_cuda.ONE_READ_BY_DEFAULT = saved
+
     def thdpack_torch(logits, labels, mask, n):
         x = logits.detach().requires_grad_(True)
         loss = tt.local_loss(x, labels, mask, n, backend="torch")
@@ -115,6 +128,9 @@ def methods(args):
 
     out = [("thdpack kernel", thdpack_kernel, False),
            ("thdpack kernel, in place", lambda *a: thdpack_kernel(*a, inplace=True), True),
+           ("thdpack one-read kernel", thdpack_one_read, False),
+           ("thdpack one-read kernel, in place",
+            lambda *a: thdpack_one_read(*a, inplace=True), True),
            ("thdpack chunked torch", thdpack_torch, False),
            ("F.cross_entropy bf16", torch_ce, False),
            ("F.cross_entropy float", lambda *a: torch_ce(*a, upcast=True), False)]
@@ -175,8 +191,8 @@ def run(args):
         print(f"\n{t} x {v} {str(dtype).replace('torch.', '')}: logits {nbytes / 1e9:.2f} GB; "
               f"copy (two-pass floor) {floor2:.2f} ms = {2 * nbytes / floor2 / 1e9:.0f} GB/s; "
               f"three-pass floor {floor3:.2f} ms")
-        print(f"  {'method':40s} {'time ms':>9s} {'/3-pass':>8s} {'extra':>7s} {'loss err':>9s} "
-              f"{'grad err':>9s}")
+        print(f"  {'method':40s} {'time ms':>9s} {'/3-pass':>8s} {'/2-pass':>8s} {'extra':>7s} "
+              f"{'loss err':>9s} {'grad err':>9s}")
         for name, fn, inplace in table:
             work = logits.clone() if inplace else logits
             try:
@@ -197,8 +213,8 @@ def run(args):
                     ms -= events_time(lambda: logits.clone(), args.repeat)  # the clone's share
                 else:
                     ms = events_time(lambda: fn(logits, labels, mask, n), args.repeat)
-                print(f"  {name:40s} {ms:9.2f} {ms / floor3:8.2f} {extra:6.2f}x {loss_err:9.1e} "
-                      f"{g_err:9.1e}", flush=True)
+                print(f"  {name:40s} {ms:9.2f} {ms / floor3:8.2f} {ms / floor2:8.2f} {extra:6.2f}x "
+                      f"{loss_err:9.1e} {g_err:9.1e}", flush=True)
                 rows.append(dict(shape=f"{t}x{v}", dtype=str(dtype), method=name, ms=ms,
                                  over_floor3=ms / floor3, extra=extra, loss_err=loss_err,
                                  grad_err=g_err, floor2_ms=floor2))

@@ -5,7 +5,9 @@
 //   thdpack._thdpack.cuda_loss_built() -> bool: whether this build has the kernels
 //   thdpack._thdpack._cuda_cross_entropy(call, dtype, logits, T, V, ld, labels, loss_mask,
 //       vocab_start, vocab_total, grad_scale, grad, logprob, entropy, stats, error, stream)
-//       call: "fused" | "partials" | "finish"; pointers as ints (0: none)
+//       call: "fused" | "one_read" | "partials" | "finish"; pointers as ints (0: none)
+//   thdpack._thdpack._cuda_one_read_plan(dtype, V) -> (cluster, slice, threads): the one-read
+//       kernel's split of a row (cluster 0: too large for it)
 //   thdpack._thdpack._cuda_combine_partials(gathered, tp, T, out, stream)
 //   thdpack._thdpack._cuda_loss_error(flag, vocab_total): ValueError naming the token for a
 //       nonzero device error flag, None for 0
@@ -51,12 +53,14 @@ void CrossEntropyCall(const std::string& call, int dtype, uint64_t logits, int64
   Status s;
   if (call == "fused") {
     s = CrossEntropyFused(a, Ptr(stream));
+  } else if (call == "one_read") {
+    s = CrossEntropyOneRead(a, Ptr(stream));
   } else if (call == "partials") {
     s = CrossEntropyPartials(a, Ptr(stream));
   } else if (call == "finish") {
     s = CrossEntropyFinish(a, Ptr(stream));
   } else {
-    throw py::value_error("call \"" + call + "\": expected fused, partials or finish");
+    throw py::value_error("call \"" + call + "\": expected fused, one_read, partials or finish");
   }
   ThrowIfError(s);
 }
@@ -71,6 +75,14 @@ void BindCudaLoss(py::module_& m) {
         py::arg("labels"), py::arg("loss_mask"), py::arg("vocab_start"), py::arg("vocab_total"),
         py::arg("grad_scale"), py::arg("grad"), py::arg("logprob"), py::arg("entropy"),
         py::arg("stats"), py::arg("error"), py::arg("stream"));
+  m.def(
+      "_cuda_one_read_plan",
+      [](int dtype, int64_t V) {
+        if (dtype < 0 || dtype > 2) throw py::value_error("dtype: expected 0, 1 or 2");
+        const CudaOneReadPlan p = CudaLossOneReadPlan(static_cast<CudaDtype>(dtype), V);
+        return py::make_tuple(p.cluster, p.slice, p.threads);
+      },
+      py::arg("dtype"), py::arg("vocab_size"));
   m.def(
       "_cuda_combine_partials",
       [](uint64_t gathered, int tp, int64_t T, uint64_t out, uint64_t stream) {

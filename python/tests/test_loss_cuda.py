@@ -272,3 +272,31 @@ def test_the_kernel_call_is_captured_in_a_cuda_graph():
                                                  "cuda", False, False)
     assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
     assert torch.equal(grad, want_grad)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,v", [(37, 1000), (16, 32000), (9, 151936)])
+def test_one_read_kernel_equals_float64(dtype, t, v):
+    """The one-read kernel (rows staged in shared memory; a cluster of blocks for the large
+    rows, on sm_90) against float64, separate gradient and in place."""
+    from thdpack.torch import _loss_cuda
+    logits, labels, mask = make(t, v, dtype, seed=t + v)
+    if not _loss_cuda.one_read_takes(logits):
+        pytest.skip("this device has no thread-block clusters for these rows")
+    n = int(((labels != -100) & (mask != 0)).sum()) + 1
+    lp_ref, ent_ref, grad_ref = reference(logits, labels, mask, n, 1.0)
+    floor = 2 ** -24 if dtype == torch.float16 else 0.0
+    for inplace in (False, True):
+        x = logits.clone()
+        lp, ent, _, grad, _ = _loss_cuda.per_token_cuda(
+            x, labels, None if mask is None else mask, True, 1.0 / n, inplace, True,
+            kernel="one_read")
+        torch.testing.assert_close(lp.double(), lp_ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
+        torch.testing.assert_close(ent.double(), ent_ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
+        err = (grad.double() - grad_ref).abs()
+        bound = GRAD_REL[dtype] * grad_ref.abs() + 1e-6 / n + floor
+        assert bool((err <= bound).all()), (inplace, float((err - bound).max()))
+        if inplace:
+            assert grad.data_ptr() == x.data_ptr()

@@ -17,6 +17,21 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # backend="cuda" asks for it and "auto" keeps the chunked torch path (docs/loss.md).
 CUDA_KERNEL_BY_DEFAULT = False
 
+# The one-read kernel (CrossEntropyOneRead: each row staged in shared memory, over a cluster of
+# blocks when large) replaces the fused one where it can run, once its GPU tests have passed
+# and bench/loss_cuda.py has measured it faster; until then it is asked for with
+# per_token_cuda(..., kernel="one_read") (the benchmark's and the tests' way).
+ONE_READ_BY_DEFAULT = False
+
+
+def one_read_takes(logits):
+    """Whether the one-read kernel can take these logits (kernel_takes's): a row within 8
+    blocks' shared memory, and clusters (sm_90) for a row of more than one block's share."""
+    cluster = _thdpack._cuda_one_read_plan(_DTYPES[logits.dtype], logits.shape[1])[0]
+    if cluster == 0:
+        return False
+    return cluster == 1 or torch.cuda.get_device_capability(logits.device)[0] >= 9
+
 
 def kernel_takes(logits):
     """Whether the CUDA kernel can take these logits: a CUDA [T, V] tensor of float32, bfloat16
@@ -39,12 +54,13 @@ def why_not(logits):
 
 
 def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validate,
-                   tp_group=None, vocab_start=0, vocab_total=0):
+                   tp_group=None, vocab_start=0, vocab_total=0, kernel=None):
     """(logprob, entropy, counted, grad, n_valid): float32 [T] values (0 where not counted),
     counted bool [T], the gradient scale * (softmax - onehot) in the logits' dtype (the logits
     themselves when inplace), None unless want_grad or inplace; n_valid the counted tokens when
     validate (else None: nothing synchronises). labels: int64 [T], loss_mask: [T] or None
-    (shapes checked by the caller)."""
+    (shapes checked by the caller). kernel: "fused" or "one_read" for the whole-row call (None:
+    one_read where ONE_READ_BY_DEFAULT and one_read_takes, else fused)."""
     t, v = logits.shape
     dev = logits.device
     labels = labels.to(device=dev, dtype=torch.int64).contiguous()
@@ -70,9 +86,13 @@ def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validat
             logprob.data_ptr(), entropy.data_ptr(), 0 if stats is None else stats.data_ptr(),
             0 if error is None else error.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
 
+    if kernel is None:
+        kernel = "one_read" if ONE_READ_BY_DEFAULT and one_read_takes(logits) else "fused"
+    if kernel not in ("fused", "one_read"):
+        raise ValueError(f"kernel = {kernel!r}: expected 'fused' or 'one_read'")
     with torch.cuda.device(dev):
         if tp_group is None:
-            call("fused", None)
+            call(kernel, None)
         else:
             # Vocab-parallel: each row's 16-byte partial state, one all-gather over the TP
             # group, merged in rank order (every rank the same), then this rank's columns.
