@@ -21,7 +21,8 @@
 //                         row larger than one block's share (kCudaOneReadSliceBytes) is split
 //                         over a thread-block cluster of 2, 4 or 8 blocks that merge their
 //                         states through distributed shared memory (sm_90; Unimplemented on an
-//                         older device, and for rows of more than 8 shares). The whole
+//                         older device or in a build without sm_90 code, and for rows of more
+//                         than 8 shares). The whole
 //                         vocabulary, as the fused call. Its states merge in another order than
 //                         the fused call's, so the two agree to fp32 rounding, not bit for bit.
 //   vocab-parallel (TP): CrossEntropyPartials writes each row's partial state (RowStats, 16

@@ -328,10 +328,21 @@ int LaunchOneReadAt(const CeArgs& a, int cs, int64_t slice, cudaStream_t s) {
   const int64_t bytes = (slice * static_cast<int64_t>(sizeof(typename Elem<kDtype>::Bits)) + 15) /
                         16 * 16;
   auto kernel = OneReadKernel<kDtype, kThreads>;
-  if (bytes > 48 * 1024) {
+  // The 48 KB default covers static and dynamic shared memory together (the kernel has about
+  // 400 bytes of its own), so the limit is raised short of 48 KB already, and always to the
+  // largest share: a call never lowers it under another thread's launch.
+  if (bytes + 1024 > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCeOneReadMaxShareBytes);
     if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  if (cs > 1) {
+    // The cluster code exists only in sm_90 images: a build without one (a PTX of an older
+    // architecture JIT-compiled for this device) would reach the kernel's __trap().
+    cudaFuncAttributes fa{};
+    const cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    if (fa.ptxVersion < 90) return kCeNeedsClusters;  // the virtual architecture compiled from
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(a.num_tokens * cs));

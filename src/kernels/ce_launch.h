@@ -11,7 +11,9 @@
 namespace thdpack::kernels {
 
 inline constexpr int kCeNotBuilt = -1;
-inline constexpr int kCeNeedsClusters = -2;  // a cluster of blocks on a device before sm_90
+inline constexpr int kCeNeedsClusters = -2;  // a cluster of blocks without sm_90 code or device
+// The largest share of a row the one-read kernel stages (thdpack::kCudaOneReadSliceBytes).
+inline constexpr int kCeOneReadMaxShareBytes = 96 * 1024;
 
 // thdpack::CudaLossArgs, field for field (cuda_loss.cc copies one into the other).
 struct CeArgs {

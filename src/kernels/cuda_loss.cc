@@ -10,6 +10,10 @@
 #include "kernels/cuda_loss_internal.h"
 
 namespace thdpack {
+
+static_assert(kernels::kCeOneReadMaxShareBytes == kCudaOneReadSliceBytes,
+              "the one-read kernel's shared-memory limit is the plan's largest share");
+
 namespace {
 
 kernels::CeArgs ToLaunch(const CudaLossArgs& a) {
@@ -78,7 +82,8 @@ Status FromLaunch(int code, const char* call) {
   if (code == kernels::kCeNeedsClusters) {
     return Status::Unimplemented(std::string(call) +
                                  ": this row needs a thread-block cluster, which this device "
-                                 "(before sm_90) does not have: use CrossEntropyFused");
+                                 "(before sm_90) or this build (no sm_90 code) does not have: "
+                                 "use CrossEntropyFused");
   }
   return Status::Internal(std::string(call) + ": CUDA error " + std::to_string(code) + " (" +
                           kernels::CeErrorString(code) + ")");

@@ -27,6 +27,8 @@ ONE_READ_BY_DEFAULT = False
 def one_read_takes(logits):
     """Whether the one-read kernel can take these logits (kernel_takes's): a row within 8
     blocks' shared memory, and clusters (sm_90) for a row of more than one block's share."""
+    if not kernel_takes(logits):
+        return False
     cluster = _thdpack._cuda_one_read_plan(_DTYPES[logits.dtype], logits.shape[1])[0]
     if cluster == 0:
         return False
@@ -90,6 +92,9 @@ def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validat
         kernel = "one_read" if ONE_READ_BY_DEFAULT and one_read_takes(logits) else "fused"
     if kernel not in ("fused", "one_read"):
         raise ValueError(f"kernel = {kernel!r}: expected 'fused' or 'one_read'")
+    if kernel == "one_read" and tp_group is not None:
+        raise ValueError("kernel 'one_read' takes the whole vocabulary: vocab-parallel logits "
+                         "(tp_group) go through the partials and finish kernels")
     with torch.cuda.device(dev):
         if tp_group is None:
             call(kernel, None)
