@@ -288,16 +288,22 @@ __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int6
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       namespace cg = cooperative_groups;
       __shared__ RowState published;  // this block's state, read by the cluster's blocks
+      __shared__ RowState merged;     // the row's, for this block's threads
       cg::cluster_group cluster = cg::this_cluster();
       if (threadIdx.x == 0) published = st;
       cluster.sync();
-      row = EmptyState();
-      for (int k = 0; k < cs; ++k) row = MergeStates(row, *cluster.map_shared_rank(&published, k));
-      if (c == 0 && threadIdx.x == 0) {
-        const int owner = static_cast<int>(y / slice);
-        target = E::ToFloat(*cluster.map_shared_rank(staged + (y - owner * slice), owner));
+      if (threadIdx.x == 0) {  // one thread a block reads the cluster's states, in rank order
+        RowState m = EmptyState();
+        for (int k = 0; k < cs; ++k) m = MergeStates(m, *cluster.map_shared_rank(&published, k));
+        merged = m;
+        if (c == 0) {
+          const int owner = static_cast<int>(y / slice);
+          target = E::ToFloat(*cluster.map_shared_rank(staged + (y - owner * slice), owner));
+        }
       }
-      cluster.sync();  // no block leaves (or is overwritten) while another reads its memory
+      // No block leaves while another reads its memory; `merged` is whole for the block.
+      cluster.sync();
+      row = merged;
 #else
       __trap();  // CeOneRead launches clusters on sm_90 only
 #endif
