@@ -35,7 +35,6 @@ exceeds the mean cannot reach 1) and the one the profile predicts. Nothing is as
 benchmark.
 """
 import argparse
-import json
 import math
 import os
 import platform
