@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks, prepared to run on a lent device machine in one call (docs/testing.md,
 # "On a GPU"): it has no network, so the one build requirement its image lacks, PyPI's
-# nlohmann-json, travels as a wheel in .whl/ (carry .whl). Steps, each timed:
+# nlohmann-json, travels as a wheel in .whl/ (carry .whl). Steps, each timed, the GPU's own
+# first (a call that runs out of time keeps what mattered most):
 #   1. pip install --no-build-isolation . into the image's Python (torch, NumPy 2, pybind11);
-#   2. the Python suite against it;
-#   3. the iterator on NCCL at world size 1, beside a gloo world inside the NCCL job;
-#   4. calibrate a llama2-7b-sized layer and the measured-balance benchmark (bench/);
-#   5. the CUDA loss benchmark (bench/loss_cuda.py; the suite's `cuda` tests check it first);
-#   6. the `cuda` tests under compute-sanitizer's memcheck and racecheck (Firecracker machines;
+#   2. the `cuda` tests (the CUDA loss against the CPU execution, float64 and F.cross_entropy);
+#   3. the CUDA loss benchmark (bench/loss_cuda.py);
+#   4. the rest of the Python suite against the installed package;
+#   5. the iterator on NCCL at world size 1, beside a gloo world inside the NCCL job;
+#   6. calibrate a llama2-7b-sized layer and the measured-balance benchmark (bench/);
+#   7. the `cuda` tests under compute-sanitizer's memcheck and racecheck (Firecracker machines;
 #      gVisor ones refuse the device, which the log then says).
 # Writes its logs under $OUT when set. Usage: scripts/device_check.sh [STEPS]
 set -uo pipefail
@@ -31,13 +33,15 @@ run() {
 }
 nvidia-smi -L
 run install python3 -m pip install -v --no-build-isolation . || exit 1
-run suite python3 -m pytest -q -p no:cacheprovider -rs python/tests
+run cuda-tests python3 -m pytest -q -p no:cacheprovider -rs -m cuda python/tests
+cat "$out/cuda-tests.log"
+run loss-cuda python3 bench/loss_cuda.py --json "$out/loss_cuda.json"
+cat "$out/loss-cuda.log"
+run suite python3 -m pytest -q -p no:cacheprovider -rs -m "not cuda" python/tests
 run nccl python3 scripts/nccl_iterator_check.py
 run nccl-dynamic python3 scripts/nccl_iterator_check.py --scheduler dynamic
 run balance python3 bench/balance_measured.py --device cuda --steps "$steps" --out "$out/h_profile.json"
 cat "$out/balance.log"
-run loss-cuda python3 bench/loss_cuda.py --json "$out/loss_cuda.json"
-cat "$out/loss-cuda.log"
 for tool in memcheck racecheck; do
   run "sanitizer-$tool" timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider -m cuda -x python/tests/test_loss_cuda.py
