@@ -165,13 +165,23 @@ class FailingShare:
             yield item
 
 
-def worker(rank, world, port, data_path, out_dir):
+def join_gloo(rank, world, port):
+    """A spawned worker's start: one thread, then a gloo world on localhost:port."""
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def read_samples(data_path):
+    """The (input_ids, loss_mask or None) of each line of a JSONL file."""
+    with open(data_path) as f:
+        return [(d["input_ids"], d.get("loss_mask")) for d in map(json.loads, f)]
+
+
+def worker(rank, world, port, data_path, out_dir):
+    join_gloo(rank, world, port)
     from thdpack.torch import PackedDataIterator
-    samples = [(json.loads(line)["input_ids"], json.loads(line).get("loss_mask"))
-               for line in open(data_path)]
+    samples = read_samples(data_path)
     results = {}
     for tp, cp, dp, pp, sp in TOPOLOGIES[world]:
         groups = make_groups(tp, cp, dp, pp)
@@ -420,9 +430,7 @@ def test_iterator_equals_threads_and_reference(world, tmp_path):
 
 def single_rank_worker(rank, port, out_dir):
     """World size 1: the iterable source's rules, each as an error on the rank or a clean end."""
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    join_gloo(0, 1, port)
     from thdpack.torch import Groups, PackedDataIterator
     groups = Groups()
     opts = dict(global_batch=4, max_tokens_per_rank=64, cost=COST)
@@ -471,9 +479,7 @@ def world_backend_worker(rank, world, port, data_path, out_dir):
     group the step makes must be made with that world's backend, never the default one (with an
     NCCL default group, a group made without a backend is NCCL and the CPU collectives fail).
     NCCL cannot run here, so every dist.new_group call is recorded and its backend checked."""
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     from thdpack.torch import Groups, PackedDataIterator
     world_group = dist.new_group(list(range(world)), backend="gloo")
     tp, cp, dp, pp, sp = BACKEND_TOPOLOGY

@@ -12,13 +12,13 @@ import pickle
 import types
 
 import numpy as np
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from thdpack import _thdpack
-from test_torch_iterator import (FailingShare, as_item, coords, free_port, make_groups,
-                                 same_array, second_step_error, to_numpy, without_topology)
+from test_torch_iterator import (FailingShare, as_item, coords, free_port, join_gloo, make_groups,
+                                 read_samples, same_array, second_step_error, to_numpy,
+                                 without_topology)
 
 STEPS = 2
 GLOBAL_BATCH = 14
@@ -82,11 +82,8 @@ def iterate(groups, source, topo, data_on, steps=STEPS, **extra):
 
 
 def worker(rank, world, port, data_path, out_dir):
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    samples = [(json.loads(line)["input_ids"], json.loads(line).get("loss_mask"))
-               for line in open(data_path)]
+    join_gloo(rank, world, port)
+    samples = read_samples(data_path)
     results = {}
     for topo in TOPOLOGIES[world]:
         tp, cp, dp, pp, sp = topo
