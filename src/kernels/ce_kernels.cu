@@ -255,11 +255,8 @@ __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int6
   const int64_t n = end > begin ? end - begin : 0;
   const Bits* x = static_cast<const Bits*>(a.logits) + r * ld + begin;
   Bits* g = a.grad == nullptr ? nullptr : static_cast<Bits*>(a.grad) + r * ld + begin;
-  // Every block of the cluster finds the same rule; block 0 alone flags a bad row.
-  const int rule =
-      RowRule(a.labels[r], a.loss_mask == nullptr ? 1.0f : a.loss_mask[r], vocab_total);
-  if (rule > 0 && c == 0) FlagRow(a, rule, r);
-  bool counted = rule == kCounted;
+  // Every block of the cluster finds the same rule (and flags a bad row with the same code).
+  bool counted = RowCounted(a, r, vocab_total);
   const int64_t y = counted ? a.labels[r] : -1;
   const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
   float lse = 0.0f;
