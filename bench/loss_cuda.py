@@ -244,40 +244,32 @@ def linear(args):
     mask = torch.ones(t, device="cuda")
     logit_bytes = t * v * 2
 
-    def fused():
-        x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-        loss = tt.linear_loss(x, w, labels, mask, t, backend="cuda")
-        loss.backward()
-        return loss
+    def forward_backward(loss_of):
+        """A method as the table runs it: fresh leaves, the loss, its backward."""
+        def run():
+            x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+            loss = loss_of(x, w)
+            loss.backward()
+            return loss
+        return run
 
-    def unfused():
-        x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-        loss = tt.local_loss(x @ w.t(), labels, mask, t, backend="cuda")
-        loss.backward()
-        return loss
-
-    table = [("thdpack linear_loss", fused), ("GEMM + thdpack kernel (unfused)", unfused)]
+    table = [
+        ("thdpack linear_loss", forward_backward(
+            lambda x, w: tt.linear_loss(x, w, labels, mask, t, backend="cuda"))),
+        ("GEMM + thdpack kernel (unfused)", forward_backward(
+            lambda x, w: tt.local_loss(x @ w.t(), labels, mask, t, backend="cuda"))),
+    ]
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         flce = LigerFusedLinearCrossEntropyLoss()
-
-        def liger():
-            x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-            loss = flce(w, x, labels)
-            loss.backward()
-            return loss
-        table.append(("Liger fused linear cross-entropy", liger))
+        table.append(("Liger fused linear cross-entropy",
+                      forward_backward(lambda x, w: flce(w, x, labels))))
     except Exception as e:  # noqa: BLE001
         print(f"(Liger fused linear cross-entropy not loaded: {type(e).__name__}: {e})")
     try:
         from cut_cross_entropy import linear_cross_entropy
-
-        def cce():
-            x, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-            loss = linear_cross_entropy(x, w, labels)
-            loss.backward()
-            return loss
-        table.append(("Cut Cross-Entropy", cce))
+        table.append(("Cut Cross-Entropy",
+                      forward_backward(lambda x, w: linear_cross_entropy(x, w, labels))))
     except Exception as e:  # noqa: BLE001
         print(f"(Cut Cross-Entropy not loaded: {type(e).__name__}: {e})")
     print(f"\nlinear loss {t} x {v}, H = {h}, bf16: the logits would be {logit_bytes / 1e9:.1f} GB")
