@@ -50,28 +50,24 @@ def shard_sums(logprob, entropy, counted, local_cu, n_real, cp_size, cp_rank, cp
         raise ValueError(f"add_shard: logprob ({dev}), entropy ({entropy.device}) and counted "
                          f"({counted.device}) must be on one device")
     f64 = torch.float64
+    nil = torch.zeros((), dtype=f64, device=dev)
     mask = counted.to(torch.bool)
-    lp = torch.where(mask, logprob.to(f64), torch.zeros((), dtype=f64, device=dev))
-    en = torch.where(mask, entropy.to(f64), torch.zeros((), dtype=f64, device=dev))
+    lp = torch.where(mask, logprob.to(f64), nil)
+    en = torch.where(mask, entropy.to(f64), nil)
     bounds = torch.from_numpy(np.ascontiguousarray(local_cu, dtype=np.int64))
     bounds = bounds.to(dev, non_blocking=True)
-    zero = torch.zeros(1, dtype=f64, device=dev)
-    lp_prefix = torch.cat([zero, torch.cumsum(lp, 0)])
-    cnt_prefix = torch.cat([zero, torch.cumsum(mask.to(f64), 0)])  # exact below 2^53
+    lp_prefix = torch.cat([nil[None], torch.cumsum(lp, 0)])
+    cnt_prefix = torch.cat([nil[None], torch.cumsum(mask.to(f64), 0)])  # exact below 2^53
     seq = torch.stack([lp_prefix[bounds[1:]] - lp_prefix[bounds[:-1]],
                        cnt_prefix[bounds[1:]] - cnt_prefix[bounds[:-1]]])  # [2, n]
-    if cp_size > 1:
-        if cp_group is None:
-            raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
-                             "all-reduced over the CP group)")
+    if cp_size > 1:  # add_shard has checked that cp_group is given
         dist.all_reduce(seq, group=cp_group)
     seq_lp, seq_cnt = seq[0], seq[1]
     if cp_rank == 0:  # the CP group's sequences count once: on its rank 0
         has = seq_cnt > 0
-        ppl = torch.where(has, torch.exp(-seq_lp / seq_cnt.clamp(min=1)),
-                          torch.zeros((), dtype=f64, device=dev)).sum()
+        ppl = torch.where(has, torch.exp(-seq_lp / seq_cnt.clamp(min=1)), nil).sum()
         n_ppl = has.to(f64).sum()
     else:
-        ppl = n_ppl = torch.zeros((), dtype=f64, device=dev)
-    return torch.stack([torch.zeros((), dtype=f64, device=dev) + n_real,
-                        mask.to(f64).sum(), -lp.sum(), en.sum(), ppl, n_ppl])
+        ppl = n_ppl = nil
+    # The shard's loss tokens are the last prefix count.
+    return torch.stack([nil + n_real, cnt_prefix[-1], -lp.sum(), en.sum(), ppl, n_ppl])
