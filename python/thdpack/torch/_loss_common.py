@@ -45,17 +45,17 @@ def _check_inputs(logits, labels, loss_mask, check_values=True, vocab=None):
                    else type(loss_mask).__name__)
             raise ValueError(f"loss_mask: expected a tensor of shape ({t},), got {got}")
         loss_mask = loss_mask.to(logits.device)
-        bad_mask = (loss_mask != 0) & (loss_mask != 1)
         counted = counted & (loss_mask != 0)
-    else:
-        bad_mask = torch.zeros_like(counted)
     if not check_values:
         return labels, loss_mask, counted, None
     bad_label = counted & ((labels < 0) | (labels >= vocab))
+    checks = [counted.sum(), bad_label.any().long()]
+    if loss_mask is not None:
+        bad_mask = (loss_mask != 0) & (loss_mask != 1)
+        checks.append(bad_mask.any().long())
     # One device sync, for a clear error instead of a wrong loss, and the counted tokens.
-    any_mask, any_label, n_valid = (int(x) for x in torch.stack(
-        [bad_mask.any().long(), bad_label.any().long(), counted.sum()]).tolist())
-    if any_mask:
+    n_valid, any_label, *any_mask = (int(x) for x in torch.stack(checks).tolist())
+    if any(any_mask):
         i = int(bad_mask.nonzero()[0])
         raise ValueError(f"loss_mask[{i}] = {float(loss_mask[i])}: must be 0 or 1")
     if any_label:
