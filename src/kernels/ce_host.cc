@@ -183,7 +183,7 @@ void OneReadRows(const CudaLossArgs& a, int cs, int64_t slice, int n) {
         int64_t begin = 0, count = 0;
         columns(c, &begin, &count);
         const RowState st = RowPass<kDtype>(x + begin, count, vectors_of(begin), n);
-        row = cs == 1 ? st : kernels::MergeStates(row, st);
+        row = kernels::MergeStates(row, st);  // from the empty state: the first is kept as is
       }
       counted = kernels::RowOutputs(row, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
       if (!counted) Flag(a, kernels::kNonFiniteRow, r);
