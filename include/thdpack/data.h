@@ -79,6 +79,26 @@ struct SampleLength {
   int64_t n_targets = 0;  // sum(target_mask[1:L]); L - 1 without a mask
 };
 
+// Where a source's cursor stands: enough to continue reading exactly there (SampleSource::Seek)
+// in O(1), whatever came before. A plain value, the same on every rank that read the same source
+// through the same steps; a run's state (thdpack/run_state.h) keeps it.
+struct SourceCursor {
+  int64_t epoch = 0;     // epoch(): Reset() calls so far
+  int64_t position = 0;  // entries of this epoch's order passed (samples and empty documents)
+  int64_t next_id = 0;   // the id the next entry takes (ids count every entry since opening)
+  int64_t skipped_empty = 0;  // skipped_empty() at the cursor
+  // jsonl only (0 for the other sources): the byte offset in the file of the next line to read,
+  // and the lines read so far in this epoch (blank ones included), for messages.
+  int64_t byte_offset = 0;
+  int64_t line = 0;
+  // Samples per epoch; -1 while unknown (jsonl before its first full pass).
+  int64_t epoch_size = -1;
+
+  // Samples returned since the source was opened: every id is a sample or an empty document.
+  int64_t samples() const { return next_id - skipped_empty; }
+  friend bool operator==(const SourceCursor&, const SourceCursor&) = default;
+};
+
 // The streaming interface every source implements.
 class SampleSource {
  public:
@@ -117,6 +137,43 @@ class SampleSource {
   // Empty documents passed over since the source was opened (every epoch counts again). Only a
   // `megatron` dataset holds any (see OpenMegatronSource); 0 for every other source.
   virtual int64_t skipped_empty() const { return 0; }
+
+  // ---- Resuming (docs/data_sources.md, "Positions and resuming") ----
+  // Every source of this file implements these; the defaults are for sources that cannot seek
+  // (a test's fake): cursor() then holds epoch() and skipped_empty() only, and the others are
+  // Unimplemented errors naming the spec.
+
+  // The cursor now: after the samples read so far (and the empty documents passed over).
+  virtual SourceCursor cursor() const;
+
+  // Moves the cursor to `c`, as if the source had been read from its opening up to there (Next
+  // and NextLength continue exactly as they would have; a broken source stays broken). `c` must
+  // be a cursor this source could hold: Corruption naming the field and the rule otherwise (an
+  // epoch size that is not this data's, a position past the end of the epoch, ids that do not
+  // add up, a jsonl offset past the end of the file or not at the start of a line). O(1), plus
+  // O(E log E) for a shuffled `megatron` dataset with E empty documents.
+  [[nodiscard]] virtual Status Seek(const SourceCursor& c);
+
+  // The cursor after the first `samples` samples of the stream (read from the opening, epoch
+  // after epoch, a Reset() at each end): just after the last of them, the empty documents that
+  // follow it not yet passed over. Does not move this source. OutOfRange when `samples` < 0 or
+  // the ids would overflow int64. O(1) for the sources with random access (O(E log E) with
+  // empty documents); `jsonl` reads the line boundaries of the file up to there (at most two
+  // passes over it), since it has no index.
+  [[nodiscard]] virtual Result<SourceCursor> CursorAfter(int64_t samples);
+
+  // The cursor at the start of epoch `epoch` (after that many Reset() calls at the ends of
+  // full epochs): what a step reader holds after `epoch` steps of `--global-batch all`. jsonl
+  // needs its epoch size for an epoch > 0 and reads the file once when it is not yet known.
+  [[nodiscard]] virtual Result<SourceCursor> CursorAtEpoch(int64_t epoch);
+
+  // What identifies the samples this source yields, for a run state's fingerprint: one line of
+  // text that changes when they could change (the kind, the data's size and a 64-bit hash of
+  // what decides the samples; the path is not part of it, so moved files keep their identity).
+  // Per kind: the mock's parameters; the lengths or histogram rows; a Megatron index whole and
+  // the size of its .bin; a jsonl file's size and its first and last 64 KiB. Computed on the
+  // first call (a pass over the index or rows) and kept.
+  [[nodiscard]] virtual Result<std::string> Identity();
 };
 
 // Opens a source from its spec string (table at the top of this file). An unknown kind or an

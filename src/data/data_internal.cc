@@ -1,5 +1,7 @@
 #include "data/data_internal.h"
 
+#include "common/hash64.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -141,6 +143,17 @@ Result<bool> LineReader::ReadLine(std::string_view* line) {
   return true;
 }
 
+Status LineReader::Seek(int64_t offset, int64_t lines) {
+  if (fseeko(file_, static_cast<off_t>(offset), SEEK_SET) != 0) {
+    return Status::IOError(ErrnoText("cannot seek", path_));
+  }
+  std::clearerr(file_);
+  line_number_ = lines;
+  line_offset_ = offset;
+  next_offset_ = offset;
+  return Status::Ok();
+}
+
 Status LineReader::Rewind() {
   if (std::fseek(file_, 0, SEEK_SET) != 0) return Status::IOError(ErrnoText("cannot seek", path_));
   std::clearerr(file_);
@@ -209,6 +222,31 @@ uint64_t Permutation::operator()(uint64_t i) const {
       const uint64_t next_right = left ^ f;
       left = right;
       right = next_right;
+    }
+    x = (left << half_bits_) | right;
+  } while (x >= n_);
+  return x;
+}
+
+std::string HeadTailIdentity(std::span<const uint8_t> bytes) {
+  const size_t n = std::min(bytes.size(), kHeadTailBytes);
+  const uint64_t tail = internal::Hash64(bytes.last(n));
+  return std::to_string(bytes.size()) + " bytes, head and tail hash " +
+         internal::Hex64(internal::Hash64(bytes.first(n), tail));
+}
+
+uint64_t Permutation::Inverse(uint64_t y) const {
+  uint64_t x = y;
+  do {
+    uint64_t left = x >> half_bits_;
+    uint64_t right = x & half_mask_;
+    for (uint64_t round = 4; round-- > 0;) {
+      // Forward: (left, right) -> (right, left ^ f(right)); backward from (l', r'):
+      // right = l', left = r' ^ f(l').
+      const uint64_t f = Mix64(key_ ^ Mix64(left + (round << 56))) & half_mask_;
+      const uint64_t prev_left = right ^ f;
+      right = left;
+      left = prev_left;
     }
     x = (left << half_bits_) | right;
   } while (x >= n_);

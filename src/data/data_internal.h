@@ -75,6 +75,11 @@ class LineReader {
   // offset still counts the BOM's 3 bytes).
   int64_t line_offset() const { return line_offset_; }
   [[nodiscard]] Status Rewind();
+  // Continues at byte `offset` of the file as if `lines` lines had been read to get there
+  // (line numbers count on from it). REQUIRES offset at the start of a line (0 with lines 0).
+  [[nodiscard]] Status Seek(int64_t offset, int64_t lines);
+  // Byte offset of the next line to read.
+  int64_t next_offset() const { return next_offset_; }
   const std::string& path() const { return path_; }
 
  private:
@@ -106,6 +111,12 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// "<size> bytes, head and tail hash <16 hex digits>": a file's size and a hash of its first and
+// last kHeadTailBytes (all of it when smaller): its identity where hashing it whole would cost
+// a pass over gigabytes (a jsonl file, a Megatron .bin).
+inline constexpr size_t kHeadTailBytes = 64 << 10;
+std::string HeadTailIdentity(std::span<const uint8_t> bytes);
+
 // The generators live in src/common/ (the probe seeds its weights with them too).
 using internal::Mix64;
 using internal::SplitMix64;
@@ -116,6 +127,9 @@ class Permutation {
  public:
   Permutation(uint64_t n, uint64_t key);
   uint64_t operator()(uint64_t i) const;
+  // The inverse: Inverse((*this)(i)) == i for every i in [0, n). The rounds run backwards and
+  // the walk goes back through the values outside [0, n) that the forward walk passed.
+  uint64_t Inverse(uint64_t y) const;
 
  private:
   uint64_t n_;
@@ -202,6 +216,108 @@ class IndexedSource : public Interface {
   const std::string& spec() const final { return spec_; }
   int64_t skipped_empty() const final { return skipped_empty_; }
 
+  // An indexed source's cursor is its (epoch, position): the ids and empty documents before it
+  // follow (next_id = epoch * size + position; skipped_empty = epoch * E + the empty indices
+  // among the first `position` entries of the epoch's order).
+  SourceCursor cursor() const final {
+    SourceCursor c;
+    c.epoch = epoch_;
+    c.position = position_;
+    c.next_id = next_id_;
+    c.skipped_empty = skipped_empty_;
+    c.epoch_size = size_ - empty_;
+    return c;
+  }
+
+  Status Seek(const SourceCursor& c) final {
+    if (!error_.ok()) return error_;
+    auto bad = [&](const std::string& field, const std::string& rule) {
+      return Status::Corruption(spec_ + ": cursor field \"" + field + "\" " + rule);
+    };
+    if (c.epoch_size != size_ - empty_) {
+      return bad("epoch_size", "= " + std::to_string(c.epoch_size) + ", but this data holds " +
+                                   std::to_string(size_ - empty_) + " samples per epoch");
+    }
+    if (c.epoch < 0) return bad("epoch", "= " + std::to_string(c.epoch) + " is negative");
+    if (c.position < 0 || c.position > size_) {
+      return bad("position", "= " + std::to_string(c.position) + " is outside [0, " +
+                                 std::to_string(size_) + "] (the entries of an epoch)");
+    }
+    if (c.byte_offset != 0 || c.line != 0) {
+      return bad("byte_offset", "= " + std::to_string(c.byte_offset) + " (line " +
+                                    std::to_string(c.line) + "): only a jsonl cursor has one");
+    }
+    int64_t id = 0;
+    if (__builtin_mul_overflow(c.epoch, size_, &id) || __builtin_add_overflow(id, c.position, &id) ||
+        c.next_id != id) {
+      return bad("next_id", "= " + std::to_string(c.next_id) + ", but epoch " +
+                                std::to_string(c.epoch) + " position " + std::to_string(c.position) +
+                                " of " + std::to_string(size_) + " entries an epoch gives " +
+                                std::to_string(id));
+    }
+    THDPACK_ASSIGN_OR_RETURN(const int64_t before, EmptiesBefore(c.epoch, c.position));
+    if (c.skipped_empty != c.epoch * empty_ + before) {
+      return bad("skipped_empty", "= " + std::to_string(c.skipped_empty) + ", but epoch " +
+                                      std::to_string(c.epoch) + " position " +
+                                      std::to_string(c.position) + " passes " +
+                                      std::to_string(c.epoch * empty_ + before) +
+                                      " empty documents");
+    }
+    epoch_ = c.epoch;
+    position_ = c.position;
+    next_id_ = c.next_id;
+    skipped_empty_ = c.skipped_empty;
+    if (options_.shuffle) MakePermutation();
+    return Status::Ok();
+  }
+
+  // Sample k of the stream (0-based) is the (k mod S)-th non-empty entry of epoch k / S, with
+  // S the samples of an epoch.
+  Result<SourceCursor> CursorAfter(int64_t samples) final {
+    if (!error_.ok()) return error_;
+    const int64_t per_epoch = size_ - empty_;
+    if (samples < 0) {
+      return Status::OutOfRange(spec_ + ": a cursor after " + std::to_string(samples) +
+                                " samples (must be >= 0)");
+    }
+    SourceCursor c;
+    c.epoch_size = per_epoch;
+    if (samples == 0) return c;
+    const int64_t last = samples - 1;
+    const int64_t e = last / per_epoch;
+    const int64_t j = last % per_epoch;
+    THDPACK_ASSIGN_OR_RETURN(const int64_t p, NthNonEmpty(e, j));
+    c.epoch = e;
+    c.position = p + 1;
+    if (__builtin_mul_overflow(e, size_, &c.next_id) ||
+        __builtin_add_overflow(c.next_id, c.position, &c.next_id)) {
+      return Status::OutOfRange(spec_ + ": " + std::to_string(samples) +
+                                " samples take ids past 2^63 - 1");
+    }
+    c.skipped_empty = e * empty_ + (p - j);
+    return c;
+  }
+
+  Result<SourceCursor> CursorAtEpoch(int64_t epoch) final {
+    if (!error_.ok()) return error_;
+    SourceCursor c;
+    c.epoch_size = size_ - empty_;
+    if (epoch < 0 || __builtin_mul_overflow(epoch, size_, &c.next_id)) {
+      return Status::OutOfRange(spec_ + ": no epoch " + std::to_string(epoch) +
+                                " (ids would pass 2^63 - 1, or it is negative)");
+    }
+    c.epoch = epoch;
+    c.skipped_empty = epoch * empty_;
+    return c;
+  }
+
+  Result<std::string> Identity() final {
+    if (identity_.empty()) {
+      THDPACK_ASSIGN_OR_RETURN(identity_, ComputeIdentity());
+    }
+    return identity_;
+  }
+
  protected:
   // REQUIRES 0 <= empty < size (the factories check). `empty` of the `size` indices hold no
   // tokens (LengthAt gives length 0): Next and NextLength pass over them, each using up its id.
@@ -226,6 +342,8 @@ class IndexedSource : public Interface {
   }
   // Tokens and mask of the sample at `index`, whose id is `id`.
   virtual Status FillAt(int64_t index, int64_t id, Sample* out) const = 0;
+  // The source's identity line (SampleSource::Identity), computed once.
+  virtual Result<std::string> ComputeIdentity() const = 0;
 
   const SourceOptions& options() const { return options_; }
   int64_t mock_vocab() const {
@@ -239,14 +357,58 @@ class IndexedSource : public Interface {
   }
 
  private:
+  uint64_t PermutationKey(int64_t epoch) const {
+    return Mix64(options_.seed ^ Mix64(0x5348554646ULL + static_cast<uint64_t>(epoch)));
+  }
   void MakePermutation() {
-    permutation_.emplace(static_cast<uint64_t>(size_),
-                         Mix64(options_.seed ^ Mix64(0x5348554646ULL + static_cast<uint64_t>(epoch_))));
+    permutation_.emplace(static_cast<uint64_t>(size_), PermutationKey(epoch_));
   }
   int64_t IndexOf(int64_t position) const {
     if (!permutation_) return position;
     return static_cast<int64_t>((*permutation_)(static_cast<uint64_t>(position)));
   }
+  // The positions of the empty indices in epoch `epoch`'s order, increasing: the indices
+  // themselves in file order, their inverse images under the epoch's permutation when shuffled.
+  // The empty indices are found once, by one pass over LengthAt (only when there are some).
+  Result<std::vector<int64_t>> EmptyPositions(int64_t epoch) {
+    if (empty_ == 0) return std::vector<int64_t>();
+    if (empty_indices_.empty()) {
+      for (int64_t i = 0; i < size_; ++i) {
+        THDPACK_ASSIGN_OR_RETURN(const SampleLength s, LengthAt(i));
+        if (s.length == 0) empty_indices_.push_back(i);
+      }
+      if (static_cast<int64_t>(empty_indices_.size()) != empty_) {
+        return Status::Internal(spec_ + ": " + std::to_string(empty_indices_.size()) +
+                                " empty entries found, " + std::to_string(empty_) + " expected");
+      }
+    }
+    if (!options_.shuffle) return empty_indices_;
+    const Permutation perm(static_cast<uint64_t>(size_), PermutationKey(epoch));
+    std::vector<int64_t> out;
+    out.reserve(empty_indices_.size());
+    for (int64_t i : empty_indices_) {
+      out.push_back(static_cast<int64_t>(perm.Inverse(static_cast<uint64_t>(i))));
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  // The position in epoch `epoch`'s order of its j-th non-empty entry (j < size - E).
+  Result<int64_t> NthNonEmpty(int64_t epoch, int64_t j) {
+    THDPACK_ASSIGN_OR_RETURN(const std::vector<int64_t> empty, EmptyPositions(epoch));
+    int64_t p = j;
+    for (int64_t q : empty) {
+      if (q > p) break;
+      ++p;
+    }
+    return p;
+  }
+  // The empty entries among the first `position` of epoch `epoch`'s order.
+  Result<int64_t> EmptiesBefore(int64_t epoch, int64_t position) {
+    THDPACK_ASSIGN_OR_RETURN(const std::vector<int64_t> empty, EmptyPositions(epoch));
+    return static_cast<int64_t>(std::lower_bound(empty.begin(), empty.end(), position) -
+                                empty.begin());
+  }
+
   // Moves the cursor past empty indices (a source without any pays one comparison).
   Status SkipEmpty() {
     while (empty_ > 0 && position_ < size_) {
@@ -270,6 +432,8 @@ class IndexedSource : public Interface {
   int64_t next_id_ = 0;
   std::optional<Permutation> permutation_;
   Status error_;
+  std::vector<int64_t> empty_indices_;  // found on the first seek that needs them
+  std::string identity_;                // Identity(), once computed
 };
 
 // Lengths from a file or memory, tokens from MockTokens (lengths:, and mock in file mode).

@@ -293,6 +293,157 @@ class JsonlSource final : public SampleSource {
   int64_t epoch() const override { return epoch_; }
   const std::string& spec() const override { return spec_; }
 
+  // The epoch size is part of the cursor from epoch 1 on: a reader learns it at the end of
+  // its first pass, which is followed at once by the Reset into epoch 1.
+  SourceCursor cursor() const override {
+    SourceCursor c;
+    c.epoch = epoch_;
+    c.position = position_;
+    c.next_id = next_id_;
+    c.byte_offset = reader_->next_offset();
+    c.line = reader_->line_number();
+    c.epoch_size = epoch_ > 0 && size_ ? *size_ : -1;
+    return c;
+  }
+
+  Status Seek(const SourceCursor& c) override {
+    if (!error_.ok()) return error_;
+    auto bad = [&](const std::string& field, const std::string& rule) {
+      return Status::Corruption(spec_ + ": cursor field \"" + field + "\" " + rule);
+    };
+    auto str = [](int64_t v) { return std::to_string(v); };
+    if (c.epoch < 0) return bad("epoch", "= " + str(c.epoch) + " is negative");
+    if (c.epoch > 0 && c.epoch_size < 1) {
+      return bad("epoch_size", "= " + str(c.epoch_size) + " in epoch " + str(c.epoch) +
+                                   " (after a full pass the samples of an epoch are known, >= 1)");
+    }
+    if (c.epoch == 0 && c.epoch_size != -1 && c.epoch_size < 1) {
+      return bad("epoch_size", "= " + str(c.epoch_size) + " (must be -1, unknown, or >= 1)");
+    }
+    if (size_ && c.epoch_size != -1 && c.epoch_size != *size_) {
+      return bad("epoch_size", "= " + str(c.epoch_size) + ", but this file holds " + str(*size_) +
+                                   " samples");
+    }
+    if (c.position < 0 || (c.epoch_size >= 1 && c.position > c.epoch_size)) {
+      return bad("position", "= " + str(c.position) + " is outside [0, " +
+                                 (c.epoch_size >= 1 ? str(c.epoch_size) : std::string("...")) +
+                                 "]");
+    }
+    const int64_t id = (c.epoch > 0 ? c.epoch * c.epoch_size : 0) + c.position;
+    if (c.next_id != id) {
+      return bad("next_id", "= " + str(c.next_id) + ", but epoch " + str(c.epoch) + " position " +
+                                str(c.position) + " gives " + str(id));
+    }
+    if (c.skipped_empty != 0) {
+      return bad("skipped_empty", "= " + str(c.skipped_empty) + " (a jsonl file has no empty "
+                                                                 "documents)");
+    }
+    if ((c.byte_offset == 0) != (c.line == 0) || c.line < 0) {
+      return bad("line", "= " + str(c.line) + " at byte " + str(c.byte_offset) +
+                             " (line 0 is byte 0, and only it)");
+    }
+    if (c.byte_offset > 0 || c.position > 0) {
+      THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<data_internal::MappedFile> file,
+                               data_internal::MappedFile::Open(reader_->path()));
+      const auto bytes = file->bytes();
+      if (c.byte_offset < 0 || static_cast<uint64_t>(c.byte_offset) > bytes.size()) {
+        return bad("byte_offset", "= " + str(c.byte_offset) + " is outside the file's " +
+                                      str(static_cast<int64_t>(bytes.size())) + " bytes");
+      }
+      if (c.byte_offset == 0 || bytes[static_cast<size_t>(c.byte_offset) - 1] != '\n') {
+        return bad("byte_offset", "= " + str(c.byte_offset) + " is not at the start of a line");
+      }
+    }
+    Status s = reader_->Seek(c.byte_offset, c.line);
+    if (!s.ok()) return error_ = s;
+    epoch_ = c.epoch;
+    position_ = c.position;
+    next_id_ = c.next_id;
+    if (c.epoch_size >= 1) size_ = c.epoch_size;
+    at_end_ = false;
+    return Status::Ok();
+  }
+
+  // A separate reader over the same file counts non-blank lines (the rule of ReadOne).
+  Result<SourceCursor> CursorAfter(int64_t samples) override {
+    if (!error_.ok()) return error_;
+    if (samples < 0) {
+      return Status::OutOfRange(spec_ + ": a cursor after " + std::to_string(samples) +
+                                " samples (must be >= 0)");
+    }
+    SourceCursor c;
+    if (samples == 0) return c;
+    int64_t target = samples;  // the samples to pass in the epoch scanned
+    for (int pass = 0; pass < 2; ++pass) {
+      THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<LineReader> reader,
+                               LineReader::Open(reader_->path()));
+      int64_t count = 0;
+      std::string_view line;
+      while (true) {
+        THDPACK_ASSIGN_OR_RETURN(bool more, reader->ReadLine(&line));
+        if (!more) break;
+        if (Trim(line).empty()) continue;
+        if (++count == target) {
+          c.position = target;
+          c.next_id = samples;
+          c.byte_offset = reader->next_offset();
+          c.line = reader->line_number();
+          if (c.epoch > 0) c.epoch_size = *size_;
+          return c;
+        }
+      }
+      if (count == 0) {
+        return Status::InvalidArgument(reader_->path() + ": holds no samples (no non-blank line)");
+      }
+      if (size_ && *size_ != count) {
+        return Status::Internal(spec_ + ": " + std::to_string(count) +
+                                " samples on this pass, " + std::to_string(*size_) + " before");
+      }
+      size_ = count;  // the first pass ended: the epoch size is known
+      c.epoch = (samples - 1) / count;
+      target = (samples - 1) % count + 1;
+    }
+    return Status::Internal(spec_ + ": sample " + std::to_string(samples) + " not found");
+  }
+
+  Result<SourceCursor> CursorAtEpoch(int64_t epoch) override {
+    if (!error_.ok()) return error_;
+    SourceCursor c;
+    if (epoch < 0) return Status::OutOfRange(spec_ + ": no epoch " + std::to_string(epoch));
+    if (epoch == 0) return c;
+    if (!size_) {  // one pass over the file learns the epoch size
+      THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<LineReader> reader,
+                               LineReader::Open(reader_->path()));
+      int64_t count = 0;
+      std::string_view line;
+      while (true) {
+        THDPACK_ASSIGN_OR_RETURN(bool more, reader->ReadLine(&line));
+        if (!more) break;
+        count += Trim(line).empty() ? 0 : 1;
+      }
+      if (count == 0) {
+        return Status::InvalidArgument(reader_->path() + ": holds no samples (no non-blank line)");
+      }
+      size_ = count;
+    }
+    c.epoch = epoch;
+    c.epoch_size = *size_;
+    if (__builtin_mul_overflow(epoch, *size_, &c.next_id)) {
+      return Status::OutOfRange(spec_ + ": epoch " + std::to_string(epoch) +
+                                " takes ids past 2^63 - 1");
+    }
+    return c;
+  }
+
+  Result<std::string> Identity() override {
+    if (identity_.empty()) {
+      THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<data_internal::MappedFile> file,
+                               data_internal::MappedFile::Open(reader_->path()));
+      identity_ = "jsonl " + data_internal::HeadTailIdentity(file->bytes());
+    }
+    return identity_;
+  }
+
  private:
   // Reads the next non-blank line into *out; false at the end of the epoch.
   Result<bool> ReadOne(Sample* out) {
@@ -335,6 +486,7 @@ class JsonlSource final : public SampleSource {
   bool at_end_ = false;
   Sample scratch_;
   Status error_;
+  std::string identity_;
 };
 
 }  // namespace

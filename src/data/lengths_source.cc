@@ -6,6 +6,7 @@
 #include <cstring>
 #include <span>
 
+#include "common/hash64.h"
 #include "data/data_internal.h"
 #include "thdpack/data.h"
 
@@ -84,6 +85,20 @@ class HistogramSourceImpl final : public IndexedSource<HistogramSource> {
   Status FillAt(int64_t index, int64_t id, Sample* out) const override {
     FillMock(id, LengthOf(index), out);
     return Status::Ok();
+  }
+  // The rows as (length, count) int64 pairs.
+  Result<std::string> ComputeIdentity() const override {
+    std::vector<int64_t> pairs;
+    pairs.reserve(2 * histogram_.rows.size());
+    for (const HistogramRow& row : histogram_.rows) {
+      pairs.push_back(row.length);
+      pairs.push_back(row.count);
+    }
+    const auto bytes = std::as_bytes(std::span<const int64_t>(pairs));
+    return "histogram " + std::to_string(histogram_.rows.size()) + " rows " +
+           std::to_string(histogram_.num_sequences) + " sequences hash " +
+           internal::Hex64(internal::Hash64(std::span<const uint8_t>(
+               reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size())));
   }
 
  private:

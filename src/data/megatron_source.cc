@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/hash64.h"
 #include "data/data_internal.h"
 #include "thdpack/data.h"
 #include "thdpack/megatron_dataset.h"
@@ -156,6 +157,14 @@ class MegatronSource final : public IndexedSource<SampleSource> {
       position += n;
     }
     return Status::Ok();
+  }
+
+  // The index whole (it holds every document's length; opening read it all already) and the
+  // .bin's size with its head and tail.
+  Result<std::string> ComputeIdentity() const override {
+    return "megatron index " + std::to_string(idx_->size()) + " bytes hash " +
+           internal::Hex64(internal::Hash64(idx_->bytes())) + ", bin " +
+           data_internal::HeadTailIdentity(bin_->bytes());
   }
 
  private:

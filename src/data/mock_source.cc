@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/hash64.h"
 #include "data/data_internal.h"
 #include "thdpack/data.h"
 
@@ -43,6 +44,14 @@ class MockDistributionSource final : public IndexedSource<SampleSource> {
     FillMock(id, MockLength(config_, options().seed, index), out);
     return Status::Ok();
   }
+  // The draw's parameters, doubles in shortest round-trip form (the seed and the epoch size
+  // are fingerprinted beside it).
+  Result<std::string> ComputeIdentity() const override {
+    return "mock lognormal min_seq_len " + std::to_string(config_.min_seq_len) +
+           " max_seq_len " + std::to_string(config_.max_seq_len) + " mean_seq_len " +
+           nlohmann::json(config_.mean_seq_len).dump() + " lognormal_sigma " +
+           nlohmann::json(config_.lognormal_sigma).dump();
+  }
 
  private:
   MockConfig config_;
@@ -70,6 +79,12 @@ class LengthsVectorSource final : public IndexedSource<SampleSource> {
   Status FillAt(int64_t index, int64_t id, Sample* out) const override {
     FillMock(id, lengths_[static_cast<size_t>(index)], out);
     return Status::Ok();
+  }
+  Result<std::string> ComputeIdentity() const override {
+    const auto bytes = std::as_bytes(std::span<const int32_t>(lengths_));
+    return "lengths " + std::to_string(lengths_.size()) + " hash " +
+           internal::Hex64(internal::Hash64(std::span<const uint8_t>(
+               reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size())));
   }
 
  private:

@@ -18,6 +18,24 @@ Result<int64_t> SampleSource::NextLengths(std::span<SampleLength> out) {
   return n;
 }
 
+SourceCursor SampleSource::cursor() const {
+  SourceCursor c;
+  c.epoch = epoch();
+  c.skipped_empty = skipped_empty();
+  return c;
+}
+
+namespace {
+Status CannotSeek(const SampleSource& source) {
+  return Status::Unimplemented("data source " + source.spec() + " cannot resume (it has no cursor)");
+}
+}  // namespace
+
+Status SampleSource::Seek(const SourceCursor&) { return CannotSeek(*this); }
+Result<SourceCursor> SampleSource::CursorAfter(int64_t) { return CannotSeek(*this); }
+Result<SourceCursor> SampleSource::CursorAtEpoch(int64_t) { return CannotSeek(*this); }
+Result<std::string> SampleSource::Identity() { return CannotSeek(*this); }
+
 namespace {
 
 Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
