@@ -295,6 +295,14 @@ struct DynamicPlan {
   std::string method;
 };
 
+// The longest sample a step keeps under options (any oversize policy): the largest L whose
+// padded length fits a microbatch - for the static schedulers PaddedLength(L) <= the usable
+// budget of CP * max_tokens_per_rank, for the dynamic one the same in the widest allowed group
+// of the DP x CP domain. Longer samples are the oversize ones (an error, or left out under
+// kSkip). A resumed run keeps the samples of every later step only if this is unchanged under
+// kSkip (thdpack/run_state.h). Errors: the options' own (InvalidArgument).
+[[nodiscard]] Result<int64_t> LongestKept(const ScheduleOptions& options);
+
 // The layout of a group of c ranks: options.parallel with CP = c.
 // REQUIRES c >= 1 (InvalidArgument otherwise).
 [[nodiscard]] Result<ParallelLayout> GroupLayout(const ScheduleOptions& options, int c);

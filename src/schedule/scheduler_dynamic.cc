@@ -439,6 +439,28 @@ Result<ParallelLayout> GroupLayout(const ScheduleOptions& o, int c) {
                                 o.parallel.extra_alignment());
 }
 
+Result<int64_t> LongestKept(const ScheduleOptions& o) {
+  // A length L fits a capacity C at alignment a iff roundup(L, a) <= C iff L <= C / a * a.
+  auto longest = [](const ParallelLayout& layout, int64_t capacity) {
+    const int64_t a = layout.sequence_alignment();
+    return capacity / a * a;
+  };
+  if (o.scheduler != ScheduleOptions::Scheduler::kDynamic) {
+    if (o.max_tokens_per_rank < 1) {
+      return Status::InvalidArgument("schedule options: max_tokens_per_rank = " +
+                                     Str(o.max_tokens_per_rank) + " must be >= 1");
+    }
+    return longest(o.parallel,
+                   o.parallel.UsableBudget(o.parallel.MicrobatchBudget(o.max_tokens_per_rank)));
+  }
+  THDPACK_RETURN_IF_ERROR(ValidateDynamicOptions(o));
+  THDPACK_ASSIGN_OR_RETURN(std::vector<Size> sizes,
+                           AllowedSizes(o, o.dp_size * o.parallel.cp_size()));
+  int64_t best = 0;
+  for (const Size& s : sizes) best = std::max(best, longest(s.layout, s.capacity));
+  return best;
+}
+
 Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
                                     const ScheduleOptions& options) {
   return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false);

@@ -1,0 +1,68 @@
+// LongestKept against the schedulers themselves: on fresh random options (CP, TP, SP, extra
+// alignment, budgets, DP, both size sets of the dynamic scheduler), a sample of the longest
+// kept length is scheduled and one token more is the oversize one the policy leaves out.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "thdpack/schedule.h"
+
+namespace thdpack {
+namespace {
+
+// Scheduled alone with the skip policy (beside one short sample, so a step never is empty):
+// whether the sample of `length` was kept.
+bool Kept(const ScheduleOptions& base, int64_t length) {
+  ScheduleOptions o = base;
+  o.oversize = ScheduleOptions::OversizePolicy::kSkip;
+  std::vector<SampleLength> samples;
+  for (int d = 0; d < o.dp_size; ++d) samples.push_back({100 + d, 1, 0});
+  samples.push_back({7, length, length - 1});
+  if (o.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+    auto plan = ScheduleDynamic(samples, o);
+    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+    return plan.ok() && plan->skipped.empty();
+  }
+  auto plan = Schedule(samples, o);
+  EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+  return plan.ok() && plan->skipped.empty();
+}
+
+TEST(LongestKeptTest, EqualsTheSchedulersOversizeRule) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 300; ++trial) {
+    ScheduleOptions o;
+    o.dp_size = 1 + static_cast<int>(rng() % 4);
+    const int cp = 1 + static_cast<int>(rng() % 4);
+    const int tp = 1 + static_cast<int>(rng() % 4);
+    const bool sp = tp > 1 && rng() % 2;
+    const int64_t align = 1 + static_cast<int64_t>(rng() % 3);
+    o.parallel = *ParallelLayout::Create(cp, tp, sp, align);
+    o.max_tokens_per_rank = 8 + static_cast<int64_t>(rng() % 3000);
+    if (trial % 2 == 1) {
+      o.scheduler = ScheduleOptions::Scheduler::kDynamic;
+      o.cost = *CostModelFromDims(ModelDims{2, 8, 2, 1, 16, 10});
+      o.step_time = *StepTimeModel::Create(ModelDims{2, 8, 2, 1, 16, 10},
+                                           *ParseHardwareSpec("1000,10"));
+      o.cp_sizes = rng() % 2 ? ScheduleOptions::CpSizes::kPow2 : ScheduleOptions::CpSizes::kAny;
+    } else if (rng() % 2) {
+      o.scheduler = ScheduleOptions::Scheduler::kSequential;
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": DP " + std::to_string(o.dp_size) + " " +
+                 o.parallel.ToString() + " max_tokens_per_rank " +
+                 std::to_string(o.max_tokens_per_rank) +
+                 (trial % 2 ? " dynamic" : " static"));
+    auto longest = LongestKept(o);
+    ASSERT_TRUE(longest.ok()) << longest.status().ToString();
+    ASSERT_GE(*longest, 1);
+    EXPECT_TRUE(Kept(o, *longest));
+    EXPECT_FALSE(Kept(o, *longest + 1));
+  }
+}
+
+}  // namespace
+}  // namespace thdpack
