@@ -81,6 +81,17 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   a->fused_grad_option = cmd->add_flag("--fused-grad", o.fused_grad,
                 "Count the logits gradient fused with the loss (a second buffer of the logits' "
                 "shape) in the memory figures");
+  cmd->add_option("--start-step", o.start_step,
+                  "First step (its samples are those of the same step of a run from 0 with "
+                  "this --global-batch; reached without replaying the steps before it)")
+      ->capture_default_str();
+  cmd->add_option("--resume", o.resume,
+                  "Continue from a run state saved by --save-state: its step and stream "
+                  "position, on any topology and global batch (a state of other data, seed or "
+                  "shuffle is refused)");
+  cmd->add_option("--save-state", o.save_state,
+                  "Write the run state to FILE atomically (run: after every step, by rank 0; "
+                  "plan: after the last step), for --resume");
   cmd->add_option("--memory-limit", a->memory_limit,
                   "Bytes one step may need (K, M, G, T suffixes: KiB..TiB); a step needing more "
                   "is an error before anything is allocated (0: the physical memory)")

@@ -354,6 +354,10 @@ int RunPlan(const PlanArgs& args) {
   if (!job.ok()) return fail(job.status());
   Result<JobPlan> plan = PlanWithProgress(args, *job);
   if (!plan.ok()) return fail(plan.status());
+  if (!job->options.save_state.empty()) {
+    const Status saved = WriteRunStateFile(job->options.save_state, plan->state);
+    if (!saved.ok()) return fail(saved.WithContext("--save-state"));
+  }
   if (!args.svg.empty()) {
     std::ofstream out(args.svg, std::ios::binary | std::ios::trunc);
     out << DrawSvg(plan->steps, job->options, job->schedule.cost,

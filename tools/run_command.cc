@@ -43,13 +43,14 @@ struct RunTotals {
 Status RankLoop(ProcessGroup& world, const RunArgs& args, const Job& job, const RunSetup& run,
                 RunTotals* totals) {
   ProgressBar bar(job.steps);
+  int64_t done = 0;
   return RunJobOnRank(world, job, run, [&](const RunStepReport& step) {
     const std::string line = args.json ? RunStepJson(step, args.summary_only) + "\n"
                                        : StepLine(step);
     bar.Clear();
     std::fputs(line.c_str(), stdout);
     std::fflush(stdout);
-    bar.Update(step.figures.step + 1);
+    bar.Update(++done);
     totals->steps.push_back(step.figures);
     totals->steps.back().sample_ids.clear();
     totals->steps.back().plan.replicas.clear();

@@ -36,6 +36,7 @@
 #include "thdpack/memory_report.h"
 #include "thdpack/probe.h"
 #include "thdpack/profile.h"
+#include "thdpack/run_state.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
 #include "thdpack/step_runner.h"
@@ -90,6 +91,16 @@ struct JobOptions {
   int64_t memory_limit = 0;
   // Compare a hash of the plan across loaders (StepRunnerOptions). Default: on in debug builds.
   bool check_plan_hash = kCheckPlanHashByDefault;
+  // --start-step (plan, run): the first step, >= 0, of a run that read --global-batch samples a
+  // step from step 0 (StepRunnerOptions::start_step); its steps are those steps of a run from
+  // 0, field for field. Default 0.
+  int64_t start_step = 0;
+  // --resume FILE (plan, run): continue from a saved run state (thdpack/run_state.h), read by
+  // ResolveJob; its fingerprint must fit this job (CheckResume). Not with --start-step.
+  std::string resume;
+  // --save-state FILE (run: after every step, written by world rank 0; plan: after its last
+  // step): the run state, written atomically (WriteRunStateFile). Empty: none.
+  std::string save_state;
 };
 
 // A checked job: everything `plan` and `run` need, derived once from JobOptions.
@@ -111,6 +122,11 @@ struct Job {
   MemoryReportOptions memory;  // vocab_size from the model when not given
   DataOn data_on = DataOn::kTp0;
   int64_t memory_limit = 0;  // options.memory_limit, or the physical memory for 0
+  // --resume: the state read from its file.
+  std::optional<RunState> resume;
+  // The first step the job plans or runs: the state's next step, else --start-step. Its steps
+  // are first_step .. first_step + steps - 1.
+  int64_t first_step() const { return resume ? resume->next_step : options.start_step; }
 };
 
 // The one validation. Errors (InvalidArgument) name the option, e.g. "--dp: must be >= 1, got 0",
@@ -162,9 +178,11 @@ struct JobPlan {
   std::vector<StepFigures> steps;        // [job.steps]
   std::vector<StepMemoryFigures> memory;  // [job.steps]
   SummaryFigures summary;                 // Summarize(steps)
+  RunState state;                         // after the last step (thdpack/run_state.h)
 };
 
-// Plans job.steps steps: StepReader over job.options.data, ScheduleWithFigures (Schedule with
+// Plans job.steps steps from job.first_step() (a saved state's position, checked against the
+// job's fingerprint, or --start-step's): StepReader over job.options.data, ScheduleWithFigures (Schedule with
 // the figures of ComputePlanFigures, the plan not validated again), MakeStepFigures and
 // ComputeStepMemoryFromFigures (equal to ComputeStepFigures and ComputeStepMemory, tested).
 // With sample_ids false (the caller prints no per-sample detail), figures.sample_ids stays

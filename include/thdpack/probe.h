@@ -164,10 +164,13 @@ class StepVerifier {
   // rank opens `data` again (each computes the reference of a share of the step's samples). world and model must outlive the verifier. tolerance >= 0: the relative
   // tolerance of CompareLossSummaries. Errors (agreed over the world): as ProbeRunner::Create,
   // the source's own, a negative tolerance (InvalidArgument).
+  // start_consumed: the samples the run consumed before its first step (StepRunner::state()
+  // after Create: a resumed run's); the verifier's own source reads past them one by one, the
+  // plain way, so that it checks the runner's seek instead of sharing it.
   [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
       ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
       const std::string& data, const SourceOptions& source, int64_t global_batch,
-      double tolerance);
+      double tolerance, int64_t start_consumed = 0);
   ~StepVerifier();
 
   // The step's probe figures (the same on every rank), checked against the reference. Errors:

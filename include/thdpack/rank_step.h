@@ -14,6 +14,7 @@
 
 #include "thdpack/comm.h"
 #include "thdpack/data.h"
+#include "thdpack/run_state.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
 #include "thdpack/topology.h"
@@ -104,6 +105,10 @@ struct RankStep {
   // One entry per phase that ran, in Phase order (kAgree last).
   std::vector<PhaseStats> phases;
   int64_t bytes_sent() const;
+  // The run's state once this step is done (thdpack/run_state.h): next_step = step + 1, the
+  // samples consumed through this step and the source's cursor there, and the run's
+  // fingerprint. The same on every rank (readers send it with the lengths and the metadata).
+  RunState after;
 };
 
 }  // namespace thdpack

@@ -21,6 +21,7 @@
 #define THDPACK_STEP_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "thdpack/data.h"
@@ -77,6 +78,23 @@ class StepReader {
   // OutOfRange over 2^31 - 1 samples or ids in a step.
   [[nodiscard]] Result<StepShare> NextShare(int loader);
 
+  // Starts the reader at a run's position (thdpack/run_state.h), before its first step: it
+  // reads step `next_step` next, after `consumed` samples of the stream. With the source's
+  // cursor there (a saved state) the source seeks to it in O(1); without one the cursor is
+  // computed from `consumed` (SampleSource::CursorAfter). consumed = -1: the position of step
+  // `next_step` of a run from 0 at this global batch - next_step * N samples, or with "all"
+  // (one epoch a step) the start of epoch next_step (CursorAtEpoch). Errors: the source's
+  // (Seek's Corruption naming the field, CursorAfter's OutOfRange), InvalidArgument for a
+  // negative step or a count below -1, or a cursor whose samples() is not `consumed`.
+  [[nodiscard]] Status Start(int64_t next_step, int64_t consumed,
+                             const std::optional<SourceCursor>& cursor);
+
+  // Where the reader stands after the steps read so far: the step it reads next and the
+  // samples of the stream consumed (every sample of every step, the oversize ones a plan
+  // leaves out included: they were read, and are reported, never read again).
+  int64_t next_step() const { return next_step_; }
+  int64_t consumed() const { return consumed_; }
+
   // The loader that reads sample `index_in_step` (its position in SOURCE order within the
   // step): index_in_step mod DP.
   int64_t LoaderOf(int64_t index_in_step) const { return index_in_step % dp_size_; }
@@ -99,6 +117,7 @@ class StepReader {
   int64_t global_batch_ = 0;
   int dp_size_ = 1;
   int64_t next_step_ = 0;
+  int64_t consumed_ = 0;
 };
 
 // Positions (in source order, 0..n-1) of the samples that `loader` reads in a step of n
@@ -113,14 +132,16 @@ int64_t LoaderCount(int64_t n, int dp_size, int loader);
 int64_t LoaderOffset(int64_t n, int dp_size, int loader);
 
 // One loader's share of step `step` from samples a caller fed it (thdpack.torch's iterable
-// sources): the loader's own samples of a step of global_batch samples, in source order, with
-// the ids a file source gives (the k-th sample of loader d in step s has id
-// s * global_batch + k * DP + d; first_id = s * global_batch, n = global_batch, id_span 0:
+// sources): the loader's own samples of a step of global_batch samples starting at stream
+// position first_position (the samples consumed before the step), in source order, with the
+// ids a file source gives: their stream positions (the k-th sample of loader d has id
+// first_position + k * DP + d; first_id = first_position, n = global_batch, id_span 0:
 // consecutive). InvalidArgument naming the loader and the step when there are not
 // LoaderCount(global_batch, dp_size, loader) samples. REQUIRES: global_batch >= 1,
-// 0 <= loader < dp_size.
+// 0 <= loader < dp_size, first_position >= 0.
 [[nodiscard]] Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step,
-                                             int loader, std::vector<Sample> samples);
+                                             int64_t first_position, int loader,
+                                             std::vector<Sample> samples);
 
 // Reorders the n samples of a step from source order into scheduling order (loader 0's first,
 // each loader's in source order). REQUIRES: dp_size >= 1.

@@ -65,6 +65,7 @@
 #include "thdpack/data.h"
 #include "thdpack/pack.h"
 #include "thdpack/rank_step.h"
+#include "thdpack/run_state.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
 #include "thdpack/step.h"
@@ -111,13 +112,19 @@ struct StepRunnerOptions {
   // debug builds (NDEBUG unset).
   bool check_plan_hash = kCheckPlanHashByDefault;
   // A source fed by the caller instead of `data` (e.g. one Python iterable per loader): when
-  // set, reading ranks open no source and take each step's share from read_share(step, dp),
-  // called once per step on the rank's own thread: the loader's own samples in source order,
-  // with first_id the step's first id, n its sample count and ids first_id + k * DP + dp (the
-  // ids a file source gives, step.h), so the lengths phase can place them; id_span 0 means n
-  // (consecutive ids, no empty documents passed over). An error it returns
-  // fails the read phase on that rank (agreed as any other). Default: unset.
-  std::function<Result<StepShare>(int64_t step, int loader)> read_share;
+  // set, reading ranks open no source and take each step's share from
+  // read_share(step, first_position, dp), called once per step on the rank's own thread:
+  // first_position is the stream position of the step's first sample (the samples consumed
+  // before it), and the share the loader's own samples in source order, with first_id =
+  // first_position, n the step's sample count and ids first_id + k * DP + dp (FedStepShare,
+  // step.h), so the lengths phase can place them; id_span 0 means n (consecutive ids). An
+  // error it returns fails the read phase on that rank (agreed as any other). Default: unset.
+  std::function<Result<StepShare>(int64_t step, int64_t first_position, int loader)> read_share;
+  // The step the run starts at (>= 0): step k of a run that read global_batch samples a step
+  // from the beginning (k epochs with "all"), its stream position computed (StepReader::Start:
+  // O(1) of the steps before it for every source but jsonl). A saved state is given to
+  // StepRunner::Restore instead. Default 0.
+  int64_t start_step = 0;
   // The dynamic scheduler: the most CP process groups kept across steps (>= 1). Default
   // kDefaultMaxCpGroups.
   int max_cp_groups = kDefaultMaxCpGroups;
@@ -158,6 +165,19 @@ class StepRunner {
 
   // Runs the next step. Every rank gets either its RankStep or an error (see the top).
   [[nodiscard]] Result<RankStep> Next();
+
+  // The run's state after the last step Next() returned (RankStep::after), or where it starts
+  // before the first: the same on every rank.
+  const RunState& state() const;
+
+  // Continues a run from a saved state (thdpack/run_state.h) instead of options.start_step:
+  // the next step is state.next_step, read from the saved stream position (the cursor makes the
+  // seek O(1)). Call it on every rank, with the same state, before the first Next(); it does
+  // not communicate. Errors, the same on every rank: InvalidArgument when the state does not
+  // fit this run (CheckResume: another data set, seed, shuffle, ..., naming the field and both
+  // values), or when called after a step. A reading rank that cannot seek (a cursor its file
+  // refuses) fails the next step's read phase, agreed over the world as any failure.
+  [[nodiscard]] Status Restore(const RunState& state);
 
  private:
   class Impl;

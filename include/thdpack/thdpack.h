@@ -15,6 +15,7 @@
 #include "thdpack/probe.h"
 #include "thdpack/profile.h"
 #include "thdpack/rank_step.h"
+#include "thdpack/run_state.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
 #include "thdpack/shard.h"

@@ -37,6 +37,26 @@ py::object JsonLoads(const std::string& text) {
   return py::module_::import("json").attr("loads")(text);
 }
 
+}  // namespace
+
+py::object RunStateToPy(const RunState& state) { return JsonLoads(RunStateToJson(state)); }
+
+RunState RunStateFromPy(const py::handle& state, const std::string& what) {
+  std::string text;
+  if (py::isinstance<py::str>(state)) {
+    text = state.cast<std::string>();
+  } else if (py::isinstance<py::dict>(state)) {
+    text = py::module_::import("json").attr("dumps")(state).cast<std::string>();
+  } else {
+    throw py::type_error(what + ": expected a run state (a dict from state_dict(), or its JSON "
+                         "text), got " +
+                         std::string(py::str(py::type::of(state).attr("__name__"))));
+  }
+  return ValueOrThrow(ParseRunState(text, what));
+}
+
+namespace {
+
 py::dict ResolveJobPy(const py::kwargs& kwargs) {
   JobOptions options;
   RunOptions unused;
@@ -68,18 +88,23 @@ py::object PlanJobPy(const py::kwargs& kwargs) {
   const bool summary_only = ReadOptions(kwargs, /*run=*/false, options, unused);
   const Job job = ValueOrThrow(ResolveJob(options));
   std::string json;
+  RunState state;
   Status status = Status::Ok();
   {
     py::gil_scoped_release release;
     Result<JobPlan> plan = PlanJob(job, {}, /*sample_ids=*/!summary_only);
     if (plan.ok()) {
       json = PlanJobJson(*plan, summary_only);
+      state = plan->state;
+      if (!options.save_state.empty()) status = WriteRunStateFile(options.save_state, state);
     } else {
       status = plan.status();
     }
   }
   ThrowIfError(status);
-  return JsonLoads(json);
+  py::object report = JsonLoads(json);
+  report["state"] = RunStateToPy(state);
+  return report;
 }
 
 py::list RunJobPy(const py::kwargs& kwargs) {
@@ -122,6 +147,54 @@ void BindJob(py::module_& m) {
   m.def("plan_job", &PlanJobPy,
         "Plans a job as `thdpack plan --json` does (same keyword options as resolve_job, plus "
         "summary_only) and returns its report: {'steps': [...], 'summary': {...}}.");
+  m.def(
+      "check_run_state",
+      [](const py::handle& state) { return RunStateToPy(RunStateFromPy(state, "state")); },
+      py::arg("state"),
+      "Checks a run state (a dict from PackedDataIterator.state_dict() or plan_job()['state'], "
+      "or its JSON text) and returns it as a dict: ValueError naming the field when it was cut, "
+      "edited (its checksum), or written by a newer thdpack (thdpack/run_state.h).");
+  m.def(
+      "run_state_at",
+      [](const py::handle& state, int64_t next_step, int64_t consumed) {
+        return RunStateToPy(
+            ValueOrThrow(RunStateAt(RunStateFromPy(state, "state"), next_step, consumed)));
+      },
+      py::arg("state"), py::arg("next_step"), py::arg("consumed"),
+      "The same run's state at another position given by a count alone: step next_step after "
+      "`consumed` samples (e.g. Megatron's iteration and consumed_train_samples), without a "
+      "source cursor (each reading rank computes it on resume).");
+  m.def(
+      "read_run_state", [](const std::string& path) {
+        RunState s;
+        Status status;
+        {
+          py::gil_scoped_release release;
+          Result<RunState> r = ReadRunStateFile(path);
+          if (r.ok()) {
+            s = std::move(*r);
+          } else {
+            status = r.status();
+          }
+        }
+        ThrowIfError(status);
+        return RunStateToPy(s);
+      },
+      py::arg("path"), "Reads a run state file (`thdpack run --save-state`).");
+  m.def(
+      "write_run_state",
+      [](const std::string& path, const py::handle& state) {
+        const RunState s = RunStateFromPy(state, "state");
+        Status status;
+        {
+          py::gil_scoped_release release;
+          status = WriteRunStateFile(path, s);
+        }
+        ThrowIfError(status);
+      },
+      py::arg("path"), py::arg("state"),
+      "Writes a run state to a file atomically (a new file, synced, renamed over the old one), "
+      "as `thdpack run --save-state` does.");
   m.def("run_job", &RunJobPy,
         "Runs a job's step loop on one thread per rank as `thdpack run --json` does (options "
         "of resolve_job plus data_on, timeout, summary_only, verify, verify_tolerance, probe_layers, "

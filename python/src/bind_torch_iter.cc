@@ -100,6 +100,9 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   d["replica_sum_sq"] = step.meta.sum_sq;
   d["skipped_ids"] = step.meta.skipped_ids;
   d["figures"] = py::module_::import("json").attr("loads")(figures);
+  // The run's state once this step is done, as JSON text (the iterator parses it only when
+  // asked for its state_dict).
+  d["state"] = RunStateToJson(step.after);
   std::vector<int> topology_cp = ValueOrThrow(topo.GroupOf(GroupKind::kCp, world_rank));
   py::list mbs;
   for (LocalMicrobatch& mb : step.microbatches) {
@@ -181,7 +184,8 @@ class TorchStepRunner {
     world_ = MakeTorchWorld(std::move(world_group), comm);
     StepRunnerOptions ro = RunnerOptions(job_);
     if (!take_share_.is_none()) {
-      ro.read_share = [this](int64_t step, int loader) -> Result<StepShare> {
+      ro.read_share = [this](int64_t step, int64_t first_position,
+                             int loader) -> Result<StepShare> {
         std::vector<Sample> samples;
         {
           py::gil_scoped_acquire gil;
@@ -194,8 +198,8 @@ class TorchStepRunner {
                                            ", step " + std::to_string(step) + ": " + e.what());
           }
         }
-        return FedStepShare(job_.options.global_batch, job_.topology.dp_size(), step, loader,
-                            std::move(samples));
+        return FedStepShare(job_.options.global_batch, job_.topology.dp_size(), step,
+                            first_position, loader, std::move(samples));
       };
     }
     std::optional<Result<std::unique_ptr<StepRunner>>> runner;
@@ -225,6 +229,15 @@ class TorchStepRunner {
                         world_->rank());
   }
 
+  // The run's state after the last step (or where it starts): the record's JSON text.
+  std::string State() const { return RunStateToJson(runner_->state()); }
+  // Before the first step, on every rank alike (StepRunner::Restore).
+  void Restore(const py::handle& state) {
+    ThrowIfError(runner_->Restore(RunStateFromPy(state, "load_state_dict: state")));
+  }
+  // The samples consumed before the next step: its first sample's stream position.
+  int64_t Consumed() const { return runner_->state().consumed; }
+
   py::dict Topology() const {
     py::dict d;
     d["tp"] = job_.topology.tp_size();
@@ -252,8 +265,11 @@ class TorchStepRunner {
 };
 
 // The reference for tests: the same options and inputs, the step on one thread per rank.
-py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, py::object shares) {
+py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, py::object shares,
+                           py::object state) {
   const Job job = ResolveOptions(options, source);
+  std::optional<RunState> restore;
+  if (!state.is_none()) restore = RunStateFromPy(state, "state");
   StepRunnerOptions ro = RunnerOptions(job);
   std::vector<std::vector<Sample>> fed;  // [DP]: loader d's samples of every step, in order
   if (!shares.is_none()) {
@@ -266,15 +282,19 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
       throw py::value_error("shares: expected one list per loader (DP = " +
                             std::to_string(job.topology.dp_size()) + ")");
     }
-    ro.read_share = [&job, &fed](int64_t step, int loader) -> Result<StepShare> {
+    // shares[d] holds loader d's samples of every step from the first one run.
+    const int64_t first_step = restore ? restore->next_step : job.first_step();
+    ro.read_share = [&job, &fed, first_step](int64_t step, int64_t first_position,
+                                             int loader) -> Result<StepShare> {
       const int64_t count = LoaderCount(job.options.global_batch, job.topology.dp_size(), loader);
       const auto& all = fed[static_cast<size_t>(loader)];
-      const size_t begin = static_cast<size_t>(step * count);
+      const size_t begin = static_cast<size_t>((step - first_step) * count);
       if (begin + static_cast<size_t>(count) > all.size()) {
         return Status::OutOfRange("shares: loader " + std::to_string(loader) + " has no step " +
                                   std::to_string(step));
       }
-      return FedStepShare(job.options.global_batch, job.topology.dp_size(), step, loader,
+      return FedStepShare(job.options.global_batch, job.topology.dp_size(), step, first_position,
+                          loader,
                           std::vector<Sample>(all.begin() + static_cast<int64_t>(begin),
                                               all.begin() + static_cast<int64_t>(begin) + count));
     };
@@ -287,6 +307,7 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
     py::gil_scoped_release release;
     statuses = RunOnThreads(world, [&](ProcessGroup& w) -> Status {
       THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(w, job.topology, ro));
+      if (restore) THDPACK_RETURN_IF_ERROR(runner->Restore(*restore));
       for (int64_t s = 0; s < steps; ++s) {
         THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
         THDPACK_ASSIGN_OR_RETURN(std::string f, StepFiguresJsonOnEveryRank(w, job, step));
@@ -320,9 +341,12 @@ void BindTorchIter(py::module_& m) {
            py::arg("source"), py::arg("take_share"), py::arg("cuda_device"),
            py::arg("monitored_barrier_seconds"))
       .def("next", &TorchStepRunner::Next)
+      .def("state", &TorchStepRunner::State)
+      .def("restore", &TorchStepRunner::Restore, py::arg("state"))
+      .def("consumed", &TorchStepRunner::Consumed)
       .def("topology", &TorchStepRunner::Topology);
   m.def("_run_steps_on_threads", &RunStepsOnThreads, py::arg("options"), py::arg("steps"),
-        py::arg("source"), py::arg("shares"),
+        py::arg("source"), py::arg("shares"), py::arg("state") = py::none(),
         "Tests: the step of PackedDataIterator on one thread per rank; [rank][step] dicts.");
 }
 

@@ -85,6 +85,9 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"fused_grad", Field(&JobOptions::fused_grad)},
       {"check_plan_hash", Field(&JobOptions::check_plan_hash)},
       {"memory_limit", SetMemoryLimit},
+      {"start_step", Field(&JobOptions::start_step)},
+      {"resume", Field(&JobOptions::resume)},
+      {"save_state", Field(&JobOptions::save_state)},
   };
   static const std::map<std::string, Setter> run_setters = [] {
     std::map<std::string, Setter> m = plan_setters;
@@ -106,8 +109,11 @@ const std::map<std::string, Setter>& Setters(bool run) {
 
 bool IsJobOption(const std::string& name, OptionsOf of) {
   if (of == OptionsOf::kIterator) {
-    static const std::set<std::string> not_iterator = {"data",         "steps",      "vocab_size",
-                                                       "logits_dtype", "fused_grad", "memory_limit"};
+    // A saved state reaches the iterator through load_state_dict, and leaves it through
+    // state_dict: no files.
+    static const std::set<std::string> not_iterator = {
+        "data",         "steps",        "vocab_size", "logits_dtype",
+        "fused_grad",   "memory_limit", "resume",     "save_state"};
     return Setters(false).count(name) > 0 && not_iterator.count(name) == 0;
   }
   return Setters(of == OptionsOf::kRun).count(name) > 0;

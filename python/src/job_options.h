@@ -14,8 +14,9 @@ namespace thdpack::python {
 
 // Whose options: `plan`'s; `run`'s (plan's and timeout, verify, verify_tolerance,
 // memory_profile_*, probe_*); the torch iterator's (plan's but data, which is its source,
-// steps, which its Python side counts, and the memory report's: vocab_size, logits_dtype,
-// fused_grad, memory_limit).
+// steps, which its Python side counts, the memory report's: vocab_size, logits_dtype,
+// fused_grad, memory_limit, and the state files resume and save_state: its state goes through
+// state_dict and load_state_dict).
 enum class OptionsOf { kPlan, kRun, kIterator };
 
 bool IsJobOption(const std::string& name, OptionsOf of);
@@ -24,6 +25,12 @@ bool IsJobOption(const std::string& name, OptionsOf of);
 // the value has the wrong type, ValueError from the command line's parsers.
 void SetJobOption(const std::string& name, const py::handle& value, JobOptions& job,
                   RunOptions& run);
+
+// A run state (thdpack/run_state.h) as Python holds it: the dict of its JSON record
+// (bind_job.cc). From a dict or its JSON text; ValueError naming the field (ParseRunState),
+// TypeError for anything else; `what` names the argument.
+py::object RunStateToPy(const RunState& state);
+RunState RunStateFromPy(const py::handle& state, const std::string& what);
 
 }  // namespace thdpack::python
 

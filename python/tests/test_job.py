@@ -85,7 +85,11 @@ def test_unknown_option_is_a_type_error():
 def test_plan_job_equals_the_command_line(lengths_file, extra):
     options = dict(data=lengths_file, tp=2, cp=2, dp=2, global_batch=25, steps=5,
                    max_tokens_per_rank=4096, **extra)
-    assert thdpack.plan_job(**options) == cli_json("plan", **options)
+    report = thdpack.plan_job(**options)
+    # The state after the planned steps (`plan --save-state` writes it) beside plan's JSON.
+    state = report.pop("state")
+    assert state["next_step"] == 5 and state["consumed"] == 125
+    assert report == cli_json("plan", **options)
 
 
 @needs_cli
@@ -94,6 +98,8 @@ def test_plan_job_global_batch_all(lengths_file):
     report = thdpack.plan_job(**options)
     assert report["summary"]["n_steps"] == 1
     assert report["summary"]["n_samples"] == 100
+    state = report.pop("state")
+    assert state["next_step"] == 1 and state["cursor"]["epoch"] == 1  # one epoch a step
     assert report == cli_json("plan", **options)
 
 

@@ -38,6 +38,15 @@ Status CheckNumbers(const JobOptions& o) {
                                       std::to_string(o.global_batch));
   }
   if (o.steps.has_value()) THDPACK_RETURN_IF_ERROR(AtLeast("--steps", *o.steps, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--start-step", o.start_step, 0));
+  if (o.start_step > 0 && !o.resume.empty()) {
+    return Fail("--start-step", "and --resume both say where the run starts: give one (a saved "
+                                "state knows its step)");
+  }
+  if (o.global_batch > 0 && o.start_step > INT64_MAX / o.global_batch) {
+    return Fail("--start-step", std::to_string(o.start_step) + " x --global-batch " +
+                                    std::to_string(o.global_batch) + " overflows int64");
+  }
   if (o.memory_limit < 0) {
     return Fail("--memory-limit", "must be >= 0 bytes (0: the physical memory), got " +
                                       std::to_string(o.memory_limit));
@@ -143,6 +152,11 @@ Result<Job> ResolveJob(const JobOptions& options) {
   THDPACK_RETURN_IF_ERROR(ResolveMemory(options, job));
   THDPACK_ASSIGN_OR_RETURN(job.data_on, ParseDataOn(options.data_on));
   job.memory_limit = options.memory_limit > 0 ? options.memory_limit : PhysicalMemoryBytes();
+  if (!options.resume.empty()) {
+    Result<RunState> state = ReadRunStateFile(options.resume);
+    if (!state.ok()) return state.status().WithContext("--resume");
+    job.resume = std::move(*state);
+  }
   if (options.global_batch > 0) {
     THDPACK_RETURN_IF_ERROR(CheckStepMemory(
         job, options.global_batch, "--global-batch " + std::to_string(options.global_batch)));
@@ -221,6 +235,7 @@ StepRunnerOptions RunnerOptions(const Job& job) {
   o.data_on = job.data_on;
   o.check_plan_hash = job.options.check_plan_hash;
   o.max_cp_groups = job.options.max_cp_groups;
+  o.start_step = job.options.start_step;
   return o;
 }
 
@@ -272,12 +287,13 @@ Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
   std::sort(run.profile_steps.begin(), run.profile_steps.end());
   run.profile_steps.erase(std::unique(run.profile_steps.begin(), run.profile_steps.end()),
                           run.profile_steps.end());
+  const int64_t first = job.first_step();
   for (int64_t step : run.profile_steps) {
-    if (step >= 0 && step < job.steps) continue;
+    if (step >= first && step < first + job.steps) continue;
     return Fail("--memory-profile-steps",
                 "step " + std::to_string(step) + " is not run (--steps " +
-                    std::to_string(job.steps) + " runs steps 0 to " +
-                    std::to_string(job.steps - 1) + ")");
+                    std::to_string(job.steps) + " runs steps " + std::to_string(first) + " to " +
+                    std::to_string(first + job.steps - 1) + ")");
   }
   return run;
 }

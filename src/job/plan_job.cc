@@ -153,12 +153,31 @@ Result<JobPlan> PlanJobUnguarded(const Job& job, const PlanStepCallback& on_step
                                                                  job.options.global_batch,
                                                                  job.topology.dp_size()));
   JobPlan out;
+  THDPACK_ASSIGN_OR_RETURN(out.state.data, MakeFingerprint(source->get(), job.options.data,
+                                                           job.options.source, job.schedule));
+  Status started;
+  if (job.resume.has_value()) {
+    started = CheckResume(job.resume->data, out.state.data);
+    if (started.ok()) {
+      started = reader.Start(job.resume->next_step, job.resume->consumed, job.resume->cursor);
+    }
+  } else {
+    started = reader.Start(job.options.start_step, -1, std::nullopt);
+  }
+  if (!started.ok()) {
+    return started.WithContext(job.resume ? "--resume " + job.options.resume : "--start-step");
+  }
+  // The bulk path plans whole epochs from the step number: only where steps start at epochs.
+  const bool epoch_aligned = !job.resume.has_value();
+  bool bulk_used = false;
   out.steps.reserve(static_cast<size_t>(std::min<int64_t>(job.steps, 1 << 20)));
   out.memory.reserve(out.steps.capacity());
-  for (int64_t k = 0; k < job.steps; ++k) {
+  const int64_t first = job.first_step();
+  for (int64_t k = first; k < first + job.steps; ++k) {
     std::optional<PlannedStep> bulk;
-    if (!sample_ids) {
+    if (!sample_ids && epoch_aligned) {
       THDPACK_ASSIGN_OR_RETURN(bulk, PlanHistogramEpoch(job, **source, k));
+      bulk_used = bulk_used || bulk.has_value();
     }
     PlannedStep step;
     if (bulk.has_value()) {
@@ -178,6 +197,11 @@ Result<JobPlan> PlanJobUnguarded(const Job& job, const PlanStepCallback& on_step
     out.memory.push_back(std::move(step.memory));
   }
   out.summary = Summarize(out.steps);
+  // Steps planned in bulk left the reader where it was: one epoch a step, it is moved there.
+  if (bulk_used) THDPACK_RETURN_IF_ERROR(reader.Start(first + job.steps, -1, std::nullopt));
+  out.state.next_step = reader.next_step();
+  out.state.consumed = reader.consumed();
+  out.state.cursor = (*source)->cursor();
   return out;
 }
 

@@ -90,12 +90,18 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
       std::max<int64_t>(1, static_cast<int64_t>(job.options.timeout * 1000))));
   const StepRunnerOptions options = RunnerOptions(job);
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, job.topology, options));
+  if (job.resume.has_value()) {
+    // Every rank holds the same state and the same fingerprint: the same answer everywhere.
+    THDPACK_RETURN_IF_ERROR(
+        runner->Restore(*job.resume).WithContext("--resume " + job.options.resume));
+  }
   std::unique_ptr<StepVerifier> verifier;
   if (run.probe) {
     THDPACK_ASSIGN_OR_RETURN(
         verifier, StepVerifier::Create(world, job.topology, *run.probe,
                                        job.schedule.parallel.sp(), options.data, options.source,
-                                       options.global_batch, run.options.verify_tolerance));
+                                       options.global_batch, run.options.verify_tolerance,
+                                       runner->state().consumed));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
@@ -108,16 +114,32 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
       THDPACK_ASSIGN_OR_RETURN(loss, verifier->Check(step));
     }
     THDPACK_ASSIGN_OR_RETURN(PhaseTable phases, GatherPhases(world, step));
-    if (world.rank() != 0) continue;
-    THDPACK_ASSIGN_OR_RETURN(PlannedStep planned, ReportRankStep(job, step));
-    RunStepReport report;
-    report.figures = std::move(planned.figures);
-    report.memory = std::move(planned.memory);
-    report.phases = std::move(phases);
-    report.loss = std::move(loss);
-    report.dp_size = job.topology.dp_size();
-    if (step.dynamic) report.groups = GroupCounts(step);
-    if (on_step) THDPACK_RETURN_IF_ERROR(on_step(report));
+    Status reported;
+    if (world.rank() == 0) {
+      reported = [&]() -> Status {
+        THDPACK_ASSIGN_OR_RETURN(PlannedStep planned, ReportRankStep(job, step));
+        RunStepReport report;
+        report.figures = std::move(planned.figures);
+        report.memory = std::move(planned.memory);
+        report.phases = std::move(phases);
+        report.loss = std::move(loss);
+        report.dp_size = job.topology.dp_size();
+        if (step.dynamic) report.groups = GroupCounts(step);
+        return on_step ? on_step(report) : Status::Ok();
+      }();
+      // As a checkpoint after a trained step: one writer, atomically. A kill before it leaves
+      // the previous state, and a resume redoes this step, as a training job redoes the work
+      // since its last checkpoint.
+      if (reported.ok() && !job.options.save_state.empty()) {
+        reported = WriteRunStateFile(job.options.save_state, step.after)
+                       .WithContext("--save-state");
+      }
+    }
+    if (!job.options.save_state.empty()) {
+      THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, reported, "--save-state"));
+    } else {
+      THDPACK_RETURN_IF_ERROR(reported);  // the others stop at their next collective
+    }
   }
   return Status::Ok();
 }

@@ -293,7 +293,8 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
     THDPACK_ASSIGN_OR_RETURN(std::optional<Sample> s, source.Next());
     if (!s) {
       THDPACK_RETURN_IF_ERROR(source.Reset());
-      if (global_batch == 0) break;
+      // "all" reads to the end of the epoch; from the end of one (a resumed run), the next.
+      if (global_batch == 0 && (read > 0 || empty_epoch)) break;
       if (empty_epoch) {
         return Status::InvalidArgument("ReadStepSamplesPlain: " + source.spec() +
                                        " holds no sample");

@@ -430,7 +430,7 @@ StepVerifier::~StepVerifier() = default;
 Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
     ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
     const std::string& data, const SourceOptions& source, int64_t global_batch,
-    double tolerance) {
+    double tolerance, int64_t start_consumed) {
   if (!(tolerance >= 0)) {
     return Status::InvalidArgument("StepVerifier: tolerance " + std::to_string(tolerance) +
                                    " must be >= 0");
@@ -441,6 +441,23 @@ Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
   auto plain = OpenSource(data, source);
   if (plain.ok()) {
     v->plain_ = std::move(*plain);
+    // Past the samples consumed before the run's first step, one at a time (Reset at each
+    // end): no seek, no cursor.
+    bool empty_epoch = false;
+    for (int64_t k = 0; k < start_consumed && local.ok();) {
+      auto next = v->plain_->NextLength();
+      if (!next.ok()) {
+        local = next.status();
+      } else if (next->has_value()) {
+        ++k;
+        empty_epoch = false;
+      } else if (empty_epoch) {
+        local = Status::InvalidArgument("StepVerifier: " + data + " holds no sample");
+      } else {
+        local = v->plain_->Reset();
+        empty_epoch = true;
+      }
+    }
   } else {
     local = plain.status();
   }

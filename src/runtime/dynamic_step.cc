@@ -335,6 +335,7 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
   FinishLocalDynamic(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
+  CommitPosition(out);
   return out;
 }
 

@@ -145,9 +145,15 @@ Status StepRunner::Impl::Init() {
           local = src.status();
         }
       }
+      if (local.ok() && reader_) local = StartReading();
     }
   }
+  if (local.ok() && opts_.start_step < 0) {
+    local = Status::InvalidArgument("StepRunner: start_step = " +
+                                    std::to_string(opts_.start_step) + " must be >= 0");
+  }
   THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "opening the step runner"));
+  THDPACK_RETURN_IF_ERROR(ShareStart());
 
   if (dynamic_) return InitDynamic();
   // Loaders: with tp0 the DP group at tp = cp = pp = 0; with all, every DP group.
@@ -179,14 +185,88 @@ Status StepRunner::Impl::Init() {
   return Status::Ok();
 }
 
+Status StepRunner::Impl::StartReading() {
+  THDPACK_ASSIGN_OR_RETURN(
+      state_.data, MakeFingerprint(source_.get(), source_ ? opts_.data : std::string(),
+                                   opts_.source, opts_.schedule));
+  const int64_t step = std::max<int64_t>(opts_.start_step, 0);
+  int64_t consumed = 0;
+  if (source_) {
+    THDPACK_RETURN_IF_ERROR(steps_->Start(step, -1, std::nullopt));
+    state_.cursor = source_->cursor();
+    consumed = steps_->consumed();
+  } else if (__builtin_mul_overflow(step, opts_.global_batch, &consumed)) {
+    return Status::OutOfRange("start step " + std::to_string(step) + " x global batch " +
+                              std::to_string(opts_.global_batch) + " overflows int64");
+  }
+  state_.next_step = step;
+  state_.consumed = consumed;
+  return Status::Ok();
+}
+
+// World rank 0 reads in every mode (a loader, a head): its start is everyone's.
+Status StepRunner::Impl::ShareStart() {
+  std::string text = world_.rank() == 0 ? RunStateToJson(state_) : std::string();
+  int64_t size = static_cast<int64_t>(text.size());
+  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  if (size <= 0 || size > (int64_t{1} << 24)) {
+    return Status::Corruption("step runner: a start state of " + std::to_string(size) + " bytes");
+  }
+  text.resize(static_cast<size_t>(size));
+  THDPACK_RETURN_IF_ERROR(
+      world_.Broadcast(std::as_writable_bytes(std::span<char>(text.data(), text.size())), 0));
+  Status local;
+  auto parsed = ParseRunState(text, "the start state from world rank 0");
+  if (parsed.ok()) {
+    state_ = std::move(*parsed);
+  } else {
+    local = parsed.status();
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "the start state"));
+  step_ = state_.next_step;
+  after_ = PackPosition(state_.consumed, state_.cursor);
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::Restore(const RunState& saved) {
+  if (started_) {
+    return Status::InvalidArgument("StepRunner::Restore: the run already ran step " +
+                                   std::to_string(step_ - 1) +
+                                   " (restore a state before the first step)");
+  }
+  // Every rank holds the run's fingerprint (ShareStart): the check gives the same answer on
+  // all of them without a message.
+  THDPACK_RETURN_IF_ERROR(CheckResume(saved.data, state_.data));
+  if (saved.cursor.has_value() && state_.data.source == "fed") {
+    return Status::InvalidArgument("StepRunner::Restore: the state has a source cursor, but this "
+                                   "run's samples are fed by the caller");
+  }
+  state_.next_step = saved.next_step;
+  state_.consumed = saved.consumed;
+  state_.cursor = saved.cursor;  // a state without one: the readers compute it (below)
+  step_ = saved.next_step;
+  after_ = PackPosition(state_.consumed, state_.cursor);
+  if (source_) restore_error_ = steps_->Start(saved.next_step, saved.consumed, saved.cursor);
+  return Status::Ok();
+}
+
+void StepRunner::Impl::CommitPosition(RankStep& out) {
+  state_.next_step = step_;
+  UnpackPosition(after_, &state_);
+  out.after = state_;
+}
+
 // This loader's share through the step reader `thdpack plan` uses; each of its samples is
 // checked here, so that an oversize error names the loader that holds the sample.
 Status StepRunner::Impl::ReadShare(RankStep& out) {
+  THDPACK_RETURN_IF_ERROR(restore_error_);
   StepShare share;
   if (opts_.read_share) {
-    THDPACK_ASSIGN_OR_RETURN(share, opts_.read_share(step_, coord_.dp));
+    THDPACK_ASSIGN_OR_RETURN(share, opts_.read_share(step_, state_.consumed, coord_.dp));
+    after_ = PackPosition(state_.consumed + share.n, std::nullopt);
   } else {
     THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
+    after_ = PackPosition(steps_->consumed(), source_->cursor());
   }
   own_ = std::move(share.samples);
   first_id_ = share.first_id;
@@ -221,19 +301,24 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
 Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, RankStep& out) {
   const int dp = topo_.dp_size();
   const size_t gs = static_cast<size_t>(g.size());
-  const int64_t header[4] = {static_cast<int64_t>(own_.size()), first_id_, id_span_, out.epoch};
-  std::vector<int64_t> all(4 * gs);
+  // The header: count, first id, id span, epoch, and the run's position after the step.
+  constexpr size_t kHeader = 4 + kPositionValues;
+  std::array<int64_t, kHeader> header = {static_cast<int64_t>(own_.size()), first_id_, id_span_,
+                                         out.epoch};
+  std::copy(after_.begin(), after_.end(), header.begin() + 4);
+  std::vector<int64_t> all(kHeader * gs);
   THDPACK_RETURN_IF_ERROR(
-      g.AllGatherValues(std::span<const int64_t>(header, 4), std::span<int64_t>(all)));
+      g.AllGatherValues(std::span<const int64_t>(header), std::span<int64_t>(all)));
   if (!reader_) {
     first_id_ = all[1];
     id_span_ = all[2];
     out.epoch = all[3];
+    std::copy(all.begin() + 4, all.begin() + kHeader, after_.begin());
   }
   std::vector<int64_t> c(gs, 0), dsp(gs, 0);
   loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
   for (size_t j = 0; j < gs; ++j) {
-    const int64_t n_j = all[4 * j];
+    const int64_t n_j = all[kHeader * j];
     const bool loader = j % static_cast<size_t>(loader_stride) == 0;
     if (n_j < 0 || n_j > (int64_t{1} << 40) || (!loader && n_j != 0)) {
       return Status::Internal("length exchange: member " + std::to_string(j) + " count " +
@@ -457,8 +542,13 @@ Status StepRunner::Impl::SealMeta(const StepMeta& meta) {
 // The step's metadata from position 0 of `group` (the loader of a replica, the head of a
 // column) to every other member.
 Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
-  int64_t size = static_cast<int64_t>(meta_bytes_.size());
-  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(&size, 1), 0));
+  // The size of the message and the run's position after the step.
+  std::array<int64_t, 1 + kPositionValues> head;
+  head[0] = static_cast<int64_t>(meta_bytes_.size());
+  std::copy(after_.begin(), after_.end(), head.begin() + 1);
+  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(head), 0));
+  const int64_t size = head[0];
+  if (group.rank() != 0) std::copy(head.begin() + 1, head.end(), after_.begin());
   if (size < 0 || size > (int64_t{1} << 32)) {
     return Status::Corruption("step metadata size " + std::to_string(size) + " out of range");
   }
@@ -586,6 +676,7 @@ void StepRunner::Impl::FinishLocal(RankStep& out) {
 
 // A new step of this rank, and the per-step state reset.
 RankStep StepRunner::Impl::StartStep(bool is_loader) {
+  started_ = true;
   RankStep out;
   out.step = step_;
   out.coord = coord_;
@@ -680,6 +771,7 @@ Result<RankStep> StepRunner::Impl::Next() {
   FinishLocal(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
+  CommitPosition(out);
   return out;
 }
 
@@ -695,5 +787,9 @@ Result<std::unique_ptr<StepRunner>> StepRunner::Create(ProcessGroup& world,
 }
 
 Result<RankStep> StepRunner::Next() { return impl_->Next(); }
+
+const RunState& StepRunner::state() const { return impl_->state(); }
+
+Status StepRunner::Restore(const RunState& state) { return impl_->Restore(state); }
 
 }  // namespace thdpack

@@ -5,6 +5,7 @@
 #ifndef THDPACK_RUNTIME_STEP_RUNNER_IMPL_H_
 #define THDPACK_RUNTIME_STEP_RUNNER_IMPL_H_
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "thdpack/run_state.h"
 #include "thdpack/shard.h"
 #include "thdpack/step.h"
 #include "thdpack/step_runner.h"
@@ -30,6 +32,22 @@ constexpr int kTagTokens = 1;
 constexpr int kTagPositions = 2;
 constexpr int kTagLabels = 3;
 constexpr int kTagMask = 4;
+
+// The run's position after a step, as readers send it to the other ranks with the lengths
+// and the metadata: the samples consumed, whether there is a cursor (file sources), and the
+// cursor's seven fields.
+constexpr size_t kPositionValues = 9;
+using PositionValues = std::array<int64_t, kPositionValues>;
+inline PositionValues PackPosition(int64_t consumed, const std::optional<SourceCursor>& c) {
+  const SourceCursor x = c.value_or(SourceCursor{});
+  return {consumed,      c.has_value() ? 1 : 0, x.epoch, x.position,  x.next_id,
+          x.skipped_empty, x.byte_offset,       x.line,  x.epoch_size};
+}
+inline void UnpackPosition(const PositionValues& v, RunState* state) {
+  state->consumed = v[0];
+  state->cursor.reset();
+  if (v[1] != 0) state->cursor = SourceCursor{v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
+}
 
 // A sample's token payload on the wire: int32 tokens, then one mask byte a token when the mask
 // is not all ones (n_targets != L - 1; target_mask[0] is never used, so such a mask is
@@ -144,6 +162,8 @@ class StepRunner::Impl {
 
   Status Init();
   Result<RankStep> Next();
+  const RunState& state() const { return state_; }
+  Status Restore(const RunState& state);
 
  private:
   // Phase bookkeeping: time and the bytes of the data groups; agreements counted apart.
@@ -197,6 +217,13 @@ class StepRunner::Impl {
   void FinishLocalDynamic(RankStep& out);
   int DomainIndex() const { return coord_.dp * topo_.cp_size() + coord_.cp; }
 
+  // Readers: the run's fingerprint, checked against a resumed state's, and the reader moved to
+  // the start; state_ then holds where the run starts.
+  Status StartReading();
+  // Every rank: the state where the run starts, from world rank 0 (a reader in every mode).
+  Status ShareStart();
+  // After a step: state_ moved past it (after_), copied into the step.
+  void CommitPosition(RankStep& out);
   Status ReadShare(RankStep& out);
   Status MakePlan(RankStep& out);
   Status ExchangeTokens(RankStep& out);
@@ -270,6 +297,13 @@ class StepRunner::Impl {
   // Loader's packed shards: [M][CP].
   std::vector<std::vector<PackedShard>> shards_;
   std::vector<uint8_t> meta_bytes_;
+  // The run's state after the last step returned (or its start), and the position after the
+  // step in flight: set by readers in the read phase, received by the others with the lengths
+  // (ExchangeLengths) or the metadata (DeliverMeta).
+  RunState state_;
+  runner_internal::PositionValues after_{};
+  bool started_ = false;  // a step was run (Restore is refused then)
+  Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };
 
 }  // namespace thdpack

@@ -204,11 +204,12 @@ TEST(StepRunner, CallerFedShareEqualsFileSource) {
     o.schedule.dp_size = topo.dp_size();
     o.schedule.parallel = testing::TopologyLayout(topo, true).value();
     // Loader d's samples of step s: positions d, d + DP, ... of the step, ids as the file's.
-    auto share_of = [&](int64_t step, int loader) -> Result<StepShare> {
+    auto share_of = [&](int64_t step, int64_t first_position, int loader) -> Result<StepShare> {
       StepShare share;
       share.step = step;
       share.n = n;
-      share.first_id = step * n;
+      share.first_id = first_position;
+      if (first_position != step * n) return Status::Internal("the stream position is not step * n");
       for (int64_t i = loader; i < n; i += topo.dp_size()) {
         share.samples.push_back(all[static_cast<size_t>(step * n + i)]);
       }
@@ -246,9 +247,9 @@ TEST(StepRunner, CallerFedShareEqualsFileSource) {
     }
     // Loader dp=1's source fails: every rank returns an error, and none hangs.
     StepRunnerOptions bad = o;
-    bad.read_share = [&](int64_t step, int loader) -> Result<StepShare> {
+    bad.read_share = [&](int64_t step, int64_t first_position, int loader) -> Result<StepShare> {
       if (loader == 1) return Status::IOError("share of loader 1 unreadable (test)");
-      return share_of(step, loader);
+      return share_of(step, first_position, loader);
     };
     auto statuses = RunOnThreads(8, [&](ProcessGroup& world) -> Status {
       THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, topo, bad));

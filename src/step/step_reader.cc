@@ -59,7 +59,9 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
                                         static_cast<size_t>(run))));
     }
     if (got == 0) {
-      if (global_batch_ == 0) break;
+      // "all" ends at the end of the epoch, unless the step starts there (a reader started at
+      // a position saved by a run with a numeric batch): it then reads the next epoch whole.
+      if (global_batch_ == 0 && (i > 0 || wrapped)) break;
       if (wrapped) return Status::InvalidArgument(empty_message);
       THDPACK_RETURN_IF_ERROR(source_->Reset());
       wrapped = true;
@@ -75,7 +77,39 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   if (i == 0) return Status::InvalidArgument(empty_message);
   if (global_batch_ == 0) THDPACK_RETURN_IF_ERROR(source_->Reset());
   last_n_empty_ = source_->skipped_empty() - empty_before;
+  consumed_ += i;
   return epoch;
+}
+
+Status StepReader::Start(int64_t next_step, int64_t consumed,
+                         const std::optional<SourceCursor>& cursor) {
+  if (next_step < 0 || consumed < -1 || (consumed == -1 && cursor.has_value())) {
+    return Status::InvalidArgument("StepReader::Start: step " + std::to_string(next_step) +
+                                   " after " + std::to_string(consumed) +
+                                   " samples (a step >= 0, a count >= 0 or -1 without a cursor)");
+  }
+  if (consumed == -1 && global_batch_ > 0 &&
+      __builtin_mul_overflow(next_step, global_batch_, &consumed)) {
+    return Status::OutOfRange("StepReader::Start: step " + std::to_string(next_step) + " x " +
+                              std::to_string(global_batch_) + " samples overflows int64");
+  }
+  SourceCursor at;
+  if (cursor.has_value()) {
+    if (cursor->samples() != consumed) {
+      return Status::InvalidArgument(
+          "StepReader::Start: the cursor has " + std::to_string(cursor->samples()) +
+          " samples behind it, the position says " + std::to_string(consumed) + " consumed");
+    }
+    at = *cursor;
+  } else if (consumed == -1) {  // "all": one epoch a step
+    THDPACK_ASSIGN_OR_RETURN(at, source_->CursorAtEpoch(next_step));
+  } else {
+    THDPACK_ASSIGN_OR_RETURN(at, source_->CursorAfter(consumed));
+  }
+  THDPACK_RETURN_IF_ERROR(source_->Seek(at));
+  next_step_ = next_step;
+  consumed_ = at.samples();
+  return Status::Ok();
 }
 
 // Samples land straight at their place in scheduling order when the step's size is known
@@ -171,8 +205,8 @@ std::vector<int64_t> LoaderIndices(int64_t n, int dp_size, int loader) {
   return out;
 }
 
-Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step, int loader,
-                               std::vector<Sample> samples) {
+Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step,
+                               int64_t first_position, int loader, std::vector<Sample> samples) {
   const int64_t want = LoaderCount(global_batch, dp_size, loader);
   if (static_cast<int64_t>(samples.size()) != want) {
     return Status::InvalidArgument(
@@ -184,7 +218,7 @@ Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step, 
   StepShare share;
   share.step = step;
   share.n = global_batch;
-  share.first_id = step * global_batch;
+  share.first_id = first_position;
   for (size_t k = 0; k < samples.size(); ++k) {
     samples[k].id = share.first_id + static_cast<int64_t>(k) * dp_size + loader;
   }

@@ -527,25 +527,26 @@ TEST(StepReaderShare, LoaderOutsideDpIsAnError) {
   EXPECT_EQ(reader->NextShare(-1).status().code(), StatusCode::kInvalidArgument);
 }
 
-// A fed share takes the ids a file source gives: the k-th sample of loader d in step s has id
-// s * global_batch + k * DP + d; a share of the wrong size names the loader and the step.
+// A fed share takes the ids a file source gives, their stream positions: the k-th sample of
+// loader d in a step starting at position p has id p + k * DP + d; a share of the wrong size
+// names the loader and the step.
 TEST(FedStepShareTest, IdsFollowTheFileRuleAndTheCountIsChecked) {
   for (const auto& [n, dp] : std::vector<std::pair<int64_t, int>>{{14, 2}, {10, 3}, {5, 8}}) {
     for (int d = 0; d < dp; ++d) {
       const std::vector<int64_t> file_ids = LoaderIndices(n, dp, d);  // positions in the step
       std::vector<Sample> samples(file_ids.size());
       for (auto& x : samples) x.tokens = {1, 2};
-      auto share = FedStepShare(n, dp, 3, d, samples);
+      auto share = FedStepShare(n, dp, 3, 3 * n + 5, d, samples);
       ASSERT_TRUE(share.ok()) << share.status().ToString();
-      EXPECT_EQ(share->first_id, 3 * n);
+      EXPECT_EQ(share->first_id, 3 * n + 5);
       EXPECT_EQ(share->n, n);
       ASSERT_EQ(share->samples.size(), file_ids.size());
       for (size_t k = 0; k < file_ids.size(); ++k) {
-        EXPECT_EQ(share->samples[k].id, 3 * n + file_ids[k]) << "n " << n << " dp " << dp;
+        EXPECT_EQ(share->samples[k].id, 3 * n + 5 + file_ids[k]) << "n " << n << " dp " << dp;
       }
     }
   }
-  auto bad = FedStepShare(10, 3, 2, 1, std::vector<Sample>(2));
+  auto bad = FedStepShare(10, 3, 2, 20, 1, std::vector<Sample>(2));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("loader dp=1, step 2: gave 2 samples"), std::string::npos)
       << bad.status().ToString();

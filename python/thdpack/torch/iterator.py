@@ -10,6 +10,8 @@ arrays each rank receives as torch tensors. docs/python.md documents the interfa
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -111,6 +113,28 @@ def _to_sample(item, where):
     return np.ascontiguousarray(tokens, dtype=np.int32), mask
 
 
+def loader_positions(start, global_batch, dp_size, loader):
+    """The stream positions loader ``loader`` yields, in order, from position ``start`` on.
+
+    A step of ``global_batch`` samples takes the stream positions ``p .. p + global_batch - 1``
+    (``p``: the samples consumed before it) and loader ``d`` yields ``p + d, p + d + DP, ...``
+    of them; the next step starts at ``p + global_batch``. ``start`` is a position or a run
+    state (``state_dict()``: its ``consumed``). This is where each loader's iterable continues
+    after ``load_state_dict``, at any DP size and global batch: a caller's resumable sampler
+    yields these positions (an infinite generator).
+    """
+    if isinstance(start, dict):
+        start = start["consumed"]
+    start, global_batch, dp_size, loader = int(start), int(global_batch), int(dp_size), int(loader)
+    if start < 0 or global_batch < 1 or dp_size < 1 or not 0 <= loader < dp_size:
+        raise ValueError(f"loader_positions: start {start} >= 0, global_batch {global_batch} >= 1, "
+                         f"dp_size {dp_size} >= 1 and 0 <= loader {loader} < dp_size required")
+    p = start
+    while True:
+        yield from range(p + loader, p + global_batch, dp_size)
+        p += global_batch
+
+
 class PackedStep:
     """One global batch as this rank holds it; iterate for its microbatches (dicts of tensors).
 
@@ -136,6 +160,11 @@ class PackedStep:
         self.skipped_ids = list(raw["skipped_ids"])
         self.dynamic = raw["dynamic"]
         self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
+        self._state = raw["state"]
+
+    def state_dict(self):
+        """The run's state once this step is done (the iterator's state_dict() after it)."""
+        return json.loads(self._state)
 
     def __iter__(self):
         return iter(self.microbatches)
@@ -213,7 +242,17 @@ class PackedDataIterator:
     across steps, default 32; those unused longest are destroyed first, never one of the
     current step); ``steps`` (default None: no limit) stops after that many steps;
     ``monitored_barrier_seconds`` (default 0: off) makes the backend's barrier gloo's
-    monitored_barrier, which names a rank that stopped answering.
+    monitored_barrier, which names a rank that stopped answering; ``start_step`` (default 0)
+    starts at that step of a run that read ``global_batch`` samples a step from step 0.
+
+    Resuming: ``state_dict()`` is the run's state after the last step handed to the caller (a
+    JSON-serialisable dict, the same on every rank: save it with the checkpoint, from any
+    rank); ``load_state_dict(state)``, on every rank before the first step, continues there -
+    on any topology (DP, CP, TP, PP, SP, scheduler) and any global batch, since the samples of
+    a step depend only on the stream position. A state of other data, seed or shuffle is a
+    ValueError naming the field. With a caller-fed source each loader's iterable must continue
+    at the saved position: ``loader_positions(state, global_batch, DP, dp)`` gives the stream
+    positions it yields next; a sample dict may carry its ``position``, which is then checked.
 
     Collective: every rank of the world builds it (groups beyond the caller's are made here, once,
     on every rank in the same order) and iterates it in step. An error on any rank (bad sample,
@@ -240,6 +279,7 @@ class PackedDataIterator:
         self._steps = steps
         self._done = 0
         self._finished = False
+        self._state = None  # the JSON of the state after the last step handed out
         self.global_batch = global_batch
         opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"], dp=groups.sizes["dp"],
                     pp=groups.sizes["pp"], global_batch=global_batch,
@@ -278,6 +318,8 @@ class PackedDataIterator:
                                          "(give each loader its iterable)")
             else:
                 items = []
+                dp = self.groups.sizes["dp"]
+                first = self._runner.consumed() + self.groups.coord["dp"]
                 try:
                     for k in range(self._count):
                         try:
@@ -289,7 +331,16 @@ class PackedDataIterator:
                                 raise ValueError(f"the iterable ended after {k} of the "
                                                  f"{self._count} samples of this loader's share")
                             break
-                        items.append(_to_sample(item, f"sample {k} of the share"))
+                        where = f"sample {k} of the share"
+                        items.append(_to_sample(item, where))
+                        if "position" in item:  # the caller says where it is: checked
+                            want = first + k * dp
+                            if int(item["position"]) != want:
+                                raise ValueError(
+                                    f"{where}: position {int(item['position'])}, expected "
+                                    f"{want} (this loader's iterable must yield "
+                                    f"loader_positions(state, global_batch, DP, dp) from the "
+                                    f"run's state: it resumes after {first - self.groups.coord['dp']} samples)")
                     self._share = items
                 except Exception as e:  # reported through the step, on every rank
                     self._share = e
@@ -326,7 +377,39 @@ class PackedDataIterator:
             self._finished = True
             raise
         self._done += 1
+        self._state = raw["state"]
         return PackedStep(raw, self.device, self.groups.cp)
+
+    def state_dict(self):
+        """The run's state after the last step handed to the caller (before the first: where the
+        run starts), a JSON-serialisable dict the same on every rank: next_step, consumed (the
+        stream position), the source's cursor, and the fingerprint of the data and options that
+        decide the samples (thdpack/run_state.h). Not collective."""
+        if self._state is None:
+            if self._runner is None:
+                raise RuntimeError("state_dict: the iterator is closed")
+            return json.loads(self._runner.state())
+        return json.loads(self._state)
+
+    def load_state_dict(self, state):
+        """Continues the run from ``state`` (a state_dict(), from a run on any topology and
+        global batch). Call it on every rank with the same state before the first step; it
+        does not communicate. ValueError naming the field when the state does not fit (another
+        data set, seed, shuffle, vocabulary, oversize rule), was cut or edited; RuntimeError
+        after a step."""
+        if self._runner is None:
+            raise RuntimeError("load_state_dict: the iterator is closed")
+        if self._done > 0:
+            raise RuntimeError(f"load_state_dict: {self._done} step(s) were already handed out; "
+                               f"load a state before the first step")
+        self._runner.restore(state)
+        self._state = None
+
+    def loader_positions(self):
+        """This rank's stream positions from the next step on (a caller-fed loader's iterable
+        yields these samples next): ``loader_positions(state_dict(), global_batch, DP, dp)``."""
+        return loader_positions(self.state_dict(), self.global_batch, self.groups.sizes["dp"],
+                                self.groups.coord["dp"])
 
     def close(self):
         """Drops the C++ step and the groups it made (also done when the iterator is freed)."""

@@ -19,11 +19,20 @@ keyword argument of PackedDataIterator given to wrap_data_iterator overrides the
 With the dynamic scheduler each microbatch's PackedSeqParams carries its group as Megatron's
 hybrid CP path expects it: local_cp_size the group's size, cp_group its torch group (None for a
 group of one rank, which TransformerEngine reads as "CP off for this microbatch").
+
+Resuming: Megatron keeps ``args.consumed_train_samples`` and ``args.iteration`` in its
+checkpoint. ``consumed_train_samples(state)`` is that count for a thdpack state; given back
+to ``wrap_data_iterator(..., consumed_train_samples=..., iteration=...)`` on the first call of
+a restarted job, the iterator continues there (at any topology and global batch). A full
+thdpack state (``iterator.state_dict()``, saved beside the checkpoint) is given as
+``state=``: it also carries the source's cursor (an O(1) seek) and the fingerprint that
+refuses other data, seed or shuffle.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import _thdpack
 from .iterator import Groups, PackedDataIterator
 
 _SCHEDULERS = {"dp_balanced": "balanced", "balanced": "balanced", "sequential": "sequential",
@@ -101,8 +110,31 @@ def _groups(pg_collection):
                   world=getattr(pg_collection, "world", None))
 
 
+def consumed_train_samples(state):
+    """Megatron's ``args.consumed_train_samples`` for a thdpack run state (a
+    ``state_dict()``, or a PackedDataIterator): the samples the steps before
+    ``state['next_step']`` consumed, whatever global batch each of them had."""
+    if isinstance(state, PackedDataIterator):
+        state = state.state_dict()
+    return int(_thdpack.check_run_state(state)["consumed"])
+
+
+def state_from_megatron(iterator, consumed_train_samples, iteration=None):
+    """The thdpack state that continues ``iterator``'s run after a Megatron checkpoint which
+    kept only ``consumed_train_samples`` and ``iteration`` (the next step; by default
+    consumed / global_batch when that divides). Without a saved cursor, each reading rank
+    finds the position itself (O(1) for every source but jsonl, which reads its line ends)."""
+    consumed = int(consumed_train_samples)
+    if iteration is None:
+        if consumed % iterator.global_batch:
+            raise ValueError(f"iteration: needed, since consumed_train_samples {consumed} is not "
+                             f"a multiple of the global batch {iterator.global_batch}")
+        iteration = consumed // iterator.global_batch
+    return _thdpack.run_state_at(iterator.state_dict(), int(iteration), consumed)
+
+
 def wrap_data_iterator(data_iterator, config, num_microbatches=None, pg_collection=None,
-                       **options):
+                       state=None, consumed_train_samples=None, iteration=None, **options):
     """One global batch: ``(iterator, num_microbatches, seqlen_sum, seqlen_squared_sum)``.
 
     data_iterator: a PackedDataIterator, or a source it is built from on the first call (a
@@ -112,7 +144,14 @@ def wrap_data_iterator(data_iterator, config, num_microbatches=None, pg_collecti
     dicts of PackedDataIterator), which get_batch_on_this_rank_for_sequence_packing takes.
     seqlen_sum and seqlen_squared_sum are floats, as Megatron returns them: the global padded
     token count and sum of padded P^2 (its FLOPs inputs).
+
+    On the call that builds the iterator, ``state`` (a saved ``state_dict()``) or
+    ``consumed_train_samples`` with ``iteration`` (Megatron's checkpoint counters) make it
+    continue a restarted run (module docstring); later calls ignore them.
     """
+    if state is not None and consumed_train_samples is not None:
+        raise ValueError("state and consumed_train_samples both say where the run continues: "
+                         "give one")
     if isinstance(data_iterator, PackedDataIterator):
         it = data_iterator
     else:
@@ -121,7 +160,12 @@ def wrap_data_iterator(data_iterator, config, num_microbatches=None, pg_collecti
             groups = _groups(pg_collection)
             opts = iterator_options(config, num_microbatches, groups.sizes["dp"])
             opts.update(options)
-            _ITERATORS[key] = (data_iterator, PackedDataIterator(data_iterator, groups, **opts))
+            it = PackedDataIterator(data_iterator, groups, **opts)
+            if state is not None:
+                it.load_state_dict(state)
+            elif consumed_train_samples is not None:
+                it.load_state_dict(state_from_megatron(it, consumed_train_samples, iteration))
+            _ITERATORS[key] = (data_iterator, it)
         it = _ITERATORS[key][1]
     step = next(it)
     return (iter(step.microbatches), step.num_microbatches, float(step.seqlen_sum),

@@ -1,0 +1,212 @@
+"""Proof by killing: a training loop over PackedDataIterator (spawned gloo ranks) saves its
+state every step as a checkpoint would (rank 0 writes the state with the run's log, atomically),
+and is killed with SIGKILL - the whole job, at random steps, mid-step included - and restarted
+from its last checkpoint, on another topology and world size each time, until the run is done.
+Over the whole run: every step is in the log once, with the samples of an uninterrupted run;
+every sample of every epoch is trained exactly once; and every rank's tensors are, byte for
+byte, those an uninterrupted run at the same topology hands that rank. Once with a shuffled
+mock source, once with a JSONL file.
+
+This file is also the worker: ``python test_resume_kill.py CONFIG_JSON`` under RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+"""
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+GLOBAL_BATCH = 8
+TOTAL = 12  # steps of the run
+STEP_SECONDS = 0.08  # the simulated compute of a step
+
+# (tp, cp, dp, pp, scheduler) by world size.
+TOPOLOGIES = {
+    2: [(1, 1, 2, 1, "balanced"), (1, 2, 1, 1, "balanced"), (2, 1, 1, 1, "balanced")],
+    4: [(1, 2, 2, 1, "balanced"), (1, 1, 4, 1, "sequential"), (1, 2, 2, 1, "dynamic"),
+        (2, 1, 1, 2, "balanced")],
+}
+
+
+def options(source, scheduler):
+    opts = dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=256, scheduler=scheduler,
+                cost="llama2-7b")
+    if source.startswith("mock"):
+        opts.update(shuffle=True, seed=5, mock_samples=20)
+    return opts
+
+
+def digest(mb):
+    """A hash of what a rank holds of a microbatch."""
+    h = hashlib.sha1()
+    for k in ("tokens", "position_ids", "labels", "loss_mask", "cu_seqlens_padded"):
+        v = mb[k]
+        if v is None:
+            h.update(b"-")
+        else:
+            v = v.numpy() if hasattr(v, "numpy") else v
+            h.update(str(v.dtype).encode() + v.tobytes())
+    return h.hexdigest()
+
+
+def worker_main(config_path):
+    import torch
+    import torch.distributed as dist
+    from thdpack.torch import PackedDataIterator
+    from test_torch_iterator import make_groups
+    with open(config_path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp, cp, dp, pp, scheduler = cfg["topology"]
+    groups = make_groups(tp, cp, dp, pp)
+    it = PackedDataIterator(cfg["source"], groups, **options(cfg["source"], scheduler))
+    log = []
+    if os.path.exists(cfg["checkpoint"]):
+        with open(cfg["checkpoint"]) as f:
+            ckpt = json.load(f)
+        it.load_state_dict(ckpt["state"])
+        log = ckpt["log"]
+    while it.state_dict()["next_step"] < TOTAL:
+        step = next(it)
+        ids = None
+        if rank == 0:
+            if step.dynamic:
+                ids = sorted(i for mb in step.figures["groups"] for g in mb for i in g["samples"])
+            else:
+                ids = sorted(i for r in step.figures["replicas"] for mb in r["microbatches"]
+                             for i in mb["samples"])
+        hashes = [None] * dist.get_world_size()
+        dist.all_gather_object(hashes, [digest(mb) for mb in step])
+        time.sleep(STEP_SECONDS)  # the training step
+        if rank == 0:
+            log.append({"step": step.step, "ids": ids, "topology": cfg["topology"],
+                        "hashes": hashes})
+            tmp = cfg["checkpoint"] + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"state": step.state_dict(), "log": log}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, cfg["checkpoint"])
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg_path, world):
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(sys.path),
+               OMP_NUM_THREADS="1")
+    return [subprocess.Popen([sys.executable, __file__, cfg_path], env=dict(env, RANK=str(r)),
+                             start_new_session=True)
+            for r in range(world)]
+
+
+def committed(path):
+    try:
+        with open(path) as f:
+            return json.load(f)["state"]["next_step"]
+    except FileNotFoundError:
+        return 0
+
+
+def run_killed(tmp_path, source, kills, rng):
+    """The run, killed `kills` times at random steps and restarted; returns the final log and
+    the topologies used."""
+    ckpt = str(tmp_path / "ckpt.json")
+    attempt = 0
+    kills_done = 0
+    used = set()
+    while committed(ckpt) < TOTAL:
+        world = rng.choice([2, 4]) if attempt else 4
+        topology = rng.choice(TOPOLOGIES[world])
+        used.add(tuple(topology))
+        cfg = tmp_path / f"cfg{attempt}.json"
+        cfg.write_text(json.dumps({"source": source, "topology": topology, "checkpoint": ckpt}))
+        procs = launch(str(cfg), world)
+        start = committed(ckpt)
+        if attempt < kills:
+            # Kill a few steps on, at a random point inside a step.
+            target = min(TOTAL - 2, start + rng.randint(1, 3))  # two steps left at least
+            deadline = time.time() + 120
+            while committed(ckpt) < target and all(p.poll() is None for p in procs):
+                if time.time() > deadline:
+                    pytest.fail("no progress in 120 s")
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.7 * STEP_SECONDS))
+            alive = [p for p in procs if p.poll() is None]
+            for p in alive:
+                os.killpg(p.pid, signal.SIGKILL)
+            kills_done += bool(alive)
+        for p in procs:
+            p.wait(timeout=120)
+        if attempt >= kills:
+            assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
+        attempt += 1
+    assert kills_done == kills, f"{kills_done} of {kills} kills hit a running job"
+    with open(ckpt) as f:
+        return json.load(f)["log"], used
+
+
+@pytest.mark.parametrize("kind", ["mock", "jsonl"])
+def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
+    import thdpack
+    from thdpack import _thdpack
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    if kind == "jsonl":
+        from test_torch_iterator import write_samples
+        path = str(tmp_path / "data.jsonl")
+        write_samples(path)  # 40 samples: the run crosses two epoch ends
+        source = "jsonl:" + path
+        epoch_size = 40
+    else:
+        config = tmp_path / "mock.json"  # short lengths: every sample fits 256 tokens a rank
+        config.write_text(json.dumps({"mode": "distribution", "type": "lognormal",
+                                      "min_seq_len": 2, "max_seq_len": 200,
+                                      "mean_seq_len": 40, "lognormal_sigma": 1.0}))
+        source = "mock:" + str(config)
+        epoch_size = 20
+    log, used = run_killed(tmp_path, source, kills=3 if kind == "mock" else 2, rng=rng)
+    assert [e["step"] for e in log] == list(range(TOTAL)), f"seed {seed}"
+    # The samples of every step are those of an uninterrupted run (any topology: the plan).
+    plan = thdpack.plan_job(data=source, steps=TOTAL, **options(source, "balanced"))
+    for entry, want in zip(log, plan["steps"]):
+        got_ids = entry["ids"]
+        want_ids = sorted(i for r in want["replicas"] for mb in r["microbatches"]
+                          for i in mb["samples"])
+        assert got_ids == want_ids, f"seed {seed}: step {entry['step']}"
+    # Every sample of every epoch exactly once (ids count the stream: id = epoch * size + i).
+    trained = sorted(i for e in log for i in e["ids"])
+    assert trained == list(range(TOTAL * GLOBAL_BATCH)), f"seed {seed}"
+    for epoch in range(TOTAL * GLOBAL_BATCH // epoch_size):
+        assert sum(1 for i in trained if i // epoch_size == epoch) == epoch_size
+    # Byte for byte what an uninterrupted run at the same topology hands each rank.
+    reference = {}
+    for topology in used:
+        tp, cp, dp, pp, scheduler = topology
+        opts = dict(options(source, scheduler), tp=tp, cp=cp, dp=dp, pp=pp)
+        steps = _thdpack._run_steps_on_threads(opts, TOTAL, source, None)
+        reference[topology] = [[[digest(mb) for mb in s["microbatches"]] for s in per_rank]
+                               for per_rank in steps]
+    for entry in log:
+        ref = reference[tuple(entry["topology"])]
+        for r, got in enumerate(entry["hashes"]):
+            assert got == ref[r][entry["step"]], \
+                f"seed {seed}: step {entry['step']} rank {r} at {entry['topology']}"
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])
