@@ -485,6 +485,28 @@ TEST(CudaLossHost, BadInputsSetTheFlagAndDecodeToTheCpuWords) {
     std::memcpy(d.logits.data() + (3 * 50 + 7) * 4, &nan, 4);
   });
   EXPECT_NE(s.message().find("logits row 3"), std::string::npos) << s.ToString();
+  // A NaN followed by other logits of the same simulated thread (1,000 columns over 32 threads,
+  // the NaN first, in the middle, last, and in a vector's middle): it must stay poisoned (the
+  // state forgot it at the next logit, and the row came back finite and unflagged).
+  for (int64_t col : {int64_t{0}, int64_t{3}, int64_t{500}, int64_t{999}}) {
+    Case d = MakeCase(rng, CudaDtype::kFloat32, 3, 1000, 1000, 0);
+    for (auto& y : d.labels) y = 1;
+    for (auto& m : d.mask) m = 1;
+    const float nan = NAN;
+    std::memcpy(d.logits.data() + (1 * 1000 + col) * 4, &nan, 4);
+    std::vector<float> lp2, en2;
+    for (int kernel = 0; kernel < 2; ++kernel) {
+      CudaLossArgs a = ArgsOf(d, lp2, en2);
+      unsigned long long flag = 0;
+      a.error = &flag;
+      EXPECT_TRUE(kernel == 0 ? CrossEntropyFusedHost(a, 32).ok()
+                              : CrossEntropyOneReadHost(a, 2, 32).ok());
+      const Status st = DecodeCudaLossError(flag, 1000);
+      EXPECT_NE(st.message().find("logits row 1"), std::string::npos)
+          << "NaN at column " << col << (kernel ? " one read" : " fused") << ": "
+          << st.ToString();
+    }
+  }
   s = run([](Case& d) {
     const float inf = -INFINITY;
     for (int v = 0; v < 50; ++v) std::memcpy(d.logits.data() + (0 * 50 + v) * 4, &inf, 4);

@@ -150,8 +150,12 @@ THDPACK_HD void AddLogit(RowState& st, float z) {
     st.t += e * d;
     return;
   }
-  if (!(z > st.m)) {  // NaN: poison the state (s stays NaN whatever follows)
-    st.m = z;
+  if (!(z > st.m)) {  // NaN: poison the state
+    // m = +inf keeps s NaN whatever follows: every later logit takes the first branch and adds
+    // exp(z - inf) = 0 (or NaN) to it. With m = NaN, as first written, the next logit came back
+    // here and overwrote s with itself, so a NaN followed by other logits of the same thread
+    // left a finite, unflagged row.
+    st.m = -NegInf();
     st.s = z;
     return;
   }
