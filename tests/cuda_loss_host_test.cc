@@ -3,8 +3,10 @@
 // the plain fp64 reference of thdpack/loss.h (CrossEntropyReference), on fresh random rows:
 // every dtype, V below, at and above multiples of every block size, rows aligned for 16-byte
 // vectors and not, masked and ignored tokens, N = 0, in place, and the vocab-parallel path with
-// the columns split unevenly over TP ranks and merged. This is how a machine without a GPU
-// checks the kernels; tests/cuda_loss_gpu_test.cc runs the kernels themselves where a GPU is.
+// the columns split unevenly over TP ranks and merged; each for both kernel versions
+// (CudaLossArgs::version), and ScaleGradient against the product rounded once. This is how a
+// machine without a GPU checks the kernels; tests/cuda/cuda_loss_gpu_test.cc runs the kernels
+// themselves where a GPU is.
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -12,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/ce_row.h"
@@ -160,8 +163,10 @@ void CompareGrad(const Case& c, const std::vector<std::byte>& grad, const std::v
   }
 }
 
-CudaLossArgs ArgsOf(Case& c, std::vector<float>& logprob, std::vector<float>& entropy) {
+CudaLossArgs ArgsOf(Case& c, std::vector<float>& logprob, std::vector<float>& entropy,
+                    int version = 0) {
   CudaLossArgs a;
+  a.version = version;
   a.dtype = c.dtype;
   a.logits = c.logits.data() + c.offset * ElemSize(c.dtype);
   a.num_tokens = c.T;
@@ -186,14 +191,25 @@ void CompareTokens(const CrossEntropyResult& ref, const std::vector<float>& logp
 }
 
 const CudaDtype kDtypes[] = {CudaDtype::kFloat32, CudaDtype::kBFloat16, CudaDtype::kFloat16};
+const int kVersions[] = {1, 2};
+
+// The tests of the kernels' arithmetic run for each version (CudaLossArgs::version): the first,
+// kept beside the latest, and the latest. One gtest parameter each, so ctest runs them side by
+// side.
+class CudaLossHostVersion : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Versions, CudaLossHostVersion, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "v" + std::to_string(info.param);
+                         });
 const char* Name(CudaDtype d) {
   return d == CudaDtype::kFloat32 ? "f32" : d == CudaDtype::kBFloat16 ? "bf16" : "f16";
 }
 
-TEST(CudaLossHost, FusedEqualsTheReferenceOnRandomRows) {
+TEST_P(CudaLossHostVersion, FusedEqualsTheReferenceOnRandomRows) {
   std::mt19937_64 rng(20261126);
   // V below, at and above multiples of the vector width and of every block size.
   const int64_t vs[] = {1, 3, 8, 31, 33, 255, 256, 257, 1000, 1031, 4099};
+  const int version = GetParam();
   for (CudaDtype dtype : kDtypes) {
     for (int64_t V : vs) {
       for (int threads : {32, 256, 1024}) {
@@ -208,15 +224,15 @@ TEST(CudaLossHost, FusedEqualsTheReferenceOnRandomRows) {
           std::vector<float> ref_grad;
           const CrossEntropyResult ref = Reference(c, N, factor, &ref_grad);
           std::vector<float> logprob, entropy;
-          CudaLossArgs a = ArgsOf(c, logprob, entropy);
+          CudaLossArgs a = ArgsOf(c, logprob, entropy, version);
           std::vector<std::byte> grad(c.logits.size(), std::byte{0x55});
           a.grad = grad.data() + c.offset * ElemSize(dtype);
           a.grad_scale = N > 0 ? static_cast<float>(factor / static_cast<double>(N)) : 0.0f;
           unsigned long long flag = 0;
           a.error = &flag;
-          const std::string where = std::string(Name(dtype)) + " V " + std::to_string(V) +
-                                    " threads " + std::to_string(threads) + " layout " +
-                                    std::to_string(layout);
+          const std::string where = "v" + std::to_string(version) + " " + Name(dtype) + " V " +
+                                    std::to_string(V) + " threads " + std::to_string(threads) +
+                                    " layout " + std::to_string(layout);
           ASSERT_TRUE(CrossEntropyFusedHost(a, threads).ok()) << where;
           EXPECT_EQ(flag, 0u) << where;
           CompareTokens(ref, logprob, entropy, where);
@@ -231,8 +247,9 @@ TEST(CudaLossHost, FusedEqualsTheReferenceOnRandomRows) {
 // and scattered, so that a thread's state holds several of them when a real logit arrives or
 // when states merge: the rescaled terms underflow to 0 while s * d overflows, and the entropy
 // must stay finite (it was NaN, unflagged, before the rescale skipped them).
-TEST(CudaLossHost, LowestFiniteMaskedLogitsKeepTheEntropyFinite) {
+TEST_P(CudaLossHostVersion, LowestFiniteMaskedLogitsKeepTheEntropyFinite) {
   std::mt19937_64 rng(41);
+  const int version = GetParam();
   for (CudaDtype dtype : kDtypes) {
     const float lowest = dtype == CudaDtype::kFloat32    ? -FLT_MAX
                          : dtype == CudaDtype::kBFloat16 ? BFloat16{0xff7f}.ToFloat()
@@ -254,14 +271,14 @@ TEST(CudaLossHost, LowestFiniteMaskedLogitsKeepTheEntropyFinite) {
         std::vector<float> ref_grad;
         const CrossEntropyResult ref = Reference(c, N, 1.0, &ref_grad);
         std::vector<float> logprob, entropy;
-        CudaLossArgs a = ArgsOf(c, logprob, entropy);
+        CudaLossArgs a = ArgsOf(c, logprob, entropy, version);
         std::vector<std::byte> grad(c.logits.size());
         a.grad = grad.data();
         a.grad_scale = 1.0f / static_cast<float>(N);
         unsigned long long flag = 0;
         a.error = &flag;
-        const std::string where = std::string(Name(dtype)) + " V " + std::to_string(V) +
-                                  " threads " + std::to_string(threads);
+        const std::string where = "v" + std::to_string(version) + " " + Name(dtype) + " V " +
+                                  std::to_string(V) + " threads " + std::to_string(threads);
         ASSERT_TRUE(CrossEntropyFusedHost(a, threads).ok()) << where;
         EXPECT_EQ(flag, 0u) << where;
         for (float e : entropy) EXPECT_TRUE(std::isfinite(e)) << where;
@@ -276,9 +293,10 @@ TEST(CudaLossHost, LowestFiniteMaskedLogitsKeepTheEntropyFinite) {
 // shares' states merge in rank order, and each block writes its share's gradient. Against the
 // reference for every cluster size (shares around the vector width and the block sizes, a last
 // share shorter than the others or empty), aligned rows and not, separate and in place.
-TEST(CudaLossHost, OneReadEqualsTheReferenceForEveryClusterSize) {
+TEST_P(CudaLossHostVersion, OneReadEqualsTheReferenceForEveryClusterSize) {
   std::mt19937_64 rng(20261127);
   const int64_t vs[] = {1, 5, 9, 31, 64, 257, 1031, 4099};
+  const int version = GetParam();
   for (CudaDtype dtype : kDtypes) {
     for (int64_t V : vs) {
       for (int cluster : {1, 2, 4, 8}) {
@@ -292,7 +310,7 @@ TEST(CudaLossHost, OneReadEqualsTheReferenceForEveryClusterSize) {
             const CrossEntropyResult ref = Reference(c, N, 1.5, &ref_grad);
             const bool in_place = layout == 0 && cluster == 2;
             std::vector<float> logprob, entropy;
-            CudaLossArgs a = ArgsOf(c, logprob, entropy);
+            CudaLossArgs a = ArgsOf(c, logprob, entropy, version);
             std::vector<std::byte> grad(c.logits.size(), std::byte{0x55});
             std::vector<std::byte> logits_copy = c.logits;  // in place: the original stays here
             a.grad = in_place ? const_cast<void*>(a.logits)
@@ -300,7 +318,8 @@ TEST(CudaLossHost, OneReadEqualsTheReferenceForEveryClusterSize) {
             a.grad_scale = static_cast<float>(1.5 / static_cast<double>(N));
             unsigned long long flag = 0;
             a.error = &flag;
-            const std::string where = std::string(Name(dtype)) + " V " + std::to_string(V) +
+            const std::string where = "v" + std::to_string(version) + " " + Name(dtype) +
+                                      " V " + std::to_string(V) +
                                       " cluster " + std::to_string(cluster) + " threads " +
                                       std::to_string(threads) + " layout " +
                                       std::to_string(layout) + (in_place ? " in place" : "");
@@ -354,15 +373,16 @@ TEST(CudaLossHost, OneReadPlanSplitsLargeRowsOverClusters) {
             std::string::npos);
 }
 
-TEST(CudaLossHost, InPlaceAndNoGradientAndZeroN) {
+TEST_P(CudaLossHostVersion, InPlaceAndNoGradientAndZeroN) {
   std::mt19937_64 rng(7);
+  const int version = GetParam();
   for (CudaDtype dtype : kDtypes) {
     Case c = MakeCase(rng, dtype, 12, 777, 784, 0);
     std::vector<float> ref_grad;
     const int64_t N = Counted(c) + 3;
     const CrossEntropyResult ref = Reference(c, N, 2.0, &ref_grad);
     std::vector<float> logprob, entropy;
-    CudaLossArgs a = ArgsOf(c, logprob, entropy);
+    CudaLossArgs a = ArgsOf(c, logprob, entropy, version);
     // Without a gradient: the same per-token values.
     ASSERT_TRUE(CrossEntropyFusedHost(a, 256).ok());
     CompareTokens(ref, logprob, entropy, std::string(Name(dtype)) + " no grad");
@@ -377,7 +397,7 @@ TEST(CudaLossHost, InPlaceAndNoGradientAndZeroN) {
   Case c = MakeCase(rng, CudaDtype::kBFloat16, 5, 100, 104, 0);
   for (auto& m : c.mask) m = 0.0f;
   std::vector<float> logprob, entropy;
-  CudaLossArgs a = ArgsOf(c, logprob, entropy);
+  CudaLossArgs a = ArgsOf(c, logprob, entropy, version);
   std::vector<std::byte> grad(c.logits.size(), std::byte{0x55});
   a.grad = grad.data();
   a.grad_scale = 0.0f;
@@ -391,8 +411,9 @@ TEST(CudaLossHost, InPlaceAndNoGradientAndZeroN) {
 // Vocab-parallel: each TP rank's columns (split unevenly) through Partials, the partials merged
 // on the CPU (CombinePartialsHost), then Finish per rank: every rank's per-token values and
 // the gradients of its columns equal the reference on the whole row.
-TEST(CudaLossHost, VocabParallelSplitUnevenlyEqualsTheWholeRow) {
+TEST_P(CudaLossHostVersion, VocabParallelSplitUnevenlyEqualsTheWholeRow) {
   std::mt19937_64 rng(99);
+  const int version = GetParam();
   for (CudaDtype dtype : kDtypes) {
     for (int tp : {2, 3, 5}) {
       const int64_t V = 1000 + static_cast<int64_t>(rng() % 500);
@@ -421,7 +442,7 @@ TEST(CudaLossHost, VocabParallelSplitUnevenlyEqualsTheWholeRow) {
           }
         }
         std::vector<float> lp, en;
-        CudaLossArgs a = ArgsOf(p, lp, en);
+        CudaLossArgs a = ArgsOf(p, lp, en, version);
         a.vocab_start = cuts[static_cast<size_t>(k)];
         a.vocab_total = V;
         a.stats = gathered.data() + k * T;
@@ -433,7 +454,7 @@ TEST(CudaLossHost, VocabParallelSplitUnevenlyEqualsTheWholeRow) {
       for (int k = 0; k < tp; ++k) {
         Case& p = parts[static_cast<size_t>(k)];
         std::vector<float> lp, en;
-        CudaLossArgs a = ArgsOf(p, lp, en);
+        CudaLossArgs a = ArgsOf(p, lp, en, version);
         a.vocab_start = cuts[static_cast<size_t>(k)];
         a.vocab_total = V;
         a.stats = merged.data();
@@ -444,8 +465,8 @@ TEST(CudaLossHost, VocabParallelSplitUnevenlyEqualsTheWholeRow) {
         a.error = &flag;
         ASSERT_TRUE(CrossEntropyFinishHost(a, 256).ok());
         EXPECT_EQ(flag, 0u);
-        const std::string where = std::string(Name(dtype)) + " tp " + std::to_string(tp) +
-                                  " rank " + std::to_string(k);
+        const std::string where = "v" + std::to_string(version) + " " + Name(dtype) + " tp " +
+                                  std::to_string(tp) + " rank " + std::to_string(k);
         CompareTokens(ref, lp, en, where);
         std::vector<float> ref_cols(static_cast<size_t>(T * p.V));
         for (int64_t t = 0; t < T; ++t) {
@@ -486,25 +507,27 @@ TEST(CudaLossHost, BadInputsSetTheFlagAndDecodeToTheCpuWords) {
   });
   EXPECT_NE(s.message().find("logits row 3"), std::string::npos) << s.ToString();
   // A NaN followed by other logits of the same simulated thread (1,000 columns over 32 threads,
-  // the NaN first, in the middle, last, and in a vector's middle): it must stay poisoned (the
-  // state forgot it at the next logit, and the row came back finite and unflagged).
-  for (int64_t col : {int64_t{0}, int64_t{3}, int64_t{500}, int64_t{999}}) {
-    Case d = MakeCase(rng, CudaDtype::kFloat32, 3, 1000, 1000, 0);
-    for (auto& y : d.labels) y = 1;
-    for (auto& m : d.mask) m = 1;
-    const float nan = NAN;
-    std::memcpy(d.logits.data() + (1 * 1000 + col) * 4, &nan, 4);
-    std::vector<float> lp2, en2;
-    for (int kernel = 0; kernel < 2; ++kernel) {
-      CudaLossArgs a = ArgsOf(d, lp2, en2);
-      unsigned long long flag = 0;
-      a.error = &flag;
-      EXPECT_TRUE(kernel == 0 ? CrossEntropyFusedHost(a, 32).ok()
-                              : CrossEntropyOneReadHost(a, 2, 32).ok());
-      const Status st = DecodeCudaLossError(flag, 1000);
-      EXPECT_NE(st.message().find("logits row 1"), std::string::npos)
-          << "NaN at column " << col << (kernel ? " one read" : " fused") << ": "
-          << st.ToString();
+  // the NaN first, in the middle, last, and in a vector's middle): it must stay poisoned, in
+  // both versions (the first version's state forgot it at the next logit).
+  for (int version : kVersions) {
+    for (int64_t col : {int64_t{0}, int64_t{3}, int64_t{500}, int64_t{999}}) {
+      Case d = MakeCase(rng, CudaDtype::kFloat32, 3, 1000, 1000, 0);
+      for (auto& y : d.labels) y = 1;
+      for (auto& m : d.mask) m = 1;
+      const float nan = NAN;
+      std::memcpy(d.logits.data() + (1 * 1000 + col) * 4, &nan, 4);
+      std::vector<float> lp2, en2;
+      for (int kernel = 0; kernel < 2; ++kernel) {
+        CudaLossArgs a = ArgsOf(d, lp2, en2, version);
+        unsigned long long flag = 0;
+        a.error = &flag;
+        EXPECT_TRUE(kernel == 0 ? CrossEntropyFusedHost(a, 32).ok()
+                                : CrossEntropyOneReadHost(a, 2, 32).ok());
+        const Status st = DecodeCudaLossError(flag, 1000);
+        EXPECT_NE(st.message().find("logits row 1"), std::string::npos)
+            << "v" << version << " NaN at column " << col << (kernel ? " one read" : " fused")
+            << ": " << st.ToString();
+      }
     }
   }
   s = run([](Case& d) {
@@ -533,6 +556,11 @@ TEST(CudaLossHost, BadInputsSetTheFlagAndDecodeToTheCpuWords) {
             std::string::npos);
   a.vocab_total = 50;
   EXPECT_TRUE(CrossEntropyFusedHost(a, 256).ok());
+  a.version = 3;
+  EXPECT_NE(CrossEntropyFusedHost(a, 256).message().find("version = 3"), std::string::npos);
+  a.version = -1;
+  EXPECT_NE(CrossEntropyOneReadHost(a, 1, 256).message().find("version = -1"),
+            std::string::npos);
 }
 
 // The dtype conversions the kernels round with (ce_row.h) against independent definitions:
@@ -561,6 +589,176 @@ TEST(CudaLossHost, HalfAndBfloat16RoundingMatchIndependentDefinitions) {
     ASSERT_EQ(kernels::FloatToBf16(f), BFloat16::FromFloat(f).bits) << "float bits " << u;
     ASSERT_EQ(kernels::Bf16ToFloat(BFloat16::FromFloat(f).bits), BFloat16::FromFloat(f).ToFloat());
   }
+}
+
+
+// Version 2's batched visits (ForEachColumnBatched) are ForEachColumn's, in the same order,
+// for every batch size, thread count, vector width and alignment; and TargetLane finds the
+// target's lane exactly where the per-column compare of version 1 does.
+TEST(CudaLossHost, BatchedVisitsAreTheUnbatchedOnesInTheSameOrder) {
+  for (int64_t V : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4099}) {
+    for (int n : {1, 3, 32, 256}) {
+      for (int vec : {4, 8}) {
+        for (bool vectors : {false, true}) {
+          std::vector<int64_t> covered(static_cast<size_t>(V), 0);
+          for (int j = 0; j < n; ++j) {
+            std::vector<int64_t> want, got2, got3, got4;
+            auto columns = [&](std::vector<int64_t>& out) {
+              return [&out, vec](int64_t k) {
+                for (int e = 0; e < vec; ++e) out.push_back(k * vec + e);
+              };
+            };
+            kernels::ForEachColumn(j, n, V, vec, vectors, columns(want),
+                                   [&](int64_t v) { want.push_back(v); });
+            auto batched = [&](auto batch_tag, std::vector<int64_t>& out) {
+              constexpr int kB = decltype(batch_tag)::value;
+              kernels::ForEachColumnBatched<kB>(
+                  j, n, V, vec, vectors,
+                  [&](int64_t k, int stride) {
+                    for (int u = 0; u < kB; ++u) {
+                      columns(out)(k + static_cast<int64_t>(u) * stride);
+                    }
+                  },
+                  columns(out), [&](int64_t v) { out.push_back(v); });
+            };
+            batched(std::integral_constant<int, 2>{}, got2);
+            batched(std::integral_constant<int, 3>{}, got3);
+            batched(std::integral_constant<int, 4>{}, got4);
+            ASSERT_EQ(got2, want) << "V " << V << " n " << n << " vec " << vec << " j " << j;
+            ASSERT_EQ(got3, want) << "V " << V << " n " << n << " vec " << vec << " j " << j;
+            ASSERT_EQ(got4, want) << "V " << V << " n " << n << " vec " << vec << " j " << j;
+            for (int64_t v : want) ++covered[static_cast<size_t>(v)];
+          }
+          for (int64_t v = 0; v < V; ++v) ASSERT_EQ(covered[static_cast<size_t>(v)], 1) << v;
+        }
+      }
+    }
+  }
+  for (int vec : {4, 8}) {
+    for (int64_t k = 0; k < 40; ++k) {
+      for (int64_t y = -1; y < 45 * vec; ++y) {
+        int want = -1;
+        for (int e = 0; e < vec; ++e) {
+          if (k * vec + e == y) want = e;
+        }
+        ASSERT_EQ(kernels::TargetLane(k, vec, y), want) << "k " << k << " y " << y;
+      }
+    }
+  }
+}
+
+// AddLogits (one rescale per vector, version 2) against AddLogit one logit at a time (version
+// 1) on the vectors where they could part: the max first, last or repeated; -inf, the lowest
+// finite value, NaN and +inf among finite logits; a vector of nothing but -inf (the state stays
+// empty) or NaN. Both must give the same log-sum-exp and entropy to fp32 rounding, and agree on
+// which states are empty and which are not finite (a NaN or +inf logit makes the row an
+// error either way).
+TEST(CudaLossHost, OneRescalePerVectorEqualsOnePerLogit) {
+  const float inf = INFINITY, lowest = -FLT_MAX, nan = NAN;
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> z(0.0f, 4.0f);
+  std::vector<std::vector<float>> vectors = {
+      {9, 1, 2, 3, 4, 5, 6, 7},         {1, 2, 3, 4, 5, 6, 7, 9},
+      {5, 5, 5, 5, 5, 5, 5, 5},         {-inf, 3, -inf, 1, -inf, -inf, 2, -inf},
+      {lowest, 3, lowest, 1, lowest, 0, 2, 7}, {-inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf},
+      {lowest, lowest, lowest, lowest, lowest, lowest, lowest, lowest},
+      {1, nan, 3, 4, 5, 6, 7, 8},       {-inf, nan, -inf, -inf, -inf, -inf, -inf, -inf},
+      {1, 2, inf, 4, 5, 6, 7, 8},       {-inf, -inf, -inf, -inf, -inf, -inf, -inf, inf},
+      {80, -80, 0, 1, 2, 3, 4, 5},      {-100, -120, -90, -101, -95, -99, -93, -97},
+  };
+  for (int i = 0; i < 40; ++i) {
+    std::vector<float> v(8);
+    for (float& x : v) x = z(rng);
+    vectors.push_back(v);
+  }
+  auto check = [&](kernels::RowState before, const std::vector<float>& vec,
+                   const std::string& where) {
+    kernels::RowState one = before, batch = before;
+    float zs[8];
+    for (int e = 0; e < 8; ++e) {
+      kernels::AddLogit(one, vec[static_cast<size_t>(e)]);
+      zs[e] = vec[static_cast<size_t>(e)];
+    }
+    kernels::AddLogits<8>(batch, zs);
+    ASSERT_EQ(one.s == 0.0f, batch.s == 0.0f) << where;  // empty alike
+    ASSERT_EQ(kernels::RowFinite(one), kernels::RowFinite(batch)) << where;
+    if (!kernels::RowFinite(one)) return;
+    const float lse = kernels::RowLse(one), entropy = kernels::RowEntropy(one);
+    EXPECT_NEAR(kernels::RowLse(batch), lse, 2e-6 * (1 + std::fabs(lse))) << where;
+    EXPECT_NEAR(kernels::RowEntropy(batch), entropy, 2e-5 * (1 + std::fabs(entropy))) << where;
+    EXPECT_TRUE(std::isfinite(kernels::RowEntropy(batch))) << where;
+  };
+  for (size_t i = 0; i < vectors.size(); ++i) {
+    // From the empty state, and from states that already hold logits below, around and above.
+    check(kernels::EmptyState(), vectors[i], "vector " + std::to_string(i) + " empty");
+    for (float held : {-50.0f, 0.0f, 3.0f, 60.0f, lowest}) {
+      kernels::RowState st = kernels::EmptyState();
+      kernels::AddLogit(st, held);
+      kernels::AddLogit(st, held - 1.0f);
+      check(st, vectors[i], "vector " + std::to_string(i) + " after " + std::to_string(held));
+    }
+  }
+}
+
+// ScaleGradient's arithmetic (the CPU execution with its kernel's column split): every element
+// becomes the fp32 product rounded once to the dtype (an independent rounding: BFloat16 of
+// thdpack/loss.h, ToHalf above), rows aligned and not, the row padding past V untouched; a
+// factor of 1 leaves every byte as it was, and the arguments are checked.
+TEST(CudaLossHost, ScaleGradientIsTheProductRoundedOnce) {
+  std::mt19937_64 rng(23);
+  for (CudaDtype dtype : kDtypes) {
+    for (float factor : {1.0f, 0.37f, -2.0f, 0.0f, 1.0f / 3.0f, 1e-30f}) {
+      for (int layout = 0; layout < 2; ++layout) {
+        const int64_t V = 1031, ld = layout == 0 ? 1032 : 1033;
+        const int offset = layout;
+        Case c = MakeCase(rng, dtype, 5, V, ld, offset);
+        // Gradient-sized values.
+        const int64_t es = ElemSize(dtype);
+        for (int64_t t = 0; t < c.T; ++t) {
+          for (int64_t v = 0; v < V; ++v) {
+            const float g = Quantize(dtype, c.values[static_cast<size_t>(t * V + v)] * 1e-4f);
+            c.values[static_cast<size_t>(t * V + v)] = g;
+            Store(dtype, c.logits.data() + (offset + t * ld + v) * es, g);
+          }
+        }
+        std::vector<std::byte> before = c.logits;
+        std::byte* grad = c.logits.data() + offset * es;
+        const std::string where = std::string(Name(dtype)) + " factor " +
+                                  std::to_string(factor) + " layout " + std::to_string(layout);
+        ASSERT_TRUE(ScaleGradientHost(dtype, grad, c.T, V, ld, &factor, 256).ok()) << where;
+        if (factor == 1.0f) {
+          EXPECT_EQ(c.logits, before) << where;
+          continue;
+        }
+        for (int64_t t = 0; t < c.T; ++t) {
+          for (int64_t v = 0; v < V; ++v) {
+            const float want = Quantize(dtype, c.values[static_cast<size_t>(t * V + v)] * factor);
+            const float got = Load(dtype, c.logits.data() + (offset + t * ld + v) * es);
+            ASSERT_EQ(got, want) << where << " [" << t << "][" << v << "]";
+          }
+          // The padding past V is never written.
+          for (int64_t v = V; v < ld; ++v) {
+            for (int64_t b = 0; b < es; ++b) {
+              const size_t at = static_cast<size_t>((offset + t * ld + v) * es + b);
+              ASSERT_EQ(c.logits[at], before[at]) << where;
+            }
+          }
+        }
+      }
+    }
+  }
+  float one = 1.0f;
+  std::vector<float> g(10, 1.0f);
+  const auto f32 = CudaDtype::kFloat32;
+  EXPECT_NE(ScaleGradientHost(f32, g.data(), 2, 5, 4, &one, 256).message().find("ld = 4"),
+            std::string::npos);
+  EXPECT_NE(ScaleGradientHost(f32, g.data(), 2, 5, 5, nullptr, 256).message().find("factor"),
+            std::string::npos);
+  EXPECT_NE(ScaleGradientHost(static_cast<CudaDtype>(7), g.data(), 2, 5, 5, &one, 256)
+                .message()
+                .find("dtype 7"),
+            std::string::npos);
+  EXPECT_TRUE(ScaleGradientHost(CudaDtype::kFloat32, nullptr, 0, 5, 5, nullptr, 256).ok());
 }
 
 }  // namespace

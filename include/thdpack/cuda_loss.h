@@ -33,6 +33,16 @@
 // In place: grad == logits (the same pointer and stride) overwrites the logits with their
 // gradient (each element read before it is written, by the thread that writes it).
 //
+// Versions (`version`): each kernel exists as version 1, the first, and version 2 (the
+// default), the same formulas in fewer instructions per element with more loads in flight
+// (src/kernels/ce_kernels.cu says what changed). Both stay, so that the tests check each against
+// the CPU execution and the benchmark times them side by side; their results agree to fp32
+// rounding, not bit for bit (version 2 rescales once per 16-byte vector).
+//
+// ScaleGradient multiplies a gradient by a device scalar (autograd's grad_output) that it reads
+// on the device, and writes nothing when that scalar is 1: the backward of a loss then costs no
+// pass over the [T, V] gradient and no host synchronisation.
+//
 // Errors. The launches' own errors (no device, a bad configuration) return as a Status naming
 // the call. Input errors cannot stop a kernel: with `error` set, the first bad row writes
 // ErrorCode(kind, row) there (a device uint64 the caller zeroes), and DecodeCudaLossError turns
@@ -85,7 +95,10 @@ struct CudaLossArgs {
   float* entropy = nullptr;    // [T] device, or null
   RowStats* stats = nullptr;   // [T] device: written by Partials, read by Finish
   unsigned long long* error = nullptr;  // device flag, zeroed by the caller; null: no checks
+  int version = 0;  // the kernels' version: 1 or 2 (0: the latest, 2)
 };
+
+inline constexpr int kCudaLossLatestVersion = 2;
 
 // Whether this build has the CUDA kernels.
 bool CudaLossBuilt();
@@ -97,6 +110,13 @@ bool CudaLossBuilt();
 [[nodiscard]] Status CombinePartials(const RowStats* gathered, int tp, int64_t num_tokens,
                                      RowStats* out, void* stream);
 [[nodiscard]] Status CrossEntropyFinish(const CudaLossArgs& args, void* stream);
+
+// grad [T, ld] (V columns of `dtype`, device) *= *factor, in fp32 with one rounding to the
+// dtype, unless *factor is exactly 1, when nothing is read or written. factor: a device float32
+// scalar, read by the kernel (nothing synchronises; a CUDA graph can hold the call).
+[[nodiscard]] Status ScaleGradient(CudaDtype dtype, void* grad, int64_t num_tokens,
+                                   int64_t vocab_size, int64_t ld, const float* factor,
+                                   void* stream);
 
 // The Status of a nonzero error flag (0: OK), as the CPU kernel words it.
 [[nodiscard]] Status DecodeCudaLossError(unsigned long long flag, int64_t vocab_total);
@@ -112,6 +132,11 @@ bool CudaLossBuilt();
 // takes CudaLossOneReadPlan's) of block_threads simulated threads each.
 [[nodiscard]] Status CrossEntropyOneReadHost(const CudaLossArgs& args, int cluster,
                                              int block_threads);
+// ScaleGradient on the CPU (host pointers), with its kernel's column split over
+// `block_threads` simulated threads.
+[[nodiscard]] Status ScaleGradientHost(CudaDtype dtype, void* grad, int64_t num_tokens,
+                                       int64_t vocab_size, int64_t ld, const float* factor,
+                                       int block_threads);
 
 // The threads per row block the kernels use for V columns (the Host functions take it to
 // simulate the same split): 256 below 16,384 columns, else 512, else 1024 from 65,536.

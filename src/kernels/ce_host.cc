@@ -1,9 +1,12 @@
 // The CUDA cross-entropy kernels run on the CPU (thdpack/cuda_loss.h's *Host functions): the
 // same ce_row.h functions, the same column split per simulated thread (ForEachColumn, vectors
-// where the rows are 16-byte aligned) and the same merge tree (a butterfly within each warp of
-// 32 threads, lane 0 of each warp into a butterfly over the warps, lane 0's result for every
-// thread) as ce_kernels.cu. Only exp and log differ (the CPU's libm instead of __expf/__logf).
-// This is what `make test` checks the kernels' arithmetic with on a machine without a GPU.
+// where the rows are 16-byte aligned; ForEachColumnBatched for version 2) and the same merge
+// tree (a butterfly within each warp of 32 threads, lane 0 of each warp into a butterfly over
+// the warps, lane 0's result for every thread) as ce_kernels.cu, for each kernel version. Only
+// exp and log differ (the CPU's libm instead of __expf/__logf), and the dtype conversions are
+// ce_row.h's software ones where version 2 on the GPU uses the hardware's (the same values:
+// conversions to float are exact, and both round to nearest even). This is what `make test`
+// checks the kernels' arithmetic with on a machine without a GPU.
 #include <cstdint>
 #include <vector>
 
@@ -41,6 +44,9 @@ void Flag(const CudaLossArgs& a, int kind, int64_t row) {
   if (a.error != nullptr && *a.error == 0) *a.error = kernels::ErrorCode(kind, row);
 }
 
+int Version(const CudaLossArgs& a) {
+  return a.version == 0 ? kernels::kVersionLatest : a.version;
+}
 int64_t VocabTotal(const CudaLossArgs& a) { return a.vocab_total > 0 ? a.vocab_total : a.vocab_size; }
 int64_t Ld(const CudaLossArgs& a) { return a.ld > 0 ? a.ld : a.vocab_size; }
 
@@ -54,38 +60,76 @@ bool RowCounted(const CudaLossArgs& a, int64_t r) {
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The 16-byte loads a version-2 thread keeps in flight (ce_kernels.cu's kBatch): the order of
+// the visits does not depend on it, and ForEachColumnBatched covers every column whatever it is.
+constexpr int kBatch = 2;
+
 template <int kDtype>
-RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V, bool vectors, int n) {
+RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V, bool vectors, int n,
+                 int version) {
   using E = Elem<kDtype>;
   constexpr int kN = 16 / sizeof(typename E::Bits);
   std::vector<RowState> threads(static_cast<size_t>(n), kernels::EmptyState());
   for (int j = 0; j < n; ++j) {
     RowState& st = threads[static_cast<size_t>(j)];
-    kernels::ForEachColumn(
+    if (version == kernels::kVersionFirst) {
+      kernels::ForEachColumn(
+          j, n, V, kN, vectors,
+          [&](int64_t k) {
+            for (int e = 0; e < kN; ++e) kernels::AddLogit(st, E::ToFloat(x[k * kN + e]));
+          },
+          [&](int64_t v) { kernels::AddLogit(st, E::ToFloat(x[v])); });
+      continue;
+    }
+    auto fold = [&](int64_t k) {  // vector k: one rescale (AddLogits)
+      float z[kN];
+      for (int e = 0; e < kN; ++e) z[e] = E::ToFloat(x[k * kN + e]);
+      kernels::AddLogits<kN>(st, z);
+    };
+    kernels::ForEachColumnBatched<kBatch>(
         j, n, V, kN, vectors,
-        [&](int64_t k) {
-          for (int e = 0; e < kN; ++e) kernels::AddLogit(st, E::ToFloat(x[k * kN + e]));
+        [&](int64_t k, int stride) {
+          for (int u = 0; u < kBatch; ++u) fold(k + static_cast<int64_t>(u) * stride);
         },
-        [&](int64_t v) { kernels::AddLogit(st, E::ToFloat(x[v])); });
+        fold, [&](int64_t v) { kernels::AddLogit(st, E::ToFloat(x[v])); });
   }
   return BlockMerge(threads);
 }
 
+// Both versions write the same values: version 2 finds the target's lane once per vector
+// (TargetLane) where version 1 compares every column, and visits the vectors in batches.
 template <int kDtype>
 void GradPass(const typename Elem<kDtype>::Bits* x, typename Elem<kDtype>::Bits* g, int64_t V,
-              bool vectors, bool counted, float lse, int64_t y, float scale, int n) {
+              bool vectors, bool counted, float lse, int64_t y, float scale, int n, int version) {
   using E = Elem<kDtype>;
   constexpr int kN = 16 / sizeof(typename E::Bits);
   auto one = [&](int64_t v) {
     g[v] = E::FromFloat(counted ? kernels::LogitGrad(E::ToFloat(x[v]), lse, v == y, scale) : 0.0f);
   };
+  auto vector_v2 = [&](int64_t k) {
+    const int lane = kernels::TargetLane(k, kN, y);
+    for (int e = 0; e < kN; ++e) {
+      const int64_t v = k * kN + e;
+      g[v] = E::FromFloat(counted ? kernels::LogitGrad(E::ToFloat(x[v]), lse, e == lane, scale)
+                                  : 0.0f);
+    }
+  };
   for (int j = 0; j < n; ++j) {
-    kernels::ForEachColumn(
+    if (version == kernels::kVersionFirst) {
+      kernels::ForEachColumn(
+          j, n, V, kN, vectors,
+          [&](int64_t k) {
+            for (int e = 0; e < kN; ++e) one(k * kN + e);
+          },
+          one);
+      continue;
+    }
+    kernels::ForEachColumnBatched<kBatch>(
         j, n, V, kN, vectors,
-        [&](int64_t k) {
-          for (int e = 0; e < kN; ++e) one(k * kN + e);
+        [&](int64_t k, int stride) {
+          for (int u = 0; u < kBatch; ++u) vector_v2(k + static_cast<int64_t>(u) * stride);
         },
-        one);
+        vector_v2, one);
   }
 }
 
@@ -108,13 +152,16 @@ void FusedRows(const CudaLossArgs& a, int n) {
     const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
     float lse = 0, logprob = 0, entropy = 0;
     if (counted) {
-      const RowState st = RowPass<kDtype>(x, a.vocab_size, vectors, n);
+      const RowState st = RowPass<kDtype>(x, a.vocab_size, vectors, n, Version(a));
       counted = kernels::RowOutputs(st, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
       if (!counted) Flag(a, kernels::kNonFiniteRow, r);
     }
     if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
     if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
-    if (g != nullptr) GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n);
+    if (g != nullptr) {
+      GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n,
+                       Version(a));
+    }
   }
 }
 
@@ -127,7 +174,7 @@ void PartialRows(const CudaLossArgs& a, int n) {
       a.stats[r] = RowStats{kernels::NegInf(), 0.0f, 0.0f, kernels::NegInf()};
       continue;
     }
-    const RowState st = RowPass<kDtype>(x, a.vocab_size, Aligned16(x), n);
+    const RowState st = RowPass<kDtype>(x, a.vocab_size, Aligned16(x), n, Version(a));
     const int64_t y = a.labels[r] - a.vocab_start;
     const float target =
         y >= 0 && y < a.vocab_size ? Elem<kDtype>::ToFloat(x[y]) : kernels::NegInf();
@@ -155,7 +202,10 @@ void FinishRows(const CudaLossArgs& a, int n) {
     if (a.logprob != nullptr) a.logprob[r] = counted ? logprob : 0.0f;
     if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
     const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
-    if (g != nullptr) GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n);
+    if (g != nullptr) {
+      GradPass<kDtype>(x, g, a.vocab_size, vectors, counted, lse, y, a.grad_scale, n,
+                       Version(a));
+    }
   }
 }
 
@@ -182,7 +232,7 @@ void OneReadRows(const CudaLossArgs& a, int cs, int64_t slice, int n) {
       for (int c = 0; c < cs; ++c) {
         int64_t begin = 0, count = 0;
         columns(c, &begin, &count);
-        const RowState st = RowPass<kDtype>(x + begin, count, vectors_of(begin), n);
+        const RowState st = RowPass<kDtype>(x + begin, count, vectors_of(begin), n, Version(a));
         row = kernels::MergeStates(row, st);  // from the empty state: the first is kept as is
       }
       counted = kernels::RowOutputs(row, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
@@ -195,7 +245,7 @@ void OneReadRows(const CudaLossArgs& a, int cs, int64_t slice, int n) {
       int64_t begin = 0, count = 0;
       columns(c, &begin, &count);
       GradPass<kDtype>(x + begin, g + begin, count, vectors_of(begin), counted, lse, y - begin,
-                       a.grad_scale, n);
+                       a.grad_scale, n, Version(a));
     }
   }
 }
@@ -255,6 +305,44 @@ Status CrossEntropyOneReadHost(const CudaLossArgs& args, int cluster, int block_
     case CudaDtype::kFloat32: OneReadRows<kernels::kF32>(args, cluster, slice, block_threads); break;
     case CudaDtype::kBFloat16: OneReadRows<kernels::kBF16>(args, cluster, slice, block_threads); break;
     case CudaDtype::kFloat16: OneReadRows<kernels::kF16>(args, cluster, slice, block_threads); break;
+  }
+  return Status::Ok();
+}
+
+Status ScaleGradientHost(CudaDtype dtype, void* grad, int64_t num_tokens, int64_t vocab_size,
+                         int64_t ld, const float* factor, int block_threads) {
+  THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
+  THDPACK_RETURN_IF_ERROR(CheckScaleGradientArgs(dtype, grad, num_tokens, vocab_size, ld, factor,
+                                                 "ScaleGradientHost"));
+  if (num_tokens == 0 || *factor == 1.0f) return Status::Ok();
+  const float f = *factor;
+  auto rows = [&](auto bits_tag, auto to_float, auto from_float) {
+    using Bits = decltype(bits_tag);
+    constexpr int kN = 16 / sizeof(Bits);
+    const int64_t stride = ld > 0 ? ld : vocab_size;
+    for (int64_t r = 0; r < num_tokens; ++r) {
+      Bits* g = static_cast<Bits*>(grad) + r * stride;
+      auto one = [&](int64_t v) { g[v] = from_float(kernels::ScaledGrad(to_float(g[v]), f)); };
+      for (int j = 0; j < block_threads; ++j) {
+        kernels::ForEachColumn(
+            j, block_threads, vocab_size, kN, Aligned16(g),
+            [&](int64_t k) {
+              for (int e = 0; e < kN; ++e) one(k * kN + e);
+            },
+            one);
+      }
+    }
+  };
+  switch (dtype) {
+    case CudaDtype::kFloat32:
+      rows(float{}, Elem<kernels::kF32>::ToFloat, Elem<kernels::kF32>::FromFloat);
+      break;
+    case CudaDtype::kBFloat16:
+      rows(uint16_t{}, Elem<kernels::kBF16>::ToFloat, Elem<kernels::kBF16>::FromFloat);
+      break;
+    case CudaDtype::kFloat16:
+      rows(uint16_t{}, Elem<kernels::kF16>::ToFloat, Elem<kernels::kF16>::FromFloat);
+      break;
   }
   return Status::Ok();
 }

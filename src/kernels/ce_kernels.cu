@@ -15,7 +15,21 @@
 // (CudaLossBlockThreads): enough 16-byte loads in flight per row to cover the latency of HBM
 // with one block per row, and at V = 151,936 bf16 about 19 vectors per thread. To be tuned on
 // the GPU by bench/loss_cuda.py.
+//
+// Versions (CudaLossArgs::version, ce_row.h's kVersion*): every kernel is compiled twice, and
+// the first version stays beside the second so that the tests check both against the CPU
+// execution and the benchmark times them side by side (llm.c's dev/cuda habit). Version 2
+// changes no formula, only how many instructions an element costs and how many loads are in
+// flight: AddLogits (one rescale per 16-byte vector, no branch per element) instead of
+// AddLogit; kBatch 16-byte loads issued before the first is used (ForEachColumnBatched);
+// TargetLane's one 64-bit compare per vector instead of one per element; the hardware
+// conversions (cvt.rn.bf16x2.f32 and cvt.rn.f16.f32 round to nearest even as ce_row.h's
+// FloatToBf16 and FloatToHalf do, except that a NaN comes out as the canonical NaN); and a
+// register cap of 32 (__launch_bounds__ with two blocks of 1024 threads per multiprocessor),
+// so that one block's merge and barriers overlap the other's loads.
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/ce_launch.h"
@@ -78,14 +92,108 @@ __device__ __forceinline__ bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// ---- version 2's pieces ----
+
+// 16-byte loads in flight per thread in version 2: 2 x 16 bytes x 2048 threads = 64 KB per
+// multiprocessor, about three times what HBM's latency times its bandwidth asks of each
+// (3.35 TB/s x ~700 ns / 132 multiprocessors on an H100: about 18 KB). A batch of 4 spilled
+// registers under the cap of 32 (ptxas -v: up to 28 bytes stored, 128 loaded per thread).
+constexpr int kBatch = 2;
+
+// The kN logits of a 16-byte vector as floats (exact for every dtype), by the hardware's
+// conversions.
+template <int kDtype>
+__device__ __forceinline__ void Unpack(const uint4& raw, float (&z)[Vec<kDtype>::kN]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kDtype == kF32) {
+      z[i] = __uint_as_float(w[i]);
+    } else if constexpr (kDtype == kBF16) {
+      z[2 * i] = __uint_as_float(w[i] << 16);
+      z[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      z[2 * i] = f.x;
+      z[2 * i + 1] = f.y;
+    }
+  }
+}
+
+// kN floats into a 16-byte vector of the dtype, each rounded to nearest even by the hardware
+// (two per instruction for bf16 and half).
+template <int kDtype>
+__device__ __forceinline__ uint4 Pack(const float (&o)[Vec<kDtype>::kN]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kDtype == kF32) {
+      w[i] = __float_as_uint(o[i]);
+    } else if constexpr (kDtype == kBF16) {
+      const __nv_bfloat162 h = __float22bfloat162_rn(make_float2(o[2 * i], o[2 * i + 1]));
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      const __half2 h = __float22half2_rn(make_float2(o[2 * i], o[2 * i + 1]));
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One element, by the hardware's conversions (the tails of version 2).
+template <int kDtype>
+__device__ __forceinline__ float LoadOne(const typename Elem<kDtype>::Bits* p) {
+  if constexpr (kDtype == kF16) {
+    return __half2float(*reinterpret_cast<const __half*>(p));
+  } else {
+    return Elem<kDtype>::ToFloat(*p);
+  }
+}
+template <int kDtype>
+__device__ __forceinline__ void StoreOne(typename Elem<kDtype>::Bits* p, float v) {
+  if constexpr (kDtype == kF32) {
+    *p = v;
+  } else if constexpr (kDtype == kBF16) {
+    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v);
+  } else {
+    *reinterpret_cast<__half*>(p) = __float2half_rn(v);
+  }
+}
+
+__device__ __forceinline__ uint4 Load16(const uint4* p, bool read_only) {
+  return read_only ? __ldg(p) : *p;
+}
+
 // read_only: nothing writes the logits during this kernel, so they may go through the
 // read-only data cache (__ldg); false in place, where the same kernel overwrites them.
-template <int kDtype, int kThreads>
+template <int kDtype, int kThreads, int kVersion>
 __device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V,
                                             bool vectors, bool read_only) {
   using E = Elem<kDtype>;
   using VT = Vec<kDtype>;
   RowState st = EmptyState();
+  if constexpr (kVersion >= 2) {
+    const uint4* p = reinterpret_cast<const uint4*>(x);
+    auto fold = [&](const uint4& raw) {
+      float z[VT::kN];
+      Unpack<kDtype>(raw, z);
+      AddLogits<VT::kN>(st, z);
+    };
+    ForEachColumnBatched<kBatch>(
+        threadIdx.x, kThreads, V, VT::kN, vectors,
+        [&](int64_t k, int n) {
+          uint4 r[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            r[u] = Load16(p + k + static_cast<int64_t>(u) * n, read_only);
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) fold(r[u]);
+        },
+        [&](int64_t k) { fold(Load16(p + k, read_only)); },
+        [&](int64_t v) { AddLogit(st, LoadOne<kDtype>(x + v)); });
+    return BlockMerge<kThreads>(st);
+  }
   ForEachColumn(
       threadIdx.x, kThreads, V, VT::kN, vectors,
       [&](int64_t k) {
@@ -100,12 +208,49 @@ __device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x
 }
 
 // The gradient row: (exp(z - lse) - [v == y]) * scale, or zeros when !counted.
-template <int kDtype, int kThreads>
+template <int kDtype, int kThreads, int kVersion>
 __device__ __forceinline__ void GradPass(const typename Elem<kDtype>::Bits* x,
                                          typename Elem<kDtype>::Bits* g, int64_t V, bool vectors,
                                          bool counted, float lse, int64_t y, float scale) {
   using E = Elem<kDtype>;
   using VT = Vec<kDtype>;
+  if constexpr (kVersion >= 2) {
+    const uint4* xp = reinterpret_cast<const uint4*>(x);
+    uint4* gp = reinterpret_cast<uint4*>(g);
+    if (!counted) {  // the whole block alike: zeros, nothing read
+      ForEachColumn(
+          threadIdx.x, kThreads, V, VT::kN, vectors,
+          [&](int64_t k) { gp[k] = make_uint4(0, 0, 0, 0); },
+          [&](int64_t v) { StoreOne<kDtype>(g + v, 0.0f); });
+      return;
+    }
+    auto grad = [&](const uint4& raw, int64_t k) {
+      float z[VT::kN];
+      Unpack<kDtype>(raw, z);
+      const int lane = TargetLane(k, VT::kN, y);
+#pragma unroll
+      for (int e = 0; e < VT::kN; ++e) z[e] = LogitGrad(z[e], lse, e == lane, scale);
+      return Pack<kDtype>(z);
+    };
+    // In place (g == x) each batch's loads come before its stores, of the same vectors.
+    ForEachColumnBatched<kBatch>(
+        threadIdx.x, kThreads, V, VT::kN, vectors,
+        [&](int64_t k, int n) {
+          uint4 r[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) r[u] = xp[k + static_cast<int64_t>(u) * n];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int64_t kk = k + static_cast<int64_t>(u) * n;
+            gp[kk] = grad(r[u], kk);
+          }
+        },
+        [&](int64_t k) { gp[k] = grad(xp[k], k); },
+        [&](int64_t v) {
+          StoreOne<kDtype>(g + v, LogitGrad(LoadOne<kDtype>(x + v), lse, v == y, scale));
+        });
+    return;
+  }
   ForEachColumn(
       threadIdx.x, kThreads, V, VT::kN, vectors,
       [&](int64_t k) {
@@ -137,8 +282,18 @@ __device__ __forceinline__ bool RowCounted(const CeArgs& a, int64_t r, int64_t v
   return rule == kCounted;
 }
 
-template <int kDtype, int kThreads>
-__global__ void __launch_bounds__(kThreads) FusedKernel(CeArgs a) {
+// The fewest blocks of kThreads a multiprocessor must hold at once (__launch_bounds__'s second
+// argument): version 2 asks for 2048 threads, which caps its registers at 32; version 1 gives 0,
+// no minimum, as it was first compiled (29 to 39 registers at sm_90: one block of 1024 threads
+// per multiprocessor above 32).
+template <int kThreads, int kVersion>
+constexpr int MinBlocks() {
+  return kVersion >= 2 ? 2048 / kThreads : 0;
+}
+
+template <int kDtype, int kThreads, int kVersion>
+__global__ void __launch_bounds__(kThreads, (MinBlocks<kThreads, kVersion>()))
+    FusedKernel(CeArgs a) {
   using Bits = typename Elem<kDtype>::Bits;
   const int64_t r = blockIdx.x;
   const int64_t ld = a.ld > 0 ? a.ld : a.vocab_size;
@@ -150,8 +305,8 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(CeArgs a) {
   const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
   float lse = 0.0f, logprob = 0.0f, entropy = 0.0f;
   if (counted) {
-    const RowState st =
-        RowPass<kDtype, kThreads>(x, a.vocab_size, vectors, g != static_cast<const void*>(x));
+    const RowState st = RowPass<kDtype, kThreads, kVersion>(x, a.vocab_size, vectors,
+                                                            g != static_cast<const void*>(x));
     counted = RowOutputs(st, Elem<kDtype>::ToFloat(x[y]), lse, logprob, entropy);
     if (!counted) FlagRow(a, kNonFiniteRow, r);
   }
@@ -161,12 +316,15 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(CeArgs a) {
   }
   // In place, thread 0 read x[y] above before any thread writes the row: order it.
   if (g == static_cast<const void*>(x)) __syncthreads();
-  if (g != nullptr) GradPass<kDtype, kThreads>(x, g, a.vocab_size, vectors, counted, lse, y,
-                                               a.grad_scale);
+  if (g != nullptr) {
+    GradPass<kDtype, kThreads, kVersion>(x, g, a.vocab_size, vectors, counted, lse, y,
+                                         a.grad_scale);
+  }
 }
 
-template <int kDtype, int kThreads>
-__global__ void __launch_bounds__(kThreads) PartialsKernel(CeArgs a) {
+template <int kDtype, int kThreads, int kVersion>
+__global__ void __launch_bounds__(kThreads, (MinBlocks<kThreads, kVersion>()))
+    PartialsKernel(CeArgs a) {
   using Bits = typename Elem<kDtype>::Bits;
   const int64_t r = blockIdx.x;
   const int64_t ld = a.ld > 0 ? a.ld : a.vocab_size;
@@ -177,7 +335,7 @@ __global__ void __launch_bounds__(kThreads) PartialsKernel(CeArgs a) {
     if (threadIdx.x == 0) stats[r] = Stats4{NegInf(), 0.0f, 0.0f, NegInf()};
     return;
   }
-  const RowState st = RowPass<kDtype, kThreads>(x, a.vocab_size, Aligned16(x), true);
+  const RowState st = RowPass<kDtype, kThreads, kVersion>(x, a.vocab_size, Aligned16(x), true);
   if (threadIdx.x == 0) {
     const int64_t y = a.labels[r] - a.vocab_start;
     const float target = y >= 0 && y < a.vocab_size ? Elem<kDtype>::ToFloat(x[y]) : NegInf();
@@ -199,8 +357,9 @@ __global__ void CombineKernel(const Stats4* gathered, int tp, int64_t T, Stats4*
   out[r] = Stats4{st.m, st.s, st.t, target};
 }
 
-template <int kDtype, int kThreads>
-__global__ void __launch_bounds__(kThreads) FinishKernel(CeArgs a) {
+template <int kDtype, int kThreads, int kVersion>
+__global__ void __launch_bounds__(kThreads, (MinBlocks<kThreads, kVersion>()))
+    FinishKernel(CeArgs a) {
   using Bits = typename Elem<kDtype>::Bits;
   const int64_t r = blockIdx.x;
   const int64_t ld = a.ld > 0 ? a.ld : a.vocab_size;
@@ -223,8 +382,10 @@ __global__ void __launch_bounds__(kThreads) FinishKernel(CeArgs a) {
     if (a.entropy != nullptr) a.entropy[r] = counted ? entropy : 0.0f;
   }
   const bool vectors = Aligned16(x) && (g == nullptr || Aligned16(g));
-  if (g != nullptr) GradPass<kDtype, kThreads>(x, g, a.vocab_size, vectors, counted, lse, y,
-                                               a.grad_scale);
+  if (g != nullptr) {
+    GradPass<kDtype, kThreads, kVersion>(x, g, a.vocab_size, vectors, counted, lse, y,
+                                         a.grad_scale);
+  }
 }
 
 // ---- the one-read kernel: each row staged in shared memory, over a cluster when large ----
@@ -238,8 +399,9 @@ __global__ void __launch_bounds__(kThreads) FinishKernel(CeArgs a) {
 // barrier lets no block leave while another still reads its shared memory. Then each block
 // writes the gradient of its columns from its shared copy: the logits are read once and the
 // gradient written once (in place too: a block overwrites only the columns it has staged).
-// Clusters of more than one block need sm_90; CeOneRead refuses them elsewhere.
-template <int kDtype, int kThreads>
+// Clusters of more than one block need sm_90; CeOneRead refuses them elsewhere. A share is at
+// most 96 KB, so two blocks fit a multiprocessor whatever the version's register cap.
+template <int kDtype, int kThreads, int kVersion>
 __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int64_t slice) {
   using E = Elem<kDtype>;
   using Bits = typename E::Bits;
@@ -263,21 +425,54 @@ __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int6
   if (counted) {  // the same for every block of the cluster: all of them reach the barriers
     const bool read_only = g != static_cast<const void*>(x);
     RowState st = EmptyState();
-    ForEachColumn(
-        threadIdx.x, kThreads, n, VT::kN, vectors,
-        [&](int64_t k) {
-          const uint4* p = reinterpret_cast<const uint4*>(x) + k;
-          typename VT::U u;
-          u.raw = read_only ? __ldg(p) : *p;
-          staged_raw[k] = u.raw;
+    if constexpr (kVersion >= 2) {
+      const uint4* p = reinterpret_cast<const uint4*>(x);
+      auto fold = [&](const uint4& raw) {
+        float z[VT::kN];
+        Unpack<kDtype>(raw, z);
+        AddLogits<VT::kN>(st, z);
+      };
+      ForEachColumnBatched<kBatch>(
+          threadIdx.x, kThreads, n, VT::kN, vectors,
+          [&](int64_t k, int stride) {
+            uint4 b[kBatch];
 #pragma unroll
-          for (int e = 0; e < VT::kN; ++e) AddLogit(st, E::ToFloat(u.e[e]));
-        },
-        [&](int64_t v) {
-          const Bits b = x[v];
-          staged[v] = b;
-          AddLogit(st, E::ToFloat(b));
-        });
+            for (int u = 0; u < kBatch; ++u) {
+              b[u] = Load16(p + k + static_cast<int64_t>(u) * stride, read_only);
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+              staged_raw[k + static_cast<int64_t>(u) * stride] = b[u];
+              fold(b[u]);
+            }
+          },
+          [&](int64_t k) {
+            const uint4 b = Load16(p + k, read_only);
+            staged_raw[k] = b;
+            fold(b);
+          },
+          [&](int64_t v) {
+            const Bits b = x[v];
+            staged[v] = b;
+            AddLogit(st, LoadOne<kDtype>(&b));
+          });
+    } else {
+      ForEachColumn(
+          threadIdx.x, kThreads, n, VT::kN, vectors,
+          [&](int64_t k) {
+            const uint4* p = reinterpret_cast<const uint4*>(x) + k;
+            typename VT::U u;
+            u.raw = read_only ? __ldg(p) : *p;
+            staged_raw[k] = u.raw;
+#pragma unroll
+            for (int e = 0; e < VT::kN; ++e) AddLogit(st, E::ToFloat(u.e[e]));
+          },
+          [&](int64_t v) {
+            const Bits b = x[v];
+            staged[v] = b;
+            AddLogit(st, E::ToFloat(b));
+          });
+    }
     st = BlockMerge<kThreads>(st);  // its barriers also make `staged` whole for the block
     RowState row = st;
     float target = 0.0f;
@@ -322,29 +517,70 @@ __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int6
     if (a.entropy != nullptr) a.entropy[r] = 0.0f;
   }
   if (g != nullptr) {
-    GradPass<kDtype, kThreads>(staged, g, n, vectors, counted, lse, y - begin, a.grad_scale);
+    GradPass<kDtype, kThreads, kVersion>(staged, g, n, vectors, counted, lse, y - begin,
+                                         a.grad_scale);
   }
 }
 
-template <int kDtype, int kThreads>
+// grad [T, ld] *= *factor (fp32 product, one rounding), and nothing written when *factor is
+// exactly 1: every block reads the factor and returns at once, so the common backward of a
+// loss (grad_output = 1) costs one launch and no pass over the gradient. Rows by a
+// grid-stride loop; within a row ForEachColumn's split, 16-byte vectors where aligned.
+constexpr int kScaleThreads = 256;
+constexpr int kScaleMaxBlocks = 1024;
+template <int kDtype>
+__global__ void __launch_bounds__(kScaleThreads)
+    ScaleKernel(typename Elem<kDtype>::Bits* grad, int64_t T, int64_t V, int64_t ld,
+                const float* factor) {
+  using VT = Vec<kDtype>;
+  const float f = *factor;
+  if (f == 1.0f) return;
+  for (int64_t r = blockIdx.x; r < T; r += gridDim.x) {
+    typename Elem<kDtype>::Bits* g = grad + r * ld;
+    uint4* gp = reinterpret_cast<uint4*>(g);
+    ForEachColumn(
+        threadIdx.x, kScaleThreads, V, VT::kN, Aligned16(g),
+        [&](int64_t k) {
+          float z[VT::kN];
+          Unpack<kDtype>(gp[k], z);
+#pragma unroll
+          for (int e = 0; e < VT::kN; ++e) z[e] = ScaledGrad(z[e], f);
+          gp[k] = Pack<kDtype>(z);
+        },
+        [&](int64_t v) { StoreOne<kDtype>(g + v, ScaledGrad(LoadOne<kDtype>(g + v), f)); });
+  }
+}
+
+// A failed call leaves the runtime's last error set (cudaGetLastError returns it later), and
+// the next launcher, which reads it after its launch, would report it as its own: clear it on
+// every failure path. A sticky error (the context is lost) stays whatever is done here.
+int Failed(cudaError_t e) {
+  (void)cudaGetLastError();
+  return static_cast<int>(e);
+}
+
+// The launch's own error (cudaGetLastError both reads and clears it).
+int LaunchStatus() { return static_cast<int>(cudaGetLastError()); }
+
+template <int kDtype, int kThreads, int kVersion>
 int LaunchOneReadAt(const CeArgs& a, int cs, int64_t slice, cudaStream_t s) {
   const int64_t bytes = (slice * static_cast<int64_t>(sizeof(typename Elem<kDtype>::Bits)) + 15) /
                         16 * 16;
-  auto kernel = OneReadKernel<kDtype, kThreads>;
+  auto kernel = OneReadKernel<kDtype, kThreads, kVersion>;
   // The 48 KB default covers static and dynamic shared memory together (the kernel has about
   // 400 bytes of its own), so the limit is raised short of 48 KB already, and always to the
   // largest share: a call never lowers it under another thread's launch.
   if (bytes + 1024 > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCeOneReadMaxShareBytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
+    if (e != cudaSuccess) return Failed(e);
   }
   if (cs > 1) {
     // The cluster code exists only in sm_90 images: a build without one (a PTX of an older
     // architecture JIT-compiled for this device) would reach the kernel's __trap().
     cudaFuncAttributes fa{};
     const cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
-    if (e != cudaSuccess) return static_cast<int>(e);
+    if (e != cudaSuccess) return Failed(e);
     if (fa.ptxVersion < 90) return kCeNeedsClusters;  // the virtual architecture compiled from
   }
   cudaLaunchConfig_t cfg = {};
@@ -360,37 +596,50 @@ int LaunchOneReadAt(const CeArgs& a, int cs, int64_t slice, cudaStream_t s) {
   cfg.attrs = attr;
   cfg.numAttrs = cs > 1 ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a, cs, slice);
-  if (e != cudaSuccess) return static_cast<int>(e);
-  return static_cast<int>(cudaGetLastError());
+  if (e != cudaSuccess) return Failed(e);
+  return LaunchStatus();
 }
 
-template <int kDtype>
-int LaunchOneRead(const CeArgs& a, int cs, int64_t slice, int threads, cudaStream_t s) {
+template <int kDtype, int kVersion>
+int LaunchOneReadVersion(const CeArgs& a, int cs, int64_t slice, int threads, cudaStream_t s) {
   switch (threads) {  // a share is at most 96 KB: 48K bf16 columns, 512 threads (the plan)
-    case 256: return LaunchOneReadAt<kDtype, 256>(a, cs, slice, s);
-    case 512: return LaunchOneReadAt<kDtype, 512>(a, cs, slice, s);
+    case 256: return LaunchOneReadAt<kDtype, 256, kVersion>(a, cs, slice, s);
+    case 512: return LaunchOneReadAt<kDtype, 512, kVersion>(a, cs, slice, s);
   }
   return static_cast<int>(cudaErrorInvalidConfiguration);
 }
 
+template <int kDtype>
+int LaunchOneRead(const CeArgs& a, int cs, int64_t slice, int threads, cudaStream_t s) {
+  if (a.version == kVersionFirst) {
+    return LaunchOneReadVersion<kDtype, kVersionFirst>(a, cs, slice, threads, s);
+  }
+  return LaunchOneReadVersion<kDtype, kVersionLatest>(a, cs, slice, threads, s);
+}
+
 #define THDPACK_CE_KERNEL_TABLE(Kernel)                                                    \
-  template <int kDtype>                                                                   \
+  template <int kDtype, int kVersion>                                                     \
   int Launch##Kernel(const CeArgs& a, int threads, cudaStream_t s) {                      \
     const dim3 grid(static_cast<unsigned>(a.num_tokens));                                 \
     switch (threads) {                                                                    \
-      case 256: Kernel<kDtype, 256><<<grid, 256, 0, s>>>(a); break;                       \
-      case 512: Kernel<kDtype, 512><<<grid, 512, 0, s>>>(a); break;                       \
-      case 1024: Kernel<kDtype, 1024><<<grid, 1024, 0, s>>>(a); break;                    \
-      default: return static_cast<int>(cudaErrorInvalidConfiguration);                    \
+      case 256: Kernel<kDtype, 256, kVersion><<<grid, 256, 0, s>>>(a); break;             \
+      case 512: Kernel<kDtype, 512, kVersion><<<grid, 512, 0, s>>>(a); break;             \
+      case 1024: Kernel<kDtype, 1024, kVersion><<<grid, 1024, 0, s>>>(a); break;          \
+      default: return static_cast<int>(cudaErrorInvalidConfiguration);                   \
     }                                                                                     \
-    return static_cast<int>(cudaGetLastError());                                          \
+    return LaunchStatus();                                                                \
+  }                                                                                       \
+  template <int kDtype>                                                                   \
+  int Launch##Kernel##Versions(const CeArgs& a, int threads, cudaStream_t s) {            \
+    if (a.version == kVersionFirst) return Launch##Kernel<kDtype, kVersionFirst>(a, threads, s); \
+    return Launch##Kernel<kDtype, kVersionLatest>(a, threads, s);                         \
   }                                                                                       \
   int Launch##Kernel##Any(const CeArgs& a, int threads, cudaStream_t s) {                 \
     if (a.num_tokens == 0) return 0;                                                      \
     switch (a.dtype) {                                                                    \
-      case kF32: return Launch##Kernel<kF32>(a, threads, s);                              \
-      case kBF16: return Launch##Kernel<kBF16>(a, threads, s);                            \
-      case kF16: return Launch##Kernel<kF16>(a, threads, s);                              \
+      case kF32: return Launch##Kernel##Versions<kF32>(a, threads, s);                    \
+      case kBF16: return Launch##Kernel##Versions<kBF16>(a, threads, s);                  \
+      case kF16: return Launch##Kernel##Versions<kF16>(a, threads, s);                    \
     }                                                                                     \
     return static_cast<int>(cudaErrorInvalidValue);                                       \
   }
@@ -399,6 +648,15 @@ THDPACK_CE_KERNEL_TABLE(FusedKernel)
 THDPACK_CE_KERNEL_TABLE(PartialsKernel)
 THDPACK_CE_KERNEL_TABLE(FinishKernel)
 #undef THDPACK_CE_KERNEL_TABLE
+
+template <int kDtype>
+int LaunchScale(void* grad, int64_t T, int64_t V, int64_t ld, const float* factor,
+                cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(T < kScaleMaxBlocks ? T : kScaleMaxBlocks));
+  ScaleKernel<kDtype><<<grid, kScaleThreads, 0, s>>>(
+      static_cast<typename Elem<kDtype>::Bits*>(grad), T, V, ld, factor);
+  return LaunchStatus();
+}
 
 }  // namespace
 
@@ -420,7 +678,7 @@ int CeOneRead(const CeArgs& a, int cluster, int64_t slice, int block_threads, vo
     int device = 0, major = 0;
     cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (e != cudaSuccess) return static_cast<int>(e);
+    if (e != cudaSuccess) return Failed(e);
     if (major < 9) return kCeNeedsClusters;
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -438,7 +696,19 @@ int CeCombine(const void* gathered, int tp, int64_t num_tokens, void* out, void*
   const dim3 grid(static_cast<unsigned>((num_tokens + threads - 1) / threads));
   CombineKernel<<<grid, threads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const Stats4*>(gathered), tp, num_tokens, static_cast<Stats4*>(out));
-  return static_cast<int>(cudaGetLastError());
+  return LaunchStatus();
+}
+
+int CeScaleGrad(int dtype, void* grad, int64_t num_tokens, int64_t vocab_size, int64_t ld,
+                const float* factor, void* stream) {
+  if (num_tokens == 0) return 0;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kF32: return LaunchScale<kF32>(grad, num_tokens, vocab_size, ld, factor, s);
+    case kBF16: return LaunchScale<kBF16>(grad, num_tokens, vocab_size, ld, factor, s);
+    case kF16: return LaunchScale<kF16>(grad, num_tokens, vocab_size, ld, factor, s);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 bool CeBuilt() { return true; }

@@ -32,6 +32,7 @@ struct CeArgs {
   float* entropy;
   void* stats;  // RowStats [T]
   unsigned long long* error;
+  int version;  // 1 or 2 (0: 2), ce_row.h's kVersion*
 };
 
 int CeFused(const CeArgs& a, int block_threads, void* stream);
@@ -41,6 +42,9 @@ int CeCombine(const void* gathered, int tp, int64_t num_tokens, void* out, void*
 // columns of a row (CudaLossOneReadPlan).
 int CeOneRead(const CeArgs& a, int cluster, int64_t slice, int block_threads, void* stream);
 int CeFinish(const CeArgs& a, int block_threads, void* stream);
+// grad [T, ld] (V columns of `dtype`) *= *factor (a device float), nothing written when it is 1.
+int CeScaleGrad(int dtype, void* grad, int64_t num_tokens, int64_t vocab_size, int64_t ld,
+                const float* factor, void* stream);
 const char* CeErrorString(int code);
 bool CeBuilt();
 

@@ -169,6 +169,42 @@ THDPACK_HD void AddLogit(RowState& st, float z) {
   st.m = z;
 }
 
+// Version 2 of the fold: kN logits (one 16-byte vector) with ONE rescale - the vector's max
+// first, then every term relative to the running max, without a branch per element (version 1,
+// AddLogit per element, compares and may rescale at every logit). Where the vector holds
+// nothing above -inf (every logit -inf, or NaN) it goes through AddLogit one by one, so a NaN
+// still poisons the state and an empty state stays empty. A NaN among finite logits poisons s
+// through exp(NaN); t's factor z - m is clamped at -FLT_MAX so that a logit of -inf (whose
+// term is 0) adds 0 * -FLT_MAX = 0 rather than 0 * -inf = NaN.
+template <int kN>
+THDPACK_HD void AddLogits(RowState& st, const float (&z)[kN]) {
+  float vmax = z[0];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int e = 1; e < kN; ++e) vmax = fmaxf(vmax, z[e]);  // a NaN never wins: caught by exp
+  if (!(vmax > NegInf())) {
+    for (int e = 0; e < kN; ++e) AddLogit(st, z[e]);
+    return;
+  }
+  if (vmax > st.m) {  // one rescale, as AddLogit's for a new max (the same guards)
+    const float d = st.m - vmax;
+    const float e = st.s > 0.0f ? Exp(d) : 0.0f;
+    st.t = e > 0.0f ? e * (st.t + st.s * d) : 0.0f;
+    st.s = st.s * e;
+    st.m = vmax;
+  }
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int e = 0; e < kN; ++e) {
+    const float d = z[e] - st.m;  // <= 0 (NaN for a NaN logit)
+    const float p = Exp(d);       // 1 exactly at the max: s >= 1 for a state holding a logit
+    st.s += p;
+    st.t += p * fmaxf(d, -3.402823466e38f);
+  }
+}
+
 // s is 0 exactly for a state that holds nothing finite (every logit -inf), NaN for a poisoned
 // one, >= 1 otherwise (the max contributes 1).
 THDPACK_HD RowState MergeStates(const RowState& a, const RowState& b) {
@@ -215,6 +251,44 @@ THDPACK_HD void ForEachColumn(int j, int n, int64_t V, int kVec, bool vectors,
   }
   for (int64_t v = tail_start + j; v < V; v += n) visit(v);
 }
+
+// ForEachColumn's visits in the same order, with the vectors handed kBatch at a time: a batch
+// is the vectors k, k + n, ..., k + (kBatch - 1) n, so that a kernel issues their kBatch
+// 16-byte loads before it uses the first (version 2; version 1 has one load in flight per
+// thread). The vectors left when fewer than kBatch remain go one by one, then the tail.
+template <int kBatch, typename VisitBatch, typename VisitVector, typename Visit>
+THDPACK_HD void ForEachColumnBatched(int j, int n, int64_t V, int kVec, bool vectors,
+                                     VisitBatch&& visit_batch, VisitVector&& visit_vector,
+                                     Visit&& visit) {
+  int64_t tail_start = 0;
+  if (vectors) {
+    const int64_t whole = V / kVec;
+    const int64_t step = static_cast<int64_t>(n) * kBatch;
+    int64_t k = j;
+    for (; k + static_cast<int64_t>(n) * (kBatch - 1) < whole; k += step) visit_batch(k, n);
+    for (; k < whole; k += n) visit_vector(k);
+    tail_start = whole * kVec;
+  }
+  for (int64_t v = tail_start + j; v < V; v += n) visit(v);
+}
+
+// The column of vector k (kN columns from k * kN) that holds the target y, or -1: one 64-bit
+// compare per vector, and a 32-bit one against the unrolled lane index per element (version
+// 1 compares the 64-bit column with y at every element).
+THDPACK_HD int TargetLane(int64_t k, int kN, int64_t y) {
+  const int64_t off = y - k * kN;
+  return off >= 0 && off < kN ? static_cast<int>(off) : -1;
+}
+
+// The gradient scaled by the incoming gradient (ScaleGradient): one fp32 product, rounded once.
+THDPACK_HD float ScaledGrad(float g, float factor) { return g * factor; }
+
+// The kernels' versions (CudaLossArgs::version): 1 the first, kept beside the second to time
+// and check them side by side; 2 (the default) the first's arithmetic with AddLogits, batched
+// loads, TargetLane, the hardware conversions of the dtypes and a register cap for two
+// blocks per multiprocessor.
+inline constexpr int kVersionFirst = 1;
+inline constexpr int kVersionLatest = 2;
 
 // The error flag of a call: kind << 48 | token. First writer wins (atomicCAS from 0).
 enum ErrorKind : int { kLabelOutOfRange = 1, kNonFiniteRow = 2, kBadMask = 3 };

@@ -13,6 +13,8 @@ namespace thdpack {
 
 static_assert(kernels::kCeOneReadMaxShareBytes == kCudaOneReadSliceBytes,
               "the one-read kernel's shared-memory limit is the plan's largest share");
+static_assert(kernels::kVersionLatest == kCudaLossLatestVersion,
+              "the kernels' latest version is the API's");
 
 namespace {
 
@@ -20,7 +22,8 @@ kernels::CeArgs ToLaunch(const CudaLossArgs& a) {
   return kernels::CeArgs{static_cast<int>(a.dtype), a.logits,      a.num_tokens, a.vocab_size,
                          a.ld,                      a.labels,      a.loss_mask,  a.vocab_start,
                          a.vocab_total,             a.grad_scale,  a.grad,       a.logprob,
-                         a.entropy,                 a.stats,       a.error};
+                         a.entropy,                 a.stats,       a.error,
+                         a.version};
 }
 
 }  // namespace
@@ -67,6 +70,32 @@ Status CheckCudaLossArgs(const CudaLossArgs& a, const char* call, bool vocab_par
   }
   if (!kernels::IsFinite(a.grad_scale)) {
     return Status::InvalidArgument(where + "grad_scale must be finite");
+  }
+  if (a.version < 0 || a.version > kCudaLossLatestVersion) {
+    return Status::InvalidArgument(where + "version = " + std::to_string(a.version) +
+                                   ": the kernels have versions 1 and 2 (0: the latest)");
+  }
+  return Status::Ok();
+}
+
+Status CheckScaleGradientArgs(CudaDtype dtype, const void* grad, int64_t num_tokens,
+                              int64_t vocab_size, int64_t ld, const float* factor,
+                              const char* call) {
+  const std::string where = std::string(call) + ": ";
+  if (dtype != CudaDtype::kFloat32 && dtype != CudaDtype::kBFloat16 &&
+      dtype != CudaDtype::kFloat16) {
+    return Status::InvalidArgument(where + "dtype " + std::to_string(static_cast<int>(dtype)) +
+                                   " is not float32, bfloat16 or float16");
+  }
+  if (num_tokens < 0 || num_tokens > 0x7fffffff || vocab_size < 1 ||
+      (ld != 0 && ld < vocab_size)) {
+    return Status::InvalidArgument(where + "num_tokens = " + std::to_string(num_tokens) +
+                                   ", vocab_size = " + std::to_string(vocab_size) + ", ld = " +
+                                   std::to_string(ld) +
+                                   " (T in [0, 2^31), V >= 1, ld 0 or >= V)");
+  }
+  if (num_tokens > 0 && (grad == nullptr || factor == nullptr)) {
+    return Status::InvalidArgument(where + "grad and factor are required");
   }
   return Status::Ok();
 }
@@ -143,6 +172,15 @@ Status CrossEntropyFinish(const CudaLossArgs& args, void* stream) {
   return FromLaunch(
       kernels::CeFinish(ToLaunch(args), CudaLossBlockThreads(args.vocab_size), stream),
       "CrossEntropyFinish");
+}
+
+Status ScaleGradient(CudaDtype dtype, void* grad, int64_t num_tokens, int64_t vocab_size,
+                     int64_t ld, const float* factor, void* stream) {
+  THDPACK_RETURN_IF_ERROR(CheckScaleGradientArgs(dtype, grad, num_tokens, vocab_size, ld,
+                                                 factor, "ScaleGradient"));
+  return FromLaunch(kernels::CeScaleGrad(static_cast<int>(dtype), grad, num_tokens, vocab_size,
+                                         ld > 0 ? ld : vocab_size, factor, stream),
+                    "ScaleGradient");
 }
 
 Status DecodeCudaLossError(unsigned long long flag, int64_t vocab_total) {

@@ -14,6 +14,12 @@ namespace thdpack {
 [[nodiscard]] Status CheckCudaLossArgs(const CudaLossArgs& args, const char* call,
                                        bool vocab_parallel);
 
+// InvalidArgument naming `call` for ScaleGradient's arguments: an unknown dtype, T outside
+// [0, 2^31), V < 1, ld < V, a missing gradient or factor.
+[[nodiscard]] Status CheckScaleGradientArgs(CudaDtype dtype, const void* grad,
+                                            int64_t num_tokens, int64_t vocab_size, int64_t ld,
+                                            const float* factor, const char* call);
+
 }  // namespace thdpack
 
 #endif  // THDPACK_KERNELS_CUDA_LOSS_INTERNAL_H_

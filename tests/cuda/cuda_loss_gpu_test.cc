@@ -5,7 +5,9 @@
 // not, in place, the vocab-parallel path, and a bad label reported through the flag. The two
 // differ only by exp/log (__expf/__logf against libm) and the order the compiler fuses
 // multiply-adds in, so the tolerance is a few fp32 ulps (values) and one ulp of the dtype
-// (gradients).
+// (gradients). Every kernel runs in both versions (CudaLossArgs::version); ScaleGradient must
+// equal its CPU execution bit for bit; and a failed launch must not leave an error behind for
+// the next call.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/ce_launch.h"
 #include "thdpack/cuda_loss.h"
 #include "thdpack/loss.h"
 
@@ -100,7 +103,7 @@ struct Outputs {
 // Runs the fused kernel (the one-read kernel with one_read; partials/combine/finish over
 // `cuts` when given) on the GPU.
 Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64_t>& cuts = {},
-              bool one_read = false) {
+              bool one_read = false, int version = 0) {
   Outputs o;
   Dev<uint8_t> x(r.bytes.size()), g(r.bytes.size());
   Dev<int64_t> y(r.labels.size());
@@ -123,6 +126,7 @@ Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64
   a.logprob = lp.p;
   a.entropy = en.p;
   a.error = flag.p;
+  a.version = version;
   if (one_read) {
     const Status st = CrossEntropyOneRead(a, nullptr);
     EXPECT_TRUE(st.ok()) << st.ToString();
@@ -163,7 +167,7 @@ Outputs OnGpu(const Rows& r, float scale, bool in_place, const std::vector<int64
 }
 
 // The CPU execution of the fused kernel, or of the one-read kernel with its GPU plan.
-Outputs OnHost(const Rows& r, float scale, bool one_read = false) {
+Outputs OnHost(const Rows& r, float scale, bool one_read = false, int version = 0) {
   Outputs o;
   std::vector<uint8_t> x = r.bytes;
   o.grad.assign(r.bytes.size(), 0);
@@ -182,6 +186,7 @@ Outputs OnHost(const Rows& r, float scale, bool one_read = false) {
   a.logprob = o.logprob.data();
   a.entropy = o.entropy.data();
   a.error = &o.flag;
+  a.version = version;
   if (one_read) {
     const CudaOneReadPlan plan = CudaLossOneReadPlan(r.dtype, r.V);
     EXPECT_TRUE(CrossEntropyOneReadHost(a, plan.cluster, plan.threads).ok());
@@ -216,19 +221,28 @@ void Compare(const Rows& r, const Outputs& gpu, const Outputs& host, float scale
   }
 }
 
-TEST(CudaLossGpu, FusedEqualsTheCpuExecution) {
+// The kernels' versions, one gtest parameter each.
+class CudaLossGpuVersion : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Versions, CudaLossGpuVersion, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "v" + std::to_string(info.param);
+                         });
+
+TEST_P(CudaLossGpuVersion, FusedEqualsTheCpuExecution) {
   SKIP_WITHOUT_GPU();
+  const int version = GetParam();
   std::mt19937_64 rng(1);
   for (CudaDtype d : {CudaDtype::kFloat32, CudaDtype::kBFloat16, CudaDtype::kFloat16}) {
     for (int64_t V : {7, 255, 1000, 4099, 32000, 32005, 151936}) {
       for (int64_t ld : {V, V + 1, (V + 7) / 8 * 8}) {
         const Rows r = Make(rng, d, 19, V, ld);
         const float scale = 1.0f / 17;
-        const std::string where = "dtype " + std::to_string(static_cast<int>(d)) + " V " +
+        const std::string where = "v" + std::to_string(version) + " dtype " +
+                                  std::to_string(static_cast<int>(d)) + " V " +
                                   std::to_string(V) + " ld " + std::to_string(ld);
-        const Outputs host = OnHost(r, scale);
-        Compare(r, OnGpu(r, scale, false), host, scale, where);
-        Compare(r, OnGpu(r, scale, true), host, scale, where + " in place");
+        const Outputs host = OnHost(r, scale, false, version);
+        Compare(r, OnGpu(r, scale, false, {}, false, version), host, scale, where);
+        Compare(r, OnGpu(r, scale, true, {}, false, version), host, scale, where + " in place");
       }
     }
   }
@@ -236,8 +250,9 @@ TEST(CudaLossGpu, FusedEqualsTheCpuExecution) {
 
 // Clusters of 1 (V up to 48K bf16 columns), 2, 4 (151,936 bf16) and 8 (151,936 float32, and
 // 300,000 bf16) blocks; sm_90 for clusters of more than one.
-TEST(CudaLossGpu, OneReadEqualsTheCpuExecution) {
+TEST_P(CudaLossGpuVersion, OneReadEqualsTheCpuExecution) {
   SKIP_WITHOUT_GPU();
+  const int version = GetParam();
   int device = 0, major = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
@@ -251,25 +266,28 @@ TEST(CudaLossGpu, OneReadEqualsTheCpuExecution) {
       for (int64_t ld : {V, V + 1, (V + 7) / 8 * 8}) {
         const Rows r = Make(rng, d, 13, V, ld);
         const float scale = 1.0f / 11;
-        const std::string where = "one read dtype " + std::to_string(static_cast<int>(d)) +
-                                  " V " + std::to_string(V) + " ld " + std::to_string(ld) +
+        const std::string where = "one read v" + std::to_string(version) + " dtype " +
+                                  std::to_string(static_cast<int>(d)) + " V " +
+                                  std::to_string(V) + " ld " + std::to_string(ld) +
                                   " cluster " + std::to_string(plan.cluster);
-        const Outputs host = OnHost(r, scale, true);
-        Compare(r, OnGpu(r, scale, false, {}, true), host, scale, where);
-        Compare(r, OnGpu(r, scale, true, {}, true), host, scale, where + " in place");
+        const Outputs host = OnHost(r, scale, true, version);
+        Compare(r, OnGpu(r, scale, false, {}, true, version), host, scale, where);
+        Compare(r, OnGpu(r, scale, true, {}, true, version), host, scale, where + " in place");
       }
     }
   }
 }
 
-TEST(CudaLossGpu, VocabParallelEqualsTheCpuExecution) {
+TEST_P(CudaLossGpuVersion, VocabParallelEqualsTheCpuExecution) {
   SKIP_WITHOUT_GPU();
+  const int version = GetParam();
   std::mt19937_64 rng(2);
   for (CudaDtype d : {CudaDtype::kFloat32, CudaDtype::kBFloat16}) {
     const Rows r = Make(rng, d, 23, 50000, 50000);
     const float scale = 0.01f;
-    Compare(r, OnGpu(r, scale, false, {0, 12345, 12346, 40000, 50000}), OnHost(r, scale), scale,
-            "tp dtype " + std::to_string(static_cast<int>(d)));
+    Compare(r, OnGpu(r, scale, false, {0, 12345, 12346, 40000, 50000}, false, version),
+            OnHost(r, scale, false, version), scale,
+            "tp v" + std::to_string(version) + " dtype " + std::to_string(static_cast<int>(d)));
   }
 }
 
@@ -282,6 +300,64 @@ TEST(CudaLossGpu, BadLabelSetsTheFlag) {
   const Outputs gpu = OnGpu(r, 0.1f, false);
   const Status s = DecodeCudaLossError(gpu.flag, 100);
   EXPECT_NE(s.message().find("labels[5]"), std::string::npos) << s.ToString();
+}
+
+
+// ScaleGradient on the GPU equals its CPU execution bit for bit (one fp32 product, rounded to
+// nearest even by the hardware there and by ce_row.h here), rows with a stride and odd
+// offsets; a factor of 1 read on the device leaves the gradient untouched.
+TEST(CudaLossGpu, ScaleGradientEqualsTheCpuExecution) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(6);
+  for (CudaDtype d : {CudaDtype::kFloat32, CudaDtype::kBFloat16, CudaDtype::kFloat16}) {
+    for (int64_t V : {7, 1000, 151936}) {
+      for (int64_t ld : {V, V + 1}) {
+        for (float factor : {1.0f, 0.37f, -3.0f}) {
+          Rows r = Make(rng, d, 9, V, ld);
+          Dev<uint8_t> g(r.bytes.size());
+          Dev<float> f(1);
+          g.Put(r.bytes);
+          f.Put({factor});
+          ASSERT_TRUE(ScaleGradient(d, g.p, r.T, V, ld, f.p, nullptr).ok());
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          std::vector<uint8_t> host = r.bytes;
+          ASSERT_TRUE(ScaleGradientHost(d, host.data(), r.T, V, ld, &factor, 256).ok());
+          EXPECT_EQ(g.Get(), host) << "dtype " << static_cast<int>(d) << " V " << V << " ld "
+                                   << ld << " factor " << factor;
+          if (factor == 1.0f) EXPECT_EQ(host, r.bytes);
+        }
+      }
+    }
+  }
+}
+
+// A launch that fails (here a one-read share larger than the kernel's shared-memory limit)
+// must leave no error behind: the next call of another kernel reads the runtime's last error
+// after its own launch, and would report the stale one as its own.
+TEST(CudaLossGpu, AFailedLaunchLeavesNoErrorForTheNextCall) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(8);
+  const Rows r = Make(rng, CudaDtype::kBFloat16, 4, 120000, 120000);
+  Dev<uint8_t> x(r.bytes.size()), g(r.bytes.size());
+  Dev<int64_t> y(r.labels.size());
+  x.Put(r.bytes);
+  y.Put(r.labels);
+  kernels::CeArgs a{};
+  a.dtype = static_cast<int>(CudaDtype::kBFloat16);
+  a.logits = x.p;
+  a.num_tokens = r.T;
+  a.vocab_size = r.V;
+  a.ld = r.ld;
+  a.labels = y.p;
+  a.grad_scale = 0.25f;
+  a.grad = g.p;
+  a.version = 2;
+  // 120,000 bf16 columns in one block: 240 KB of shared memory, past the 96 KB limit.
+  const int failed = kernels::CeOneRead(a, 1, 120000, 512, nullptr);
+  ASSERT_NE(failed, 0) << "the oversized launch was expected to fail";
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << cudaGetErrorString(cudaPeekAtLastError());
+  const Outputs gpu = OnGpu(r, 0.25f, false);  // the fused kernel, after the failure
+  Compare(r, gpu, OnHost(r, 0.25f), 0.25f, "fused after a failed one-read launch");
 }
 
 }  // namespace
