@@ -4,8 +4,12 @@
 //
 //   thdpack._thdpack.cuda_loss_built() -> bool: whether this build has the kernels
 //   thdpack._thdpack._cuda_cross_entropy(call, dtype, logits, T, V, ld, labels, loss_mask,
-//       vocab_start, vocab_total, grad_scale, grad, logprob, entropy, stats, error, stream)
-//       call: "fused" | "one_read" | "partials" | "finish"; pointers as ints (0: none)
+//       vocab_start, vocab_total, grad_scale, grad, logprob, entropy, stats, error, stream,
+//       version=0)
+//       call: "fused" | "one_read" | "partials" | "finish"; pointers as ints (0: none);
+//       version: the kernels' version, 1 or 2 (0: the latest)
+//   thdpack._thdpack._cuda_scale_grad(dtype, grad, T, V, ld, factor, stream): grad *= *factor
+//       on the device (ScaleGradient: nothing written when the factor is 1)
 //   thdpack._thdpack._cuda_one_read_plan(dtype, V) -> (cluster, slice, threads): the one-read
 //       kernel's split of a row (cluster 0: too large for it)
 //   thdpack._thdpack._cuda_combine_partials(gathered, tp, T, out, stream)
@@ -29,7 +33,8 @@ void* Ptr(uint64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)
 void CrossEntropyCall(const std::string& call, int dtype, uint64_t logits, int64_t T, int64_t V,
                       int64_t ld, uint64_t labels, uint64_t loss_mask, int64_t vocab_start,
                       int64_t vocab_total, double grad_scale, uint64_t grad, uint64_t logprob,
-                      uint64_t entropy, uint64_t stats, uint64_t error, uint64_t stream) {
+                      uint64_t entropy, uint64_t stats, uint64_t error, uint64_t stream,
+                      int version) {
   if (dtype < 0 || dtype > 2) {
     throw py::value_error("dtype " + std::to_string(dtype) +
                           ": expected 0 (float32), 1 (bfloat16) or 2 (float16)");
@@ -50,6 +55,7 @@ void CrossEntropyCall(const std::string& call, int dtype, uint64_t logits, int64
   a.entropy = static_cast<float*>(Ptr(entropy));
   a.stats = static_cast<RowStats*>(Ptr(stats));
   a.error = static_cast<unsigned long long*>(Ptr(error));
+  a.version = version;
   Status s;
   if (call == "fused") {
     s = CrossEntropyFused(a, Ptr(stream));
@@ -74,7 +80,17 @@ void BindCudaLoss(py::module_& m) {
         py::arg("logits"), py::arg("num_tokens"), py::arg("vocab_size"), py::arg("ld"),
         py::arg("labels"), py::arg("loss_mask"), py::arg("vocab_start"), py::arg("vocab_total"),
         py::arg("grad_scale"), py::arg("grad"), py::arg("logprob"), py::arg("entropy"),
-        py::arg("stats"), py::arg("error"), py::arg("stream"));
+        py::arg("stats"), py::arg("error"), py::arg("stream"), py::arg("version") = 0);
+  m.def(
+      "_cuda_scale_grad",
+      [](int dtype, uint64_t grad, int64_t T, int64_t V, int64_t ld, uint64_t factor,
+         uint64_t stream) {
+        if (dtype < 0 || dtype > 2) throw py::value_error("dtype: expected 0, 1 or 2");
+        ThrowIfError(ScaleGradient(static_cast<CudaDtype>(dtype), Ptr(grad), T, V, ld,
+                                   static_cast<const float*>(Ptr(factor)), Ptr(stream)));
+      },
+      py::arg("dtype"), py::arg("grad"), py::arg("num_tokens"), py::arg("vocab_size"),
+      py::arg("ld"), py::arg("factor"), py::arg("stream"));
   m.def(
       "_cuda_one_read_plan",
       [](int dtype, int64_t V) {

@@ -12,3 +12,6 @@ except ImportError as e:  # pragma: no cover
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped where torch sees none)")
+    config.addinivalue_line("markers", "one_read: the one-read CUDA kernel (thread-block "
+                            "clusters); scripts/device_check.sh runs these in a process of their "
+                            "own, after the other cuda tests")

@@ -1,10 +1,12 @@
 """thdpack's CUDA cross-entropy through thdpack.torch.local_loss(backend="cuda") and
 token_statistics: the values and gradients against F.cross_entropy in float64 on the same
 (rounded) logits, every dtype, V not a multiple of any block size, masked and ignored tokens,
-N = 0, rows with a stride, in place, without validation, a bad label named, and the
+N = 0, rows with a stride, in place, without validation, a bad label named, the
 vocab-parallel path (partials, one all-gather, combine, finish) over a one-process gloo-free
-split. The tests marked `cuda` run wherever torch sees a GPU; the others run everywhere and
-check what a machine without one must say."""
+split, both kernel versions, and the backward's scaling by grad_output on the device. The tests
+marked `cuda` run wherever torch sees a GPU (those of the one-read kernel also carry `one_read`,
+so that scripts/device_check.sh can run them in a process of their own); the others run
+everywhere and check what a machine without one must say."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,15 +63,27 @@ def test_backend_cuda_is_a_clear_error_where_it_cannot_run():
                                          0)
     with pytest.raises(ValueError, match="labels\\[5\\]"):
         _thdpack._cuda_loss_error((1 << 48) | 5, 100)
+    # The version is checked on the host, before any launch, in every build.
+    with pytest.raises(ValueError, match="version = 7"):
+        _thdpack._cuda_cross_entropy("fused", 1, 1, 2, 3, 3, 1, 0, 0, 0, 1.0, 0, 0, 0, 0, 0, 0,
+                                     version=7)
+    with pytest.raises(ValueError, match="ld = 2"):
+        _thdpack._cuda_scale_grad(1, 1, 2, 3, 2, 1, 0)
+    if _thdpack.cuda_loss_built() and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="ScaleGradient: CUDA error"):
+            _thdpack._cuda_scale_grad(1, 1, 2, 3, 3, 1, 0)
 
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t,v,ld", [(37, 1000, None), (64, 32000, None), (9, 151936, None),
                                     (13, 4099, 4104), (5, 7, None)])
-def test_kernel_equals_float64(dtype, t, v, ld):
-    logits, labels, mask = make(t, v, dtype, seed=t * v)
+def test_kernel_equals_float64(dtype, t, v, ld, version, monkeypatch):
+    from thdpack.torch import _loss_cuda
+    monkeypatch.setattr(_loss_cuda, "KERNEL_VERSION", version)
+    logits, labels, mask = make(t, v, dtype, seed=t * v, ld=ld)
     n = int(((labels != -100) & (mask != 0)).sum()) + 3
     lp_ref, ent_ref, grad_ref = reference(logits, labels, mask, n, 2.0)
     lp, ent, counted = tt.token_statistics(logits, labels, mask, backend="cuda")
@@ -221,8 +235,9 @@ def test_statistics_on_the_device_equal_the_host_ones():
 @cuda
 @pytest.mark.cuda
 def test_nothing_synchronises_without_validation():
-    """local_loss and linear_loss with validate=False, and the statistics' device path, make
-    no host synchronisation (torch's sync debug mode turns one into an error)."""
+    """local_loss (its backward scaled by grad_output too) and linear_loss with validate=False,
+    and the statistics' device path, make no host synchronisation (torch's sync debug mode
+    turns one into an error)."""
     import numpy as np
     logits, labels, mask = make(64, 5003, torch.bfloat16, 3)
     cu = np.array([0, 30, 64], np.int32)
@@ -236,6 +251,9 @@ def test_nothing_synchronises_without_validation():
         x = logits.detach().clone().requires_grad_(True)
         tt.local_loss(x, labels, mask, 100, backend="cuda", validate=False,
                       token_values=d).backward()
+        # A scaled loss: grad_output (0.5) is read on the device, not on the host.
+        x2 = logits.detach().clone().requires_grad_(True)
+        (tt.local_loss(x2, labels, mask, 100, backend="cuda", validate=False) * 0.5).backward()
         stats.add_shard(None, labels, mask, cu, cu, token_values=d)
         tt.linear_loss(hidden, weight, labels, mask, 100, chunk_tokens=16, backend="cuda",
                        validate=False).backward()
@@ -276,9 +294,39 @@ def test_the_kernel_call_is_captured_in_a_cuda_graph():
 
 @cuda
 @pytest.mark.cuda
+def test_backward_scales_by_grad_output_on_the_device():
+    """A loss scaled after local_loss (grad_output != 1) gets its gradient multiplied on the
+    device in fp32 and rounded once; grad_output = 1 leaves the forward's gradient as it was
+    (the kernel reads it and writes nothing). Every dtype, rows with a stride (a column slice
+    of a leaf, so the gradient buffer has the slice's row stride)."""
+    t, v, ld = 21, 3001, 3008
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits, labels, mask = make(t, v, dtype, seed=13, ld=ld)
+        full = logits._base if logits._base is not None else logits
+        assert logits.stride(0) == ld
+        n = int(((labels != -100) & (mask != 0)).sum())
+        _, _, _, g_forward = thdpack.torch.loss._per_token(
+            logits, labels, mask, n, True, 1.0, False, None, "cuda", False, True)
+
+        def grad_of(factor):
+            leaf = full.detach().clone().requires_grad_(True)
+            share = tt.local_loss(leaf[:, :v], labels, mask, n, backend="cuda")
+            (share if factor == 1 else share * factor).backward()
+            return leaf.grad[:, :v]
+
+        assert torch.equal(grad_of(1), g_forward), dtype
+        for factor in (3.0, 0.5, -0.37):
+            want = (g_forward.float() * factor).to(dtype)
+            assert torch.equal(grad_of(factor), want), (dtype, factor)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.one_read
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t,v", [(37, 1000), (16, 32000), (9, 151936)])
-def test_one_read_kernel_equals_float64(dtype, t, v):
+def test_one_read_kernel_equals_float64(dtype, t, v, version):
     """The one-read kernel (rows staged in shared memory; a cluster of blocks for the large
     rows, on sm_90) against float64, separate gradient and in place."""
     from thdpack.torch import _loss_cuda
@@ -292,7 +340,7 @@ def test_one_read_kernel_equals_float64(dtype, t, v):
         x = logits.clone()
         lp, ent, _, grad, _ = _loss_cuda.per_token_cuda(
             x, labels, None if mask is None else mask, True, 1.0 / n, inplace, True,
-            kernel="one_read")
+            kernel="one_read", version=version)
         torch.testing.assert_close(lp.double(), lp_ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
         torch.testing.assert_close(ent.double(), ent_ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
         err = (grad.double() - grad_ref).abs()

@@ -23,6 +23,10 @@ CUDA_KERNEL_BY_DEFAULT = False
 # per_token_cuda(..., kernel="one_read") (the benchmark's and the tests' way).
 ONE_READ_BY_DEFAULT = False
 
+# The kernels' version (thdpack/cuda_loss.h): 0 the latest (2), 1 the first, kept beside it so
+# that the tests check both and bench/loss_cuda.py times them side by side.
+KERNEL_VERSION = 0
+
 
 def one_read_takes(logits):
     """Whether the one-read kernel can take these logits (kernel_takes's): a row within 8
@@ -56,13 +60,14 @@ def why_not(logits):
 
 
 def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validate,
-                   tp_group=None, vocab_start=0, vocab_total=0, kernel=None):
+                   tp_group=None, vocab_start=0, vocab_total=0, kernel=None, version=None):
     """(logprob, entropy, counted, grad, n_valid): float32 [T] values (0 where not counted),
     counted bool [T], the gradient scale * (softmax - onehot) in the logits' dtype (the logits
     themselves when inplace), None unless want_grad or inplace; n_valid the counted tokens when
     validate (else None: nothing synchronises). labels: int64 [T], loss_mask: [T] or None
     (shapes checked by the caller). kernel: "fused" or "one_read" for the whole-row call (None:
-    one_read where ONE_READ_BY_DEFAULT and one_read_takes, else fused)."""
+    one_read where ONE_READ_BY_DEFAULT and one_read_takes, else fused); version: the kernels'
+    version (None: KERNEL_VERSION)."""
     t, v = logits.shape
     dev = logits.device
     labels = labels.to(device=dev, dtype=torch.int64).contiguous()
@@ -78,6 +83,7 @@ def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validat
     vocab = v if tp_group is None else int(vocab_total)
     # The row stride; a tensor of at most one row may have any (e.g. a transposed column).
     ld = logits.stride(0) if t > 1 else v
+    version = KERNEL_VERSION if version is None else int(version)
 
     def call(which, stats):
         _thdpack._cuda_cross_entropy(
@@ -86,7 +92,8 @@ def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validat
             vocab if tp_group is not None else 0, float(scale),
             0 if grad is None or which == "partials" else grad.data_ptr(),
             logprob.data_ptr(), entropy.data_ptr(), 0 if stats is None else stats.data_ptr(),
-            0 if error is None else error.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
+            0 if error is None else error.data_ptr(), torch.cuda.current_stream(dev).cuda_stream,
+            version)
 
     if kernel is None:
         kernel = "one_read" if ONE_READ_BY_DEFAULT and one_read_takes(logits) else "fused"
@@ -118,3 +125,17 @@ def per_token_cuda(logits, labels, loss_mask, want_grad, scale, inplace, validat
         flag, n_valid = torch.stack([error[0], counted.sum()]).tolist()
         _thdpack._cuda_loss_error(int(flag), vocab)
     return logprob, entropy, counted, grad, n_valid
+
+
+def scale_grad(grad, factor):
+    """grad *= factor on the device, for autograd's backward: factor (grad_output, a one-element
+    tensor) is read by the kernel, which writes nothing when it is 1, so the common backward
+    costs no pass over the [T, V] gradient and no synchronisation; another factor costs one
+    read and one write, in fp32 with one rounding. grad: a tensor kernel_takes."""
+    t, v = grad.shape
+    f = factor.detach().to(device=grad.device, dtype=torch.float32).reshape(()).contiguous()
+    ld = grad.stride(0) if t > 1 else v
+    with torch.cuda.device(grad.device):
+        _thdpack._cuda_scale_grad(_DTYPES[grad.dtype], grad.data_ptr(), t, v, ld, f.data_ptr(),
+                                  torch.cuda.current_stream(grad.device).cuda_stream)
+    return grad

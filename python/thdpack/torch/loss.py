@@ -138,7 +138,14 @@ class _LocalLoss(torch.autograd.Function):
             raise RuntimeError("local_loss: backward ran twice; the gradient buffer was handed "
                                "to autograd the first time (call local_loss again)")
         ctx.grad = None  # autograd may take the buffer as logits.grad without a copy
-        if grad.device.type != "cpu" or float(grad_output) != 1.0:
+        if grad.device.type == "cpu":
+            if float(grad_output) != 1.0:
+                grad.mul_(grad_output.to(grad.dtype))
+        elif _loss_cuda.kernel_takes(grad):
+            # grad_output read on the device: no pass over the gradient when it is 1 (the
+            # common loss.backward()), and no synchronisation either way.
+            _loss_cuda.scale_grad(grad, grad_output)
+        else:
             grad.mul_(grad_output.to(grad.dtype))
         return grad, None, None, None, None, None, None, None, None, None, None, None, None
 
