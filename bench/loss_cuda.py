@@ -145,7 +145,7 @@ class Sticky(Exception):
     """A sticky CUDA error: the run cannot go on."""
 
 
-def reference(logits, labels, counted, chunk=2048):
+def reference(logits, labels, counted, chunk=1024):
     """The float64 loss (token mean over the counted tokens) and the counted tokens."""
     n = int(counted.sum())
     total = 0.0
@@ -158,9 +158,10 @@ def reference(logits, labels, counted, chunk=2048):
     return total / max(n, 1), n
 
 
-def grad_error(logits, labels, counted, n, grad, chunk=2048):
+def grad_error(logits, labels, counted, n, grad, chunk=1024):
     """(the largest row-relative error of grad over the counted rows against float64, the
-    number of elements of ignored rows that are not exactly 0)."""
+    number of elements of ignored rows that are not exactly 0). A chunk's float64 temporaries
+    are about 6 x 1.2 GB at V = 151,936, beside the logits and the method's gradient."""
     worst, nonzero = 0.0, 0
     for s in range(0, logits.shape[0], chunk):
         z = logits[s:s + chunk].double()
@@ -334,9 +335,10 @@ def run(args):
 def run_shape(dev, args, rows, table, t, v, dtype):
     tag = f"{t}x{v} {str(dtype).replace('torch.', '')}"
     extra_row = dict(shape=f"{t}x{v}", dtype=str(dtype))
+    dev.free()  # the previous shape's tensors died with its run_shape; give their memory back
     try:
         # The logits in their dtype, drawn in place: no float32 copy of [T, V] (37 GiB at
-        # 65536 x 151936), and the previous shape's tensors are gone (run_shape returned).
+        # 65536 x 151936).
         g = torch.Generator(device=dev.name).manual_seed(t + v)
         logits = torch.empty(t, v, dtype=dtype, device=dev.name)
         logits.normal_(0.0, 2.0, generator=g)
