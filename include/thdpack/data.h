@@ -13,6 +13,7 @@
 //   histogram:FILE      `length,count` rows after a header (tokens are mock)
 //   jsonl:FILE          one JSON object per line: "input_ids", optional "loss_mask"
 //   megatron:PREFIX     Megatron-LM indexed dataset PREFIX.idx + PREFIX.bin (MMIDIDX v1)
+//   blend:FILE.json     a weighted mixture of sources (thdpack/blend.h); blend:{...} inline
 //
 // Sample ids. The k-th sample a source returns since it was opened (k = 0, 1, ...) has id k:
 // ids keep counting across Reset(), so after full epochs the id of the sample at position i of
@@ -77,6 +78,7 @@ struct SampleLength {
   int64_t id = 0;
   int64_t length = 0;     // L >= 1
   int64_t n_targets = 0;  // sum(target_mask[1:L]); L - 1 without a mask
+  int32_t source = 0;     // the blend's source index (thdpack/blend.h); 0 for other sources
 };
 
 // Where a source's cursor stands: enough to continue reading exactly there (SampleSource::Seek)
@@ -91,8 +93,14 @@ struct SourceCursor {
   // and the lines read so far in this epoch (blank ones included), for messages.
   int64_t byte_offset = 0;
   int64_t line = 0;
-  // Samples per epoch; -1 while unknown (jsonl before its first full pass).
+  // Samples per epoch; -1 while unknown (jsonl before its first full pass) and for a blend.
   int64_t epoch_size = -1;
+  // A blend (thdpack/blend.h) only: the cursor of each of its sources, and the units the rule
+  // counted for each (samples, or tokens with weight_by tokens). A blend's own cursor counts
+  // its samples: position = next_id = samples taken, epoch 0, skipped_empty 0 (its sources'
+  // empty documents are in their cursors).
+  std::vector<SourceCursor> parts;
+  std::vector<int64_t> taken;
 
   // Samples returned since the source was opened: every id is a sample or an empty document.
   int64_t samples() const { return next_id - skipped_empty; }
@@ -137,6 +145,10 @@ class SampleSource {
   // Empty documents passed over since the source was opened (every epoch counts again). Only a
   // `megatron` dataset holds any (see OpenMegatronSource); 0 for every other source.
   virtual int64_t skipped_empty() const { return 0; }
+
+  // A source without an end: Next() never returns nullopt (a blend, which starts the next epoch
+  // of a source that runs out). Such a source has no epoch to read whole ("--global-batch all").
+  virtual bool endless() const { return false; }
 
   // ---- Resuming (docs/data_sources.md, "Positions and resuming") ----
   // Every source of this file implements these; the defaults are for sources that cannot seek

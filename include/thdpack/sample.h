@@ -23,6 +23,8 @@ struct Sample {
   int64_t id = 0;
   std::vector<TokenId> tokens;       // [L], L >= 1
   std::vector<uint8_t> target_mask;  // [L] of 0/1, or empty for all ones
+  // The source it came from, as an index into a blend's list (thdpack/blend.h); 0 elsewhere.
+  int32_t source = 0;
 };
 
 // A non-owning view of a sample, as packing consumes it.

@@ -1,6 +1,7 @@
 // OpenSource: the spec-string factory the command line uses; SampleSource's default batched
 // read.
 #include "data/data_internal.h"
+#include "thdpack/blend.h"
 #include "thdpack/data.h"
 
 #include <new>
@@ -46,11 +47,12 @@ Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
   const std::string_view kind = spec.substr(0, colon);
   const std::string path(colon == std::string_view::npos ? std::string_view() : spec.substr(colon + 1));
   const bool known = kind == "mock" || kind == "lengths" || kind == "histogram" ||
-                     kind == "jsonl" || kind == "megatron";
+                     kind == "jsonl" || kind == "megatron" || kind == "blend";
   if (!known) {
     return Status::InvalidArgument("unknown data source \"" + spec_text +
                                    "\" (expected mock, mock:FILE.json, lengths:FILE, "
-                                   "histogram:FILE, jsonl:FILE or megatron:PREFIX)");
+                                   "histogram:FILE, jsonl:FILE, megatron:PREFIX or "
+                                   "blend:FILE.json)");
   }
   if (path.empty()) {
     return Status::InvalidArgument("data source \"" + spec_text + "\" needs a path after \"" +
@@ -67,6 +69,11 @@ Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
     return std::unique_ptr<SampleSource>(std::move(h));
   }
   if (kind == "jsonl") return OpenJsonlSource(path, options);
+  if (kind == "blend") {
+    THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec_text, options));
+    THDPACK_ASSIGN_OR_RETURN(BlendConfig config, ReadBlendSpec(path));
+    return OpenBlendSource(config, options, spec_text);
+  }
   return OpenMegatronSource(path, options);
 }
 
