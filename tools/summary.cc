@@ -70,9 +70,36 @@ std::string CostNote(const CostModel& cost, const std::string& measured_on_devic
   return "cost " + cost.name + " (given), not measured";
 }
 
+namespace {
+
+void PrintMixture(const SummaryFigures& summary, const BlendConfig& blend) {
+  std::vector<double> weights;
+  for (const BlendEntry& e : blend.sources) weights.push_back(e.weight);
+  const std::vector<double> w = NormalizeWeights(weights);
+  auto share = [](int64_t part, int64_t whole) {
+    return whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+  };
+  std::printf("  mixture            by %s: the weights, and what the steps took of each source\n",
+              std::string(BlendWeightByName(blend.weight_by)).c_str());
+  std::printf("    %-4s %-32s %8s %16s %20s %20s\n", "", "source", "weight", "samples",
+              "real tokens", "loss tokens");
+  for (size_t d = 0; d < blend.sources.size(); ++d) {
+    const SourceFigures f = d < summary.sources.size() ? summary.sources[d] : SourceFigures{};
+    std::string name = blend.sources[d].data;
+    if (name.size() > 32) name = "..." + name.substr(name.size() - 29);
+    std::printf("    [%zu]%s %-32s %7.2f%% %8s %6.2f%% %12s %6.2f%% %12s %6.2f%%\n", d,
+                d < 10 ? " " : "", name.c_str(), 100 * w[d], Thousands(f.samples).c_str(),
+                share(f.samples, summary.n_samples), Thousands(f.real_tokens).c_str(),
+                share(f.real_tokens, summary.real_tokens), Thousands(f.loss_tokens).c_str(),
+                share(f.loss_tokens, summary.n_loss_tokens));
+  }
+}
+
+}  // namespace
+
 void PrintSummaryBlock(const std::vector<StepFigures>& steps,
                        const std::vector<StepMemoryFigures>& memory,
-                       const std::string& cost_note) {
+                       const std::string& cost_note, const std::optional<BlendConfig>& blend) {
   const SummaryFigures summary = Summarize(steps);
   std::printf("\nsummary over %lld step%s (epochs %lld-%lld):\n",
               static_cast<long long>(summary.n_steps), summary.n_steps == 1 ? "" : "s",
@@ -102,6 +129,7 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
   }
   PrintMemorySummary(memory, steps);
   PrintSkipped(steps);
+  if (blend) PrintMixture(summary, *blend);
 }
 
 }  // namespace thdpack::tools

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "thdpack/blend.h"
 #include "thdpack/cost.h"
 #include "thdpack/figures.h"
 #include "thdpack/memory_report.h"
@@ -25,8 +26,11 @@ std::string CostNote(const CostModel& cost, const std::string& measured_on_devic
 
 // Prints "\nsummary over N steps (epochs a-b):" and its lines on stdout. memory[k] belongs to
 // steps[k] (same length); `cost_note` (CostNote) says what the imbalance is measured in.
+// With a blend, a "mixture" block follows: per source its weight's share and what the steps
+// took of it (samples, real tokens, loss tokens, and their shares of the totals).
 void PrintSummaryBlock(const std::vector<StepFigures>& steps,
-                       const std::vector<StepMemoryFigures>& memory, const std::string& cost_note);
+                       const std::vector<StepMemoryFigures>& memory, const std::string& cost_note,
+                       const std::optional<BlendConfig>& blend = std::nullopt);
 
 }  // namespace thdpack::tools
 

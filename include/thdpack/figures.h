@@ -8,7 +8,8 @@
 // sum_sq, n_loss_tokens, imbalance, pad_fraction, fill, flops (null when the cost model has no
 // model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, sim_step_time (the
 // modelled step time in seconds, null without model dimensions), for dynamic plans cp_degrees
-// ({"c": sequences on groups of c ranks}), then - unless summary_only - replicas: [{cost,
+// ({"c": sequences on groups of c ranks}), for a blend sources ([{samples, real_tokens,
+// loss_tokens}] per source of its list), then - unless summary_only - replicas: [{cost,
 // microbatches: [{samples, real_tokens, padded_tokens, cost}]}] (for dynamic plans one per rank
 // of the domain, samples empty: they are in groups), for dynamic plans groups: [per microbatch
 // [{ranks: [domain indices], samples: [ids]}]], then the caller's extra fields (`run` adds bytes_sent, loss, time_*, ...). Costs are per rank
@@ -31,10 +32,26 @@
 #include <vector>
 
 #include "thdpack/cost.h"
+#include "thdpack/data.h"
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
 
 namespace thdpack {
+
+// What a step (or a run) took of one source of a blend (thdpack/blend.h): its scheduled samples
+// (those the oversize policy left out are not counted, as in n_samples), their real tokens and
+// their loss tokens. Over the sources they sum to n_samples, real_tokens and n_loss_tokens.
+struct SourceFigures {
+  int64_t samples = 0;
+  int64_t real_tokens = 0;
+  int64_t loss_tokens = 0;
+  friend bool operator==(const SourceFigures&, const SourceFigures&) = default;
+};
+
+// The scheduled samples of a step by source: every sample not in `skipped`, counted at its
+// SampleLength::source in [0, num_sources). InvalidArgument for a source outside that range.
+[[nodiscard]] Result<std::vector<SourceFigures>> CountBySource(
+    std::span<const SampleLength> samples, std::span<const int64_t> skipped, int num_sources);
 
 struct StepFigures {
   int64_t step = 0;
@@ -58,6 +75,8 @@ struct StepFigures {
   bool dynamic = false;
   std::vector<std::pair<int, int64_t>> cp_degrees;
   std::vector<std::vector<CpGroup>> groups;
+  // A blend: [D] what the step took of each source (CountBySource); empty for other data.
+  std::vector<SourceFigures> sources;
 };
 
 // The FLOPs coefficients behind a cost spec (cost.h): a value for presets and dimensions
@@ -104,6 +123,7 @@ struct SummaryFigures {
   double max_microbatch_spread = 0;
   double sim_step_time = 0;        // total over steps; has_sim_step_time when every step has one
   bool has_sim_step_time = false;
+  std::vector<SourceFigures> sources;  // a blend: [D] totals over steps
 };
 
 SummaryFigures Summarize(std::span<const StepFigures> steps);
@@ -119,7 +139,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
 // Summary keys, in order: n_steps, first_epoch, last_epoch, num_microbatches,
 // max_num_microbatches, n_samples, n_skipped, n_empty, real_tokens, padded_tokens, sum_sq,
 // n_loss_tokens, mean_imbalance, max_imbalance, pad_fraction, fill, flops (or null),
-// max_microbatch_spread, sim_step_time (total, or null), then extra_fields.
+// max_microbatch_spread, sim_step_time (total, or null), sources (a blend), then extra_fields.
 std::string SummaryFiguresJson(const SummaryFigures& s,
                                std::span<const std::pair<std::string, std::string>> extra_fields = {});
 

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "thdpack/blend.h"
 #include "thdpack/comm.h"
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
@@ -124,6 +125,10 @@ struct Job {
   int64_t memory_limit = 0;  // options.memory_limit, or the physical memory for 0
   // --resume: the state read from its file.
   std::optional<RunState> resume;
+  // --data blend:...: its config (thdpack/blend.h), read by ResolveJob; step figures then
+  // count what each source gave (StepFigures::sources).
+  std::optional<BlendConfig> blend;
+  int num_sources() const { return blend ? static_cast<int>(blend->sources.size()) : 0; }
   // The first step the job plans or runs: the state's next step, else --start-step. Its steps
   // are first_step .. first_step + steps - 1.
   int64_t first_step() const { return resume ? resume->next_step : options.start_step; }

@@ -45,6 +45,9 @@ struct LocalMicrobatch {
   // The last stage only (empty elsewhere): [T/CP], CP-sharded, not SP-split.
   std::vector<TokenId> labels;
   std::vector<uint8_t> loss_mask;
+  // A blend (thdpack/blend.h): [n], the index of each sequence's source in the blend's list,
+  // on every rank; empty for other data.
+  std::vector<int32_t> sources;
   // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
   // whole range (0, T/CP).
   std::pair<int64_t, int64_t> sp_range{0, 0};

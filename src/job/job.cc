@@ -152,6 +152,15 @@ Result<Job> ResolveJob(const JobOptions& options) {
   THDPACK_RETURN_IF_ERROR(ResolveMemory(options, job));
   THDPACK_ASSIGN_OR_RETURN(job.data_on, ParseDataOn(options.data_on));
   job.memory_limit = options.memory_limit > 0 ? options.memory_limit : PhysicalMemoryBytes();
+  if (options.data.rfind("blend:", 0) == 0) {
+    Result<BlendConfig> blend = ReadBlendSpec(std::string_view(options.data).substr(6));
+    if (!blend.ok()) return blend.status().WithContext("--data");
+    if (options.global_batch == 0) {
+      return Fail("--global-batch", "\"all\" reads one epoch a step, and a blend has no end "
+                                    "(its sources start their next epochs): give a number");
+    }
+    job.blend = std::move(*blend);
+  }
   if (!options.resume.empty()) {
     Result<RunState> state = ReadRunStateFile(options.resume);
     if (!state.ok()) return state.status().WithContext("--resume");

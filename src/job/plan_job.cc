@@ -49,6 +49,9 @@ Result<PlannedStep> DynamicStepFigures(const Job& job, int64_t step, int64_t epo
                            ComputeDynamicPlanFigures(samples, job.schedule, *plan));
   PlannedStep out;
   StepFigures& f = out.figures;
+  if (job.blend) {
+    THDPACK_ASSIGN_OR_RETURN(f.sources, CountBySource(samples, plan->skipped, job.num_sources()));
+  }
   f.step = step;
   f.epoch = epoch;
   f.plan = std::move(figures);
@@ -96,6 +99,10 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
   if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
     return PlanDynamicStep(job, *step, sample_ids);
   }
+  // A blend's figures count by source: a copy of the samples (32 bytes a sample) outlives the
+  // hand-over.
+  std::vector<SampleLength> kept;
+  if (job.blend) kept = step->samples;
   // The step's samples are handed over: freed once the scheduler has its own arrays.
   Result<ScheduledPlan> scheduled = ScheduleWithFigures(std::move(step->samples), job.schedule);
   if (!scheduled.ok()) return ScheduleError(step->step, scheduled.status());
@@ -106,6 +113,10 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
                                 std::move(scheduled->figures), job.flops, sample_ids);
   out.figures.sim_step_time = sim_step_time;
   out.figures.n_empty = step->n_empty;
+  if (job.blend) {
+    THDPACK_ASSIGN_OR_RETURN(out.figures.sources,
+                             CountBySource(kept, out.figures.skipped, job.num_sources()));
+  }
   THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemoryFromFigures(out.figures.plan,
                                                                     job.schedule, job.memory));
   return out;

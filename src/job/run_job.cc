@@ -51,6 +51,11 @@ Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool wi
       THDPACK_ASSIGN_OR_RETURN(out.memory, ComputeStepMemory(step.samples, job.schedule,
                                                              step.plan, job.memory));
     }
+    if (job.blend) {
+      THDPACK_ASSIGN_OR_RETURN(out.figures.sources,
+                               CountBySource(step.samples, out.figures.skipped,
+                                             job.num_sources()));
+    }
   }
   out.figures.n_empty = step.n_empty;
   return out;

@@ -125,6 +125,7 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
   const bool tp0 = opts_.data_on == DataOn::kTp0;
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
+  mb_sources_.assign(blend_ ? static_cast<size_t>(plan.num_microbatches) : 0, {});
   std::vector<SampleView> views;
   std::vector<int64_t> lengths;
   for (int m = 0; m < plan.num_microbatches; ++m) {
@@ -143,8 +144,9 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
     views.clear();
     lengths.clear();
     for (int64_t id : mine->sample_ids) {
-      const SampleRef& r = refs_[static_cast<size_t>(
-          position_of_offset_[static_cast<size_t>(id - first_id_)])];
+      const size_t p = static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)]);
+      if (blend_) mb_sources_[static_cast<size_t>(m)].push_back(out.samples[p].source);
+      const SampleRef& r = refs_[p];
       if (r.tokens == nullptr && r.length == 0) {
         return Status::Internal("dynamic step: sample id " + std::to_string(id) +
                                 " of this head's group was not received");
@@ -335,7 +337,7 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
   FinishLocalDynamic(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
-  CommitPosition(out);
+  THDPACK_RETURN_IF_ERROR(CommitPosition(out));
   return out;
 }
 

@@ -115,6 +115,7 @@ Status StepRunner::Impl::Init() {
                                     " must be >= 0 (0 = the whole source)");
   }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
+  blend_ = !opts_.read_share && opts_.data.rfind("blend:", 0) == 0;
   if (local.ok() && dynamic_ && opts_.max_cp_groups < 1) {
     local = Status::InvalidArgument("StepRunner: max_cp_groups = " +
                                     std::to_string(opts_.max_cp_groups) + " must be >= 1");
@@ -250,10 +251,39 @@ Status StepRunner::Impl::Restore(const RunState& saved) {
   return Status::Ok();
 }
 
-void StepRunner::Impl::CommitPosition(RankStep& out) {
+Status StepRunner::Impl::CommitPosition(RankStep& out) {
   state_.next_step = step_;
-  UnpackPosition(after_, &state_);
+  THDPACK_RETURN_IF_ERROR(UnpackPosition(after_, &state_));
   out.after = state_;
+  return Status::Ok();
+}
+
+void StepRunner::Impl::AppendSources(PositionWords* w) const {
+  if (!blend_) return;
+  w->push_back(static_cast<int64_t>(mb_sources_.size()));
+  for (const auto& m : mb_sources_) {
+    w->push_back(static_cast<int64_t>(m.size()));
+    w->insert(w->end(), m.begin(), m.end());
+  }
+}
+
+Status StepRunner::Impl::ReadSources(const PositionWords& w, size_t at) {
+  mb_sources_.clear();
+  if (!blend_) return Status::Ok();
+  auto bad = [] { return Status::Internal("step runner: the sources of the microbatches do not "
+                                          "decode"); };
+  if (at >= w.size() || w[at] < 0 || static_cast<uint64_t>(w[at]) > w.size()) return bad();
+  mb_sources_.resize(static_cast<size_t>(w[at++]));
+  for (auto& m : mb_sources_) {
+    if (at >= w.size() || w[at] < 0 || static_cast<uint64_t>(w[at]) > w.size() - at - 1) {
+      return bad();
+    }
+    const size_t n = static_cast<size_t>(w[at++]);
+    m.assign(w.begin() + static_cast<std::ptrdiff_t>(at),
+             w.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
+  }
+  return at == w.size() ? Status::Ok() : bad();
 }
 
 // This loader's share through the step reader `thdpack plan` uses; each of its samples is
@@ -301,11 +331,13 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
 Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, RankStep& out) {
   const int dp = topo_.dp_size();
   const size_t gs = static_cast<size_t>(g.size());
-  // The header: count, first id, id span, epoch, and the run's position after the step.
-  constexpr size_t kHeader = 4 + kPositionValues;
-  std::array<int64_t, kHeader> header = {static_cast<int64_t>(own_.size()), first_id_, id_span_,
-                                         out.epoch};
-  std::copy(after_.begin(), after_.end(), header.begin() + 4);
+  // The header: count, first id, id span, epoch, and the size of the run's position after the
+  // step, which member 0 then sends to members that read nothing (a dynamic step's heads with
+  // cp > 0).
+  constexpr size_t kHeader = 5;
+  const std::array<int64_t, kHeader> header = {static_cast<int64_t>(own_.size()), first_id_,
+                                               id_span_, out.epoch,
+                                               static_cast<int64_t>(after_.size())};
   std::vector<int64_t> all(kHeader * gs);
   THDPACK_RETURN_IF_ERROR(
       g.AllGatherValues(std::span<const int64_t>(header), std::span<int64_t>(all)));
@@ -313,8 +345,16 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     first_id_ = all[1];
     id_span_ = all[2];
     out.epoch = all[3];
-    std::copy(all.begin() + 4, all.begin() + kHeader, after_.begin());
   }
+  if (loader_stride > 1) {
+    if (all[4] < 2 || all[4] > (int64_t{1} << 26)) {
+      return Status::Internal("length exchange: a run position of " + std::to_string(all[4]) +
+                              " words");
+    }
+    if (!reader_) after_.assign(static_cast<size_t>(all[4]), 0);
+    THDPACK_RETURN_IF_ERROR(g.BroadcastValues(std::span<int64_t>(after_), 0));
+  }
+  const size_t per = blend_ ? 4 : 3;  // id offset, L, n_targets (, source)
   std::vector<int64_t> c(gs, 0), dsp(gs, 0);
   loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
   for (size_t j = 0; j < gs; ++j) {
@@ -328,31 +368,33 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
       const size_t d = j / static_cast<size_t>(loader_stride);
       loader_offset_[d + 1] = loader_offset_[d] + n_j;
     }
-    c[j] = 3 * n_j;
+    c[j] = static_cast<int64_t>(per) * n_j;
     if (j > 0) dsp[j] = dsp[j - 1] + c[j - 1];
   }
   const int64_t n = loader_offset_.back();
   std::vector<int32_t> send;
-  send.reserve(3 * own_.size());
+  send.reserve(per * own_.size());
   for (const Sample& x : own_) {
     send.push_back(static_cast<int32_t>(x.id - first_id_));
     send.push_back(static_cast<int32_t>(x.tokens.size()));
     send.push_back(static_cast<int32_t>(NumTargets(x)));
+    if (blend_) send.push_back(x.source);
   }
-  std::vector<int32_t> recv(static_cast<size_t>(3 * n));
+  std::vector<int32_t> recv(per * static_cast<size_t>(n));
   THDPACK_RETURN_IF_ERROR(
       g.AllGatherVValues(std::span<const int32_t>(send), std::span<int32_t>(recv), c, dsp));
   out.samples.resize(static_cast<size_t>(n));
   position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
   for (int64_t p = 0; p < n; ++p) {
-    const int32_t off = recv[3 * p];
+    const int32_t* v = recv.data() + per * static_cast<size_t>(p);
+    const int32_t off = v[0];
     if (off < 0 || off >= id_span_ || position_of_offset_[static_cast<size_t>(off)] != -1) {
       return Status::Internal("length exchange: sample offset " + std::to_string(off) +
                               " out of range or repeated");
     }
     position_of_offset_[static_cast<size_t>(off)] = p;
     out.samples[static_cast<size_t>(p)] =
-        SampleLength{first_id_ + off, recv[3 * p + 1], recv[3 * p + 2]};
+        SampleLength{first_id_ + off, v[1], v[2], blend_ ? v[3] : 0};
   }
   return Status::Ok();
 }
@@ -485,13 +527,16 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   const bool tp0 = opts_.data_on == DataOn::kTp0;
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
+  mb_sources_.assign(blend_ ? static_cast<size_t>(plan.num_microbatches) : 0, {});
   std::vector<SampleView> views;
   std::vector<int64_t> lengths;
   for (int m = 0; m < plan.num_microbatches; ++m) {
     views.clear();
     lengths.clear();
     for (int64_t id : plan.Microbatch(me, m)) {
-      const SampleRef& r = refs_[static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)])];
+      const size_t p = static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)]);
+      if (blend_) mb_sources_[static_cast<size_t>(m)].push_back(out.samples[p].source);
+      const SampleRef& r = refs_[p];
       views.emplace_back(id, std::span<const TokenId>(r.tokens, static_cast<size_t>(r.length)),
                          r.mask ? std::span<const uint8_t>(r.mask, static_cast<size_t>(r.length))
                                 : std::span<const uint8_t>());
@@ -542,25 +587,42 @@ Status StepRunner::Impl::SealMeta(const StepMeta& meta) {
 // The step's metadata from position 0 of `group` (the loader of a replica, the head of a
 // column) to every other member.
 Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
-  // The size of the message and the run's position after the step.
-  std::array<int64_t, 1 + kPositionValues> head;
-  head[0] = static_cast<int64_t>(meta_bytes_.size());
-  std::copy(after_.begin(), after_.end(), head.begin() + 1);
+  // One message: the encoded metadata, then as int64 words the run's position after the step
+  // and (a blend) the sources of the microbatches' sequences. The sizes go first.
+  PositionWords words;
+  if (group.rank() == 0) {
+    words = after_;
+    AppendSources(&words);
+  }
+  std::array<int64_t, 2> head = {static_cast<int64_t>(meta_bytes_.size()),
+                                 static_cast<int64_t>(words.size())};
   THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<int64_t>(head), 0));
   const int64_t size = head[0];
-  if (group.rank() != 0) std::copy(head.begin() + 1, head.end(), after_.begin());
-  if (size < 0 || size > (int64_t{1} << 32)) {
-    return Status::Corruption("step metadata size " + std::to_string(size) + " out of range");
+  if (size < 0 || size > (int64_t{1} << 32) || head[1] < 2 || head[1] > (int64_t{1} << 28)) {
+    return Status::Corruption("step metadata size " + std::to_string(size) + " (" +
+                              std::to_string(head[1]) + " words) out of range");
   }
+  std::vector<uint8_t> wire(static_cast<size_t>(size) + 8 * static_cast<size_t>(head[1]));
   if (group.rank() == 0) {
-    std::vector<uint8_t> wire = meta_bytes_;
-    if (opts_.corrupt_metadata_of_replica == coord_.dp && !wire.empty()) {
-      wire[wire.size() / 2] ^= 0x10;  // a test of the failure path flips one bit
+    std::memcpy(wire.data(), meta_bytes_.data(), meta_bytes_.size());
+    std::memcpy(wire.data() + size, words.data(), 8 * words.size());
+    if (opts_.corrupt_metadata_of_replica == coord_.dp && size > 0) {
+      wire[static_cast<size_t>(size) / 2] ^= 0x10;  // a test of the failure path flips one bit
     }
     return group.BroadcastValues(std::span<uint8_t>(wire), 0);
   }
-  meta_bytes_.assign(static_cast<size_t>(size), 0);
-  return group.BroadcastValues(std::span<uint8_t>(meta_bytes_), 0);
+  THDPACK_RETURN_IF_ERROR(group.BroadcastValues(std::span<uint8_t>(wire), 0));
+  meta_bytes_.assign(wire.begin(), wire.begin() + size);
+  words.resize(static_cast<size_t>(head[1]));
+  std::memcpy(words.data(), wire.data() + size, 8 * words.size());
+  // The position first (its length follows from its words), then the sources.
+  size_t at = 2;
+  SourceCursor cursor;
+  if (words[1] != 0 && !ReadCursor(words, &at, 0, &cursor)) {
+    return Status::Internal("step runner: the run position received does not decode");
+  }
+  after_.assign(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(at));
+  return ReadSources(words, at);
 }
 
 // One microbatch's shard from position 0 of `group` to member `member`, whose stage is
@@ -654,6 +716,7 @@ LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size
       lm.loss_mask = std::move(sh.loss_mask);
     }
   }
+  if (m < mb_sources_.size()) lm.sources = mb_sources_[m];
   lm.sp_range = {0, lm.local_tokens};
   if (opts_.schedule.parallel.sp()) {
     // The microbatch's layout (the group's, in a dynamic step) makes T/c a multiple of TP.
@@ -688,6 +751,7 @@ RankStep StepRunner::Impl::StartStep(bool is_loader) {
   agree_bytes_ = 0;
   shards_.clear();
   meta_bytes_.clear();
+  mb_sources_.clear();
   return out;
 }
 
@@ -771,7 +835,7 @@ Result<RankStep> StepRunner::Impl::Next() {
   FinishLocal(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
-  CommitPosition(out);
+  THDPACK_RETURN_IF_ERROR(CommitPosition(out));
   return out;
 }
 

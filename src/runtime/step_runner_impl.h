@@ -34,19 +34,60 @@ constexpr int kTagLabels = 3;
 constexpr int kTagMask = 4;
 
 // The run's position after a step, as readers send it to the other ranks with the lengths
-// and the metadata: the samples consumed, whether there is a cursor (file sources), and the
-// cursor's seven fields.
-constexpr size_t kPositionValues = 9;
-using PositionValues = std::array<int64_t, kPositionValues>;
-inline PositionValues PackPosition(int64_t consumed, const std::optional<SourceCursor>& c) {
-  const SourceCursor x = c.value_or(SourceCursor{});
-  return {consumed,      c.has_value() ? 1 : 0, x.epoch, x.position,  x.next_id,
-          x.skipped_empty, x.byte_offset,       x.line,  x.epoch_size};
+// and the metadata, as int64 words: the samples consumed, whether there is a cursor (file
+// sources), and the cursor - its seven fields, then its parts and counts (a blend), each part
+// the same way.
+using PositionWords = std::vector<int64_t>;
+inline void AppendCursor(const SourceCursor& c, PositionWords* w) {
+  w->insert(w->end(), {c.epoch, c.position, c.next_id, c.skipped_empty, c.byte_offset, c.line,
+                       c.epoch_size, static_cast<int64_t>(c.parts.size())});
+  w->insert(w->end(), c.taken.begin(), c.taken.end());
+  for (const SourceCursor& p : c.parts) AppendCursor(p, w);
 }
-inline void UnpackPosition(const PositionValues& v, RunState* state) {
-  state->consumed = v[0];
+inline PositionWords PackPosition(int64_t consumed, const std::optional<SourceCursor>& c) {
+  PositionWords w = {consumed, c.has_value() ? 1 : 0};
+  if (c) AppendCursor(*c, &w);
+  return w;
+}
+// False when the words are not a cursor (a bug or corrupt transport).
+inline bool ReadCursor(const PositionWords& w, size_t* at, int depth, SourceCursor* c) {
+  if (*at + 8 > w.size()) return false;
+  const int64_t* v = w.data() + *at;
+  *c = SourceCursor{};
+  c->epoch = v[0];
+  c->position = v[1];
+  c->next_id = v[2];
+  c->skipped_empty = v[3];
+  c->byte_offset = v[4];
+  c->line = v[5];
+  c->epoch_size = v[6];
+  const int64_t parts = v[7];
+  *at += 8;
+  if (parts < 0 || (parts > 0 && depth > 0) ||
+      static_cast<uint64_t>(parts) > (w.size() - *at)) {
+    return false;
+  }
+  c->taken.assign(w.begin() + static_cast<std::ptrdiff_t>(*at),
+                  w.begin() + static_cast<std::ptrdiff_t>(*at + static_cast<size_t>(parts)));
+  *at += static_cast<size_t>(parts);
+  c->parts.resize(static_cast<size_t>(parts));
+  for (SourceCursor& p : c->parts) {
+    if (!ReadCursor(w, at, depth + 1, &p)) return false;
+  }
+  return true;
+}
+inline Status UnpackPosition(const PositionWords& w, RunState* state) {
+  size_t at = 2;
+  SourceCursor c;
+  if (w.size() < 2 || (w[1] != 0 && (!ReadCursor(w, &at, 0, &c) || at != w.size())) ||
+      (w[1] == 0 && w.size() != 2)) {
+    return Status::Internal("step runner: a run position of " + std::to_string(w.size()) +
+                            " words does not decode");
+  }
+  state->consumed = w[0];
   state->cursor.reset();
-  if (v[1] != 0) state->cursor = SourceCursor{v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
+  if (w[1] != 0) state->cursor = std::move(c);
+  return Status::Ok();
 }
 
 // A sample's token payload on the wire: int32 tokens, then one mask byte a token when the mask
@@ -223,7 +264,11 @@ class StepRunner::Impl {
   // Every rank: the state where the run starts, from world rank 0 (a reader in every mode).
   Status ShareStart();
   // After a step: state_ moved past it (after_), copied into the step.
-  void CommitPosition(RankStep& out);
+  Status CommitPosition(RankStep& out);
+  // A blend's per-sequence sources of this rank's microbatches (mb_sources_) as words after the
+  // position in the metadata broadcast, and back.
+  void AppendSources(runner_internal::PositionWords* w) const;
+  Status ReadSources(const runner_internal::PositionWords& w, size_t at);
   Status ReadShare(RankStep& out);
   Status MakePlan(RankStep& out);
   Status ExchangeTokens(RankStep& out);
@@ -301,7 +346,11 @@ class StepRunner::Impl {
   // step in flight: set by readers in the read phase, received by the others with the lengths
   // (ExchangeLengths) or the metadata (DeliverMeta).
   RunState state_;
-  runner_internal::PositionValues after_{};
+  runner_internal::PositionWords after_;
+  // A blend: samples carry their source (sent with the lengths), and each microbatch the
+  // sources of its sequences (mb_sources_[m], made by the packer, sent with the metadata).
+  bool blend_ = false;
+  std::vector<std::vector<int32_t>> mb_sources_;
   bool started_ = false;  // a step was run (Restore is refused then)
   Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };

@@ -75,6 +75,43 @@ StepFigures MakeStepFigures(int64_t step, int64_t epoch, const ScheduleOptions& 
   return f;
 }
 
+Result<std::vector<SourceFigures>> CountBySource(std::span<const SampleLength> samples,
+                                                 std::span<const int64_t> skipped,
+                                                 int num_sources) {
+  std::vector<SourceFigures> out(static_cast<size_t>(std::max(num_sources, 0)));
+  std::vector<int64_t> left(skipped.begin(), skipped.end());
+  std::sort(left.begin(), left.end());
+  for (const SampleLength& x : samples) {
+    if (x.source < 0 || x.source >= num_sources) {
+      return Status::InvalidArgument("CountBySource: sample id " + std::to_string(x.id) +
+                                     " has source " + std::to_string(x.source) + ", outside [0, " +
+                                     std::to_string(num_sources) + ")");
+    }
+    if (std::binary_search(left.begin(), left.end(), x.id)) continue;
+    SourceFigures& f = out[static_cast<size_t>(x.source)];
+    ++f.samples;
+    f.real_tokens += x.length;
+    f.loss_tokens += x.n_targets;
+  }
+  return out;
+}
+
+namespace {
+
+Json SourcesJson(const std::vector<SourceFigures>& sources) {
+  Json out = Json::array();
+  for (const SourceFigures& f : sources) {
+    Json s;
+    s["samples"] = f.samples;
+    s["real_tokens"] = f.real_tokens;
+    s["loss_tokens"] = f.loss_tokens;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace
+
 SummaryFigures Summarize(std::span<const StepFigures> steps) {
   SummaryFigures s;
   s.n_steps = static_cast<int64_t>(steps.size());
@@ -103,6 +140,12 @@ SummaryFigures Summarize(std::span<const StepFigures> steps) {
     s.flops += f.flops;
     s.has_sim_step_time = s.has_sim_step_time && f.sim_step_time.has_value();
     s.sim_step_time += f.sim_step_time.value_or(0.0);
+    if (s.sources.size() < f.sources.size()) s.sources.resize(f.sources.size());
+    for (size_t d = 0; d < f.sources.size(); ++d) {
+      s.sources[d].samples += f.sources[d].samples;
+      s.sources[d].real_tokens += f.sources[d].real_tokens;
+      s.sources[d].loss_tokens += f.sources[d].loss_tokens;
+    }
   }
   if (!s.has_flops) s.flops = 0;
   if (!s.has_sim_step_time) s.sim_step_time = 0;
@@ -144,6 +187,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
     for (const auto& [c, count] : f.cp_degrees) degrees[std::to_string(c)] = count;
     j["cp_degrees"] = std::move(degrees);
   }
+  if (!f.sources.empty()) j["sources"] = SourcesJson(f.sources);
   if (!summary_only) {
     Json replicas = Json::array();
     for (size_t d = 0; d < p.replicas.size(); ++d) {
@@ -208,6 +252,7 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["flops"] = s.has_flops ? Json(s.flops) : Json(nullptr);
   j["max_microbatch_spread"] = s.max_microbatch_spread;
   j["sim_step_time"] = s.has_sim_step_time ? Json(s.sim_step_time) : Json(nullptr);
+  if (!s.sources.empty()) j["sources"] = SourcesJson(s.sources);
   return AppendRawFields(j.dump(), extra_fields);
 }
 

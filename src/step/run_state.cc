@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/hash64.h"
 
@@ -32,13 +33,20 @@ std::string KindOf(std::string_view spec) {
 }
 
 nlohmann::json CursorJson(const SourceCursor& c) {
-  return {{"epoch", c.epoch},
-          {"position", c.position},
-          {"next_id", c.next_id},
-          {"skipped_empty", c.skipped_empty},
-          {"byte_offset", c.byte_offset},
-          {"line", c.line},
-          {"epoch_size", c.epoch_size}};
+  nlohmann::json j = {{"epoch", c.epoch},
+                      {"position", c.position},
+                      {"next_id", c.next_id},
+                      {"skipped_empty", c.skipped_empty},
+                      {"byte_offset", c.byte_offset},
+                      {"line", c.line},
+                      {"epoch_size", c.epoch_size}};
+  if (!c.parts.empty() || !c.taken.empty()) {  // a blend: its sources' cursors
+    nlohmann::json parts = nlohmann::json::array();
+    for (const SourceCursor& p : c.parts) parts.push_back(CursorJson(p));
+    j["parts"] = std::move(parts);
+    j["taken"] = c.taken;
+  }
+  return j;
 }
 
 // The record without its checksum: the canonical form (nlohmann's objects keep keys sorted).
@@ -132,6 +140,46 @@ class Reader {
   std::string where_;
 };
 
+// A cursor object at `path` (a blend's parts recursively, at most one level: a blend holds no
+// blend).
+Result<SourceCursor> ParseCursor(const Reader& r, const nlohmann::json& j, const std::string& path,
+                                 int depth) {
+  if (!j.is_object()) return r.Bad(path, "must be an object");
+  THDPACK_RETURN_IF_ERROR(r.OnlyKnown(j, path,
+                                      {"epoch", "position", "next_id", "skipped_empty",
+                                       "byte_offset", "line", "epoch_size", "parts", "taken"}));
+  SourceCursor c;
+  THDPACK_ASSIGN_OR_RETURN(c.epoch, r.Int(j, path, "epoch"));
+  THDPACK_ASSIGN_OR_RETURN(c.position, r.Int(j, path, "position"));
+  THDPACK_ASSIGN_OR_RETURN(c.next_id, r.Int(j, path, "next_id"));
+  THDPACK_ASSIGN_OR_RETURN(c.skipped_empty, r.Int(j, path, "skipped_empty"));
+  THDPACK_ASSIGN_OR_RETURN(c.byte_offset, r.Int(j, path, "byte_offset"));
+  THDPACK_ASSIGN_OR_RETURN(c.line, r.Int(j, path, "line"));
+  THDPACK_ASSIGN_OR_RETURN(c.epoch_size, r.Int(j, path, "epoch_size"));
+  const auto parts = j.find("parts");
+  const auto taken = j.find("taken");
+  if ((parts == j.end()) != (taken == j.end())) {
+    return r.Bad(path + ".parts", "and \"taken\" go together (a blend's cursor)");
+  }
+  if (parts != j.end()) {
+    if (depth > 0) return r.Bad(path + ".parts", "inside a part (a blend holds no blend)");
+    if (!parts->is_array() || !taken->is_array() || parts->size() != taken->size()) {
+      return r.Bad(path + ".parts", "and \"taken\" must be lists of the same length");
+    }
+    for (size_t d = 0; d < parts->size(); ++d) {
+      const std::string at = path + ".parts[" + std::to_string(d) + "]";
+      THDPACK_ASSIGN_OR_RETURN(SourceCursor p, ParseCursor(r, (*parts)[d], at, depth + 1));
+      c.parts.push_back(std::move(p));
+      const nlohmann::json& t = (*taken)[d];
+      if (!t.is_number_integer() || t.get<int64_t>() < 0) {
+        return r.Bad(path + ".taken[" + std::to_string(d) + "]", "must be an integer >= 0");
+      }
+      c.taken.push_back(t.get<int64_t>());
+    }
+  }
+  return c;
+}
+
 Status Differs(std::string_view what, const std::string& saved, const std::string& now,
                std::string_view why) {
   return Status::InvalidArgument("resume: the state was saved with " + std::string(what) + " " +
@@ -154,7 +202,12 @@ Result<DataFingerprint> MakeFingerprint(SampleSource* source, std::string_view s
     f.seed = source_options.seed;
     f.shuffle = source_options.shuffle;
     f.vocab_size = source_options.vocab_size;
-    if (f.source == "mock" && f.identity.rfind("mock lognormal", 0) == 0) {
+    if (f.source == "blend") {
+      // Its sources' options are part of its identity.
+      f.seed = 0;
+      f.shuffle = false;
+      f.vocab_size = 0;
+    } else if (f.source == "mock" && f.identity.rfind("mock lognormal", 0) == 0) {
       f.mock_samples = source_options.mock_num_samples == 0 ? kDefaultMockNumSamples
                                                             : source_options.mock_num_samples;
     }
@@ -178,11 +231,45 @@ Result<RunState> RunStateAt(const RunState& run, int64_t next_step, int64_t cons
   return s;
 }
 
+static Status CheckOversize(const DataFingerprint& saved, const DataFingerprint& now);
+
 Status CheckResume(const DataFingerprint& saved, const DataFingerprint& now) {
   if (saved.source != now.source) {
     return Differs("a source of kind", Quote(saved.source) + " (" + saved.spec + ")",
                    Quote(now.source) + " (" + now.spec + ")",
                    "another data set gives other samples; resume with the data it was saved with");
+  }
+  if (saved.identity != now.identity && saved.source == "blend") {
+    // Name the first source of the list that differs (its weight, options or data).
+    auto split = [](const std::string& text) {
+      std::vector<std::string> parts;
+      size_t at = text.find(": ");
+      at = at == std::string::npos ? 0 : at + 2;
+      while (at <= text.size()) {
+        const size_t end = text.find("; [", at);
+        parts.push_back(text.substr(at, end == std::string::npos ? std::string::npos : end - at));
+        if (end == std::string::npos) break;
+        at = end + 2;
+      }
+      return parts;
+    };
+    const std::vector<std::string> a = split(saved.identity);
+    const std::vector<std::string> b = split(now.identity);
+    if (a.size() != b.size()) {
+      return Differs("a blend of", std::to_string(a.size()) + " sources",
+                     std::to_string(b.size()) + " sources",
+                     "the list of sources decides which samples come next: resume with the "
+                     "blend it was saved with");
+    }
+    for (size_t d = 0; d < a.size(); ++d) {
+      if (a[d] == b[d]) continue;
+      return Differs("blend source", Quote(a[d]), Quote(b[d]),
+                     "a source's weight, options or data decide which samples come next "
+                     "(changing weights on resume repeats or skips samples): resume with the "
+                     "blend it was saved with");
+    }
+    return Differs("a blend", Quote(saved.identity), Quote(now.identity),
+                   "resume with the blend it was saved with");
   }
   if (saved.identity != now.identity) {
     return Differs("data", Quote(saved.identity) + " (" + saved.spec + ")",
@@ -190,6 +277,8 @@ Status CheckResume(const DataFingerprint& saved, const DataFingerprint& now) {
                    "the data changed: its samples and their order are no longer those the run "
                    "consumed; resume with the data it was saved with");
   }
+  // A blend's sources carry their shuffle, seed, vocabulary and epoch size in its identity.
+  if (saved.source == "blend") return CheckOversize(saved, now);
   if (saved.shuffle != now.shuffle) {
     return Differs("shuffle", saved.shuffle ? "on" : "off", now.shuffle ? "on" : "off",
                    "the shuffle decides the order of every epoch: resume with the same --shuffle");
@@ -211,6 +300,10 @@ Status CheckResume(const DataFingerprint& saved, const DataFingerprint& now) {
                    "the samples of a mock epoch decide where every epoch ends: resume with "
                    "--mock-samples " + std::to_string(saved.mock_samples));
   }
+  return CheckOversize(saved, now);
+}
+
+static Status CheckOversize(const DataFingerprint& saved, const DataFingerprint& now) {
   if (saved.oversize != now.oversize) {
     return Differs("oversize policy", Quote(saved.oversize), Quote(now.oversize),
                    "it decides which samples a step leaves out: resume with --oversize " +
@@ -298,17 +391,7 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
     if (d.source == "fed") {
       return r.Bad("cursor", "is set, but the data is fed by the caller (it has no cursor)");
     }
-    THDPACK_RETURN_IF_ERROR(r.OnlyKnown(*cursor, "cursor",
-                                        {"epoch", "position", "next_id", "skipped_empty",
-                                         "byte_offset", "line", "epoch_size"}));
-    SourceCursor c;
-    THDPACK_ASSIGN_OR_RETURN(c.epoch, r.Int(*cursor, "cursor", "epoch"));
-    THDPACK_ASSIGN_OR_RETURN(c.position, r.Int(*cursor, "cursor", "position"));
-    THDPACK_ASSIGN_OR_RETURN(c.next_id, r.Int(*cursor, "cursor", "next_id"));
-    THDPACK_ASSIGN_OR_RETURN(c.skipped_empty, r.Int(*cursor, "cursor", "skipped_empty"));
-    THDPACK_ASSIGN_OR_RETURN(c.byte_offset, r.Int(*cursor, "cursor", "byte_offset"));
-    THDPACK_ASSIGN_OR_RETURN(c.line, r.Int(*cursor, "cursor", "line"));
-    THDPACK_ASSIGN_OR_RETURN(c.epoch_size, r.Int(*cursor, "cursor", "epoch_size"));
+    THDPACK_ASSIGN_OR_RETURN(SourceCursor c, ParseCursor(r, *cursor, "cursor", 0));
     if (c.samples() != s.consumed) {
       return r.Bad("consumed", "= " + std::to_string(s.consumed) + ", but the cursor has " +
                                    std::to_string(c.samples()) + " samples behind it (next_id " +

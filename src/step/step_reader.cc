@@ -21,6 +21,11 @@ Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch
   if (dp_size < 1) {
     return Status::InvalidArgument("DP size must be >= 1; got " + std::to_string(dp_size));
   }
+  if (global_batch == 0 && source->endless()) {
+    return Status::InvalidArgument("global batch \"all\" reads one epoch a step, but data "
+                                   "source " + source->spec() + " has no end (a blend): give "
+                                   "the global batch as a number of samples");
+  }
   return StepReader(source, global_batch, dp_size);
 }
 
