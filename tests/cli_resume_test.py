@@ -219,4 +219,48 @@ p = run([THDPACK, "plan", *SMALL, "--steps", "1", "--resume", mid, "--start-step
         check=False)
 if p.returncode != 2 or "--start-step" not in p.stderr:
     fail(f"--resume with --start-step: exit {p.returncode}, {p.stderr}")
+# --- a blend of three kinds: plan, run --verify on several topologies, resume ---------------
+lengths = os.path.join(WORK, "lengths.txt")
+with open(lengths, "w") as f:
+    f.write("\n".join(str(5 + (i * 37) % 200) for i in range(23)) + "\n")
+jsonl = os.path.join(WORK, "code.jsonl")
+with open(jsonl, "w") as f:
+    for i in range(17):
+        f.write(json.dumps({"input_ids": [(i * 7 + k) % 300 for k in range(3 + (i * 13) % 90)],
+                            "loss_mask": [0] * 2 + [1] * (1 + (i * 13) % 90)}) + "\n")
+mix = os.path.join(WORK, "mix.json")
+with open(mix, "w") as f:
+    json.dump({"sources": [{"data": "mock:" + short, "weight": 5},
+                           {"data": "jsonl:" + jsonl, "weight": 3},
+                           {"data": "lengths:" + lengths, "weight": 2, "shuffle": True}]}, f)
+BLEND = ["--data", "blend:" + mix, "--global-batch", "48", "--max-tokens-per-rank", "4096",
+         "--vocab", "300", "--json"]
+planned = json.loads(run([THDPACK, "plan", *BLEND, *TOPOLOGIES["A"], "--steps", "4"]).stdout)
+for step in planned["steps"]:
+    src = step["sources"]
+    if len(src) != 3 or sum(x["samples"] for x in src) != step["n_samples"] or \
+            sum(x["real_tokens"] for x in src) != step["real_tokens"] or \
+            sum(x["loss_tokens"] for x in src) != step["n_loss_tokens"]:
+        fail(f"blend step {step['step']}: per-source figures do not add up: {src}")
+for t in ("A", "C", "D"):
+    steps = steps_of(run([THDPACK, "run", *BLEND, *TOPOLOGIES[t], "--steps", "4",
+                          "--verify"]).stdout)
+    if [ids(s) for s in steps] != [ids(s) for s in planned["steps"]] or \
+            [s["sources"] for s in steps] != [s["sources"] for s in planned["steps"]]:
+        fail(f"blend on topology {t}: other samples or sources than plan's")
+blend_state = os.path.join(WORK, "blend_state.json")
+run([THDPACK, "run", *BLEND, *TOPOLOGIES["A"], "--steps", "2", "--save-state", blend_state])
+resumed = steps_of(run([THDPACK, "run", *BLEND, *TOPOLOGIES["B"], "--steps", "2", "--resume",
+                        blend_state]).stdout)
+if [ids(s) for s in resumed] != [ids(s) for s in planned["steps"][2:4]]:
+    fail("a blend resumed on another topology: other samples")
+with open(mix) as f:
+    heavier = json.load(f)
+heavier["sources"][1]["weight"] = 4
+with open(mix, "w") as f:
+    json.dump(heavier, f)
+p = run([THDPACK, "run", *BLEND, *TOPOLOGIES["A"], "--steps", "1", "--resume", blend_state],
+        check=False)
+if p.returncode != 2 or "blend source" not in p.stderr or "weight 3" not in p.stderr:
+    fail(f"a blend with another weight: exit {p.returncode}, {p.stderr}")
 print(f"cli_resume_test: passed ({restarts} attempts)")

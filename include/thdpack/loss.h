@@ -309,6 +309,21 @@ struct LossTotals {
 };
 LossSummary Finalize(const LossTotals& totals);
 
+// The statistics of one microbatch shard split by the source of each sequence (a blend,
+// thdpack/blend.h): (*by_source)[s] gains what LossTotals::Add would gain from the sequences
+// whose sources[i] == s - their real, loss and entropy sums over this rank's tokens, and on CP
+// rank 0 the perplexity terms of those whole sequences - so that the per-source totals summed
+// over DP x CP are, like the totals, those of one rank (design.md section 8). One all-reduce of
+// 2n doubles over the CP group for every source together (all_reduce_sum; null when
+// cp_size == 1). by_source grows to the largest source + 1. REQUIRES and errors:
+// AccumulateShardLoss's, sources of n entries >= 0 (InvalidArgument naming the index).
+[[nodiscard]] Status AddShardBySource(const CrossEntropyResult& result,
+                                      std::span<const int32_t> cu_seqlens,
+                                      std::span<const int32_t> cu_seqlens_padded, int cp_size,
+                                      int cp_rank, std::span<const int32_t> sources,
+                                      const AllReduceSum* all_reduce_sum,
+                                      std::vector<LossTotals>* by_source);
+
 }  // namespace thdpack
 
 #endif  // THDPACK_LOSS_H_

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common.h"
+#include "thdpack/blend.h"
 #include "thdpack/data.h"
 
 namespace thdpack::python {
@@ -88,8 +89,13 @@ document, as read_jsonl returns them.)doc");
         SourceOptions o = MakeOptions(vocab_size, seed, shuffle);
         o.mock_num_samples = mock_num_samples;
         auto source = ValueOrThrow(OpenSource(spec, o));
+        if (source->endless() && limit.is_none()) {
+          throw py::value_error("limit: " + spec + " never ends (a blend): give the number of "
+                                "samples to read");
+        }
         const int64_t n = Limit(limit);
-        std::vector<int64_t> ids, lengths, targets;
+        const bool blend = source->endless();
+        std::vector<int64_t> ids, lengths, targets, sources, source_index, per;
         Status status;
         {
           py::gil_scoped_release release;
@@ -103,6 +109,14 @@ document, as read_jsonl returns them.)doc");
             ids.push_back((*r)->id);
             lengths.push_back((*r)->length);
             targets.push_back((*r)->n_targets);
+            if (blend) {
+              // The sample's position in its source's own order, counting across its epochs:
+              // Megatron's dataset_sample_index.
+              const size_t d = static_cast<size_t>((*r)->source);
+              if (per.size() <= d) per.resize(d + 1, 0);
+              sources.push_back((*r)->source);
+              source_index.push_back(per[d]++);
+            }
           }
         }
         ThrowIfError(status);
@@ -110,13 +124,30 @@ document, as read_jsonl returns them.)doc");
         d["ids"] = ToNumpy(std::move(ids));
         d["lengths"] = ToNumpy(std::move(lengths));
         d["n_targets"] = ToNumpy(std::move(targets));
+        if (blend) {
+          d["source"] = ToNumpy(std::move(sources));
+          d["source_index"] = ToNumpy(std::move(source_index));
+        }
         return d;
       },
       py::arg("spec"), py::kw_only(), py::arg("vocab_size") = 0, py::arg("limit") = py::none(),
       py::arg("shuffle") = false, py::arg("seed") = 1234, py::arg("mock_num_samples") = 0,
       R"doc(Reads (ids, lengths, n_targets) int64 arrays of one epoch of any source spec
-("mock", "mock:FILE.json", "lengths:FILE", "histogram:FILE", "jsonl:FILE", "megatron:PREFIX"),
-at most `limit` samples: what schedule() needs.)doc");
+("mock", "mock:FILE.json", "lengths:FILE", "histogram:FILE", "jsonl:FILE", "megatron:PREFIX",
+"blend:FILE.json"), at most `limit` samples: what schedule() needs. A blend never ends (limit
+is required) and adds `source` (each sample's index in its list of sources) and `source_index`
+(the sample's position in its source's own order, across its epochs): Megatron's
+dataset_index and dataset_sample_index.)doc");
+
+  m.def(
+      "blend_weights",
+      [](const std::vector<double>& weights) {
+        if (weights.empty()) throw py::value_error("weights: empty");
+        return NormalizeWeights(weights);
+      },
+      py::arg("weights"),
+      "The weights as a blend uses them: Megatron's normalize (w / numpy.sum(w) in float64, "
+      "the sum in numpy's pairwise order).");
 
   m.def(
       "mock_lengths",

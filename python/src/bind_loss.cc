@@ -152,6 +152,53 @@ reduced, and each sequence's perplexity term is kept on CP rank 0 only.)doc")
       .def("summary", [](const LossTotals& self) { return SummaryDict(Finalize(self)); },
            "{'n_tokens', 'n_loss_tokens', 'loss', 'ppl' (None without a loss token), "
            "'entropy'}: Finalize of thdpack/loss.h.");
+  m.def(
+      "shard_sums_by_source",
+      [](const py::handle& logprobs, const py::handle& entropy, const py::handle& counted,
+         const py::handle& cu_seqlens, const py::handle& cu_seqlens_padded, int cp_size,
+         int cp_rank, const py::handle& sources, const py::object& cp_all_reduce) {
+        CrossEntropyResult r;
+        auto lp = DoubleView1D(logprobs, "logprobs");
+        auto en = DoubleView1D(entropy, "entropy");
+        r.logprobs.assign(lp.begin(), lp.end());
+        r.entropy.assign(en.begin(), en.end());
+        r.counted = CountedFlags(counted);
+        if (r.entropy.size() != r.logprobs.size() || r.counted.size() != r.logprobs.size()) {
+          throw py::value_error("shard_sums_by_source: logprobs, entropy and counted differ in "
+                                "length: one per token of the shard each");
+        }
+        auto cu = IntView1D<int32_t>(cu_seqlens, "cu_seqlens");
+        auto cup = IntView1D<int32_t>(cu_seqlens_padded, "cu_seqlens_padded");
+        auto src = IntView1D<int32_t>(sources, "sources");
+        if (cp_size > 1 && cp_all_reduce.is_none()) {
+          throw py::value_error("shard_sums_by_source: cp_size > 1 needs cp_all_reduce");
+        }
+        std::vector<LossTotals> by_source;
+        std::exception_ptr raised;
+        AllReduceSum reduce;
+        if (cp_size > 1) reduce = PythonAllReduce(cp_all_reduce, &raised);
+        const Status st = AddShardBySource(r, cu, cup, cp_size, cp_rank, src,
+                                           cp_size > 1 ? &reduce : nullptr, &by_source);
+        RethrowIfRaised(raised);
+        ThrowIfError(st);
+        py::array_t<double> out({static_cast<py::ssize_t>(by_source.size()), py::ssize_t{6}});
+        double* o = out.mutable_data();
+        for (const LossTotals& t : by_source) {
+          *o++ = static_cast<double>(t.n_tokens);
+          *o++ = static_cast<double>(t.n_loss_tokens);
+          *o++ = t.loss_sum;
+          *o++ = t.entropy_sum;
+          *o++ = t.ppl_sum;
+          *o++ = static_cast<double>(t.n_ppl);
+        }
+        return out;
+      },
+      py::arg("logprobs"), py::arg("entropy"), py::arg("counted"), py::arg("cu_seqlens"),
+      py::arg("cu_seqlens_padded"), py::arg("cp_size"), py::arg("cp_rank"), py::arg("sources"),
+      py::arg("cp_all_reduce") = py::none(),
+      "A shard's statistics by source (AddShardBySource of thdpack/loss.h): float64 [D, 6], "
+      "per source the six sums of LossTotals (n_tokens, n_loss_tokens, loss_sum, entropy_sum, "
+      "ppl_sum, n_ppl); sources: [n] int, the source of each sequence; one all-reduce over CP.");
 }
 
 void BindLoss(py::module_& m) {

@@ -114,6 +114,9 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
     py::array_t<bool> padding(static_cast<py::ssize_t>(pad.size()));
     std::copy(pad.begin(), pad.end(), padding.mutable_data());
     m["padding_mask"] = padding;
+    // A blend: each sequence's source (its index in the blend's list); None for other data.
+    m["sources"] = mb.sources.empty() ? py::object(py::none())
+                                      : py::object(ToNumpy(std::vector<int32_t>(mb.sources)));
     m["cu_seqlens"] = ToNumpy(std::vector<int32_t>(mb.cu_seqlens));
     m["cu_seqlens_padded"] = ToNumpy(std::vector<int32_t>(mb.cu_seqlens_padded));
     m["max_seqlen"] = mb.max_seqlen;

@@ -12,6 +12,7 @@ from ._thdpack import (  # noqa: F401
     ParallelLayout,
     Plan,
     __version__,
+    blend_weights,
     cost_model,
     check_run_state,
     cp_partition_indices,

@@ -277,6 +277,118 @@ TEST(LossStatsTest, SameForEveryCpSizeAndMicrobatchingAndMatchesUnpackedSamples)
   }
 }
 
+// Per-source statistics (a blend): AddShardBySource over every CP rank of every microbatch,
+// the CP all-reduce run in two passes in process, give for each source what the unpacked fp64
+// reference gives for that source's samples alone, and the same whatever CP and the
+// microbatching; their sums are the totals.
+TEST(LossStatsTest, BySourceEqualsEachSourceAloneForEveryLayout) {
+  std::mt19937_64 rng(7);
+  std::vector<Sample> samples = RandomSamples(rng, 31);
+  const int kSources = 4;
+  for (Sample& s : samples) s.source = static_cast<int32_t>(rng() % kSources);
+  samples[0].source = kSources - 1;  // the largest index appears
+  std::vector<Expected> want(kSources);
+  for (int d = 0; d < kSources; ++d) {
+    std::vector<Sample> mine;
+    for (const Sample& s : samples) {
+      if (s.source == d) mine.push_back(s);
+    }
+    want[static_cast<size_t>(d)] = ExpectedStats(mine);
+  }
+  const Expected all = ExpectedStats(samples);
+  std::optional<std::vector<LossSummary>> first;
+  for (int cp : {1, 2, 3, 4}) {
+    for (int parts : {1, 3}) {
+      SCOPED_TRACE("CP=" + std::to_string(cp) + " microbatches=" + std::to_string(parts));
+      std::vector<LossTotals> by_source;
+      for (const auto& mb_samples : SplitInto(samples, parts)) {
+        std::vector<SampleView> views(mb_samples.begin(), mb_samples.end());
+        std::vector<int32_t> sources;
+        for (const Sample& s : mb_samples) sources.push_back(s.source);
+        PackOptions po;
+        po.parallel = ParallelLayout::Create(cp).value();
+        auto mb = Pack(views, po);
+        ASSERT_TRUE(mb.ok());
+        const int64_t T = mb->cu_seqlens_padded.back();
+        const std::vector<float> logits = MicrobatchLogits(mb_samples, *mb);
+        std::vector<CrossEntropyResult> shards;
+        for (int r = 0; r < cp; ++r) {
+          const int64_t local = T / cp;
+          std::vector<std::byte> logits_r(static_cast<size_t>(local * kVocab * 4));
+          ASSERT_TRUE(CpShardBytes(std::as_bytes(std::span<const float>(logits)),
+                                   static_cast<size_t>(kVocab * 4), mb->cu_seqlens_padded, cp, r,
+                                   logits_r)
+                          .ok());
+          auto labels_r = CpShard<TokenId>(mb->labels, mb->cu_seqlens_padded, cp, r);
+          auto mask_r = CpShard<uint8_t>(mb->loss_mask, mb->cu_seqlens_padded, cp, r);
+          auto res = CrossEntropy(LogitsView{LogitsDtype::kFloat32, logits_r, local, kVocab},
+                                  TokenTargets{*labels_r, {}, *mask_r, {}}, CrossEntropyOptions{});
+          ASSERT_TRUE(res.ok());
+          shards.push_back(std::move(*res));
+        }
+        // Pass 1 records the CP sum; pass 2 hands it to every rank.
+        std::vector<double> sum;
+        const AllReduceSum record = [&](std::span<double> v) {
+          if (sum.empty()) sum.assign(v.size(), 0.0);
+          for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+          return Status::Ok();
+        };
+        const AllReduceSum hand = [&](std::span<double> v) {
+          std::copy(sum.begin(), sum.end(), v.begin());
+          return Status::Ok();
+        };
+        for (int r = 0; r < cp; ++r) {
+          std::vector<LossTotals> scratch;
+          ASSERT_TRUE(AddShardBySource(shards[static_cast<size_t>(r)], mb->cu_seqlens,
+                                       mb->cu_seqlens_padded, cp, r, sources,
+                                       cp > 1 ? &record : nullptr, &scratch)
+                          .ok());
+        }
+        for (int r = 0; r < cp; ++r) {
+          ASSERT_TRUE(AddShardBySource(shards[static_cast<size_t>(r)], mb->cu_seqlens,
+                                       mb->cu_seqlens_padded, cp, r, sources,
+                                       cp > 1 ? &hand : nullptr, &by_source)
+                          .ok());
+        }
+      }
+      ASSERT_EQ(by_source.size(), static_cast<size_t>(kSources));
+      LossTotals total;
+      std::vector<LossSummary> got;
+      for (int d = 0; d < kSources; ++d) {
+        const LossTotals& t = by_source[static_cast<size_t>(d)];
+        total.Add(t);
+        const LossSummary s = Finalize(t);
+        const Expected& e = want[static_cast<size_t>(d)];
+        EXPECT_EQ(s.n_tokens, e.n_tokens) << "source " << d;
+        EXPECT_EQ(s.n_loss_tokens, e.n_loss_tokens) << "source " << d;
+        EXPECT_NEAR(s.loss, e.loss, 1e-6 * e.loss) << "source " << d;
+        EXPECT_NEAR(s.entropy, e.entropy, 1e-6 * e.entropy) << "source " << d;
+        ASSERT_EQ(s.ppl.has_value(), e.has_ppl);
+        if (e.has_ppl) EXPECT_NEAR(*s.ppl, e.ppl, 1e-6 * e.ppl) << "source " << d;
+        got.push_back(s);
+      }
+      const LossSummary whole = Finalize(total);
+      EXPECT_EQ(whole.n_tokens, all.n_tokens);
+      EXPECT_EQ(whole.n_loss_tokens, all.n_loss_tokens);
+      EXPECT_NEAR(whole.loss, all.loss, 1e-6 * all.loss);
+      if (!first) {
+        first = got;
+        continue;
+      }
+      for (int d = 0; d < kSources; ++d) {  // only the order of the additions differs
+        EXPECT_NEAR(got[d].loss, (*first)[d].loss, 1e-13 * (*first)[d].loss);
+        EXPECT_NEAR(got[d].entropy, (*first)[d].entropy, 1e-13 * (*first)[d].entropy);
+      }
+    }
+  }
+  std::vector<LossTotals> out;
+  CrossEntropyResult empty;
+  const std::vector<int32_t> cu = {0, 3}, cup = {0, 4};
+  EXPECT_FALSE(AddShardBySource(empty, cu, cup, 2, 0, std::vector<int32_t>{0}, nullptr, &out).ok());
+  Status neg = AddShardBySource(empty, cu, cup, 1, 0, std::vector<int32_t>{-1}, nullptr, &out);
+  EXPECT_NE(neg.message().find("sources[0] = -1"), std::string::npos) << neg.ToString();
+}
+
 TEST(LossStatsTest, TotalsAllReduceChecksCountsAndPassesErrorsThrough) {
   LossTotals t;
   t.n_tokens = 5;

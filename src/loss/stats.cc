@@ -1,5 +1,6 @@
 // Loss statistics (docs/design.md section 8): per-shard accumulation with sequence attribution
 // through the CP zigzag, merging, and the reported figures.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -196,6 +197,71 @@ Result<ShardSequences> ShardSequenceLayout(std::span<const int32_t> cu_seqlens,
                                            std::span<const int32_t> cu_seqlens_padded,
                                            int cp_size, int cp_rank) {
   return LayoutOf(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, "ShardSequenceLayout");
+}
+
+Status AddShardBySource(const CrossEntropyResult& result, std::span<const int32_t> cu_seqlens,
+                        std::span<const int32_t> cu_seqlens_padded, int cp_size, int cp_rank,
+                        std::span<const int32_t> sources, const AllReduceSum* all_reduce_sum,
+                        std::vector<LossTotals>* by_source) {
+  const std::string f = "AddShardBySource";
+  if (by_source == nullptr) return Status::InvalidArgument(f + ": by_source is null");
+  if (cp_size > 1 && all_reduce_sum == nullptr) {
+    return Status::InvalidArgument(f + ": cp_size " + std::to_string(cp_size) +
+                                   " needs an all-reduce over the CP group");
+  }
+  THDPACK_ASSIGN_OR_RETURN(ShardSequences layout,
+                           LayoutOf(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, f));
+  const size_t n = layout.real_tokens.size();
+  if (sources.size() != n) {
+    return Status::InvalidArgument(f + ": sources has " + std::to_string(sources.size()) +
+                                   " entries, the microbatch " + std::to_string(n) +
+                                   " sequences");
+  }
+  int32_t top = -1;
+  for (size_t i = 0; i < n; ++i) {
+    if (sources[i] < 0) {
+      return Status::InvalidArgument(f + ": sources[" + std::to_string(i) + "] = " +
+                                     std::to_string(sources[i]) + " is negative");
+    }
+    top = std::max(top, sources[i]);
+  }
+  const size_t local = static_cast<size_t>(layout.local_cu[n]);
+  if (result.logprobs.size() != local || result.entropy.size() != local ||
+      result.counted.size() != local) {
+    return Status::InvalidArgument(f + ": result arrays must have T/CP = " +
+                                   std::to_string(local) + " entries");
+  }
+  std::vector<LossTotals> add(static_cast<size_t>(top + 1));
+  std::vector<double> seq(2 * n, 0.0);  // per sequence: log-prob sum, then loss-token count
+  for (size_t i = 0; i < n; ++i) {
+    LossTotals& t = add[static_cast<size_t>(sources[i])];
+    t.n_tokens += layout.real_tokens[i];
+    for (size_t k = static_cast<size_t>(layout.local_cu[i]);
+         k < static_cast<size_t>(layout.local_cu[i + 1]); ++k) {
+      if (!result.counted[k]) continue;
+      seq[i] += result.logprobs[k];
+      seq[n + i] += 1;
+      t.loss_sum -= result.logprobs[k];
+      t.entropy_sum += result.entropy[k];
+      ++t.n_loss_tokens;
+    }
+  }
+  if (cp_size > 1) THDPACK_RETURN_IF_ERROR((*all_reduce_sum)(std::span<double>(seq)));
+  if (cp_rank == 0) {  // whole sequences, counted once: on the CP group's rank 0
+    for (size_t i = 0; i < n; ++i) {
+      THDPACK_ASSIGN_OR_RETURN(const int64_t count,
+                               CountOf(seq[n + i], f.c_str(),
+                                       "loss-token count of sequence " + std::to_string(i),
+                                       kRanksAgree));
+      if (count <= 0) continue;
+      LossTotals& t = add[static_cast<size_t>(sources[i])];
+      t.ppl_sum += std::exp(-seq[i] / static_cast<double>(count));
+      ++t.n_ppl;
+    }
+  }
+  if (by_source->size() < add.size()) by_source->resize(add.size());
+  for (size_t s = 0; s < add.size(); ++s) (*by_source)[s].Add(add[s]);
+  return Status::Ok();
 }
 
 Status AccumulateShardLoss(const CrossEntropyResult& result, std::span<const int32_t> cu_seqlens,

@@ -202,6 +202,9 @@ def _microbatch(m, device, topology_cp_group):
         "cu_seqlens_padded_cpu": torch.from_numpy(m["cu_seqlens_padded"]),
         "max_seqlen": max_seqlen,
         "n_valid": int(m["n_valid"]),
+        # A blend: [n] int32 (CPU), each sequence's source in the blend's list; None otherwise.
+        # LossStatistics.add_microbatch keeps its statistics by source with it.
+        "sources": None if m["sources"] is None else torch.from_numpy(m["sources"]),
         "sp_range": tuple(m["sp_range"]),
         "cp_group": cp_group,
         "cp_size": cp_size,

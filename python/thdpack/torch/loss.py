@@ -32,6 +32,7 @@ Loss semantics (docs/design.md section 8):
     token of exp(-(sum of its log-probs) / its loss tokens) (None when there is none), with the
     per-sequence sums all-reduced over the CP group; entropy = token mean.
 """
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -236,10 +237,14 @@ class LossStatistics:
     def __init__(self):
         self._totals = _thdpack.LossTotals()
         self._device_sums = None  # float64 [6] on the device of the values on_device
+        # By source (a blend's microbatches carry "sources"): float64 [D, 6] sums, on the host
+        # and on the device of the values on_device.
+        self._by_source = None
+        self._device_by_source = None
 
     def add_shard(self, logits, labels, loss_mask, cu_seqlens, cu_seqlens_padded,
                   cp_size=1, cp_rank=0, cp_group=None, *, chunked=False, chunk_tokens=None,
-                  token_values=None, on_device=None):
+                  token_values=None, on_device=None, sources=None):
         """Adds CP rank cp_rank's shard of one packed microbatch.
 
         cu_seqlens, cu_seqlens_padded: the microbatch's GLOBAL offsets [n+1] (host arrays, or
@@ -249,7 +254,9 @@ class LossStatistics:
         token_values=d) filled in its pass over these logits: its per-token values are used and
         the logits are not read again (logits may then be None). on_device: make the sums where
         the per-token values are, without moving them to the host or waiting for the device
-        (None: when they are not on the CPU); False: C++ on the host.
+        (None: when they are not on the CPU); False: C++ on the host. sources: [n] ints,
+        each sequence's source (a blend: the microbatch's "sources"): the statistics are then
+        also kept by source (summary()["sources"]), with the same one CP all-reduce.
         """
         if cp_size > 1 and cp_group is None:
             raise ValueError("add_shard: cp_size > 1 needs cp_group (per-sequence sums are "
@@ -278,6 +285,10 @@ class LossStatistics:
         logprob, entropy, counted = logprob.detach(), entropy.detach(), counted.detach()
         if on_device is None:
             on_device = logprob.device.type != "cpu"
+        if sources is not None:
+            self._add_by_source(logprob, entropy, counted, cu, cup, cp_size, cp_rank, cp_group,
+                                sources, on_device)
+            return
         if on_device:
             local_cu, n_real = _stats_device.shard_layout(cu, cup, cp_size, cp_rank)
             sums = _stats_device.shard_sums(logprob, entropy, counted, local_cu, n_real,
@@ -297,6 +308,33 @@ class LossStatistics:
         reduce = _torch_all_reduce(cp_group, logprob.device) if cp_size > 1 else None
         self._totals.add_shard(lp, en, ct, cu, cup, int(cp_size), int(cp_rank), reduce)
 
+    def _add_by_source(self, logprob, entropy, counted, cu, cup, cp_size, cp_rank, cp_group,
+                       sources, on_device):
+        """The by-source sums of a shard; the totals are their sum over sources."""
+        src = np.ascontiguousarray(np.asarray(sources), dtype=np.int64).reshape(-1)
+        if on_device:
+            rows = _stats_device.shard_sums_by_source(logprob, entropy, counted, cu, cup,
+                                                      int(cp_size), int(cp_rank), cp_group, src)
+            self._device_by_source = _grow_add(self._device_by_source, rows)
+            total = rows.sum(0)
+            if self._device_sums is None:
+                self._device_sums = total
+            elif self._device_sums.device != total.device:
+                raise ValueError(f"add_shard: these values are on {total.device}, earlier ones "
+                                 f"on {self._device_sums.device}: one device per statistics")
+            else:
+                self._device_sums += total
+            return
+        f64 = torch.float64
+        lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
+        en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
+        ct = counted.to("cpu").contiguous().numpy()
+        reduce = _torch_all_reduce(cp_group, logprob.device) if cp_size > 1 else None
+        rows = _thdpack.shard_sums_by_source(lp, en, ct, cu, cup, int(cp_size), int(cp_rank),
+                                             src.astype(np.int32), reduce)
+        self._by_source = _grow_add(self._by_source, rows)
+        self._totals.add_sums(rows.sum(0))
+
     def add_microbatch(self, logits, mb, *, chunked=False, chunk_tokens=None,
                        token_values=None, on_device=None):
         """add_shard with one of PackedDataIterator's microbatches (a dict): its labels,
@@ -314,18 +352,58 @@ class LossStatistics:
         self.add_shard(logits, mb["labels"], mb["loss_mask"], cu, cup, cp_size=mb["cp_size"],
                        cp_rank=mb["cp_rank"], cp_group=mb["cp_group"], chunked=chunked,
                        chunk_tokens=chunk_tokens, token_values=token_values,
-                       on_device=on_device)
+                       on_device=on_device, sources=mb.get("sources"))
 
     def summary(self, group=None):
         """{'n_tokens', 'n_loss_tokens', 'loss', 'ppl', 'entropy'} over everything added on every
         rank of `group` (all-reduced when a group is given). Sums made on a device come to the
-        host here, once."""
+        host here, once. When shards were added with their sources (a blend), 'sources' holds
+        the same figures per source, [D] in the blend's order: each with the invariance of the
+        totals (every rank of `group` calls summary, as for the totals)."""
         totals = self._totals.copy()
         if self._device_sums is not None:
             totals.add_sums(self._device_sums.cpu().numpy())
+        device = "cpu"
         if group is not None:
-            device = "cpu"
             if dist.get_backend(group) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
             totals.all_reduce(_torch_all_reduce(group, device))
-        return totals.summary()
+        out = totals.summary()
+        rows = self._by_source
+        if self._device_by_source is not None:
+            rows = _grow_add(rows, self._device_by_source.cpu().numpy())
+        if group is not None:
+            # The ranks agree on D (one may never have seen the last sources), then sum.
+            d = torch.tensor([0 if rows is None else rows.shape[0]], dtype=torch.int64,
+                             device=device)
+            dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
+            d = int(d.item())
+            if d == 0:
+                return out
+            full = np.zeros((d, 6))
+            if rows is not None:
+                full[:rows.shape[0]] = rows
+            t = torch.from_numpy(full).to(device)
+            dist.all_reduce(t, group=group)
+            rows = t.cpu().numpy()
+        if rows is not None:
+            per = []
+            for r in rows:
+                one = _thdpack.LossTotals()
+                one.add_sums(r)
+                per.append(one.summary())
+            out["sources"] = per
+        return out
+
+
+def _grow_add(acc, rows):
+    """acc + rows, each [D, 6], the shorter padded with zero rows (NumPy or torch)."""
+    if acc is None:
+        return rows.copy() if isinstance(rows, np.ndarray) else rows.clone()
+    if rows.shape[0] > acc.shape[0]:
+        if isinstance(acc, np.ndarray):
+            acc = np.vstack([acc, np.zeros((rows.shape[0] - acc.shape[0], 6))])
+        else:
+            acc = torch.cat([acc, acc.new_zeros((rows.shape[0] - acc.shape[0], 6))])
+    acc[:rows.shape[0]] += rows
+    return acc
