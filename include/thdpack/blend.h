@@ -5,8 +5,8 @@
 // helpers.cpp) exactly - the source with the largest error w_d * max(n, 1) - count_d, ties to
 // the lower index, with the weights normalised as Megatron's `normalize` does it (float64,
 // numpy.sum's pairwise order) - but without Megatron's index of the whole run: the rule's state
-// is its position n and D counts, the next source costs O(log D) amortised (a kinetic
-// tournament over the D error lines), and a saved state resumes in O(D). With weight_by tokens
+// is its position n and D counts, the next source costs O(sqrt(D)) (bounds kept per block of
+// sources), and a saved state resumes in O(D). With weight_by tokens
 // the same rule runs on token counts: n is the tokens taken so far and count_d those taken from
 // source d, so the weights are the fractions of tokens each source contributes.
 //
@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <queue>
 #include <span>
 #include <string>
 #include <string_view>
@@ -96,13 +95,18 @@ int LargestErrorReference(std::span<const double> weights, std::span<const int64
 
 // The rule with its state: the position n and the counts. Next() is what
 // LargestErrorReference(weights, counts, n) returns, to the bit (the tests compare the two on
-// random weights, ties and weights of very different sizes); Take(d, amount) moves on. Below
-// kKineticMinSources sources it scans them; above, a tournament tree keeps the winner of every
-// pair of subtrees and the first position at which floating-point rounding or the lines'
-// slopes could change it, so a step touches O(log D) nodes amortised.
+// random weights, ties and weights of very different sizes); Take(d, amount) moves on.
+//
+// Below kBlockedMinSources sources it scans them, as Megatron does. Above, the sources are cut
+// into blocks of about sqrt(D), sorted by weight, and each block keeps the largest error it
+// had when last scanned, at position x0: no error of the block can exceed that plus the
+// block's largest weight times (x - x0), since errors grow by their weight and only fall when
+// a source is chosen. A choice scans the bounds (D / B), then only the blocks whose bound
+// reaches the best error found (each B): about 2 sqrt(D) errors instead of D, and the same
+// answer, ties included (the bounds carry a rounding slack far above float64's error).
 class LargestErrorRule {
  public:
-  static constexpr int kKineticMinSources = 16;
+  static constexpr int kBlockedMinSources = 64;
 
   // weights: normalised (NormalizeWeights), each finite and > 0. counts: [D] >= 0, or empty for
   // zeros; n: the position, >= 0 (with counts from a blend by samples, their sum). Errors
@@ -124,35 +128,28 @@ class LargestErrorRule {
 
  private:
   LargestErrorRule() = default;
-  double Error(int d, int64_t x) const {
-    return weights_[static_cast<size_t>(d)] * static_cast<double>(x) -
-           static_cast<double>(counts_[static_cast<size_t>(d)]);
-  }
-  // Whether source a beats source b at x (a larger error, or equal and a < b).
-  bool Beats(int a, int b, int64_t x) const;
-  // Node k's winner from its children at x, and when to look again; pushes the check.
-  void Recompute(size_t k, int64_t x);
-  void Build(int64_t x);
+  // Block k's errors at x: its largest, kept as the block's bound from x, and (when it reaches
+  // *best) the source that has it, the lowest index on ties.
+  void Scan(size_t k, int64_t x, double* best, int* best_source);
   int64_t X() const { return n_ > 1 ? n_ : 1; }
 
   std::vector<double> weights_;
   std::vector<int64_t> counts_;
   int64_t n_ = 0;
-  // The tournament (kinetic when size() >= kKineticMinSources): leaves at [leaves_, 2 *
-  // leaves_), winner_[k] the source winning node k's subtree (-1: none), check_[k] the first
-  // position at which it must be computed again, stamp_[k] its version; checks_ a min-heap of
-  // (position, node, version).
-  size_t leaves_ = 0;
-  std::vector<int32_t> winner_;
-  std::vector<int64_t> check_;
-  std::vector<uint32_t> stamp_;
-  struct Check {
-    int64_t x;
-    uint32_t node;
-    uint32_t stamp;
-    bool operator>(const Check& o) const { return x > o.x; }
-  };
-  std::priority_queue<Check, std::vector<Check>, std::greater<Check>> checks_;
+  // Blocks (D >= kBlockedMinSources): the sources by decreasing weight cut into blocks of
+  // about sqrt(D), each block in increasing index order; slot j holds source order_[j], its
+  // weight and its count as float64 (block k: slots [begin_[k], begin_[k+1])), slot_[d] is
+  // source d's slot. Per block its largest weight, its largest error when last scanned and the
+  // position of that scan.
+  std::vector<int32_t> order_;
+  std::vector<int32_t> slot_;
+  std::vector<double> slot_weight_;
+  std::vector<double> slot_count_;
+  std::vector<size_t> begin_;
+  std::vector<double> block_weight_;
+  std::vector<double> block_error_;
+  std::vector<int64_t> block_x_;
+  std::vector<double> errors_;  // scratch: one block's errors
 };
 
 }  // namespace thdpack

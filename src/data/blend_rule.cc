@@ -1,10 +1,15 @@
 // The blending rule (thdpack/blend.h): Megatron's largest-error choice, the plain scan and the
-// kinetic tournament that gives the same answers in O(log D) amortised.
+// blocked scan that gives the same answers in O(sqrt(D)).
 //
 // Compiled with -ffp-contract=off (CMakeLists.txt): w * x - c must round twice, as Megatron's
 // x86-64 build does, never as one fused multiply-add.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "thdpack/blend.h"
 
@@ -36,8 +41,6 @@ double PairwiseSum(const double* a, size_t n) {
   n2 -= n2 % 8;
   return PairwiseSum(a, n2) + PairwiseSum(a + n2, n - n2);
 }
-
-constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
 }  // namespace
 
@@ -93,101 +96,122 @@ Result<LargestErrorRule> LargestErrorRule::Create(std::vector<double> weights,
   rule.weights_ = std::move(weights);
   rule.counts_ = std::move(counts);
   rule.n_ = n;
-  if (rule.size() >= kKineticMinSources) rule.Build(rule.X());
+  const size_t d = rule.weights_.size();
+  if (d >= static_cast<size_t>(kBlockedMinSources)) {
+    rule.order_.resize(d);
+    for (size_t i = 0; i < d; ++i) rule.order_[i] = static_cast<int32_t>(i);
+    std::stable_sort(rule.order_.begin(), rule.order_.end(), [&](int32_t a, int32_t b) {
+      return rule.weights_[static_cast<size_t>(a)] > rule.weights_[static_cast<size_t>(b)];
+    });
+    const size_t b = static_cast<size_t>(std::ceil(std::sqrt(static_cast<double>(d))));
+    for (size_t at = 0; at < d; at += b) rule.begin_.push_back(at);
+    rule.begin_.push_back(d);
+    const size_t blocks = rule.begin_.size() - 1;
+    rule.block_weight_.assign(blocks, 0.0);
+    rule.block_error_.resize(blocks);
+    rule.block_x_.resize(blocks);
+    rule.errors_.resize(b);
+    rule.slot_.resize(d);
+    rule.slot_weight_.resize(d);
+    rule.slot_count_.resize(d);
+    for (size_t k = 0; k < blocks; ++k) {
+      // Within a block, index order: the first largest error is the lowest index's.
+      std::sort(rule.order_.begin() + static_cast<std::ptrdiff_t>(rule.begin_[k]),
+                rule.order_.begin() + static_cast<std::ptrdiff_t>(rule.begin_[k + 1]));
+      for (size_t j = rule.begin_[k]; j < rule.begin_[k + 1]; ++j) {
+        const size_t src = static_cast<size_t>(rule.order_[j]);
+        rule.slot_[src] = static_cast<int32_t>(j);
+        rule.slot_weight_[j] = rule.weights_[src];
+        rule.slot_count_[j] = static_cast<double>(rule.counts_[src]);
+        rule.block_weight_[k] = std::max(rule.block_weight_[k], rule.weights_[src]);
+      }
+      double unused = std::numeric_limits<double>::infinity();
+      int unused_source = 0;
+      rule.Scan(k, rule.X(), &unused, &unused_source);
+    }
+  }
   return rule;
 }
 
-bool LargestErrorRule::Beats(int a, int b, int64_t x) const {
-  const double ea = Error(a, x);
-  const double eb = Error(b, x);
-  return ea > eb || (ea == eb && a < b);
-}
-
-// Node k holds the better of its children's winners at x. Until when? The error lines of the
-// winner a and the loser b are e(s) = w s - c. In exact arithmetic their gap is
-// g(s) = (w_a - w_b) s - (c_a - c_b); each error as float64 computes it (a product, then a
-// difference, each rounded) is within 2^-52 (w s + c) of its line. So while
-// g(s) > 2^-49 ((w_a + w_b) s + c_a + c_b + 1) - eight times that bound for both - the
-// float64 comparison agrees with the exact one, and a keeps winning. That is alpha s > beta with
-// alpha = (w_a - w_b) - 2^-49 (w_a + w_b) and beta = (c_a - c_b) + 2^-49 (c_a + c_b + 1), linear
-// in s: the first s where it may fail is the node's next check (long double, two steps early;
-// the rounding of alpha and beta is far inside the slack). Near a crossing the node is checked
-// at every position until the lines are apart again.
-void LargestErrorRule::Recompute(size_t k, int64_t x) {
-  const int32_t l = winner_[2 * k];
-  const int32_t r = winner_[2 * k + 1];
-  int64_t next = kNever;
-  if (l < 0 || r < 0) {
-    winner_[k] = l < 0 ? r : l;
-  } else {
-    const bool left = Beats(l, r, x);
-    const int a = left ? l : r;
-    const int b = left ? r : l;
-    winner_[k] = a;
-    const long double wa = weights_[static_cast<size_t>(a)];
-    const long double wb = weights_[static_cast<size_t>(b)];
-    const long double ca = static_cast<long double>(counts_[static_cast<size_t>(a)]);
-    const long double cb = static_cast<long double>(counts_[static_cast<size_t>(b)]);
-    const long double slack = std::ldexp(1.0L, -49);
-    const long double alpha = (wa - wb) - slack * (wa + wb);
-    const long double beta = (ca - cb) + slack * (ca + cb + 1);
-    const int64_t soon = x + 1;
-    if (alpha > 0) {
-      if (!(alpha * static_cast<long double>(soon) > beta)) next = soon;
-    } else if (alpha == 0) {
-      if (beta >= 0) next = soon;
-    } else {
-      const long double t = beta / alpha;  // alpha s <= beta for every s >= t
-      if (t <= static_cast<long double>(soon) + 2) {
-        next = soon;
-      } else if (t < 0x1p62L) {
-        next = std::max<int64_t>(soon, static_cast<int64_t>(std::floor(t)) - 2);
-      }
-    }
+// The errors as Megatron computes them: a product, then a difference, each rounded (this file
+// is compiled without contraction into fused multiply-adds; SSE2's mulpd and subpd round each
+// lane as the scalar operations do).
+void LargestErrorRule::Scan(size_t k, int64_t x, double* best, int* best_source) {
+  const double xd = static_cast<double>(x);
+  const size_t b0 = begin_[k];
+  const size_t n = begin_[k + 1] - b0;
+  const double* w = slot_weight_.data() + b0;
+  const double* c = slot_count_.data() + b0;
+  double* e = errors_.data();
+  double top = -std::numeric_limits<double>::infinity();
+  size_t j = 0;
+#if defined(__SSE2__)
+  const __m128d vx = _mm_set1_pd(xd);
+  __m128d vtop = _mm_set1_pd(top);
+  for (; j + 2 <= n; j += 2) {
+    const __m128d ej = _mm_sub_pd(_mm_mul_pd(_mm_loadu_pd(w + j), vx), _mm_loadu_pd(c + j));
+    _mm_storeu_pd(e + j, ej);
+    vtop = _mm_max_pd(vtop, ej);  // no NaN reaches here: weights and counts are finite
   }
-  ++stamp_[k];
-  check_[k] = next;
-  if (next != kNever) checks_.push(Check{next, static_cast<uint32_t>(k), stamp_[k]});
-}
-
-void LargestErrorRule::Build(int64_t x) {
-  leaves_ = 1;
-  while (leaves_ < weights_.size()) leaves_ *= 2;
-  winner_.assign(2 * leaves_, -1);
-  check_.assign(2 * leaves_, kNever);
-  stamp_.assign(2 * leaves_, 0);
-  checks_ = {};
-  for (size_t d = 0; d < weights_.size(); ++d) winner_[leaves_ + d] = static_cast<int32_t>(d);
-  for (size_t k = leaves_ - 1; k >= 1; --k) Recompute(k, x);
+  double lanes[2];
+  _mm_storeu_pd(lanes, vtop);
+  top = std::max(lanes[0], lanes[1]);
+#endif
+  for (; j < n; ++j) {
+    e[j] = w[j] * xd - c[j];
+    top = std::max(top, e[j]);
+  }
+  block_error_[k] = top;
+  block_x_[k] = x;
+  if (top < *best) return;
+  size_t f = 0;
+  while (e[f] != top) ++f;
+  const int d = order_[b0 + f];
+  if (top > *best || d < *best_source) {
+    *best = top;
+    *best_source = d;
+  }
 }
 
 int LargestErrorRule::Next() {
-  if (leaves_ == 0) return LargestErrorReference(weights_, counts_, n_);
+  if (order_.empty()) return LargestErrorReference(weights_, counts_, n_);
   const int64_t x = X();
-  // Every node whose check is due is computed again at x, and its ancestors while its winner
-  // changes.
-  while (!checks_.empty() && checks_.top().x <= x) {
-    const Check c = checks_.top();
-    checks_.pop();
-    if (c.stamp != stamp_[c.node]) continue;  // computed again since: stale
-    size_t k = c.node;
-    int32_t before = winner_[k];
-    Recompute(k, x);
-    while (k > 1 && winner_[k] != before) {
-      k /= 2;
-      before = winner_[k];
-      Recompute(k, x);
+  // Every float64 error is within 2^-51 (x + max count) <= 2^-50 x of its exact value (the
+  // counts never exceed n): the bounds carry 2^-40 (1 + x), a thousand times that, so a block
+  // whose bound is below the best error found cannot hold it, nor tie it.
+  const double slack = std::ldexp(1.0 + static_cast<double>(x), -40);
+  const size_t blocks = block_error_.size();
+  // The block with the largest bound first: its largest error is a good best to prune with.
+  size_t first = 0;
+  double first_bound = -std::numeric_limits<double>::infinity();
+  for (size_t k = 0; k < blocks; ++k) {
+    const double bound =
+        block_error_[k] + block_weight_[k] * static_cast<double>(x - block_x_[k]);
+    if (bound > first_bound) {
+      first_bound = bound;
+      first = k;
     }
   }
-  return winner_[1];
+  double best = -std::numeric_limits<double>::infinity();
+  int best_source = std::numeric_limits<int>::max();
+  Scan(first, x, &best, &best_source);
+  for (size_t k = 0; k < blocks; ++k) {
+    if (k == first) continue;
+    const double bound =
+        block_error_[k] + block_weight_[k] * static_cast<double>(x - block_x_[k]) + slack;
+    if (bound >= best) Scan(k, x, &best, &best_source);
+  }
+  return best_source;
 }
 
 void LargestErrorRule::Take(int d, int64_t amount) {
+  // A count that grows only lowers its error: every block's bound still holds.
   counts_[static_cast<size_t>(d)] += amount;
   n_ += amount;
-  if (leaves_ == 0) return;
-  const int64_t x = X();
-  for (size_t k = (leaves_ + static_cast<size_t>(d)) / 2; k >= 1; k /= 2) Recompute(k, x);
+  if (!slot_.empty()) {
+    slot_count_[static_cast<size_t>(slot_[static_cast<size_t>(d)])] =
+        static_cast<double>(counts_[static_cast<size_t>(d)]);
+  }
 }
 
 }  // namespace thdpack
