@@ -207,23 +207,30 @@ int main(int argc, char** argv) {
       per_step.push_back(t);
       for (int k = 0; k < 3; ++k) all[static_cast<size_t>(k)] += t[static_cast<size_t>(k)];
     }
-    double worst[3] = {0, 0, 0};
+    // Per window (every start), the largest |share - weight| over the sources; then its
+    // worst and its 95th percentile over the windows.
+    double worst[3] = {0, 0, 0}, p95[3] = {0, 0, 0};
     const int windows[3] = {1, 10, 100};
     for (int wi = 0; wi < 3; ++wi) {
+      std::vector<double> dev;
       for (int64_t s = 0; s + windows[wi] <= steps; ++s) {
         std::array<double, 3> t{};
         for (int64_t j = s; j < s + windows[wi]; ++j) {
           for (int k = 0; k < 3; ++k) t[static_cast<size_t>(k)] += per_step[static_cast<size_t>(j)][static_cast<size_t>(k)];
         }
         const double sum = t[0] + t[1] + t[2];
-        for (int k = 0; k < 3; ++k) {
-          worst[wi] = std::max(worst[wi], std::fabs(t[static_cast<size_t>(k)] / sum - weights[k]));
-        }
+        double d = 0;
+        for (int k = 0; k < 3; ++k) d = std::max(d, std::fabs(t[static_cast<size_t>(k)] / sum - weights[k]));
+        dev.push_back(d);
       }
+      std::sort(dev.begin(), dev.end());
+      worst[wi] = dev.back();
+      p95[wi] = dev[static_cast<size_t>(0.95 * static_cast<double>(dev.size() - 1))];
     }
     const double sum = all[0] + all[1] + all[2];
-    std::printf("  %-8s %8.4f / %.4f / %.4f   %.4f / %.4f / %.4f\n", by, all[0] / sum,
-                all[1] / sum, all[2] / sum, worst[0], worst[1], worst[2]);
+    std::printf("  %-8s %8.4f / %.4f / %.4f   worst %.4f / %.4f / %.4f, p95 %.4f / %.4f / %.4f\n",
+                by, all[0] / sum, all[1] / sum, all[2] / sum, worst[0], worst[1], worst[2], p95[0],
+                p95[1], p95[2]);
   }
   return 0;
 }
