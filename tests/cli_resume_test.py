@@ -13,7 +13,10 @@ Usage: cli_resume_test.py THDPACK WORK_DIR [MPIRUN...]
   every epoch is trained exactly once over the steps the states committed;
 - run --verify after a resume on another topology still equals one rank (the verifier checks
   every step against its own plain reading of the source, 1e-9);
-- a state that does not fit (another seed, an edited file) is refused with a clear error.
+- a state that does not fit (another seed, an edited file) is refused with a clear error;
+- run --prefetch K (also in half of the killed attempts above) prints the steps of K = 0 on
+  threads and MPI, static and dynamic, with --verify; a source that fails in step 2 fails there
+  (steps 0 and 1 printed, the same error), however far ahead the data plane runs.
 """
 import json
 import os
@@ -127,6 +130,10 @@ while committed < STEPS:
             "--save-state", state_file]
     if committed > 0:
         args += ["--resume", state_file]
+    if rng.random() < 0.5:
+        # The data plane ahead of the loop: the state saved is still the loop's, so a kill
+        # loses the prefetched steps and the restart makes them again.
+        args += ["--prefetch", str(rng.choice([1, 2, 3]))]
     backend = "threads"
     if mpi:
         backend = "mpi"
@@ -263,4 +270,49 @@ p = run([THDPACK, "run", *BLEND, *TOPOLOGIES["A"], "--steps", "1", "--resume", b
         check=False)
 if p.returncode != 2 or "blend source" not in p.stderr or "weight 3" not in p.stderr:
     fail(f"a blend with another weight: exit {p.returncode}, {p.stderr}")
+
+# --- --prefetch: the same steps, the same errors at the same step ---------------------------
+for t in ("A", "C", "D"):
+    for k in ("1", "3"):
+        ahead = steps_of(run([THDPACK, "run", *COMMON, *TOPOLOGIES[t], "--steps", "6",
+                              "--prefetch", k, "--compute-seconds", "0.002"]).stdout)
+        if [figures(s) for s in ahead] != [figures(s) for s in reference[t][:6]]:
+            fail(f"run --prefetch {k} on topology {t} differs from the run without it")
+        if any(not isinstance(s.get("time_wait"), (int, float)) or s["time_wait"] < 0
+               for s in ahead):
+            fail(f"run --prefetch {k}: a step without a time_wait")
+checked = steps_of(run([THDPACK, "run", *SMALL, *TOPOLOGIES["C"], "--steps", "3", "--prefetch",
+                        "2", "--verify"]).stdout)
+if [s["step"] for s in checked] != [0, 1, 2] or any("loss" not in s for s in checked):
+    fail("run --prefetch 2 --verify did not verify steps 0 to 2")
+if MPIRUN:
+    for t in ("B", "C"):
+        mpi_ahead = steps_of(run([*MPIRUN, "-np", str(WORLD[t]), THDPACK, "run", "--backend",
+                                  "mpi", *COMMON, *TOPOLOGIES[t], "--steps", "4", "--prefetch",
+                                  "2"]).stdout)
+        if [figures(s) for s in mpi_ahead] != [figures(s) for s in reference[t][:4]]:
+            fail(f"run --backend mpi --prefetch 2 on topology {t} differs from threads")
+# A JSONL source whose 21st line is not JSON: 8 samples a step, so step 2 fails.
+broken = os.path.join(WORK, "broken.jsonl")
+with open(broken, "w") as f:
+    for i in range(40):
+        f.write("{not json\n" if i == 20 else
+                json.dumps({"input_ids": [(i * 5 + k) % 300 for k in range(4 + i % 50)]}) + "\n")
+BROKEN = ["--data", "jsonl:" + broken, "--global-batch", "8", "--max-tokens-per-rank", "4096",
+          "--vocab", "300", "--json", "--steps", "4", *TOPOLOGIES["A"]]
+plain = run([THDPACK, "run", *BROKEN], check=False)
+if plain.returncode == 0 or [s["step"] for s in steps_of(plain.stdout)] != [0, 1]:
+    fail(f"a source that fails in step 2: exit {plain.returncode}, {plain.stdout}{plain.stderr}")
+for k in ("1", "3"):
+    ahead = run([THDPACK, "run", *BROKEN, "--prefetch", k], check=False)
+    if ahead.returncode != plain.returncode or \
+            [figures(s) for s in steps_of(ahead.stdout)] != \
+            [figures(s) for s in steps_of(plain.stdout)] or \
+            ahead.stderr.strip() != plain.stderr.strip():
+        fail(f"--prefetch {k} with a source that fails in step 2: exit {ahead.returncode}, "
+             f"steps {[s['step'] for s in steps_of(ahead.stdout)]}, {ahead.stderr}\n"
+             f"without: exit {plain.returncode}, {plain.stderr}")
+p = run([THDPACK, "run", *SMALL, "--steps", "1", "--prefetch", "-1"], check=False)
+if p.returncode != 2 or "--prefetch" not in p.stderr:
+    fail(f"--prefetch -1: exit {p.returncode}, {p.stderr}")
 print(f"cli_resume_test: passed ({restarts} attempts)")

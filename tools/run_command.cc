@@ -104,7 +104,7 @@ int RunOnBackend(const RunArgs& args, const Job& job, const RunSetup& run) {
     }
     return ExitCodeOf(statuses[cause]);
   }
-  auto world = MpiWorld();
+  auto world = MpiWorld(/*thread_multiple=*/run.options.prefetch > 0);
   if (!world.ok()) {
     std::fprintf(stderr, "thdpack run: %s\n", world.status().ToString().c_str());
     return ExitCodeOf(world.status());
@@ -175,6 +175,14 @@ void AddRunOnlyOptions(CLI::App* cmd, RunArgs* a) {
   CLI::Option* profile_steps = cmd->add_option("--memory-profile-steps", a->profile_steps,
                   "At these steps (comma-separated, e.g. 0,1) every rank writes its memory "
                   "figures to DIR/step_<N>/rank<R>_pp<p>_dp<d>_cp<c>_tp<t>.json");
+  cmd->add_option("--prefetch", a->run.prefetch,
+                  "Steps the data plane prepares ahead of the loop, in a thread of each rank "
+                  "with a communicator of its own (0: none); the steps and errors are the same")
+      ->capture_default_str();
+  cmd->add_option("--compute-seconds", a->run.compute_seconds,
+                  "Seconds the loop sleeps after taking each step, a stand-in for training "
+                  "(shows the overlap in time_wait)")
+      ->capture_default_str();
   cmd->add_option("--memory-profile-dir", a->run.memory_profile_dir,
                   "DIR of --memory-profile-steps")
       ->capture_default_str()

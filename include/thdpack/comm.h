@@ -231,11 +231,14 @@ using RankFunction = std::function<Status(ProcessGroup& world)>;
 // True when this build has the MPI backend (THDPACK_WITH_MPI).
 bool MpiAvailable();
 
-// This process's handle onto MPI_COMM_WORLD. Initialises MPI (MPI_THREAD_FUNNELED) on first
-// use unless the caller already did; MPI is finalised when the last group made by this backend
-// is destroyed, if thdpack initialised it. MPI errors are returned (MPI_ERRORS_RETURN), wrapped
-// with the call, file and line. Unimplemented when built without MPI.
-[[nodiscard]] Result<std::unique_ptr<ProcessGroup>> MpiWorld();
+// This process's handle onto MPI_COMM_WORLD. Initialises MPI (MPI_THREAD_FUNNELED, or
+// MPI_THREAD_MULTIPLE with thread_multiple: groups of this process used from several threads at
+// once, each group by one) on first use unless the caller already did; MPI is finalised when the
+// last group made by this backend is destroyed, if thdpack initialised it. MPI errors are
+// returned (MPI_ERRORS_RETURN), wrapped with the call, file and line. Unimplemented when built
+// without MPI, or when thread_multiple is asked and MPI does not give MPI_THREAD_MULTIPLE (or
+// was initialised below it), naming the level it gives.
+[[nodiscard]] Result<std::unique_ptr<ProcessGroup>> MpiWorld(bool thread_multiple = false);
 
 }  // namespace thdpack
 

@@ -225,6 +225,14 @@ struct RunOptions {
   // memory_profile_dir (memory_report.h); each in [0, job.steps).
   std::vector<int64_t> memory_profile_steps;
   std::string memory_profile_dir = "memory_profile";  // --memory-profile-dir
+  // --prefetch K in [0, 64]: the loop takes its steps from a StepPrefetcher of depth K
+  // (thdpack/step_runner.h: the data plane up to K steps ahead, in a thread of each rank with a
+  // communicator of its own; under MPI that needs MPI_THREAD_MULTIPLE). The steps, figures and
+  // errors are those of K = 0, each error at its step. Default 0: the loop runs each step.
+  int prefetch = 0;
+  // --compute-seconds S (>= 0): the loop sleeps S after taking each step, a stand-in for the
+  // training step, so that the overlap shows (time_wait). Default 0.
+  double compute_seconds = 0;
 };
 
 // Checked RunOptions.
@@ -249,6 +257,9 @@ struct RunStepReport {
   PhaseTable phases;         // every rank's bytes and the slowest rank's seconds per phase
   std::optional<LossSummary> loss;  // with verify: the probe's figures, checked
   int dp_size = 1;
+  // The seconds the printing rank's loop waited for this step (all of it without --prefetch;
+  // with it, what the data plane's thread had not prepared in time).
+  double wait_seconds = 0;
   // --scheduler dynamic: the CP process groups split this step, reused from earlier steps,
   // dropped from the cache after it, and held in it (RankStep::groups_made, groups_reused,
   // groups_evicted, groups_cached); unset for static schedulers.

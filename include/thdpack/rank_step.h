@@ -99,6 +99,9 @@ struct RankStep {
   // those it holds now. The same on every rank.
   bool dynamic = false;
   DynamicPlan dynamic_plan;
+  // The dynamic scheduler: the CP groups of the step's microbatches, (first domain rank, size)
+  // sorted and unique, on every rank (what CpGroupCache::Attach makes).
+  std::vector<std::pair<int, int>> cp_groups;
   int64_t groups_made = 0;
   int64_t groups_reused = 0;
   int64_t groups_evicted = 0;

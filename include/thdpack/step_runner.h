@@ -49,12 +49,14 @@
 //
 // After Next() returns an error the runner is mid-step: destroy it (on every rank).
 //
-// Thread-safety: a StepRunner belongs to one rank; use it from that rank's thread only.
+// Thread-safety: a StepRunner belongs to one rank; use it from one thread at a time (a
+// StepPrefetcher's thread, or the rank's own).
 #ifndef THDPACK_STEP_RUNNER_H_
 #define THDPACK_STEP_RUNNER_H_
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -131,7 +133,47 @@ struct StepRunnerOptions {
   // For tests of the failure path: the loader of this replica flips one byte of the encoded
   // metadata before sending it (-1, the default: never).
   int corrupt_metadata_of_replica = -1;
+  // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
+  // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with
+  // every LocalMicrobatch's cp_group null, and the caller attaches them (AttachCpGroups) from
+  // the world it wants them in, on its own thread - what a runner preparing steps in the
+  // background needs (a torch job makes groups on the training thread only). Default false.
+  bool defer_cp_groups = false;
 };
+
+// The dynamic scheduler's CP process groups, made from a world and kept across steps: at most
+// max_groups of them, those unused longest dropped first (the same ones on every rank, which
+// all see the same plans), never one of the current step's. The step runner keeps one; a caller
+// of a runner with defer_cp_groups keeps its own. Thread-safety: one thread at a time.
+class CpGroupCache {
+ public:
+  CpGroupCache(Topology topology, int max_groups)
+      : topo_(std::move(topology)), max_(max_groups) {}
+
+  // Collective over `world` (its ranks the topology's): makes the groups of step.cp_groups
+  // that it does not hold (one Split each, at every (tp, pp) the ranks of the group's domain
+  // indices), drops those over the bound, counts into step.groups_made / reused / evicted /
+  // cached, and sets each of the step's microbatches' cp_group (checking that it holds this
+  // rank at its cp_rank). Errors: the Split's, Internal for a group outside the domain or a
+  // microbatch whose group is not among the step's.
+  [[nodiscard]] Status Attach(ProcessGroup& world, RankStep& step);
+
+  // The groups of step.cp_groups this cache does not hold. The same on every rank (each holds
+  // the groups of the same lists), so a caller knows without communicating whether Attach will
+  // split, i.e. communicate: a caller that agrees on Attach's status (AgreeOnStatus) does so only
+  // then, and a step whose groups are all held costs no collective at all.
+  int Missing(const RankStep& step) const;
+
+ private:
+  struct Entry {
+    std::shared_ptr<ProcessGroup> group;
+    int64_t last_step = 0;
+  };
+  Topology topo_;
+  int max_;
+  std::map<std::pair<int, int>, Entry> groups_;
+};
+
 
 // Per phase: the bytes each rank of the world sent and the slowest rank's seconds, gathered
 // from every rank (GatherPhases). Row k is Phase k. A rank's phases run one after another and
@@ -182,6 +224,51 @@ class StepRunner {
  private:
   class Impl;
   explicit StepRunner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A StepRunner run ahead of its caller (`thdpack run --prefetch K`, and what a C++ or MPI
+// training loop uses to take the data plane off its critical path): a thread of this rank runs
+// the runner's Next() up to K steps ahead, over a communicator of its own split from the world,
+// so that the caller's collectives and the thread's never share one. The caller's Next() takes
+// the steps in order - the same steps, figures and errors as the runner's own Next(), each
+// error at the step where it would have been returned, never earlier - and, for the dynamic
+// scheduler, makes the step's CP groups from `world` on the caller's thread (CpGroupCache), so
+// that every group the caller is handed belongs to the caller's thread.
+//
+// The world's backend must allow two threads to communicate at once on different
+// communicators: the threads backend does; under MPI, MpiWorld(/*thread_multiple=*/true).
+//
+// Destruction stops the thread once it has made K steps beyond those taken: every rank took as
+// many (errors are agreed), so every rank's thread makes the same steps and none is left in a
+// collective its peers never join. Destroy it on every rank, after the same number of Next().
+class StepPrefetcher {
+ public:
+  // Collective over `world` (outlives the prefetcher): the data plane's communicator (one
+  // Split), then the runner over it (StepRunner::Create with options.defer_cp_groups set).
+  // depth in [1, 64]; steps: the most steps the thread makes (-1: no bound) - a loop that
+  // stops after a known count gives it, so the thread makes none beyond. Errors: the Split's
+  // and Create's; InvalidArgument naming depth or steps.
+  [[nodiscard]] static Result<std::unique_ptr<StepPrefetcher>> Create(
+      ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
+      int depth, int64_t steps = -1);
+  ~StepPrefetcher();
+
+  // As StepRunner::Restore: before the first Next() (the thread starts at the first Next()).
+  [[nodiscard]] Status Restore(const RunState& state);
+
+  // The next step, in order; *waited (if given): the seconds this call waited for the thread.
+  // A dynamic step's groups are attached here, collectively over the world. After an error
+  // the prefetcher is done: destroy it.
+  [[nodiscard]] Result<RankStep> Next(double* waited = nullptr);
+
+  // The run's state after the last step Next() returned (not the last one prepared), or where
+  // the run starts before the first.
+  const RunState& state() const;
+
+ private:
+  class Impl;
+  explicit StepPrefetcher(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -79,6 +79,18 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
   return out;
 }
 
+// The world ranks of a dynamic group (domain indices first .. first + c - 1) at this rank's
+// (tp, pp): what its ProcessGroup holds, in order.
+std::vector<int> DynamicGroupRanks(const Topology& topo, int world_rank, int first, int c) {
+  const Coord me = ValueOrThrow(topo.CoordOf(world_rank));
+  std::vector<int> out;
+  for (int d = first; d < first + c; ++d) {
+    out.push_back(ValueOrThrow(
+        topo.RankOf(Coord{me.tp, d % topo.cp_size(), d / topo.cp_size(), me.pp})));
+  }
+  return out;
+}
+
 // One rank's step as a dict of NumPy arrays. Each microbatch carries its CP group: cp_size,
 // cp_rank, first_rank, idle, cp_ranks (world positions of its members; the topology's CP group
 // for a static step, [] when idle) and cp_group (the torch group of a dynamic microbatch with
@@ -100,6 +112,11 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   d["replica_sum_sq"] = step.meta.sum_sq;
   d["skipped_ids"] = step.meta.skipped_ids;
   d["figures"] = py::module_::import("json").attr("loads")(figures);
+  // The dynamic step's groups, (first domain rank, size), for a caller that makes them itself
+  // (a runner with defer_cp_groups: _TorchCpGroups.attach).
+  py::list needed;
+  for (const auto& [first, c] : step.cp_groups) needed.append(py::make_tuple(first, c));
+  d["cp_groups"] = needed;
   // The run's state once this step is done, as JSON text (the iterator parses it only when
   // asked for its state_dict).
   d["state"] = RunStateToJson(step.after);
@@ -134,6 +151,8 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
     } else if (mb.cp_group) {
       const auto ranks = mb.cp_group->ranks();
       m["cp_ranks"] = py::cast(std::vector<int>(ranks.begin(), ranks.end()));
+    } else if (step.dynamic) {
+      m["cp_ranks"] = py::cast(DynamicGroupRanks(topo, world_rank, mb.first_rank, mb.cp_size));
     } else {
       m["cp_ranks"] = py::cast(topology_cp);
     }
@@ -163,7 +182,7 @@ class TorchStepRunner {
  public:
   TorchStepRunner(py::object world_group, std::vector<int> torch_ranks, py::list known,
                   py::dict options, py::object source, py::object take_share, py::object device,
-                  double monitored_barrier_seconds)
+                  double monitored_barrier_seconds, bool defer_cp_groups)
       : job_(ResolveOptions(options, source)), take_share_(std::move(take_share)) {
     if (source.is_none() == take_share_.is_none()) {
       throw py::value_error("source: give a source spec or a caller-fed source, not both");
@@ -186,6 +205,7 @@ class TorchStepRunner {
     }
     world_ = MakeTorchWorld(std::move(world_group), comm);
     StepRunnerOptions ro = RunnerOptions(job_);
+    ro.defer_cp_groups = defer_cp_groups;
     if (!take_share_.is_none()) {
       ro.read_share = [this](int64_t step, int64_t first_position,
                              int loader) -> Result<StepShare> {
@@ -267,6 +287,78 @@ class TorchStepRunner {
   std::unique_ptr<StepRunner> runner_;
 };
 
+// The CP groups of dynamic steps prepared by a runner with defer_cp_groups, made on the
+// caller's thread from the caller's world (thdpack.torch's prefetching iterator): one
+// CpGroupCache, as the step runner would keep.
+class TorchCpGroups {
+ public:
+  TorchCpGroups(py::object world_group, std::vector<int> torch_ranks, py::list known,
+                py::dict options, py::object device)
+      : job_(ResolveOptions(options, py::str("mock"))),
+        cache_(job_.topology, job_.options.max_cp_groups) {
+    auto comm = std::make_shared<TorchCommOptions>();
+    comm->torch_ranks = std::move(torch_ranks);
+    for (const py::handle& k : known) {
+      auto t = k.cast<py::tuple>();
+      comm->known.push_back(
+          KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
+    }
+    comm->cuda_device = std::move(device);
+    comm->backend = py::str(py::module_::import("torch.distributed").attr("get_backend")(world_group))
+                        .cast<std::string>();
+    world_ = MakeTorchWorld(std::move(world_group), comm);
+  }
+
+  // Collective over the world: the groups of `raw` (a dynamic step's dict) made or taken from
+  // the cache; each microbatch's "cp_group" set (None for one rank or idle), and the step's
+  // figures given the counts (groups_made, groups_reused, groups_evicted, groups_cached).
+  void Attach(py::dict raw) {
+    RankStep rs;
+    rs.step = raw["step"].cast<int64_t>();
+    rs.dynamic = true;
+    for (const py::handle& g : raw["cp_groups"].cast<py::list>()) {
+      auto t = g.cast<py::tuple>();
+      rs.cp_groups.emplace_back(t[0].cast<int>(), t[1].cast<int>());
+    }
+    const Coord me = ValueOrThrow(job_.topology.CoordOf(world_->rank()));
+    rs.meta.domain_rank = me.dp * job_.topology.cp_size() + me.cp;
+    py::list mbs = raw["microbatches"].cast<py::list>();
+    for (const py::handle& h : mbs) {
+      py::dict m = h.cast<py::dict>();
+      const bool idle = m["idle"].cast<bool>();
+      rs.meta.groups.push_back(idle ? MicrobatchGroup{0, 0}
+                                    : MicrobatchGroup{m["first_rank"].cast<int32_t>(),
+                                                      m["cp_size"].cast<int32_t>()});
+    }
+    rs.microbatches.resize(rs.meta.groups.size());
+    // Agreed only when groups are split (CpGroupCache::Missing: the same on every rank): a
+    // step whose groups are all held costs the caller's thread no collective.
+    const bool splits = cache_.Missing(rs) > 0;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = cache_.Attach(*world_, rs);
+      if (splits) status = AgreeOnStatus(*world_, status, "groups");
+    }
+    ThrowIfError(status);
+    for (size_t k = 0; k < rs.microbatches.size(); ++k) {
+      py::dict m = mbs[k].cast<py::dict>();
+      const auto& g = rs.microbatches[k].cp_group;
+      m["cp_group"] = g && rs.meta.groups[k].num_ranks > 1 ? TorchGroupOf(g.get()) : py::none();
+    }
+    py::dict figures = raw["figures"].cast<py::dict>();
+    figures["groups_made"] = rs.groups_made;
+    figures["groups_reused"] = rs.groups_reused;
+    figures["groups_evicted"] = rs.groups_evicted;
+    figures["groups_cached"] = rs.groups_cached;
+  }
+
+ private:
+  Job job_;
+  std::unique_ptr<ProcessGroup> world_;
+  CpGroupCache cache_;
+};
+
 // The reference for tests: the same options and inputs, the step on one thread per rank.
 py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, py::object shares,
                            py::object state) {
@@ -339,15 +431,20 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
 void BindTorchIter(py::module_& m) {
   py::class_<TorchStepRunner>(m, "_TorchStepRunner")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
-                    py::object, double>(),
+                    py::object, double, bool>(),
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
            py::arg("source"), py::arg("take_share"), py::arg("cuda_device"),
-           py::arg("monitored_barrier_seconds"))
+           py::arg("monitored_barrier_seconds"), py::arg("defer_cp_groups") = false)
       .def("next", &TorchStepRunner::Next)
       .def("state", &TorchStepRunner::State)
       .def("restore", &TorchStepRunner::Restore, py::arg("state"))
       .def("consumed", &TorchStepRunner::Consumed)
       .def("topology", &TorchStepRunner::Topology);
+  py::class_<TorchCpGroups>(m, "_TorchCpGroups")
+      .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object>(),
+           py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
+           py::arg("cuda_device"))
+      .def("attach", &TorchCpGroups::Attach, py::arg("raw"));
   m.def("_run_steps_on_threads", &RunStepsOnThreads, py::arg("options"), py::arg("steps"),
         py::arg("source"), py::arg("shares"), py::arg("state") = py::none(),
         "Tests: the step of PackedDataIterator on one thread per rank; [rank][step] dicts.");

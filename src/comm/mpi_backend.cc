@@ -34,11 +34,20 @@ namespace {
 // Owns MPI initialisation: finalises MPI when the last group is gone, if it initialised it.
 class MpiEnv {
  public:
-  static Result<std::shared_ptr<MpiEnv>> Get() {
+  static Result<std::shared_ptr<MpiEnv>> Get(bool thread_multiple) {
     static std::mutex mu;
     static std::weak_ptr<MpiEnv> current;
     std::lock_guard<std::mutex> lk(mu);
-    if (auto env = current.lock()) return env;
+    if (auto env = current.lock()) {
+      int level = 0;
+      MPI_Query_thread(&level);
+      if (thread_multiple && level < MPI_THREAD_MULTIPLE) {
+        return Status::Unimplemented("MpiWorld: MPI was initialised at thread level " +
+                                     std::to_string(level) + ", below MPI_THREAD_MULTIPLE, "
+                                     "which groups used from two threads need (--prefetch)");
+      }
+      return env;
+    }
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
     MPI_Finalized(&finalized);
@@ -48,10 +57,23 @@ class MpiEnv {
     bool owns = false;
     if (!initialized) {
       int provided = 0;
-      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+      const int rc = MPI_Init_thread(
+          nullptr, nullptr, thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED,
+          &provided);
       if (rc != MPI_SUCCESS) return Status::Internal("MPI_Init_thread failed with code " +
                                                      std::to_string(rc));
       owns = true;
+    }
+    if (thread_multiple) {
+      int level = 0;
+      MPI_Query_thread(&level);
+      if (level < MPI_THREAD_MULTIPLE) {
+        if (owns) MPI_Finalize();
+        return Status::Unimplemented(
+            "MpiWorld: MPI gives thread level " + std::to_string(level) +
+            ", below MPI_THREAD_MULTIPLE (" + std::to_string(MPI_THREAD_MULTIPLE) +
+            "), which groups used from two threads need (--prefetch)");
+      }
     }
     auto env = std::shared_ptr<MpiEnv>(new MpiEnv(owns));
     current = env;
@@ -446,8 +468,8 @@ class MpiGroup final : public ProcessGroup {
 
 bool MpiAvailable() { return true; }
 
-Result<std::unique_ptr<ProcessGroup>> MpiWorld() {
-  THDPACK_ASSIGN_OR_RETURN(std::shared_ptr<MpiEnv> env, MpiEnv::Get());
+Result<std::unique_ptr<ProcessGroup>> MpiWorld(bool thread_multiple) {
+  THDPACK_ASSIGN_OR_RETURN(std::shared_ptr<MpiEnv> env, MpiEnv::Get(thread_multiple));
   MPI_Comm comm = MPI_COMM_NULL;
   if (MPI_Comm_dup(MPI_COMM_WORLD, &comm) != MPI_SUCCESS) {
     return Status::Internal("MpiWorld: MPI_Comm_dup(MPI_COMM_WORLD) failed");

@@ -5,7 +5,7 @@ namespace thdpack {
 
 bool MpiAvailable() { return false; }
 
-Result<std::unique_ptr<ProcessGroup>> MpiWorld() {
+Result<std::unique_ptr<ProcessGroup>> MpiWorld(bool) {
   return Status::Unimplemented(
       "MpiWorld: this build of thdpack has no MPI backend (configure with -DTHDPACK_WITH_MPI=ON)");
 }

@@ -5,7 +5,9 @@
 #include <memory>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "job/job_internal.h"
@@ -94,22 +96,45 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
   world.set_timeout(std::chrono::milliseconds(
       std::max<int64_t>(1, static_cast<int64_t>(job.options.timeout * 1000))));
   const StepRunnerOptions options = RunnerOptions(job);
-  THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, job.topology, options));
+  // With --prefetch the data plane runs ahead on a thread with a communicator of its own: the
+  // loop's collectives (verify, phases, state) and the thread's never share one.
+  const int prefetch = run.options.prefetch;
+  std::unique_ptr<StepRunner> runner;
+  std::unique_ptr<StepPrefetcher> ahead;
+  if (prefetch > 0) {
+    THDPACK_ASSIGN_OR_RETURN(ahead, StepPrefetcher::Create(world, job.topology, options,
+                                                           prefetch, job.steps));
+  } else {
+    THDPACK_ASSIGN_OR_RETURN(runner, StepRunner::Create(world, job.topology, options));
+  }
   if (job.resume.has_value()) {
     // Every rank holds the same state and the same fingerprint: the same answer everywhere.
-    THDPACK_RETURN_IF_ERROR(
-        runner->Restore(*job.resume).WithContext("--resume " + job.options.resume));
+    THDPACK_RETURN_IF_ERROR((ahead ? ahead->Restore(*job.resume) : runner->Restore(*job.resume))
+                                .WithContext("--resume " + job.options.resume));
   }
+  const int64_t consumed = ahead ? ahead->state().consumed : runner->state().consumed;
   std::unique_ptr<StepVerifier> verifier;
   if (run.probe) {
     THDPACK_ASSIGN_OR_RETURN(
         verifier, StepVerifier::Create(world, job.topology, *run.probe,
                                        job.schedule.parallel.sp(), options.data, options.source,
                                        options.global_batch, run.options.verify_tolerance,
-                                       runner->state().consumed));
+                                       consumed));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
-    THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
+    // The seconds the loop waited for its step: the whole step without --prefetch.
+    double waited = 0;
+    Result<RankStep> next = [&]() -> Result<RankStep> {
+      if (ahead) return ahead->Next(&waited);
+      const auto t0 = std::chrono::steady_clock::now();
+      Result<RankStep> r = runner->Next();
+      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return r;
+    }();
+    THDPACK_ASSIGN_OR_RETURN(RankStep step, std::move(next));
+    if (run.options.compute_seconds > 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(run.options.compute_seconds));
+    }
     if (std::binary_search(run.profile_steps.begin(), run.profile_steps.end(), step.step)) {
       THDPACK_RETURN_IF_ERROR(ProfileRankMemory(world, step, job.topology, job.memory,
                                                 run.options.memory_profile_dir));
@@ -129,6 +154,7 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
         report.phases = std::move(phases);
         report.loss = std::move(loss);
         report.dp_size = job.topology.dp_size();
+        report.wait_seconds = waited;
         if (step.dynamic) report.groups = GroupCounts(step);
         return on_step ? on_step(report) : Status::Ok();
       }();
@@ -193,6 +219,7 @@ std::string RunStepJson(const RunStepReport& step, bool summary_only) {
                        nlohmann::json(phases.seconds[k]).dump());
   }
   extra.emplace_back("time_step", nlohmann::json(phases.step_seconds).dump());
+  extra.emplace_back("time_wait", nlohmann::json(step.wait_seconds).dump());
   return StepFiguresJson(step.figures, summary_only, extra);
 }
 

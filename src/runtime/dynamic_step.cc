@@ -212,6 +212,8 @@ Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
 // The CP groups of this step's plan, (first rank, size) in increasing order, broadcast over the
 // world by head 0; every rank splits, in that order, those not made before (one Split each: at
 // every (tp, pp) the ranks of the group's domain indices), and keeps them for later steps.
+// The step's groups from head 0 (world rank 0) to every rank: the sorted list of (first
+// domain rank, size) of every group of the plan.
 Status StepRunner::Impl::MakeGroups(RankStep& out) {
   std::vector<int64_t> pairs;
   if (head_) {
@@ -236,16 +238,36 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
   }
   pairs.resize(static_cast<size_t>(count));
   THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(pairs), root));
-  groups_bytes_ += world_.bytes_sent() - b0;
+  out.cp_groups.clear();
   for (size_t k = 0; k < pairs.size(); k += 2) {
-    const int first = static_cast<int>(pairs[k]), c = static_cast<int>(pairs[k + 1]);
+    out.cp_groups.emplace_back(static_cast<int>(pairs[k]), static_cast<int>(pairs[k + 1]));
+  }
+  if (opts_.defer_cp_groups) {
+    groups_bytes_ += world_.bytes_sent() - b0;
+    return Status::Ok();
+  }
+  Status attached = groups_.Attach(world_, out);
+  groups_bytes_ += world_.bytes_sent() - b0;
+  return attached;
+}
+
+int CpGroupCache::Missing(const RankStep& step) const {
+  int missing = 0;
+  for (const auto& key : step.cp_groups) missing += groups_.count(key) == 0 ? 1 : 0;
+  return missing;
+}
+
+Status CpGroupCache::Attach(ProcessGroup& world, RankStep& out) {
+  const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
+  out.groups_made = out.groups_reused = out.groups_evicted = 0;
+  for (const auto& [first, c] : out.cp_groups) {
     if (first < 0 || c < 1 || first + c > domain) {
       return Status::Internal("dynamic step: group [" + std::to_string(first) + ", +" +
                               std::to_string(c) + ") outside the domain");
     }
     const std::pair<int, int> key{first, c};
     if (auto it = groups_.find(key); it != groups_.end()) {
-      it->second.last_step = step_;
+      it->second.last_step = out.step;
       ++out.groups_reused;
       continue;
     }
@@ -260,17 +282,17 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
         lists.push_back(std::move(list));
       }
     }
-    THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> g, world_.Split(lists));
-    groups_[key] = CachedGroup{std::shared_ptr<ProcessGroup>(std::move(g)), step_};
+    THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<ProcessGroup> g, world.Split(lists));
+    groups_[key] = Entry{std::shared_ptr<ProcessGroup>(std::move(g)), out.step};
     ++out.groups_made;
   }
   // Over the bound: drop the groups unused longest (earliest last step, then the smallest key),
   // never one of this step's; every rank drops the same ones. A microbatch of an earlier step
   // still holding a dropped group keeps it alive until it is freed.
-  while (static_cast<int64_t>(groups_.size()) > opts_.max_cp_groups) {
+  while (static_cast<int64_t>(groups_.size()) > max_) {
     auto oldest = groups_.end();
     for (auto it = groups_.begin(); it != groups_.end(); ++it) {
-      if (it->second.last_step == step_) continue;
+      if (it->second.last_step == out.step) continue;
       if (oldest == groups_.end() || it->second.last_step < oldest->second.last_step) oldest = it;
     }
     if (oldest == groups_.end()) break;  // this step alone uses more than the bound
@@ -286,12 +308,13 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
     const ProcessGroup* group = it == groups_.end() ? nullptr : it->second.group.get();
     if (group == nullptr || group->size() != g.num_ranks ||
         group->rank() != out.meta.domain_rank - g.first_rank) {
-      return Status::Internal("dynamic step " + std::to_string(step_) + ": microbatch " +
+      return Status::Internal("dynamic step " + std::to_string(out.step) + ": microbatch " +
                               std::to_string(m) + "'s group [" + std::to_string(g.first_rank) +
                               ", +" + std::to_string(g.num_ranks) +
                               ") is not among the groups of the plan, or not at position " +
                               std::to_string(out.meta.domain_rank - g.first_rank));
     }
+    if (m < out.microbatches.size()) out.microbatches[m].cp_group = it->second.group;
   }
   return Status::Ok();
 }
@@ -305,7 +328,6 @@ void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
                                    idle ? 0 : out.meta.domain_rank - g.first_rank);
     lm.idle = idle;
     lm.first_rank = g.first_rank;
-    if (!idle) lm.cp_group = groups_.at({g.first_rank, g.num_ranks}).group;  // MakeGroups checked
     out.microbatches.push_back(std::move(lm));
   }
 }
@@ -333,8 +355,10 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
   THDPACK_RETURN_IF_ERROR(Deliver(out, column_.get(),
                                   "the head of domain rank " + std::to_string(DomainIndex()),
                                   [&] { return ReceiveShardsDynamic(out); },
-                                  [&] { return MakeGroups(out); }));
-  FinishLocalDynamic(out);
+                                  [&] {
+                                    FinishLocalDynamic(out);
+                                    return MakeGroups(out);
+                                  }));
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
   ++step_;
   THDPACK_RETURN_IF_ERROR(CommitPosition(out));

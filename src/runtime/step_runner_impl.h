@@ -199,7 +199,7 @@ class StepRunner::Impl {
   using Clock = runner_internal::Clock;
   using SampleRef = runner_internal::SampleRef;
   Impl(ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options)
-      : world_(world), topo_(topology), opts_(options) {}
+      : world_(world), topo_(topology), opts_(options), groups_(topology, options.max_cp_groups) {}
 
   Status Init();
   Result<RankStep> Next();
@@ -313,15 +313,12 @@ class StepRunner::Impl {
   // ranks of one domain index (every tp and pp), its head first; groups_: the CP groups kept,
   // by (first rank, size), the group null where this rank is not a member, with the last step
   // that used it.
-  struct CachedGroup {
-    std::shared_ptr<ProcessGroup> group;
-    int64_t last_step = 0;
-  };
+
   bool dynamic_ = false;
   bool head_ = false;
   std::unique_ptr<ProcessGroup> heads_;
   std::unique_ptr<ProcessGroup> column_;
-  std::map<std::pair<int, int>, CachedGroup> groups_;
+  CpGroupCache groups_;
   int64_t groups_bytes_ = 0;
   std::vector<std::pair<int, int>> group_of_;  // [n]: (first rank, size) per position, (-1, 0)
 

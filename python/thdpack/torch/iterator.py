@@ -10,7 +10,11 @@ arrays each rank receives as torch tensors. docs/python.md documents the interfa
 """
 from __future__ import annotations
 
+import atexit
 import json
+import threading
+import time
+import weakref
 
 import numpy as np
 import torch
@@ -146,7 +150,7 @@ class PackedStep:
     is_loader, first_stage, last_stage.
     """
 
-    def __init__(self, raw, device, cp_group=None):
+    def __init__(self, raw, device, cp_group=None, copy_stream=None):
         self.step = raw["step"]
         self.epoch = raw["epoch"]
         self.is_loader = raw["is_loader"]
@@ -159,7 +163,14 @@ class PackedStep:
         self.seqlen_squared_sum = self.figures["sum_sq"]
         self.skipped_ids = list(raw["skipped_ids"])
         self.dynamic = raw["dynamic"]
-        self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
+        if copy_stream is not None:
+            # Pinned host tensors to the device on a side stream; the caller's stream waits
+            # for the copies before it uses them.
+            with torch.cuda.stream(copy_stream):
+                self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
+            torch.cuda.current_stream(device).wait_stream(copy_stream)
+        else:
+            self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
         self._state = raw["state"]
 
     def state_dict(self):
@@ -176,7 +187,25 @@ class PackedStep:
 def _tensor(a, device):
     if a is None:
         return None
+    if isinstance(a, torch.Tensor):  # pinned by the prefetching thread
+        return a.to(device, non_blocking=True)
     return torch.from_numpy(a).to(device)
+
+
+_DEVICE_ARRAYS = ("tokens", "position_ids", "labels", "loss_mask", "padding_mask", "cu_seqlens",
+                  "cu_seqlens_padded")
+
+
+def _pin(raw):
+    """A step's arrays as pinned host tensors (the prefetching thread, for a CUDA device)."""
+    for m in raw["microbatches"]:
+        for k in _DEVICE_ARRAYS:
+            if m[k] is not None:
+                m[k] = torch.from_numpy(m[k]).pin_memory()
+
+
+def _host(a):
+    return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
 
 
 def _microbatch(m, device, topology_cp_group):
@@ -198,8 +227,8 @@ def _microbatch(m, device, topology_cp_group):
         "cu_seqlens_padded": cup,
         # The same offsets in host memory, for whatever needs their values without waiting for
         # the device (LossStatistics.add_microbatch).
-        "cu_seqlens_cpu": torch.from_numpy(m["cu_seqlens"]),
-        "cu_seqlens_padded_cpu": torch.from_numpy(m["cu_seqlens_padded"]),
+        "cu_seqlens_cpu": _host(m["cu_seqlens"]),
+        "cu_seqlens_padded_cpu": _host(m["cu_seqlens_padded"]),
         "max_seqlen": max_seqlen,
         "n_valid": int(m["n_valid"]),
         # A blend: [n] int32 (CPU), each sequence's source in the blend's list; None otherwise.
@@ -219,6 +248,10 @@ def _microbatch(m, device, topology_cp_group):
             "max_seqlen_q": max_seqlen, "max_seqlen_kv": max_seqlen,
         },
     }
+
+
+# Steps a PackedDataIterator prepares ahead unless told (docs/python.md, "Prefetching").
+DEFAULT_PREFETCH = 1
 
 
 class PackedDataIterator:
@@ -248,6 +281,17 @@ class PackedDataIterator:
     monitored_barrier, which names a rank that stopped answering; ``start_step`` (default 0)
     starts at that step of a run that read ``global_batch`` samples a step from step 0.
 
+    ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller, in a
+    thread of each rank, over a gloo group of the iterator's own (made here, collectively):
+    the caller's groups and every NCCL group are used on the caller's thread only, which takes
+    a finished step, attaches a dynamic step's CP groups (made from the caller's world, on its
+    thread) and moves the tensors to the device (pinned host memory, a non-blocking copy on a
+    side stream that the current stream waits for). Every tensor and field is the one of
+    prefetch=0, every error raises at the step where it would have (never earlier); a caller-
+    fed iterable is read on that thread. ``last_wait`` is the seconds the last next() waited.
+    0: the whole step runs in next(), on the caller's groups. ``close()`` is collective (every
+    rank after the same step); an iterator still prefetching at interpreter exit is closed then.
+
     Resuming: ``state_dict()`` is the run's state after the last step handed to the caller (a
     JSON-serialisable dict, the same on every rank: save it with the checkpoint, from any
     rank); ``load_state_dict(state)``, on every rank before the first step, continues there -
@@ -264,7 +308,7 @@ class PackedDataIterator:
 
     def __init__(self, source, groups, global_batch=256, max_tokens_per_rank=16384,
                  scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None,
-                 steps=None, monitored_barrier_seconds=0.0, **options):
+                 steps=None, monitored_barrier_seconds=0.0, prefetch=None, **options):
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
         self.groups = groups
@@ -292,10 +336,32 @@ class PackedDataIterator:
         self._fed = not isinstance(source, str)
         self._source = None
         self._share = None
+        depth = DEFAULT_PREFETCH if prefetch is None else prefetch
+        if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= 64:
+            raise ValueError(f"prefetch: {prefetch!r} is not a number of steps in [0, 64]")
+        self._depth = depth
+        self.last_wait = 0.0
+        self._thread = None
+        self._ctl = _Prefetch(depth)
+        self._bg_group = None
+        self._cp_groups = None
+        self._copy_stream = None
+        world, known = groups.world, groups.known
+        if depth > 0:
+            # The data plane's own world: a gloo group over the same ranks (made here, on the
+            # caller's thread, collectively); the caller's groups stay the caller's.
+            self._bg_group = dist.new_group(ranks=list(groups.world_ranks), backend="gloo")
+            world, known = self._bg_group, []
+            if scheduler == "dynamic":
+                self._cp_groups = _thdpack._TorchCpGroups(groups.world, groups.world_ranks,
+                                                          groups.known, opts, cuda)
+            if self.device.type == "cuda":
+                self._copy_stream = torch.cuda.Stream(self.device)
         self._runner = _thdpack._TorchStepRunner(
-            groups.world, groups.world_ranks, groups.known, opts,
+            world, groups.world_ranks, known, opts,
             source if not self._fed else None, self._take_share if self._fed else None,
-            cuda, float(monitored_barrier_seconds))
+            cuda if depth == 0 else None, float(monitored_barrier_seconds),
+            defer_cp_groups=depth > 0)
         # The ranks that read: the step runner's rule (it depends on the scheduler).
         self.is_loader = bool(self._runner.topology()["reader"])
         if self._fed:
@@ -310,9 +376,10 @@ class PackedDataIterator:
     def __iter__(self):
         return self
 
-    def _prefetch(self):
+    def _read_share(self, group, device):
         """A caller-fed loader reads its share before the step, so that the end of the data is
-        agreed by every rank (one all-reduce) before the step's collectives begin."""
+        agreed by every rank (one all-reduce over `group`) before the step's collectives
+        begin."""
         ended = 0
         self._share = None
         if self.is_loader:
@@ -348,15 +415,16 @@ class PackedDataIterator:
                 except Exception as e:  # reported through the step, on every rank
                     self._share = e
         flags = torch.tensor([ended, 1 if self.is_loader and not ended else 0], dtype=torch.int64,
-                             device=self._comm_device or "cpu")
-        dist.all_reduce(flags, group=self.groups.world)
+                             device=device or "cpu")
+        dist.all_reduce(flags, group=group)
         ended_count, going = (int(v) for v in flags.cpu())
         if ended_count and not going:
             return False
         if ended_count:
             raise RuntimeError(f"PackedDataIterator: {ended_count} loader(s) ran out of samples "
-                               f"at step {self._done} while {going} still had some: every "
-                               f"loader must yield its share of every step")
+                               f"at step {json.loads(self._runner.state())['next_step']} while "
+                               f"{going} still had "
+                               f"some: every loader must yield its share of every step")
         return True
 
     def _take_share(self, step):
@@ -369,19 +437,60 @@ class PackedDataIterator:
     def __next__(self):
         if self._finished or (self._steps is not None and self._done >= self._steps):
             raise StopIteration
+        t0 = time.perf_counter()
         try:
-            if self._fed and not self._prefetch():
-                self._finished = True
-                raise StopIteration
-            raw = self._runner.next()
+            if self._depth > 0:
+                raw = self._take()
+            else:
+                if self._fed and not self._read_share(self.groups.world, self._comm_device):
+                    self._finished = True
+                    raise StopIteration
+                raw = self._runner.next()
         except StopIteration:
+            self._finished = True
             raise
         except BaseException:
             self._finished = True
             raise
+        self.last_wait = time.perf_counter() - t0
         self._done += 1
         self._state = raw["state"]
-        return PackedStep(raw, self.device, self.groups.cp)
+        return PackedStep(raw, self.device, self.groups.cp, self._copy_stream)
+
+    # --- prefetching --------------------------------------------------------------------------
+
+    def _produce_one(self):
+        """One step of the prefetching thread: ("step", raw), or ("end", None) where the
+        caller's next() would have ended (the exception where it would have raised)."""
+        if self._steps is not None and self._ctl.made >= self._steps:
+            return ("end", None)
+        if self._fed and not self._read_share(self._bg_group, None):
+            return ("end", None)
+        raw = self._runner.next()
+        if self._copy_stream is not None:
+            _pin(raw)
+        self._ctl.made += 1
+        return ("step", raw)
+
+    def _take(self):
+        ctl = self._ctl
+        if self._thread is None:
+            self._thread = threading.Thread(target=_produce, args=(weakref.ref(self), ctl),
+                                            daemon=True, name="thdpack-prefetch")
+            ctl.thread = self._thread
+            _RUNNING.add(ctl)
+            self._thread.start()
+        with ctl.cond:
+            ctl.cond.wait_for(lambda: len(ctl.items) > 0)
+            kind, payload = ctl.items.pop(0)
+            ctl.cond.notify_all()
+        if kind == "end":
+            raise StopIteration
+        if kind == "error":
+            raise payload
+        if self._cp_groups is not None and payload["dynamic"]:
+            self._cp_groups.attach(payload)  # the caller's world, on the caller's thread
+        return payload
 
     def state_dict(self):
         """The run's state after the last step handed to the caller (before the first: where the
@@ -415,6 +524,127 @@ class PackedDataIterator:
                                 self.groups.coord["dp"])
 
     def close(self):
-        """Drops the C++ step and the groups it made (also done when the iterator is freed)."""
-        self._runner = None
+        """Stops the prefetching thread, then drops the C++ step, the groups it made and the
+        iterator's own group. Collective when prefetching: every rank closes after the same
+        number of steps, and each rank's thread first finishes the ``prefetch`` steps ahead of
+        that point (so that no rank's thread is left in a collective its peers never join)."""
         self._finished = True
+        ctl = getattr(self, "_ctl", None)
+        thread = getattr(self, "_thread", None)
+        if ctl is not None:
+            with ctl.cond:
+                ctl.stop, ctl.fill = True, True
+                ctl.cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._thread = None
+        if ctl is not None:
+            ctl.items = []
+        self._runner = None
+        self._cp_groups = None
+        group = getattr(self, "_bg_group", None)
+        if group is not None:
+            self._bg_group = None
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+
+    def __del__(self):
+        # Freed without close(): the thread stops at its next step boundary, without waiting
+        # (the collector may run this on any thread, the prefetching one included), and the
+        # iterator's group is destroyed - here, or by the thread as it ends if it still runs.
+        ctl = getattr(self, "_ctl", None)
+        if ctl is None:
+            return
+        group = getattr(self, "_bg_group", None)
+        self._bg_group = None
+        with ctl.cond:
+            ctl.stop = True
+            if group is not None and getattr(self, "_thread", None) is not None \
+                    and not ctl.exited:
+                ctl.orphan, group = group, None
+            ctl.cond.notify_all()
+        _destroy(group)
+
+
+# The prefetching threads still running, stopped at interpreter exit (_stop_at_exit).
+_RUNNING = weakref.WeakSet()
+# How long the exit waits for each thread to finish the steps it owes its peers.
+_EXIT_JOIN_SECONDS = 60.0
+
+
+@atexit.register
+def _stop_at_exit():
+    """A process that ends with an iterator still prefetching (never closed: a training script
+    that just returns, or Megatron's entry points) stops its thread as close() would, before
+    the interpreter finalises: a daemon thread still inside a torch collective then would be
+    torn down mid-call (the C++ runtime aborts the process). atexit runs before that, and the
+    thread's steps complete since every rank's thread makes the same ones; a thread whose peers
+    are gone ends with their error."""
+    for ctl in list(_RUNNING):
+        with ctl.cond:
+            ctl.stop, ctl.fill = True, True
+            ctl.cond.notify_all()
+    for ctl in list(_RUNNING):
+        thread = ctl.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_EXIT_JOIN_SECONDS)
+
+
+class _Prefetch:
+    """What the caller's thread and the prefetching thread share: the prepared items (in step
+    order), how many steps the thread made, and how to stop."""
+
+    def __init__(self, depth):
+        self.depth = depth
+        self.items = []  # (kind, payload)
+        self.made = 0
+        self.stop = False  # set by close() or the collector
+        self.fill = False  # close(): finish the steps up to `depth` ahead first
+        self.exited = False  # the thread has ended
+        self.orphan = None  # the group of an iterator freed while the thread ran: its to destroy
+        self.thread = None
+        self.cond = threading.Condition()  # re-entrant: __del__ may run on the thread
+
+
+def _destroy(group):
+    if group is not None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may be half gone
+            pass
+
+
+def _produce(ref, ctl):
+    """The prefetching thread: up to ``depth`` items ahead of the caller. It holds the iterator
+    (through a weak reference) only while it makes a step, so that a dropped iterator is freed;
+    an error ends the thread after it is queued, to raise at the caller's step."""
+    try:
+        _produce_items(ref, ctl)
+    finally:
+        with ctl.cond:
+            ctl.exited = True
+            group, ctl.orphan = ctl.orphan, None
+        _RUNNING.discard(ctl)
+        _destroy(group)
+
+
+def _produce_items(ref, ctl):
+    while True:
+        with ctl.cond:
+            ctl.cond.wait_for(lambda: ctl.stop or len(ctl.items) < ctl.depth)
+            if ctl.stop and (not ctl.fill or len(ctl.items) >= ctl.depth):
+                return
+        it = ref()
+        if it is None:
+            return
+        try:
+            item = it._produce_one()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            item = ("error", e)
+        del it
+        with ctl.cond:
+            ctl.items.append(item)
+            ctl.cond.notify_all()
+        if item[0] != "step":
+            return
