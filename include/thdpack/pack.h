@@ -4,8 +4,9 @@
 // Layout of a packed microbatch of n sequences, T tokens after padding (the padding rule of
 // thdpack/parallel_layout.h, with PackOptions::parallel):
 //   P_i = parallel.PaddedLength(L_i); T = parallel.MicrobatchTokens(sum P_i), the LAST sequence
-//   absorbing T - sum P_i (the SP tail: no extra sequence appears, and no sequence is padded to
-//   2*CP*TP). Each microbatch may be packed with its own parallel layout.
+//   absorbing T - sum P_i (the tail of SP and of a rank multiple: no extra sequence appears, and
+//   no sequence is padded to 2*CP*TP). Each microbatch may be packed with its own parallel
+//   layout.
 //   tokens[T]        sequences concatenated; padding slots hold pad_id.
 //   position_ids[T]  0..P_i-1 inside each sequence (restart at 0, continue through padding).
 //   labels[T]        position j of sample s: tokens_s[j+1] when j+1 < L_s, else kIgnoreIndex.
@@ -91,8 +92,8 @@ struct PackBuffers {
 // layout: normally ComputeLayout of the samples' lengths with the same options. Any layout is
 // accepted whose cu_seqlens match the samples' lengths exactly and whose padded lengths are
 // >= the real ones, divisible by the zigzag multiple 2*CP (CP > 1), with T a multiple of CP*TP
-// when SP splits over TP, and
-// total_tokens == cu_seqlens_padded[n]; anything else is InvalidArgument.
+// when SP splits over TP and of parallel.rank_quantum() (every rank a multiple of the rank
+// multiple), and total_tokens == cu_seqlens_padded[n]; anything else is InvalidArgument.
 // REQUIRES: the samples as for Pack; out's non-empty spans of size T, not overlapping the
 // samples.
 [[nodiscard]] Result<int64_t> PackInto(std::span<const SampleView> samples, const Layout& layout,

@@ -153,6 +153,13 @@ Status ValidateLayout(std::span<const SampleView> samples, const Layout& layout,
                                    Str(o.parallel.tp_size()) + " (T a multiple of CP*TP = " +
                                    Str(cp_tp) + ")");
   }
+  if (layout.total_tokens % o.parallel.rank_quantum() != 0) {
+    return Status::InvalidArgument(
+        "layout.total_tokens = " + Str(layout.total_tokens) + ": each of the " +
+        Str(o.parallel.split_ranks()) + " ranks T is split over must hold a multiple of " +
+        "rank_multiple = " + Str(o.parallel.rank_multiple()) + " tokens (T a multiple of " +
+        Str(o.parallel.rank_quantum()) + ")");
+  }
   return Status::Ok();
 }
 
@@ -275,12 +282,14 @@ Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions
     layout.cu_seqlens[i + 1] = static_cast<int32_t>(real_total);
     layout.cu_seqlens_padded[i + 1] = static_cast<int32_t>(total);
   }
-  // SP: the last sequence absorbs the tail that makes T/CP a multiple of TP.
+  // The last sequence absorbs the tail that makes T a multiple of the token quantum: T/CP a
+  // multiple of TP under SP, every rank's tokens a multiple of the rank multiple.
   const int64_t rounded = parallel.MicrobatchTokens(total);
   if (rounded > kInt32Max) {
-    return Status::OutOfRange("T = " + Str(rounded) +
-                              " padded tokens after the SP tail exceeds int32 (" +
-                              Str(kInt32Max) + "): T must fit int32; split the microbatch");
+    return Status::OutOfRange("T = " + Str(rounded) + " padded tokens after the " +
+                              (parallel.rank_multiple() > 1 ? "rank-multiple" : "SP") +
+                              " tail exceeds int32 (" + Str(kInt32Max) +
+                              "): T must fit int32; split the microbatch");
   }
   total = rounded;
   layout.cu_seqlens_padded.back() = static_cast<int32_t>(total);

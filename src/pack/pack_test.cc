@@ -33,11 +33,11 @@ std::vector<Sample> TwoSamples() {
           Sample{.id = 20, .tokens = {21, 22, 23}, .target_mask = {}}};
 }
 
-// PackOptions with the parallel layout ParallelLayout::Create(cp, tp, sp, extra_alignment), which
-// these tests know to be valid (bad layouts: parallel_layout_test.cc).
+// PackOptions with the parallel layout ParallelLayout::Create(cp, tp, sp, extra_alignment,
+// rank_multiple), which these tests know to be valid (bad layouts: parallel_layout_test.cc).
 PackOptions Opts(int cp, int tp = 1, bool sp = false, int64_t extra_alignment = 1,
-                 TokenId pad_id = 0) {
-  return {.parallel = ParallelLayout::Create(cp, tp, sp, extra_alignment).value(),
+                 TokenId pad_id = 0, int64_t rank_multiple = 1) {
+  return {.parallel = ParallelLayout::Create(cp, tp, sp, extra_alignment, rank_multiple).value(),
           .pad_id = pad_id};
 }
 
@@ -111,6 +111,44 @@ TEST(PackLayoutTest, SpTailKeepsTheZigzagQuantumWithOddTp) {
   EXPECT_EQ(v->cu_seqlens_padded, (Ints{0, 8, 16}));
 }
 
+TEST(PackLayoutTest, RankMultipleTailIsAbsorbedByTheLastSequence) {
+  // docs/layout.md: CP=2, rank multiple 16: T = 12 becomes 32 (16 tokens per CP rank); the
+  // first sequence keeps P = 8, the last grows from 4 to 24 (still 4 zigzag chunks of 6).
+  // --align 8 would instead pad each sequence to a multiple of 32: T = 64.
+  auto l = ComputeLayout(Lengths{7, 3}, Opts(2, 1, false, 1, 0, 16));
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->cu_seqlens, (Ints{0, 7, 10}));
+  EXPECT_EQ(l->cu_seqlens_padded, (Ints{0, 8, 32}));
+  EXPECT_EQ(l->max_seqlen, 24);
+  EXPECT_EQ(l->total_tokens, 32);
+  auto align = ComputeLayout(Lengths{7, 3}, Opts(2, 1, false, 8));
+  ASSERT_TRUE(align.ok());
+  EXPECT_EQ(align->cu_seqlens_padded, (Ints{0, 32, 64}));
+  // With SP over TP = 2 the multiple is per TP rank: T/(CP*TP) = 16, T = 64.
+  auto sp = ComputeLayout(Lengths{7, 3}, Opts(2, 2, true, 1, 0, 16));
+  ASSERT_TRUE(sp.ok());
+  EXPECT_EQ(sp->cu_seqlens_padded, (Ints{0, 8, 64}));
+  // CP = 1: T itself a multiple of R; a total that is one already gets no tail.
+  auto cp1 = ComputeLayout(Lengths{20, 12}, Opts(1, 1, false, 1, 0, 32));
+  ASSERT_TRUE(cp1.ok());
+  EXPECT_EQ(cp1->cu_seqlens_padded, (Ints{0, 20, 32}));
+  // The shards: every CP rank holds 16 tokens.
+  const auto samples = TwoSamples();
+  auto sm = PackAndShardAll(Views(samples), Opts(2, 1, false, 1, 0, 16));
+  ASSERT_TRUE(sm.ok()) << sm.status().ToString();
+  EXPECT_EQ(sm->shards[0].tokens,
+            (Ints{11, 12, 17, 0, 21, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(sm->shards[1].tokens.size(), 16u);
+  EXPECT_EQ(sm->n_valid, 7);
+  // PackInto refuses a layout whose T breaks the rank multiple (here the layout without it).
+  const Layout plain = *ComputeLayout(Lengths{7, 3}, Opts(2));
+  Ints t(12);
+  ExpectInvalid(PackInto(Views(samples), plain, Opts(2, 1, false, 1, 0, 16), {.tokens = t})
+                    .status(),
+                {"layout.total_tokens = 12", "2 ranks", "rank_multiple = 16",
+                 "T a multiple of 32"});
+}
+
 TEST(PackLayoutTest, RejectsBadLengths) {
   ExpectInvalid(ComputeLayout(Lengths{}, {}).status(), {"lengths is empty"});
   ExpectInvalid(ComputeLayout(Lengths{4, 2, 9, 0}, {}).status(),
@@ -129,6 +167,10 @@ TEST(PackLayoutTest, TotalMustFitInt32) {
   ExpectCode(ComputeLayout(Lengths{std::numeric_limits<int32_t>::max() - 1}, Opts(1, 4, true))
                  .status(),
              StatusCode::kOutOfRange, {"T = 2147483648", "SP tail"});
+  ExpectCode(ComputeLayout(Lengths{std::numeric_limits<int32_t>::max() - 1},
+                           Opts(1, 1, false, 1, 0, 16))
+                 .status(),
+             StatusCode::kOutOfRange, {"T = 2147483648", "rank-multiple tail"});
   // An alignment or an SP quantum that does not fit int32 is ParallelLayout::Create's OutOfRange
   // (parallel_layout_test.cc, CreateRejectsBadArguments).
   // The largest T that fits is accepted.
