@@ -138,6 +138,27 @@ struct ShardedMicrobatch {
 [[nodiscard]] Result<ShardedMicrobatch> PackAndShardAll(std::span<const SampleView> samples,
                                                         const PackOptions& options);
 
+// ---- Hugging Face's label convention (docs/python.md, "With a Hugging Face model"). ----
+// A transformers causal LM shifts its `labels` itself (the logits at j are scored against
+// labels[j+1]) and ignores only kIgnoreIndex; its padding-free collators (transformers'
+// DataCollatorWithFlattening, TRL's padding-free DataCollatorForLanguageModeling) hand it
+// UNSHIFTED labels: token j where j's own target mask is 1, kIgnoreIndex at every sequence's
+// first token, where the mask is 0, and at padding. From a whole microbatch in thdpack's
+// convention (Pack's arrays, [T]), writes that convention:
+//   hf_labels[j]    = labels[j-1]  when j is not the first position of its padded sequence
+//                     and loss_mask[j-1] = 1 (then labels[j-1] = tokens[j]), else kIgnoreIndex
+//   hf_loss_mask[j] = 1 exactly where hf_labels[j] is not kIgnoreIndex (the same n_valid)
+// Only a whole microbatch can be shifted: in a CP shard, neighbouring positions belong to
+// different zigzag chunks. The outputs may be the inputs themselves (in place); they must not
+// otherwise overlap them.
+// REQUIRES (InvalidArgument naming the argument, index and rule otherwise): cu_seqlens_padded
+// [n+1], n >= 1, starts at 0, strictly increasing, ends at T; labels, loss_mask, hf_labels and
+// hf_loss_mask all of size T; loss_mask values 0 or 1.
+[[nodiscard]] Status ToHfLabels(std::span<const TokenId> labels,
+                                std::span<const uint8_t> loss_mask,
+                                std::span<const int32_t> cu_seqlens_padded,
+                                std::span<TokenId> hf_labels, std::span<uint8_t> hf_loss_mask);
+
 }  // namespace thdpack
 
 #endif  // THDPACK_PACK_H_
