@@ -17,4 +17,7 @@ if [ -d "$build/python/thdpack" ]; then
   echo "== schedule_vs_python.py =="
   PYTHONPATH="$build/python" /usr/bin/python3 "$here/bench/schedule_vs_python.py"
   echo
+  echo "== rank_multiple_pad.py =="
+  PYTHONPATH="$build/python" /usr/bin/python3 "$here/bench/rank_multiple_pad.py"
+  echo
 fi
