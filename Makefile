@@ -25,8 +25,9 @@ CMAKE_FLAGS ?=
 # python3 comes first on PATH.
 PYTHON ?= /usr/bin/python3
 # The current stack: a virtual environment of Debian's interpreter with the newest NumPy 2,
-# pybind11 3, PyTorch and megatron-core from PyPI (python/requirements-current.txt), made once
-# by scripts/make_venv.sh and reused; `make clean` keeps it (a 3.4 GB download).
+# pybind11 3, PyTorch, megatron-core, transformers and TRL from PyPI
+# (python/requirements-current.txt), made once by scripts/make_venv.sh and reused; `make clean`
+# keeps it (a 3.4 GB download).
 VENV ?= .venv
 WHEEL_BUILD ?= build-wheel
 

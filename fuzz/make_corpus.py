@@ -59,6 +59,17 @@ def wire_seeds():
          mb([3, 5], [3, 5], 6), mb([9], [12], 6)],
         step=5, epoch=1, dp_size=2, replica=0, cp_size=2, n_loss_tokens=54, skipped_ids=[4, 2],
         groups=[(0, 3), (0, 0), (1, 1), (0, 2)], domain_rank=1))
+    # Version 3: the golden message of docs/wire_format.md (rank multiple 16), and the version 2
+    # step above with rank multiple 16 (the groups flag; each group's T a multiple of c * 16).
+    seeds.append(bytes.fromhex("54 48 44 4D 03 22 00 00 00  01 00 01 00 02 01 00 04 10 08 20"
+                               "A0 06 06 01 02 21 14 22 01 0E  87 25 24 05"))
+    seeds.append(thdpack.encode_metadata(
+        [mb([7, 1, 20], [12, 6, 30], 25), {"cu_seqlens": np.array([0], dtype=np.int32),
+                                           "cu_seqlens_padded": np.array([0], dtype=np.int32),
+                                           "n_valid": 0},
+         mb([3, 5], [3, 13], 6), mb([9], [32], 6)],
+        step=5, epoch=1, dp_size=2, replica=0, cp_size=2, n_loss_tokens=54, skipped_ids=[4, 2],
+        groups=[(0, 3), (0, 0), (1, 1), (0, 2)], domain_rank=1, rank_multiple=16))
     return seeds
 
 

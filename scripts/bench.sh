@@ -20,4 +20,7 @@ if [ -d "$build/python/thdpack" ]; then
   echo "== prefetch_bench.py =="
   PYTHONPATH="$build/python" /usr/bin/python3 "$here/bench/prefetch_bench.py"
   echo
+  echo "== rank_multiple_pad.py =="
+  PYTHONPATH="$build/python" /usr/bin/python3 "$here/bench/rank_multiple_pad.py"
+  echo
 fi

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Makes the virtual environment of the current stack (python/requirements-current.txt: the
-# newest NumPy 2, pybind11 3, PyTorch and megatron-core from PyPI) for Debian's python3, once:
-# a second run finds it up to date and downloads nothing. It is remade when the requirements
-# file changes or the environment is broken. Also keeps a NumPy wheel in VENV/wheels for the
+# newest NumPy 2, pybind11 3, PyTorch, megatron-core, transformers and TRL from PyPI) for
+# Debian's python3, once: a second run finds it up to date and downloads nothing. It is remade
+# when the requirements file changes or the environment is broken. Also keeps a NumPy wheel in VENV/wheels for the
 # fresh NumPy-only environment the wheel test installs into (scripts/test_current_stack.sh).
 # Usage: scripts/make_venv.sh VENV [PYTHON]
 set -euo pipefail
@@ -27,7 +27,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
   "numpy==$("$venv/bin/python" -c 'import numpy; print(numpy.__version__)')"
 "$venv/bin/python" - "$venv" <<'PY' | tee "$venv/versions.txt" >&2
 import importlib.metadata as m, platform, sys
-names = ["numpy", "pybind11", "torch", "megatron-core", "pytest", "scikit-build-core", "nlohmann-json"]
+names = ["numpy", "pybind11", "torch", "megatron-core", "transformers", "trl", "pytest",
+         "scikit-build-core", "nlohmann-json"]
 print(f"make_venv: {sys.argv[1]}: Python {platform.python_version()}, " +
       ", ".join(f"{n} {m.version(n)}" for n in names))
 PY

@@ -75,6 +75,34 @@ expect_rank("${j}" 3 0 3 "[14,15]")
 expect_rank("${j}" 4 1 0 "[2,3]")
 expect_rank("${j}" 7 1 3 "[12,13]")
 
+# --rank-multiple 16 (the fp8 preset) at CP=2: T/CP must be a multiple of 16, so T goes from 12
+# to 32 and only the last sequence grows (to 24, still 4 chunks of 6): every rank holds 16
+# tokens, sequence 0 keeps its P = 8.
+foreach(r 16 fp8)
+  run_layout(j --lengths 7,3 --cp 2 --rank-multiple ${r} --json)
+  string(JSON cup GET "${j}" cu_seqlens_padded)
+  string(REGEX REPLACE "[ \n]" "" cup "${cup}")
+  if(NOT cup STREQUAL "[0,8,32]")
+    message(FATAL_ERROR "--rank-multiple ${r}: cu_seqlens_padded ${cup}")
+  endif()
+  expect_json("${j}" rank_multiple 16)
+  expect_count("${j}" 2)
+  expect_rank("${j}" 0 0 0 "[0,1,6,7,8,9,10,11,12,13,26,27,28,29,30,31]")
+  expect_rank("${j}" 1 1 0 "[2,3,4,5,14,15,16,17,18,19,20,21,22,23,24,25]")
+endforeach()
+# With SP over TP=2 each TP rank's part is the multiple: T/(CP*TP) = 16, T = 64.
+run_layout(j --lengths 7,3 --cp 2 --tp 2 --sp --rank-multiple 16 --json)
+string(JSON cup GET "${j}" cu_seqlens_padded)
+string(REGEX REPLACE "[ \n]" "" cup "${cup}")
+if(NOT cup STREQUAL "[0,8,64]")
+  message(FATAL_ERROR "--sp --rank-multiple 16: cu_seqlens_padded ${cup}")
+endif()
+execute_process(COMMAND ${THDPACK} layout --lengths 7,3 --cp 2 --rank-multiple fp9
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "--rank-multiple: rank multiple \"fp9\": expected fp8")
+  message(FATAL_ERROR "--rank-multiple fp9: rc ${rc}, stderr ${err}")
+endif()
+
 # The readable table names the ranks and marks padding.
 run_layout(text --lengths 7,3 --cp 2)
 if(NOT text MATCHES "cp_rank 1 tp_rank 0: 6 tokens: 2-5 9-10")

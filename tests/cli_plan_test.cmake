@@ -70,6 +70,22 @@ expect_json("${j}" [3] steps 0 replicas 1 microbatches 0 samples)
 expect_json("${j}" 4.0 steps 0 replicas 1 cost)
 expect_json("${j}" 1 summary n_steps)
 
+# The same plan with --rank-multiple 8: T/CP a multiple of 8, so T a multiple of lcm(4, 16) =
+# 16. Replica 0's [0, 2, 1] holds 16 already; replica 1's [3] (P = 8) takes an 8-token tail on
+# its last (only) sequence: T = 16, P = 16. Padded 32, sum P^2 = 16+16+64 + 256 = 352, and the
+# tail is charged: cost 16/CP = 8 on both replicas.
+run_plan(j ${common} --scheduler sequential --rank-multiple 8 --json)
+expect_json("${j}" [3] steps 0 replicas 1 microbatches 0 samples)
+expect_json("${j}" 16 steps 0 replicas 1 microbatches 0 padded_tokens)
+expect_json("${j}" 8.0 steps 0 replicas 1 cost)
+expect_json("${j}" 32 steps 0 padded_tokens)
+expect_json("${j}" 352 steps 0 sum_sq)
+# blockwise (128) at CP 2 needs T a multiple of 256, over the budget of 16.
+expect_error(ARGS ${common} --rank-multiple blockwise
+             EXPECT "--max-tokens-per-rank: CP * max tokens per rank = 16 is below the token quantum 256")
+expect_error(ARGS ${common} --rank-multiple 0
+             EXPECT "--rank-multiple: rank multiple \"0\": expected fp8 (16)")
+
 # balanced: the split 12 / 12 (P) exists ([0, 1] and [2, 3], or [0, 3] and [1, 2]): imbalance 1,
 # still one microbatch, every id once.
 run_plan(j ${common} --json --svg ${WORK_DIR}/plan.svg)

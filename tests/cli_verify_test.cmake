@@ -101,6 +101,29 @@ if(NOT dyn MATCHES "\"groups_made\":[1-9]" OR NOT dyn MATCHES "\"groups_reused\"
   message(FATAL_ERROR "dynamic run: no groups made or reused:\n${dyn}")
 endif()
 
+# A rank multiple (--rank-multiple, docs/layout.md): more padding on each microbatch's last
+# sequence, the same loss and token counts as one rank without it, on static CP, CP with SP
+# (the multiple per TP rank) and dynamic groups; under mpirun too.
+foreach(case "fp8;--tp;1;--cp;2;--dp;2" "mxfp8;--tp;2;--cp;2;--dp;2;--sp"
+        "24;--tp;1;--cp;3;--dp;2;--scheduler;dynamic")
+  list(POP_FRONT case r)
+  verify_run(rank_${r} ${THDPACK} run --backend threads ${case} --rank-multiple ${r} ${common})
+  expect_close(rank_${r})
+  file(READ ${WORK_DIR}/rank_${r}.json got)
+  file(READ ${WORK_DIR}/one.json base)
+  string(REGEX MATCH "\"padded_tokens\":[0-9]+" got_padded "${got}")
+  string(REGEX MATCH "\"padded_tokens\":[0-9]+" base_padded "${base}")
+  if(got_padded STREQUAL base_padded)
+    message(FATAL_ERROR "--rank-multiple ${r}: padded tokens unchanged (${got_padded})")
+  endif()
+endforeach()
+if(MPIEXEC)
+  verify_run(mpi_rank ${MPIEXEC} --allow-run-as-root --oversubscribe --mca btl self,vader
+             -np 8 ${THDPACK} run --backend mpi --tp 2 --cp 2 --dp 2 --sp --rank-multiple 16
+             ${common})
+  expect_close(mpi_rank)
+endif()
+
 # The comparison itself can fail: another probe model gives other figures.
 verify_run(other ${THDPACK} run --backend threads --dp 1 --cp 1 ${common} --probe-vocab 255)
 execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/one.json ${WORK_DIR}/other.json

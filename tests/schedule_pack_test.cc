@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <vector>
 
 #include "schedule/scheduler_test_util.h"
 #include "thdpack/pack.h"
@@ -21,8 +22,9 @@ TEST(SchedulePaddingTest, EqualsPackComputeLayout) {
     const int cp = 1 + static_cast<int>(rng() % 4);
     const int tp = 1 + static_cast<int>(rng() % 6);
     const bool sp = rng() % 2;
-    po.parallel =
-        ParallelLayout::Create(cp, tp, sp, 1 + static_cast<int64_t>(rng() % 3)).value();
+    po.parallel = ParallelLayout::Create(cp, tp, sp, 1 + static_cast<int64_t>(rng() % 3),
+                                         std::vector<int64_t>{1, 2, 16, 128}[rng() % 4])
+                      .value();
     const auto lengths = RandomLengths(rng, 1 + rng() % 6, 300);
     auto layout = ComputeLayout(lengths, po);
     ASSERT_TRUE(layout.ok()) << layout.status().ToString();

@@ -23,6 +23,11 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   cmd->add_option("--align", o.align,
                   "Extra per-sequence alignment, multiplying the 2*CP padding multiple")
       ->capture_default_str();
+  cmd->add_option("--rank-multiple", a->rank_multiple,
+                  "Each rank's tokens of a microbatch (T/CP; T/(CP*TP) with --sp) a multiple of "
+                  "this, the tail on the last sequence: fp8 (16) | mxfp8 (32) | blockwise (128) "
+                  "| N")
+      ->capture_default_str();
   cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank,
                   "Padded tokens one CP rank may hold in one microbatch")
       ->capture_default_str();
@@ -112,6 +117,9 @@ Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
   JobOptions options = args.options;
   THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
   THDPACK_ASSIGN_OR_RETURN(options.memory_limit, ParseMemoryLimit(args.memory_limit));
+  Result<int64_t> rank_multiple = ParseRankMultiple(args.rank_multiple);
+  if (!rank_multiple.ok()) return rank_multiple.status().WithContext("--rank-multiple");
+  options.rank_multiple = *rank_multiple;
   if (Given(args.steps_option)) options.steps = args.steps;
   // Megatron's files are PREFIX.idx and PREFIX.bin; a user often names one of them.
   if (options.data.rfind("megatron:", 0) == 0 &&

@@ -24,6 +24,7 @@ struct JobArgs {
   JobOptions options;
   std::string global_batch = "256";  // --global-batch text (ParseGlobalBatch)
   std::string memory_limit = "0";    // --memory-limit text (ParseMemoryLimit)
+  std::string rank_multiple = "1";   // --rank-multiple text (ParseRankMultiple)
   int64_t steps = 3;                  // --steps, when given
   CLI::Option* steps_option = nullptr;
   CLI::Option* mock_samples_option = nullptr;
@@ -31,7 +32,7 @@ struct JobArgs {
   CLI::Option* fused_grad_option = nullptr;
 };
 
-// Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --max-tokens-per-rank,
+// Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --rank-multiple, --max-tokens-per-rank,
 // --global-batch, --steps, --scheduler, --cost, --microbatch-multiple, --num-microbatches,
 // --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype,
 // --fused-grad and --memory-limit on `cmd`, writing into `args` (which must outlive the parse).

@@ -22,6 +22,7 @@ struct LayoutArgs {
   int tp = 1;
   bool sp = false;
   int64_t align = 1;
+  std::string rank_multiple = "1";  // ParseRankMultiple's text
   bool json = false;
 };
 
@@ -100,8 +101,13 @@ int RunLayout(const LayoutArgs& args) {
         "--sp: sequence parallelism splits each CP shard over the TP ranks, so it needs --tp > 1, "
         "got --tp 1"));
   }
-  auto parallel = ParallelLayout::Create(args.cp, args.tp, args.sp, args.align);
-  if (!parallel.ok()) return fail(parallel.status().WithContext("--cp/--tp/--sp/--align"));
+  auto rank_multiple = ParseRankMultiple(args.rank_multiple);
+  if (!rank_multiple.ok()) return fail(rank_multiple.status().WithContext("--rank-multiple"));
+  auto parallel =
+      ParallelLayout::Create(args.cp, args.tp, args.sp, args.align, *rank_multiple);
+  if (!parallel.ok()) {
+    return fail(parallel.status().WithContext("--cp/--tp/--sp/--align/--rank-multiple"));
+  }
   PackOptions opts;
   opts.parallel = *parallel;
   auto layout = ComputeLayout(*lengths, opts);
@@ -134,6 +140,7 @@ int RunLayout(const LayoutArgs& args) {
     j["cp_size"] = args.cp;
     j["tp_size"] = args.tp;
     j["sp"] = args.sp;
+    j["rank_multiple"] = parallel->rank_multiple();
     nlohmann::ordered_json rs = nlohmann::ordered_json::array();
     for (const RankIndices& r : ranks) {
       rs.push_back({{"cp_rank", r.cp_rank}, {"tp_rank", r.tp_rank}, {"indices", r.indices}});
@@ -146,9 +153,13 @@ int RunLayout(const LayoutArgs& args) {
   const auto& cu = layout->cu_seqlens;
   const auto& cup = layout->cu_seqlens_padded;
   const size_t n = cu.size() - 1;
-  std::printf("%zu sequences, %lld padded tokens (T), CP=%d TP=%d%s, max_seqlen %d\n", n,
+  const std::string rank_text =
+      parallel->rank_multiple() > 1
+          ? ", rank multiple " + std::to_string(parallel->rank_multiple())
+          : std::string();
+  std::printf("%zu sequences, %lld padded tokens (T), CP=%d TP=%d%s%s, max_seqlen %d\n", n,
               static_cast<long long>(layout->total_tokens), args.cp, args.tp,
-              args.sp ? " with SP" : "", layout->max_seqlen);
+              args.sp ? " with SP" : "", rank_text.c_str(), layout->max_seqlen);
   std::printf("cu_seqlens        %s\ncu_seqlens_padded %s\n\n", JoinInts(cu).c_str(),
               JoinInts(cup).c_str());
 
@@ -208,6 +219,10 @@ void AddLayoutCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--sp", args->sp, "Sequence parallelism: split each CP shard over the TP ranks");
   cmd->add_option("--align", args->align,
                   "Extra per-sequence alignment, multiplying the 2*CP padding multiple")
+      ->capture_default_str();
+  cmd->add_option("--rank-multiple", args->rank_multiple,
+                  "Each rank's tokens (T/CP; T/(CP*TP) with --sp) a multiple of this, the tail "
+                  "on the last sequence: fp8 (16) | mxfp8 (32) | blockwise (128) | N")
       ->capture_default_str();
   cmd->add_flag("--json", args->json,
                 "Print {cu_seqlens, cu_seqlens_padded, ranks:[{cp_rank,tp_rank,indices}]} as JSON");

@@ -310,9 +310,11 @@ std::string Device(const Job& job) {
 
 void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
   const JobOptions& o = job.options;
-  std::printf("thdpack plan: data %s, DP=%d CP=%d TP=%d PP=%d%s, %lld max tokens per rank, "
+  const std::string rank_multiple =
+      o.rank_multiple > 1 ? " rank multiple " + std::to_string(o.rank_multiple) : std::string();
+  std::printf("thdpack plan: data %s, DP=%d CP=%d TP=%d PP=%d%s%s, %lld max tokens per rank, "
               "global batch %s, %s scheduler, %s, hw %s\n",
-              o.data.c_str(), o.dp, o.cp, o.tp, o.pp, o.sp ? " SP" : "",
+              o.data.c_str(), o.dp, o.cp, o.tp, o.pp, o.sp ? " SP" : "", rank_multiple.c_str(),
               static_cast<long long>(o.max_tokens_per_rank), args.job.global_batch.c_str(),
               o.scheduler.c_str(), CostNote(job.schedule.cost, Device(job)).c_str(),
               o.hw.c_str());

@@ -56,6 +56,10 @@ struct JobOptions {
   int pp = 1;  // --pp, >= 1
   bool sp = false;                      // --sp: sequence parallelism
   int64_t align = 1;                    // --align: extra per-sequence alignment, >= 1
+  // --rank-multiple: every rank's tokens of a microbatch (T/CP, T/(CP*TP) with SP) a multiple
+  // of it, the tail on the last sequence (ParallelLayout); >= 1. The command line and Python
+  // also take the presets of ParseRankMultiple (fp8 16, mxfp8 32, blockwise 128).
+  int64_t rank_multiple = 1;
   int64_t max_tokens_per_rank = 16384;  // --max-tokens-per-rank, >= 1; CP times it fits int32
   // --global-batch: samples per step over all replicas, >= 1, or 0 for "all" (one whole epoch
   // per step). ParseGlobalBatch reads the option's text.

@@ -4,8 +4,9 @@
 // Layout of a packed microbatch of n sequences, T tokens after padding (the padding rule of
 // thdpack/parallel_layout.h, with PackOptions::parallel):
 //   P_i = parallel.PaddedLength(L_i); T = parallel.MicrobatchTokens(sum P_i), the LAST sequence
-//   absorbing T - sum P_i (the SP tail: no extra sequence appears, and no sequence is padded to
-//   2*CP*TP). Each microbatch may be packed with its own parallel layout.
+//   absorbing T - sum P_i (the tail of SP and of a rank multiple: no extra sequence appears, and
+//   no sequence is padded to 2*CP*TP). Each microbatch may be packed with its own parallel
+//   layout.
 //   tokens[T]        sequences concatenated; padding slots hold pad_id.
 //   position_ids[T]  0..P_i-1 inside each sequence (restart at 0, continue through padding).
 //   labels[T]        position j of sample s: tokens_s[j+1] when j+1 < L_s, else kIgnoreIndex.
@@ -91,8 +92,8 @@ struct PackBuffers {
 // layout: normally ComputeLayout of the samples' lengths with the same options. Any layout is
 // accepted whose cu_seqlens match the samples' lengths exactly and whose padded lengths are
 // >= the real ones, divisible by the zigzag multiple 2*CP (CP > 1), with T a multiple of CP*TP
-// when SP splits over TP, and
-// total_tokens == cu_seqlens_padded[n]; anything else is InvalidArgument.
+// when SP splits over TP and of parallel.rank_quantum() (every rank a multiple of the rank
+// multiple), and total_tokens == cu_seqlens_padded[n]; anything else is InvalidArgument.
 // REQUIRES: the samples as for Pack; out's non-empty spans of size T, not overlapping the
 // samples.
 [[nodiscard]] Result<int64_t> PackInto(std::span<const SampleView> samples, const Layout& layout,
@@ -136,6 +137,27 @@ struct ShardedMicrobatch {
 // Value API of the fused path for every CP rank.
 [[nodiscard]] Result<ShardedMicrobatch> PackAndShardAll(std::span<const SampleView> samples,
                                                         const PackOptions& options);
+
+// ---- Hugging Face's label convention (docs/python.md, "With a Hugging Face model"). ----
+// A transformers causal LM shifts its `labels` itself (the logits at j are scored against
+// labels[j+1]) and ignores only kIgnoreIndex; its padding-free collators (transformers'
+// DataCollatorWithFlattening, TRL's padding-free DataCollatorForLanguageModeling) hand it
+// UNSHIFTED labels: token j where j's own target mask is 1, kIgnoreIndex at every sequence's
+// first token, where the mask is 0, and at padding. From a whole microbatch in thdpack's
+// convention (Pack's arrays, [T]), writes that convention:
+//   hf_labels[j]    = labels[j-1]  when j is not the first position of its padded sequence
+//                     and loss_mask[j-1] = 1 (then labels[j-1] = tokens[j]), else kIgnoreIndex
+//   hf_loss_mask[j] = 1 exactly where hf_labels[j] is not kIgnoreIndex (the same n_valid)
+// Only a whole microbatch can be shifted: in a CP shard, neighbouring positions belong to
+// different zigzag chunks. The outputs may be the inputs themselves (in place); they must not
+// otherwise overlap them.
+// REQUIRES (InvalidArgument naming the argument, index and rule otherwise): cu_seqlens_padded
+// [n+1], n >= 1, starts at 0, strictly increasing, ends at T; labels, loss_mask, hf_labels and
+// hf_loss_mask all of size T; loss_mask values 0 or 1.
+[[nodiscard]] Status ToHfLabels(std::span<const TokenId> labels,
+                                std::span<const uint8_t> loss_mask,
+                                std::span<const int32_t> cu_seqlens_padded,
+                                std::span<TokenId> hf_labels, std::span<uint8_t> hf_loss_mask);
 
 }  // namespace thdpack
 

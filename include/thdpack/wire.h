@@ -68,15 +68,16 @@ struct MicrobatchGroup {
 // Everything a receiving rank of one replica needs for one step. A static step's metadata
 // (groups empty, encoded as version 1) is the same on every rank of a replica; a dynamic step's
 // (groups set, version 2) is the same on every rank of one domain index (every TP rank and
-// pipeline stage of it).
+// pipeline stage of it). Either, with a rank multiple, is encoded as version 3.
 struct StepMeta {
   uint64_t step = 0;          // training step, any 64-bit value
   uint64_t epoch = 0;         // passes over the source so far, any 64-bit value
   int32_t dp_size = 1;        // DP: number of replicas, >= 1
   int32_t replica = 0;        // dp: the replica these microbatches belong to, in [0, DP)
-  // CP, TP, SP and the per-sequence alignment m of every microbatch of this replica (valid by
-  // construction; version 1 carries it as cp_size, tp_size, an sp flag and pad_multiple = m).
-  // With sp every T is a multiple of CP * TP.
+  // CP, TP, SP, the per-sequence alignment m and the rank multiple R of every microbatch of
+  // this replica (valid by construction; version 1 carries it as cp_size, tp_size, an sp flag
+  // and pad_multiple = m, version 3 adds rank_multiple = R). With sp every T is a multiple of
+  // CP * TP; every T is a multiple of parallel.rank_quantum() (R tokens a rank).
   ParallelLayout parallel;
   // The M microbatches of this replica, M >= 1 (the same M on every replica), each n >= 1.
   std::vector<MicrobatchMeta> microbatches;
@@ -101,8 +102,8 @@ struct StepMeta {
 
 // Checks every rule written beside the fields above, and that the totals agree with the
 // microbatches: real_tokens, padded_tokens and sum_sq equal their sums, max_seqlen equals the
-// largest P_i, n_loss_tokens >= sum of n_valid, and under SP every T is a multiple of
-// cp_size * tp_size. Returns InvalidArgument naming the field, the microbatch and sequence
+// largest P_i, n_loss_tokens >= sum of n_valid, under SP every T is a multiple of
+// cp_size * tp_size, and every T is a multiple of the layout's rank_quantum(). Returns InvalidArgument naming the field, the microbatch and sequence
 // index and the rule broken, e.g.
 //   "StepMeta.microbatches[2].cu_seqlens_padded (sequence 5): padded length 100 is not a
 //    multiple of pad_multiple 8".
@@ -116,19 +117,23 @@ struct StepMeta {
 // checksum and then dispatch on the version.
 
 inline constexpr uint8_t kStepMetaMagic[4] = {'T', 'H', 'D', 'M'};
-// The newest version EncodeStepMeta writes: version 1 for a static step (groups empty: its bytes
-// are those of every earlier release), version 2 for a dynamic one (groups set). DecodeStepMeta
-// reads every version from 1 to this one.
-inline constexpr uint8_t kStepMetaVersion = 2;
+// The newest version EncodeStepMeta writes. It writes the oldest version that carries a step, so
+// that a step of an older kind keeps the bytes of the releases before: version 1 for a static
+// step (groups empty, rank multiple 1), version 2 for a dynamic one (groups set), version 3 for
+// either with a rank multiple R > 1 (a reader of versions 1-2 refuses it as newer: it could not
+// know that every T carries R tokens a rank). DecodeStepMeta reads every version from 1 to
+// this one.
+inline constexpr uint8_t kStepMetaVersion = 3;
 inline constexpr uint8_t kStepMetaVersionStatic = 1;
 inline constexpr uint8_t kStepMetaVersionGroups = 2;
+inline constexpr uint8_t kStepMetaVersionRankMultiple = 3;
 // Bytes of the fixed prefix: magic, version, total_length.
 inline constexpr size_t kStepMetaHeaderSize = 9;
 // The smallest well-formed message: prefix plus trailer (a real body is never empty).
 inline constexpr size_t kStepMetaMinSize = kStepMetaHeaderSize + 4;
 
 // Validates `meta` (InvalidArgument as ValidateStepMeta) and encodes it: version 1 without
-// groups, version 2 with. OutOfRange if the message would exceed 2^32 - 1 bytes.
+// groups, version 2 with, version 3 with a rank multiple (groups or not). OutOfRange if the message would exceed 2^32 - 1 bytes.
 [[nodiscard]] Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta);
 
 // Decodes one whole message (exactly `bytes`, no trailing bytes). Checks, in this order, the

@@ -1,6 +1,7 @@
 // Python bindings of the parallel layout of a microbatch and its padding rule
-// (thdpack/parallel_layout.h). The other bindings take the same four keyword arguments
-// (cp_size, tp_size, sp, extra_alignment) and build their ParallelLayout with MakeLayout.
+// (thdpack/parallel_layout.h). The other bindings take the same five keyword arguments
+// (cp_size, tp_size, sp, extra_alignment, rank_multiple) and build their ParallelLayout with
+// MakeLayout.
 #include <string>
 
 #include "common.h"
@@ -8,8 +9,23 @@
 
 namespace thdpack::python {
 
-ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_alignment) {
-  return ValueOrThrow(ParallelLayout::Create(cp_size, tp_size, sp, extra_alignment));
+ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_alignment,
+                          int64_t rank_multiple) {
+  return ValueOrThrow(
+      ParallelLayout::Create(cp_size, tp_size, sp, extra_alignment, rank_multiple));
+}
+
+int64_t RankMultipleOf(const py::handle& value, const std::string& name) {
+  if (py::isinstance<py::str>(value)) {
+    Result<int64_t> r = ParseRankMultiple(value.cast<std::string>());
+    if (!r.ok()) throw py::value_error(name + ": " + r.status().message());
+    return *r;
+  }
+  if (py::isinstance<py::bool_>(value)) {
+    throw py::value_error(name + ": expected an integer or a preset name (fp8, mxfp8, "
+                                 "blockwise, none), got bool");
+  }
+  return Int64Of(value, name);
 }
 
 void BindLayout(py::module_& m) {
@@ -17,13 +33,25 @@ void BindLayout(py::module_& m) {
                              "The parallel layout of a microbatch (CP, TP, SP, extra alignment) "
                              "and the padding rule: P = padded_length(L), T = "
                              "microbatch_tokens(sum P).")
-      .def(py::init(&MakeLayout), py::arg("cp_size") = 1, py::arg("tp_size") = 1,
-           py::arg("sp") = false, py::arg("extra_alignment") = 1,
-           "Validates the layout; ValueError naming the argument and rule otherwise.")
+      .def(py::init([](int cp_size, int tp_size, bool sp, int64_t extra_alignment,
+                       const py::object& rank_multiple) {
+             return MakeLayout(cp_size, tp_size, sp, extra_alignment,
+                               RankMultipleOf(rank_multiple, "rank_multiple"));
+           }),
+           py::arg("cp_size") = 1, py::arg("tp_size") = 1, py::arg("sp") = false,
+           py::arg("extra_alignment") = 1, py::arg("rank_multiple") = 1,
+           "Validates the layout; ValueError naming the argument and rule otherwise. "
+           "rank_multiple: an int, or 'fp8' (16), 'mxfp8' (32), 'blockwise' (128), 'none' (1).")
       .def_property_readonly("cp_size", &ParallelLayout::cp_size)
       .def_property_readonly("tp_size", &ParallelLayout::tp_size)
       .def_property_readonly("sp", &ParallelLayout::sp)
       .def_property_readonly("extra_alignment", &ParallelLayout::extra_alignment)
+      .def_property_readonly("rank_multiple", &ParallelLayout::rank_multiple,
+                             "Every rank's tokens of a microbatch are a multiple of it")
+      .def_property_readonly("split_ranks", &ParallelLayout::split_ranks,
+                             "The ranks T is divided over: CP, or CP*TP with SP over TP > 1")
+      .def_property_readonly("rank_quantum", &ParallelLayout::rank_quantum,
+                             "split_ranks * rank_multiple: T is a multiple of it")
       .def_property_readonly("zigzag_multiple", &ParallelLayout::zigzag_multiple,
                              "2*CP when CP > 1, else 1")
       .def_property_readonly("sequence_alignment", &ParallelLayout::sequence_alignment,

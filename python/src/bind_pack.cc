@@ -70,9 +70,10 @@ SampleArgs ReadSamples(const py::object& samples_obj, const py::object& target_m
 }
 
 PackOptions MakeOptions(int cp_size, int tp_size, bool sp, int64_t pad_id,
-                        int64_t extra_alignment) {
+                        int64_t extra_alignment, const py::object& rank_multiple) {
   PackOptions o;
-  o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment);
+  o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment,
+                          RankMultipleOf(rank_multiple, "rank_multiple"));
   if (pad_id < 0 || pad_id > std::numeric_limits<TokenId>::max()) {
     throw py::value_error("pad_id = " + std::to_string(pad_id) + ": must lie in [0, 2^31)");
   }
@@ -82,6 +83,27 @@ PackOptions MakeOptions(int cp_size, int tp_size, bool sp, int64_t pad_id,
 
 py::array_t<float> MaskToFloat(std::span<const uint8_t> m) { return Widen<float>(m); }
 
+// label_format: "megatron" (thdpack's: shifted) or "hf" (Hugging Face's: unshifted); true for
+// "hf". ValueError naming the argument otherwise, and for "hf" with CP > 1 (why: pack.h,
+// ToHfLabels).
+bool IsHfFormat(const std::string& label_format, int cp_size) {
+  if (label_format == "megatron") return false;
+  if (label_format != "hf") {
+    throw py::value_error("label_format = '" + label_format +
+                          "': expected 'megatron' (labels already shifted, thdpack's and "
+                          "Megatron's) or 'hf' (unshifted, as Hugging Face models take them)");
+  }
+  if (cp_size > 1) {
+    throw py::value_error(
+        "label_format = 'hf' needs cp_size = 1, got " + std::to_string(cp_size) +
+        ": a Hugging Face model shifts its labels inside the tokens it is given, and a zigzag "
+        "CP shard puts tokens of different chunks side by side, so the shift would pair a "
+        "token with one from another chunk. Use label_format='megatron' (labels already "
+        "shifted) with a CP-aware model");
+  }
+  return true;
+}
+
 }  // namespace
 
 void BindPack(py::module_& m) {
@@ -90,13 +112,22 @@ void BindPack(py::module_& m) {
   m.def(
       "pack",
       [](const py::object& samples, const py::object& target_masks, int cp_size, int tp_size,
-         bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& ids) {
+         bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& rank_multiple,
+         const py::object& ids, const std::string& label_format) {
+        const bool hf = IsHfFormat(label_format, cp_size);
         SampleArgs args = ReadSamples(samples, target_masks, ids);
-        const PackOptions o = MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment);
+        const PackOptions o =
+            MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment, rank_multiple);
         Result<PackedMicrobatch> r = Status::Internal("not run");
         {
           py::gil_scoped_release release;
           r = Pack(args.views, o);
+          if (r.ok() && hf) {
+            PackedMicrobatch& p = *r;
+            Status s = ToHfLabels(p.labels, p.loss_mask, p.cu_seqlens_padded, p.labels,
+                                  p.loss_mask);  // in place
+            if (!s.ok()) r = s;
+          }
         }
         PackedMicrobatch p = ValueOrThrow(std::move(r));
         py::dict d;
@@ -104,15 +135,27 @@ void BindPack(py::module_& m) {
         d["labels"] = Widen<int64_t>(std::span<const TokenId>(p.labels));
         d["position_ids"] = Widen<int64_t>(std::span<const int32_t>(p.position_ids));
         d["loss_mask"] = MaskToFloat(p.loss_mask);
+        std::vector<int32_t> cu_padded_copy;
+        if (hf) cu_padded_copy = p.cu_seqlens_padded;
         d["cu_seqlens"] = ToNumpy(std::move(p.cu_seqlens));
         d["cu_seqlens_padded"] = ToNumpy(std::move(p.cu_seqlens_padded));
         d["max_seqlen"] = p.max_seqlen;
         d["n_valid"] = p.n_valid;
+        if (hf) {
+          // The names transformers' DataCollatorWithFlattening gives the same arrays (its
+          // flash-attention keyword arguments, over the padded sequences: they cover all T).
+          d["input_ids"] = d["tokens"];
+          d["cu_seq_lens_q"] = ToNumpy(std::move(cu_padded_copy));
+          d["cu_seq_lens_k"] = d["cu_seq_lens_q"];
+          d["max_length_q"] = p.max_seqlen;
+          d["max_length_k"] = p.max_seqlen;
+        }
         return d;
       },
       py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
       py::arg("cp_size") = 1, py::arg("tp_size") = 1, py::arg("sp") = false,
-      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("ids") = py::none(),
+      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("rank_multiple") = 1,
+      py::arg("ids") = py::none(), py::arg("label_format") = "megatron",
       R"doc(Packs samples, in order, into one THD microbatch (docs/design.md section 5).
 
 samples: list of 1-D token sequences: NumPy arrays of any integer dtype (int32 viewed in place,
@@ -120,16 +163,50 @@ others converted exactly), CPU torch tensors or lists; every token id must lie i
 whatever the dtype. target_masks: None, or a list with one array of L values of 0/1 per sample
 (bool/uint8 viewed in place; any integer or float dtype, tensors and lists accepted) or None
 (all ones). ids: sample ids for error messages (default 0..n-1).
+rank_multiple: every rank's tokens (T/cp_size; T/(cp_size*tp_size) with sp) a multiple of it,
+the tail on the last sequence: an int or 'fp8' (16), 'mxfp8' (32), 'blockwise' (128).
 Returns a dict: tokens, labels, position_ids (int64 [T]), loss_mask (float32 [T]),
 cu_seqlens, cu_seqlens_padded (int32 [n+1], global), max_seqlen (largest padded length),
-n_valid (sum of loss_mask). Labels are -100 where nothing is predicted.)doc");
+n_valid (sum of loss_mask). Labels are -100 where nothing is predicted.
+label_format: 'megatron' (default): labels[j] is the NEXT token (already shifted), loss_mask
+its target mask. 'hf' (Hugging Face's, cp_size 1 only): labels[j] is token j itself where its
+target mask is 1, -100 at each sequence's first token, where the mask is 0 and at padding (the
+model shifts them), loss_mask[j] = labels[j] != -100; plus input_ids (= tokens), cu_seq_lens_q,
+cu_seq_lens_k (int32, = cu_seqlens_padded) and max_length_q, max_length_k (= max_seqlen), the
+names transformers' DataCollatorWithFlattening uses.)doc");
+
+  m.def(
+      "hf_labels",
+      [](const py::object& labels_obj, const py::object& loss_mask_obj,
+         const py::object& cu_seqlens_padded_obj) {
+        auto labels = IntView1D<TokenId>(labels_obj, "labels");
+        auto mask = MaskView1D(loss_mask_obj, "loss_mask");
+        auto cu = IntView1D<int32_t>(cu_seqlens_padded_obj, "cu_seqlens_padded");
+        std::vector<TokenId> out_labels(labels.size());
+        std::vector<uint8_t> out_mask(mask.size());
+        Status s = Status::Internal("not run");
+        {
+          py::gil_scoped_release release;
+          s = ToHfLabels(labels, mask, cu, out_labels, out_mask);
+        }
+        ThrowIfError(s);
+        return py::make_tuple(Widen<int64_t>(std::span<const TokenId>(out_labels)),
+                              MaskToFloat(out_mask));
+      },
+      py::arg("labels"), py::arg("loss_mask"), py::arg("cu_seqlens_padded"),
+      R"doc(Hugging Face's labels of a WHOLE packed microbatch (pack()'s arrays, or a CP-size-1
+microbatch of the iterator) from thdpack's: returns (labels int64 [T], loss_mask float32 [T]),
+labels[j] = token j where its target mask is 1, -100 at each sequence's first position, where
+the mask is 0 and at padding. What pack(label_format='hf') returns.)doc");
 
   m.def(
       "pack_shard",
       [](const py::object& samples, const py::object& target_masks, int cp_size, int cp_rank,
-         int tp_size, bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& ids) {
+         int tp_size, bool sp, int64_t pad_id, int64_t extra_alignment,
+         const py::object& rank_multiple, const py::object& ids) {
         SampleArgs args = ReadSamples(samples, target_masks, ids);
-        const PackOptions o = MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment);
+        const PackOptions o =
+            MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment, rank_multiple);
         Result<ShardedMicrobatch> r = Status::Internal("not run");
         {
           py::gil_scoped_release release;
@@ -150,7 +227,8 @@ n_valid (sum of loss_mask). Labels are -100 where nothing is predicted.)doc");
       },
       py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
       py::arg("cp_size"), py::arg("cp_rank"), py::arg("tp_size") = 1, py::arg("sp") = false,
-      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("ids") = py::none(),
+      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("rank_multiple") = 1,
+      py::arg("ids") = py::none(),
       R"doc(Fused pack + CP shard: CP rank cp_rank's [T/CP] arrays (equal to shard() of pack()'s
 arrays) plus the GLOBAL cu_seqlens, cu_seqlens_padded, max_seqlen and the whole microbatch's
 n_valid, without building the [T] arrays.)doc");

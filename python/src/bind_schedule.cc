@@ -218,7 +218,8 @@ void BindSchedule(py::module_& m) {
          int dp_size, int cp_size, int tp_size, bool sp, int64_t max_tokens_per_rank,
          const std::string& scheduler, const std::string& cost, int microbatch_multiple,
          int num_microbatches, const std::string& oversize, int64_t extra_alignment,
-         const std::string& hw, const std::string& cp_sizes) -> py::object {
+         const std::string& hw, const std::string& cp_sizes,
+         const py::object& rank_multiple) -> py::object {
         const IntArrayView lengths(lengths_obj, "lengths");
         std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
@@ -240,7 +241,8 @@ void BindSchedule(py::module_& m) {
         }
         ScheduleOptions o;
         o.dp_size = dp_size;
-        o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment);
+        o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment,
+                                RankMultipleOf(rank_multiple, "rank_multiple"));
         o.max_tokens_per_rank = max_tokens_per_rank;
         o.scheduler = ValueOrThrow(ParseSchedulerName(scheduler));
         o.microbatch_multiple = microbatch_multiple;
@@ -310,6 +312,7 @@ void BindSchedule(py::module_& m) {
       py::arg("cost") = JobOptions().cost, py::arg("microbatch_multiple") = 1,
       py::arg("num_microbatches") = 0, py::arg("oversize") = "error",
       py::arg("extra_alignment") = 1, py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
+      py::arg("rank_multiple") = 1,
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
@@ -322,7 +325,9 @@ hw the step-time model's hardware ("h100-ib", "h100-nvlink" or "R,B", for sim_st
 cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=..", or
 "profile:FILE", a measured profile (thdpack.torch.calibrate, thdpack calibrate); default the
 command line's, "llama2-7b"),
-oversize "error" or "skip", num_microbatches 0 to let the scheduler choose.
+oversize "error" or "skip", num_microbatches 0 to let the scheduler choose, rank_multiple every
+rank's tokens of a microbatch a multiple of it (an int, or "fp8" 16, "mxfp8" 32, "blockwise" 128;
+the dynamic scheduler applies it to each group).
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }
 

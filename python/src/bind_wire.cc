@@ -58,6 +58,7 @@ py::dict ToDict(StepMeta meta) {
   d["tp_size"] = meta.parallel.tp_size();
   d["sp"] = meta.parallel.sp();
   d["pad_multiple"] = meta.parallel.sequence_alignment();
+  d["rank_multiple"] = meta.parallel.rank_multiple();
   py::list mbs;
   for (MicrobatchMeta& mb : meta.microbatches) {
     py::dict md;
@@ -93,7 +94,8 @@ void BindWire(py::module_& m) {
          int32_t replica, int32_t cp_size, int32_t tp_size, bool sp, py::object pad_multiple,
          py::object n_loss_tokens, py::object real_tokens, py::object padded_tokens,
          py::object sum_sq, const py::object& skipped_ids, const py::object& groups,
-         int32_t domain_rank) {
+         int32_t domain_rank, const py::object& rank_multiple_obj) {
+        const int64_t rank_multiple = RankMultipleOf(rank_multiple_obj, "rank_multiple");
         StepMeta meta;
         meta.domain_rank = domain_rank;
         if (!groups.is_none()) {
@@ -124,9 +126,10 @@ void BindWire(py::module_& m) {
         // pad_multiple None: the layout's own alignment (no extra alignment).
         meta.parallel = ValueOrThrow(
             pad_multiple.is_none()
-                ? ParallelLayout::Create(cp_size, tp_size, sp)
+                ? ParallelLayout::Create(cp_size, tp_size, sp, 1, rank_multiple)
                 : ParallelLayout::FromWire(cp_size, tp_size, sp,
-                                           Int64Of(pad_multiple, "pad_multiple")));
+                                           Int64Of(pad_multiple, "pad_multiple"),
+                                           rank_multiple));
         int64_t real = 0, padded = 0, valid = 0, sq = 0;
         bool overflow = false;  // of the default sums: an error, never a wrapped total
         for (size_t i = 0; i < py::len(microbatches); ++i) {
@@ -191,7 +194,7 @@ void BindWire(py::module_& m) {
       py::arg("n_loss_tokens") = py::none(), py::arg("real_tokens") = py::none(),
       py::arg("padded_tokens") = py::none(), py::arg("sum_sq") = py::none(),
       py::arg("skipped_ids") = py::none(), py::arg("groups") = py::none(),
-      py::arg("domain_rank") = 0,
+      py::arg("domain_rank") = 0, py::arg("rank_multiple") = 1,
       R"doc(Encodes one replica's step metadata (docs/design.md section 6) into bytes.
 
 microbatches: list of dicts with cu_seqlens, cu_seqlens_padded (int32 [n+1], global),
@@ -201,7 +204,8 @@ to 2*cp_size (1 without CP); real_tokens, padded_tokens and sum_sq default to th
 groups (the dynamic scheduler, wire version 2): one (first_rank, num_ranks) per microbatch,
 (0, 0) for an idle one (cu_seqlens [0]), with domain_rank the receiving rank's dp*CP + cp;
 each microbatch is then padded by its group's layout. decode_metadata returns groups and
-domain_rank for such a message.
+domain_rank for such a message. rank_multiple (an int or a preset name, see pack): every T a
+multiple of it times the ranks T is split over; a message with one > 1 is wire version 3.
 ValueError naming the field and the rule when the metadata is inconsistent.)doc");
 
   m.def(

@@ -42,9 +42,14 @@ T ValueOrThrow(Result<T> result) {
   return std::move(result).value();
 }
 
-// The ParallelLayout of the bindings' cp_size, tp_size, sp and extra_alignment arguments;
-// ValueError naming the rule otherwise (bind_layout.cc).
-ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_alignment);
+// The ParallelLayout of the bindings' cp_size, tp_size, sp, extra_alignment and rank_multiple
+// arguments; ValueError naming the rule otherwise (bind_layout.cc).
+ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_alignment,
+                          int64_t rank_multiple = 1);
+
+// A rank multiple as Python gives it: an int, or a preset name of ParseRankMultiple ("fp8",
+// "mxfp8", "blockwise", "none"). ValueError naming `name` otherwise (bind_layout.cc).
+int64_t RankMultipleOf(const py::handle& value, const std::string& name);
 
 // "int32 array of shape (3, 4)" for messages.
 std::string DescribeArray(const py::array& a);

@@ -38,6 +38,12 @@ void SetGlobalBatch(JobOptions& o, RunOptions&, const py::handle& v) {
   o.global_batch = ValueOrThrow(ParseGlobalBatch(text));
 }
 
+// --rank-multiple: an int, or a preset name (fp8, mxfp8, blockwise, none), through the command
+// line's parser.
+void SetRankMultiple(JobOptions& o, RunOptions&, const py::handle& v) {
+  o.rank_multiple = RankMultipleOf(v, "rank_multiple");
+}
+
 // --memory-limit: bytes as an int, or text with a K/M/G/T suffix, through the command line's
 // parser.
 void SetMemoryLimit(JobOptions& o, RunOptions&, const py::handle& v) {
@@ -67,6 +73,7 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"pp", Field(&JobOptions::pp)},
       {"sp", Field(&JobOptions::sp)},
       {"align", Field(&JobOptions::align)},
+      {"rank_multiple", SetRankMultiple},
       {"max_tokens_per_rank", Field(&JobOptions::max_tokens_per_rank)},
       {"global_batch", SetGlobalBatch},
       {"steps", SetSteps},

@@ -68,6 +68,10 @@ def test_global_batch_all_is_one_step_unless_steps_given():
     (dict(scheduler="fastest"), "--scheduler"),
     (dict(logits_dtype="fp16"), "--logits-dtype"),
     (dict(microbatch_multiple=2, num_microbatches=3), "--num-microbatches"),
+    (dict(rank_multiple=0), "--rank-multiple: must be >= 1, got 0"),
+    (dict(rank_multiple="fp4"), 'rank_multiple: rank multiple "fp4": expected fp8'),
+    (dict(cp=2, max_tokens_per_rank=16, rank_multiple=32),
+     "--max-tokens-per-rank: CP \\* max tokens per rank = 32 is below the token quantum 64"),
 ])
 def test_errors_name_the_option(options, option):
     with pytest.raises(ValueError, match=option):
@@ -81,7 +85,8 @@ def test_unknown_option_is_a_type_error():
 
 @needs_cli
 @pytest.mark.parametrize("extra", [dict(), dict(sp=True), dict(scheduler="sequential"),
-                                   dict(summary_only=True)])
+                                   dict(summary_only=True), dict(rank_multiple="mxfp8"),
+                                   dict(sp=True, rank_multiple=16)])
 def test_plan_job_equals_the_command_line(lengths_file, extra):
     options = dict(data=lengths_file, tp=2, cp=2, dp=2, global_batch=25, steps=5,
                    max_tokens_per_rank=4096, **extra)

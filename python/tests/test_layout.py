@@ -22,26 +22,28 @@ def padded_by_search(length, cp, extra):
     return p
 
 
-def tokens_by_search(sum_padded, cp, tp, sp, extra):
-    """The smallest T >= sum_padded that keeps the sequence alignment and, with SP over TP > 1,
-    splits into CP*TP equal parts."""
+def tokens_by_search(sum_padded, cp, tp, sp, extra, rank_multiple=1):
+    """The smallest T >= sum_padded that keeps the sequence alignment, splits into equal shares
+    of the ranks it is divided over (CP; CP*TP with SP over TP > 1), each share a multiple of
+    the rank multiple."""
+    ranks = cp * tp if sp and tp > 1 else cp
     t = sum_padded
-    while t % (zigzag(cp) * extra) != 0 or (sp and tp > 1 and t % (cp * tp) != 0):
+    while t % (zigzag(cp) * extra) != 0 or t % ranks != 0 or (t // ranks) % rank_multiple != 0:
         t += 1
     return t
 
 
-def quantum_by_search(cp, tp, sp, extra):
+def quantum_by_search(cp, tp, sp, extra, rank_multiple=1):
     """The smallest q >= 1 with every multiple of q a valid T."""
     q = 1
-    while tokens_by_search(q, cp, tp, sp, extra) != q:
+    while tokens_by_search(q, cp, tp, sp, extra, rank_multiple) != q:
         q += 1
     return q
 
 
 def random_layout(rng):
     return (int(rng.integers(1, 17)), int(rng.integers(1, 9)), bool(rng.integers(2)),
-            int(rng.choice([1, 1, 2, 3, 8])))
+            int(rng.choice([1, 1, 2, 3, 8])), int(rng.choice([1, 1, 2, 16, 32])))
 
 
 def test_default_is_unsplit():
@@ -65,41 +67,79 @@ def test_rule_equals_search_on_random_inputs():
     seed = random.randrange(2**32)
     rng = np.random.default_rng(seed)
     for trial in range(500):
-        cp, tp, sp, extra = random_layout(rng)
-        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra}"
-        l = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra)
-        assert (l.cp_size, l.tp_size, l.sp, l.extra_alignment) == (cp, tp, sp, extra), what
+        cp, tp, sp, extra, r = random_layout(rng)
+        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra} r {r}"
+        l = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra,
+                                   rank_multiple=r)
+        assert (l.cp_size, l.tp_size, l.sp, l.extra_alignment, l.rank_multiple) == \
+            (cp, tp, sp, extra, r), what
         assert l.zigzag_multiple == zigzag(cp), what
         assert l.sequence_alignment == padded_by_search(1, cp, extra), what
-        assert l.token_quantum == quantum_by_search(cp, tp, sp, extra), what
+        assert l.token_quantum == quantum_by_search(cp, tp, sp, extra, r), what
+        assert l.rank_quantum == (cp * tp if sp and tp > 1 else cp) * r, what
         lengths = [int(x) for x in rng.integers(1, 3000, size=int(rng.integers(1, 6)))]
         padded = [l.padded_length(n) for n in lengths]
         assert padded == [padded_by_search(n, cp, extra) for n in lengths], what
         assert l.padded_length(0) == 0, what
         s = sum(padded)
-        assert l.microbatch_tokens(s) == tokens_by_search(s, cp, tp, sp, extra), what
+        assert l.microbatch_tokens(s) == tokens_by_search(s, cp, tp, sp, extra, r), what
         # Any sum, not only one of padded lengths.
         s = int(rng.integers(0, 10000))
-        assert l.microbatch_tokens(s) == tokens_by_search(s, cp, tp, sp, extra), what
+        assert l.microbatch_tokens(s) == tokens_by_search(s, cp, tp, sp, extra, r), what
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_every_cp_tp_sp_and_rank_multiple_packs_by_the_rule(cp):
+    """Every (CP, TP, SP, R) on fresh random lengths: pack()'s padded lengths and T are the
+    search's, every CP shard (and SP part) holds a multiple of R tokens, only the last sequence
+    grows, and the shards unshard to the packed arrays."""
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    for tp in (1, 2, 3, 4, 8):
+        for sp in (False, True):
+            for r in (1, 3, 16, 32, 128, "fp8", "mxfp8", "blockwise"):
+                rv = {"fp8": 16, "mxfp8": 32, "blockwise": 128}.get(r, r)
+                what = f"seed {seed}: cp {cp} tp {tp} sp {sp} r {r}"
+                lengths = [int(x) for x in rng.integers(1, 300, size=int(rng.integers(1, 6)))]
+                samples = [rng.integers(0, 1000, n).astype(np.int32) for n in lengths]
+                p = thdpack.pack(samples, cp_size=cp, tp_size=tp, sp=sp, rank_multiple=r)
+                P = np.diff(p["cu_seqlens_padded"]).tolist()
+                assert P[:-1] == [padded_by_search(n, cp, 1) for n in lengths[:-1]], what
+                t = int(p["cu_seqlens_padded"][-1])
+                assert t == tokens_by_search(sum(padded_by_search(n, cp, 1) for n in lengths),
+                                             cp, tp, sp, 1, rv), what
+                shards = []
+                for rank in range(cp):
+                    s = thdpack.pack_shard(samples, cp_size=cp, cp_rank=rank, tp_size=tp, sp=sp,
+                                           rank_multiple=r)
+                    assert len(s["tokens"]) == t // cp and (t // cp) % rv == 0, what
+                    if sp and tp > 1:
+                        assert (t // cp // tp) % rv == 0, what
+                    shards.append(s["tokens"])
+                back = thdpack.unshard(shards, p["cu_seqlens_padded"])
+                assert np.array_equal(back, p["tokens"]), what
 
 
 def test_pack_and_schedule_follow_the_layout():
     seed = random.randrange(2**32)
     rng = np.random.default_rng(seed)
     for trial in range(60):
-        cp, tp, sp, extra = random_layout(rng)
-        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra}"
-        l = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra)
+        cp, tp, sp, extra, r = random_layout(rng)
+        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra} r {r}"
+        l = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra,
+                                   rank_multiple=r)
         lengths = [int(x) for x in rng.integers(1, 200, size=int(rng.integers(1, 6)))]
         samples = [np.arange(n, dtype=np.int32) for n in lengths]
-        p = thdpack.pack(samples, cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra)
+        p = thdpack.pack(samples, cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra,
+                         rank_multiple=r)
         got = np.diff(p["cu_seqlens_padded"]).tolist()
         assert got[:-1] == [l.padded_length(n) for n in lengths[:-1]], what
         assert int(p["cu_seqlens_padded"][-1]) == l.microbatch_tokens(
             sum(l.padded_length(n) for n in lengths)), what
         # One microbatch of at most this budget: the scheduler's T is the layout's.
         plan = thdpack.schedule(np.array(lengths), dp_size=1, cp_size=cp, tp_size=tp, sp=sp,
-                                extra_alignment=extra, max_tokens_per_rank=1 << 20)
+                                extra_alignment=extra, max_tokens_per_rank=1 << 20,
+                                rank_multiple=r)
         fig = plan.figures["replicas"][0]["microbatches"]
         assert sum(mb["padded_tokens"] for mb in fig) == sum(
             l.microbatch_tokens(sum(l.padded_length(lengths[i]) for i in mb["samples"]))
@@ -113,6 +153,13 @@ def test_pack_and_schedule_follow_the_layout():
     (dict(cp_size=2, extra_alignment=0), "extra_alignment = 0"),
     (dict(cp_size=4, extra_alignment=1 << 30), "extra_alignment = 1073741824.*int32"),
     (dict(cp_size=65536, tp_size=65536, sp=True), r"cp_size \* tp_size = 65536 \* 65536"),
+    (dict(rank_multiple=0), "rank_multiple = 0: must be >= 1"),
+    (dict(rank_multiple=-16), "rank_multiple = -16"),
+    (dict(rank_multiple="fp4"), r'rank_multiple: rank multiple "fp4": expected fp8 \(16\)'),
+    (dict(rank_multiple=2.5), "rank_multiple: expected an integer"),
+    (dict(rank_multiple=True), "rank_multiple: expected an integer or a preset name"),
+    (dict(rank_multiple=1 << 40), "rank_multiple"),
+    (dict(cp_size=65536, rank_multiple=65536), "rank_multiple = 65536 times the 65536 ranks"),
 ])
 def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -122,6 +169,21 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
         thdpack.pack([np.arange(5, dtype=np.int32)], **kwargs)
     with pytest.raises(ValueError, match=match):
         thdpack.schedule(np.array([5, 6]), dp_size=1, max_tokens_per_rank=100, **kwargs)
+
+
+def test_rank_multiple_presets_and_worked_example():
+    # docs/layout.md: lengths 7 and 3 at CP = 2 with the fp8 preset: T = 32, 16 per CP rank.
+    for r, value in (("fp8", 16), ("mxfp8", 32), ("blockwise", 128), ("none", 1), (16, 16)):
+        assert thdpack.ParallelLayout(rank_multiple=r).rank_multiple == value
+    l = thdpack.ParallelLayout(cp_size=2, rank_multiple="fp8")
+    assert (l.split_ranks, l.rank_quantum, l.token_quantum) == (2, 32, 32)
+    assert l.microbatch_tokens(12) == 32 and "rank multiple 16" in repr(l)
+    p = thdpack.pack([np.arange(7, dtype=np.int32), np.arange(3, dtype=np.int32)], cp_size=2,
+                     rank_multiple="fp8")
+    assert p["cu_seqlens_padded"].tolist() == [0, 8, 32] and p["max_seqlen"] == 24
+    sp = thdpack.ParallelLayout(cp_size=2, tp_size=2, sp=True, rank_multiple=16)
+    assert sp.microbatch_tokens(12) == 64
+    assert thdpack.ParallelLayout(cp_size=2, rank_multiple=16) != thdpack.ParallelLayout(cp_size=2)
 
 
 def test_bad_lengths_raise_value_error_naming_them():

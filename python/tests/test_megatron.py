@@ -97,3 +97,20 @@ def test_cp_shard_equals_megatrons_on_one_sequence(cp, tmp_path):
         assert theirs.shape == ours.shape
         if r == 0:
             assert not np.array_equal(theirs, ours)
+
+
+@pytest.mark.parametrize("recipe, preset, value", [
+    ("delayed", "fp8", 16), ("tensorwise", "fp8", 16), ("mxfp8", "mxfp8", 32),
+    ("blockwise", "blockwise", 128), ("custom", None, None)])
+def test_fp8_recipe_sets_the_rank_multiple(recipe, preset, value):
+    """Megatron's fp8_recipe (its own enum) becomes the rank multiple its GEMMs need
+    (docs/layout.md section 7); no FP8, or a custom recipe, sets none."""
+    import types
+    from megatron.core.enums import Fp8Recipe
+    config = types.SimpleNamespace(fp8="hybrid", fp8_recipe=Fp8Recipe(recipe))
+    opts = megatron.iterator_options(config, None, 1)
+    assert opts.get("rank_multiple") == preset
+    if value is not None:
+        assert thdpack.ParallelLayout(rank_multiple=opts["rank_multiple"]).rank_multiple == value
+    config.fp8 = None
+    assert "rank_multiple" not in megatron.iterator_options(config, None, 1)

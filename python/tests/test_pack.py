@@ -129,3 +129,47 @@ def test_pack_accepts_what_a_user_holds():
         thdpack.pack(["abc"])
     with pytest.raises(ValueError, match="samples\\[0\\]: got a list that"):
         thdpack.pack([[1, [2, 3]]])
+
+
+def test_hf_label_format_written_out_by_hand():
+    """label_format="hf": Hugging Face's convention (the model shifts the labels): token j where
+    its own target mask is 1, -100 at each sequence's first token, where the mask is 0 and at
+    padding; the keyword names of transformers' DataCollatorWithFlattening beside thdpack's."""
+    a = np.array([10, 11, 12, 13, 14, 15, 16], np.int32)
+    b = np.array([20, 21, 22], np.int64)
+    mask_a = np.array([0, 0, 1, 1, 1, 1, 1], np.uint8)  # a prompt of two tokens
+    p = thdpack.pack([a, b], [mask_a, None], label_format="hf")
+    X = -100
+    assert p["labels"].tolist() == [X, X, 12, 13, 14, 15, 16, X, 21, 22]
+    assert p["loss_mask"].tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 1, 1]
+    assert p["n_valid"] == 7 and p["loss_mask"].sum() == 7
+    assert p["input_ids"].tolist() == p["tokens"].tolist()
+    assert p["cu_seq_lens_q"].dtype == np.int32
+    assert p["cu_seq_lens_q"].tolist() == p["cu_seq_lens_k"].tolist() == [0, 7, 10]
+    assert p["max_length_q"] == p["max_length_k"] == 7
+    # The Megatron convention of the same samples shifted by one is the same set of targets.
+    m = thdpack.pack([a, b], [mask_a, None])
+    assert "input_ids" not in m and "cu_seq_lens_q" not in m
+    assert m["labels"][m["loss_mask"] > 0].tolist() == p["labels"][p["loss_mask"] > 0].tolist()
+    # A rank multiple pads the last sequence; its tail is -100 and the keyword offsets cover it.
+    r = thdpack.pack([a, b], [mask_a, None], label_format="hf", rank_multiple=16, pad_id=5)
+    assert r["cu_seq_lens_q"].tolist() == [0, 7, 16] and r["max_length_q"] == 9
+    assert r["labels"].tolist() == [X, X, 12, 13, 14, 15, 16, X, 21, 22] + [X] * 6
+    h, hm = thdpack.hf_labels(m["labels"], m["loss_mask"], m["cu_seqlens_padded"])
+    assert h.dtype == np.int64 and hm.dtype == np.float32
+    assert h.tolist() == p["labels"].tolist() and hm.tolist() == p["loss_mask"].tolist()
+
+
+def test_hf_label_format_errors_say_why():
+    a = [np.arange(1, 9, dtype=np.int32)]
+    with pytest.raises(ValueError, match="label_format = 'hf' needs cp_size = 1, got 2: a "
+                                         "Hugging Face model shifts its labels"):
+        thdpack.pack(a, cp_size=2, label_format="hf")
+    with pytest.raises(ValueError, match="label_format = 'HF': expected 'megatron'"):
+        thdpack.pack(a, label_format="HF")
+    with pytest.raises(ValueError, match="labels has 8 elements.*T = cu_seqlens_padded\\[n\\] = 9"):
+        thdpack.hf_labels(np.zeros(8, np.int64), np.zeros(8, np.float32), [0, 9])
+    with pytest.raises(ValueError, match="loss_mask\\[2\\] = 0.5"):
+        thdpack.hf_labels(np.zeros(4, np.int64), [0, 0, 0.5, 0], [0, 4])
+    with pytest.raises(ValueError, match="cu_seqlens_padded"):
+        thdpack.hf_labels(np.zeros(4, np.int64), np.zeros(4), [0, 3, 2, 4])

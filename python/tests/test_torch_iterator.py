@@ -1,8 +1,9 @@
 """PackedDataIterator over torch.distributed (gloo, loopback, spawned processes): every rank's
 tensors equal, byte for byte, what the same C++ step delivers to that rank over threads, and
 what a plain reference computes from the plan (pack, labels, zigzag), at several topologies,
-both data_on modes and both kinds of source; a failing source on one rank raises on every rank;
-Megatron's entry points return Megatron's shapes and a PackedSeqParams.
+both data_on modes and both kinds of source, with a rank multiple, and with Hugging Face's
+labels; a failing source on one rank raises on every rank; Megatron's entry points return
+Megatron's shapes and a PackedSeqParams.
 
 One spawned world per world size runs every topology of that size (groups made once per
 topology), to keep the suite within CI's time.
@@ -58,9 +59,15 @@ def write_samples(path, seed=7):
     return samples
 
 
-def options(tp, cp, dp, pp, sp, data_on):
+def options(tp, cp, dp, pp, sp, data_on, **more):
     return dict(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, data_on=data_on, global_batch=GLOBAL_BATCH,
-                max_tokens_per_rank=MAX_TOKENS, cost=COST, scheduler="balanced")
+                max_tokens_per_rank=MAX_TOKENS, cost=COST, scheduler="balanced", **more)
+
+
+# World 4, beside its topology: the fp8 rank multiple (16 tokens a CP rank) at CP = 2 with
+# thdpack's labels, and Hugging Face's labels at CP = 1 with SP and 8 tokens a TP rank.
+RANK_MULTIPLE_RUN = ((1, 2, 2, 1, False), dict(rank_multiple="fp8"))
+HF_RUN = ((2, 1, 2, 1, True), dict(rank_multiple=8, label_format="hf"))
 
 
 def share_of(samples, dp, d, steps=STEPS):
@@ -200,9 +207,21 @@ def worker(rank, world, port, data_path, out_dir):
             results[(tp, cp, dp, pp, sp, data_on, fed)] = steps
             it.close()
     if world == 4:
+        for name, (topo, more) in (("rank_multiple", RANK_MULTIPLE_RUN), ("hf", HF_RUN)):
+            groups = make_groups(*topo[:4])
+            it = PackedDataIterator("jsonl:" + data_path, groups,
+                                    **without_topology(options(*topo, "tp0", **more)))
+            results[name] = [to_numpy(next(it)) for _ in range(STEPS)]
+            it.close()
         tp, cp, dp, pp, sp = TOPOLOGIES[4][0]
         groups = make_groups(tp, cp, dp, pp)
         c = coords(rank, tp, cp, dp, pp)
+        try:  # Hugging Face's labels need whole microbatches: refused at CP = 2
+            PackedDataIterator("jsonl:" + data_path, groups, label_format="hf",
+                               **without_topology(options(tp, cp, dp, pp, sp, "tp0")))
+            results["hf_cp"] = None
+        except ValueError as e:
+            results["hf_cp"] = str(e)
         results["megatron"] = megatron_entry_points(groups, data_path, tp, cp, dp, pp, sp)
         # A source that fails on loader dp=1 in step 1: every rank raises, none hangs.
         source = None
@@ -275,7 +294,8 @@ def megatron_entry_points(groups, data_path, tp, cp, dp, pp, sp):
 
 # ---- the plain reference: pack, labels and zigzag from the plan, in NumPy ----
 
-def reference_step(samples, step, tp, cp, dp, pp, sp, rank):
+def reference_step(samples, step, tp, cp, dp, pp, sp, rank, rank_multiple=1,
+                   label_format="megatron"):
     first = step * GLOBAL_BATCH
     pos = [first + i for i in range(GLOBAL_BATCH)]
     order = [p for d in range(dp) for p in pos if (p - first) % dp == d]  # scheduling order
@@ -284,8 +304,8 @@ def reference_step(samples, step, tp, cp, dp, pp, sp, rank):
                    for p in order], np.int64)
     plan = thdpack.schedule(L, nt, np.array(order, np.int64), dp_size=dp, cp_size=cp,
                             tp_size=tp, sp=sp, max_tokens_per_rank=MAX_TOKENS,
-                            scheduler="balanced", cost=COST)
-    layout = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp)
+                            scheduler="balanced", cost=COST, rank_multiple=rank_multiple)
+    layout = thdpack.ParallelLayout(cp_size=cp, tp_size=tp, sp=sp, rank_multiple=rank_multiple)
     c = coords(rank, tp, cp, dp, pp)
     totals = {"seqlen_sum": 0, "seqlen_squared_sum": 0,
               "n_loss_tokens": int(nt.sum()), "num_microbatches": plan.num_microbatches}
@@ -296,7 +316,7 @@ def reference_step(samples, step, tp, cp, dp, pp, sp, rank):
             lens = [len(samples[i][0]) for i in ids]
             P = [layout.padded_length(n) for n in lens]
             T = layout.microbatch_tokens(sum(P))
-            P[-1] += T - sum(P)  # the last sequence absorbs the SP tail
+            P[-1] += T - sum(P)  # the last sequence absorbs the tail (SP, rank multiple)
             totals["seqlen_sum"] += T
             totals["seqlen_squared_sum"] += sum(p * p for p in P)
             if d != c["dp"]:
@@ -308,8 +328,12 @@ def reference_step(samples, step, tp, cp, dp, pp, sp, rank):
                 mk = mk if mk is not None else [1] * n
                 tok += list(t) + [PAD_ID] * (p - n)
                 posi += list(range(p))
-                lab += [t[j + 1] if j + 1 < n else -100 for j in range(p)]
-                msk += [mk[j + 1] if j + 1 < n else 0 for j in range(p)]
+                if label_format == "hf":  # token j itself where its own mask is 1
+                    lab += [t[j] if 1 <= j < n and mk[j] else -100 for j in range(p)]
+                    msk += [1 if 1 <= j < n and mk[j] else 0 for j in range(p)]
+                else:
+                    lab += [t[j + 1] if j + 1 < n else -100 for j in range(p)]
+                    msk += [mk[j + 1] if j + 1 < n else 0 for j in range(p)]
                 pad += [j >= n for j in range(p)]
             cup = np.concatenate([[0], np.cumsum(P)]).astype(np.int32)
             keep = []
@@ -418,6 +442,40 @@ def test_iterator_equals_threads_and_reference(world, tmp_path):
                     same_array(b["cu_seqlens_kv_padded"], mb["cu_seqlens_padded"],
                                "megatron cu_seqlens_kv_padded")
                     assert b["max_seqlen_q"] == mb["max_seqlen"]
+        for name, (topo, more) in (("rank_multiple", RANK_MULTIPLE_RUN), ("hf", HF_RUN)):
+            r_mult = more["rank_multiple"]
+            r_mult = 16 if r_mult == "fp8" else r_mult
+            fmt = more.get("label_format", "megatron")
+            threads = None
+            if fmt == "megatron":  # the C++ step on threads (HF's labels are the iterator's)
+                threads = _thdpack._run_steps_on_threads(options(*topo, "tp0", **more), STEPS,
+                                                         "jsonl:" + data, None)
+            for r in range(world):
+                for s in range(STEPS):
+                    where = f"{name} rank {r} step {s}"
+                    mine = got[r][name][s]
+                    totals, ref_mbs = reference_step(samples, s, *topo, r, r_mult, fmt)
+                    for k, value in totals.items():
+                        assert mine[k] == value, f"{where}: {k} {mine[k]} != {value}"
+                    assert len(mine["microbatches"]) == len(ref_mbs), where
+                    split = topo[1] * (topo[0] if topo[4] else 1)
+                    for m, (a, ref) in enumerate(zip(mine["microbatches"], ref_mbs)):
+                        for k in keys:
+                            same_array(a[k], ref[k], f"{where} mb {m} {k} (reference)")
+                        # Every rank's tokens a multiple of the rank multiple.
+                        assert (int(a["cu_seqlens_padded"][-1]) // split) % r_mult == 0, where
+                        if threads is not None:
+                            for k in keys:
+                                same_array(a[k], threads[r][s]["microbatches"][m][k],
+                                           f"{where} mb {m} {k} (threads)")
+                        if fmt == "hf":
+                            same_array(a["input_ids"], a["tokens"], where)
+                            same_array(a["cu_seq_lens_q"], a["cu_seqlens_padded"], where)
+                            same_array(a["cu_seq_lens_k"], a["cu_seqlens_padded"], where)
+                            assert a["max_length_q"] == a["max_length_k"] == a["max_seqlen"]
+        for r in range(world):
+            assert "label_format='hf' needs whole microbatches" in got[r]["hf_cp"], got[r]["hf_cp"]
+            assert "got CP = 2" in got[r]["hf_cp"]
         failures = [got[r]["failure"] for r in range(world)]
         assert all(f is not None for f in failures), failures
         c = [coords(r, tp, cp, dp, pp) for r in range(world)]
@@ -457,6 +515,13 @@ def single_rank_worker(rank, port, out_dir):
         out["order"] = None
     except ValueError as e:
         out["order"] = str(e)
+    for name, extra in (("hf_dynamic", dict(label_format="hf", scheduler="dynamic")),
+                        ("label_format", dict(label_format="HF"))):
+        try:
+            PackedDataIterator(iter(good), groups, **dict(opts, **extra))
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     with open(os.path.join(out_dir, "single.pkl"), "wb") as f:
         pickle.dump(out, f)
     dist.destroy_process_group()
@@ -468,6 +533,8 @@ def test_iterable_source_rules(tmp_path):
     assert len(out["steps"]) == 2 and all(m >= 1 for m in out["steps"])
     assert "ended after 2 of the 4 samples" in out["mid_step"], out["mid_step"]
     assert "sample 2 of the share" in out["mask"] and "other than 0 and 1" in out["mask"], out["mask"]
+    assert "got the dynamic scheduler" in out["hf_dynamic"], out["hf_dynamic"]
+    assert "'HF' is not 'megatron'" in out["label_format"], out["label_format"]
     assert "outside [0, 2^31)" in out["range"], out["range"]
     assert "token-aligned" in out["length"], out["length"]
     assert "expected a dict with 'input_ids'" in out["not_dict"], out["not_dict"]

@@ -127,3 +127,27 @@ def test_groups_round_trip_as_version_2():
                                 groups=[(0, 3), (0, 0), (3, 1)], domain_rank=2)
     static = thdpack.decode_metadata(thdpack.encode_metadata([group1]))
     assert "groups" not in static
+
+
+def test_rank_multiple_round_trips_as_version_3():
+    """A rank multiple (docs/wire_format.md, version 3): the microbatches packed with it encode
+    as version 3 and decode with it; without it the bytes are version 1's, as before; a layout
+    whose T breaks the multiple is refused, naming the rule."""
+    rng = np.random.default_rng(9)
+    samples = [rng.integers(0, 100, size=L).astype(np.int32) for L in (7, 3, 30)]
+    for r, value in (("fp8", 16), (32, 32), ("blockwise", 128)):
+        mb = thdpack.pack(samples, cp_size=2, tp_size=2, sp=True, rank_multiple=r)
+        assert int(mb["cu_seqlens_padded"][-1]) % (4 * value) == 0
+        data = thdpack.encode_metadata([mb], cp_size=2, tp_size=2, sp=True, rank_multiple=r)
+        assert data[4] == 3
+        d = thdpack.decode_metadata(data)
+        assert d["rank_multiple"] == value and d["pad_multiple"] == 4 and d["sp"]
+        assert d["microbatches"][0]["cu_seqlens_padded"].tolist() == \
+            mb["cu_seqlens_padded"].tolist()
+    plain = thdpack.pack(samples, cp_size=2)
+    data = thdpack.encode_metadata([plain], cp_size=2)
+    assert data[4] == 1 and thdpack.decode_metadata(data)["rank_multiple"] == 1
+    with pytest.raises(ValueError, match="total 44 is not a multiple of 32.*rank_multiple 16"):
+        thdpack.encode_metadata([plain], cp_size=2, rank_multiple=16)
+    with pytest.raises(ValueError, match="rank_multiple: rank multiple \"fp7\""):
+        thdpack.encode_metadata([plain], cp_size=2, rank_multiple="fp7")

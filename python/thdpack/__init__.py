@@ -23,6 +23,7 @@ from ._thdpack import (  # noqa: F401
     flops,
     flops_coefficients,
     gradient_factor,
+    hf_labels,
     local_cu_seqlens_padded,
     local_position_ids,
     mock_lengths,

@@ -29,6 +29,7 @@ Status CheckNumbers(const JobOptions& o) {
   THDPACK_RETURN_IF_ERROR(AtLeast("--tp", o.tp, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--pp", o.pp, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--align", o.align, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--rank-multiple", o.rank_multiple, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--max-tokens-per-rank", o.max_tokens_per_rank, 1));
   if (static_cast<int64_t>(o.cp) * o.max_tokens_per_rank > kMaxSampleLength) {
     return Fail("--max-tokens-per-rank", "CP * max tokens per rank must fit int32");
@@ -84,13 +85,16 @@ Status ResolveJobCost(const JobOptions& o, Job& job) {
   return Status::Ok();
 }
 
-// The one place where the schedule's parallel layout (sizes, SP, alignment) comes from the job.
+// The one place where the schedule's parallel layout (sizes, SP, alignment, rank multiple)
+// comes from the job.
 Status FillSchedule(const JobOptions& o, Job& job) {
   ScheduleOptions& s = job.schedule;
   s.dp_size = job.topology.dp_size();
   Result<ParallelLayout> parallel = ParallelLayout::Create(
-      job.topology.cp_size(), job.topology.tp_size(), o.sp, o.align);
-  if (!parallel.ok()) return Fail("--cp/--tp/--sp/--align", parallel.status().message());
+      job.topology.cp_size(), job.topology.tp_size(), o.sp, o.align, o.rank_multiple);
+  if (!parallel.ok()) {
+    return Fail("--cp/--tp/--sp/--align/--rank-multiple", parallel.status().message());
+  }
   s.parallel = *parallel;
   s.max_tokens_per_rank = o.max_tokens_per_rank;
   s.microbatch_multiple = o.microbatch_multiple;
@@ -101,6 +105,16 @@ Status FillSchedule(const JobOptions& o, Job& job) {
   Result<ScheduleOptions::OversizePolicy> oversize = ParseOversizePolicy(o.oversize);
   if (!oversize.ok()) return Fail("--oversize", oversize.status().message());
   s.oversize = *oversize;
+  // The static schedulers put every microbatch on all CP ranks: a budget below the token
+  // quantum would leave every sample out (the dynamic scheduler's groups have their own).
+  if (s.scheduler != ScheduleOptions::Scheduler::kDynamic &&
+      MicrobatchBudget(s) < s.parallel.token_quantum()) {
+    return Fail("--max-tokens-per-rank",
+                "CP * max tokens per rank = " + std::to_string(MicrobatchBudget(s)) +
+                    " is below the token quantum " + std::to_string(s.parallel.token_quantum()) +
+                    " of the layout (" + s.parallel.ToString() +
+                    "): no microbatch fits; raise it, or lower --rank-multiple or --align");
+  }
   Result<ScheduleOptions::CpSizes> cp_sizes = ParseCpSizes(o.cp_sizes);
   if (!cp_sizes.ok()) return Fail("--cp-sizes", cp_sizes.status().message());
   s.cp_sizes = *cp_sizes;

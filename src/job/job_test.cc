@@ -68,6 +68,23 @@ TEST(Job, ErrorsNameTheOption) {
   o = JobOptions{};
   o.max_cp_groups = 0;
   ExpectError(o, "--max-cp-groups");
+  o = JobOptions{};
+  o.rank_multiple = 0;
+  ExpectError(o, "--rank-multiple");
+  EXPECT_EQ(ResolveJob(o).status().message(), "--rank-multiple: must be >= 1, got 0");
+  o.rank_multiple = int64_t{1} << 31;  // times CP = 1 does not fit int32
+  ExpectError(o, "--cp/--tp/--sp/--align/--rank-multiple");
+  // A rank multiple no microbatch can meet within the budget: CP 2 x 16 = 32 < lcm(4, 2 * 32).
+  o = JobOptions{};
+  o.cp = 2;
+  o.max_tokens_per_rank = 16;
+  o.rank_multiple = 32;
+  ExpectError(o, "--max-tokens-per-rank");
+  EXPECT_NE(ResolveJob(o).status().message().find("below the token quantum 64"),
+            std::string::npos)
+      << ResolveJob(o).status().message();
+  o.rank_multiple = 8;
+  EXPECT_TRUE(ResolveJob(o).ok());
   // Options that make no sense together.
   o = JobOptions{};
   o.sp = true;
@@ -208,11 +225,12 @@ TEST(Job, ScheduleAndCostAreResolvedOnce) {
   o.dp = 3;
   o.sp = true;
   o.align = 2;
+  o.rank_multiple = 32;
   o.cost = "llama3-8b";
   Result<Job> job = ResolveJob(o);
   ASSERT_TRUE(job.ok()) << job.status().ToString();
   EXPECT_EQ(job->schedule.dp_size, 3);
-  EXPECT_EQ(job->schedule.parallel, ParallelLayout::Create(4, 2, true, 2).value());
+  EXPECT_EQ(job->schedule.parallel, ParallelLayout::Create(4, 2, true, 2, 32).value());
   EXPECT_EQ(job->schedule.cost.name, "llama3-8b");
   ASSERT_TRUE(job->model.has_value());
   EXPECT_EQ(job->memory.vocab_size, 128256);  // from the model
@@ -286,6 +304,7 @@ TEST_P(JobRunShard, RunReportsPlansFiguresAtSeveralWorldSizes) {
     o.dp = 1 + static_cast<int>(rng() % 3);
     o.pp = 1 + static_cast<int>(rng() % 2);
     o.sp = o.tp > 1 && rng() % 2 == 0;  // SP needs TP > 1
+    o.rank_multiple = std::vector<int64_t>{1, 1, 16, 32}[rng() % 4];
     o.max_tokens_per_rank = 512;
     o.global_batch = rng() % 3 == 0 ? 0 : 8 + static_cast<int64_t>(rng() % 16);
     o.steps = 2;

@@ -13,6 +13,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <utility>
 
 #include "common/copy_kernels.h"
 #include "thdpack/shard.h"
@@ -153,6 +154,13 @@ Status ValidateLayout(std::span<const SampleView> samples, const Layout& layout,
                                    Str(o.parallel.tp_size()) + " (T a multiple of CP*TP = " +
                                    Str(cp_tp) + ")");
   }
+  if (layout.total_tokens % o.parallel.rank_quantum() != 0) {
+    return Status::InvalidArgument(
+        "layout.total_tokens = " + Str(layout.total_tokens) + ": each of the " +
+        Str(o.parallel.split_ranks()) + " ranks T is split over must hold a multiple of " +
+        "rank_multiple = " + Str(o.parallel.rank_multiple()) + " tokens (T a multiple of " +
+        Str(o.parallel.rank_quantum()) + ")");
+  }
   return Status::Ok();
 }
 
@@ -275,12 +283,14 @@ Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions
     layout.cu_seqlens[i + 1] = static_cast<int32_t>(real_total);
     layout.cu_seqlens_padded[i + 1] = static_cast<int32_t>(total);
   }
-  // SP: the last sequence absorbs the tail that makes T/CP a multiple of TP.
+  // The last sequence absorbs the tail that makes T a multiple of the token quantum: T/CP a
+  // multiple of TP under SP, every rank's tokens a multiple of the rank multiple.
   const int64_t rounded = parallel.MicrobatchTokens(total);
   if (rounded > kInt32Max) {
-    return Status::OutOfRange("T = " + Str(rounded) +
-                              " padded tokens after the SP tail exceeds int32 (" +
-                              Str(kInt32Max) + "): T must fit int32; split the microbatch");
+    return Status::OutOfRange("T = " + Str(rounded) + " padded tokens after the " +
+                              (parallel.rank_multiple() > 1 ? "rank-multiple" : "SP") +
+                              " tail exceeds int32 (" + Str(kInt32Max) +
+                              "): T must fit int32; split the microbatch");
   }
   total = rounded;
   layout.cu_seqlens_padded.back() = static_cast<int32_t>(total);
@@ -438,6 +448,46 @@ Result<ShardedMicrobatch> PackAndShardAll(std::span<const SampleView> samples,
   }
   THDPACK_ASSIGN_OR_RETURN(sm.n_valid, PackShardAllInto(samples, sm.layout, options, buffers));
   return sm;
+}
+
+Status ToHfLabels(std::span<const TokenId> labels, std::span<const uint8_t> loss_mask,
+                  std::span<const int32_t> cu_seqlens_padded, std::span<TokenId> hf_labels,
+                  std::span<uint8_t> hf_loss_mask) {
+  THDPACK_RETURN_IF_ERROR(
+      ValidateCuSeqlensPadded(cu_seqlens_padded, 1).WithContext("ToHfLabels"));
+  const int64_t t = cu_seqlens_padded.back();
+  const std::pair<const char*, size_t> sizes[] = {{"labels", labels.size()},
+                                                  {"loss_mask", loss_mask.size()},
+                                                  {"hf_labels", hf_labels.size()},
+                                                  {"hf_loss_mask", hf_loss_mask.size()}};
+  for (const auto& [name, size] : sizes) {
+    if (static_cast<int64_t>(size) != t) {
+      return Status::InvalidArgument("ToHfLabels: " + std::string(name) + " has " +
+                                     Str(static_cast<int64_t>(size)) +
+                                     " elements: it must hold T = cu_seqlens_padded[n] = " +
+                                     Str(t));
+    }
+  }
+  for (size_t j = 0; j < loss_mask.size(); ++j) {
+    if (loss_mask[j] > 1) {
+      return Status::InvalidArgument("ToHfLabels: loss_mask[" + Str(static_cast<int64_t>(j)) +
+                                     "] = " + Str(loss_mask[j]) + ": values must be 0 or 1");
+    }
+  }
+  // Backwards, sequence after sequence, so that position j - 1 is read before it is written
+  // (in place).
+  for (size_t i = cu_seqlens_padded.size() - 1; i-- > 0;) {
+    const int64_t start = cu_seqlens_padded[i];
+    for (int64_t j = cu_seqlens_padded[i + 1] - 1; j > start; --j) {
+      const uint8_t target = loss_mask[static_cast<size_t>(j - 1)];
+      hf_labels[static_cast<size_t>(j)] =
+          target != 0 ? labels[static_cast<size_t>(j - 1)] : kIgnoreIndex;
+      hf_loss_mask[static_cast<size_t>(j)] = target;
+    }
+    hf_labels[static_cast<size_t>(start)] = kIgnoreIndex;
+    hf_loss_mask[static_cast<size_t>(start)] = 0;
+  }
+  return Status::Ok();
 }
 
 }  // namespace thdpack

@@ -1,6 +1,6 @@
 // Randomized comparisons of Pack, the fused pack + shard and the sharding itself against a
 // plain per-token reference written here, at CP in {1,2,3,4,8}, TP in {1,2,4}, with and
-// without sp.
+// without sp, with random extra alignments and rank multiples.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -26,10 +26,11 @@ struct RefPacked {
 };
 
 // docs/design.md section 5 word for word, one token at a time.
-// Reads only the layout's four fields, never its padding methods.
+// Reads only the layout's five fields, never its padding methods.
 RefPacked RefPack(const std::vector<Sample>& samples, const PackOptions& o) {
   const int cp = o.parallel.cp_size();
   const int tp = o.parallel.tp_size();
+  const int64_t rank_multiple = o.parallel.rank_multiple();
   const int64_t q = (cp > 1 ? 2 * cp : 1) * o.parallel.extra_alignment();
   std::vector<int64_t> padded;
   for (const Sample& s : samples) {
@@ -39,12 +40,12 @@ RefPacked RefPack(const std::vector<Sample>& samples, const PackOptions& o) {
   }
   int64_t total = 0;
   for (int64_t p : padded) total += p;
-  if (o.parallel.sp()) {
-    // Grow the last sequence by whole quanta until T/CP is a multiple of TP.
-    while ((total / cp) % tp != 0 || total % cp != 0) {
-      padded.back() += q;
-      total += q;
-    }
+  // Grow the last sequence by whole quanta until T splits evenly over the ranks it is divided
+  // over (CP; CP*TP with sp) and each rank's share is a multiple of the rank multiple.
+  const int64_t ranks = o.parallel.sp() ? int64_t{cp} * tp : cp;
+  while (total % ranks != 0 || (total / ranks) % rank_multiple != 0) {
+    padded.back() += q;
+    total += q;
   }
   RefPacked r;
   r.cu_seqlens = {0};
@@ -124,9 +125,13 @@ std::vector<Sample> RandomSamples(std::mt19937_64& rng) {
 
 PackOptions RandomOptions(std::mt19937_64& rng, int cp, int tp, bool sp) {
   static constexpr int64_t kAlign[] = {1, 1, 1, 2, 3, 8};
+  static constexpr int64_t kRankMultiple[] = {1, 1, 2, 3, 16, 32, 128};
   static constexpr TokenId kPad[] = {0, 7, -1};
-  return PackOptions{.parallel = ParallelLayout::Create(cp, tp, sp, kAlign[rng() % 6]).value(),
-                     .pad_id = kPad[rng() % 3]};
+  const int64_t align = kAlign[rng() % 6];
+  const int64_t rank_multiple = kRankMultiple[rng() % 7];
+  return PackOptions{
+      .parallel = ParallelLayout::Create(cp, tp, sp, align, rank_multiple).value(),
+      .pad_id = kPad[rng() % 3]};
 }
 
 std::string Describe(const PackOptions& o, int trial) {
@@ -163,6 +168,8 @@ TEST_P(PackShardRandomTest, FusedAndPlainMatchTheReference) {
     const int64_t t = static_cast<int64_t>(ref.tokens.size());
     ASSERT_EQ(t % (cp > 1 ? 2 * cp : 1), 0) << what;
     if (sp) ASSERT_EQ((t / cp) % tp, 0) << what;
+    // Every rank's share (its CP shard; its SP part) is a multiple of the rank multiple.
+    ASSERT_EQ((t / cp / (sp ? tp : 1)) % o.parallel.rank_multiple(), 0) << what;
 
     // The fused path, three ways, against the reference gathered by the reference indices.
     auto all = PackAndShardAll(views, o);
@@ -220,6 +227,7 @@ TEST_P(PackShardRandomTest, FusedAndPlainMatchTheReference) {
         for (int tr = 0; tr < tp; ++tr) {
           auto part = SpSplit(std::span<const TokenId>(s.tokens), tp, tr);
           ASSERT_TRUE(part.ok()) << what << ": " << part.status().ToString();
+          ASSERT_EQ(static_cast<int64_t>(part->size()) % o.parallel.rank_multiple(), 0) << what;
           parts.push_back(*part);
         }
         ASSERT_EQ(*SpGather(parts), s.tokens);

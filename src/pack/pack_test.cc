@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -33,11 +34,11 @@ std::vector<Sample> TwoSamples() {
           Sample{.id = 20, .tokens = {21, 22, 23}, .target_mask = {}}};
 }
 
-// PackOptions with the parallel layout ParallelLayout::Create(cp, tp, sp, extra_alignment), which
-// these tests know to be valid (bad layouts: parallel_layout_test.cc).
+// PackOptions with the parallel layout ParallelLayout::Create(cp, tp, sp, extra_alignment,
+// rank_multiple), which these tests know to be valid (bad layouts: parallel_layout_test.cc).
 PackOptions Opts(int cp, int tp = 1, bool sp = false, int64_t extra_alignment = 1,
-                 TokenId pad_id = 0) {
-  return {.parallel = ParallelLayout::Create(cp, tp, sp, extra_alignment).value(),
+                 TokenId pad_id = 0, int64_t rank_multiple = 1) {
+  return {.parallel = ParallelLayout::Create(cp, tp, sp, extra_alignment, rank_multiple).value(),
           .pad_id = pad_id};
 }
 
@@ -111,6 +112,44 @@ TEST(PackLayoutTest, SpTailKeepsTheZigzagQuantumWithOddTp) {
   EXPECT_EQ(v->cu_seqlens_padded, (Ints{0, 8, 16}));
 }
 
+TEST(PackLayoutTest, RankMultipleTailIsAbsorbedByTheLastSequence) {
+  // docs/layout.md: CP=2, rank multiple 16: T = 12 becomes 32 (16 tokens per CP rank); the
+  // first sequence keeps P = 8, the last grows from 4 to 24 (still 4 zigzag chunks of 6).
+  // --align 8 would instead pad each sequence to a multiple of 32: T = 64.
+  auto l = ComputeLayout(Lengths{7, 3}, Opts(2, 1, false, 1, 0, 16));
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->cu_seqlens, (Ints{0, 7, 10}));
+  EXPECT_EQ(l->cu_seqlens_padded, (Ints{0, 8, 32}));
+  EXPECT_EQ(l->max_seqlen, 24);
+  EXPECT_EQ(l->total_tokens, 32);
+  auto align = ComputeLayout(Lengths{7, 3}, Opts(2, 1, false, 8));
+  ASSERT_TRUE(align.ok());
+  EXPECT_EQ(align->cu_seqlens_padded, (Ints{0, 32, 64}));
+  // With SP over TP = 2 the multiple is per TP rank: T/(CP*TP) = 16, T = 64.
+  auto sp = ComputeLayout(Lengths{7, 3}, Opts(2, 2, true, 1, 0, 16));
+  ASSERT_TRUE(sp.ok());
+  EXPECT_EQ(sp->cu_seqlens_padded, (Ints{0, 8, 64}));
+  // CP = 1: T itself a multiple of R; a total that is one already gets no tail.
+  auto cp1 = ComputeLayout(Lengths{20, 12}, Opts(1, 1, false, 1, 0, 32));
+  ASSERT_TRUE(cp1.ok());
+  EXPECT_EQ(cp1->cu_seqlens_padded, (Ints{0, 20, 32}));
+  // The shards: every CP rank holds 16 tokens.
+  const auto samples = TwoSamples();
+  auto sm = PackAndShardAll(Views(samples), Opts(2, 1, false, 1, 0, 16));
+  ASSERT_TRUE(sm.ok()) << sm.status().ToString();
+  EXPECT_EQ(sm->shards[0].tokens,
+            (Ints{11, 12, 17, 0, 21, 22, 23, 0, 0, 0, 0, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(sm->shards[1].tokens.size(), 16u);
+  EXPECT_EQ(sm->n_valid, 7);
+  // PackInto refuses a layout whose T breaks the rank multiple (here the layout without it).
+  const Layout plain = *ComputeLayout(Lengths{7, 3}, Opts(2));
+  Ints t(12);
+  ExpectInvalid(PackInto(Views(samples), plain, Opts(2, 1, false, 1, 0, 16), {.tokens = t})
+                    .status(),
+                {"layout.total_tokens = 12", "2 ranks", "rank_multiple = 16",
+                 "T a multiple of 32"});
+}
+
 TEST(PackLayoutTest, RejectsBadLengths) {
   ExpectInvalid(ComputeLayout(Lengths{}, {}).status(), {"lengths is empty"});
   ExpectInvalid(ComputeLayout(Lengths{4, 2, 9, 0}, {}).status(),
@@ -129,6 +168,10 @@ TEST(PackLayoutTest, TotalMustFitInt32) {
   ExpectCode(ComputeLayout(Lengths{std::numeric_limits<int32_t>::max() - 1}, Opts(1, 4, true))
                  .status(),
              StatusCode::kOutOfRange, {"T = 2147483648", "SP tail"});
+  ExpectCode(ComputeLayout(Lengths{std::numeric_limits<int32_t>::max() - 1},
+                           Opts(1, 1, false, 1, 0, 16))
+                 .status(),
+             StatusCode::kOutOfRange, {"T = 2147483648", "rank-multiple tail"});
   // An alignment or an SP quantum that does not fit int32 is ParallelLayout::Create's OutOfRange
   // (parallel_layout_test.cc, CreateRejectsBadArguments).
   // The largest T that fits is accepted.
@@ -354,6 +397,100 @@ TEST(PackTest, IntoRejectsLayoutsThatDoNotDescribeTheSamples) {
                     .status(),
                 {"out[1].tokens has 12", "T/CP = 6"});
   ExpectInvalid(PackAndShard(views, cp2, -1).status(), {"cp_rank = -1"});
+}
+
+// Hugging Face's labels written out by hand for the running example at CP = 1 (no padding):
+// A's targets are tokens 2..6 (its mask), B's tokens 1..2; each sequence's first token and
+// the prompt are -100. With rank multiple 16, T = 16 and the tail of B is -100 too.
+TEST(HfLabelsTest, HandWrittenExample) {
+  const auto samples = TwoSamples();
+  auto mb = Pack(Views(samples), Opts(1));
+  ASSERT_TRUE(mb.ok());
+  Ints labels(10);
+  Bytes mask(10);
+  ASSERT_TRUE(ToHfLabels(mb->labels, mb->loss_mask, mb->cu_seqlens_padded, labels, mask).ok());
+  EXPECT_EQ(labels, (Ints{kX, kX, 13, 14, 15, 16, 17, kX, 22, 23}));
+  EXPECT_EQ(mask, (Bytes{0, 0, 1, 1, 1, 1, 1, 0, 1, 1}));
+  auto r16 = Pack(Views(samples), Opts(1, 1, false, 1, 0, 16));
+  ASSERT_TRUE(r16.ok());
+  ASSERT_EQ(r16->cu_seqlens_padded, (Ints{0, 7, 16}));
+  // In place.
+  ASSERT_TRUE(ToHfLabels(r16->labels, r16->loss_mask, r16->cu_seqlens_padded, r16->labels,
+                         r16->loss_mask)
+                  .ok());
+  EXPECT_EQ(r16->labels, (Ints{kX, kX, 13, 14, 15, 16, 17, kX, 22, 23, kX, kX, kX, kX, kX, kX}));
+  EXPECT_EQ(r16->loss_mask, (Bytes{0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0}));
+}
+
+// Against the convention's plain definition, from the samples themselves: label j of sample s
+// is tokens_s[j] when 1 <= j < L_s and target_mask_s[j] = 1, else -100; on random samples,
+// alignments and rank multiples (so padding sits inside and after the sequences).
+TEST(HfLabelsTest, MatchesThePlainDefinitionOnRandomSamples) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<Sample> samples;
+    for (int i = 1 + static_cast<int>(rng() % 6); i > 0; --i) {
+      Sample s;
+      s.id = static_cast<int64_t>(samples.size());
+      const int len = 1 + static_cast<int>(rng() % 50);
+      for (int j = 0; j < len; ++j) s.tokens.push_back(static_cast<TokenId>(rng() % 1000));
+      if (rng() % 3 != 0) {  // completion-only: a prompt of zeros, then ones (or random)
+        const int prompt = static_cast<int>(rng() % (len + 1));
+        for (int j = 0; j < len; ++j) {
+          s.target_mask.push_back(rng() % 4 == 0 ? static_cast<uint8_t>(rng() % 2)
+                                                 : static_cast<uint8_t>(j >= prompt));
+        }
+      }
+      samples.push_back(std::move(s));
+    }
+    const int64_t align = 1 + static_cast<int64_t>(rng() % 4);
+    const int64_t rank_multiple = std::vector<int64_t>{1, 2, 16, 32}[rng() % 4];
+    const PackOptions o = Opts(1, 1, false, align, 7, rank_multiple);
+    auto mb = Pack(Views(samples), o);
+    ASSERT_TRUE(mb.ok()) << mb.status().ToString();
+    Ints want;
+    Bytes want_mask;
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const Sample& s = samples[i];
+      const int64_t len = static_cast<int64_t>(s.tokens.size());
+      const int64_t p = int64_t{mb->cu_seqlens_padded[i + 1]} - mb->cu_seqlens_padded[i];
+      for (int64_t j = 0; j < p; ++j) {
+        const bool target =
+            j >= 1 && j < len && (s.target_mask.empty() || s.target_mask[static_cast<size_t>(j)]);
+        want.push_back(target ? s.tokens[static_cast<size_t>(j)] : kX);
+        want_mask.push_back(target ? 1 : 0);
+      }
+    }
+    Ints labels(want.size(), 12345);
+    Bytes mask(want.size(), 9);
+    ASSERT_TRUE(ToHfLabels(mb->labels, mb->loss_mask, mb->cu_seqlens_padded, labels, mask).ok());
+    ASSERT_EQ(labels, want) << "trial " << trial;
+    ASSERT_EQ(mask, want_mask) << "trial " << trial;
+    int64_t n = 0;
+    for (uint8_t m : mask) n += m;
+    ASSERT_EQ(n, mb->n_valid);
+  }
+}
+
+TEST(HfLabelsTest, RejectsBadArgumentsNamingThem) {
+  Ints labels(10, 1), out(10);
+  Bytes mask(10, 1), out_mask(10);
+  const Ints cu{0, 7, 10};
+  ExpectInvalid(ToHfLabels(labels, mask, Ints{0, 7, 11}, out, out_mask),
+                {"labels has 10 elements", "T = cu_seqlens_padded[n] = 11"});
+  ExpectInvalid(ToHfLabels(labels, Bytes(9, 1), cu, out, out_mask), {"loss_mask has 9"});
+  Ints short_out(3);
+  Bytes long_mask(11);
+  ExpectInvalid(ToHfLabels(labels, mask, cu, short_out, out_mask), {"hf_labels has 3"});
+  ExpectInvalid(ToHfLabels(labels, mask, cu, out, long_mask), {"hf_loss_mask has 11"});
+  ExpectInvalid(ToHfLabels(labels, mask, Ints{0, 7, 7, 10}, out, out_mask),
+                {"ToHfLabels", "cu_seqlens_padded"});
+  ExpectInvalid(ToHfLabels(labels, mask, Ints{1, 10}, out, out_mask), {"cu_seqlens_padded[0]"});
+  ExpectInvalid(ToHfLabels(labels, mask, Ints{}, out, out_mask), {"ToHfLabels"});
+  mask[4] = 2;
+  ExpectInvalid(ToHfLabels(labels, mask, cu, out, out_mask), {"loss_mask[4] = 2", "0 or 1"});
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 // LongestKept against the schedulers themselves: on fresh random options (CP, TP, SP, extra
-// alignment, budgets, DP, both size sets of the dynamic scheduler), a sample of the longest
-// kept length is scheduled and one token more is the oversize one the policy leaves out.
+// alignment, rank multiple, budgets, DP, both size sets of the dynamic scheduler), a sample of
+// the longest kept length is scheduled and one token more is the oversize one the policy
+// leaves out.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -41,8 +43,14 @@ TEST(LongestKeptTest, EqualsTheSchedulersOversizeRule) {
     const int tp = 1 + static_cast<int>(rng() % 4);
     const bool sp = tp > 1 && rng() % 2;
     const int64_t align = 1 + static_cast<int64_t>(rng() % 3);
-    o.parallel = *ParallelLayout::Create(cp, tp, sp, align);
-    o.max_tokens_per_rank = 8 + static_cast<int64_t>(rng() % 3000);
+    const int64_t rank_multiple = std::vector<int64_t>{1, 1, 3, 16, 32, 128}[rng() % 6];
+    o.parallel = *ParallelLayout::Create(cp, tp, sp, align, rank_multiple);
+    // At least one token quantum per microbatch (a smaller budget keeps no sample at all),
+    // and for the dynamic scheduler one for a group of one rank.
+    const int64_t quantum = std::max(
+        o.parallel.token_quantum(),
+        ParallelLayout::Create(1, tp, sp, align, rank_multiple)->token_quantum() * cp);
+    o.max_tokens_per_rank = (quantum + cp - 1) / cp + static_cast<int64_t>(rng() % 3000);
     if (trial % 2 == 1) {
       o.scheduler = ScheduleOptions::Scheduler::kDynamic;
       o.cost = *CostModelFromDims(ModelDims{2, 8, 2, 1, 16, 10});

@@ -19,6 +19,12 @@ namespace {
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
+// What pads a microbatch's last sequence past its own P, for messages.
+std::string TailName(const ParallelLayout& l) {
+  if (l.splits_over_tp()) return l.rank_multiple() > 1 ? "SP and rank-multiple tail" : "SP tail";
+  return "rank-multiple tail";
+}
+
 // Passes over a plan look ids up this far ahead (SampleIdIndex::Prefetch).
 constexpr int64_t kPrefetchAhead = 16;
 
@@ -250,8 +256,8 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
     const int64_t p = o.parallel.PaddedLength(s.length);
     std::string padded = "padded " + Str(p) + " with alignment " + Str(align);
     if (p <= budget) {
-      padded += ", " + Str(o.parallel.MicrobatchTokens(p)) + " with the SP tail to a multiple of " +
-                Str(o.parallel.token_quantum());
+      padded += ", " + Str(o.parallel.MicrobatchTokens(p)) + " with the " + TailName(o.parallel) +
+                " to a multiple of " + Str(o.parallel.token_quantum());
     }
     return Status::InvalidArgument(
         "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (" + padded +

@@ -336,7 +336,7 @@ class BalancedAtM {
         o_(o),
         tuning_(tuning),
         plain_refill_(tuning.plain_refill),
-        tails_matter_(o.parallel.splits_over_tp()),
+        tails_matter_(o.parallel.may_pad_tail()),
         order_(sorted.order),
         padded_(sorted.padded),
         cost_of_(sorted.cost),
@@ -834,7 +834,7 @@ class BalancedAtM {
       }
       if (!tails_matter_) continue;
       EnsureItemLists();
-      // With SP tails the arrangement changes the replica's cost: keep the refill only when
+      // With tails (SP, rank multiple) the arrangement changes the replica's cost: keep the refill only when
       // it is not dearer than the best-fit bins (the straggler comes before the spread).
       const auto& items = items_of_[r];
       FillEmptyBins(r);

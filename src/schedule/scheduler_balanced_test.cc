@@ -95,7 +95,7 @@ TEST(BalancedTest, FewestMicrobatchesAndEvenMicrobatches) {
 }
 
 // The straggler objective on random steps: never worse than sequential at sequential's M,
-// with tokens and FLOPs cost models, with and without CP, SP, k.
+// with tokens and FLOPs cost models, with and without CP, SP, a rank multiple, k.
 TEST(BalancedTest, NeverWorseThanSequentialAtTheSameM) {
   std::mt19937_64 rng(99);
   auto llama = ParseCostSpec("llama2-7b");
@@ -107,7 +107,8 @@ TEST(BalancedTest, NeverWorseThanSequentialAtTheSameM) {
     const int cp = std::vector<int>{1, 2, 4}[rng() % 3];
     const int tp = std::vector<int>{1, 2, 4}[rng() % 3];
     const bool sp = rng() % 2;
-    o.parallel = ParallelLayout::Create(cp, tp, sp).value();
+    const int64_t rank_multiple = std::vector<int64_t>{1, 1, 2, 16}[rng() % 4];
+    o.parallel = ParallelLayout::Create(cp, tp, sp, 1, rank_multiple).value();
     o.max_tokens_per_rank = 256 + static_cast<int64_t>(rng() % 4096);
     o.microbatch_multiple = 1 + static_cast<int>(rng() % 2);
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;

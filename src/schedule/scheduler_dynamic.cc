@@ -436,7 +436,7 @@ std::optional<DynamicPlan> StaticCandidate(const DynStep& step, const ScheduleOp
 Result<ParallelLayout> GroupLayout(const ScheduleOptions& o, int c) {
   if (c < 1) return Status::InvalidArgument("GroupLayout: c = " + Str(c) + " must be >= 1");
   return ParallelLayout::Create(c, o.parallel.tp_size(), o.parallel.sp(),
-                                o.parallel.extra_alignment());
+                                o.parallel.extra_alignment(), o.parallel.rank_multiple());
 }
 
 Result<int64_t> LongestKept(const ScheduleOptions& o) {

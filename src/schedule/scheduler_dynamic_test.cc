@@ -23,10 +23,11 @@ StepTimeModel SmallModel(const char* hw = "1000,10") {
   return *StepTimeModel::Create(ModelDims{2, 8, 2, 1, 16, 10}, *ParseHardwareSpec(hw));
 }
 
-ScheduleOptions Options(int dp, int cp, int64_t max_tokens, int tp = 1, bool sp = false) {
+ScheduleOptions Options(int dp, int cp, int64_t max_tokens, int tp = 1, bool sp = false,
+                        int64_t rank_multiple = 1) {
   ScheduleOptions o;
   o.dp_size = dp;
-  o.parallel = *ParallelLayout::Create(cp, tp, sp);
+  o.parallel = *ParallelLayout::Create(cp, tp, sp, 1, rank_multiple);
   o.max_tokens_per_rank = max_tokens;
   o.cost = *CostModelFromDims(ModelDims{2, 8, 2, 1, 16, 10});
   o.scheduler = ScheduleOptions::Scheduler::kDynamic;
@@ -53,7 +54,8 @@ bool SamePlan(const DynamicPlan& a, const DynamicPlan& b) {
   return true;
 }
 
-// Random steps over many (DP, CP) domains, budgets, SP tails, k and fixed M, both size sets:
+// Random steps over many (DP, CP) domains, budgets, SP and rank-multiple tails, k and fixed M,
+// both size sets:
 // every invariant, the recorded step time equal to DynamicPlanStepTime, determinism, and a
 // step time no larger than the balanced plan at the step's own static layout.
 TEST(DynamicSchedulerTest, InvariantsOnRandomSteps) {
@@ -67,7 +69,8 @@ TEST(DynamicSchedulerTest, InvariantsOnRandomSteps) {
     const int64_t max_tokens = std::uniform_int_distribution<int64_t>(64, 1024)(rng);
     const bool sp = trial % 4 == 3;
     const int tp = sp ? 2 : 1;
-    ScheduleOptions o = Options(dp, cp, max_tokens, tp, sp);
+    const int64_t rank_multiple = trial % 5 == 4 ? 16 : 1;
+    ScheduleOptions o = Options(dp, cp, max_tokens, tp, sp, rank_multiple);
     o.cp_sizes = trial % 3 == 1 ? ScheduleOptions::CpSizes::kPow2 : ScheduleOptions::CpSizes::kAny;
     o.microbatch_multiple = trial % 5 == 2 ? 2 : 1;
     o.oversize = ScheduleOptions::OversizePolicy::kSkip;

@@ -214,7 +214,7 @@ Result<std::optional<HistogramPlan>> PlanHistogram(std::span<const HistogramRow>
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   const ScheduleOptions& o = options;
   if (o.dp_size != 1 || o.microbatch_multiple != 1 || o.num_microbatches != 0 ||
-      o.scheduler != ScheduleOptions::Scheduler::kBalanced || o.parallel.splits_over_tp()) {
+      o.scheduler != ScheduleOptions::Scheduler::kBalanced || o.parallel.may_pad_tail()) {
     return Out();
   }
   for (size_t r = 0; r < histogram.size(); ++r) {

@@ -1,4 +1,4 @@
-// StepMeta: validation, and versions 1 and 2 of its wire format (docs/wire_format.md).
+// StepMeta: validation, and versions 1, 2 and 3 of its wire format (docs/wire_format.md).
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -26,6 +26,8 @@ constexpr uint8_t kPaddingDerived = 0;      // P_i = roundup(L_i, m) for every s
 constexpr uint8_t kPaddingDerivedTail = 1;  // the same, and the last gets + tail (a varint)
 constexpr uint8_t kPaddingExplicit = 2;     // P_i - L_i Rice-coded for every sequence
 constexpr uint8_t kFlagSp = 0x01;
+// Version 3 only: the version 2 additions (domain_rank, a group per microbatch) follow.
+constexpr uint8_t kFlagGroups = 0x02;
 // Smallest encoding of a microbatch: n, coding, and codes of at least one byte (n >= 1 code of
 // >= 1 bit).
 constexpr size_t kMinMicrobatchBytes = 3;
@@ -107,6 +109,12 @@ Status ValidateMicrobatch(const StepMeta& meta, const ParallelLayout& layout, si
                    " is not a multiple of cp_size*tp_size = " + Num(cp_tp) +
                    ", required with sp (T/CP a multiple of TP)");
   }
+  if (t % layout.rank_quantum() != 0) {
+    return Invalid(Mb(m) + "cu_seqlens_padded: total " + Num(t) + " is not a multiple of " +
+                   Num(layout.rank_quantum()) + ": each of the " + Num(layout.split_ranks()) +
+                   " ranks T is split over must hold a multiple of rank_multiple " +
+                   Num(layout.rank_multiple()) + " tokens");
+  }
   const int64_t max_valid = int64_t{cu[n]} - static_cast<int64_t>(n);
   if (mb.n_valid < 0 || mb.n_valid > max_valid) {
     return Invalid(Mb(m) + "n_valid = " + Num(mb.n_valid) + ": must be in [0, " +
@@ -120,7 +128,7 @@ Status ValidateMicrobatch(const StepMeta& meta, const ParallelLayout& layout, si
 Result<ParallelLayout> GroupLayoutOf(const ParallelLayout& parallel, int64_t c) {
   if (c < 1 || c > kInt32Max) return Invalid("group size " + Num(c) + " out of range");
   return ParallelLayout::Create(static_cast<int>(c), parallel.tp_size(), parallel.sp(),
-                                parallel.extra_alignment());
+                                parallel.extra_alignment(), parallel.rank_multiple());
 }
 
 // Version 2's rules on groups and domain_rank; `layouts` gets each microbatch's layout.
@@ -307,8 +315,13 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   std::vector<uint8_t> out;
   out.reserve(96 + 24 * meta.microbatches.size() + 3 * sequences + 10 * meta.skipped_ids.size());
   const bool groups = !meta.groups.empty();
+  // The oldest version that carries the step, so that a step of an older kind keeps its bytes
+  // (and older readers read it): version 3 only with a rank multiple.
+  const bool rank_multiple = meta.parallel.rank_multiple() > 1;
   for (uint8_t b : kStepMetaMagic) out.push_back(b);
-  out.push_back(groups ? kStepMetaVersionGroups : kStepMetaVersionStatic);
+  out.push_back(rank_multiple ? kStepMetaVersionRankMultiple
+                : groups      ? kStepMetaVersionGroups
+                              : kStepMetaVersionStatic);
   wire::PutFixed32(&out, 0);  // total_length, filled in below
   wire::PutVarint64(&out, meta.step);
   wire::PutVarint64(&out, meta.epoch);
@@ -318,8 +331,10 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   const ParallelLayout& parallel = meta.parallel;
   wire::PutVarint64(&out, static_cast<uint64_t>(parallel.cp_size()));
   wire::PutVarint64(&out, static_cast<uint64_t>(parallel.tp_size()));
-  out.push_back(parallel.sp() ? kFlagSp : 0);
+  out.push_back(static_cast<uint8_t>((parallel.sp() ? kFlagSp : 0) |
+                                     (rank_multiple && groups ? kFlagGroups : 0)));
   wire::PutVarint64(&out, static_cast<uint64_t>(parallel.sequence_alignment()));
+  if (rank_multiple) wire::PutVarint64(&out, static_cast<uint64_t>(parallel.rank_multiple()));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.real_tokens));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.padded_tokens));
   wire::PutVarint64(&out, static_cast<uint64_t>(meta.sum_sq));
@@ -330,7 +345,7 @@ Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   for (size_t m = 0; m < meta.microbatches.size(); ++m) {
     int64_t pm = parallel.sequence_alignment();
     if (groups) {
-      // Version 2: the group first; an idle microbatch is nothing more.
+      // Version 2 (and 3 with groups): the group first; an idle microbatch is nothing more.
       const MicrobatchGroup& g = meta.groups[m];
       wire::PutVarint64(&out, static_cast<uint64_t>(g.first_rank));
       wire::PutVarint64(&out, static_cast<uint64_t>(g.num_ranks));
@@ -367,12 +382,13 @@ std::string Hex32(uint32_t v) {
   return buf;
 }
 
-// Reads the body of a version 1 or 2 message (version 2 adds domain_rank and a group before
-// each microbatch). Errors say the byte offset in the whole message.
+// Reads the body of a version 1, 2 or 3 message (version 2 adds domain_rank and a group before
+// each microbatch; version 3 adds rank_multiple, and the groups when its flags say so). Errors
+// say the byte offset in the whole message.
 class BodyDecoder {
  public:
   BodyDecoder(std::span<const uint8_t> body, uint8_t version)
-      : r_(body), groups_(version >= kStepMetaVersionGroups) {}
+      : r_(body), version_(version), groups_(version == kStepMetaVersionGroups) {}
 
   Result<StepMeta> Decode() {
     StepMeta meta;
@@ -390,16 +406,32 @@ class BodyDecoder {
     if (tp_size < 1) return Error("tp_size", kNoMb, "is 0: must be >= 1");
     uint8_t flags = 0;
     THDPACK_RETURN_IF_ERROR(Byte("flags", kNoMb, &flags));
-    if ((flags & ~kFlagSp) != 0) return Error("flags", kNoMb, "unknown bits set in " + Num(flags));
+    const bool v3 = version_ == kStepMetaVersionRankMultiple;
+    const uint8_t known = v3 ? (kFlagSp | kFlagGroups) : kFlagSp;
+    if ((flags & ~known) != 0) return Error("flags", kNoMb, "unknown bits set in " + Num(flags));
+    if (v3) groups_ = (flags & kFlagGroups) != 0;
     THDPACK_RETURN_IF_ERROR(Varint("pad_multiple", kNoMb, kInt32Max, &pad_multiple));
-    // Untrusted bytes: the layout's remaining rules (pad_multiple a multiple of 2*CP, the SP
-    // quantum within int32) are checked here, before the microbatches, whose padded lengths
+    uint64_t rank_multiple = 1;
+    if (v3) {
+      const size_t at = r_.position();
+      THDPACK_RETURN_IF_ERROR(Varint("rank_multiple", kNoMb, kInt32Max, &rank_multiple));
+      // One encoding per step: without a rank multiple the writer writes version 1 or 2.
+      if (rank_multiple < 2) {
+        return Status::Corruption("step metadata: " + Where(at, "rank_multiple", kNoMb) +
+                                  ": is " + Num(static_cast<int64_t>(rank_multiple)) +
+                                  ": version 3 carries a rank multiple >= 2 (a step without "
+                                  "one is written as version 1 or 2)");
+      }
+    }
+    // Untrusted bytes: the layout's remaining rules (pad_multiple a multiple of 2*CP, the
+    // quanta within int32) are checked here, before the microbatches, whose padded lengths
     // derive from it.
-    auto parallel = ParallelLayout::FromWire(static_cast<int64_t>(cp_size),
-                                             static_cast<int64_t>(tp_size),
-                                             (flags & kFlagSp) != 0,
-                                             static_cast<int64_t>(pad_multiple));
-    if (!parallel.ok()) return Error("pad_multiple", kNoMb, parallel.status().message());
+    auto parallel = ParallelLayout::FromWire(
+        static_cast<int64_t>(cp_size), static_cast<int64_t>(tp_size), (flags & kFlagSp) != 0,
+        static_cast<int64_t>(pad_multiple), static_cast<int64_t>(rank_multiple));
+    if (!parallel.ok()) {
+      return Error(v3 ? "rank_multiple" : "pad_multiple", kNoMb, parallel.status().message());
+    }
     meta.parallel = *parallel;
     THDPACK_RETURN_IF_ERROR(Varint("real_tokens", kNoMb, kInt64Max, &v));
     meta.real_tokens = static_cast<int64_t>(v);
@@ -590,7 +622,8 @@ class BodyDecoder {
   }
 
   wire::ByteReader r_;
-  bool groups_;
+  uint8_t version_;
+  bool groups_;  // the version 2 additions follow (version 2, or 3 with kFlagGroups)
 };
 
 }  // namespace

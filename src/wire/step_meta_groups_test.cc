@@ -1,6 +1,6 @@
-// Version 2 of the step metadata (per-microbatch CP groups of the dynamic scheduler): round
-// trips, the rules ValidateStepMeta adds, and corruption. Version 1 keeps its own tests
-// (step_meta_test.cc), unchanged.
+// Version 2 of the step metadata (per-microbatch CP groups of the dynamic scheduler), and
+// version 3 with groups (a rank multiple applied per group): round trips, the rules
+// ValidateStepMeta adds, and corruption. Version 1 keeps its own tests (step_meta_test.cc).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,7 +45,8 @@ MicrobatchMeta GroupMicrobatch(const ParallelLayout& layout, const std::vector<i
 }
 
 ParallelLayout Group(const ParallelLayout& p, int c) {
-  return ParallelLayout::Create(c, p.tp_size(), p.sp(), p.extra_alignment()).value();
+  return ParallelLayout::Create(c, p.tp_size(), p.sp(), p.extra_alignment(), p.rank_multiple())
+      .value();
 }
 
 // DP = 2, CP = 2 (a domain of 4), domain rank 1: a group of 3 (padding to 6), an idle
@@ -78,7 +79,11 @@ StepMeta RandomDynamicStep(std::mt19937_64& rng) {
   const int cp = static_cast<int>(rng() % 4) + 1;
   const int tp = static_cast<int>(rng() % 3) + 1;
   const int64_t extras[] = {1, 1, 2, 8};
-  meta.parallel = ParallelLayout::Create(cp, tp, rng() % 2 == 0, extras[rng() % 4]).value();
+  const int64_t rank_multiples[] = {1, 1, 2, 16};
+  const bool sp = rng() % 2 == 0;
+  const int64_t extra = extras[rng() % 4];
+  meta.parallel =
+      ParallelLayout::Create(cp, tp, sp, extra, rank_multiples[rng() % 4]).value();
   const int domain = meta.dp_size * cp;
   meta.domain_rank = static_cast<int32_t>(rng() % domain);
   meta.replica = meta.domain_rank / cp;
@@ -114,6 +119,40 @@ TEST(WireGroupsTest, DynamicStepIsValidAndRoundTripsAsVersion2) {
   EXPECT_EQ(*back, meta);
   // The group of 3 pads to 2*3 = 6: 7 -> 12, 1 -> 6, 20 -> 24.
   EXPECT_EQ(back->microbatches[0].cu_seqlens_padded, (std::vector<int32_t>{0, 12, 18, 42}));
+}
+
+// The same step with rank multiple 16: version 3, flag bit 1 (groups) set, and each group's T a
+// multiple of its size times 16 (the group of 3: 12 + 6 + 24 = 42 becomes 48).
+TEST(WireGroupsTest, RankMultipleAppliesPerGroupAndIsVersion3) {
+  StepMeta meta = DynamicStep();
+  meta.parallel = ParallelLayout::Create(2, 1, false, 1, 16).value();
+  meta.microbatches[0] = GroupMicrobatch(Group(meta.parallel, 3), {7, 1, 20});
+  meta.microbatches[2] = GroupMicrobatch(Group(meta.parallel, 1), {3, 5});
+  meta.microbatches[3] = GroupMicrobatch(Group(meta.parallel, 2), {9}, 2);
+  FillTotals(&meta, 17);
+  ASSERT_TRUE(ValidateStepMeta(meta).ok()) << ValidateStepMeta(meta).ToString();
+  EXPECT_EQ(meta.microbatches[0].cu_seqlens_padded, (std::vector<int32_t>{0, 12, 18, 48}));
+  EXPECT_EQ(meta.microbatches[2].cu_seqlens_padded, (std::vector<int32_t>{0, 3, 16}));
+  EXPECT_EQ(meta.microbatches[3].cu_seqlens_padded, (std::vector<int32_t>{0, 32}));
+  auto bytes = EncodeStepMeta(meta);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  EXPECT_EQ((*bytes)[4], kStepMetaVersionRankMultiple);
+  EXPECT_EQ((*bytes)[kStepMetaHeaderSize + 6], 0x02);  // flags: groups, no SP
+  auto back = DecodeStepMeta(*bytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, meta);
+  // A group's T under the layout without the rank multiple breaks the per-group rule.
+  meta.microbatches[0] = GroupMicrobatch(Group(DynamicStep().parallel, 3), {7, 1, 20});
+  FillTotals(&meta, 17);
+  const Status s = ValidateStepMeta(meta);
+  EXPECT_TRUE(Contains(s, "microbatches[0].cu_seqlens_padded: total 42 is not a multiple of 48"))
+      << s.ToString();
+  // The groups flag is read as such: without it, the body's domain_rank is taken for
+  // num_microbatches and the message does not decode.
+  std::vector<uint8_t> msg = *bytes;
+  msg[kStepMetaHeaderSize + 6] = 0x00;
+  Reseal(&msg);
+  EXPECT_FALSE(DecodeStepMeta(msg).ok());
 }
 
 TEST(WireGroupsTest, StaticStepStaysVersion1) {

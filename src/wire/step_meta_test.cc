@@ -49,6 +49,16 @@ StepMeta GoldenStep() {
   return meta;
 }
 
+// The golden step of version 3 (docs/wire_format.md): the version 1 golden step with rank
+// multiple 16, so T/CP = 16: T = 32, the last sequence padded to 28 (4 + 28 = 32).
+StepMeta GoldenStepV3() {
+  StepMeta meta = GoldenStep();
+  meta.parallel = ParallelLayout::Create(2, 1, false, 1, 16).value();
+  meta.microbatches = {MakeMicrobatch({3, 5}, {4, 28}, 6)};
+  FillTotals(&meta);
+  return meta;
+}
+
 // A small step that takes the other paths: SP with a tail, explicit padding, two microbatches,
 // negative and huge ids, 64-bit step and epoch.
 StepMeta SmallExplicitStep() {
@@ -79,11 +89,13 @@ StepMeta RandomStep(std::mt19937_64& rng, int max_log2 = 20, int max_n = 40) {
   const int32_t cps[] = {1, 2, 4, 8, 16};
   const int32_t tps[] = {1, 2, 4, 8};
   const int64_t extras[] = {1, 1, 2, 8, 64, 128};
+  const int64_t rank_multiples[] = {1, 1, 1, 2, 16, 128};
   const int32_t cp = cps[rng() % 5];
   const int32_t tp = tps[rng() % 4];
   const bool sp = rng() % 2 == 0;
   const int64_t extra = extras[rng() % 6];
-  meta.parallel = ParallelLayout::Create(cp, tp, sp, extra).value();
+  const int64_t rank_multiple = rank_multiples[rng() % 6];
+  meta.parallel = ParallelLayout::Create(cp, tp, sp, extra, rank_multiple).value();
   const int64_t c = cp > 1 ? 2 * cp : 1;
   const int64_t pad_multiple = c * extra;
   EXPECT_EQ(meta.parallel.sequence_alignment(), pad_multiple) << meta.parallel.ToString();
@@ -103,18 +115,17 @@ StepMeta RandomStep(std::mt19937_64& rng, int max_log2 = 20, int max_n = 40) {
       real += len[i];
       total += pad[i];
     }
-    // Tail of the last sequence: stays a multiple of c; under SP makes T a multiple of CP*TP.
+    // Tail of the last sequence: stays a multiple of c; makes T a multiple of CP*TP under
+    // SP, and of the ranks T is split over times the rank multiple.
     if (rng() % 3 == 0) {
       const int64_t extra = c * static_cast<int64_t>(rng() % 5);
       pad[n - 1] += extra;
       total += extra;
     }
-    if (sp) {
-      const int64_t unit = int64_t{cp} * tp;
-      while (total % unit != 0) {
-        pad[n - 1] += c;
-        total += c;
-      }
+    const int64_t unit = (sp ? int64_t{cp} * tp : cp) * rank_multiple;
+    while (total % unit != 0) {
+      pad[n - 1] += c;
+      total += c;
     }
     const int64_t max_valid = real - n;
     const int64_t n_valid = max_valid == 0 ? 0 : static_cast<int64_t>(rng() % (max_valid + 1));
@@ -182,6 +193,90 @@ TEST(WireGoldenTest, EncodesToTheBytesWorkedOutByHand) {
 TEST(WireGoldenTest, TrailerIsTheCrcOfTheBody) {
   const std::span<const uint8_t> body(kGoldenBytes.data(), kGoldenBytes.size() - 4);
   EXPECT_EQ(Crc32c(body), 0x66137563u);
+}
+
+// GoldenStepV3() encoded by hand (docs/wire_format.md, "Worked example, version 3"): the
+// version 1 bytes with version 3, rank_multiple 16 after pad_multiple, and the tail mode.
+//   54 48 44 4D   magic
+//   03            version 3
+//   22 00 00 00   total_length 34
+//   01 00 01 00   step 1, epoch 0, dp_size 1, replica 0
+//   02 01 00 04   cp_size 2, tp_size 1, flags 0 (no SP, no groups), pad_multiple 4
+//   10            rank_multiple 16
+//   08            real_tokens 8
+//   20            padded_tokens 4+28 = 32
+//   A0 06         sum_sq 4^2+28^2 = 800 = 0x320: low 7 bits 0x20 | 0x80, then 800 >> 7 = 6
+//   06            n_loss_tokens 6
+//   01            num_microbatches 1
+//     02          num_sequences 2
+//     21          coding: mode 1 (derived + tail) << 5 | k_len 1
+//     14          tail 20 = 28 - roundup(5, 4)
+//     22          codes, as in version 1
+//   01 0E         one skipped id, 7
+//   87 25 24 05   CRC-32C 0x05242587 of the 30 bytes above (bitwise reference, computed
+//                 separately)
+const std::vector<uint8_t> kGoldenBytesV3 = {
+    0x54, 0x48, 0x44, 0x4D, 0x03, 0x22, 0x00, 0x00, 0x00,                    // prefix
+    0x01, 0x00, 0x01, 0x00, 0x02, 0x01, 0x00, 0x04, 0x10,                    // step, layout
+    0x08, 0x20, 0xA0, 0x06, 0x06,                                            // totals
+    0x01, 0x02, 0x21, 0x14, 0x22,                                            // microbatch
+    0x01, 0x0E,                                                              // skipped
+    0x87, 0x25, 0x24, 0x05};                                                 // crc32c
+
+TEST(WireGoldenTest, Version3EncodesToTheBytesWorkedOutByHand) {
+  EXPECT_EQ(Encode(GoldenStepV3()), kGoldenBytesV3);
+  EXPECT_EQ(Crc32c(std::span<const uint8_t>(kGoldenBytesV3.data(), kGoldenBytesV3.size() - 4)),
+            0x05242587u);
+  auto meta = DecodeStepMeta(kGoldenBytesV3);
+  ASSERT_TRUE(meta.ok()) << meta.status().ToString();
+  EXPECT_EQ(*meta, GoldenStepV3());
+  EXPECT_EQ(meta->parallel.rank_multiple(), 16);
+  EXPECT_EQ(meta->microbatches[0].cu_seqlens_padded, (std::vector<int32_t>{0, 4, 32}));
+  EXPECT_EQ(meta->microbatches[0].max_seqlen, 28);
+}
+
+// Version 3 is written only with a rank multiple: every step without one keeps the bytes of
+// version 1 (the golden test above) or 2, so readers of those versions still read it.
+TEST(WireGoldenTest, VersionIsTheOldestThatCarriesTheStep) {
+  EXPECT_EQ(Encode(GoldenStep())[4], kStepMetaVersionStatic);
+  EXPECT_EQ(Encode(GoldenStepV3())[4], kStepMetaVersionRankMultiple);
+  EXPECT_EQ(kStepMetaVersion, kStepMetaVersionRankMultiple);
+}
+
+// A reader of versions 1 and 2 (every earlier release) refuses version 3 as a newer version,
+// never misreads it: its check is `version > 2`, which is what this one applies to 4.
+TEST(WireGoldenTest, Version3RefusesRankMultipleOneAndUnknownFlags) {
+  // rank_multiple 1 in a version 3 message: not this version's encoding of that step.
+  std::vector<uint8_t> msg = kGoldenBytesV3;
+  msg[17] = 0x01;
+  Reseal(&msg);
+  auto one = DecodeStepMeta(msg);
+  ASSERT_FALSE(one.ok());
+  EXPECT_EQ(one.status().code(), StatusCode::kCorruption);
+  EXPECT_TRUE(Contains(one.status(), "byte 17 (rank_multiple)")) << one.status().ToString();
+  EXPECT_TRUE(Contains(one.status(), "version 3 carries a rank multiple >= 2"));
+  // Flag bit 2 is unknown in version 3; bit 1 (groups) is unknown in version 1.
+  msg = kGoldenBytesV3;
+  msg[15] = 0x04;
+  Reseal(&msg);
+  EXPECT_TRUE(Contains(DecodeStepMeta(msg).status(), "unknown bits set in 4"));
+  msg = kGoldenBytes;
+  msg[15] = 0x02;
+  Reseal(&msg);
+  EXPECT_TRUE(Contains(DecodeStepMeta(msg).status(), "unknown bits set in 2"));
+  // The rank multiple's own rule: T of the microbatch not a multiple of CP * 16 = 32. The tail
+  // 20 becomes 12 (T = 24); padded_tokens and sum_sq are made to agree, so the rank rule alone
+  // is broken.
+  msg = kGoldenBytesV3;
+  msg[26] = 12;                       // tail
+  msg[19] = 24;                       // padded_tokens
+  msg[20] = 0xA0;                     // sum_sq 16 + 400 = 416 = 0x1A0: 0x20 | 0x80, then 3
+  msg[21] = 0x03;
+  Reseal(&msg);
+  auto rank = DecodeStepMeta(msg);
+  ASSERT_FALSE(rank.ok());
+  EXPECT_TRUE(Contains(rank.status(), "total 24 is not a multiple of 32")) << rank.status().ToString();
+  EXPECT_TRUE(Contains(rank.status(), "rank_multiple 16"));
 }
 
 TEST(WireGoldenTest, DecodesToTheStruct) {
@@ -311,7 +406,8 @@ TEST(WireRoundTripTest, TypicalLengthsTakeAtMostTwoBytesPerSequence) {
 
 std::vector<std::vector<uint8_t>> SmallMessages() {
   std::mt19937_64 rng(77);
-  std::vector<std::vector<uint8_t>> msgs = {kGoldenBytes, Encode(SmallExplicitStep())};
+  std::vector<std::vector<uint8_t>> msgs = {kGoldenBytes, kGoldenBytesV3,
+                                            Encode(SmallExplicitStep())};
   msgs.push_back(Encode(RandomStep(rng, 12, 4)));
   return msgs;
 }

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .. import _thdpack
 
 _DIMS = ("tp", "cp", "dp", "pp")
+_LABEL_FORMATS = ("megatron", "hf")
 
 
 def _group_ranks(group, world_ranks):
@@ -150,7 +151,8 @@ class PackedStep:
     is_loader, first_stage, last_stage.
     """
 
-    def __init__(self, raw, device, cp_group=None, copy_stream=None):
+    def __init__(self, raw, device, cp_group=None, copy_stream=None,
+                 label_format="megatron"):
         self.step = raw["step"]
         self.epoch = raw["epoch"]
         self.is_loader = raw["is_loader"]
@@ -167,10 +169,12 @@ class PackedStep:
             # Pinned host tensors to the device on a side stream; the caller's stream waits
             # for the copies before it uses them.
             with torch.cuda.stream(copy_stream):
-                self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
+                self.microbatches = [_microbatch(m, device, cp_group, label_format)
+                                     for m in raw["microbatches"]]
             torch.cuda.current_stream(device).wait_stream(copy_stream)
         else:
-            self.microbatches = [_microbatch(m, device, cp_group) for m in raw["microbatches"]]
+            self.microbatches = [_microbatch(m, device, cp_group, label_format)
+                                 for m in raw["microbatches"]]
         self._state = raw["state"]
 
     def state_dict(self):
@@ -208,7 +212,7 @@ def _host(a):
     return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
 
 
-def _microbatch(m, device, topology_cp_group):
+def _microbatch(m, device, topology_cp_group, label_format="megatron"):
     cu = _tensor(m["cu_seqlens"], device)
     cup = _tensor(m["cu_seqlens_padded"], device)
     max_seqlen = int(m["max_seqlen"])
@@ -217,11 +221,21 @@ def _microbatch(m, device, topology_cp_group):
     cp_group = m["cp_group"] if m["cp_group"] is not None else topology_cp_group
     if cp_size == 1:
         cp_group = None
-    return {
-        "tokens": _tensor(m["tokens"], device),
+    labels, loss_mask = m["labels"], m["loss_mask"]
+    hf = label_format == "hf"
+    if hf and labels is not None:
+        if cp_size != 1:  # refused when the iterator is made; a whole microbatch only
+            raise RuntimeError(f"label_format='hf': a microbatch of CP size {cp_size}")
+        # The arrays the prefetching thread pinned are tensors: back to NumPy for the rule.
+        labels, loss_mask, cup_host = (a.numpy() if isinstance(a, torch.Tensor) else a
+                                       for a in (labels, loss_mask, m["cu_seqlens_padded"]))
+        labels, loss_mask = _thdpack.hf_labels(labels, loss_mask, cup_host)
+    tokens = _tensor(m["tokens"], device)
+    out = {
+        "tokens": tokens,
         "position_ids": _tensor(m["position_ids"], device),
-        "labels": _tensor(m["labels"], device),
-        "loss_mask": _tensor(m["loss_mask"], device),
+        "labels": _tensor(labels, device),
+        "loss_mask": _tensor(loss_mask, device),
         "padding_mask": _tensor(m["padding_mask"], device),
         "cu_seqlens": cu,
         "cu_seqlens_padded": cup,
@@ -248,6 +262,11 @@ def _microbatch(m, device, topology_cp_group):
             "max_seqlen_q": max_seqlen, "max_seqlen_kv": max_seqlen,
         },
     }
+    if hf:
+        # transformers' names (DataCollatorWithFlattening), over the padded sequences.
+        out.update(input_ids=tokens, cu_seq_lens_q=cup, cu_seq_lens_k=cup,
+                   max_length_q=max_seqlen, max_length_k=max_seqlen)
+    return out
 
 
 # Steps a PackedDataIterator prepares ahead unless told (docs/python.md, "Prefetching").
@@ -279,7 +298,17 @@ class PackedDataIterator:
     current step); ``steps`` (default None: no limit) stops after that many steps;
     ``monitored_barrier_seconds`` (default 0: off) makes the backend's barrier gloo's
     monitored_barrier, which names a rank that stopped answering; ``start_step`` (default 0)
-    starts at that step of a run that read ``global_batch`` samples a step from step 0.
+    starts at that step of a run that read ``global_batch`` samples a step from step 0;
+    ``rank_multiple`` (default 1; an int or "fp8" 16, "mxfp8" 32, "blockwise" 128) makes every
+    rank's tokens of a microbatch (T/CP, T/(CP*TP) with sp) a multiple of it, the tail on the
+    last sequence (docs/layout.md, "Rank multiple").
+
+    label_format: "megatron" (default): labels already shifted, as thdpack's loss and Megatron
+    take them. "hf": Hugging Face's (``thdpack.pack(label_format="hf")``): labels unshifted,
+    -100 at each sequence's first token, where the target mask is 0 and at padding, loss_mask
+    equal to labels != -100, plus ``input_ids``, ``cu_seq_lens_q/k`` and ``max_length_q/k``.
+    It needs whole microbatches: CP = 1 and a static scheduler (ValueError otherwise: a model
+    that shifts its labels inside a zigzag CP shard would pair tokens of different chunks).
 
     ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller, in a
     thread of each rank, over a gloo group of the iterator's own (made here, collectively):
@@ -308,9 +337,23 @@ class PackedDataIterator:
 
     def __init__(self, source, groups, global_batch=256, max_tokens_per_rank=16384,
                  scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None,
-                 steps=None, monitored_barrier_seconds=0.0, prefetch=None, **options):
+                 steps=None, monitored_barrier_seconds=0.0, label_format="megatron",
+                 prefetch=None, **options):
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
+        if label_format not in _LABEL_FORMATS:
+            raise ValueError(f"label_format: {label_format!r} is not 'megatron' (labels already "
+                             f"shifted) or 'hf' (unshifted, as Hugging Face models take them)")
+        if label_format == "hf" and (groups.sizes["cp"] > 1 or scheduler == "dynamic"):
+            what = (f"CP = {groups.sizes['cp']}" if groups.sizes["cp"] > 1
+                    else "the dynamic scheduler (a CP group per microbatch)")
+            raise ValueError(f"label_format='hf' needs whole microbatches (CP = 1, a static "
+                             f"scheduler), got {what}: a Hugging Face model shifts its labels "
+                             f"inside the tokens it is given, and a zigzag CP shard puts tokens "
+                             f"of different chunks side by side, so the shift would pair a "
+                             f"token with one from another chunk. Use label_format='megatron' "
+                             f"(labels already shifted) with a CP-aware model")
+        self.label_format = label_format
         self.groups = groups
         backend = dist.get_backend(groups.world)
         nccl = backend == "nccl"
@@ -455,7 +498,8 @@ class PackedDataIterator:
         self.last_wait = time.perf_counter() - t0
         self._done += 1
         self._state = raw["state"]
-        return PackedStep(raw, self.device, self.groups.cp, self._copy_stream)
+        return PackedStep(raw, self.device, self.groups.cp, self._copy_stream,
+                          self.label_format)
 
     # --- prefetching --------------------------------------------------------------------------
 

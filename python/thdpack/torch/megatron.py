@@ -13,8 +13,11 @@ Config fields read (docs/python.md has the table): ``max_seqlen_per_dp_cp_rank``
 max_tokens_per_rank; ``sequence_packing_scheduler`` ("dp_balanced" -> "balanced";
 "sequential", "balanced" and "dynamic" pass through); ``hybrid_context_parallel`` (True ->
 "dynamic": a CP group per microbatch, as Megatron's hybrid CP); ``sequence_parallel`` -> sp;
-``global_batch_size`` -> global_batch (else num_microbatches * ``micro_batch_size`` * DP). Any
-keyword argument of PackedDataIterator given to wrap_data_iterator overrides these.
+``global_batch_size`` -> global_batch (else num_microbatches * ``micro_batch_size`` * DP);
+``fp8`` with ``fp8_recipe`` -> rank_multiple ("delayed" and "tensorwise" 16, "mxfp8" 32,
+"blockwise" 128: the tokens each rank's FP8 GEMMs see, docs/layout.md "Rank multiple"; a
+"custom" recipe sets none: pass rank_multiple). Any keyword argument of PackedDataIterator
+given to wrap_data_iterator (rank_multiple among them) overrides these.
 
 With the dynamic scheduler each microbatch's PackedSeqParams carries its group as Megatron's
 hybrid CP path expects it: local_cp_size the group's size, cp_group its torch group (None for a
@@ -37,6 +40,9 @@ from .iterator import Groups, PackedDataIterator
 
 _SCHEDULERS = {"dp_balanced": "balanced", "balanced": "balanced", "sequential": "sequential",
                "dynamic": "dynamic"}
+# Megatron's fp8_recipe -> the rank multiple its GEMMs need (thdpack's presets).
+_FP8_RANK_MULTIPLE = {"delayed": "fp8", "tensorwise": "fp8", "mxfp8": "mxfp8",
+                      "blockwise": "blockwise"}
 
 # Iterators built from a caller's source, by the source object (kept alive with it), so that
 # wrap_data_iterator, which Megatron calls once per global batch, continues the same step loop.
@@ -93,6 +99,12 @@ def iterator_options(config, num_microbatches, dp_size):
         opts["scheduler"] = "dynamic"
     if getattr(config, "sequence_parallel", None) is not None:
         opts["sp"] = bool(config.sequence_parallel)
+    if getattr(config, "fp8", None):
+        # Megatron's Fp8Recipe is a str enum; its value is the name.
+        recipe = getattr(config, "fp8_recipe", None)
+        recipe = getattr(recipe, "value", recipe)
+        if recipe in _FP8_RANK_MULTIPLE:
+            opts["rank_multiple"] = _FP8_RANK_MULTIPLE[recipe]
     gbs = getattr(config, "global_batch_size", None)
     if gbs is not None:
         opts["global_batch"] = int(gbs)
