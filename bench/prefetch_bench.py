@@ -13,7 +13,14 @@ per step with a compute of half the data step, prefetch 1 against 0 (prefetching
 a step slower when the data step is the longer one) - the compute a sleep, then a Python loop
 that holds the GIL (the thread must not take it from the caller for long).
 
+With --device cuda (a GPU; the device run of scripts/device_check.sh) the world is one rank on
+NCCL, the step's tensors go to the GPU (pinned memory, a copy stream), and the compute is a
+real one: bf16 matmuls of 4096 x 4096 on the GPU, as many as take the wanted time, ended by a
+synchronisation (as a training loop's `loss.item()` ends its step); the data plane's own
+communicator is gloo, as always.
+
 Usage: PYTHONPATH=build/python python3 bench/prefetch_bench.py [--steps N] [--worlds 4,8]
+                                                               [--device cpu|cuda]
 """
 import argparse
 import os
@@ -33,7 +40,9 @@ MAX_TOKENS = 16384
 
 
 def topologies(world):
-    """(name, tp, cp, dp, pp) by world size: two per world."""
+    """(name, tp, cp, dp, pp) by world size: two per world (one at world 1 or 2)."""
+    if world <= 2:
+        return [(f"dp{world}", 1, 1, world, 1)]
     if world == 4:
         return [("cp2 dp2", 1, 2, 2, 1), ("tp2 dp2", 2, 1, 2, 1)]
     return [("cp2 dp4", 1, 2, 4, 1), ("tp2 cp2 dp2", 2, 2, 2, 1)]
@@ -73,21 +82,50 @@ def busy(seconds):
     return x
 
 
-def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False):
+class GpuCompute:
+    """A GPU step of about the wanted time: bf16 matmuls of 4096 x 4096, then a sync."""
+
+    N = 4096
+
+    def __init__(self, device):
+        self.a = torch.randn(self.N, self.N, device=device, dtype=torch.bfloat16)
+        self.b = torch.randn(self.N, self.N, device=device, dtype=torch.bfloat16)
+        for _ in range(3):
+            self.a @ self.b
+        torch.cuda.synchronize(device)
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self.a @ self.b
+        torch.cuda.synchronize(device)
+        self.per_matmul = (time.perf_counter() - t0) / reps
+
+    def __call__(self, seconds):
+        for _ in range(max(1, round(seconds / self.per_matmul))):
+            self.a @ self.b
+        torch.cuda.synchronize(self.a.device)
+
+
+def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False, device=None, gpu=None):
     """[(wait in next(), whole step)] of `steps` steps, each followed by `compute` seconds
-    (a sleep, or with hold_gil a busy loop in Python)."""
+    (a sleep, with hold_gil a busy loop in Python, with gpu matmuls on the GPU)."""
     from thdpack.torch import PackedDataIterator
     it = PackedDataIterator("mock", groups, global_batch=GLOBAL_BATCH,
                             max_tokens_per_rank=MAX_TOKENS, scheduler=scheduler,
                             cost="llama2-7b", shuffle=True, seed=3, prefetch=prefetch,
-                            steps=steps)
+                            steps=steps, device=device)
     dist.barrier()
     out = []
     t_prev = time.perf_counter()
     for step in it:
         wait = it.last_wait
         if compute > 0:
-            busy(compute) if hold_gil else time.sleep(compute)
+            if gpu is not None and not hold_gil:
+                gpu(compute)
+            elif hold_gil:
+                busy(compute)
+            else:
+                time.sleep(compute)
         now = time.perf_counter()
         out.append((wait, now - t_prev))
         t_prev = now
@@ -99,29 +137,39 @@ def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False):
 def agreed_max(values):
     """Each step's value, the slowest rank's (the loop is as slow as its slowest rank)."""
     t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
-def worker(rank, world, port, steps, out_path):
+def worker(rank, world, port, steps, out_path, cuda=False):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device, gpu = None, None
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        gpu = GpuCompute(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    run = dict(device=device, gpu=gpu)
     results = []
     for name, tp, cp, dp, pp in topologies(world):
         groups = make_groups(tp, cp, dp, pp)
         for scheduler in ("balanced", "dynamic"):
-            data = agreed_max([w for w, _ in loop(groups, scheduler, 0, steps, 0.0)])
+            data = agreed_max([w for w, _ in loop(groups, scheduler, 0, steps, 0.0, **run)])
             data_step = statistics.median(data[1:])
             compute = 1.25 * data_step
             waits = {}
             for p in (0, 1, 2):
-                waits[p] = agreed_max([w for w, _ in loop(groups, scheduler, p, steps, compute)])
+                waits[p] = agreed_max([w for w, _ in loop(groups, scheduler, p, steps, compute,
+                                                          **run)])
             short = 0.5 * data_step
-            whole = {p: agreed_max([t for _, t in loop(groups, scheduler, p, steps, short)])
+            whole = {p: agreed_max([t for _, t in loop(groups, scheduler, p, steps, short,
+                                                       **run)])
                      for p in (0, 1)}
             gil = {p: agreed_max([t for _, t in loop(groups, scheduler, p, steps, short,
-                                                     hold_gil=True)])
+                                                     hold_gil=True, **run)])
                    for p in (0, 1)}
             results.append({"world": world, "topology": name, "scheduler": scheduler,
                             "data": data, "data_step": data_step, "compute": compute,
@@ -171,19 +219,33 @@ def report(r):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--worlds", default="4,8")
+    ap.add_argument("--worlds", default=None,
+                    help="world sizes (default 4,8 on the CPU, 1 with --device cuda)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
-    print(f"prefetch_bench: gloo on {os.cpu_count()} CPUs, torch {torch.__version__}, "
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("prefetch_bench: --device cuda, and no CUDA device here", file=sys.stderr)
+        return 2
+    worlds = [int(w) for w in (args.worlds or ("1" if cuda else "4,8")).split(",")]
+    if cuda and max(worlds) > torch.cuda.device_count():
+        print(f"prefetch_bench: world {max(worlds)} needs as many GPUs, "
+              f"{torch.cuda.device_count()} here", file=sys.stderr)
+        return 2
+    where = (f"NCCL on {torch.cuda.get_device_name(0)}, compute: bf16 matmuls on the GPU"
+             if cuda else f"gloo on {os.cpu_count()} CPUs")
+    print(f"prefetch_bench: {where}, torch {torch.__version__}, "
           f"python {sys.version.split()[0]}; mock data, global batch {GLOBAL_BATCH}, "
           f"{MAX_TOKENS} tokens a rank; waits are the slowest rank's")
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "results.pkl")
-            mp.spawn(worker, args=(world, free_port(), args.steps, out), nprocs=world, join=True)
+            mp.spawn(worker, args=(world, free_port(), args.steps, out, cuda), nprocs=world,
+                     join=True)
             with open(out, "rb") as f:
                 for r in pickle.load(f):
                     report(r)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,7 +17,10 @@
 #                  tensor's own bounds
 #   loss-bench     bench/loss_cuda.py trimmed (two shapes and float32, no torch.compile)
 #   linear-bench   its fused linear loss comparison (65536 x 151936, H = 4096)
-#   nccl, nccl-dynamic   scripts/nccl_iterator_check.py (the iterator on NCCL beside gloo)
+#   nccl, nccl-dynamic   scripts/nccl_iterator_check.py (the iterator on NCCL, prefetching and
+#                  not, beside gloo)
+#   prefetch-bench bench/prefetch_bench.py --device cuda (the wait in next() with prefetch 0, 1, 2
+#                  at world size 1 on NCCL, bf16 matmuls as the compute)
 #   balance        bench/balance_measured.py --device cuda (calibrate a llama2-7b layer)
 #   cuda-ctest     the C++ GPU tests (tests/cuda/), where the image has GoogleTest
 # Every step's timeout is cut to the time left of --budget (default 540 s), and a step that
@@ -29,7 +32,8 @@
 # --rehearse runs the script on a machine without a GPU (a ctest does, python/CMakeLists.txt):
 # the thdpack on PYTHONPATH instead of an install, the cuda tests (which skip) and a check that
 # every test selection above collects tests, bench/loss_cuda.py on the CPU at a small shape, the
-# NCCL check's gloo twin; the sanitizer and balance steps say they were skipped.
+# NCCL check's gloo twin, the prefetch benchmark at world size 1 on gloo; the sanitizer and
+# balance steps say they were skipped.
 #
 # Usage: scripts/device_check.sh [--rehearse] [--budget SECONDS] [--only STEP,...]
 #                                [--balance-steps N]
@@ -191,6 +195,7 @@ if [ "$rehearse" -eq 1 ]; then
   skip linear-bench "rehearsal: loss-bench ran its linear table on the CPU"
   step nccl 60 "$python" scripts/nccl_iterator_check.py --backend gloo --steps 2
   skip nccl-dynamic "rehearsal: needs a GPU"
+  step prefetch-bench 60 "$python" bench/prefetch_bench.py --worlds 1 --steps 3
   skip balance "rehearsal: needs a GPU (its CPU run takes minutes)"
   skip cuda-ctest "rehearsal: needs a GPU (ctest -L cuda builds and runs them here)"
 else
@@ -200,6 +205,7 @@ else
     --json "$logs/loss_cuda_linear.json"
   step nccl 60 "$python" scripts/nccl_iterator_check.py
   step nccl-dynamic 60 "$python" scripts/nccl_iterator_check.py --scheduler dynamic
+  step prefetch-bench 90 "$python" bench/prefetch_bench.py --device cuda --steps 10
   step balance 150 "$python" bench/balance_measured.py --device cuda --steps "$balance_steps" \
     --out "$logs/h_profile.json"
   # The C++ GPU tests (ctest label `cuda`) need GoogleTest, which the image may lack: the
