@@ -164,6 +164,12 @@ class CpGroupCache {
   // then, and a step whose groups are all held costs no collective at all.
   int Missing(const RankStep& step) const;
 
+  // Attach for a caller outside the step runner's agreed phases (the hand-over of a runner's
+  // deferred groups): where some groups are Missing, Attach's status is agreed over `world`
+  // (AgreeOnStatus), so that a rank whose split failed leaves no other waiting; where all are
+  // held, the same answer on every rank, nothing is communicated.
+  [[nodiscard]] Status AttachAgreed(ProcessGroup& world, RankStep& step);
+
  private:
   struct Entry {
     std::shared_ptr<ProcessGroup> group;

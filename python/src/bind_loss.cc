@@ -49,6 +49,26 @@ std::vector<uint8_t> CountedFlags(const py::handle& obj) {
   return std::vector<uint8_t>(v.begin(), v.end());
 }
 
+// A shard's per-token values (float64, counted as flags), checked to be one per token each;
+// `where` names the caller in the error.
+CrossEntropyResult ShardValues(const py::handle& logprobs, const py::handle& entropy,
+                               const py::handle& counted, const std::string& where) {
+  CrossEntropyResult r;
+  auto lp = DoubleView1D(logprobs, "logprobs");
+  auto en = DoubleView1D(entropy, "entropy");
+  r.logprobs.assign(lp.begin(), lp.end());
+  r.entropy.assign(en.begin(), en.end());
+  r.counted = CountedFlags(counted);
+  if (r.entropy.size() != r.logprobs.size() || r.counted.size() != r.logprobs.size()) {
+    throw py::value_error(where + ": logprobs, entropy and counted have " +
+                          std::to_string(r.logprobs.size()) + ", " +
+                          std::to_string(r.entropy.size()) + " and " +
+                          std::to_string(r.counted.size()) +
+                          " entries: one per token of the shard each");
+  }
+  return r;
+}
+
 py::dict SummaryDict(const LossSummary& s) {
   py::dict d;
   d["n_tokens"] = s.n_tokens;
@@ -79,19 +99,7 @@ void BindLossTotals(py::module_& m) {
              const py::handle& counted, const py::handle& cu_seqlens,
              const py::handle& cu_seqlens_padded, int cp_size, int cp_rank,
              const py::object& cp_all_reduce) {
-            CrossEntropyResult r;
-            auto lp = DoubleView1D(logprobs, "logprobs");
-            auto en = DoubleView1D(entropy, "entropy");
-            r.logprobs.assign(lp.begin(), lp.end());
-            r.entropy.assign(en.begin(), en.end());
-            r.counted = CountedFlags(counted);
-            if (r.entropy.size() != r.logprobs.size() || r.counted.size() != r.logprobs.size()) {
-              throw py::value_error("add_shard: logprobs, entropy and counted have " +
-                                    std::to_string(r.logprobs.size()) + ", " +
-                                    std::to_string(r.entropy.size()) + " and " +
-                                    std::to_string(r.counted.size()) +
-                                    " entries: one per token of the shard each");
-            }
+            CrossEntropyResult r = ShardValues(logprobs, entropy, counted, "add_shard");
             for (size_t t = 0; t < r.counted.size(); ++t) {
               if (!r.counted[t]) continue;
               ++r.n_valid;
@@ -157,16 +165,8 @@ reduced, and each sequence's perplexity term is kept on CP rank 0 only.)doc")
       [](const py::handle& logprobs, const py::handle& entropy, const py::handle& counted,
          const py::handle& cu_seqlens, const py::handle& cu_seqlens_padded, int cp_size,
          int cp_rank, const py::handle& sources, const py::object& cp_all_reduce) {
-        CrossEntropyResult r;
-        auto lp = DoubleView1D(logprobs, "logprobs");
-        auto en = DoubleView1D(entropy, "entropy");
-        r.logprobs.assign(lp.begin(), lp.end());
-        r.entropy.assign(en.begin(), en.end());
-        r.counted = CountedFlags(counted);
-        if (r.entropy.size() != r.logprobs.size() || r.counted.size() != r.logprobs.size()) {
-          throw py::value_error("shard_sums_by_source: logprobs, entropy and counted differ in "
-                                "length: one per token of the shard each");
-        }
+        const CrossEntropyResult r =
+            ShardValues(logprobs, entropy, counted, "shard_sums_by_source");
         auto cu = IntView1D<int32_t>(cu_seqlens, "cu_seqlens");
         auto cup = IntView1D<int32_t>(cu_seqlens_padded, "cu_seqlens_padded");
         auto src = IntView1D<int32_t>(sources, "sources");

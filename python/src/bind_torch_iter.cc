@@ -178,6 +178,24 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   return d;
 }
 
+// How a torch world communicates (torch_comm.h): its ranks, the caller's known groups, the CUDA
+// device of its NCCL groups and the world's own backend.
+std::shared_ptr<TorchCommOptions> CommOptions(const py::object& world_group,
+                                              std::vector<int> torch_ranks, const py::list& known,
+                                              py::object device) {
+  auto comm = std::make_shared<TorchCommOptions>();
+  comm->torch_ranks = std::move(torch_ranks);
+  for (const py::handle& k : known) {
+    auto t = k.cast<py::tuple>();
+    comm->known.push_back(
+        KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
+  }
+  comm->cuda_device = std::move(device);
+  comm->backend = py::str(py::module_::import("torch.distributed").attr("get_backend")(world_group))
+                      .cast<std::string>();
+  return comm;
+}
+
 class TorchStepRunner {
  public:
   TorchStepRunner(py::object world_group, std::vector<int> torch_ranks, py::list known,
@@ -187,16 +205,7 @@ class TorchStepRunner {
     if (source.is_none() == take_share_.is_none()) {
       throw py::value_error("source: give a source spec or a caller-fed source, not both");
     }
-    auto comm = std::make_shared<TorchCommOptions>();
-    comm->torch_ranks = std::move(torch_ranks);
-    for (const py::handle& k : known) {
-      auto t = k.cast<py::tuple>();
-      comm->known.push_back(
-          KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
-    }
-    comm->cuda_device = std::move(device);
-    comm->backend = py::str(py::module_::import("torch.distributed").attr("get_backend")(world_group))
-                        .cast<std::string>();
+    auto comm = CommOptions(world_group, std::move(torch_ranks), known, std::move(device));
     comm->monitored_barrier_seconds = monitored_barrier_seconds;
     if (static_cast<int>(comm->torch_ranks.size()) != job_.topology.world_size()) {
       throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
@@ -296,16 +305,7 @@ class TorchCpGroups {
                 py::dict options, py::object device)
       : job_(ResolveOptions(options, py::str("mock"))),
         cache_(job_.topology, job_.options.max_cp_groups) {
-    auto comm = std::make_shared<TorchCommOptions>();
-    comm->torch_ranks = std::move(torch_ranks);
-    for (const py::handle& k : known) {
-      auto t = k.cast<py::tuple>();
-      comm->known.push_back(
-          KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
-    }
-    comm->cuda_device = std::move(device);
-    comm->backend = py::str(py::module_::import("torch.distributed").attr("get_backend")(world_group))
-                        .cast<std::string>();
+    auto comm = CommOptions(world_group, std::move(torch_ranks), known, std::move(device));
     world_ = MakeTorchWorld(std::move(world_group), comm);
   }
 
@@ -331,14 +331,12 @@ class TorchCpGroups {
                                                       m["cp_size"].cast<int32_t>()});
     }
     rs.microbatches.resize(rs.meta.groups.size());
-    // Agreed only when groups are split (CpGroupCache::Missing: the same on every rank): a
-    // step whose groups are all held costs the caller's thread no collective.
-    const bool splits = cache_.Missing(rs) > 0;
+    // Agreed only when groups are split: a step whose groups are all held costs the caller's
+    // thread no collective.
     Status status;
     {
       py::gil_scoped_release release;
-      status = cache_.Attach(*world_, rs);
-      if (splits) status = AgreeOnStatus(*world_, status, "groups");
+      status = cache_.AttachAgreed(*world_, rs);
     }
     ThrowIfError(status);
     for (size_t k = 0; k < rs.microbatches.size(); ++k) {

@@ -257,6 +257,12 @@ int CpGroupCache::Missing(const RankStep& step) const {
   return missing;
 }
 
+Status CpGroupCache::AttachAgreed(ProcessGroup& world, RankStep& step) {
+  const bool splits = Missing(step) > 0;
+  Status s = Attach(world, step);
+  return splits ? AgreeOnStatus(world, s, "groups") : s;
+}
+
 Status CpGroupCache::Attach(ProcessGroup& world, RankStep& out) {
   const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
   out.groups_made = out.groups_reused = out.groups_evicted = 0;

@@ -80,12 +80,8 @@ class StepPrefetcher::Impl {
     }
     RankStep step = std::move(**next);
     if (cache_ && step.dynamic) {
-      // The groups from the caller's world, on the caller's thread. When some are split the
-      // status is agreed, so that a rank whose split failed leaves no other waiting; when all
-      // are held (the same answer on every rank) nothing is communicated.
-      const bool splits = cache_->Missing(step) > 0;
-      Status s = cache_->Attach(world_, step);
-      if (splits) s = AgreeOnStatus(world_, s, "groups");
+      // The groups from the caller's world, on the caller's thread.
+      Status s = cache_->AttachAgreed(world_, step);
       if (!s.ok()) {
         failed_ = true;
         return s;

@@ -223,6 +223,17 @@ def _torch_all_reduce(group, device):
     return all_reduce
 
 
+def _host_values(logprob, entropy, counted, cp_size, cp_group):
+    """A shard's values as NumPy arrays for C++ (float64 log-probs and entropies, the counted
+    flags) and the CP all-reduce C++ calls (None at CP = 1)."""
+    f64 = torch.float64
+    lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
+    en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
+    ct = counted.to("cpu").contiguous().numpy()
+    reduce = _torch_all_reduce(cp_group, logprob.device) if cp_size > 1 else None
+    return lp, en, ct, reduce
+
+
 class LossStatistics:
     """Step statistics that do not depend on CP, DP or the microbatching.
 
@@ -291,22 +302,22 @@ class LossStatistics:
             return
         if on_device:
             local_cu, n_real = _stats_device.shard_layout(cu, cup, cp_size, cp_rank)
-            sums = _stats_device.shard_sums(logprob, entropy, counted, local_cu, n_real,
-                                            int(cp_size), int(cp_rank), cp_group)
-            if self._device_sums is None:
-                self._device_sums = sums
-            elif self._device_sums.device != sums.device:
-                raise ValueError(f"add_shard: these values are on {sums.device}, earlier ones "
-                                 f"on {self._device_sums.device}: one device per statistics")
-            else:
-                self._device_sums += sums
+            self._add_device_sums(_stats_device.shard_sums(
+                logprob, entropy, counted, local_cu, n_real, int(cp_size), int(cp_rank),
+                cp_group))
             return
-        f64 = torch.float64
-        lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
-        en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
-        ct = counted.to("cpu").contiguous().numpy()
-        reduce = _torch_all_reduce(cp_group, logprob.device) if cp_size > 1 else None
+        lp, en, ct, reduce = _host_values(logprob, entropy, counted, cp_size, cp_group)
         self._totals.add_shard(lp, en, ct, cu, cup, int(cp_size), int(cp_rank), reduce)
+
+    def _add_device_sums(self, sums):
+        """Adds a shard's six sums (a float64 device tensor) to the device totals."""
+        if self._device_sums is None:
+            self._device_sums = sums
+        elif self._device_sums.device != sums.device:
+            raise ValueError(f"add_shard: these values are on {sums.device}, earlier ones "
+                             f"on {self._device_sums.device}: one device per statistics")
+        else:
+            self._device_sums += sums
 
     def _add_by_source(self, logprob, entropy, counted, cu, cup, cp_size, cp_rank, cp_group,
                        sources, on_device):
@@ -316,20 +327,9 @@ class LossStatistics:
             rows = _stats_device.shard_sums_by_source(logprob, entropy, counted, cu, cup,
                                                       int(cp_size), int(cp_rank), cp_group, src)
             self._device_by_source = _grow_add(self._device_by_source, rows)
-            total = rows.sum(0)
-            if self._device_sums is None:
-                self._device_sums = total
-            elif self._device_sums.device != total.device:
-                raise ValueError(f"add_shard: these values are on {total.device}, earlier ones "
-                                 f"on {self._device_sums.device}: one device per statistics")
-            else:
-                self._device_sums += total
+            self._add_device_sums(rows.sum(0))
             return
-        f64 = torch.float64
-        lp = logprob.to(device="cpu", dtype=f64).contiguous().numpy()
-        en = entropy.to(device="cpu", dtype=f64).contiguous().numpy()
-        ct = counted.to("cpu").contiguous().numpy()
-        reduce = _torch_all_reduce(cp_group, logprob.device) if cp_size > 1 else None
+        lp, en, ct, reduce = _host_values(logprob, entropy, counted, cp_size, cp_group)
         rows = _thdpack.shard_sums_by_source(lp, en, ct, cu, cup, int(cp_size), int(cp_rank),
                                              src.astype(np.int32), reduce)
         self._by_source = _grow_add(self._by_source, rows)
