@@ -9,6 +9,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin
   pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-venv binutils ninja-build
+  python3-pytest-xdist ccache
   clang libclang-rt-dev
 )
 

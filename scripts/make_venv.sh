@@ -2,7 +2,9 @@
 # Makes the virtual environment of the current stack (python/requirements-current.txt: the
 # newest NumPy 2, pybind11 3, PyTorch, megatron-core, transformers and TRL from PyPI) for
 # Debian's python3, once: a second run finds it up to date and downloads nothing. It is remade
-# when the requirements file changes or the environment is broken. Also keeps a NumPy wheel in VENV/wheels for the
+# when the requirements file changes or the environment is broken. The wheels stay in pip's
+# cache (PIP_CACHE_DIR, ~/.cache/pip; about 3.4 GB), so that the environment of another clone
+# (CI's) installs without downloading them again. Also keeps a NumPy wheel in VENV/wheels for the
 # fresh NumPy-only environment the wheel test installs into (scripts/test_current_stack.sh).
 # Usage: scripts/make_venv.sh VENV [PYTHON]
 set -euo pipefail
@@ -13,7 +15,7 @@ reqs=$here/python/requirements-current.txt
 stamp=$venv/.thdpack-requirements
 
 want=$(sha256sum "$reqs" | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import numpy, torch, pybind11, pytest" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import numpy, torch, pybind11, pytest, xdist" 2>/dev/null; then
   exit 0
 fi
 
@@ -22,13 +24,13 @@ start=$(date +%s)
 rm -rf "$venv"
 "$python" -m venv "$venv"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
-"$venv/bin/pip" install -q --no-cache-dir -r "$reqs"
-"$venv/bin/pip" download -q --no-cache-dir --no-deps --only-binary=:all: -d "$venv/wheels" \
+"$venv/bin/pip" install -q -r "$reqs"
+"$venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$venv/wheels" \
   "numpy==$("$venv/bin/python" -c 'import numpy; print(numpy.__version__)')"
 "$venv/bin/python" - "$venv" <<'PY' | tee "$venv/versions.txt" >&2
 import importlib.metadata as m, platform, sys
 names = ["numpy", "pybind11", "torch", "megatron-core", "transformers", "trl", "pytest",
-         "scikit-build-core", "nlohmann-json"]
+         "pytest-xdist", "scikit-build-core", "nlohmann-json"]
 print(f"make_venv: {sys.argv[1]}: Python {platform.python_version()}, " +
       ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
