@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # make test's current-stack part: thdpack as a user of today's PyPI stack gets it.
 #   1. the wheel, built by pip through scikit-build-core with the system's nlohmann_json hidden
-#      (so the headers come from PyPI's nlohmann-json), incremental in OUT/build; its contents
-#      checked: the thdpack package only, a module that links neither libtorch nor libpython;
+#      (so the headers come from PyPI's nlohmann-json), incremental in OUT (a build folder beside
+#      BUILD, at the same depth, with BUILD's launcher and flags when LAUNCHER and RELEASE_FLAGS
+#      are set: make test's wheel then shares every library object with BUILD through ccache;
+#      the flags add line tables, which install.strip removes); its contents checked: the thdpack
+#      package only, a module that links neither libtorch nor libpython;
 #   2. a fresh virtual environment with NumPy alone: the wheel installed, the smoke test;
 #   3. a fresh virtual environment with the current stack (VENV's packages through a .pth file,
 #      so 5 GB of torch are not copied): the wheel installed, the smoke test, then the whole
@@ -24,9 +27,20 @@ since() { awk -v a="$1" -v b="$(clock)" 'BEGIN { printf "%.1f s", b - a }'; }
 
 t=$(clock)
 rm -rf "$out/dist"
-"$python" -m pip wheel . -q --no-build-isolation --no-deps -w "$out/dist" \
-  --config-settings=build-dir="$out/build" \
-  --config-settings=cmake.define.CMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON
+settings=(--config-settings=build-dir="$out"
+          --config-settings=cmake.define.CMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON)
+if [ -n "${LAUNCHER:-}" ]; then
+  # BUILD's compiler by the same name (ccache keys on it; pip's environment names gcc
+  # x86_64-linux-gnu-g++ where cmake found /usr/bin/c++).
+  cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt")
+  settings+=(--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER="$LAUNCHER"
+             --config-settings=cmake.define.CMAKE_CUDA_COMPILER_LAUNCHER="$LAUNCHER"
+             ${cxx:+--config-settings=cmake.define.CMAKE_CXX_COMPILER="$cxx"})
+fi
+if [ -n "${RELEASE_FLAGS:-}" ]; then
+  settings+=(--config-settings=cmake.define.CMAKE_CXX_FLAGS_RELEASE="$RELEASE_FLAGS")
+fi
+"$python" -m pip wheel . -q --no-build-isolation --no-deps -w "$out/dist" "${settings[@]}"
 wheel=$(ls "$out"/dist/thdpack-*.whl)
 echo "current stack: wheel $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB, built in $(since "$t")"
 "$python" - "$wheel" <<'PY'
@@ -65,6 +79,8 @@ site=$("$env_torch/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()
 echo "current stack: torch environment made and checked in $(since "$t")"
 
 t=$(clock)
+# In one process per core (pytest-xdist), as ctest runs it (python/CMakeLists.txt).
 (cd "$out" && THDPACK_CLI="$build/thdpack" OMP_NUM_THREADS=1 \
-  "$env_torch/bin/python" -m pytest -q -p no:cacheprovider -rs "$here/python/tests")
+  "$env_torch/bin/python" -m pytest -q -p no:cacheprovider -rs -n "$(nproc)" --dist loadgroup \
+  "$here/python/tests")
 echo "current stack: the Python suite on the installed wheel in $(since "$t")"
