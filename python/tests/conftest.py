@@ -11,6 +11,13 @@ except ImportError as e:  # pragma: no cover
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "no_sanitizer: a larger spawned world of a distributed "
+                            "path that a smaller world of the same test runs under ASan + UBSan; "
+                            "the sanitized suite leaves it out (-m 'not no_sanitizer', "
+                            "docs/testing.md), the two uninstrumented suites run it")
+    # pytest-xdist's own marker, declared here too so that the suite runs without xdist.
+    config.addinivalue_line("markers", "xdist_group(name): tests that share a module's "
+                            "fixture run in one pytest-xdist worker (--dist loadgroup)")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped where torch sees none)")
     config.addinivalue_line("markers", "one_read: the one-read CUDA kernel (thread-block "
                             "clusters); scripts/device_check.sh runs these in a process of their "

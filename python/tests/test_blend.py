@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import thdpack
 
 from test_torch_iterator import free_port, join_gloo, make_groups
+from worlds import spawn
 
 
 def megatron_rule(weights, size):
@@ -193,8 +193,7 @@ def test_iterator_and_statistics_by_source(tmp_path):
     for world in (1, 4):
         out = tmp_path / f"out{world}"
         out.mkdir()
-        mp.spawn(blend_worker, args=(world, free_port(), path, layouts, str(out)), nprocs=world,
-                 join=True)
+        spawn(blend_worker, args=(world, free_port(), path, layouts, str(out)), nprocs=world)
         for r in range(world):
             with open(out / f"rank{r}.pkl", "rb") as f:
                 results[(world, r)] = pickle.load(f)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import thdpack.torch as tt
+from worlds import spawn
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 IDS = ["fp64", "fp32", "bf16", "fp16"]
@@ -285,7 +285,7 @@ def stats_worker(rank, world, init, out_dir):
 def test_statistics_over_gloo_match_unsharded_reference():
     with tempfile.TemporaryDirectory() as out:
         init = "file://" + os.path.join(out, "rendezvous")
-        mp.spawn(stats_worker, args=(4, init, out), nprocs=4, join=True)
+        spawn(stats_worker, args=(4, init, out), nprocs=4)
         got = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(4)]
     for dp, cp in LAYOUTS:
         want = expected_summary([make_microbatch(100 * d + step, cp, 37)

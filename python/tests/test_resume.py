@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import thdpack
 from thdpack import _thdpack
 
 from test_torch_iterator import (coords, free_port, join_gloo, make_groups, read_samples,
                                  write_samples)
+from worlds import spawn
+
+# The module's spawned world (resume_results) is made once, in one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("resume")
 
 GLOBAL_BATCH = 8
 MAX_TOKENS = 256
@@ -232,7 +235,7 @@ def resume_results(tmp_path_factory):
     write_samples(data)
     out = d / "out"
     out.mkdir()
-    mp.spawn(resume_worker, args=(4, free_port(), data, str(out)), nprocs=4, join=True)
+    spawn(resume_worker, args=(4, free_port(), data, str(out)), nprocs=4)
     results = []
     for r in range(4):
         with open(out / f"rank{r}.pkl", "rb") as f:

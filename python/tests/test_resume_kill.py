@@ -160,7 +160,7 @@ def run_killed(tmp_path, source, kills, rng):
         return json.load(f)["log"], used
 
 
-@pytest.mark.parametrize("kind", ["mock", "jsonl"])
+@pytest.mark.parametrize("kind", [pytest.param("mock", marks=pytest.mark.no_sanitizer), "jsonl"])
 def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
     import thdpack
     from thdpack import _thdpack
