@@ -139,3 +139,19 @@ if(NOT rc EQUAL 2 OR NOT err MATCHES "hidden = 30")
   message(FATAL_ERROR "expected an error for --probe-hidden 30: rc=${rc} ${err}")
 endif()
 message(STATUS "thdpack run --verify: all checks passed")
+
+# --rank-order: another layout of ranks (DP fastest, then PP, TP, CP; and CP, DP, TP, PP), the
+# same figures as one rank, static and dynamic, on threads and under mpirun.
+foreach(case "dp-pp-tp-cp;--tp;2;--cp;2;--dp;2;--sp" "cp-dp-tp-pp;--tp;1;--cp;2;--dp;2;--pp;2"
+        "dp-cp-tp-pp;--tp;1;--cp;3;--dp;2;--scheduler;dynamic")
+  list(POP_FRONT case order)
+  string(REPLACE "-" "_" name "${order}")
+  verify_run(order_${name} ${THDPACK} run --backend threads ${case} --rank-order ${order} ${common})
+  expect_close(order_${name})
+endforeach()
+if(MPIEXEC)
+  verify_run(mpi_order ${MPIEXEC} --allow-run-as-root --oversubscribe --mca btl self,vader
+             -np 8 ${THDPACK} run --backend mpi --tp 2 --cp 2 --dp 2 --rank-order dp-tp-cp-pp
+             ${common})
+  expect_close(mpi_order)
+endif()

@@ -19,6 +19,10 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   cmd->add_option("--pp", o.pp, "Pipeline-parallel size (use --microbatch-multiple for "
                                 "pipeline groups)")
       ->capture_default_str();
+  cmd->add_option("--rank-order", o.rank_order,
+                  "How world ranks map to coordinates: a '-'-separated permutation of tp, cp, "
+                  "dp, pp, fastest first (Megatron's default tp-cp-dp-pp)")
+      ->capture_default_str();
   cmd->add_flag("--sp", o.sp, "Sequence parallelism: T/CP must be a multiple of TP");
   cmd->add_option("--align", o.align,
                   "Extra per-sequence alignment, multiplying the 2*CP padding multiple")

@@ -54,6 +54,11 @@ struct JobOptions {
   int cp = 1;  // --cp, >= 1
   int dp = 1;  // --dp, >= 1
   int pp = 1;  // --pp, >= 1
+  // --rank-order: how world ranks map to (tp, cp, dp, pp), a '-'-separated permutation of the
+  // four, fastest first (thdpack/topology.h); Megatron's "tp-cp-dp-pp" by default. It decides
+  // which world rank holds which coordinate - the step, the dynamic CP groups, the loaders and
+  // the reader roles all take it from the Topology - never which samples a step trains on.
+  std::string rank_order = std::string(kDefaultRankOrder);
   bool sp = false;                      // --sp: sequence parallelism
   int64_t align = 1;                    // --align: extra per-sequence alignment, >= 1
   // --rank-multiple: every rank's tokens of a microbatch (T/CP, T/(CP*TP) with SP) a multiple

@@ -25,6 +25,20 @@ class TorchProcessGroup final : public ProcessGroup {
     // CUDA tensors on a pure NCCL group only (TorchCommOptions::cuda_device).
     const std::string backend = py::str(dist_.attr("get_backend")(group_));
     device_ = backend == "nccl" ? options_->cuda_device : py::none();
+    // Member i (this group's order, which the step's rules choose) is some group rank t of
+    // torch's: torch orders a group's ranks by global rank (new_group sorts them), so under a
+    // rank order other than Megatron's the two differ. all_gather's parts and
+    // all_to_all_single's splits are in torch's order, and are permuted here (member_at_).
+    const int n = size();
+    member_at_.assign(static_cast<size_t>(n), -1);
+    for (int i = 0; i < n; ++i) {
+      const int t = dist_.attr("get_group_rank")(group_, TorchRank(i)).cast<int>();
+      if (t < 0 || t >= n || member_at_[static_cast<size_t>(t)] != -1) {
+        throw std::runtime_error("torch group: member " + std::to_string(i) + " is group rank " +
+                                 std::to_string(t) + " of a group of " + std::to_string(n));
+      }
+      member_at_[static_cast<size_t>(t)] = i;
+    }
   }
   ~TorchProcessGroup() override {
     py::gil_scoped_acquire gil;
@@ -71,9 +85,9 @@ class TorchProcessGroup final : public ProcessGroup {
     }
     return Call("all_gather", [&] {
       py::object out = ToDevice(Bytes(recv));
-      py::list parts;
+      py::list parts;  // torch's group rank t fills member member_at_[t]'s slot
       const int64_t n = static_cast<int64_t>(send.size());
-      for (int i = 0; i < size(); ++i) parts.append(out.attr("narrow")(0, i * n, n));
+      for (int t = 0; t < size(); ++t) parts.append(out.attr("narrow")(0, MemberAt(t) * n, n));
       dist_.attr("all_gather")(parts, ToDevice(Bytes(send)), py::arg("group") = group_);
       FromDevice(out, recv);
       AddBytesSent(n * (size() - 1));
@@ -97,8 +111,10 @@ class TorchProcessGroup final : public ProcessGroup {
     std::vector<std::byte> all(static_cast<size_t>(most * size()));
     return Call("all_gather (v)", [&] {
       py::object out = ToDevice(Bytes(std::span<std::byte>(all)));
-      py::list parts;
-      for (int i = 0; i < size(); ++i) parts.append(out.attr("narrow")(0, i * most, most));
+      py::list parts;  // torch's group rank t fills member member_at_[t]'s slot
+      for (int t = 0; t < size(); ++t) {
+        parts.append(out.attr("narrow")(0, MemberAt(t) * most, most));
+      }
       dist_.attr("all_gather")(parts, ToDevice(Bytes(std::span<std::byte>(padded))),
                                py::arg("group") = group_);
       FromDevice(out, std::span<std::byte>(all));
@@ -141,15 +157,18 @@ class TorchProcessGroup final : public ProcessGroup {
     };
     std::vector<std::byte> in(static_cast<size_t>(packed_size(send_counts)));
     std::vector<std::byte> out(static_cast<size_t>(packed_size(recv_counts)));
+    // Packed in torch's group-rank order: block t is member member_at_[t]'s.
     int64_t at = 0, sent = 0;
-    for (size_t j = 0; j < n; ++j) {
+    for (size_t t = 0; t < n; ++t) {
+      const size_t j = static_cast<size_t>(MemberAt(static_cast<int>(t)));
       if (send_counts[j]) std::memcpy(in.data() + at, send.data() + send_displs[j], send_counts[j]);
       at += send_counts[j];
       if (static_cast<int>(j) != rank()) sent += send_counts[j];
     }
     return Call("all_to_all_single", [&] {
       py::list in_splits, out_splits;
-      for (size_t j = 0; j < n; ++j) {
+      for (size_t t = 0; t < n; ++t) {
+        const size_t j = static_cast<size_t>(MemberAt(static_cast<int>(t)));
         in_splits.append(send_counts[j]);
         out_splits.append(recv_counts[j]);
       }
@@ -158,7 +177,8 @@ class TorchProcessGroup final : public ProcessGroup {
                                       in_splits, py::arg("group") = group_);
       FromDevice(o, std::span<std::byte>(out));
       int64_t from = 0;
-      for (size_t i = 0; i < n; ++i) {
+      for (size_t t = 0; t < n; ++t) {
+        const size_t i = static_cast<size_t>(MemberAt(static_cast<int>(t)));
         if (recv_counts[i])
           std::memcpy(recv.data() + recv_displs[i], out.data() + from, recv_counts[i]);
         from += recv_counts[i];
@@ -245,6 +265,8 @@ class TorchProcessGroup final : public ProcessGroup {
   int TorchRank(int position) const {
     return options_->torch_ranks[static_cast<size_t>(ranks()[static_cast<size_t>(position)])];
   }
+  // The member (position in this group's order) that torch calls group rank t.
+  int64_t MemberAt(int t) const { return member_at_[static_cast<size_t>(t)]; }
 
   // Runs fn with the GIL; a Python exception becomes kAborted naming the call and the group.
   template <typename F>
@@ -290,6 +312,7 @@ class TorchProcessGroup final : public ProcessGroup {
   }
 
   py::object group_;
+  std::vector<int> member_at_;  // torch group rank -> member (this group's position)
   bool owned_ = false;
   std::shared_ptr<const TorchCommOptions> options_;
   py::object device_;  // None: CPU tensors

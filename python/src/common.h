@@ -262,6 +262,7 @@ void BindCudaLoss(py::module_& m);
 void BindCost(py::module_& m);
 void BindData(py::module_& m);
 void BindJob(py::module_& m);
+void BindTopology(py::module_& m);
 
 }  // namespace thdpack::python
 

@@ -71,6 +71,7 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"cp", Field(&JobOptions::cp)},
       {"dp", Field(&JobOptions::dp)},
       {"pp", Field(&JobOptions::pp)},
+      {"rank_order", Field(&JobOptions::rank_order)},
       {"sp", Field(&JobOptions::sp)},
       {"align", Field(&JobOptions::align)},
       {"rank_multiple", SetRankMultiple},

@@ -171,5 +171,6 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindCost(m);
   tp::BindData(m);
   tp::BindJob(m);
+  tp::BindTopology(m);
   tp::BindTorchIter(m);
 }

@@ -11,6 +11,7 @@ from ._thdpack import (  # noqa: F401
     IGNORE_INDEX,
     ParallelLayout,
     Plan,
+    Topology,
     __version__,
     blend_weights,
     cost_model,

@@ -157,7 +157,12 @@ Status ResolveMemory(const JobOptions& o, Job& job) {
 
 Result<Job> ResolveJob(const JobOptions& options) {
   THDPACK_RETURN_IF_ERROR(CheckNumbers(options));
-  Result<Topology> topology = Topology::Create(options.tp, options.cp, options.dp, options.pp);
+  // The order alone first, so that its error names --rank-order.
+  if (Result<Topology> order = Topology::Create(1, 1, 1, 1, options.rank_order); !order.ok()) {
+    return Fail("--rank-order", order.status().message());
+  }
+  Result<Topology> topology = Topology::Create(options.tp, options.cp, options.dp, options.pp,
+                                               options.rank_order);
   if (!topology.ok()) return Fail("--dp/--cp/--tp/--pp", topology.status().message());
   Job job(std::move(*topology));
   job.options = options;

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from .. import _thdpack
 
-_DIMS = ("tp", "cp", "dp", "pp")
 _LABEL_FORMATS = ("megatron", "hf")
 
 
@@ -43,8 +42,10 @@ class Groups:
     ``Groups(tp=..., cp=..., dp=..., pp=..., world=None, order="tp-cp-dp-pp")``: each a torch
     ProcessGroup containing this rank (None: a dimension of size 1). ``world`` (default: the
     default group) holds them all; ``order`` is the rank order of the world, fastest first
-    (Megatron's by default). The groups are checked against the topology they define: each
-    must hold exactly the ranks the order gives this rank (ValueError naming the group).
+    (Megatron's by default; any permutation of tp, cp, dp, pp). The groups are checked against
+    the topology they define (``self.topology``, a thdpack.Topology: the C++ rule of ranks and
+    groups): each must hold exactly the ranks the order gives this rank (ValueError naming the
+    group). The iterator's step runs on the same topology, order included.
     """
 
     def __init__(self, tp=None, cp=None, dp=None, pp=None, world=None, order="tp-cp-dp-pp"):
@@ -58,24 +59,21 @@ class Groups:
         self.rank = dist.get_rank(self.world)
         groups = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
         self.sizes = {k: (1 if g is None else dist.get_world_size(g)) for k, g in groups.items()}
-        dims = order.split("-")
-        if sorted(dims) != sorted(_DIMS):
-            raise ValueError(f"Groups: order {order!r} is not a '-'-separated permutation of "
-                             f"tp, cp, dp, pp")
+        try:
+            self.topology = _thdpack.Topology(**self.sizes, order=order)
+        except ValueError as e:
+            raise ValueError(f"Groups: {e}") from None
         world_size = len(self.world_ranks)
-        product = int(np.prod([self.sizes[k] for k in _DIMS]))
-        if product != world_size:
-            raise ValueError(f"Groups: TP*CP*DP*PP = {self.sizes} = {product} ranks, the world "
-                             f"has {world_size}")
-        stride, s = {}, 1
-        for k in dims:
-            stride[k], s = s, s * self.sizes[k]
-        self.coord = {k: (self.rank // stride[k]) % self.sizes[k] for k in _DIMS}
+        if self.topology.world_size != world_size:
+            raise ValueError(f"Groups: TP*CP*DP*PP = {self.sizes} = {self.topology.world_size} "
+                             f"ranks, the world has {world_size}")
+        self.order = self.topology.order
+        self.coord = self.topology.coord_of(self.rank)
         self.known = []
         for k, g in groups.items():
-            expected = [self.rank + (i - self.coord[k]) * stride[k] for i in range(self.sizes[k])]
             if g is None:
                 continue
+            expected = self.topology.group_of(k, self.rank)
             got = _group_ranks(g, self.world_ranks)
             if got != expected:
                 raise ValueError(f"Groups: the {k} group of rank {self.rank} holds world ranks "
@@ -371,8 +369,11 @@ class PackedDataIterator:
         self._finished = False
         self._state = None  # the JSON of the state after the last step handed out
         self.global_batch = global_batch
+        if "rank_order" in options:
+            raise TypeError("PackedDataIterator: the rank order is the groups' (Groups(..., "
+                            "order=...)), not an option")
         opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"], dp=groups.sizes["dp"],
-                    pp=groups.sizes["pp"], global_batch=global_batch,
+                    pp=groups.sizes["pp"], rank_order=groups.order, global_batch=global_batch,
                     max_tokens_per_rank=max_tokens_per_rank, scheduler=scheduler, cost=cost,
                     sp=sp, data_on=data_on)
         c = groups.coord
