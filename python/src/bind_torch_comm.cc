@@ -1,6 +1,7 @@
 // python/src/bind_torch_comm.cc: the ProcessGroup over torch.distributed (torch_comm.h).
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +55,8 @@ class TorchProcessGroup final : public ProcessGroup {
         e.discard_as_unraisable("thdpack: destroying a torch process group");
       }
     }
+    held_.clear();
+    held_calls_.clear();
     group_ = py::object();
     device_ = py::object();
     dist_ = py::object();
@@ -88,6 +91,7 @@ class TorchProcessGroup final : public ProcessGroup {
       py::list parts;  // torch's group rank t fills member member_at_[t]'s slot
       const int64_t n = static_cast<int64_t>(send.size());
       for (int t = 0; t < size(); ++t) parts.append(out.attr("narrow")(0, MemberAt(t) * n, n));
+      Hold(parts);
       dist_.attr("all_gather")(parts, ToDevice(Bytes(send)), py::arg("group") = group_);
       FromDevice(out, recv);
       AddBytesSent(n * (size() - 1));
@@ -115,6 +119,7 @@ class TorchProcessGroup final : public ProcessGroup {
       for (int t = 0; t < size(); ++t) {
         parts.append(out.attr("narrow")(0, MemberAt(t) * most, most));
       }
+      Hold(parts);
       dist_.attr("all_gather")(parts, ToDevice(Bytes(std::span<std::byte>(padded))),
                                py::arg("group") = group_);
       FromDevice(out, std::span<std::byte>(all));
@@ -269,9 +274,24 @@ class TorchProcessGroup final : public ProcessGroup {
   int64_t MemberAt(int t) const { return member_at_[static_cast<size_t>(t)]; }
 
   // Runs fn with the GIL; a Python exception becomes kAborted naming the call and the group.
+  // Every tensor a call hands torch is held (Hold) until kHeldCalls calls later, or the
+  // group's end: a tensor made in Python, dropped by Python while a gloo worker thread still
+  // holds the finished work, is freed by that thread later, which then takes the GIL for its
+  // Python object - during the interpreter's finalisation that thread is ended with
+  // pthread_exit inside gloo's noexcept loop, and the process aborts ("terminate called
+  // without an active exception", seen at the exit of 1 run in 5 of 4 gloo ranks). Held here,
+  // the last reference goes on a thread that owns the GIL.
   template <typename F>
   Status Call(std::string_view op, F&& fn) {
     py::gil_scoped_acquire gil;
+    struct Retire {
+      TorchProcessGroup* self;
+      ~Retire() {
+        self->held_calls_.push_back(std::move(self->held_));
+        self->held_.clear();
+        while (self->held_calls_.size() > kHeldCalls) self->held_calls_.pop_front();
+      }
+    } retire{this};
     try {
       fn();
       return Status::Ok();
@@ -285,21 +305,25 @@ class TorchProcessGroup final : public ProcessGroup {
   }
 
   // A uint8 CPU tensor over the span (no copy; the span outlives the call).
-  py::object Bytes(std::span<const std::byte> s) const {
+  py::object Bytes(std::span<const std::byte> s) {
     void* p = s.empty() ? static_cast<void*>(g_empty) : const_cast<std::byte*>(s.data());
     py::array a(py::dtype::of<uint8_t>(), {static_cast<py::ssize_t>(s.size())}, {1}, p, py::none());
-    return torch_.attr("from_numpy")(a);
+    return Hold(torch_.attr("from_numpy")(a));
   }
-  py::object Typed(std::span<std::byte> s, ReduceType type) const {
+  py::object Hold(py::object o) {
+    held_.push_back(o);
+    return o;
+  }
+  py::object Typed(std::span<std::byte> s, ReduceType type) {
     const bool i64 = type == ReduceType::kInt64;
     const py::ssize_t n = static_cast<py::ssize_t>(s.size() / 8);
     py::array a(i64 ? py::dtype::of<int64_t>() : py::dtype::of<double>(), {n}, {8},
                 s.empty() ? static_cast<void*>(g_empty) : s.data(), py::none());
-    return torch_.attr("from_numpy")(a);
+    return Hold(torch_.attr("from_numpy")(a));
   }
-  py::object ToDevice(py::object t) const {
+  py::object ToDevice(py::object t) {
     if (device_.is_none()) return t;
-    return t.attr("to")(device_);
+    return Hold(t.attr("to")(device_));
   }
   // Copies a device tensor back into the span (no-op on CPU, where t is the span itself).
   void FromDevice(const py::object& t, std::span<std::byte> out) const {
@@ -313,6 +337,9 @@ class TorchProcessGroup final : public ProcessGroup {
 
   py::object group_;
   std::vector<int> member_at_;  // torch group rank -> member (this group's position)
+  static constexpr size_t kHeldCalls = 8;
+  std::vector<py::object> held_;                  // the tensors of the call running (Call)
+  std::deque<std::vector<py::object>> held_calls_;  // those of the last kHeldCalls calls
   bool owned_ = false;
   std::shared_ptr<const TorchCommOptions> options_;
   py::object device_;  // None: CPU tensors

@@ -1,0 +1,112 @@
+"""Every way a training script leaves a prefetching PackedDataIterator ends its process with
+status 0: close(); break out of the loop and drop it, then destroy_process_group(); break and
+just return (the interpreter's exit); an exception raised in the loop and caught outside; the
+iterator freed with `del` before destroy_process_group(). Each rank is an interpreter of its
+own (never a forked one, which skips the interpreter's finalisation), on gloo worlds of 2 and 4
+ranks, each path run several times: an abort there was a race (1 run in 5 of 4 ranks), so
+repetition, not timing, is what catches it (bench/exit_paths.py runs each path 200 times).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_torch_iterator import free_port
+
+PATHS = ("close", "break_destroy", "break_return", "exception", "del_destroy")
+RUNS = 2  # per path and world size
+
+
+def write_samples(path):
+    rng = np.random.default_rng(3)
+    with open(path, "w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"input_ids": rng.integers(0, 1000, int(rng.integers(1, 90))).tolist()})
+                    + "\n")
+
+
+def rank_main(path, data):
+    """One rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
+    import torch
+    import torch.distributed as dist
+    from thdpack.torch import Groups, PackedDataIterator
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = 2
+    dp = world // cp
+    cp_group = dp_group = None
+    for d in range(dp):
+        g = dist.new_group([d * cp + c for c in range(cp)])
+        if rank // cp == d:
+            cp_group = g
+    for c in range(cp):
+        g = dist.new_group([d * cp + c for d in range(dp)])
+        if rank % cp == c:
+            dp_group = g
+    groups = Groups(cp=cp_group, dp=dp_group if dp > 1 else None)
+    opts = dict(global_batch=8, max_tokens_per_rank=256, cost="1,0.02", prefetch=1)
+    # A state loaded first, as a resumed job does.
+    it = PackedDataIterator("jsonl:" + data, groups, **opts)
+    state = it.state_dict()
+    it.close()
+    it = PackedDataIterator("jsonl:" + data, groups, **opts)
+    it.load_state_dict(state)
+    if path == "close":
+        for _ in range(4):
+            next(it)
+        it.close()
+        dist.destroy_process_group()
+    elif path in ("break_destroy", "break_return", "del_destroy"):
+        for k, _ in enumerate(it):
+            if k == 3:
+                break
+        if path == "del_destroy":
+            del it
+        if path != "break_return":
+            dist.destroy_process_group()
+    elif path == "exception":
+        try:
+            for k, _ in enumerate(it):
+                if k == 3:
+                    raise KeyError("the training loop failed")
+        except KeyError:
+            pass
+        dist.destroy_process_group()
+    print(f"rank {rank}: {path} done", flush=True)
+
+
+def run_world(path, world, data):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, path, data], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"{path}, world {world}: a rank did not end in 180 s")
+        outs.append((p.returncode, out))
+    return outs
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.no_sanitizer)])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_exit_path_ends_with_status_zero(path, world, tmp_path):
+    data = str(tmp_path / "samples.jsonl")
+    write_samples(data)
+    for run in range(RUNS):
+        for r, (code, out) in enumerate(run_world(path, world, data)):
+            assert code == 0, f"{path}, world {world}, run {run}, rank {r}: status {code}\n{out}"
+            assert f"rank {r}: {path} done" in out, out
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1], sys.argv[2])
