@@ -98,6 +98,10 @@ inline constexpr bool kCheckPlanHashByDefault =
 // bound is a memory bound; raise it where a step's plans use more groups than it holds.
 inline constexpr int kDefaultMaxCpGroups = 32;
 
+namespace runner_internal {
+struct TestHooks;  // src/runtime/step_runner_impl.h
+}  // namespace runner_internal
+
 struct StepRunnerOptions {
   // The source spec (thdpack/data.h) and its options; every reading rank opens its own copy.
   std::string data = "mock";
@@ -130,9 +134,6 @@ struct StepRunnerOptions {
   // The dynamic scheduler: the most CP process groups kept across steps (>= 1). Default
   // kDefaultMaxCpGroups.
   int max_cp_groups = kDefaultMaxCpGroups;
-  // For tests of the failure path: the loader of this replica flips one byte of the encoded
-  // metadata before sending it (-1, the default: never).
-  int corrupt_metadata_of_replica = -1;
   // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
   // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with
   // every LocalMicrobatch's cp_group null, and the caller attaches them (AttachCpGroups) from
@@ -229,6 +230,7 @@ class StepRunner {
 
  private:
   class Impl;
+  friend struct runner_internal::TestHooks;  // the failure-path tests' way in (private header)
   explicit StepRunner(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

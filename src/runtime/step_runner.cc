@@ -606,7 +606,7 @@ Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
   if (group.rank() == 0) {
     std::memcpy(wire.data(), meta_bytes_.data(), meta_bytes_.size());
     std::memcpy(wire.data() + size, words.data(), 8 * words.size());
-    if (opts_.corrupt_metadata_of_replica == coord_.dp && size > 0) {
+    if (corrupt_metadata_of_replica_ == coord_.dp && size > 0) {
       wire[static_cast<size_t>(size) / 2] ^= 0x10;  // a test of the failure path flips one bit
     }
     return group.BroadcastValues(std::span<uint8_t>(wire), 0);

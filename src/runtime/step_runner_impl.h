@@ -207,6 +207,7 @@ class StepRunner::Impl {
   Status Restore(const RunState& state);
 
  private:
+  friend struct runner_internal::TestHooks;
   // Phase bookkeeping: time and the bytes of the data groups; agreements counted apart.
   void BeginPhase(RankStep& out, Phase phase) {
     out.phases.push_back(PhaseStats{phase, 0, 0});
@@ -300,6 +301,9 @@ class StepRunner::Impl {
   ProcessGroup& world_;
   Topology topo_;
   StepRunnerOptions opts_;
+  // Tests of the failure path (runner_internal::TestHooks): the loader of this replica flips
+  // one bit of the encoded metadata before sending it; -1 never.
+  int corrupt_metadata_of_replica_ = -1;
   Coord coord_;
   bool reader_ = false;  // reads and plans (a loader)
   std::unique_ptr<SampleSource> source_;
@@ -351,6 +355,15 @@ class StepRunner::Impl {
   bool started_ = false;  // a step was run (Restore is refused then)
   Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };
+
+namespace runner_internal {
+// What the failure-path tests reach that no caller may: kept out of StepRunnerOptions.
+struct TestHooks {
+  static void CorruptMetadataOfReplica(StepRunner& runner, int replica) {
+    runner.impl_->corrupt_metadata_of_replica_ = replica;
+  }
+};
+}  // namespace runner_internal
 
 }  // namespace thdpack
 

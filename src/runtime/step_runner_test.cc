@@ -9,6 +9,7 @@
 #include <string>
 
 #include "step_checks.h"
+#include "runtime/step_runner_impl.h"
 #include "thdpack/step_runner.h"
 
 namespace thdpack {
@@ -77,9 +78,11 @@ TEST(StepRunner, OversizeSkipLeavesSamplesOutAndSaysSo) {
 }
 
 // Runs one step of `o` on 8 threads and returns each rank's status.
-std::vector<Status> RunOneStep(const Topology& topo, const StepRunnerOptions& o) {
+std::vector<Status> RunOneStep(const Topology& topo, const StepRunnerOptions& o,
+                               int corrupt_metadata_of_replica = -1) {
   return RunOnThreads(8, [&](ProcessGroup& world) -> Status {
     THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, topo, o));
+    runner_internal::TestHooks::CorruptMetadataOfReplica(*runner, corrupt_metadata_of_replica);
     return runner->Next().status();
   });
 }
@@ -133,8 +136,7 @@ TEST(StepRunner, CorruptMetadataFailsEveryRank) {
   o.schedule.max_tokens_per_rank = 256;
   o.schedule.parallel = testing::TopologyLayout(topo, false).value();
   o.schedule.dp_size = 2;
-  o.corrupt_metadata_of_replica = 1;
-  auto statuses = RunOneStep(topo, o);
+  auto statuses = RunOneStep(topo, o, /*corrupt_metadata_of_replica=*/1);
   int corruption = 0;
   for (int r = 0; r < 8; ++r) {
     const Status& s = statuses[static_cast<size_t>(r)];
