@@ -10,7 +10,8 @@
 #   --smoke   start from the checked-in seeds only, in a scratch corpus removed afterwards
 #             (make test); otherwise new inputs accumulate in BUILD/fuzz-corpus/<target>/
 #   TARGET    default: every fuzz/<target>_fuzz.cc
-# Extra libFuzzer flags may be given in FUZZ_FLAGS (e.g. FUZZ_FLAGS="-jobs=2 -workers=2").
+# Extra libFuzzer flags may be given in FUZZ_FLAGS (e.g. FUZZ_FLAGS="-jobs=2 -workers=2", then
+# with FUZZ_JOBS=1); FUZZ_JOBS targets run at a time (default: the number of cores).
 set -euo pipefail
 
 smoke=0
@@ -43,14 +44,18 @@ if [ $smoke -eq 1 ]; then
   trap 'rm -rf "$scratch"' EXIT
 fi
 
-failed=0
-printf '%-20s %10s %8s %7s %7s %12s  %s\n' target execs exec/s cov ft corpus verdict
+# The targets run side by side, FUZZ_JOBS at a time (default: one per core; each libFuzzer
+# process uses one), then their lines are printed in order.
+jobs_max=${FUZZ_JOBS:-$(nproc)}
 for t in "${targets[@]}"; do
   exe="$build/fuzz/fuzz_$t"
   if [ ! -x "$exe" ]; then
     echo "$t: $exe not built (configure $build with -DTHDPACK_BUILD_FUZZ=ON)" >&2
     exit 2
   fi
+done
+for t in "${targets[@]}"; do
+  exe="$build/fuzz/fuzz_$t"
   if [ $smoke -eq 1 ]; then
     work="$scratch/$t"
   else
@@ -58,19 +63,34 @@ for t in "${targets[@]}"; do
   fi
   mkdir -p "$work"
   log="$logs/$t.log"
+  rm -f "$logs/$t.status"
   # New inputs go to the first folder only: the checked-in seeds are read, never written.
   # -timeout: one input taking 10 s is a hang; -rss_limit_mb also caps a single malloc.
-  rc=0
-  # shellcheck disable=SC2086
-  "$exe" -max_total_time="$seconds" -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 \
-    -artifact_prefix="$artifacts/$t-" ${FUZZ_FLAGS:-} "$work" "$here/corpus/$t" >"$log" 2>&1 || rc=$?
+  (
+    rc=0
+    # shellcheck disable=SC2086
+    "$exe" -max_total_time="$seconds" -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 \
+      -artifact_prefix="$artifacts/$t-" ${FUZZ_FLAGS:-} "$work" "$here/corpus/$t" >"$log" 2>&1 || rc=$?
+    echo "$rc" > "$logs/$t.status"
+  ) &
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do
+    wait -n || true
+  done
+done
+wait
+
+failed=0
+printf '%-20s %10s %8s %7s %7s %12s  %s\n' target execs exec/s cov ft corpus verdict
+for t in "${targets[@]}"; do
+  log="$logs/$t.log"
+  rc=$(cat "$logs/$t.status" 2>/dev/null || echo "no status")
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
   last=$(grep -E '^#[0-9]+' "$log" | tail -1 || true)
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
   corp=$(sed -n 's/.* corp: \([^ ]*\).*/\1/p' <<<"$last")
-  if [ $rc -eq 0 ]; then
+  if [ "$rc" = 0 ]; then
     verdict=ok
   else
     verdict="FAILED (exit $rc): $(grep -m1 -E '^==[0-9]+==ERROR|fuzz property failed|^SUMMARY|deadly signal|Test unit written' "$log" || echo "see $log")"
@@ -78,7 +98,7 @@ for t in "${targets[@]}"; do
   fi
   printf '%-20s %10s %8s %7s %7s %12s  %s\n' "$t" "${execs:--}" "${rate:--}" "${cov:--}" \
     "${ft:--}" "${corp:--}" "$verdict"
-  if [ $rc -ne 0 ]; then
+  if [ "$rc" != 0 ]; then
     grep -E 'Test unit written|fuzz property failed|^    #[0-9]+ ' "$log" | head -15 | sed 's/^/    /' >&2
   fi
 done
