@@ -1,5 +1,6 @@
 // python/src/bind_torch_comm.cc: the ProcessGroup over torch.distributed (torch_comm.h).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <string>
@@ -13,6 +14,47 @@ namespace {
 
 // A non-empty address for empty spans (NumPy wants a pointer even for zero elements).
 std::byte g_empty[8];
+
+// The Python objects handed to torch collectives, released a while after their call. A tensor
+// made in Python and dropped by Python while a gloo (or NCCL) worker thread still holds the
+// finished work is freed by that thread when it lets go of the work, and freeing its Python
+// object takes the GIL there; during the interpreter's finalisation Python ends such a thread
+// with pthread_exit, whose forced unwind through the worker's noexcept loop aborts the process
+// ("terminate called without an active exception" at the end of about 1 run in 5 of 4 gloo
+// ranks). Held here, the last reference goes on a Python thread, at a later call, once the
+// workers have long let go (kReleaseDelay); what is still held at the process's end is never
+// freed. Every access holds the GIL.
+constexpr double kReleaseDelaySeconds = 2.0;
+struct Deferred {
+  std::chrono::steady_clock::time_point at;
+  std::vector<py::object> objects;
+};
+std::deque<Deferred>& DeferredObjects() {
+  static auto* q = new std::deque<Deferred>();  // never destroyed: after finalisation, no GIL
+  return *q;
+}
+
+}  // namespace
+
+void ReleaseLater(std::vector<py::object> objects) {
+  if (objects.empty()) return;
+  DeferredObjects().push_back(Deferred{std::chrono::steady_clock::now(), std::move(objects)});
+}
+
+void ReleaseDue() {
+  auto& q = DeferredObjects();
+  const auto now = std::chrono::steady_clock::now();
+  // Taken out of the queue first, freed after: freeing a Python object runs Python code (a
+  // finaliser, the collector) that may come back here or to ReleaseLater.
+  std::vector<Deferred> due;
+  while (!q.empty() && std::chrono::duration<double>(now - q.front().at).count() >
+                           kReleaseDelaySeconds) {
+    due.push_back(std::move(q.front()));
+    q.pop_front();
+  }
+}
+
+namespace {
 
 class TorchProcessGroup final : public ProcessGroup {
  public:
@@ -55,8 +97,8 @@ class TorchProcessGroup final : public ProcessGroup {
         e.discard_as_unraisable("thdpack: destroying a torch process group");
       }
     }
+    ReleaseLater(std::move(held_));
     held_.clear();
-    held_calls_.clear();
     group_ = py::object();
     device_ = py::object();
     dist_ = py::object();
@@ -274,23 +316,15 @@ class TorchProcessGroup final : public ProcessGroup {
   int64_t MemberAt(int t) const { return member_at_[static_cast<size_t>(t)]; }
 
   // Runs fn with the GIL; a Python exception becomes kAborted naming the call and the group.
-  // Every tensor a call hands torch is held (Hold) until kHeldCalls calls later, or the
-  // group's end: a tensor made in Python, dropped by Python while a gloo worker thread still
-  // holds the finished work, is freed by that thread later, which then takes the GIL for its
-  // Python object - during the interpreter's finalisation that thread is ended with
-  // pthread_exit inside gloo's noexcept loop, and the process aborts ("terminate called
-  // without an active exception", seen at the exit of 1 run in 5 of 4 gloo ranks). Held here,
-  // the last reference goes on a thread that owns the GIL.
+  // Every tensor a call hands torch is released later (ReleaseLater, after the call), never
+  // here: see ReleaseLater.
   template <typename F>
   Status Call(std::string_view op, F&& fn) {
     py::gil_scoped_acquire gil;
+    ReleaseDue();
     struct Retire {
       TorchProcessGroup* self;
-      ~Retire() {
-        self->held_calls_.push_back(std::move(self->held_));
-        self->held_.clear();
-        while (self->held_calls_.size() > kHeldCalls) self->held_calls_.pop_front();
-      }
+      ~Retire() { ReleaseLater(std::move(self->held_)); self->held_.clear(); }
     } retire{this};
     try {
       fn();
@@ -337,9 +371,7 @@ class TorchProcessGroup final : public ProcessGroup {
 
   py::object group_;
   std::vector<int> member_at_;  // torch group rank -> member (this group's position)
-  static constexpr size_t kHeldCalls = 8;
-  std::vector<py::object> held_;                  // the tensors of the call running (Call)
-  std::deque<std::vector<py::object>> held_calls_;  // those of the last kHeldCalls calls
+  std::vector<py::object> held_;  // the tensors of the call running (Call)
   bool owned_ = false;
   std::shared_ptr<const TorchCommOptions> options_;
   py::object device_;  // None: CPU tensors

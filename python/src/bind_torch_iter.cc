@@ -443,6 +443,17 @@ void BindTorchIter(py::module_& m) {
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
            py::arg("cuda_device"))
       .def("attach", &TorchCpGroups::Attach, py::arg("raw"));
+  m.def(
+      "_release_later",
+      [](py::object o) {
+        ReleaseDue();
+        std::vector<py::object> v;
+        v.push_back(std::move(o));
+        ReleaseLater(std::move(v));
+      },
+      py::arg("obj"),
+      "Holds a tensor handed to a torch collective until its worker threads have let go of it "
+      "(thdpack.torch's own collectives; bind_torch_comm.cc says why).");
   m.def("_run_steps_on_threads", &RunStepsOnThreads, py::arg("options"), py::arg("steps"),
         py::arg("source"), py::arg("shares"), py::arg("state") = py::none(),
         "Tests: the step of PackedDataIterator on one thread per rank; [rank][step] dicts.");

@@ -60,6 +60,12 @@ std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
 // other ProcessGroup (threads, MPI) or null. REQUIRES the GIL.
 py::object TorchGroupOf(const ProcessGroup* group);
 
+// Python objects handed to a torch collective, released by a later ReleaseDue on a Python
+// thread once the collective's worker threads have let go of them (bind_torch_comm.cc says
+// why). Both need the GIL.
+void ReleaseLater(std::vector<py::object> objects);
+void ReleaseDue();
+
 }  // namespace thdpack::python
 
 #endif  // THDPACK_PYTHON_TORCH_COMM_H_

@@ -11,7 +11,6 @@ arrays each rank receives as torch tensors. docs/python.md documents the interfa
 from __future__ import annotations
 
 import atexit
-import collections
 import json
 import threading
 import time
@@ -386,7 +385,6 @@ class PackedDataIterator:
             raise ValueError(f"prefetch: {prefetch!r} is not a number of steps in [0, 64]")
         self._depth = depth
         self.last_wait = 0.0
-        self._held_tensors = collections.deque(maxlen=8)
         self._thread = None
         self._ctl = _Prefetch(depth)
         self._bg_group = None
@@ -463,9 +461,9 @@ class PackedDataIterator:
         flags = torch.tensor([ended, 1 if self.is_loader and not ended else 0], dtype=torch.int64,
                              device=device or "cpu")
         dist.all_reduce(flags, group=group)
-        # Held for a few steps: freed by a gloo worker thread instead, at the interpreter's exit
-        # it would abort the process (python/src/bind_torch_comm.cc, Call).
-        self._held_tensors.append(flags)
+        # Released later, on a Python thread: freed by a gloo worker thread instead, at the
+        # interpreter's exit it would abort the process (python/src/bind_torch_comm.cc).
+        _thdpack._release_later(flags)
         ended_count, going = (int(v) for v in flags.cpu())
         if ended_count and not going:
             return False
