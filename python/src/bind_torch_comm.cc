@@ -304,7 +304,20 @@ class TorchProcessGroup final : public ProcessGroup {
         }
       }
     });
+    // Every rank waits until every member has made its groups: torch's new_group returns on
+    // one member of a gloo group while a peer is still connecting to it (torch 2's new_group
+    // has no barrier after it), and a member that destroyed the group right away - an
+    // iterator made and closed at once, as a resume that reads a state does - closed the
+    // connection under its peer ("Connection closed by peer" there, then a hang in the next
+    // group). The same 8 bytes tell every rank whether one of them failed.
+    int64_t made_all = s.ok() ? 1 : 0;
+    Status agreed = AllReduceInt64(std::span<int64_t>(&made_all, 1), ReduceOp::kMin);
     if (!s.ok()) return s;
+    if (!agreed.ok()) return agreed;
+    if (made_all == 0) {
+      return Status::Aborted("torch.distributed.new_group: another rank of torch group " +
+                             Describe() + " failed to make its groups");
+    }
     return mine;
   }
 
