@@ -10,11 +10,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
-from test_torch_iterator import free_port
 
 PATHS = ("close", "break_destroy", "break_return", "exception", "del_destroy")
 RUNS = 1  # per path and world size (the race it guards against hit 1 run in 5 at 4 ranks)
@@ -28,13 +28,20 @@ def write_samples(path):
                     + "\n")
 
 
-def rank_main(path, data):
-    """One rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
+def rank_main(path, data, store):
+    """One rank (RANK, WORLD_SIZE in the environment; `store` the world's FileStore, so that
+    worlds started side by side never meet at one port)."""
+    import faulthandler
     import torch
     import torch.distributed as dist
     from thdpack.torch import Groups, PackedDataIterator
+    # A rank still running after 150 s prints every thread's stack and ends (the test's limit
+    # for a world is 180 s): a hang shows where it is.
+    faulthandler.dump_traceback_later(float(os.environ.get("THDPACK_TEST_HANG_S", "150")),
+                                      exit=True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method="file://" + store,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     world, rank = dist.get_world_size(), dist.get_rank()
     cp = 2
     dp = world // cp
@@ -80,20 +87,24 @@ def rank_main(path, data):
 
 
 def run_world(path, world, data):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, path, data], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ, WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    store = tempfile.mktemp(prefix="thdpack-exit-store-")  # a name the first rank creates
+    procs = [subprocess.Popen([sys.executable, __file__, path, data, store],
+                              env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outs = []
-    for p in procs:
+    for r, p in enumerate(procs):
         try:
             out, _ = p.communicate(timeout=180)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"{path}, world {world}: a rank did not end in 180 s")
+            said = "\n".join(f"rank {k}: {q.communicate()[0]}" for k, q in enumerate(procs))
+            raise AssertionError(f"{path}, world {world}: rank {r} did not end in 180 s\n{said}")
         outs.append((p.returncode, out))
+    if os.path.exists(store):
+        os.unlink(store)
     return outs
 
 
@@ -106,10 +117,13 @@ def test_every_exit_path_ends_with_status_zero(path, world, tmp_path):
     data = str(tmp_path / "samples.jsonl")
     write_samples(data)
     for run in range(RUNS):
-        for r, (code, out) in enumerate(run_world(path, world, data)):
-            assert code == 0, f"{path}, world {world}, run {run}, rank {r}: status {code}\n{out}"
-            assert f"rank {r}: {path} done" in out, out
+        outs = run_world(path, world, data)
+        said = "\n".join(f"--- rank {r}, status {code}:\n{out}"
+                         for r, (code, out) in enumerate(outs))
+        for r, (code, out) in enumerate(outs):
+            assert code == 0, f"{path}, world {world}, run {run}, rank {r}: status {code}\n{said}"
+            assert f"rank {r}: {path} done" in out, said
 
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1], sys.argv[2])
+    rank_main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -14,6 +14,8 @@ import os
 import pickle
 import socket
 import sys
+import tempfile
+import time
 import types
 
 import numpy as np
@@ -370,10 +372,30 @@ def same_array(a, b, where):
     assert a.tobytes() == b.tobytes(), f"{where}: differs\n{a}\n{b}"
 
 
+_PORTS = os.path.join(tempfile.gettempdir(), f"thdpack-test-ports-{os.getuid()}")
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a world's rendezvous that no other test process was given in the last
+    10 minutes: the OS picks a free one, and a claim file (created exclusively) keeps two
+    pytest-xdist workers from starting worlds on one port, where the ranks of one world would
+    join the other's store."""
+    os.makedirs(_PORTS, exist_ok=True)
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        claim = os.path.join(_PORTS, str(port))
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return port
+        except FileExistsError:
+            try:
+                if time.time() - os.path.getmtime(claim) > 600:  # a stale claim: taken over
+                    os.utime(claim)
+                    return port
+            except OSError:
+                pass
 
 
 @pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.no_sanitizer)])
