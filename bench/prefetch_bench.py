@@ -6,11 +6,13 @@ For each configuration the loop first runs without prefetching to measure the da
 time next() takes, median over the steps after the first); the simulated compute - a sleep,
 which like a GPU step leaves the CPU to the data plane - is then set to 1.25 x that median, and
 the loop is run with prefetch 0, 1 and 2, taking each step and "computing" on it. Printed per
-configuration: each steady step's wait in next() for prefetch 0, 1, 2 and the ratio to
-prefetch 0; the median and worst ratios over the steady steps (from step 2 on: step 0 has
-nothing prefetched, step 1 overlaps only part of the compute); and the end-to-end loop time
-per step with a compute of half the data step, prefetch 1 against 0 (prefetching must not make
-a step slower when the data step is the longer one) - the compute a sleep, then a Python loop
+configuration: each steady step's wait in next() - the wall time of the call, what the
+training loop waits, tensors and dicts included - for prefetch 0, 1, 2 and the ratio to
+prefetch 0 (beside it the iterator's `last_wait`, which stops when the prepared step is taken,
+before its tensors are made on the caller's thread); the median and worst ratios over the
+steady steps (from step 2 on: step 0 has nothing prefetched, step 1 overlaps only part of the
+compute); and the end-to-end loop time per step with a compute of half the data step, prefetch
+1 against 0 (prefetching must not make a step slower when the data step is the longer one) - the compute a sleep, then a Python loop
 that holds the GIL (the thread must not take it from the caller for long).
 
 With --device cuda (a GPU; the device run of scripts/device_check.sh) the world is one rank on
@@ -106,9 +108,11 @@ class GpuCompute:
         torch.cuda.synchronize(self.a.device)
 
 
-def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False, device=None, gpu=None):
-    """[(wait in next(), whole step)] of `steps` steps, each followed by `compute` seconds
-    (a sleep, with hold_gil a busy loop in Python, with gpu matmuls on the GPU)."""
+def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False, device=None, gpu=None,
+         internal=None):
+    """[(wall time of next(), whole step)] of `steps` steps, each followed by `compute` seconds
+    (a sleep, with hold_gil a busy loop in Python, with gpu matmuls on the GPU); the
+    iterator's own last_wait of each step appended to `internal` when given."""
     from thdpack.torch import PackedDataIterator
     it = PackedDataIterator("mock", groups, global_batch=GLOBAL_BATCH,
                             max_tokens_per_rank=MAX_TOKENS, scheduler=scheduler,
@@ -117,8 +121,15 @@ def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False, device=Non
     dist.barrier()
     out = []
     t_prev = time.perf_counter()
-    for step in it:
-        wait = it.last_wait
+    while True:
+        t0 = time.perf_counter()
+        try:
+            step = next(it)
+        except StopIteration:
+            break
+        wait = time.perf_counter() - t0
+        if internal is not None:
+            internal.append(it.last_wait)
         if compute > 0:
             if gpu is not None and not hold_gil:
                 gpu(compute)
@@ -160,10 +171,12 @@ def worker(rank, world, port, steps, out_path, cuda=False):
             data = agreed_max([w for w, _ in loop(groups, scheduler, 0, steps, 0.0, **run)])
             data_step = statistics.median(data[1:])
             compute = 1.25 * data_step
-            waits = {}
+            waits, internal = {}, {}
             for p in (0, 1, 2):
+                inside = []
                 waits[p] = agreed_max([w for w, _ in loop(groups, scheduler, p, steps, compute,
-                                                          **run)])
+                                                          internal=inside, **run)])
+                internal[p] = agreed_max(inside)
             short = 0.5 * data_step
             whole = {p: agreed_max([t for _, t in loop(groups, scheduler, p, steps, short,
                                                        **run)])
@@ -173,7 +186,8 @@ def worker(rank, world, port, steps, out_path, cuda=False):
                    for p in (0, 1)}
             results.append({"world": world, "topology": name, "scheduler": scheduler,
                             "data": data, "data_step": data_step, "compute": compute,
-                            "waits": waits, "short": short, "whole": whole,
+                            "waits": waits, "internal": internal, "short": short,
+                            "whole": whole,
                             "gil": gil})
     if rank == 0:
         with open(out_path, "wb") as f:
@@ -202,9 +216,12 @@ def report(r):
     for p in (1, 2):
         ratios = [w[p][s] / w[0][s] for s in steady]
         waits = [w[p][s] for s in steady]
-        print(f"     prefetch {p}: steady wait median {statistics.median(waits) * ms:.3f} ms, "
-              f"worst {max(waits) * ms:.3f} ms; ratio to prefetch 0 median "
-              f"{statistics.median(ratios):.4f}, worst {max(ratios):.4f}")
+        inside = [r["internal"][p][s] for s in steady]
+        print(f"     prefetch {p}: steady wait in next() median "
+              f"{statistics.median(waits) * ms:.3f} ms, worst {max(waits) * ms:.3f} ms; ratio to "
+              f"prefetch 0 median {statistics.median(ratios):.4f}, worst {max(ratios):.4f}; "
+              f"last_wait (until the prepared step is taken) median "
+              f"{statistics.median(inside) * ms:.3f} ms")
     whole0 = statistics.median(r["whole"][0][2:])
     whole1 = statistics.median(r["whole"][1][2:])
     print(f"     compute {r['short'] * ms:.1f} ms (half the data step): loop step "
