@@ -501,6 +501,9 @@ class PackedDataIterator:
             raise
         self.last_wait = time.perf_counter() - t0
         self._done += 1
+        if isinstance(raw, PackedStep):  # made by the prefetching thread
+            self._state = raw._state
+            return raw
         self._state = raw["state"]
         return PackedStep(raw, self.device, self.groups.cp, self._copy_stream,
                           self.label_format)
@@ -515,10 +518,18 @@ class PackedDataIterator:
         if self._fed and not self._read_share(self._bg_group, None):
             return ("end", None)
         raw = self._runner.next()
-        if self._copy_stream is not None:
-            _pin(raw)
         self._ctl.made += 1
-        return ("step", raw)
+        if self._copy_stream is not None:
+            # The copies to the GPU are queued by the caller's thread, ordered on its stream;
+            # made here, they are pinned host tensors.
+            _pin(raw)
+            return ("step", raw)
+        # The whole step - tensors, dicts - made here, so that next() only takes it. A dynamic
+        # step's CP groups are the caller's (made on its thread): set when it is taken.
+        step = PackedStep(raw, self.device, self.groups.cp, None, self.label_format)
+        if raw["dynamic"] and self._cp_groups is not None:
+            step._raw = raw
+        return ("step", step)
 
     def _take(self):
         ctl = self._ctl
@@ -536,6 +547,14 @@ class PackedDataIterator:
             raise StopIteration
         if kind == "error":
             raise payload
+        if isinstance(payload, PackedStep):
+            raw = payload.__dict__.pop("_raw", None)
+            if raw is not None:
+                self._cp_groups.attach(raw)  # the caller's world, on the caller's thread
+                for mb, m in zip(payload.microbatches, raw["microbatches"]):
+                    if mb["cp_size"] != 1:
+                        mb["cp_group"] = m["cp_group"]
+            return payload
         if self._cp_groups is not None and payload["dynamic"]:
             self._cp_groups.attach(payload)  # the caller's world, on the caller's thread
         return payload
