@@ -7,11 +7,12 @@ ranks. An abort there was a race (1 run in 5 of 4 ranks): ten worlds here are a 
 bench/exit_paths.py, which runs each path many times with the CPU loaded, is the measure.
 
 Quarantined on torch 2 (run them with THDPACK_EXIT_PATHS=all): the four paths that leave
-without close() still end about 1 world in 50-100 of the current stack's suite with one rank's
-"terminate called without an active exception" after its script's last line (never on torch
-1.13, never with close()). Its cause is not found yet (docs/python.md, "Leaving"); a test that
-fails one CI run in ten stops every change from landing, so until it is, these run on Debian's
-stack in make test and on the current stack in bench/exit_paths.py.
+without close() ended about 1 world in 25 of the current stack's suite (3 in 8 runs of it) with
+one rank's "terminate called without an active exception" after its script's last line (never
+on torch 1.13, never with close()); docs/python.md, "Leaving", says what was fixed and what is
+left to prove. A test that fails one run of the suite in three stops every change from
+landing, so until counts show the fix holds, these run on Debian's stack in make test and on
+the current stack in bench/exit_paths.py.
 """
 import json
 import os

@@ -692,8 +692,14 @@ def _produce(ref, ctl):
         with ctl.cond:
             ctl.exited = True
             group, ctl.orphan = ctl.orphan, None
-        _RUNNING.discard(ctl)
-        _destroy(group)
+        # Destroyed before the thread leaves _RUNNING: the interpreter's exit joins the threads
+        # still in it (_stop_at_exit), and a thread still inside torch's C++ when the
+        # interpreter finalises is ended there by pthread_exit, which aborts the process (a
+        # dropped iterator's thread destroying its group as the script returned).
+        try:
+            _destroy(group)
+        finally:
+            _RUNNING.discard(ctl)
 
 
 def _produce_items(ref, ctl):
