@@ -210,15 +210,20 @@ def _host(a):
     return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
 
 
+def _cp_group(m, topology_cp_group):
+    """A microbatch's CP group: a dynamic one's comes with it (attached at the hand-over), a
+    static one's is the caller's CP group; None for one rank."""
+    if int(m["cp_size"]) == 1:
+        return None
+    return m["cp_group"] if m["cp_group"] is not None else topology_cp_group
+
+
 def _microbatch(m, device, topology_cp_group, label_format="megatron"):
     cu = _tensor(m["cu_seqlens"], device)
     cup = _tensor(m["cu_seqlens_padded"], device)
     max_seqlen = int(m["max_seqlen"])
     cp_size = int(m["cp_size"])
-    # A dynamic microbatch's group comes with it; a static one's is the caller's CP group.
-    cp_group = m["cp_group"] if m["cp_group"] is not None else topology_cp_group
-    if cp_size == 1:
-        cp_group = None
+    cp_group = _cp_group(m, topology_cp_group)
     labels, loss_mask = m["labels"], m["loss_mask"]
     hf = label_format == "hf"
     if hf and labels is not None:
@@ -511,25 +516,24 @@ class PackedDataIterator:
     # --- prefetching --------------------------------------------------------------------------
 
     def _produce_one(self):
-        """One step of the prefetching thread: ("step", raw), or ("end", None) where the
-        caller's next() would have ended (the exception where it would have raised)."""
+        """One step of the prefetching thread: ("step", the step, the raw dict it was made
+        from), or ("end", None, None) where the caller's next() would have ended. On the CPU
+        the step is a PackedStep, with a CUDA device the raw dict (its arrays pinned)."""
         if self._steps is not None and self._ctl.made >= self._steps:
-            return ("end", None)
+            return ("end", None, None)
         if self._fed and not self._read_share(self._bg_group, None):
-            return ("end", None)
+            return ("end", None, None)
         raw = self._runner.next()
         self._ctl.made += 1
         if self._copy_stream is not None:
             # The copies to the GPU are queued by the caller's thread, ordered on its stream;
             # made here, they are pinned host tensors.
             _pin(raw)
-            return ("step", raw)
+            return ("step", raw, raw)
         # The whole step - tensors, dicts - made here, so that next() only takes it. A dynamic
         # step's CP groups are the caller's (made on its thread): set when it is taken.
-        step = PackedStep(raw, self.device, self.groups.cp, None, self.label_format)
-        if raw["dynamic"] and self._cp_groups is not None:
-            step._raw = raw
-        return ("step", step)
+        return ("step", PackedStep(raw, self.device, self.groups.cp, None, self.label_format),
+                raw)
 
     def _take(self):
         ctl = self._ctl
@@ -541,22 +545,17 @@ class PackedDataIterator:
             self._thread.start()
         with ctl.cond:
             ctl.cond.wait_for(lambda: len(ctl.items) > 0)
-            kind, payload = ctl.items.pop(0)
+            kind, payload, raw = ctl.items.pop(0)
             ctl.cond.notify_all()
         if kind == "end":
             raise StopIteration
         if kind == "error":
             raise payload
-        if isinstance(payload, PackedStep):
-            raw = payload.__dict__.pop("_raw", None)
-            if raw is not None:
-                self._cp_groups.attach(raw)  # the caller's world, on the caller's thread
+        if self._cp_groups is not None and raw["dynamic"]:
+            self._cp_groups.attach(raw)  # the caller's world, on the caller's thread
+            if isinstance(payload, PackedStep):
                 for mb, m in zip(payload.microbatches, raw["microbatches"]):
-                    if mb["cp_size"] != 1:
-                        mb["cp_group"] = m["cp_group"]
-            return payload
-        if self._cp_groups is not None and payload["dynamic"]:
-            self._cp_groups.attach(payload)  # the caller's world, on the caller's thread
+                    mb["cp_group"] = _cp_group(m, self.groups.cp)
         return payload
 
     def state_dict(self):
@@ -663,7 +662,7 @@ class _Prefetch:
 
     def __init__(self, depth):
         self.depth = depth
-        self.items = []  # (kind, payload)
+        self.items = []  # (kind, payload, raw): _produce_one, _produce_items
         self.made = 0
         self.stop = False  # set by close() or the collector
         self.fill = False  # close(): finish the steps up to `depth` ahead first
@@ -714,7 +713,7 @@ def _produce_items(ref, ctl):
         try:
             item = it._produce_one()
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-            item = ("error", e)
+            item = ("error", e, None)
         del it
         with ctl.cond:
             ctl.items.append(item)
