@@ -16,7 +16,6 @@ compared is compared, field by field:
 """
 import os
 import pickle
-import socket
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from megatron.core import utils as mutils  # noqa: E402
 import thdpack  # noqa: E402
 import thdpack.torch as tt  # noqa: E402
 from thdpack.torch import megatron  # noqa: E402
+from test_torch_iterator import free_port  # noqa: E402
 from worlds import spawn
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -59,12 +59,6 @@ def test_packed_seq_params_are_megatrons():
     # At CP = 1 Megatron's THD helper leaves the batch whole; so does thdpack's shard.
     for k in KEYS:
         assert torch.equal(theirs_batch[k][0], tt.shard(mb[k], mb["cu_seqlens_padded"], 1, 0))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cp_worker(rank, world, port, out_dir):

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -99,13 +98,8 @@ def worker_main(config_path):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg_path, world):
+    from test_torch_iterator import free_port  # a claimed port (xdist workers side by side)
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(sys.path),
                OMP_NUM_THREADS="1")
