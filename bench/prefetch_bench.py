@@ -12,8 +12,9 @@ prefetch 0 (beside it the iterator's `last_wait`, which stops when the prepared 
 before its tensors are made on the caller's thread); the median and worst ratios over the
 steady steps (from step 2 on: step 0 has nothing prefetched, step 1 overlaps only part of the
 compute); and the end-to-end loop time per step with a compute of half the data step, prefetch
-1 against 0 (prefetching must not make a step slower when the data step is the longer one) - the compute a sleep, then a Python loop
-that holds the GIL (the thread must not take it from the caller for long).
+1 against 0 (prefetching must not make a step slower when the data step is the longer one) -
+the compute a sleep, then a Python loop that holds the GIL (the thread must not take it from
+the caller for long).
 
 With --device cuda (a GPU; the device run of scripts/device_check.sh) the world is one rank on
 NCCL, the step's tensors go to the GPU (pinned memory, a copy stream), and the compute is a

@@ -32,8 +32,8 @@ def write_samples(path):
     rng = np.random.default_rng(3)
     with open(path, "w") as f:
         for _ in range(200):
-            f.write(json.dumps({"input_ids": rng.integers(0, 1000, int(rng.integers(1, 90))).tolist()})
-                    + "\n")
+            tokens = rng.integers(0, 1000, int(rng.integers(1, 90)))
+            f.write(json.dumps({"input_ids": tokens.tolist()}) + "\n")
 
 
 def rank_main(path, data, store):

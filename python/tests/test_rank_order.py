@@ -1,9 +1,9 @@
 """PackedDataIterator under every rank order Groups accepts (spawned gloo worlds of 4 and 8
 ranks; TP, CP, DP and PP mixed; the balanced and the dynamic scheduler; a file source, and a
-caller-fed one at 4 ranks): the world rank that holds coordinates (tp, cp, dp, pp) under an order gets, byte for
-byte, what the rank with the same coordinates gets under Megatron's default order, its CP
-group's members (world ranks) renumbered the same way; and the members of each of the caller's
-CP groups hold the complementary shards of one microbatch.
+caller-fed one at 4 ranks): the world rank that holds coordinates (tp, cp, dp, pp) under an
+order gets, byte for byte, what the rank with the same coordinates gets under Megatron's
+default order, its CP group's members (world ranks) renumbered the same way; and the members of
+each of the caller's CP groups hold the complementary shards of one microbatch.
 
 The caller's groups are made here by plain arithmetic from the order (an independent reference
 for thdpack.Topology's rule). Orders that give the same rank -> coordinates mapping at a
