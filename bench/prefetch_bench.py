@@ -6,15 +6,14 @@ For each configuration the loop first runs without prefetching to measure the da
 time next() takes, median over the steps after the first); the simulated compute - a sleep,
 which like a GPU step leaves the CPU to the data plane - is then set to 1.25 x that median, and
 the loop is run with prefetch 0, 1 and 2, taking each step and "computing" on it. Printed per
-configuration: each steady step's wait in next() - the wall time of the call, what the
-training loop waits, tensors and dicts included - for prefetch 0, 1, 2 and the ratio to
-prefetch 0 (beside it the iterator's `last_wait`, which stops when the prepared step is taken,
-before its tensors are made on the caller's thread); the median and worst ratios over the
-steady steps (from step 2 on: step 0 has nothing prefetched, step 1 overlaps only part of the
-compute); and the end-to-end loop time per step with a compute of half the data step, prefetch
-1 against 0 (prefetching must not make a step slower when the data step is the longer one) -
-the compute a sleep, then a Python loop that holds the GIL (the thread must not take it from
-the caller for long).
+configuration: each steady step's wait in next() - the wall time of the call, what the training
+loop waits, tensors and dicts included - for prefetch 0, 1, 2 and the ratio to prefetch 0
+(beside it the iterator's `last_wait`, the same call timed inside next()); the median and worst
+ratios over the steady steps (from step 2 on: step 0 has nothing prefetched, step 1 overlaps
+only part of the compute); and the end-to-end loop time per step with a compute of half the data
+step, prefetch 1 against 0 (prefetching must not make a step slower when the data step is the
+longer one) - the compute a sleep, then a Python loop that holds the GIL (the thread must not
+take it from the caller for long).
 
 With --device cuda (a GPU; the device run of scripts/device_check.sh) the world is one rank on
 NCCL, the step's tensors go to the GPU (pinned memory, a copy stream), and the compute is a
@@ -221,7 +220,7 @@ def report(r):
         print(f"     prefetch {p}: steady wait in next() median "
               f"{statistics.median(waits) * ms:.3f} ms, worst {max(waits) * ms:.3f} ms; ratio to "
               f"prefetch 0 median {statistics.median(ratios):.4f}, worst {max(ratios):.4f}; "
-              f"last_wait (until the prepared step is taken) median "
+              f"last_wait (next() timed inside) median "
               f"{statistics.median(inside) * ms:.3f} ms")
     whole0 = statistics.median(r["whole"][0][2:])
     whole1 = statistics.median(r["whole"][1][2:])

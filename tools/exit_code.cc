@@ -4,7 +4,8 @@ namespace thdpack::tools {
 
 int ExitCodeOf(const Status& status) {
   switch (status.origin()) {
-    case StatusCode::kOk: return kExitOk;
+    case StatusCode::kOk:
+    case StatusCode::kEndOfData: return kExitOk;  // a stream that ended: not a failure
     case StatusCode::kInvalidArgument:
     case StatusCode::kCorruption:
     case StatusCode::kIOError:

@@ -234,7 +234,7 @@ struct RunOptions {
   // memory_profile_dir (memory_report.h); each in [0, job.steps).
   std::vector<int64_t> memory_profile_steps;
   std::string memory_profile_dir = "memory_profile";  // --memory-profile-dir
-  // --prefetch K in [0, 64]: the loop takes its steps from a StepPrefetcher of depth K
+  // --prefetch K in [0, 64]: the loop takes its steps from a StepSource of depth K
   // (thdpack/step_runner.h: the data plane up to K steps ahead, in a thread of each rank with a
   // communicator of its own; under MPI that needs MPI_THREAD_MULTIPLE). The steps, figures and
   // errors are those of K = 0, each error at its step. Default 0: the loop runs each step.

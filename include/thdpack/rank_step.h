@@ -115,6 +115,9 @@ struct RankStep {
   // samples consumed through this step and the source's cursor there, and the run's
   // fingerprint. The same on every rank (readers send it with the lengths and the metadata).
   RunState after;
+  // What a StepSource's on_step hook made of the step where it was made (the torch iterator's
+  // arrays and dicts): the caller's own, opaque to thdpack; null otherwise.
+  std::shared_ptr<void> prepared;
 };
 
 }  // namespace thdpack

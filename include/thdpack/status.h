@@ -28,6 +28,9 @@ enum class StatusCode : int {
   kInternal = 7,         // a broken invariant inside thdpack: a bug
   kAborted = 8,          // another rank failed; this one stopped because of it
   kResourceExhausted = 9,  // the input needs more memory than the limit (or an allocation failed)
+  // Not a failure: a stream of steps ended where its caller said it would (a source fed by the
+  // caller ran out on every loader at a step boundary, a StepSource made its `steps`).
+  kEndOfData = 10,
 };
 
 // Short name of a code, e.g. "InvalidArgument".
@@ -47,6 +50,7 @@ class [[nodiscard]] Status {
   static Status Unimplemented(std::string msg) { return {StatusCode::kUnimplemented, std::move(msg)}; }
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
   static Status Aborted(std::string msg) { return {StatusCode::kAborted, std::move(msg)}; }
+  static Status EndOfData(std::string msg) { return {StatusCode::kEndOfData, std::move(msg)}; }
   // kAborted because another rank failed with `origin` (AgreeOnStatus, thdpack/comm.h).
   static Status Aborted(std::string msg, StatusCode origin);
   static Status ResourceExhausted(std::string msg) {

@@ -50,7 +50,7 @@
 // After Next() returns an error the runner is mid-step: destroy it (on every rank).
 //
 // Thread-safety: a StepRunner belongs to one rank; use it from one thread at a time (a
-// StepPrefetcher's thread, or the rank's own).
+// StepSource's thread, or the rank's own).
 #ifndef THDPACK_STEP_RUNNER_H_
 #define THDPACK_STEP_RUNNER_H_
 
@@ -124,7 +124,10 @@ struct StepRunnerOptions {
   // before it), and the share the loader's own samples in source order, with first_id =
   // first_position, n the step's sample count and ids first_id + k * DP + dp (FedStepShare,
   // step.h), so the lengths phase can place them; id_span 0 means n (consecutive ids). An
-  // error it returns fails the read phase on that rank (agreed as any other). Default: unset.
+  // error it returns fails the read phase on that rank (agreed as any other), except
+  // kEndOfData: this loader's source ended at the step boundary. Where every loader's ended,
+  // Next() returns kEndOfData on every rank; where only some did, InvalidArgument on every rank
+  // naming how many ran out and how many still had samples. Default: unset.
   std::function<Result<StepShare>(int64_t step, int64_t first_position, int loader)> read_share;
   // The step the run starts at (>= 0): step k of a run that read global_batch samples a step
   // from the beginning (k epochs with "all"), its stream position computed (StepReader::Start:
@@ -212,8 +215,13 @@ class StepRunner {
       ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options);
   ~StepRunner();
 
-  // Runs the next step. Every rank gets either its RankStep or an error (see the top).
+  // Runs the next step. Every rank gets either its RankStep or an error (see the top), or
+  // kEndOfData on every rank where a caller-fed source ended (read_share).
   [[nodiscard]] Result<RankStep> Next();
+
+  // Whether this rank reads its replica's share (a loader; with the dynamic scheduler a rank
+  // cp = 0 of the heads): the ranks a caller-fed source's read_share is called on.
+  bool reads() const;
 
   // The run's state after the last step Next() returned (RankStep::after), or where it starts
   // before the first: the same on every rank.
@@ -235,49 +243,81 @@ class StepRunner {
   std::unique_ptr<Impl> impl_;
 };
 
-// A StepRunner run ahead of its caller (`thdpack run --prefetch K`, and what a C++ or MPI
-// training loop uses to take the data plane off its critical path): a thread of this rank runs
-// the runner's Next() up to K steps ahead, over a communicator of its own split from the world,
-// so that the caller's collectives and the thread's never share one. The caller's Next() takes
-// the steps in order - the same steps, figures and errors as the runner's own Next(), each
-// error at the step where it would have been returned, never earlier - and, for the dynamic
-// scheduler, makes the step's CP groups from `world` on the caller's thread (CpGroupCache), so
-// that every group the caller is handed belongs to the caller's thread.
+// The steps of a run as a training loop takes them (`thdpack run`, the torch iterator, a C++ or
+// MPI loop): one interface whatever the depth. At depth 0 each Next() runs the step runner on
+// the caller's thread over the world. At depth K >= 1 a thread of this rank runs it up to K
+// steps ahead of the caller, over a communicator of its own (StepSourceOptions::data_world, or
+// one split from the world), so that the caller's collectives and the thread's never share one;
+// the caller's Next() takes the steps in order - the same steps, figures and errors as at depth
+// 0, each error at the step where it would have been returned, never earlier - and, for the
+// dynamic scheduler, makes the step's CP groups from the world on the caller's thread
+// (CpGroupCache), so that every group the caller is handed belongs to the caller's thread.
 //
 // The world's backend must allow two threads to communicate at once on different
 // communicators: the threads backend does; under MPI, MpiWorld(/*thread_multiple=*/true).
 //
-// Destruction stops the thread once it has made K steps beyond those taken: every rank took as
-// many (errors are agreed), so every rank's thread makes the same steps and none is left in a
-// collective its peers never join. Destroy it on every rank, after the same number of Next().
-class StepPrefetcher {
+// Stopping: Close() (and the destructor) stops the thread once it has made K steps beyond
+// those taken. Every rank took as many (errors and the end are agreed), so every rank's thread
+// makes the same steps and none is left in a collective its peers never join. Close on every
+// rank, after the same number of Next(); from any thread, the source's own included (a hook's
+// caller that drops the source: the thread then ends on its own, holding what it uses).
+class StepSource;
+
+struct StepSourceOptions {
+  // Steps made ahead of the caller, in [0, 64]; 0: each step made inside Next().
+  int depth = 0;
+  // The most steps made (-1: no bound, >= 0 otherwise); Next() after them returns kEndOfData,
+  // and the thread makes none beyond them.
+  int64_t steps = -1;
+  // Run after each step on the thread that made it (the caller's at depth 0), with the
+  // communicator the step was made over: what a caller adds to a step where it is made (step
+  // figures gathered over that communicator, its own objects in RankStep::prepared). Every
+  // rank runs it for every step; its status is agreed over the communicator and is the step's.
+  // Default: none.
+  std::function<Status(ProcessGroup& comm, RankStep& step)> on_step;
+  // Depth >= 1: the thread's communicator, its ranks the world's in the same order (a gloo
+  // group beside an NCCL world, say); null: split from the world. The source owns it.
+  std::shared_ptr<ProcessGroup> data_world;
+};
+
+class StepSource {
  public:
-  // Collective over `world` (outlives the prefetcher): the data plane's communicator (one
-  // Split), then the runner over it (StepRunner::Create with options.defer_cp_groups set).
-  // depth in [1, 64]; steps: the most steps the thread makes (-1: no bound) - a loop that
-  // stops after a known count gives it, so the thread makes none beyond. Errors: the Split's
-  // and Create's; InvalidArgument naming depth or steps.
-  [[nodiscard]] static Result<std::unique_ptr<StepPrefetcher>> Create(
+  // Collective over `world` (outlives the source): at depth >= 1 the data plane's communicator
+  // (one Split unless given), then the runner over it (StepRunner::Create, with
+  // defer_cp_groups at depth >= 1). Errors: the Split's and Create's; InvalidArgument naming
+  // depth or steps.
+  [[nodiscard]] static Result<std::unique_ptr<StepSource>> Create(
       ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
-      int depth, int64_t steps = -1);
-  ~StepPrefetcher();
+      StepSourceOptions source_options);
+  ~StepSource();  // Close()
 
   // As StepRunner::Restore: before the first Next() (the thread starts at the first Next()).
   [[nodiscard]] Status Restore(const RunState& state);
 
-  // The next step, in order; *waited (if given): the seconds this call waited for the thread.
-  // A dynamic step's groups are attached here, collectively over the world. After an error
-  // the prefetcher is done: destroy it.
+  // The next step, in order; *waited (if given): the seconds this call waited for it (at
+  // depth 0 the whole step). A dynamic step's groups are attached here, collectively over the
+  // world. kEndOfData after `steps` steps or where a fed source ended (again on every later
+  // call); after an error the source is done: every later call returns InvalidArgument.
   [[nodiscard]] Result<RankStep> Next(double* waited = nullptr);
 
   // The run's state after the last step Next() returned (not the last one prepared), or where
   // the run starts before the first.
   const RunState& state() const;
+  // StepRunner::reads: whether this rank's read_share is called.
+  bool reads() const;
+  int depth() const;
+
+  // Stops making steps (see the top) and waits for the thread up to timeout_seconds (< 0: no
+  // bound). Aborted when it did not end in time (a peer's thread that stopped first leaves this
+  // one in a collective until the communicator's timeout): the thread then ends on its own.
+  // Idempotent; Next() after it returns InvalidArgument. Called on the source's own thread, it
+  // returns at once and the thread ends after its steps.
+  Status Close(double timeout_seconds = -1);
 
  private:
   class Impl;
-  explicit StepPrefetcher(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit StepSource(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace thdpack

@@ -76,6 +76,12 @@ class Topology {
   // A rank's position inside its group of `kind` (e.g. its cp index for kCp, dp*CP+cp for kDpCp).
   int IndexInGroup(GroupKind kind, const Coord& c) const;
 
+  // The dynamic scheduler's CP group of domain indices first .. first + count - 1 (the domain:
+  // the DP x CP ranks, index dp*CP + cp) at (tp, pp): its world ranks in domain order. The one
+  // rule the step runner, the CP group cache and the bindings use. REQUIRES (checked):
+  // 0 <= first, 1 <= count, first + count <= DP*CP, tp and pp within their sizes.
+  [[nodiscard]] Result<std::vector<int>> DomainRanks(int first, int count, int tp, int pp) const;
+
   // "TP=2 CP=2 DP=2 PP=1 (order tp-cp-dp-pp)".
   std::string ToString() const;
 

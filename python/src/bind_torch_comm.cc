@@ -400,14 +400,17 @@ py::object TorchGroupOf(const ProcessGroup* group) {
 }
 
 std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
-                                             std::shared_ptr<const TorchCommOptions> options) {
+                                             std::shared_ptr<const TorchCommOptions> options,
+                                             bool owned) {
   py::module_ dist = py::module_::import("torch.distributed");
   const int size = dist.attr("get_world_size")(group).cast<int>();
   const int rank = dist.attr("get_rank")(group).cast<int>();
   std::vector<int> ranks(static_cast<size_t>(size));
   for (int i = 0; i < size; ++i) ranks[static_cast<size_t>(i)] = i;
-  return std::unique_ptr<ProcessGroup>(
-      new TorchProcessGroup(std::move(ranks), rank, std::move(group), std::move(options)));
+  auto world = std::make_unique<TorchProcessGroup>(std::move(ranks), rank, std::move(group),
+                                                   std::move(options));
+  if (owned) world->set_owned();
+  return world;
 }
 
 }  // namespace thdpack::python

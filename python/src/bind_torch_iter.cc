@@ -1,19 +1,24 @@
 // python/src/bind_torch_iter.cc: the C++ core of thdpack.torch.PackedDataIterator - the one
-// distributed step (StepRunner, thdpack/step_runner.h) over torch.distributed
-// (torch_comm.h) - and, for tests, the same step over threads in one process.
+// source of steps (StepSource, thdpack/step_runner.h: the step runner inline or ahead on a
+// thread) over torch.distributed (torch_comm.h) - and, for tests, the same step over threads in
+// one process.
 //
-//   thdpack._thdpack._TorchStepRunner(world, torch_ranks, known, options, source, take_share,
-//                                     cuda_device, monitored_barrier_seconds)
-//       .next() -> dict: one step as this rank holds it (NumPy arrays)
+//   thdpack._thdpack._TorchStepSource(world, torch_ranks, known, options, source, take_share,
+//                                     prepare, cuda_device, monitored_barrier_seconds, depth,
+//                                     steps)
+//       .next() -> (prepared, cp_groups, group_counts): one step as this rank holds it
 //   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares)
 //       -> [rank][step] dicts of the same form
 //
 // `options` are the job options of thdpack/job.h by their Python names (tp, cp, dp, pp, sp,
 // global_batch, max_tokens_per_rank, scheduler, cost, ...). `source` is a source spec string, or
-// None with a caller-fed source: take_share(step) (torch) or shares[dp] (threads) give each
-// loader's own samples as (int32 tokens, uint8 mask or None) pairs; ids follow the file rule
+// None with a caller-fed source: take_share(step, first_position, loader, count) (torch) or
+// shares[dp] (threads) give each loader's own samples as (int32 tokens, uint8 mask or None)
+// pairs, None where the loader's iterable ended at the step boundary; ids follow the file rule
 // (the k-th sample of loader d in step s has id s * global_batch + k * DP + d).
 #include <algorithm>
+#include <cmath>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <set>
@@ -79,25 +84,13 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
   return out;
 }
 
-// The world ranks of a dynamic group (domain indices first .. first + c - 1) at this rank's
-// (tp, pp): what its ProcessGroup holds, in order.
-std::vector<int> DynamicGroupRanks(const Topology& topo, int world_rank, int first, int c) {
-  const Coord me = ValueOrThrow(topo.CoordOf(world_rank));
-  std::vector<int> out;
-  for (int d = first; d < first + c; ++d) {
-    out.push_back(ValueOrThrow(
-        topo.RankOf(Coord{me.tp, d % topo.cp_size(), d / topo.cp_size(), me.pp})));
-  }
-  return out;
-}
-
 // One rank's step as a dict of NumPy arrays. Each microbatch carries its CP group: cp_size,
 // cp_rank, first_rank, idle, cp_ranks (world positions of its members; the topology's CP group
 // for a static step, [] when idle) and cp_group (the torch group of a dynamic microbatch with
 // a group of more than one rank, else None: the iterator puts the caller's CP group there for a
 // static step).
-py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::string& figures,
-                      int world_rank) {
+py::dict StepToPython(const RankStep& step, const Topology& topo, bool sp,
+                      const std::string& figures, int world_rank) {
   py::dict d;
   d["step"] = step.step;
   d["epoch"] = step.epoch;
@@ -113,7 +106,7 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   d["skipped_ids"] = step.meta.skipped_ids;
   d["figures"] = py::module_::import("json").attr("loads")(figures);
   // The dynamic step's groups, (first domain rank, size), for a caller that makes them itself
-  // (a runner with defer_cp_groups: _TorchCpGroups.attach).
+  // (a source that makes steps ahead: StepSource attaches them on the caller's thread).
   py::list needed;
   for (const auto& [first, c] : step.cp_groups) needed.append(py::make_tuple(first, c));
   d["cp_groups"] = needed;
@@ -122,7 +115,8 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
   d["state"] = RunStateToJson(step.after);
   std::vector<int> topology_cp = ValueOrThrow(topo.GroupOf(GroupKind::kCp, world_rank));
   py::list mbs;
-  for (LocalMicrobatch& mb : step.microbatches) {
+  const Coord me = ValueOrThrow(topo.CoordOf(world_rank));
+  for (const LocalMicrobatch& mb : step.microbatches) {
     py::dict m;
     // Padding flags of this rank's shard, from the metadata alone (every stage), with the
     // microbatch's own CP group.
@@ -152,7 +146,8 @@ py::dict StepToPython(RankStep step, const Topology& topo, bool sp, const std::s
       const auto ranks = mb.cp_group->ranks();
       m["cp_ranks"] = py::cast(std::vector<int>(ranks.begin(), ranks.end()));
     } else if (step.dynamic) {
-      m["cp_ranks"] = py::cast(DynamicGroupRanks(topo, world_rank, mb.first_rank, mb.cp_size));
+      m["cp_ranks"] =
+          py::cast(ValueOrThrow(topo.DomainRanks(mb.first_rank, mb.cp_size, me.tp, me.pp)));
     } else {
       m["cp_ranks"] = py::cast(topology_cp);
     }
@@ -196,165 +191,236 @@ std::shared_ptr<TorchCommOptions> CommOptions(const py::object& world_group,
   return comm;
 }
 
-class TorchStepRunner {
+// A Python object that any thread may drop: its reference goes under the GIL, and is leaked
+// once the interpreter is gone (a thread that outlived a timed-out close).
+class PyRef {
  public:
-  TorchStepRunner(py::object world_group, std::vector<int> torch_ranks, py::list known,
-                  py::dict options, py::object source, py::object take_share, py::object device,
-                  double monitored_barrier_seconds, bool defer_cp_groups)
-      : job_(ResolveOptions(options, source)), take_share_(std::move(take_share)) {
-    if (source.is_none() == take_share_.is_none()) {
-      throw py::value_error("source: give a source spec or a caller-fed source, not both");
+  explicit PyRef(py::object o) : o_(std::move(o)) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (!o_) return;
+    if (!Py_IsInitialized()) {
+      o_.release();
+      return;
     }
-    auto comm = CommOptions(world_group, std::move(torch_ranks), known, std::move(device));
-    comm->monitored_barrier_seconds = monitored_barrier_seconds;
-    if (static_cast<int>(comm->torch_ranks.size()) != job_.topology.world_size()) {
-      throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
-                            " ranks, the groups' topology " + job_.topology.ToString() + " needs " +
-                            std::to_string(job_.topology.world_size()));
-    }
-    world_ = MakeTorchWorld(std::move(world_group), comm);
-    StepRunnerOptions ro = RunnerOptions(job_);
-    ro.defer_cp_groups = defer_cp_groups;
-    if (!take_share_.is_none()) {
-      ro.read_share = [this](int64_t step, int64_t first_position,
-                             int loader) -> Result<StepShare> {
-        std::vector<Sample> samples;
-        {
-          py::gil_scoped_acquire gil;
-          try {
-            auto got = ToSamples(take_share_(step), loader, step);
-            if (!got.ok()) return got.status();
-            samples = std::move(*got);
-          } catch (py::error_already_set& e) {
-            return Status::InvalidArgument("source of loader dp=" + std::to_string(loader) +
-                                           ", step " + std::to_string(step) + ": " + e.what());
-          }
-        }
-        return FedStepShare(job_.options.global_batch, job_.topology.dp_size(), step,
-                            first_position, loader, std::move(samples));
-      };
-    }
-    std::optional<Result<std::unique_ptr<StepRunner>>> runner;
-    {
-      py::gil_scoped_release release;
-      runner.emplace(StepRunner::Create(*world_, job_.topology, ro));
-    }
-    runner_ = ValueOrThrow(std::move(*runner));
+    py::gil_scoped_acquire gil;
+    o_ = py::object();
   }
-
-  ~TorchStepRunner() {
-    runner_.reset();
-    world_.reset();
-  }
-
-  py::dict Next() {
-    std::optional<Result<RankStep>> step;
-    std::optional<Result<std::string>> figures;
-    {
-      py::gil_scoped_release release;
-      step.emplace(runner_->Next());
-      if (step->ok()) figures.emplace(StepFiguresJsonOnEveryRank(*world_, job_, **step));
-    }
-    ThrowIfError(step->status());
-    ThrowIfError(figures->status());
-    return StepToPython(std::move(**step), job_.topology, job_.options.sp, **figures,
-                        world_->rank());
-  }
-
-  // The run's state after the last step (or where it starts): the record's JSON text.
-  std::string State() const { return RunStateToJson(runner_->state()); }
-  // Before the first step, on every rank alike (StepRunner::Restore).
-  void Restore(const py::handle& state) {
-    ThrowIfError(runner_->Restore(RunStateFromPy(state, "load_state_dict: state")));
-  }
-  // The samples consumed before the next step: its first sample's stream position.
-  int64_t Consumed() const { return runner_->state().consumed; }
-
-  py::dict Topology() const {
-    py::dict d;
-    d["tp"] = job_.topology.tp_size();
-    d["cp"] = job_.topology.cp_size();
-    d["dp"] = job_.topology.dp_size();
-    d["pp"] = job_.topology.pp_size();
-    d["global_batch"] = job_.options.global_batch;
-    d["data_on"] = std::string(DataOnName(job_.data_on));
-    d["scheduler"] = job_.options.scheduler;
-    // Whether this rank reads (takes its replica's share from the caller's source): the step
-    // runner's rule (thdpack/step_runner.h).
-    const Coord c = ValueOrThrow(job_.topology.CoordOf(world_->rank()));
-    const bool all = job_.data_on == DataOn::kAll;
-    const bool dynamic = job_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
-    d["reader"] = dynamic ? (c.cp == 0 && (all || (c.tp == 0 && c.pp == 0)))
-                          : (all || (c.tp == 0 && c.cp == 0 && c.pp == 0));
-    return d;
-  }
+  const py::object& get() const { return o_; }
 
  private:
-  Job job_;
-  py::object take_share_;
-  std::unique_ptr<ProcessGroup> world_;
-  std::unique_ptr<StepRunner> runner_;
+  py::object o_;
 };
 
-// The CP groups of dynamic steps prepared by a runner with defer_cp_groups, made on the
-// caller's thread from the caller's world (thdpack.torch's prefetching iterator): one
-// CpGroupCache, as the step runner would keep.
-class TorchCpGroups {
- public:
-  TorchCpGroups(py::object world_group, std::vector<int> torch_ranks, py::list known,
-                py::dict options, py::object device)
-      : job_(ResolveOptions(options, py::str("mock"))),
-        cache_(job_.topology, job_.options.max_cp_groups) {
-    auto comm = CommOptions(world_group, std::move(torch_ranks), known, std::move(device));
-    world_ = MakeTorchWorld(std::move(world_group), comm);
-  }
+// The sources alive in this process, closed by the interpreter's exit (thdpack.torch's atexit
+// hook) before it finalises: a data plane's thread still in a torch collective then would be
+// ended by pthread_exit, which aborts the process. Every access holds the GIL.
+class TorchStepSource;
+std::set<TorchStepSource*>& LiveSources() {
+  static auto* s = new std::set<TorchStepSource*>();  // never destroyed: used at exit
+  return *s;
+}
 
-  // Collective over the world: the groups of `raw` (a dynamic step's dict) made or taken from
-  // the cache; each microbatch's "cp_group" set (None for one rank or idle), and the step's
-  // figures given the counts (groups_made, groups_reused, groups_evicted, groups_cached).
-  void Attach(py::dict raw) {
-    RankStep rs;
-    rs.step = raw["step"].cast<int64_t>();
-    rs.dynamic = true;
-    for (const py::handle& g : raw["cp_groups"].cast<py::list>()) {
-      auto t = g.cast<py::tuple>();
-      rs.cp_groups.emplace_back(t[0].cast<int>(), t[1].cast<int>());
+// A caller-fed loader's share of one step: take_share(step, first_position, loader, count) on
+// this rank's own Python iterable, None where it ended at the step boundary (kEndOfData; the
+// step runner agrees the end over the world).
+Result<StepShare> TakeShare(const PyRef& take_share, const Job& job, int64_t step,
+                            int64_t first_position, int loader) {
+  const int64_t count = LoaderCount(job.options.global_batch, job.topology.dp_size(), loader);
+  std::vector<Sample> samples;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object got = take_share.get()(step, first_position, loader, count);
+      if (got.is_none()) {
+        return Status::EndOfData("the iterable of loader dp=" + std::to_string(loader) +
+                                 " ended before step " + std::to_string(step));
+      }
+      auto list = ToSamples(got, loader, step);
+      if (!list.ok()) return list.status();
+      samples = std::move(*list);
+    } catch (py::error_already_set& e) {
+      return Status::InvalidArgument("source of loader dp=" + std::to_string(loader) +
+                                     ", step " + std::to_string(step) + ": " + e.what());
     }
-    const Coord me = ValueOrThrow(job_.topology.CoordOf(world_->rank()));
-    rs.meta.domain_rank = me.dp * job_.topology.cp_size() + me.cp;
-    py::list mbs = raw["microbatches"].cast<py::list>();
-    for (const py::handle& h : mbs) {
-      py::dict m = h.cast<py::dict>();
-      const bool idle = m["idle"].cast<bool>();
-      rs.meta.groups.push_back(idle ? MicrobatchGroup{0, 0}
-                                    : MicrobatchGroup{m["first_rank"].cast<int32_t>(),
-                                                      m["cp_size"].cast<int32_t>()});
+  }
+  return FedStepShare(job.options.global_batch, job.topology.dp_size(), step, first_position,
+                      loader, std::move(samples));
+}
+
+// Where a step is made (the caller's thread at depth 0, the data plane's otherwise): its
+// figures over the communicator it was made on, its arrays and dicts (StepToPython) and what
+// the iterator's prepare(raw) makes of them (a PackedStep, or pinned arrays for a CUDA device),
+// kept in RankStep::prepared; the arrays are then dropped from the RankStep.
+Status PrepareStep(const std::shared_ptr<const Job>& job, const PyRef& prepare,
+                   ProcessGroup& comm, RankStep& step) {
+  THDPACK_ASSIGN_OR_RETURN(std::string figures, StepFiguresJsonOnEveryRank(comm, *job, step));
+  py::gil_scoped_acquire gil;
+  try {
+    py::dict raw = StepToPython(step, job->topology, job->options.sp, figures, comm.rank());
+    py::object made = prepare.get()(raw);
+    step.prepared = std::make_shared<PyRef>(std::move(made));
+  } catch (py::error_already_set& e) {
+    return Status::Internal("preparing step " + std::to_string(step.step) + ": " + e.what());
+  } catch (const std::exception& e) {
+    return Status::Internal("preparing step " + std::to_string(step.step) + ": " + e.what());
+  }
+  for (LocalMicrobatch& mb : step.microbatches) {
+    std::vector<TokenId>().swap(mb.tokens);
+    std::vector<int32_t>().swap(mb.position_ids);
+    std::vector<TokenId>().swap(mb.labels);
+    std::vector<uint8_t>().swap(mb.loss_mask);
+  }
+  return Status::Ok();
+}
+
+class TorchStepSource {
+ public:
+  TorchStepSource(py::object world_group, std::vector<int> torch_ranks, py::list known,
+                  py::dict options, py::object source, py::object take_share, py::object prepare,
+                  py::object device, double monitored_barrier_seconds, int depth,
+                  py::object steps)
+      : job_(std::make_shared<const Job>(ResolveOptions(options, source))) {
+    if (source.is_none() == take_share.is_none()) {
+      throw py::value_error("source: give a source spec or a caller-fed source, not both");
     }
-    rs.microbatches.resize(rs.meta.groups.size());
-    // Agreed only when groups are split: a step whose groups are all held costs the caller's
-    // thread no collective.
-    Status status;
+    auto comm = CommOptions(world_group, torch_ranks, known, device);
+    comm->monitored_barrier_seconds = monitored_barrier_seconds;
+    if (static_cast<int>(comm->torch_ranks.size()) != job_->topology.world_size()) {
+      throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
+                            " ranks, the groups' topology " + job_->topology.ToString() +
+                            " needs " + std::to_string(job_->topology.world_size()));
+    }
+    world_ = MakeTorchWorld(std::move(world_group), comm);
+    StepRunnerOptions ro = RunnerOptions(*job_);
+    if (!take_share.is_none()) {
+      auto take = std::make_shared<PyRef>(std::move(take_share));
+      std::shared_ptr<const Job> job = job_;
+      ro.read_share = [take, job](int64_t step, int64_t first_position,
+                                  int loader) -> Result<StepShare> {
+        return TakeShare(*take, *job, step, first_position, loader);
+      };
+    }
+    StepSourceOptions so;
+    so.depth = depth;
+    so.steps = steps.is_none() ? -1 : steps.cast<int64_t>();
+    auto prep = std::make_shared<PyRef>(std::move(prepare));
+    std::shared_ptr<const Job> job = job_;
+    so.on_step = [prep, job](ProcessGroup& c, RankStep& step) -> Status {
+      return PrepareStep(job, *prep, c, step);
+    };
+    if (depth > 0) {
+      // The data plane's own world: a gloo group over the same ranks, made here on the
+      // caller's thread (collectively) and destroyed with the source; the caller's groups and
+      // every NCCL group stay on the caller's thread.
+      auto data = std::make_shared<TorchCommOptions>();
+      data->torch_ranks = torch_ranks;
+      data->cuda_device = py::none();
+      data->backend = "gloo";
+      data->monitored_barrier_seconds = monitored_barrier_seconds;
+      py::object group = py::module_::import("torch.distributed")
+                             .attr("new_group")(py::arg("ranks") = torch_ranks,
+                                                py::arg("backend") = "gloo");
+      data_group_ = group;
+      so.data_world = MakeTorchWorld(std::move(group), data, /*owned=*/true);
+    }
+    std::optional<Result<std::unique_ptr<StepSource>>> made;
     {
       py::gil_scoped_release release;
-      status = cache_.AttachAgreed(*world_, rs);
+      made.emplace(StepSource::Create(*world_, job_->topology, ro, std::move(so)));
     }
-    ThrowIfError(status);
-    for (size_t k = 0; k < rs.microbatches.size(); ++k) {
-      py::dict m = mbs[k].cast<py::dict>();
-      const auto& g = rs.microbatches[k].cp_group;
-      m["cp_group"] = g && rs.meta.groups[k].num_ranks > 1 ? TorchGroupOf(g.get()) : py::none();
+    source_ = ValueOrThrow(std::move(*made));
+    LiveSources().insert(this);
+  }
+
+  ~TorchStepSource() {
+    LiveSources().erase(this);
+    CloseNow(kDropSeconds);
+  }
+
+  // (prepared, cp_groups, group_counts): what prepare made of the step; each microbatch's torch
+  // CP group (None for one rank or idle: the caller's CP group serves a static step); the
+  // dynamic step's group counts (None otherwise). StopIteration at the end.
+  py::tuple Next() {
+    if (!source_) throw std::runtime_error("PackedDataIterator: the iterator is closed");
+    std::optional<Result<RankStep>> step;
+    double waited = 0;
+    {
+      py::gil_scoped_release release;
+      step.emplace(source_->Next(&waited));
     }
-    py::dict figures = raw["figures"].cast<py::dict>();
-    figures["groups_made"] = rs.groups_made;
-    figures["groups_reused"] = rs.groups_reused;
-    figures["groups_evicted"] = rs.groups_evicted;
-    figures["groups_cached"] = rs.groups_cached;
+    ReleaseDue();
+    ThrowIfError(step->status());
+    RankStep& s = **step;
+    py::list groups;
+    for (const LocalMicrobatch& mb : s.microbatches) {
+      groups.append(mb.cp_group && mb.cp_size > 1 ? TorchGroupOf(mb.cp_group.get())
+                                                  : py::object(py::none()));
+    }
+    py::object counts = py::none();
+    if (s.dynamic) {
+      py::dict c;
+      c["groups_made"] = s.groups_made;
+      c["groups_reused"] = s.groups_reused;
+      c["groups_evicted"] = s.groups_evicted;
+      c["groups_cached"] = s.groups_cached;
+      counts = c;
+    }
+    auto* made = static_cast<const PyRef*>(s.prepared.get());
+    if (made == nullptr) throw std::runtime_error("PackedDataIterator: a step was not prepared");
+    return py::make_tuple(made->get(), groups, counts, waited);
+  }
+
+  std::string State() const {
+    if (!source_) throw std::runtime_error("state_dict: the iterator is closed");
+    return RunStateToJson(source_->state());
+  }
+  void Restore(const py::handle& state) {
+    if (!source_) throw std::runtime_error("load_state_dict: the iterator is closed");
+    ThrowIfError(source_->Restore(RunStateFromPy(state, "load_state_dict: state")));
+  }
+  bool Reads() const { return source_ && source_->reads(); }
+  // The data plane's torch group (depth >= 1; None otherwise), for tests: destroyed with the
+  // source.
+  py::object DataGroup() const { return data_group_; }
+
+  // Collective (see StepSource::Close); then the source, its groups and the data plane's world
+  // are freed. timeout < 0: no bound.
+  void Close(double timeout_seconds) {
+    LiveSources().erase(this);
+    Status s = CloseNow(timeout_seconds);
+    ThrowIfError(s);
+  }
+
+  // Every source still alive, closed: the interpreter's exit (thdpack.torch's atexit hook).
+  static void CloseAll(double timeout_seconds) {
+    const std::vector<TorchStepSource*> live(LiveSources().begin(), LiveSources().end());
+    LiveSources().clear();
+    for (TorchStepSource* s : live) (void)s->CloseNow(timeout_seconds);
   }
 
  private:
-  Job job_;
+  // How long a dropped iterator's source waits for its thread's last steps.
+  static constexpr double kDropSeconds = 60.0;
+
+  Status CloseNow(double timeout_seconds) {
+    Status s;
+    if (source_) {
+      {
+        py::gil_scoped_release release;
+        s = source_->Close(timeout_seconds);
+        source_.reset();  // a thread still running holds what it uses (StepSource::Close)
+      }
+    }
+    world_.reset();
+    return s;
+  }
+
+  std::shared_ptr<const Job> job_;
+  py::object data_group_ = py::none();
   std::unique_ptr<ProcessGroup> world_;
-  CpGroupCache cache_;
+  std::unique_ptr<StepSource> source_;  // declared last: freed before the world
 };
 
 // The reference for tests: the same options and inputs, the step on one thread per rank.
@@ -416,7 +482,7 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
   for (int r = 0; r < world; ++r) {
     py::list per;
     for (size_t s = 0; s < got[static_cast<size_t>(r)].size(); ++s) {
-      per.append(StepToPython(std::move(got[static_cast<size_t>(r)][s]), job.topology,
+      per.append(StepToPython(got[static_cast<size_t>(r)][s], job.topology,
                               job.options.sp, figures[static_cast<size_t>(r)][s], r));
     }
     out.append(per);
@@ -427,22 +493,21 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
 }  // namespace
 
 void BindTorchIter(py::module_& m) {
-  py::class_<TorchStepRunner>(m, "_TorchStepRunner")
+  py::class_<TorchStepSource>(m, "_TorchStepSource")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
-                    py::object, double, bool>(),
+                    py::object, py::object, double, int, py::object>(),
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
-           py::arg("source"), py::arg("take_share"), py::arg("cuda_device"),
-           py::arg("monitored_barrier_seconds"), py::arg("defer_cp_groups") = false)
-      .def("next", &TorchStepRunner::Next)
-      .def("state", &TorchStepRunner::State)
-      .def("restore", &TorchStepRunner::Restore, py::arg("state"))
-      .def("consumed", &TorchStepRunner::Consumed)
-      .def("topology", &TorchStepRunner::Topology);
-  py::class_<TorchCpGroups>(m, "_TorchCpGroups")
-      .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object>(),
-           py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
-           py::arg("cuda_device"))
-      .def("attach", &TorchCpGroups::Attach, py::arg("raw"));
+           py::arg("source"), py::arg("take_share"), py::arg("prepare"), py::arg("cuda_device"),
+           py::arg("monitored_barrier_seconds"), py::arg("depth"), py::arg("steps"))
+      .def("next", &TorchStepSource::Next)
+      .def("state", &TorchStepSource::State)
+      .def("restore", &TorchStepSource::Restore, py::arg("state"))
+      .def_property_readonly("reads", &TorchStepSource::Reads)
+      .def_property_readonly("data_group", &TorchStepSource::DataGroup)
+      .def("close", &TorchStepSource::Close, py::arg("timeout") = -1.0);
+  m.def("_close_step_sources", &TorchStepSource::CloseAll, py::arg("timeout"),
+        "The interpreter's exit: every _TorchStepSource still alive, closed (each waits up to "
+        "`timeout` seconds for its thread).");
   m.def(
       "_release_later",
       [](py::object o) {

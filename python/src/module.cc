@@ -29,6 +29,8 @@ void ThrowIfError(const Status& status) {
     case StatusCode::kResourceExhausted:
       PyErr_SetString(PyExc_MemoryError, text.c_str());
       throw py::error_already_set();
+    case StatusCode::kEndOfData:
+      throw py::stop_iteration(text);
     default:
       throw std::runtime_error(text);
   }

@@ -52,9 +52,11 @@ struct TorchCommOptions {
 };
 
 // The world: `group` is the torch group whose positions are the topology's ranks (the default
-// group unless the caller says otherwise). REQUIRES the GIL.
+// group unless the caller says otherwise). owned: the group was made for this world, and is
+// destroyed with it (as those Split makes). REQUIRES the GIL.
 std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
-                                             std::shared_ptr<const TorchCommOptions> options);
+                                             std::shared_ptr<const TorchCommOptions> options,
+                                             bool owned = false);
 
 // The torch ProcessGroup behind a group of MakeTorchWorld's (or Split from it); None for any
 // other ProcessGroup (threads, MPI) or null. REQUIRES the GIL.

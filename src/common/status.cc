@@ -14,6 +14,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kInternal: return "Internal";
     case StatusCode::kAborted: return "Aborted";
     case StatusCode::kResourceExhausted: return "ResourceExhausted";
+    case StatusCode::kEndOfData: return "EndOfData";
   }
   return "Unknown";
 }

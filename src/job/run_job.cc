@@ -98,21 +98,17 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
   const StepRunnerOptions options = RunnerOptions(job);
   // With --prefetch the data plane runs ahead on a thread with a communicator of its own: the
   // loop's collectives (verify, phases, state) and the thread's never share one.
-  const int prefetch = run.options.prefetch;
-  std::unique_ptr<StepRunner> runner;
-  std::unique_ptr<StepPrefetcher> ahead;
-  if (prefetch > 0) {
-    THDPACK_ASSIGN_OR_RETURN(ahead, StepPrefetcher::Create(world, job.topology, options,
-                                                           prefetch, job.steps));
-  } else {
-    THDPACK_ASSIGN_OR_RETURN(runner, StepRunner::Create(world, job.topology, options));
-  }
+  StepSourceOptions so;
+  so.depth = run.options.prefetch;
+  so.steps = job.steps;
+  THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<StepSource> source,
+                           StepSource::Create(world, job.topology, options, std::move(so)));
   if (job.resume.has_value()) {
     // Every rank holds the same state and the same fingerprint: the same answer everywhere.
-    THDPACK_RETURN_IF_ERROR((ahead ? ahead->Restore(*job.resume) : runner->Restore(*job.resume))
-                                .WithContext("--resume " + job.options.resume));
+    THDPACK_RETURN_IF_ERROR(source->Restore(*job.resume).WithContext("--resume " +
+                                                                     job.options.resume));
   }
-  const int64_t consumed = ahead ? ahead->state().consumed : runner->state().consumed;
+  const int64_t consumed = source->state().consumed;
   std::unique_ptr<StepVerifier> verifier;
   if (run.probe) {
     THDPACK_ASSIGN_OR_RETURN(
@@ -124,13 +120,7 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
   for (int64_t s = 0; s < job.steps; ++s) {
     // The seconds the loop waited for its step: the whole step without --prefetch.
     double waited = 0;
-    Result<RankStep> next = [&]() -> Result<RankStep> {
-      if (ahead) return ahead->Next(&waited);
-      const auto t0 = std::chrono::steady_clock::now();
-      Result<RankStep> r = runner->Next();
-      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      return r;
-    }();
+    Result<RankStep> next = source->Next(&waited);
     THDPACK_ASSIGN_OR_RETURN(RankStep step, std::move(next));
     if (run.options.compute_seconds > 0) {
       std::this_thread::sleep_for(std::chrono::duration<double>(run.options.compute_seconds));

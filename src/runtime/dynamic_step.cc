@@ -24,11 +24,7 @@ Status StepRunner::Impl::InitDynamic() {
   std::vector<std::vector<int>> heads;
   for (int pp = 0; pp < (all ? topo_.pp_size() : 1); ++pp) {
     for (int tp = 0; tp < (all ? topo_.tp_size() : 1); ++tp) {
-      std::vector<int> list;
-      for (int d = 0; d < domain; ++d) {
-        THDPACK_ASSIGN_OR_RETURN(int r, topo_.RankOf(Coord{tp, d % cp, d / cp, pp}));
-        list.push_back(r);
-      }
+      THDPACK_ASSIGN_OR_RETURN(std::vector<int> list, topo_.DomainRanks(0, domain, tp, pp));
       heads.push_back(std::move(list));
     }
   }
@@ -264,7 +260,7 @@ Status CpGroupCache::AttachAgreed(ProcessGroup& world, RankStep& step) {
 }
 
 Status CpGroupCache::Attach(ProcessGroup& world, RankStep& out) {
-  const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
+  const int domain = topo_.dp_size() * topo_.cp_size();
   out.groups_made = out.groups_reused = out.groups_evicted = 0;
   for (const auto& [first, c] : out.cp_groups) {
     if (first < 0 || c < 1 || first + c > domain) {
@@ -280,11 +276,7 @@ Status CpGroupCache::Attach(ProcessGroup& world, RankStep& out) {
     std::vector<std::vector<int>> lists;
     for (int pp = 0; pp < topo_.pp_size(); ++pp) {
       for (int tp = 0; tp < topo_.tp_size(); ++tp) {
-        std::vector<int> list;
-        for (int d = first; d < first + c; ++d) {
-          THDPACK_ASSIGN_OR_RETURN(int r, topo_.RankOf(Coord{tp, d % cp, d / cp, pp}));
-          list.push_back(r);
-        }
+        THDPACK_ASSIGN_OR_RETURN(std::vector<int> list, topo_.DomainRanks(first, c, tp, pp));
         lists.push_back(std::move(list));
       }
     }
@@ -342,8 +334,7 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
   RankStep out = StartStep(head_);
   const int cp = topo_.cp_size();
 
-  THDPACK_RETURN_IF_ERROR(
-      RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); }));
+  THDPACK_RETURN_IF_ERROR(ReadPhase(out));
   THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kLengths, head_, "lengths",
                                    [&] { return ExchangeLengths(*heads_, cp, out); }));
   THDPACK_RETURN_IF_ERROR(

@@ -292,7 +292,12 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   THDPACK_RETURN_IF_ERROR(restore_error_);
   StepShare share;
   if (opts_.read_share) {
-    THDPACK_ASSIGN_OR_RETURN(share, opts_.read_share(step_, state_.consumed, coord_.dp));
+    Result<StepShare> fed = opts_.read_share(step_, state_.consumed, coord_.dp);
+    if (!fed.ok() && fed.status().code() == StatusCode::kEndOfData) {
+      fed_ended_ = true;  // counted over the world by ReadPhase
+      return Status::Ok();
+    }
+    THDPACK_ASSIGN_OR_RETURN(share, std::move(fed));
     after_ = PackPosition(state_.consumed + share.n, std::nullopt);
   } else {
     THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
@@ -810,13 +815,45 @@ Status StepRunner::Impl::Deliver(RankStep& out, ProcessGroup* group, const std::
   return Agree(local, "deliver");
 }
 
+Status StepRunner::Impl::ReadPhase(RankStep& out) {
+  if (!opts_.read_share) {
+    return RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); });
+  }
+  BeginPhase(out, Phase::kRead);
+  fed_ended_ = false;
+  const Status local = reader_ ? ReadShare(out) : Status::Ok();
+  EndPhase(out);
+  // A fed source ends where every loader's does, at a step boundary: the loaders that ran out,
+  // those that read a share, and the failures, counted over the world (a failure then goes to
+  // the agreement, which names it).
+  const bool ended = reader_ && local.ok() && fed_ended_;
+  std::vector<int64_t> counts = {ended ? 1 : 0, reader_ && local.ok() && !ended ? 1 : 0,
+                                 local.ok() ? 0 : 1};
+  const auto t0 = Clock::now();
+  const int64_t b0 = world_.bytes_sent();
+  Status reduced = world_.AllReduceInt64(std::span<int64_t>(counts), ReduceOp::kSum);
+  agree_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  agree_bytes_ += world_.bytes_sent() - b0;
+  THDPACK_RETURN_IF_ERROR(reduced);
+  if (counts[2] == 0 && counts[0] > 0) {
+    if (counts[1] == 0) {
+      return Status::EndOfData("the source fed by the caller ended before step " +
+                               std::to_string(step_) + " on every loader");
+    }
+    return Status::InvalidArgument(
+        "source fed by the caller: " + std::to_string(counts[0]) + " reading rank(s) ran out " +
+        "of samples at step " + std::to_string(step_) + " while " + std::to_string(counts[1]) +
+        " still had some: every loader must yield its share of every step");
+  }
+  return Agree(local, "read");
+}
+
 Result<RankStep> StepRunner::Impl::Next() {
   if (dynamic_) return NextDynamic();
   RankStep out = StartStep(reader_);
   const bool tp0 = opts_.data_on == DataOn::kTp0;
 
-  THDPACK_RETURN_IF_ERROR(
-      RunPhase(out, Phase::kRead, reader_, "read", [&] { return ReadShare(out); }));
+  THDPACK_RETURN_IF_ERROR(ReadPhase(out));
   THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kLengths, reader_, "lengths",
                                    [&] { return ExchangeLengths(*loaders_, 1, out); }));
   THDPACK_RETURN_IF_ERROR(
@@ -853,6 +890,8 @@ Result<std::unique_ptr<StepRunner>> StepRunner::Create(ProcessGroup& world,
 Result<RankStep> StepRunner::Next() { return impl_->Next(); }
 
 const RunState& StepRunner::state() const { return impl_->state(); }
+
+bool StepRunner::reads() const { return impl_->reads(); }
 
 Status StepRunner::Restore(const RunState& state) { return impl_->Restore(state); }
 

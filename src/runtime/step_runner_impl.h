@@ -205,6 +205,7 @@ class StepRunner::Impl {
   Result<RankStep> Next();
   const RunState& state() const { return state_; }
   Status Restore(const RunState& state);
+  bool reads() const { return reader_; }
 
  private:
   friend struct runner_internal::TestHooks;
@@ -271,6 +272,9 @@ class StepRunner::Impl {
   void AppendSources(runner_internal::PositionWords* w) const;
   Status ReadSources(const runner_internal::PositionWords& w, size_t at);
   Status ReadShare(RankStep& out);
+  // The read phase: ReadShare on the readers, agreed; with a fed source, its end agreed first
+  // (every loader's at the same step boundary: kEndOfData on every rank; some only: an error).
+  Status ReadPhase(RankStep& out);
   Status MakePlan(RankStep& out);
   Status ExchangeTokens(RankStep& out);
   Status PackReplica(RankStep& out);
@@ -306,6 +310,7 @@ class StepRunner::Impl {
   int corrupt_metadata_of_replica_ = -1;
   Coord coord_;
   bool reader_ = false;  // reads and plans (a loader)
+  bool fed_ended_ = false;  // this step's read_share said kEndOfData (ReadPhase)
   std::unique_ptr<SampleSource> source_;
   std::optional<StepReader> steps_;  // reads source_ (reading ranks)
   std::unique_ptr<ProcessGroup> loaders_;  // the loaders exchanging lengths and tokens

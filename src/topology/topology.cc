@@ -184,6 +184,22 @@ Result<std::vector<int>> Topology::GroupOf(GroupKind kind, int rank) const {
   return group;
 }
 
+Result<std::vector<int>> Topology::DomainRanks(int first, int count, int tp, int pp) const {
+  const int domain = dp_size() * cp_size();
+  if (first < 0 || count < 1 || first > domain - count) {
+    return Status::InvalidArgument("domain group [" + std::to_string(first) + ", +" +
+                                   std::to_string(count) + ") outside the domain of " +
+                                   std::to_string(domain) + " ranks (DP x CP) of " + ToString());
+  }
+  std::vector<int> out;
+  out.reserve(static_cast<size_t>(count));
+  for (int d = first; d < first + count; ++d) {
+    THDPACK_ASSIGN_OR_RETURN(int r, RankOf(Coord{tp, d % cp_size(), d / cp_size(), pp}));
+    out.push_back(r);
+  }
+  return out;
+}
+
 std::vector<std::vector<int>> Topology::AllGroups(GroupKind kind) const {
   std::vector<std::vector<int>> groups;
   std::vector<bool> placed(world_size_, false);

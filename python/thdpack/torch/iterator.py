@@ -11,10 +11,9 @@ arrays each rank receives as torch tensors. docs/python.md documents the interfa
 from __future__ import annotations
 
 import atexit
+import functools
 import json
-import threading
 import time
-import weakref
 
 import numpy as np
 import torch
@@ -313,16 +312,19 @@ class PackedDataIterator:
     It needs whole microbatches: CP = 1 and a static scheduler (ValueError otherwise: a model
     that shifts its labels inside a zigzag CP shard would pair tokens of different chunks).
 
-    ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller, in a
-    thread of each rank, over a gloo group of the iterator's own (made here, collectively):
-    the caller's groups and every NCCL group are used on the caller's thread only, which takes
-    a finished step, attaches a dynamic step's CP groups (made from the caller's world, on its
-    thread) and moves the tensors to the device (pinned host memory, a non-blocking copy on a
+    ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller by the C++
+    step source (thdpack/step_runner.h, ``StepSource``) on a thread of each rank, over a gloo
+    group of its own (made here, collectively): the caller's groups and every NCCL group are
+    used on the caller's thread only. That thread makes the whole step - the step, its figures,
+    a caller-fed iterable's share, the tensors and dicts (on a CUDA device, pinned host arrays)
+    - so that next() takes a finished step, attaches a dynamic step's CP groups (made from the
+    caller's world, on its thread) and, for a GPU, moves the tensors (a non-blocking copy on a
     side stream that the current stream waits for). Every tensor and field is the one of
-    prefetch=0, every error raises at the step where it would have (never earlier); a caller-
-    fed iterable is read on that thread. ``last_wait`` is the seconds the last next() waited.
-    0: the whole step runs in next(), on the caller's groups. ``close()`` is collective (every
-    rank after the same step); an iterator still prefetching at interpreter exit is closed then.
+    prefetch=0, every error raises at the step where it would have (never earlier).
+    ``last_wait`` is the seconds the last next() took. 0: the whole step runs in next(), on the
+    caller's groups. ``close()`` is collective (every rank after the same step); an iterator
+    dropped without it closes the same way, and one still alive at interpreter exit is closed
+    then.
 
     Resuming: ``state_dict()`` is the run's state after the last step handed to the caller (a
     JSON-serialisable dict, the same on every rank: save it with the checkpoint, from any
@@ -342,6 +344,7 @@ class PackedDataIterator:
                  scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None,
                  steps=None, monitored_barrier_seconds=0.0, label_format="megatron",
                  prefetch=None, **options):
+        self._src = None
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
         if label_format not in _LABEL_FORMATS:
@@ -358,8 +361,7 @@ class PackedDataIterator:
                              f"(labels already shifted) with a CP-aware model")
         self.label_format = label_format
         self.groups = groups
-        backend = dist.get_backend(groups.world)
-        nccl = backend == "nccl"
+        nccl = dist.get_backend(groups.world) == "nccl"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
@@ -368,9 +370,6 @@ class PackedDataIterator:
         # job stays on the CPU. Groups the step makes take the world's backend.
         cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else None
-        self._comm_device = cuda if nccl else None
-        self._steps = steps
-        self._done = 0
         self._finished = False
         self._state = None  # the JSON of the state after the last step handed out
         self.global_batch = global_batch
@@ -381,182 +380,64 @@ class PackedDataIterator:
                     pp=groups.sizes["pp"], rank_order=groups.order, global_batch=global_batch,
                     max_tokens_per_rank=max_tokens_per_rank, scheduler=scheduler, cost=cost,
                     sp=sp, data_on=data_on)
-        c = groups.coord
-        self._fed = not isinstance(source, str)
-        self._source = None
-        self._share = None
+        fed = not isinstance(source, str)
         depth = DEFAULT_PREFETCH if prefetch is None else prefetch
         if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= 64:
             raise ValueError(f"prefetch: {prefetch!r} is not a number of steps in [0, 64]")
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
+                                  or steps < 0):
+            raise ValueError(f"steps: {steps!r} is not a number of steps >= 0 (or None)")
         self._depth = depth
         self.last_wait = 0.0
-        self._thread = None
-        self._ctl = _Prefetch(depth)
-        self._bg_group = None
-        self._cp_groups = None
         self._copy_stream = None
-        world, known = groups.world, groups.known
-        if depth > 0:
-            # The data plane's own world: a gloo group over the same ranks (made here, on the
-            # caller's thread, collectively); the caller's groups stay the caller's.
-            self._bg_group = dist.new_group(ranks=list(groups.world_ranks), backend="gloo")
-            world, known = self._bg_group, []
-            if scheduler == "dynamic":
-                self._cp_groups = _thdpack._TorchCpGroups(groups.world, groups.world_ranks,
-                                                          groups.known, opts, cuda)
-            if self.device.type == "cuda":
-                self._copy_stream = torch.cuda.Stream(self.device)
-        self._runner = _thdpack._TorchStepRunner(
-            world, groups.world_ranks, known, opts,
-            source if not self._fed else None, self._take_share if self._fed else None,
-            cuda if depth == 0 else None, float(monitored_barrier_seconds),
-            defer_cp_groups=depth > 0)
+        if self.device.type == "cuda" and depth > 0:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        # Where the step is made (the caller's thread at depth 0, the data plane's otherwise):
+        # the whole PackedStep on the CPU; for a GPU pinned host arrays, copied by next() on
+        # the caller's stream. Holds nothing of the iterator, so a dropped iterator is freed.
+        prepare = functools.partial(_prepare, self.device, groups.cp, label_format,
+                                    self.device.type == "cuda" and depth > 0)
+        # Freed without close(), the iterator's source closes as close() would (the C++
+        # destructor; on the data plane's own thread, where a collector may free it, it returns
+        # at once and the thread ends after its steps).
+        self._shares = _FedShares(groups.sizes["dp"]) if fed else None
+        self._src = _thdpack._TorchStepSource(
+            groups.world, groups.world_ranks, groups.known, opts,
+            None if fed else source, self._shares, prepare, cuda if nccl else None,
+            float(monitored_barrier_seconds), depth, steps)
         # The ranks that read: the step runner's rule (it depends on the scheduler).
-        self.is_loader = bool(self._runner.topology()["reader"])
-        if self._fed:
-            if self.is_loader and source is not None:
-                self._source = iter(source)
-            self._count = self._loader_count(global_batch, groups.sizes["dp"], c["dp"])
-
-    @staticmethod
-    def _loader_count(n, dp, d):
-        return n // dp + (1 if d < n % dp else 0)
+        self.is_loader = bool(self._src.reads)
+        if fed:
+            self._shares.start(source if self.is_loader else None)
 
     def __iter__(self):
         return self
 
-    def _read_share(self, group, device):
-        """A caller-fed loader reads its share before the step, so that the end of the data is
-        agreed by every rank (one all-reduce over `group`) before the step's collectives
-        begin."""
-        ended = 0
-        self._share = None
-        if self.is_loader:
-            if self._source is None:
-                self._share = ValueError("source: this rank is a loader but was given None "
-                                         "(give each loader its iterable)")
-            else:
-                items = []
-                dp = self.groups.sizes["dp"]
-                first = self._runner.consumed() + self.groups.coord["dp"]
-                try:
-                    for k in range(self._count):
-                        try:
-                            item = next(self._source)
-                        except StopIteration:
-                            if k == 0:
-                                ended = 1
-                            else:
-                                raise ValueError(f"the iterable ended after {k} of the "
-                                                 f"{self._count} samples of this loader's share")
-                            break
-                        where = f"sample {k} of the share"
-                        items.append(_to_sample(item, where))
-                        if "position" in item:  # the caller says where it is: checked
-                            want = first + k * dp
-                            if int(item["position"]) != want:
-                                raise ValueError(
-                                    f"{where}: position {int(item['position'])}, expected "
-                                    f"{want} (this loader's iterable must yield "
-                                    f"loader_positions(state, global_batch, DP, dp) from the "
-                                    f"run's state: it resumes after {first - self.groups.coord['dp']} samples)")
-                    self._share = items
-                except Exception as e:  # reported through the step, on every rank
-                    self._share = e
-        flags = torch.tensor([ended, 1 if self.is_loader and not ended else 0], dtype=torch.int64,
-                             device=device or "cpu")
-        dist.all_reduce(flags, group=group)
-        # Released later, on a Python thread: freed by a gloo worker thread instead, at the
-        # interpreter's exit it would abort the process (python/src/bind_torch_comm.cc).
-        _thdpack._release_later(flags)
-        ended_count, going = (int(v) for v in flags.cpu())
-        if ended_count and not going:
-            return False
-        if ended_count:
-            raise RuntimeError(f"PackedDataIterator: {ended_count} loader(s) ran out of samples "
-                               f"at step {json.loads(self._runner.state())['next_step']} while "
-                               f"{going} still had "
-                               f"some: every loader must yield its share of every step")
-        return True
-
-    def _take_share(self, step):
-        share = self._share
-        self._share = None
-        if isinstance(share, Exception):
-            raise share
-        return share
-
     def __next__(self):
-        if self._finished or (self._steps is not None and self._done >= self._steps):
+        if self._finished:
             raise StopIteration
         t0 = time.perf_counter()
         try:
-            if self._depth > 0:
-                raw = self._take()
-            else:
-                if self._fed and not self._read_share(self.groups.world, self._comm_device):
-                    self._finished = True
-                    raise StopIteration
-                raw = self._runner.next()
-        except StopIteration:
-            self._finished = True
-            raise
+            payload, cp_groups, counts, _ = self._src.next()
         except BaseException:
             self._finished = True
             raise
+        if isinstance(payload, PackedStep):  # made on the data plane's thread
+            step = payload
+            for mb, g in zip(step.microbatches, cp_groups):
+                if g is not None:
+                    mb["cp_group"] = g
+        else:  # pinned arrays (a GPU), or depth 0: the tensors made here
+            for m, g in zip(payload["microbatches"], cp_groups):
+                if g is not None:
+                    m["cp_group"] = g
+            step = PackedStep(payload, self.device, self.groups.cp, self._copy_stream,
+                              self.label_format)
+        if counts is not None:
+            step.figures.update(counts)
         self.last_wait = time.perf_counter() - t0
-        self._done += 1
-        if isinstance(raw, PackedStep):  # made by the prefetching thread
-            self._state = raw._state
-            return raw
-        self._state = raw["state"]
-        return PackedStep(raw, self.device, self.groups.cp, self._copy_stream,
-                          self.label_format)
-
-    # --- prefetching --------------------------------------------------------------------------
-
-    def _produce_one(self):
-        """One step of the prefetching thread: ("step", the step, the raw dict it was made
-        from), or ("end", None, None) where the caller's next() would have ended. On the CPU
-        the step is a PackedStep, with a CUDA device the raw dict (its arrays pinned)."""
-        if self._steps is not None and self._ctl.made >= self._steps:
-            return ("end", None, None)
-        if self._fed and not self._read_share(self._bg_group, None):
-            return ("end", None, None)
-        raw = self._runner.next()
-        self._ctl.made += 1
-        if self._copy_stream is not None:
-            # The copies to the GPU are queued by the caller's thread, ordered on its stream;
-            # made here, they are pinned host tensors.
-            _pin(raw)
-            return ("step", raw, raw)
-        # The whole step - tensors, dicts - made here, so that next() only takes it. A dynamic
-        # step's CP groups are the caller's (made on its thread): set when it is taken.
-        return ("step", PackedStep(raw, self.device, self.groups.cp, None, self.label_format),
-                raw)
-
-    def _take(self):
-        ctl = self._ctl
-        if self._thread is None:
-            self._thread = threading.Thread(target=_produce, args=(weakref.ref(self), ctl),
-                                            daemon=True, name="thdpack-prefetch")
-            ctl.thread = self._thread
-            _RUNNING.add(ctl)
-            self._thread.start()
-        with ctl.cond:
-            ctl.cond.wait_for(lambda: len(ctl.items) > 0)
-            kind, payload, raw = ctl.items.pop(0)
-            ctl.cond.notify_all()
-        if kind == "end":
-            raise StopIteration
-        if kind == "error":
-            raise payload
-        if self._cp_groups is not None and raw["dynamic"]:
-            self._cp_groups.attach(raw)  # the caller's world, on the caller's thread
-            if isinstance(payload, PackedStep):
-                for mb, m in zip(payload.microbatches, raw["microbatches"]):
-                    mb["cp_group"] = _cp_group(m, self.groups.cp)
-        return payload
+        self._state = step._state
+        return step
 
     def state_dict(self):
         """The run's state after the last step handed to the caller (before the first: where the
@@ -564,9 +445,9 @@ class PackedDataIterator:
         stream position), the source's cursor, and the fingerprint of the data and options that
         decide the samples (thdpack/run_state.h). Not collective."""
         if self._state is None:
-            if self._runner is None:
+            if self._src is None:
                 raise RuntimeError("state_dict: the iterator is closed")
-            return json.loads(self._runner.state())
+            return json.loads(self._src.state())
         return json.loads(self._state)
 
     def load_state_dict(self, state):
@@ -575,13 +456,12 @@ class PackedDataIterator:
         does not communicate. ValueError naming the field when the state does not fit (another
         data set, seed, shuffle, vocabulary, oversize rule), was cut or edited; RuntimeError
         after a step."""
-        if self._runner is None:
+        if self._src is None:
             raise RuntimeError("load_state_dict: the iterator is closed")
-        if self._done > 0:
-            raise RuntimeError(f"load_state_dict: {self._done} step(s) were already handed out; "
-                               f"load a state before the first step")
-        self._runner.restore(state)
-        self._state = None
+        if self._state is not None:
+            raise RuntimeError("load_state_dict: steps were already handed out; load a state "
+                               "before the first step")
+        self._src.restore(state)
 
     def loader_positions(self):
         """This rank's stream positions from the next step on (a caller-fed loader's iterable
@@ -590,133 +470,78 @@ class PackedDataIterator:
                                 self.groups.coord["dp"])
 
     def close(self):
-        """Stops the prefetching thread, then drops the C++ step, the groups it made and the
+        """Stops the data plane's thread, then drops the C++ step, the groups it made and the
         iterator's own group. Collective when prefetching: every rank closes after the same
         number of steps, and each rank's thread first finishes the ``prefetch`` steps ahead of
         that point (so that no rank's thread is left in a collective its peers never join)."""
         self._finished = True
-        ctl = getattr(self, "_ctl", None)
-        thread = getattr(self, "_thread", None)
-        if ctl is not None:
-            with ctl.cond:
-                ctl.stop, ctl.fill = True, True
-                ctl.cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        self._thread = None
-        if ctl is not None:
-            ctl.items = []
-        self._runner = None
-        self._cp_groups = None
-        group = getattr(self, "_bg_group", None)
-        if group is not None:
-            self._bg_group = None
-            if dist.is_initialized():
-                dist.destroy_process_group(group)
-
-    def __del__(self):
-        # Freed without close(): the thread stops at its next step boundary, without waiting
-        # (the collector may run this on any thread, the prefetching one included), and the
-        # iterator's group is destroyed - here, or by the thread as it ends if it still runs.
-        ctl = getattr(self, "_ctl", None)
-        if ctl is None:
-            return
-        group = getattr(self, "_bg_group", None)
-        self._bg_group = None
-        with ctl.cond:
-            ctl.stop = True
-            if group is not None and getattr(self, "_thread", None) is not None \
-                    and not ctl.exited:
-                ctl.orphan, group = group, None
-            ctl.cond.notify_all()
-        _destroy(group)
+        src, self._src = self._src, None
+        if src is not None:
+            src.close()
 
 
-# The prefetching threads still running, stopped at interpreter exit (_stop_at_exit).
-_RUNNING = weakref.WeakSet()
-# How long the exit waits for each thread to finish the steps it owes its peers.
+# How long the interpreter's exit waits for each data plane's thread to finish the steps it
+# owes its peers.
 _EXIT_JOIN_SECONDS = 60.0
 
 
 @atexit.register
 def _stop_at_exit():
-    """A process that ends with an iterator still prefetching (never closed: a training script
-    that just returns, or Megatron's entry points) stops its thread as close() would, before
-    the interpreter finalises: a daemon thread still inside a torch collective then would be
-    torn down mid-call (the C++ runtime aborts the process). atexit runs before that, and the
-    thread's steps complete since every rank's thread makes the same ones; a thread whose peers
-    are gone ends with their error."""
-    for ctl in list(_RUNNING):
-        with ctl.cond:
-            ctl.stop, ctl.fill = True, True
-            ctl.cond.notify_all()
-    for ctl in list(_RUNNING):
-        thread = ctl.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=_EXIT_JOIN_SECONDS)
+    """A process that ends with an iterator still alive (never closed: a training script that
+    just returns, or Megatron's entry points) closes its source as close() would, before the
+    interpreter finalises: a thread still inside a torch collective then would be torn down
+    mid-call (the C++ runtime aborts the process). atexit runs before that, and the thread's
+    steps complete since every rank's thread makes the same ones; a thread whose peers are gone
+    ends with their error."""
+    _thdpack._close_step_sources(_EXIT_JOIN_SECONDS)
 
 
-class _Prefetch:
-    """What the caller's thread and the prefetching thread share: the prepared items (in step
-    order), how many steps the thread made, and how to stop."""
+class _FedShares:
+    """A caller-fed loader's iterable, read one share at a time by the step source (on the
+    thread that makes the step): ``count`` samples as (tokens, mask) pairs, None where the
+    iterable ended at the step boundary (the C++ step agrees the end over every loader). A
+    sample dict's ``position``, when given, is checked against the stream position it must
+    have."""
 
-    def __init__(self, depth):
-        self.depth = depth
-        self.items = []  # (kind, payload, raw): _produce_one, _produce_items
-        self.made = 0
-        self.stop = False  # set by close() or the collector
-        self.fill = False  # close(): finish the steps up to `depth` ahead first
-        self.exited = False  # the thread has ended
-        self.orphan = None  # the group of an iterator freed while the thread ran: its to destroy
-        self.thread = None
-        self.cond = threading.Condition()  # re-entrant: __del__ may run on the thread
+    def __init__(self, dp):
+        self._dp = dp
+        self._it = None
 
+    def start(self, source):
+        self._it = None if source is None else iter(source)
 
-def _destroy(group):
-    if group is not None:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - at interpreter exit torch may be half gone
-            pass
-
-
-def _produce(ref, ctl):
-    """The prefetching thread: up to ``depth`` items ahead of the caller. It holds the iterator
-    (through a weak reference) only while it makes a step, so that a dropped iterator is freed;
-    an error ends the thread after it is queued, to raise at the caller's step."""
-    try:
-        _produce_items(ref, ctl)
-    finally:
-        with ctl.cond:
-            ctl.exited = True
-            group, ctl.orphan = ctl.orphan, None
-        # Destroyed before the thread leaves _RUNNING: the interpreter's exit joins the threads
-        # still in it (_stop_at_exit), and a thread still inside torch's C++ when the
-        # interpreter finalises is ended there by pthread_exit, which aborts the process (a
-        # dropped iterator's thread destroying its group as the script returned).
-        try:
-            _destroy(group)
-        finally:
-            _RUNNING.discard(ctl)
+    def __call__(self, step, first_position, loader, count):
+        if self._it is None:
+            raise ValueError("source: this rank is a loader but was given None (give each "
+                             "loader its iterable)")
+        items = []
+        for k in range(count):
+            try:
+                item = next(self._it)
+            except StopIteration:
+                if k == 0:
+                    return None
+                raise ValueError(f"the iterable ended after {k} of the {count} samples of this "
+                                 f"loader's share") from None
+            where = f"sample {k} of the share"
+            items.append(_to_sample(item, where))
+            if isinstance(item, dict) and "position" in item:  # the caller says where: checked
+                want = first_position + loader + k * self._dp
+                if int(item["position"]) != want:
+                    raise ValueError(
+                        f"{where}: position {int(item['position'])}, expected {want} (this "
+                        f"loader's iterable must yield loader_positions(state, global_batch, "
+                        f"DP, dp) from the run's state: it resumes after {first_position} "
+                        f"samples)")
+        return items
 
 
-def _produce_items(ref, ctl):
-    while True:
-        with ctl.cond:
-            ctl.cond.wait_for(lambda: ctl.stop or len(ctl.items) < ctl.depth)
-            if ctl.stop and (not ctl.fill or len(ctl.items) >= ctl.depth):
-                return
-        it = ref()
-        if it is None:
-            return
-        try:
-            item = it._produce_one()
-        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-            item = ("error", e, None)
-        del it
-        with ctl.cond:
-            ctl.items.append(item)
-            ctl.cond.notify_all()
-        if item[0] != "step":
-            return
+def _prepare(device, cp_group, label_format, pin, raw):
+    """What the step source keeps of a step where it is made: a PackedStep, or (``pin``: a
+    GPU, ahead of the caller) the raw step with its arrays pinned, copied by next()."""
+    if pin:
+        _pin(raw)
+        return raw
+    if device.type == "cuda":  # depth 0: made on the caller's thread, copied by next()
+        return raw
+    return PackedStep(raw, device, cp_group, None, label_format)
