@@ -303,6 +303,10 @@ class StepSource {
   // The run's state after the last step Next() returned (not the last one prepared), or where
   // the run starts before the first.
   const RunState& state() const;
+  // Whether Next() would take a step (or the end, or an error) without waiting for the thread:
+  // depth >= 1 and one is ready. A caller that must give up a lock to wait (the GIL) keeps it
+  // when it need not: the thread then cannot take it from the caller mid-hand-over.
+  bool ready() const;
   // StepRunner::reads: whether this rank's read_share is called.
   bool reads() const;
   int depth() const;

@@ -28,6 +28,54 @@ int64_t RankMultipleOf(const py::handle& value, const std::string& name) {
   return Int64Of(value, name);
 }
 
+ParallelLayout LayoutOf(const LayoutArgs& a, const std::string& where) {
+  const std::pair<const char*, const py::object*> scalars[] = {
+      {"cp_size", &a.cp_size},
+      {"tp_size", &a.tp_size},
+      {"sp", &a.sp},
+      {"extra_alignment", &a.extra_alignment},
+      {"rank_multiple", &a.rank_multiple}};
+  if (!a.layout.is_none()) {
+    if (!py::isinstance<ParallelLayout>(a.layout)) {
+      throw py::type_error(where + ": layout must be a thdpack.ParallelLayout, got " +
+                           std::string(py::str(py::type::of(a.layout).attr("__name__"))));
+    }
+    std::string given;
+    for (const auto& [name, value] : scalars) {
+      if (!value->is_none()) given += std::string(given.empty() ? "" : ", ") + name;
+    }
+    if (!given.empty()) {
+      throw py::type_error(where + ": give layout= or its scalars, not both (got layout and " +
+                           given + "; the layout already holds them)");
+    }
+    return a.layout.cast<ParallelLayout>();
+  }
+  auto int_or = [&](const py::object& v, const char* name, int64_t fallback) {
+    if (v.is_none()) return fallback;
+    if (py::isinstance<py::bool_>(v)) {
+      throw py::type_error(where + ": " + name + " must be an integer, got bool");
+    }
+    return Int64Of(v, name);
+  };
+  const int64_t cp = int_or(a.cp_size, "cp_size", 1), tp = int_or(a.tp_size, "tp_size", 1);
+  if (cp < 1 || cp > INT32_MAX || tp < 1 || tp > INT32_MAX) {
+    throw py::value_error(where + ": cp_size = " + std::to_string(cp) + ", tp_size = " +
+                          std::to_string(tp) + ": each must lie in [1, 2^31)");
+  }
+  bool sp = false;
+  if (!a.sp.is_none()) {
+    if (!py::isinstance<py::bool_>(a.sp)) {
+      throw py::type_error(where + ": sp must be a bool, got " +
+                           std::string(py::str(py::type::of(a.sp).attr("__name__"))));
+    }
+    sp = a.sp.cast<bool>();
+  }
+  return MakeLayout(static_cast<int>(cp), static_cast<int>(tp), sp,
+                    int_or(a.extra_alignment, "extra_alignment", 1),
+                    a.rank_multiple.is_none() ? 1
+                                              : RankMultipleOf(a.rank_multiple, "rank_multiple"));
+}
+
 void BindLayout(py::module_& m) {
   py::class_<ParallelLayout>(m, "ParallelLayout",
                              "The parallel layout of a microbatch (CP, TP, SP, extra alignment) "

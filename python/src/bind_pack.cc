@@ -69,11 +69,9 @@ SampleArgs ReadSamples(const py::object& samples_obj, const py::object& target_m
   return out;
 }
 
-PackOptions MakeOptions(int cp_size, int tp_size, bool sp, int64_t pad_id,
-                        int64_t extra_alignment, const py::object& rank_multiple) {
+PackOptions MakeOptions(const ParallelLayout& layout, int64_t pad_id) {
   PackOptions o;
-  o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment,
-                          RankMultipleOf(rank_multiple, "rank_multiple"));
+  o.parallel = layout;
   if (pad_id < 0 || pad_id > std::numeric_limits<TokenId>::max()) {
     throw py::value_error("pad_id = " + std::to_string(pad_id) + ": must lie in [0, 2^31)");
   }
@@ -111,13 +109,18 @@ void BindPack(py::module_& m) {
 
   m.def(
       "pack",
-      [](const py::object& samples, const py::object& target_masks, int cp_size, int tp_size,
-         bool sp, int64_t pad_id, int64_t extra_alignment, const py::object& rank_multiple,
-         const py::object& ids, const std::string& label_format) {
-        const bool hf = IsHfFormat(label_format, cp_size);
+      [](const py::object& samples, const py::object& target_masks, py::object layout,
+         py::object cp_size, py::object tp_size, py::object sp, py::object extra_alignment,
+         py::object rank_multiple, int64_t pad_id, const py::object& ids,
+         const std::string& label_format) {
+        const ParallelLayout parallel =
+            LayoutOf(LayoutArgs{std::move(layout), std::move(cp_size), std::move(tp_size),
+                                std::move(sp), std::move(extra_alignment),
+                                std::move(rank_multiple)},
+                     "pack");
+        const bool hf = IsHfFormat(label_format, parallel.cp_size());
         SampleArgs args = ReadSamples(samples, target_masks, ids);
-        const PackOptions o =
-            MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment, rank_multiple);
+        const PackOptions o = MakeOptions(parallel, pad_id);
         Result<PackedMicrobatch> r = Status::Internal("not run");
         {
           py::gil_scoped_release release;
@@ -153,9 +156,8 @@ void BindPack(py::module_& m) {
         return d;
       },
       py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
-      py::arg("cp_size") = 1, py::arg("tp_size") = 1, py::arg("sp") = false,
-      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("rank_multiple") = 1,
-      py::arg("ids") = py::none(), py::arg("label_format") = "megatron",
+      THDPACK_LAYOUT_ARGS, py::arg("pad_id") = 0, py::arg("ids") = py::none(),
+      py::arg("label_format") = "megatron",
       R"doc(Packs samples, in order, into one THD microbatch (docs/design.md section 5).
 
 samples: list of 1-D token sequences: NumPy arrays of any integer dtype (int32 viewed in place,
@@ -163,6 +165,8 @@ others converted exactly), CPU torch tensors or lists; every token id must lie i
 whatever the dtype. target_masks: None, or a list with one array of L values of 0/1 per sample
 (bool/uint8 viewed in place; any integer or float dtype, tensors and lists accepted) or None
 (all ones). ids: sample ids for error messages (default 0..n-1).
+layout: a thdpack.ParallelLayout, or its scalars as a shortcut (cp_size, tp_size, sp,
+extra_alignment, rank_multiple; default 1, 1, False, 1, 1), not both.
 rank_multiple: every rank's tokens (T/cp_size; T/(cp_size*tp_size) with sp) a multiple of it,
 the tail on the last sequence: an int or 'fp8' (16), 'mxfp8' (32), 'blockwise' (128).
 Returns a dict: tokens, labels, position_ids (int64 [T]), loss_mask (float32 [T]),
@@ -201,12 +205,20 @@ the mask is 0 and at padding. What pack(label_format='hf') returns.)doc");
 
   m.def(
       "pack_shard",
-      [](const py::object& samples, const py::object& target_masks, int cp_size, int cp_rank,
-         int tp_size, bool sp, int64_t pad_id, int64_t extra_alignment,
-         const py::object& rank_multiple, const py::object& ids) {
+      [](const py::object& samples, const py::object& target_masks, int cp_rank,
+         py::object layout, py::object cp_size, py::object tp_size, py::object sp,
+         py::object extra_alignment, py::object rank_multiple, int64_t pad_id,
+         const py::object& ids) {
+        if (layout.is_none() && cp_size.is_none()) {
+          throw py::type_error("pack_shard: give cp_size (or a layout)");
+        }
+        const ParallelLayout parallel =
+            LayoutOf(LayoutArgs{std::move(layout), std::move(cp_size), std::move(tp_size),
+                                std::move(sp), std::move(extra_alignment),
+                                std::move(rank_multiple)},
+                     "pack_shard");
         SampleArgs args = ReadSamples(samples, target_masks, ids);
-        const PackOptions o =
-            MakeOptions(cp_size, tp_size, sp, pad_id, extra_alignment, rank_multiple);
+        const PackOptions o = MakeOptions(parallel, pad_id);
         Result<ShardedMicrobatch> r = Status::Internal("not run");
         {
           py::gil_scoped_release release;
@@ -226,12 +238,11 @@ the mask is 0 and at padding. What pack(label_format='hf') returns.)doc");
         return d;
       },
       py::arg("samples"), py::arg("target_masks") = py::none(), py::kw_only(),
-      py::arg("cp_size"), py::arg("cp_rank"), py::arg("tp_size") = 1, py::arg("sp") = false,
-      py::arg("pad_id") = 0, py::arg("extra_alignment") = 1, py::arg("rank_multiple") = 1,
-      py::arg("ids") = py::none(),
+      py::arg("cp_rank"), THDPACK_LAYOUT_ARGS, py::arg("pad_id") = 0, py::arg("ids") = py::none(),
       R"doc(Fused pack + CP shard: CP rank cp_rank's [T/CP] arrays (equal to shard() of pack()'s
 arrays) plus the GLOBAL cu_seqlens, cu_seqlens_padded, max_seqlen and the whole microbatch's
-n_valid, without building the [T] arrays.)doc");
+n_valid, without building the [T] arrays. The layout as pack()'s (cp_size required without
+one).)doc");
 }
 
 }  // namespace thdpack::python

@@ -215,11 +215,11 @@ void BindSchedule(py::module_& m) {
   m.def(
       "schedule",
       [](const py::handle& lengths_obj, const py::handle& n_targets_obj, const py::handle& ids_obj,
-         int dp_size, int cp_size, int tp_size, bool sp, int64_t max_tokens_per_rank,
-         const std::string& scheduler, const std::string& cost, int microbatch_multiple,
-         int num_microbatches, const std::string& oversize, int64_t extra_alignment,
-         const std::string& hw, const std::string& cp_sizes,
-         const py::object& rank_multiple) -> py::object {
+         int dp_size, py::object layout, py::object cp_size, py::object tp_size,
+         py::object sp, py::object extra_alignment, py::object rank_multiple,
+         int64_t max_tokens_per_rank, const std::string& scheduler, const std::string& cost,
+         int microbatch_multiple, int num_microbatches, const std::string& oversize,
+         const std::string& hw, const std::string& cp_sizes) -> py::object {
         const IntArrayView lengths(lengths_obj, "lengths");
         std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
@@ -241,8 +241,10 @@ void BindSchedule(py::module_& m) {
         }
         ScheduleOptions o;
         o.dp_size = dp_size;
-        o.parallel = MakeLayout(cp_size, tp_size, sp, extra_alignment,
-                                RankMultipleOf(rank_multiple, "rank_multiple"));
+        o.parallel = LayoutOf(LayoutArgs{std::move(layout), std::move(cp_size),
+                                         std::move(tp_size), std::move(sp),
+                                         std::move(extra_alignment), std::move(rank_multiple)},
+                              "schedule");
         o.max_tokens_per_rank = max_tokens_per_rank;
         o.scheduler = ValueOrThrow(ParseSchedulerName(scheduler));
         o.microbatch_multiple = microbatch_multiple;
@@ -307,12 +309,10 @@ void BindSchedule(py::module_& m) {
         return py::cast(std::move(out));
       },
       py::arg("lengths"), py::arg("n_targets") = py::none(), py::arg("ids") = py::none(),
-      py::kw_only(), py::arg("dp_size"), py::arg("cp_size") = 1, py::arg("tp_size") = 1,
-      py::arg("sp") = false, py::arg("max_tokens_per_rank"), py::arg("scheduler") = "balanced",
-      py::arg("cost") = JobOptions().cost, py::arg("microbatch_multiple") = 1,
-      py::arg("num_microbatches") = 0, py::arg("oversize") = "error",
-      py::arg("extra_alignment") = 1, py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
-      py::arg("rank_multiple") = 1,
+      py::kw_only(), py::arg("dp_size"), THDPACK_LAYOUT_ARGS, py::arg("max_tokens_per_rank"),
+      py::arg("scheduler") = "balanced", py::arg("cost") = JobOptions().cost,
+      py::arg("microbatch_multiple") = 1, py::arg("num_microbatches") = 0,
+      py::arg("oversize") = "error", py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
@@ -327,7 +327,8 @@ cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=.
 command line's, "llama2-7b"),
 oversize "error" or "skip", num_microbatches 0 to let the scheduler choose, rank_multiple every
 rank's tokens of a microbatch a multiple of it (an int, or "fp8" 16, "mxfp8" 32, "blockwise" 128;
-the dynamic scheduler applies it to each group).
+the dynamic scheduler applies it to each group). The layout: layout= (a thdpack.ParallelLayout)
+or its scalars (cp_size, tp_size, sp, extra_alignment, rank_multiple), not both.
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }
 

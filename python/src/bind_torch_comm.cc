@@ -36,6 +36,25 @@ std::deque<Deferred>& DeferredObjects() {
 
 }  // namespace
 
+void KeepThreadState() {
+  // Called with the GIL held. One extra count on this thread's state keeps it: pybind11's
+  // gil_scoped_acquire makes a thread state for a thread Python did not start and frees it
+  // when its count falls to 0, i.e. at the end of every call.
+  struct Keeper {
+    PyThreadState* tstate = nullptr;
+    ~Keeper() {
+      // The thread ends: its state goes, under the GIL, while the interpreter is alive.
+      if (tstate == nullptr || !Py_IsInitialized() || _Py_IsFinalizing()) return;
+      PyEval_RestoreThread(tstate);
+      PyGILState_Release(PyGILState_LOCKED);  // count 1 -> 0: cleared, deleted, GIL released
+    }
+  };
+  thread_local Keeper keeper;
+  if (keeper.tstate != nullptr || PyGILState_Check() == 0) return;
+  (void)PyGILState_Ensure();  // never released but by the keeper: the count stays >= 1
+  keeper.tstate = PyGILState_GetThisThreadState();
+}
+
 void ReleaseLater(std::vector<py::object> objects) {
   if (objects.empty()) return;
   DeferredObjects().push_back(Deferred{std::chrono::steady_clock::now(), std::move(objects)});

@@ -7,6 +7,7 @@
 // computed from the microbatches.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "common.h"
@@ -91,11 +92,22 @@ void BindWire(py::module_& m) {
   m.def(
       "encode_metadata",
       [](const py::sequence& microbatches, uint64_t step, uint64_t epoch, int32_t dp_size,
-         int32_t replica, int32_t cp_size, int32_t tp_size, bool sp, py::object pad_multiple,
+         int32_t replica, py::object layout, py::object cp_size, py::object tp_size,
+         py::object sp, py::object pad_multiple, py::object rank_multiple_obj,
          py::object n_loss_tokens, py::object real_tokens, py::object padded_tokens,
          py::object sum_sq, const py::object& skipped_ids, const py::object& groups,
-         int32_t domain_rank, const py::object& rank_multiple_obj) {
-        const int64_t rank_multiple = RankMultipleOf(rank_multiple_obj, "rank_multiple");
+         int32_t domain_rank) {
+        // The layout: given, or the scalars (pad_multiple: the wire's sequence alignment, the
+        // layout's own when None).
+        std::optional<ParallelLayout> given;
+        if (!layout.is_none() || pad_multiple.is_none()) {
+          given = LayoutOf(LayoutArgs{std::move(layout), cp_size, tp_size, sp, py::none(),
+                                      rank_multiple_obj},
+                           "encode_metadata");
+        }
+        if (given && !pad_multiple.is_none()) {
+          throw py::type_error("encode_metadata: give layout= or pad_multiple, not both");
+        }
         StepMeta meta;
         meta.domain_rank = domain_rank;
         if (!groups.is_none()) {
@@ -123,13 +135,17 @@ void BindWire(py::module_& m) {
         meta.epoch = epoch;
         meta.dp_size = dp_size;
         meta.replica = replica;
-        // pad_multiple None: the layout's own alignment (no extra alignment).
-        meta.parallel = ValueOrThrow(
-            pad_multiple.is_none()
-                ? ParallelLayout::Create(cp_size, tp_size, sp, 1, rank_multiple)
-                : ParallelLayout::FromWire(cp_size, tp_size, sp,
-                                           Int64Of(pad_multiple, "pad_multiple"),
-                                           rank_multiple));
+        if (given) {
+          meta.parallel = *given;
+        } else {
+          // The wire's own fields: its sequence alignment instead of an extra alignment.
+          const ParallelLayout base = LayoutOf(
+              LayoutArgs{py::none(), cp_size, tp_size, sp, py::none(), rank_multiple_obj},
+              "encode_metadata");
+          meta.parallel = ValueOrThrow(ParallelLayout::FromWire(
+              base.cp_size(), base.tp_size(), base.sp(), Int64Of(pad_multiple, "pad_multiple"),
+              base.rank_multiple()));
+        }
         int64_t real = 0, padded = 0, valid = 0, sq = 0;
         bool overflow = false;  // of the default sums: an error, never a wrapped total
         for (size_t i = 0; i < py::len(microbatches); ++i) {
@@ -189,12 +205,13 @@ void BindWire(py::module_& m) {
         return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
       },
       py::arg("microbatches"), py::kw_only(), py::arg("step") = 0, py::arg("epoch") = 0,
-      py::arg("dp_size") = 1, py::arg("replica") = 0, py::arg("cp_size") = 1,
-      py::arg("tp_size") = 1, py::arg("sp") = false, py::arg("pad_multiple") = py::none(),
-      py::arg("n_loss_tokens") = py::none(), py::arg("real_tokens") = py::none(),
-      py::arg("padded_tokens") = py::none(), py::arg("sum_sq") = py::none(),
-      py::arg("skipped_ids") = py::none(), py::arg("groups") = py::none(),
-      py::arg("domain_rank") = 0, py::arg("rank_multiple") = 1,
+      py::arg("dp_size") = 1, py::arg("replica") = 0, py::arg("layout") = py::none(),
+      py::arg("cp_size") = py::none(), py::arg("tp_size") = py::none(),
+      py::arg("sp") = py::none(), py::arg("pad_multiple") = py::none(),
+      py::arg("rank_multiple") = py::none(), py::arg("n_loss_tokens") = py::none(),
+      py::arg("real_tokens") = py::none(), py::arg("padded_tokens") = py::none(),
+      py::arg("sum_sq") = py::none(), py::arg("skipped_ids") = py::none(),
+      py::arg("groups") = py::none(), py::arg("domain_rank") = 0,
       R"doc(Encodes one replica's step metadata (docs/design.md section 6) into bytes.
 
 microbatches: list of dicts with cu_seqlens, cu_seqlens_padded (int32 [n+1], global),
@@ -206,6 +223,8 @@ groups (the dynamic scheduler, wire version 2): one (first_rank, num_ranks) per 
 each microbatch is then padded by its group's layout. decode_metadata returns groups and
 domain_rank for such a message. rank_multiple (an int or a preset name, see pack): every T a
 multiple of it times the ranks T is split over; a message with one > 1 is wire version 3.
+layout: a thdpack.ParallelLayout instead of the scalars (cp_size, tp_size, sp, rank_multiple,
+pad_multiple), not both.
 ValueError naming the field and the rule when the metadata is inconsistent.)doc");
 
   m.def(

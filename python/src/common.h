@@ -47,6 +47,27 @@ T ValueOrThrow(Result<T> result) {
 ParallelLayout MakeLayout(int cp_size, int tp_size, bool sp, int64_t extra_alignment,
                           int64_t rank_multiple = 1);
 
+// A binding's layout: `layout` (a thdpack.ParallelLayout) or the scalar shortcut that builds
+// one (cp_size, tp_size, sp, extra_alignment, rank_multiple; None: the default), never both.
+// A new field of the layout is then a field of ParallelLayout, not of every signature.
+struct LayoutArgs {
+  py::object layout = py::none();
+  py::object cp_size = py::none();
+  py::object tp_size = py::none();
+  py::object sp = py::none();
+  py::object extra_alignment = py::none();
+  py::object rank_multiple = py::none();
+};
+// TypeError naming the scalars given beside a layout (or a layout that is not one),
+// ValueError from the layout's rules (bind_layout.cc). `where` names the function.
+ParallelLayout LayoutOf(const LayoutArgs& args, const std::string& where);
+// The keyword arguments of LayoutArgs, defaults None, for a binding's signature; in order:
+// layout, cp_size, tp_size, sp, extra_alignment, rank_multiple.
+#define THDPACK_LAYOUT_ARGS                                                            \
+  py::arg("layout") = py::none(), py::arg("cp_size") = py::none(),                     \
+      py::arg("tp_size") = py::none(), py::arg("sp") = py::none(),                     \
+      py::arg("extra_alignment") = py::none(), py::arg("rank_multiple") = py::none()
+
 // A rank multiple as Python gives it: an int, or a preset name of ParseRankMultiple ("fp8",
 // "mxfp8", "blockwise", "none"). ValueError naming `name` otherwise (bind_layout.cc).
 int64_t RankMultipleOf(const py::handle& value, const std::string& name);

@@ -66,6 +66,11 @@ py::object TorchGroupOf(const ProcessGroup* group);
 // thread once the collective's worker threads have let go of them (bind_torch_comm.cc says
 // why). Both need the GIL.
 void ReleaseLater(std::vector<py::object> objects);
+
+// On a thread Python did not start (a StepSource's; never a Python thread, whose state Python
+// frees itself), called under the GIL: the thread keeps one Python thread state until it ends,
+// instead of one made and freed at every acquisition.
+void KeepThreadState();
 void ReleaseDue();
 
 }  // namespace thdpack::python

@@ -204,3 +204,61 @@ def test_encode_metadata_checks_pad_multiple_against_the_layout():
         thdpack.encode_metadata([p], cp_size=0)
     d = thdpack.decode_metadata(thdpack.encode_metadata([p], cp_size=2))
     assert (d["cp_size"], d["tp_size"], d["sp"], d["pad_multiple"]) == (2, 1, False, 4)
+
+
+def same_value(a, b):
+    """Equal nested dicts, lists and arrays."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b))
+    return a == b
+
+
+def test_one_layout_value_through_every_binding():
+    """pack, pack_shard, schedule and encode_metadata take a ParallelLayout (layout=) and give
+    what its scalars give; a layout beside its scalars, or anything else as layout, is a
+    TypeError naming them."""
+    seed = random.randrange(2**32)
+    rng = np.random.default_rng(seed)
+    for trial in range(30):
+        cp, tp, sp, extra, r = random_layout(rng)
+        what = f"seed {seed} trial {trial}: cp {cp} tp {tp} sp {sp} extra {extra} r {r}"
+        scalars = dict(cp_size=cp, tp_size=tp, sp=sp, extra_alignment=extra, rank_multiple=r)
+        l = thdpack.ParallelLayout(**scalars)
+        lengths = [int(x) for x in rng.integers(1, 200, size=int(rng.integers(2, 7)))]
+        samples = [rng.integers(0, 1000, n).astype(np.int32) for n in lengths]
+        a, b = thdpack.pack(samples, layout=l), thdpack.pack(samples, **scalars)
+        assert a.keys() == b.keys(), what
+        for k in a:
+            assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), (what, k)
+        rank = int(rng.integers(0, cp))
+        a = thdpack.pack_shard(samples, cp_rank=rank, layout=l)
+        b = thdpack.pack_shard(samples, cp_rank=rank, **scalars)
+        for k in a:
+            assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), (what, k)
+        pa = thdpack.schedule(np.array(lengths), dp_size=2, layout=l, max_tokens_per_rank=1 << 16)
+        pb = thdpack.schedule(np.array(lengths), dp_size=2, max_tokens_per_rank=1 << 16,
+                              **scalars)
+        assert same_value(pa.figures, pb.figures), what
+        assert pa.num_microbatches == pb.num_microbatches, what
+        p = thdpack.pack(samples, layout=l)
+        wire_a = thdpack.encode_metadata([p], layout=l)
+        wire_b = thdpack.encode_metadata([p], cp_size=cp, tp_size=tp, sp=sp, rank_multiple=r,
+                                         pad_multiple=l.sequence_alignment)
+        assert wire_a == wire_b, what
+    l = thdpack.ParallelLayout(cp_size=2)
+    one = [np.arange(5, dtype=np.int32)]
+    with pytest.raises(TypeError, match="pack: give layout= or its scalars, not both.*cp_size"):
+        thdpack.pack(one, layout=l, cp_size=2)
+    with pytest.raises(TypeError, match="schedule: .*not both.*sp, rank_multiple"):
+        thdpack.schedule(np.array([5]), dp_size=1, max_tokens_per_rank=64, layout=l, sp=False,
+                         rank_multiple=1)
+    with pytest.raises(TypeError, match="pack_shard: layout must be a thdpack.ParallelLayout"):
+        thdpack.pack_shard(one, cp_rank=0, layout={"cp_size": 2})
+    with pytest.raises(TypeError, match="pack_shard: give cp_size"):
+        thdpack.pack_shard(one, cp_rank=0)
+    with pytest.raises(TypeError, match="layout= or pad_multiple"):
+        thdpack.encode_metadata([thdpack.pack(one, layout=l)], layout=l, pad_multiple=4)

@@ -131,6 +131,11 @@ class StepSource::Impl {
   }
 
   const RunState& state() const { return state_; }
+  bool ready() {
+    if (depth_ == 0 || closed_ || !thread_.joinable()) return false;
+    std::lock_guard<std::mutex> lk(mu_);
+    return !queue_.empty() || finished_;
+  }
   bool reads() const { return runner_->reads(); }
   int depth() const { return depth_; }
 
@@ -279,6 +284,7 @@ StepSource::~StepSource() {
 Status StepSource::Restore(const RunState& state) { return impl_->Restore(state); }
 Result<RankStep> StepSource::Next(double* waited) { return impl_->Next(impl_, waited); }
 const RunState& StepSource::state() const { return impl_->state(); }
+bool StepSource::ready() const { return impl_->ready(); }
 bool StepSource::reads() const { return impl_->reads(); }
 int StepSource::depth() const { return impl_->depth(); }
 Status StepSource::Close(double timeout_seconds) { return impl_->Close(timeout_seconds); }

@@ -371,6 +371,7 @@ class PackedDataIterator:
         cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else None
         self._finished = False
+        self._held = []  # the last two steps handed out (__next__)
         self._state = None  # the JSON of the state after the last step handed out
         self.global_batch = global_batch
         if "rank_order" in options:
@@ -435,6 +436,12 @@ class PackedDataIterator:
                               self.label_format)
         if counts is not None:
             step.figures.update(counts)
+        # The step before the last is the caller's no more (it let it go when it took the last
+        # one): freed by the data plane's thread as it makes the next step, not by the caller
+        # as it drops it.
+        if len(self._held) == 2:
+            self._src.drop_later(self._held.pop(0))
+        self._held.append(step)
         self.last_wait = time.perf_counter() - t0
         self._state = step._state
         return step
@@ -475,6 +482,7 @@ class PackedDataIterator:
         number of steps, and each rank's thread first finishes the ``prefetch`` steps ahead of
         that point (so that no rank's thread is left in a collective its peers never join)."""
         self._finished = True
+        self._held = []
         src, self._src = self._src, None
         if src is not None:
             src.close()
