@@ -126,7 +126,8 @@ Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
   options.rank_multiple = *rank_multiple;
   if (Given(args.steps_option)) options.steps = args.steps;
   // Megatron's files are PREFIX.idx and PREFIX.bin; a user often names one of them.
-  if (options.data.rfind("megatron:", 0) == 0 &&
+  const Result<SourceKind> kind = SourceKindOf(options.data);
+  if (kind.ok() && *kind == SourceKind::kMegatron &&
       (EndsWith(options.data, ".idx") || EndsWith(options.data, ".bin"))) {
     const std::string given = options.data;
     options.data.resize(options.data.size() - 4);
@@ -135,8 +136,7 @@ Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
                  "PREFIX.idx and PREFIX.bin)\n",
                  verb, given.c_str(), options.data.c_str());
   }
-  if (Given(args.mock_samples_option) && options.data != "mock" &&
-      options.data.rfind("mock:", 0) != 0) {
+  if (Given(args.mock_samples_option) && !(kind.ok() && *kind == SourceKind::kMock)) {
     return Status::InvalidArgument("--mock-samples: only a mock source has it, and --data is " +
                                    options.data);
   }

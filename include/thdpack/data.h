@@ -186,7 +186,26 @@ class SampleSource {
   // the size of its .bin; a jsonl file's size and its first and last 64 KiB. Computed on the
   // first call (a pass over the index or rows) and kept.
   [[nodiscard]] virtual Result<std::string> Identity();
+
+  // The samples of an epoch when the options decide them (the lognormal mock draws
+  // SourceOptions::mock_num_samples, its default resolved); nullopt for a source whose samples
+  // are data. Part of a run's fingerprint where set.
+  virtual std::optional<int64_t> drawn_samples() const { return std::nullopt; }
 };
+
+// What a source is, as a value: the kind of its spec (its prefix, parsed once), or kFed for
+// samples the caller hands over (thdpack.torch's iterables: no spec, no identity).
+enum class SourceKind { kMock, kLengths, kHistogram, kJsonl, kMegatron, kBlend, kFed };
+// "mock", "lengths", "histogram", "jsonl", "megatron", "blend", "fed": the kind's name in a
+// run state and in messages.
+std::string_view SourceKindName(SourceKind kind);
+// A kind by its name (the inverse); InvalidArgument naming the text otherwise.
+[[nodiscard]] Result<SourceKind> SourceKindFromName(std::string_view name);
+// The kind of a spec string ("mock" alone, or KIND:PATH); InvalidArgument naming the spec for
+// an unknown kind or a missing path. Never kFed.
+[[nodiscard]] Result<SourceKind> SourceKindOf(std::string_view spec);
+// The path of a KIND:PATH spec ("" for "mock" alone).
+std::string_view SourcePathOf(std::string_view spec);
 
 // Opens a source from its spec string (table at the top of this file). An unknown kind or an
 // empty path is an InvalidArgument error that names the spec.

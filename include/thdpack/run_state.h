@@ -41,9 +41,9 @@ inline constexpr int64_t kRunStateVersion = 1;
 // What must not change under a saved state: the data and the options that decide which
 // samples the stream yields and which of them a step keeps.
 struct DataFingerprint {
-  // The source's kind ("mock", "lengths", "histogram", "jsonl", "megatron"), or "fed" for
-  // samples the caller feeds (thdpack.torch's iterables: thdpack cannot see their data).
-  std::string source = "fed";
+  // The source's kind (thdpack/data.h; its name in the record), kFed for samples the caller
+  // feeds (thdpack.torch's iterables: thdpack cannot see their data).
+  SourceKind source = SourceKind::kFed;
   // The spec as given: for messages only, not compared (a file moved to another node or path
   // keeps its identity).
   std::string spec;
@@ -51,7 +51,9 @@ struct DataFingerprint {
   uint64_t seed = 0;     // SourceOptions::seed (mock lengths and tokens, the shuffle)
   bool shuffle = false;
   int64_t vocab_size = 0;     // SourceOptions::vocab_size (checks token ids; draws mock tokens)
-  int64_t mock_samples = 0;   // the epoch size of a lognormal mock; 0 for every other source
+  // The epoch size of a source that draws its samples from the options
+  // (SampleSource::drawn_samples: the lognormal mock); 0 for every other source.
+  int64_t mock_samples = 0;
   std::string oversize = "error";  // the oversize policy, "error" or "skip"
   // Under "skip": the longest sample a step keeps (LongestKept of the schedule options), -1
   // under "error" (no sample is ever left out: a longer one is an error, on any budget).

@@ -18,6 +18,15 @@ std::string_view BlendWeightByName(BlendWeightBy by) {
 
 namespace {
 
+bool IsBlendSpec(std::string_view spec) {
+  const Result<SourceKind> kind = SourceKindOf(spec);
+  return kind.ok() && *kind == SourceKind::kBlend;
+}
+
+}  // namespace
+
+namespace {
+
 constexpr size_t kMaxBlendSources = size_t{1} << 20;
 
 std::string Field(std::string_view name, size_t i, std::string_view field) {
@@ -301,7 +310,7 @@ Result<BlendConfig> ParseBlendConfig(std::string_view json, std::string_view nam
                                      "non-empty string)");
     }
     entry.data = data->get<std::string>();
-    if (entry.data.rfind("blend:", 0) == 0) {
+    if (IsBlendSpec(entry.data)) {
       return Status::InvalidArgument(Field(where, i, "data") + " = \"" + data_internal::Excerpt(entry.data) +
                                      "\": a blend inside a blend is not supported (list its "
                                      "sources here, with their weights multiplied)");
@@ -357,7 +366,7 @@ Result<std::unique_ptr<SampleSource>> OpenBlendSource(const BlendConfig& config,
     const BlendEntry& e = config.sources[d];
     if (e.shuffle) per[d].shuffle = *e.shuffle;
     if (e.seed) per[d].seed = *e.seed;
-    if (e.data.rfind("blend:", 0) == 0) {
+    if (IsBlendSpec(e.data)) {
       return Status::InvalidArgument(Field(spec, d, "data") + ": a blend inside a blend is not "
                                      "supported");
     }

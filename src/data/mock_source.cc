@@ -44,6 +44,8 @@ class MockDistributionSource final : public IndexedSource<SampleSource> {
     FillMock(id, MockLength(config_, options().seed, index), out);
     return Status::Ok();
   }
+  // Drawn from the options: the epoch size is theirs (SourceOptions::mock_num_samples).
+  std::optional<int64_t> drawn_samples() const override { return size_hint(); }
   // The draw's parameters, doubles in shortest round-trip form (the seed and the epoch size
   // are fingerprinted beside it).
   Result<std::string> ComputeIdentity() const override {

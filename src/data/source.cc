@@ -38,43 +38,87 @@ Result<SourceCursor> SampleSource::CursorAtEpoch(int64_t) { return CannotSeek(*t
 Result<std::string> SampleSource::Identity() { return CannotSeek(*this); }
 
 namespace {
+constexpr std::pair<SourceKind, std::string_view> kKindNames[] = {
+    {SourceKind::kMock, "mock"},         {SourceKind::kLengths, "lengths"},
+    {SourceKind::kHistogram, "histogram"}, {SourceKind::kJsonl, "jsonl"},
+    {SourceKind::kMegatron, "megatron"}, {SourceKind::kBlend, "blend"},
+    {SourceKind::kFed, "fed"}};
+}  // namespace
+
+std::string_view SourceKindName(SourceKind kind) {
+  for (const auto& [k, name] : kKindNames) {
+    if (k == kind) return name;
+  }
+  return "unknown";
+}
+
+Result<SourceKind> SourceKindFromName(std::string_view name) {
+  for (const auto& [k, n] : kKindNames) {
+    if (n == name) return k;
+  }
+  return Status::InvalidArgument("source kind \"" + std::string(name) +
+                                 "\": expected mock, lengths, histogram, jsonl, megatron, "
+                                 "blend or fed");
+}
+
+std::string_view SourcePathOf(std::string_view spec) {
+  const size_t colon = spec.find(':');
+  return colon == std::string_view::npos ? std::string_view() : spec.substr(colon + 1);
+}
+
+Result<SourceKind> SourceKindOf(std::string_view spec) {
+  if (spec == "mock") return SourceKind::kMock;
+  const size_t colon = spec.find(':');
+  const std::string_view kind = spec.substr(0, colon);
+  Result<SourceKind> k = SourceKindFromName(kind);
+  if (!k.ok() || *k == SourceKind::kFed) {
+    return Status::InvalidArgument("unknown data source \"" + std::string(spec) +
+                                   "\" (expected mock, mock:FILE.json, lengths:FILE, "
+                                   "histogram:FILE, jsonl:FILE, megatron:PREFIX or "
+                                   "blend:FILE.json)");
+  }
+  if (SourcePathOf(spec).empty()) {
+    return Status::InvalidArgument("data source \"" + std::string(spec) +
+                                   "\" needs a path after \"" + std::string(kind) + ":\"");
+  }
+  return *k;
+}
+
+namespace {
 
 Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
                                                           const SourceOptions& options) {
   const std::string spec_text(spec);
   if (spec == "mock") return OpenMockSource(kDefaultMockConfig, options, spec_text);
-  const size_t colon = spec.find(':');
-  const std::string_view kind = spec.substr(0, colon);
-  const std::string path(colon == std::string_view::npos ? std::string_view() : spec.substr(colon + 1));
-  const bool known = kind == "mock" || kind == "lengths" || kind == "histogram" ||
-                     kind == "jsonl" || kind == "megatron" || kind == "blend";
-  if (!known) {
-    return Status::InvalidArgument("unknown data source \"" + spec_text +
-                                   "\" (expected mock, mock:FILE.json, lengths:FILE, "
-                                   "histogram:FILE, jsonl:FILE, megatron:PREFIX or "
-                                   "blend:FILE.json)");
+  THDPACK_ASSIGN_OR_RETURN(const SourceKind kind, SourceKindOf(spec));
+  const std::string path(SourcePathOf(spec));
+  switch (kind) {
+    case SourceKind::kMock: {
+      THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec_text, options));
+      THDPACK_ASSIGN_OR_RETURN(MockConfig config, ReadMockConfigFile(path));
+      return OpenMockSource(config, options, spec_text);
+    }
+    case SourceKind::kLengths:
+      return OpenLengthsSource(path, options);
+    case SourceKind::kHistogram: {
+      THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<HistogramSource> h,
+                               OpenHistogramSource(path, options));
+      return std::unique_ptr<SampleSource>(std::move(h));
+    }
+    case SourceKind::kJsonl:
+      return OpenJsonlSource(path, options);
+    case SourceKind::kBlend: {
+      THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec_text, options));
+      THDPACK_ASSIGN_OR_RETURN(BlendConfig config, ReadBlendSpec(path));
+      return OpenBlendSource(config, options, spec_text);
+    }
+    case SourceKind::kMegatron:
+      return OpenMegatronSource(path, options);
+    case SourceKind::kFed:
+      break;
   }
-  if (path.empty()) {
-    return Status::InvalidArgument("data source \"" + spec_text + "\" needs a path after \"" +
-                                   std::string(kind) + ":\"");
-  }
-  if (kind == "mock") {
-    THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec_text, options));
-    THDPACK_ASSIGN_OR_RETURN(MockConfig config, ReadMockConfigFile(path));
-    return OpenMockSource(config, options, spec_text);
-  }
-  if (kind == "lengths") return OpenLengthsSource(path, options);
-  if (kind == "histogram") {
-    THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<HistogramSource> h, OpenHistogramSource(path, options));
-    return std::unique_ptr<SampleSource>(std::move(h));
-  }
-  if (kind == "jsonl") return OpenJsonlSource(path, options);
-  if (kind == "blend") {
-    THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec_text, options));
-    THDPACK_ASSIGN_OR_RETURN(BlendConfig config, ReadBlendSpec(path));
-    return OpenBlendSource(config, options, spec_text);
-  }
-  return OpenMegatronSource(path, options);
+  return Status::Internal("OpenSource: no source of kind " +
+                          std::string(SourceKindName(kind)) + " from a spec");
 }
 
 }  // namespace

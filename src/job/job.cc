@@ -171,8 +171,9 @@ Result<Job> ResolveJob(const JobOptions& options) {
   THDPACK_RETURN_IF_ERROR(ResolveMemory(options, job));
   THDPACK_ASSIGN_OR_RETURN(job.data_on, ParseDataOn(options.data_on));
   job.memory_limit = options.memory_limit > 0 ? options.memory_limit : PhysicalMemoryBytes();
-  if (options.data.rfind("blend:", 0) == 0) {
-    Result<BlendConfig> blend = ReadBlendSpec(std::string_view(options.data).substr(6));
+  if (const Result<SourceKind> kind = SourceKindOf(options.data);
+      kind.ok() && *kind == SourceKind::kBlend) {
+    Result<BlendConfig> blend = ReadBlendSpec(SourcePathOf(options.data));
     if (!blend.ok()) return blend.status().WithContext("--data");
     if (options.global_batch == 0) {
       return Fail("--global-batch", "\"all\" reads one epoch a step, and a blend has no end "

@@ -115,7 +115,10 @@ Status StepRunner::Impl::Init() {
                                     " must be >= 0 (0 = the whole source)");
   }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
-  blend_ = !opts_.read_share && opts_.data.rfind("blend:", 0) == 0;
+  if (!opts_.read_share) {
+    const Result<SourceKind> kind = SourceKindOf(opts_.data);
+    blend_ = kind.ok() && *kind == SourceKind::kBlend;
+  }
   if (local.ok() && dynamic_ && opts_.max_cp_groups < 1) {
     local = Status::InvalidArgument("StepRunner: max_cp_groups = " +
                                     std::to_string(opts_.max_cp_groups) + " must be >= 1");
@@ -238,7 +241,7 @@ Status StepRunner::Impl::Restore(const RunState& saved) {
   // Every rank holds the run's fingerprint (ShareStart): the check gives the same answer on
   // all of them without a message.
   THDPACK_RETURN_IF_ERROR(CheckResume(saved.data, state_.data));
-  if (saved.cursor.has_value() && state_.data.source == "fed") {
+  if (saved.cursor.has_value() && state_.data.source == SourceKind::kFed) {
     return Status::InvalidArgument("StepRunner::Restore: the state has a source cursor, but this "
                                    "run's samples are fed by the caller");
   }

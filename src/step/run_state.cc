@@ -22,14 +22,10 @@ namespace {
 
 constexpr std::string_view kFormat = "thdpack run state";
 
-// The kinds whose tokens are drawn from (seed, id) and whose epoch size the options set.
-bool MockTokens(std::string_view source) {
-  return source == "mock" || source == "lengths" || source == "histogram";
-}
-
-std::string KindOf(std::string_view spec) {
-  const size_t colon = spec.find(':');
-  return std::string(spec.substr(0, colon));
+// The kinds whose tokens are drawn from (seed, id).
+bool MockTokens(SourceKind source) {
+  return source == SourceKind::kMock || source == SourceKind::kLengths ||
+         source == SourceKind::kHistogram;
 }
 
 nlohmann::json CursorJson(const SourceCursor& c) {
@@ -52,7 +48,7 @@ nlohmann::json CursorJson(const SourceCursor& c) {
 // The record without its checksum: the canonical form (nlohmann's objects keep keys sorted).
 nlohmann::json Body(const RunState& s) {
   const DataFingerprint& d = s.data;
-  nlohmann::json data = {{"source", d.source},     {"spec", d.spec},
+  nlohmann::json data = {{"source", SourceKindName(d.source)},     {"spec", d.spec},
                          {"identity", d.identity}, {"seed", d.seed},
                          {"shuffle", d.shuffle},   {"vocab_size", d.vocab_size},
                          {"mock_samples", d.mock_samples}, {"oversize", d.oversize},
@@ -197,19 +193,18 @@ Result<DataFingerprint> MakeFingerprint(SampleSource* source, std::string_view s
   DataFingerprint f;
   f.spec = std::string(spec);
   if (source != nullptr) {
-    f.source = KindOf(spec);
+    THDPACK_ASSIGN_OR_RETURN(f.source, SourceKindOf(spec));
     THDPACK_ASSIGN_OR_RETURN(f.identity, source->Identity());
     f.seed = source_options.seed;
     f.shuffle = source_options.shuffle;
     f.vocab_size = source_options.vocab_size;
-    if (f.source == "blend") {
+    if (f.source == SourceKind::kBlend) {
       // Its sources' options are part of its identity.
       f.seed = 0;
       f.shuffle = false;
       f.vocab_size = 0;
-    } else if (f.source == "mock" && f.identity.rfind("mock lognormal", 0) == 0) {
-      f.mock_samples = source_options.mock_num_samples == 0 ? kDefaultMockNumSamples
-                                                            : source_options.mock_num_samples;
+    } else if (const std::optional<int64_t> drawn = source->drawn_samples()) {
+      f.mock_samples = *drawn;
     }
   }
   f.oversize = std::string(OversizePolicyName(schedule.oversize));
@@ -235,11 +230,12 @@ static Status CheckOversize(const DataFingerprint& saved, const DataFingerprint&
 
 Status CheckResume(const DataFingerprint& saved, const DataFingerprint& now) {
   if (saved.source != now.source) {
-    return Differs("a source of kind", Quote(saved.source) + " (" + saved.spec + ")",
-                   Quote(now.source) + " (" + now.spec + ")",
+    return Differs("a source of kind",
+                   Quote(std::string(SourceKindName(saved.source))) + " (" + saved.spec + ")",
+                   Quote(std::string(SourceKindName(now.source))) + " (" + now.spec + ")",
                    "another data set gives other samples; resume with the data it was saved with");
   }
-  if (saved.identity != now.identity && saved.source == "blend") {
+  if (saved.identity != now.identity && saved.source == SourceKind::kBlend) {
     // Name the first source of the list that differs (its weight, options or data).
     auto split = [](const std::string& text) {
       std::vector<std::string> parts;
@@ -278,7 +274,7 @@ Status CheckResume(const DataFingerprint& saved, const DataFingerprint& now) {
                    "consumed; resume with the data it was saved with");
   }
   // A blend's sources carry their shuffle, seed, vocabulary and epoch size in its identity.
-  if (saved.source == "blend") return CheckOversize(saved, now);
+  if (saved.source == SourceKind::kBlend) return CheckOversize(saved, now);
   if (saved.shuffle != now.shuffle) {
     return Differs("shuffle", saved.shuffle ? "on" : "off", now.shuffle ? "on" : "off",
                    "the shuffle decides the order of every epoch: resume with the same --shuffle");
@@ -367,7 +363,13 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
                                       {"source", "spec", "identity", "seed", "shuffle",
                                        "vocab_size", "mock_samples", "oversize", "longest_kept"}));
   DataFingerprint& d = s.data;
-  THDPACK_ASSIGN_OR_RETURN(d.source, r.Str(*data, "data", "source"));
+  THDPACK_ASSIGN_OR_RETURN(const std::string kind, r.Str(*data, "data", "source"));
+  if (Result<SourceKind> k = SourceKindFromName(kind); k.ok()) {
+    d.source = *k;
+  } else {
+    return r.Bad("data.source", "= \"" + kind + "\" is not a source kind (mock, lengths, "
+                                "histogram, jsonl, megatron, blend or fed)");
+  }
   THDPACK_ASSIGN_OR_RETURN(d.spec, r.Str(*data, "data", "spec"));
   THDPACK_ASSIGN_OR_RETURN(d.identity, r.Str(*data, "data", "identity"));
   THDPACK_ASSIGN_OR_RETURN(d.seed, r.Uint(*data, "data", "seed"));
@@ -388,7 +390,7 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
   THDPACK_ASSIGN_OR_RETURN(const nlohmann::json* cursor, r.Get(j, "", "cursor"));
   if (!cursor->is_null()) {
     if (!cursor->is_object()) return r.Bad("cursor", "must be an object or null");
-    if (d.source == "fed") {
+    if (d.source == SourceKind::kFed) {
       return r.Bad("cursor", "is set, but the data is fed by the caller (it has no cursor)");
     }
     THDPACK_ASSIGN_OR_RETURN(SourceCursor c, ParseCursor(r, *cursor, "cursor", 0));

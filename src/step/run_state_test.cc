@@ -25,11 +25,11 @@ RunState RandomState(std::mt19937_64& rng) {
   const bool fed = rng() % 4 == 0;
   DataFingerprint& d = s.data;
   if (fed) {
-    d.source = "fed";
+    d.source = SourceKind::kFed;
     s.consumed = static_cast<int64_t>(rng() >> 2);
   } else {
-    d.source = rng() % 2 ? "megatron" : "jsonl";
-    d.spec = d.source + ":/data/set " + std::to_string(rng() % 100) + " \"quoted\" \xc3\xa9";
+    d.source = rng() % 2 ? SourceKind::kMegatron : SourceKind::kJsonl;
+    d.spec = std::string(SourceKindName(d.source)) + ":/data/set " + std::to_string(rng() % 100) + " \"quoted\" \xc3\xa9";
     d.identity = "index " + std::to_string(rng()) + " bytes";
     d.seed = rng();
     d.shuffle = rng() % 2;
@@ -93,7 +93,7 @@ TEST(RunStateTest, EveryTruncationAndByteFlipIsRefused) {
 
 TEST(RunStateTest, NamesTheField) {
   RunState s;
-  s.data.source = "mock";
+  s.data.source = SourceKind::kMock;
   s.data.identity = "mock lognormal";
   s.cursor = SourceCursor{};
   s.cursor->epoch_size = 10;
@@ -121,7 +121,7 @@ TEST(RunStateTest, NamesTheField) {
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(Contains(r.status().message(), "field \"consumed\"")) << r.status().ToString();
   bad = s;
-  bad.data.source = "fed";
+  bad.data.source = SourceKind::kFed;
   r = ParseRunState(RunStateToJson(bad));
   EXPECT_TRUE(Contains(r.status().message(), "field \"cursor\"")) << r.status().ToString();
   bad = s;
@@ -132,7 +132,7 @@ TEST(RunStateTest, NamesTheField) {
 
 TEST(RunStateTest, CheckResumeNamesTheFieldAndBothValues) {
   DataFingerprint a;
-  a.source = "mock";
+  a.source = SourceKind::kMock;
   a.spec = "mock";
   a.identity = "mock lognormal min_seq_len 16";
   a.seed = 1234;
@@ -143,7 +143,7 @@ TEST(RunStateTest, CheckResumeNamesTheFieldAndBothValues) {
     void (*edit)(DataFingerprint&);
   };
   const Case cases[] = {
-      {"a source of kind \"mock\"", [](DataFingerprint& f) { f.source = "lengths"; }},
+      {"a source of kind \"mock\"", [](DataFingerprint& f) { f.source = SourceKind::kLengths; }},
       {"data \"mock lognormal", [](DataFingerprint& f) { f.identity = "other"; }},
       {"seed 1234, this run has seed 99", [](DataFingerprint& f) { f.seed = 99; }},
       {"shuffle off, this run has shuffle on", [](DataFingerprint& f) { f.shuffle = true; }},
@@ -166,7 +166,7 @@ TEST(RunStateTest, CheckResumeNamesTheFieldAndBothValues) {
   moved.spec = "mock:/elsewhere";
   EXPECT_TRUE(CheckResume(a, moved).ok());
   DataFingerprint file = a;
-  file.source = "megatron";
+  file.source = SourceKind::kMegatron;
   file.mock_samples = 0;
   DataFingerprint reseeded = file;
   reseeded.seed = 7;
