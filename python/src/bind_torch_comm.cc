@@ -44,7 +44,12 @@ void KeepThreadState() {
     PyThreadState* tstate = nullptr;
     ~Keeper() {
       // The thread ends: its state goes, under the GIL, while the interpreter is alive.
-      if (tstate == nullptr || !Py_IsInitialized() || _Py_IsFinalizing()) return;
+#if PY_VERSION_HEX >= 0x030D0000
+      const bool finalizing = Py_IsFinalizing();
+#else
+      const bool finalizing = _Py_IsFinalizing();
+#endif
+      if (tstate == nullptr || !Py_IsInitialized() || finalizing) return;
       PyEval_RestoreThread(tstate);
       PyGILState_Release(PyGILState_LOCKED);  // count 1 -> 0: cleared, deleted, GIL released
     }
