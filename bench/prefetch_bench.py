@@ -124,7 +124,7 @@ def loop(groups, scheduler, prefetch, steps, compute, hold_gil=False, device=Non
     while True:
         t0 = time.perf_counter()
         try:
-            step = next(it)
+            step = next(it)  # noqa: F841 - held until the next one, as a training loop holds it
         except StopIteration:
             break
         wait = time.perf_counter() - t0

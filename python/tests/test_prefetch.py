@@ -12,7 +12,6 @@ Nothing here is timed: the wait figures belong to bench/prefetch_bench.py.
 import gc
 import os
 import pickle
-import time
 import weakref
 
 import numpy as np
