@@ -368,7 +368,8 @@ class TorchStepSource {
 
   ~TorchStepSource() {
     LiveSources().erase(this);
-    CloseNow(kDropSeconds);
+    // Nobody to report to: a close that timed out leaves the thread to end on its own.
+    (void)CloseNow(kDropSeconds);
   }
 
   // (prepared, cp_groups, group_counts): what prepare made of the step; each microbatch's torch
