@@ -21,9 +21,10 @@ std::byte g_empty[8];
 // object takes the GIL there; during the interpreter's finalisation Python ends such a thread
 // with pthread_exit, whose forced unwind through the worker's noexcept loop aborts the process
 // ("terminate called without an active exception" at the end of about 1 run in 5 of 4 gloo
-// ranks). Held here, the last reference goes on a Python thread, at a later call, once the
-// workers have long let go (kReleaseDelay); what is still held at the process's end is never
-// freed. Every access holds the GIL.
+// ranks). Held here, the last reference goes at a later call (the caller's thread or a data
+// plane's, which the interpreter's exit joins first), once the workers have long let go
+// (kReleaseDelay); what is still held at the process's end is never freed. Every access holds
+// the GIL.
 constexpr double kReleaseDelaySeconds = 2.0;
 struct Deferred {
   std::chrono::steady_clock::time_point at;
