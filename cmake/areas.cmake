@@ -30,7 +30,7 @@ thdpack_area(shard    DEPS common HEADERS shard.h)
 thdpack_area(kernels  DEPS common HEADERS cuda_loss.h)
 thdpack_area(wire     DEPS common HEADERS wire.h)
 thdpack_area(schedule DEPS data cost HEADERS schedule.h)
-thdpack_area(pack     DEPS shard HEADERS pack.h)
+thdpack_area(pack     DEPS shard HEADERS pack.h fields.h)
 thdpack_area(loss     DEPS pack shard HEADERS loss.h memory.h)
 thdpack_area(step     DEPS data schedule HEADERS step.h figures.h run_state.h LIBS nlohmann_json::nlohmann_json)
 thdpack_area(runtime  DEPS comm topology schedule pack shard wire step loss

@@ -8,6 +8,7 @@
 #ifndef THDPACK_SAMPLE_H_
 #define THDPACK_SAMPLE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -25,6 +26,10 @@ struct Sample {
   std::vector<uint8_t> target_mask;  // [L] of 0/1, or empty for all ones
   // The source it came from, as an index into a blend's list (thdpack/blend.h); 0 elsewhere.
   int32_t source = 0;
+  // The run's declared fields (thdpack/fields.h), one buffer each in schema order: L rows of a
+  // per-token field, one row of a sample field, each row the field's row_bytes. Empty when the
+  // run declares none.
+  std::vector<std::vector<std::byte>> fields;
 };
 
 // A non-owning view of a sample, as packing consumes it.
