@@ -122,6 +122,9 @@ struct PackedShard {
   std::vector<int32_t> position_ids;
   std::vector<TokenId> labels;
   std::vector<uint8_t> loss_mask;
+  // Per field of the run's schema (thdpack/fields.h): [T/CP, w] as bytes, an input field's where
+  // the shard holds tokens, a target field's where it holds labels; empty otherwise.
+  std::vector<std::vector<std::byte>> fields;
 };
 
 // A packed microbatch as CP ranks hold it: the global metadata plus the requested shards.

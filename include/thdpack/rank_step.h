@@ -48,6 +48,15 @@ struct LocalMicrobatch {
   // A blend (thdpack/blend.h): [n], the index of each sequence's source in the blend's list,
   // on every rank; empty for other data.
   std::vector<int32_t> sources;
+  // Every rank: [n], each packed sequence's sample id (a caller-fed source's: its stream
+  // position) and its loss-token count over the whole sequence (not this rank's shard).
+  std::vector<int64_t> sample_ids;
+  std::vector<int64_t> seq_n_targets;
+  // One buffer per field of the run's schema (StepRunnerOptions::fields, thdpack/fields.h), as
+  // bytes: an input field's [T/CP, w] on the first stage, a target field's [T/CP, w] on the last
+  // (CP-sharded like the tokens and the labels, not SP-split), a sample field's [n, w] on every
+  // rank; empty where the stage does not hold it.
+  std::vector<std::vector<std::byte>> fields;
   // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
   // whole range (0, T/CP).
   std::pair<int64_t, int64_t> sp_range{0, 0};
@@ -108,6 +117,9 @@ struct RankStep {
   int64_t groups_cached = 0;
   // Loaders only: empty documents the source passed over in this step (StepShare::n_empty).
   int64_t n_empty = 0;
+  // Every rank: the step's sequences with at least one loss token, over all replicas (the
+  // denominator of a per-sequence mean, as meta.n_loss_tokens is of a per-token one).
+  int64_t n_loss_sequences = 0;
   // One entry per phase that ran, in Phase order (kAgree last).
   std::vector<PhaseStats> phases;
   int64_t bytes_sent() const;

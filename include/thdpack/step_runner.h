@@ -65,6 +65,7 @@
 
 #include "thdpack/comm.h"
 #include "thdpack/data.h"
+#include "thdpack/fields.h"
 #include "thdpack/pack.h"
 #include "thdpack/rank_step.h"
 #include "thdpack/run_state.h"
@@ -137,6 +138,13 @@ struct StepRunnerOptions {
   // The dynamic scheduler: the most CP process groups kept across steps (>= 1). Default
   // kDefaultMaxCpGroups.
   int max_cp_groups = kDefaultMaxCpGroups;
+  // The fields each sample carries (thdpack/fields.h), packed, CP-sharded and delivered with
+  // the tokens (input), the labels (target) or the metadata (sample): every sample's
+  // Sample::fields holds one buffer per entry. Checked by Create (ValidateFieldSpecs); each
+  // sample's buffers are checked as it is read (CheckSampleFields: an error naming the sample,
+  // the field and both sizes). Needs a caller-fed source (read_share): the file sources carry
+  // no fields. Default: none.
+  std::vector<FieldSpec> fields;
   // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
   // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with
   // every LocalMicrobatch's cp_group null, and the caller attaches them (AttachCpGroups) from

@@ -113,17 +113,20 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
   meta = MetaHeader(step_, out.epoch, topo_.dp_size(), coord_.dp, opts_.schedule.parallel,
                     plan.skipped);
   meta.domain_rank = me;
+  n_loss_sequences_ = 0;
   for (size_t p = 0; p < out.samples.size(); ++p) {
-    if (group_of_[p].second > 0) meta.n_loss_tokens += out.samples[p].n_targets;
+    if (group_of_[p].second == 0) continue;
+    meta.n_loss_tokens += out.samples[p].n_targets;
+    n_loss_sequences_ += out.samples[p].n_targets > 0 ? 1 : 0;
   }
   PackOptions po;
   po.pad_id = opts_.pad_id;
   const bool tp0 = opts_.data_on == DataOn::kTp0;
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
-  mb_sources_.assign(blend_ ? static_cast<size_t>(plan.num_microbatches) : 0, {});
+  mb_info_.assign(static_cast<size_t>(plan.num_microbatches), {});
   std::vector<SampleView> views;
-  std::vector<int64_t> lengths;
+  std::vector<int64_t> lengths, ps;
   for (int m = 0; m < plan.num_microbatches; ++m) {
     const CpGroup* mine = nullptr;
     for (const CpGroup& g : plan.microbatches[static_cast<size_t>(m)]) {
@@ -139,9 +142,10 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
     THDPACK_ASSIGN_OR_RETURN(po.parallel, GroupLayout(opts_.schedule, mine->num_ranks));
     views.clear();
     lengths.clear();
+    ps.clear();
     for (int64_t id : mine->sample_ids) {
       const size_t p = static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)]);
-      if (blend_) mb_sources_[static_cast<size_t>(m)].push_back(out.samples[p].source);
+      ps.push_back(static_cast<int64_t>(p));
       const SampleRef& r = refs_[p];
       if (r.tokens == nullptr && r.length == 0) {
         return Status::Internal("dynamic step: sample id " + std::to_string(id) +
@@ -169,6 +173,8 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
         int64_t n_valid,
         PackShardInto(views, layout, po, sh.cp_rank,
                       PackBuffers{sh.tokens, sh.position_ids, sh.labels, sh.loss_mask}));
+    THDPACK_RETURN_IF_ERROR(PackSequences(out, static_cast<size_t>(m), ps, layout,
+                                          mine->num_ranks, shards));
     meta.groups.push_back(MicrobatchGroup{mine->first_rank, mine->num_ranks});
     AddMicrobatch(meta, std::move(layout), n_valid);
   }
@@ -319,6 +325,7 @@ Status CpGroupCache::Attach(ProcessGroup& world, RankStep& out) {
 
 void StepRunner::Impl::FinishLocalDynamic(RankStep& out) {
   out.microbatches.clear();
+  out.n_loss_sequences = n_loss_sequences_;
   for (size_t m = 0; m < out.meta.microbatches.size(); ++m) {
     const MicrobatchGroup& g = out.meta.groups[m];
     const bool idle = g.num_ranks == 0;

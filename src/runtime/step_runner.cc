@@ -114,6 +114,16 @@ Status StepRunner::Impl::Init() {
                                     std::to_string(opts_.global_batch) +
                                     " must be >= 0 (0 = the whole source)");
   }
+  if (local.ok()) local = ValidateFieldSpecs(opts_.fields).WithContext("StepRunner");
+  if (local.ok() && !opts_.fields.empty() && !opts_.read_share) {
+    local = Status::InvalidArgument("StepRunner: " + std::to_string(opts_.fields.size()) +
+                                    " field(s) declared (first " + opts_.fields[0].ToString() +
+                                    ") but the samples come from '" + opts_.data +
+                                    "': only a source fed by the caller carries fields");
+  }
+  for (size_t f = 0; f < opts_.fields.size(); ++f) {
+    if (!opts_.fields[f].per_token()) sample_fields_.push_back(f);
+  }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
   if (!opts_.read_share) {
     const Result<SourceKind> kind = SourceKindOf(opts_.data);
@@ -261,30 +271,57 @@ Status StepRunner::Impl::CommitPosition(RankStep& out) {
   return Status::Ok();
 }
 
-void StepRunner::Impl::AppendSources(PositionWords* w) const {
-  if (!blend_) return;
-  w->push_back(static_cast<int64_t>(mb_sources_.size()));
-  for (const auto& m : mb_sources_) {
-    w->push_back(static_cast<int64_t>(m.size()));
-    w->insert(w->end(), m.begin(), m.end());
+// After the position: n_loss_sequences, the microbatch count, then per microbatch n, the ids,
+// the loss-token counts, a blend's sources, and each sample field's rows as bytes in whole
+// words (their size follows from n and the schema).
+void StepRunner::Impl::AppendSequences(PositionWords* w) const {
+  w->push_back(n_loss_sequences_);
+  w->push_back(static_cast<int64_t>(mb_info_.size()));
+  for (const SequenceInfo& m : mb_info_) {
+    w->push_back(static_cast<int64_t>(m.ids.size()));
+    w->insert(w->end(), m.ids.begin(), m.ids.end());
+    w->insert(w->end(), m.n_targets.begin(), m.n_targets.end());
+    if (blend_) w->insert(w->end(), m.sources.begin(), m.sources.end());
+    for (const std::vector<std::byte>& rows : m.sample_fields) {
+      const size_t at = w->size();
+      w->resize(at + (rows.size() + 7) / 8, 0);
+      if (!rows.empty()) std::memcpy(w->data() + at, rows.data(), rows.size());
+    }
   }
 }
 
-Status StepRunner::Impl::ReadSources(const PositionWords& w, size_t at) {
-  mb_sources_.clear();
-  if (!blend_) return Status::Ok();
-  auto bad = [] { return Status::Internal("step runner: the sources of the microbatches do not "
-                                          "decode"); };
-  if (at >= w.size() || w[at] < 0 || static_cast<uint64_t>(w[at]) > w.size()) return bad();
-  mb_sources_.resize(static_cast<size_t>(w[at++]));
-  for (auto& m : mb_sources_) {
-    if (at >= w.size() || w[at] < 0 || static_cast<uint64_t>(w[at]) > w.size() - at - 1) {
+Status StepRunner::Impl::ReadSequences(const PositionWords& w, size_t at) {
+  mb_info_.clear();
+  auto bad = [] {
+    return Status::Internal("step runner: the sequences of the microbatches do not decode");
+  };
+  auto take = [&](size_t count, auto* out) {
+    if (count > w.size() - at) return false;
+    out->assign(w.begin() + static_cast<std::ptrdiff_t>(at),
+                w.begin() + static_cast<std::ptrdiff_t>(at + count));
+    at += count;
+    return true;
+  };
+  if (w.size() - at < 2 || w[at + 1] < 0 || static_cast<uint64_t>(w[at + 1]) > w.size()) {
+    return bad();
+  }
+  n_loss_sequences_ = w[at];
+  mb_info_.resize(static_cast<size_t>(w[at + 1]));
+  at += 2;
+  for (SequenceInfo& m : mb_info_) {
+    if (at >= w.size() || w[at] < 0 || static_cast<uint64_t>(w[at]) > w.size()) return bad();
+    const size_t n = static_cast<size_t>(w[at++]);
+    if (!take(n, &m.ids) || !take(n, &m.n_targets) || (blend_ && !take(n, &m.sources))) {
       return bad();
     }
-    const size_t n = static_cast<size_t>(w[at++]);
-    m.assign(w.begin() + static_cast<std::ptrdiff_t>(at),
-             w.begin() + static_cast<std::ptrdiff_t>(at + n));
-    at += n;
+    for (size_t f : sample_fields_) {
+      const size_t bytes = n * opts_.fields[f].row_bytes(), words = (bytes + 7) / 8;
+      if (words > w.size() - at) return bad();
+      std::vector<std::byte> rows(bytes);
+      if (bytes > 0) std::memcpy(rows.data(), w.data() + at, bytes);
+      at += words;
+      m.sample_fields.push_back(std::move(rows));
+    }
   }
   return at == w.size() ? Status::Ok() : bad();
 }
@@ -305,6 +342,14 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   } else {
     THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
     after_ = PackPosition(steps_->consumed(), source_->cursor());
+  }
+  if (opts_.read_share) {
+    for (const Sample& x : share.samples) {
+      THDPACK_RETURN_IF_ERROR(CheckSampleFields(
+          opts_.fields, x.fields, static_cast<int64_t>(x.tokens.size()),
+          "sample id " + std::to_string(x.id) + " (step " + std::to_string(step_) +
+              ", read by loader dp=" + std::to_string(coord_.dp) + ")"));
+    }
   }
   own_ = std::move(share.samples);
   first_id_ = share.first_id;
@@ -439,7 +484,7 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
   const size_t n = static_cast<size_t>(group.size());
   auto block_bytes = [&](const std::vector<int64_t>& ps) {
     int64_t b = 0;
-    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)]);
+    for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)], opts_.fields);
     return (b + 3) / 4 * 4;
   };
   std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
@@ -465,6 +510,13 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
       std::memcpy(dst, x.target_mask.data(), x.target_mask.size());
       dst += x.target_mask.size();
     }
+    for (int64_t p : send_ps[e]) {
+      for (const std::vector<std::byte>& f : own_[static_cast<size_t>(p - my_begin)].fields) {
+        if (f.empty()) continue;
+        std::memcpy(dst, f.data(), f.size());
+        dst += f.size();
+      }
+    }
   }
   recv_buffer_.assign(static_cast<size_t>(rd[n - 1] + rc[n - 1]), std::byte{0});
   THDPACK_RETURN_IF_ERROR(group.AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
@@ -474,9 +526,10 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
   for (size_t k = 0; k < own_.size(); ++k) {
     if (!keeps(my_begin + static_cast<int64_t>(k))) continue;
     const Sample& x = own_[k];
-    refs_[static_cast<size_t>(my_begin) + k] =
-        SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
+    SampleRef& r = refs_[static_cast<size_t>(my_begin) + k];
+    r = SampleRef{x.tokens.data(), x.target_mask.empty() ? nullptr : x.target_mask.data(),
                   static_cast<int64_t>(x.tokens.size())};
+    r.own_fields = &x.fields;
   }
   for (size_t e = 0; e < n; ++e) {
     const std::byte* at = recv_buffer_.data() + rd[e];
@@ -490,6 +543,10 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
       if (!SendsMask(len)) continue;
       refs_[static_cast<size_t>(p)].mask = reinterpret_cast<const uint8_t*>(at);
       at += len.length;
+    }
+    for (int64_t p : recv_ps[e]) {
+      refs_[static_cast<size_t>(p)].fields = at;
+      at += FieldBytes(opts_.fields, samples[static_cast<size_t>(p)].length);
     }
   }
   return Status::Ok();
@@ -529,21 +586,25 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   po.pad_id = opts_.pad_id;
   StepMeta& meta = out.meta;
   meta = MetaHeader(step_, out.epoch, topo_.dp_size(), me, opts_.schedule.parallel, plan.skipped);
+  n_loss_sequences_ = 0;
   for (size_t p = 0; p < out.samples.size(); ++p) {
-    if (replica_of_[p] >= 0) meta.n_loss_tokens += out.samples[p].n_targets;
+    if (replica_of_[p] < 0) continue;
+    meta.n_loss_tokens += out.samples[p].n_targets;
+    n_loss_sequences_ += out.samples[p].n_targets > 0 ? 1 : 0;
   }
   const bool tp0 = opts_.data_on == DataOn::kTp0;
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
-  mb_sources_.assign(blend_ ? static_cast<size_t>(plan.num_microbatches) : 0, {});
+  mb_info_.assign(static_cast<size_t>(plan.num_microbatches), {});
   std::vector<SampleView> views;
-  std::vector<int64_t> lengths;
+  std::vector<int64_t> lengths, ps;
   for (int m = 0; m < plan.num_microbatches; ++m) {
     views.clear();
     lengths.clear();
+    ps.clear();
     for (int64_t id : plan.Microbatch(me, m)) {
       const size_t p = static_cast<size_t>(position_of_offset_[static_cast<size_t>(id - first_id_)]);
-      if (blend_) mb_sources_[static_cast<size_t>(m)].push_back(out.samples[p].source);
+      ps.push_back(static_cast<int64_t>(p));
       const SampleRef& r = refs_[p];
       views.emplace_back(id, std::span<const TokenId>(r.tokens, static_cast<size_t>(r.length)),
                          r.mask ? std::span<const uint8_t>(r.mask, static_cast<size_t>(r.length))
@@ -579,9 +640,59 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
     } else {
       THDPACK_ASSIGN_OR_RETURN(n_valid, PackShardInto(views, layout, po, coord_.cp, bufs[0]));
     }
+    THDPACK_RETURN_IF_ERROR(PackSequences(out, static_cast<size_t>(m), ps, layout, cp, shards));
     AddMicrobatch(meta, std::move(layout), n_valid);
   }
   return SealMeta(meta);
+}
+
+Status StepRunner::Impl::PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
+                                       const Layout& layout, int cp_size,
+                                       std::vector<PackedShard>& shards) {
+  SequenceInfo& info = mb_info_[m];
+  for (int64_t p : ps) {
+    const SampleLength& x = out.samples[static_cast<size_t>(p)];
+    info.ids.push_back(x.id);
+    info.n_targets.push_back(x.n_targets);
+    if (blend_) info.sources.push_back(x.source);
+  }
+  const std::vector<FieldSpec>& fields = opts_.fields;
+  if (fields.empty()) return Status::Ok();
+  // Field f of the sample at position p: its own buffer, or its place in the exchange buffer.
+  auto field_of = [&](int64_t p, size_t f) {
+    const SampleRef& r = refs_[static_cast<size_t>(p)];
+    if (r.own_fields != nullptr) return std::span<const std::byte>((*r.own_fields)[f]);
+    size_t at = 0;
+    for (size_t g = 0; g < f; ++g) {
+      at += static_cast<size_t>(fields[g].per_token() ? r.length : 1) * fields[g].row_bytes();
+    }
+    const size_t size =
+        static_cast<size_t>(fields[f].per_token() ? r.length : 1) * fields[f].row_bytes();
+    return std::span<const std::byte>(r.fields + at, size);
+  };
+  std::vector<std::span<const std::byte>> values(ps.size());
+  info.sample_fields.assign(sample_fields_.size(), {});
+  for (size_t f = 0, sf = 0; f < fields.size(); ++f) {
+    const FieldSpec& spec = fields[f];
+    for (size_t k = 0; k < ps.size(); ++k) values[k] = field_of(ps[k], f);
+    if (!spec.per_token()) {
+      std::vector<std::byte>& rows = info.sample_fields[sf++];
+      for (const auto& v : values) rows.insert(rows.end(), v.begin(), v.end());
+      continue;
+    }
+    const size_t bytes = static_cast<size_t>(layout.total_tokens / cp_size) * spec.row_bytes();
+    for (PackedShard& sh : shards) {
+      sh.fields.resize(fields.size());
+      // Input fields go with the tokens, target fields with the labels.
+      const bool holds =
+          spec.kind == FieldKind::kInput ? !sh.tokens.empty() : !sh.labels.empty();
+      if (!holds) continue;
+      sh.fields[f].resize(bytes);
+      THDPACK_RETURN_IF_ERROR(
+          PackFieldShardInto(spec, values, layout, cp_size, sh.cp_rank, sh.fields[f]));
+    }
+  }
+  return Status::Ok();
 }
 
 Status StepRunner::Impl::SealMeta(const StepMeta& meta) {
@@ -596,11 +707,11 @@ Status StepRunner::Impl::SealMeta(const StepMeta& meta) {
 // column) to every other member.
 Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
   // One message: the encoded metadata, then as int64 words the run's position after the step
-  // and (a blend) the sources of the microbatches' sequences. The sizes go first.
+  // and what the microbatches' sequences are (AppendSequences). The sizes go first.
   PositionWords words;
   if (group.rank() == 0) {
     words = after_;
-    AppendSources(&words);
+    AppendSequences(&words);
   }
   std::array<int64_t, 2> head = {static_cast<int64_t>(meta_bytes_.size()),
                                  static_cast<int64_t>(words.size())};
@@ -630,7 +741,7 @@ Status StepRunner::Impl::DeliverMeta(ProcessGroup& group) {
     return Status::Internal("step runner: the run position received does not decode");
   }
   after_.assign(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(at));
-  return ReadSources(words, at);
+  return ReadSequences(words, at);
 }
 
 // One microbatch's shard from position 0 of `group` to member `member`, whose stage is
@@ -649,6 +760,16 @@ Status StepRunner::Impl::SendShard(ProcessGroup& group, int member, int member_p
     THDPACK_RETURN_IF_ERROR(
         group.SendValues(std::span<const uint8_t>(sh.loss_mask), member, kTagMask));
   }
+  // The per-token fields the member's stage holds: input fields with the tokens, target fields
+  // with the labels.
+  for (size_t f = 0; f < opts_.fields.size(); ++f) {
+    const FieldSpec& spec = opts_.fields[f];
+    if (!spec.per_token() ||
+        !(spec.kind == FieldKind::kInput ? member_pp == 0 : member_pp == topo_.pp_size() - 1)) {
+      continue;
+    }
+    THDPACK_RETURN_IF_ERROR(group.Send(sh.fields[f], member, kTagFields + static_cast<int>(f)));
+  }
   return Status::Ok();
 }
 
@@ -666,6 +787,16 @@ Status StepRunner::Impl::RecvShard(ProcessGroup& group, size_t local_tokens, Pac
     sh.loss_mask.resize(local_tokens);
     THDPACK_RETURN_IF_ERROR(group.RecvValues(std::span<TokenId>(sh.labels), 0, kTagLabels));
     THDPACK_RETURN_IF_ERROR(group.RecvValues(std::span<uint8_t>(sh.loss_mask), 0, kTagMask));
+  }
+  sh.fields.assign(opts_.fields.size(), {});
+  for (size_t f = 0; f < opts_.fields.size(); ++f) {
+    const FieldSpec& spec = opts_.fields[f];
+    if (!spec.per_token() || (spec.kind == FieldKind::kInput ? coord_.pp != 0
+                                                             : coord_.pp != topo_.pp_size() - 1)) {
+      continue;
+    }
+    sh.fields[f].resize(local_tokens * spec.row_bytes());
+    THDPACK_RETURN_IF_ERROR(group.Recv(sh.fields[f], 0, kTagFields + static_cast<int>(f)));
   }
   return Status::Ok();
 }
@@ -724,7 +855,24 @@ LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size
       lm.loss_mask = std::move(sh.loss_mask);
     }
   }
-  if (m < mb_sources_.size()) lm.sources = mb_sources_[m];
+  lm.fields.assign(opts_.fields.size(), {});
+  if (m < shards_.size() && !shards_[m].empty()) {
+    PackedShard& sh = shards_[m][0];
+    for (size_t f = 0; f < sh.fields.size() && f < lm.fields.size(); ++f) {
+      const FieldSpec& spec = opts_.fields[f];
+      const bool stage = spec.kind == FieldKind::kInput ? out.first_stage : out.last_stage;
+      if (spec.per_token() && stage) lm.fields[f] = std::move(sh.fields[f]);
+    }
+  }
+  if (m < mb_info_.size()) {
+    SequenceInfo& info = mb_info_[m];
+    lm.sources = info.sources;
+    lm.sample_ids = info.ids;
+    lm.seq_n_targets = info.n_targets;
+    for (size_t k = 0; k < sample_fields_.size() && k < info.sample_fields.size(); ++k) {
+      lm.fields[sample_fields_[k]] = std::move(info.sample_fields[k]);
+    }
+  }
   lm.sp_range = {0, lm.local_tokens};
   if (opts_.schedule.parallel.sp()) {
     // The microbatch's layout (the group's, in a dynamic step) makes T/c a multiple of TP.
@@ -737,6 +885,7 @@ LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size
 // Every rank: its LocalMicrobatch list from the metadata and its shards.
 void StepRunner::Impl::FinishLocal(RankStep& out) {
   const int cp = topo_.cp_size();
+  out.n_loss_sequences = n_loss_sequences_;
   out.microbatches.clear();
   for (size_t m = 0; m < out.meta.microbatches.size(); ++m) {
     LocalMicrobatch lm = MakeLocal(out, m, cp, coord_.cp);
@@ -759,7 +908,7 @@ RankStep StepRunner::Impl::StartStep(bool is_loader) {
   agree_bytes_ = 0;
   shards_.clear();
   meta_bytes_.clear();
-  mb_sources_.clear();
+  mb_info_.clear();
   return out;
 }
 

@@ -32,6 +32,8 @@ constexpr int kTagTokens = 1;
 constexpr int kTagPositions = 2;
 constexpr int kTagLabels = 3;
 constexpr int kTagMask = 4;
+// Field f of the schema travels under kTagFields + f.
+constexpr int kTagFields = 16;
 
 // The run's position after a step, as readers send it to the other ranks with the lengths
 // and the metadata, as int64 words: the samples consumed, whether there is a cursor (file
@@ -90,12 +92,14 @@ inline Status UnpackPosition(const PositionWords& w, RunState* state) {
   return Status::Ok();
 }
 
-// A sample's token payload on the wire: int32 tokens, then one mask byte a token when the mask
+// A sample's payload in the exchange: int32 tokens, then one mask byte a token when the mask
 // is not all ones (n_targets != L - 1; target_mask[0] is never used, so such a mask is
 // equivalent to the empty one).
+// Then the sample's field buffers (thdpack/fields.h) back to back, in schema order.
 inline bool SendsMask(const SampleLength& s) { return s.n_targets != s.length - 1; }
-inline int64_t PayloadBytes(const SampleLength& s) {
-  return s.length * static_cast<int64_t>(sizeof(TokenId)) + (SendsMask(s) ? s.length : 0);
+inline int64_t PayloadBytes(const SampleLength& s, std::span<const FieldSpec> fields) {
+  return s.length * static_cast<int64_t>(sizeof(TokenId)) + (SendsMask(s) ? s.length : 0) +
+         FieldBytes(fields, s.length);
 }
 
 // FNV-1a over the bytes of int64 values (least significant first): the plan hash loaders (or
@@ -185,11 +189,25 @@ inline void AddMicrobatch(StepMeta& meta, Layout layout, int64_t n_valid) {
   meta.microbatches.push_back(std::move(mm));
 }
 
-// A received sample: views into the exchange buffer.
+// A received sample: views into the exchange buffer (or into the loader's own sample).
 struct SampleRef {
   const TokenId* tokens = nullptr;
   const uint8_t* mask = nullptr;  // null: all ones
   int64_t length = 0;
+  // Its field buffers: back to back in schema order in the exchange buffer (received), or the
+  // loader's own sample's.
+  const std::byte* fields = nullptr;
+  const std::vector<std::vector<std::byte>>* own_fields = nullptr;
+};
+
+// What every rank of a microbatch learns of its sequences, in packed order (made by the packer,
+// sent with the metadata): the samples' ids and loss-token counts, a blend's sources, and the
+// rows of the sample fields (one buffer per sample field of the schema, n rows each).
+struct SequenceInfo {
+  std::vector<int64_t> ids;
+  std::vector<int64_t> n_targets;
+  std::vector<int32_t> sources;  // a blend only
+  std::vector<std::vector<std::byte>> sample_fields;
 };
 
 }  // namespace runner_internal
@@ -267,10 +285,16 @@ class StepRunner::Impl {
   Status ShareStart();
   // After a step: state_ moved past it (after_), copied into the step.
   Status CommitPosition(RankStep& out);
-  // A blend's per-sequence sources of this rank's microbatches (mb_sources_) as words after the
-  // position in the metadata broadcast, and back.
-  void AppendSources(runner_internal::PositionWords* w) const;
-  Status ReadSources(const runner_internal::PositionWords& w, size_t at);
+  // The step's count of sequences with a loss token and what each microbatch's sequences are
+  // (mb_info_) as words after the position in the metadata broadcast, and back.
+  void AppendSequences(runner_internal::PositionWords* w) const;
+  Status ReadSequences(const runner_internal::PositionWords& w, size_t at);
+  // The packer's side of SequenceInfo and the per-token fields: for microbatch m, the sequences
+  // at scheduling positions `ps` (packed order) with `layout` over a group of cp_size ranks, into
+  // the shards given (each for its cp_rank; a shard holding tokens gets the input fields, one
+  // holding labels the target fields).
+  Status PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
+                       const Layout& layout, int cp_size, std::vector<PackedShard>& shards);
   Status ReadShare(RankStep& out);
   // The read phase: ReadShare on the readers, agreed; with a fed source, its end agreed first
   // (every loader's at the same step boundary: kEndOfData on every rank; some only: an error).
@@ -353,10 +377,15 @@ class StepRunner::Impl {
   // (ExchangeLengths) or the metadata (DeliverMeta).
   RunState state_;
   runner_internal::PositionWords after_;
-  // A blend: samples carry their source (sent with the lengths), and each microbatch the
-  // sources of its sequences (mb_sources_[m], made by the packer, sent with the metadata).
+  // A blend: samples carry their source (sent with the lengths). Each microbatch's sequences
+  // (mb_info_[m]: ids, loss-token counts, sources, sample fields) and the step's count of
+  // sequences with a loss token, made by the packer and sent with the metadata.
   bool blend_ = false;
-  std::vector<std::vector<int32_t>> mb_sources_;
+  std::vector<runner_internal::SequenceInfo> mb_info_;
+  int64_t n_loss_sequences_ = 0;
+  // The run's fields (StepRunnerOptions::fields): bytes a sample of length L holds in them, and
+  // the sample fields' positions in the schema.
+  std::vector<size_t> sample_fields_;
   bool started_ = false;  // a step was run (Restore is refused then)
   Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };
