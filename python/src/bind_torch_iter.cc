@@ -5,17 +5,18 @@
 //
 //   thdpack._thdpack._TorchStepSource(world, torch_ranks, known, options, source, take_share,
 //                                     prepare, cuda_device, monitored_barrier_seconds, depth,
-//                                     steps)
+//                                     steps, fields)
 //       .next() -> (prepared, cp_groups, group_counts): one step as this rank holds it
-//   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares)
+//   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares, state, fields)
 //       -> [rank][step] dicts of the same form
 //
 // `options` are the job options of thdpack/job.h by their Python names (tp, cp, dp, pp, sp,
 // global_batch, max_tokens_per_rank, scheduler, cost, ...). `source` is a source spec string, or
 // None with a caller-fed source: take_share(step, first_position, loader, count) (torch) or
-// shares[dp] (threads) give each loader's own samples as (int32 tokens, uint8 mask or None)
-// pairs, None where the loader's iterable ended at the step boundary; ids follow the file rule
-// (the k-th sample of loader d in step s has id s * global_batch + k * DP + d).
+// shares[dp] (threads) give each loader's own samples as (int32 tokens, uint8 mask or None,
+// fields or None) tuples, None where the loader's iterable ended at the step boundary; ids
+// follow the file rule (the k-th sample of loader d in step s has id s * global_batch + k * DP +
+// d). `fields` is the run's schema (fields_py.h; None: none).
 #include <algorithm>
 #include <cmath>
 #include <mutex>
@@ -31,6 +32,7 @@
 #include "thdpack/step.h"
 #include "thdpack/step_runner.h"
 #include "job_options.h"
+#include "fields_py.h"
 #include "torch_comm.h"
 
 namespace thdpack::python {
@@ -58,9 +60,11 @@ Job ResolveOptions(const py::dict& options, const py::object& source) {
   return ValueOrThrow(ResolveJob(o));
 }
 
-// (int32 tokens, uint8 mask or None) pairs -> samples (ids set by FedStepShare). ValueError-free:
-// errors come back as a Status naming the loader, step and sample.
-Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_t step) {
+// (int32 tokens, uint8 mask or None, fields or None) tuples -> samples (ids set by
+// FedStepShare). ValueError-free: errors come back as a Status naming the loader, step and
+// sample.
+Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_t step,
+                                      const std::vector<FieldSpec>& fields) {
   std::vector<Sample> out;
   for (const py::handle& item : list) {
     auto pair = item.cast<py::tuple>();
@@ -79,6 +83,9 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
       return Status::InvalidArgument(e.what());
     }
     if (s.tokens.empty()) return Status::InvalidArgument(where + ": input_ids is empty");
+    const py::object given = pair.size() > 2 ? py::object(pair[2]) : py::object(py::none());
+    THDPACK_RETURN_IF_ERROR(
+        FieldsFromPy(fields, given, static_cast<int64_t>(s.tokens.size()), where, s));
     out.push_back(std::move(s));
   }
   return out;
@@ -89,9 +96,11 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
 // for a static step, [] when idle) and cp_group (the torch group of a dynamic microbatch with
 // a group of more than one rank, else None: the iterator puts the caller's CP group there for a
 // static step).
-py::dict StepToPython(const RankStep& step, const Topology& topo, bool sp,
-                      const std::string& figures, int world_rank) {
+py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
+                      const std::string& figures, int world_rank,
+                      const std::vector<FieldSpec>& fields) {
   py::dict d;
+  d["n_loss_sequences"] = step.n_loss_sequences;
   d["step"] = step.step;
   d["epoch"] = step.epoch;
   d["is_loader"] = step.is_loader;
@@ -116,7 +125,7 @@ py::dict StepToPython(const RankStep& step, const Topology& topo, bool sp,
   std::vector<int> topology_cp = ValueOrThrow(topo.GroupOf(GroupKind::kCp, world_rank));
   py::list mbs;
   const Coord me = ValueOrThrow(topo.CoordOf(world_rank));
-  for (const LocalMicrobatch& mb : step.microbatches) {
+  for (LocalMicrobatch& mb : step.microbatches) {
     py::dict m;
     // Padding flags of this rank's shard, from the metadata alone (every stage), with the
     // microbatch's own CP group.
@@ -125,6 +134,13 @@ py::dict StepToPython(const RankStep& step, const Topology& topo, bool sp,
     py::array_t<bool> padding(static_cast<py::ssize_t>(pad.size()));
     std::copy(pad.begin(), pad.end(), padding.mutable_data());
     m["padding_mask"] = padding;
+    // Where each local token comes from: its packed sequence (-1 on padding), and each
+    // sequence's sample id and loss-token count.
+    m["seq_index"] = ToNumpy(ValueOrThrow(
+        ShardSequenceIndex(mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank)));
+    m["sample_ids"] = ToNumpy(std::vector<int64_t>(mb.sample_ids));
+    m["seq_n_targets"] = ToNumpy(std::vector<int64_t>(mb.seq_n_targets));
+    m["fields"] = FieldsToPy(fields, mb.fields);
     // A blend: each sequence's source (its index in the blend's list); None for other data.
     m["sources"] = mb.sources.empty() ? py::object(py::none())
                                       : py::object(ToNumpy(std::vector<int32_t>(mb.sources)));
@@ -253,7 +269,8 @@ std::set<TorchStepSource*>& LiveSources() {
 // A caller-fed loader's share of one step: take_share(step, first_position, loader, count) on
 // this rank's own Python iterable, None where it ended at the step boundary (kEndOfData; the
 // step runner agrees the end over the world).
-Result<StepShare> TakeShare(const PyRef& take_share, const Job& job, int64_t step,
+Result<StepShare> TakeShare(const PyRef& take_share, const Job& job,
+                            const std::vector<FieldSpec>& fields, int64_t step,
                             int64_t first_position, int loader) {
   const int64_t count = LoaderCount(job.options.global_batch, job.topology.dp_size(), loader);
   std::vector<Sample> samples;
@@ -265,7 +282,7 @@ Result<StepShare> TakeShare(const PyRef& take_share, const Job& job, int64_t ste
         return Status::EndOfData("the iterable of loader dp=" + std::to_string(loader) +
                                  " ended before step " + std::to_string(step));
       }
-      auto list = ToSamples(got, loader, step);
+      auto list = ToSamples(got, loader, step, fields);
       if (!list.ok()) return list.status();
       samples = std::move(*list);
     } catch (py::error_already_set& e) {
@@ -281,14 +298,17 @@ Result<StepShare> TakeShare(const PyRef& take_share, const Job& job, int64_t ste
 // figures over the communicator it was made on, its arrays and dicts (StepToPython) and what
 // the iterator's prepare(raw) makes of them (a PackedStep, or pinned arrays for a CUDA device),
 // kept in RankStep::prepared; the arrays are then dropped from the RankStep.
-Status PrepareStep(const std::shared_ptr<const Job>& job, const PyRef& prepare,
-                   DropList& dropped, ProcessGroup& comm, RankStep& step, bool on_data_thread) {
+Status PrepareStep(const std::shared_ptr<const Job>& job,
+                   const std::shared_ptr<const std::vector<FieldSpec>>& fields,
+                   const PyRef& prepare, DropList& dropped, ProcessGroup& comm, RankStep& step,
+                   bool on_data_thread) {
   THDPACK_ASSIGN_OR_RETURN(std::string figures, StepFiguresJsonOnEveryRank(comm, *job, step));
   py::gil_scoped_acquire gil;
   if (on_data_thread) KeepThreadState();
   dropped.Drain();
   try {
-    py::dict raw = StepToPython(step, job->topology, job->options.sp, figures, comm.rank());
+    py::dict raw =
+        StepToPython(step, job->topology, job->options.sp, figures, comm.rank(), *fields);
     py::object made = prepare.get()(raw);
     step.prepared = std::make_shared<PyRef>(std::move(made));
   } catch (py::error_already_set& e) {
@@ -310,8 +330,9 @@ class TorchStepSource {
   TorchStepSource(py::object world_group, std::vector<int> torch_ranks, py::list known,
                   py::dict options, py::object source, py::object take_share, py::object prepare,
                   py::object device, double monitored_barrier_seconds, int depth,
-                  py::object steps)
-      : job_(std::make_shared<const Job>(ResolveOptions(options, source))) {
+                  py::object steps, py::object fields)
+      : job_(std::make_shared<const Job>(ResolveOptions(options, source))),
+        fields_(std::make_shared<const std::vector<FieldSpec>>(FieldSpecsFromPy(fields))) {
     if (source.is_none() == take_share.is_none()) {
       throw py::value_error("source: give a source spec or a caller-fed source, not both");
     }
@@ -324,12 +345,14 @@ class TorchStepSource {
     }
     world_ = MakeTorchWorld(std::move(world_group), comm);
     StepRunnerOptions ro = RunnerOptions(*job_);
+    ro.fields = *fields_;
     if (!take_share.is_none()) {
       auto take = std::make_shared<PyRef>(std::move(take_share));
       std::shared_ptr<const Job> job = job_;
-      ro.read_share = [take, job](int64_t step, int64_t first_position,
-                                  int loader) -> Result<StepShare> {
-        return TakeShare(*take, *job, step, first_position, loader);
+      auto specs = fields_;
+      ro.read_share = [take, job, specs](int64_t step, int64_t first_position,
+                                         int loader) -> Result<StepShare> {
+        return TakeShare(*take, *job, *specs, step, first_position, loader);
       };
     }
     StepSourceOptions so;
@@ -339,8 +362,9 @@ class TorchStepSource {
     std::shared_ptr<const Job> job = job_;
     const bool ahead = depth > 0;  // on_step then runs on the source's own thread
     std::shared_ptr<DropList> dropped = dropped_;
-    so.on_step = [prep, job, dropped, ahead](ProcessGroup& c, RankStep& step) -> Status {
-      return PrepareStep(job, *prep, *dropped, c, step, ahead);
+    auto specs = fields_;
+    so.on_step = [prep, job, specs, dropped, ahead](ProcessGroup& c, RankStep& step) -> Status {
+      return PrepareStep(job, specs, *prep, *dropped, c, step, ahead);
     };
     if (depth > 0) {
       // The data plane's own world: a gloo group over the same ranks, made here on the
@@ -458,6 +482,7 @@ class TorchStepSource {
   }
 
   std::shared_ptr<const Job> job_;
+  std::shared_ptr<const std::vector<FieldSpec>> fields_;
   std::shared_ptr<DropList> dropped_ = std::make_shared<DropList>();
   py::object data_group_ = py::none();
   std::unique_ptr<ProcessGroup> world_;
@@ -466,16 +491,18 @@ class TorchStepSource {
 
 // The reference for tests: the same options and inputs, the step on one thread per rank.
 py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, py::object shares,
-                           py::object state) {
+                           py::object state, py::object fields_obj) {
   const Job job = ResolveOptions(options, source);
+  const std::vector<FieldSpec> fields = FieldSpecsFromPy(fields_obj);
   std::optional<RunState> restore;
   if (!state.is_none()) restore = RunStateFromPy(state, "state");
   StepRunnerOptions ro = RunnerOptions(job);
+  ro.fields = fields;
   std::vector<std::vector<Sample>> fed;  // [DP]: loader d's samples of every step, in order
   if (!shares.is_none()) {
     int d = 0;
     for (const py::handle& list : shares) {
-      fed.push_back(ValueOrThrow(ToSamples(list, d, -1)));
+      fed.push_back(ValueOrThrow(ToSamples(list, d, -1, fields)));
       ++d;
     }
     if (static_cast<int>(fed.size()) != job.topology.dp_size()) {
@@ -524,7 +551,7 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
     py::list per;
     for (size_t s = 0; s < got[static_cast<size_t>(r)].size(); ++s) {
       per.append(StepToPython(got[static_cast<size_t>(r)][s], job.topology,
-                              job.options.sp, figures[static_cast<size_t>(r)][s], r));
+                              job.options.sp, figures[static_cast<size_t>(r)][s], r, fields));
     }
     out.append(per);
   }
@@ -536,10 +563,11 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
 void BindTorchIter(py::module_& m) {
   py::class_<TorchStepSource>(m, "_TorchStepSource")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
-                    py::object, py::object, double, int, py::object>(),
+                    py::object, py::object, double, int, py::object, py::object>(),
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
            py::arg("source"), py::arg("take_share"), py::arg("prepare"), py::arg("cuda_device"),
-           py::arg("monitored_barrier_seconds"), py::arg("depth"), py::arg("steps"))
+           py::arg("monitored_barrier_seconds"), py::arg("depth"), py::arg("steps"),
+           py::arg("fields") = py::none())
       .def("next", &TorchStepSource::Next)
       .def("state", &TorchStepSource::State)
       .def("restore", &TorchStepSource::Restore, py::arg("state"))
@@ -563,6 +591,7 @@ void BindTorchIter(py::module_& m) {
       "(thdpack.torch's own collectives; bind_torch_comm.cc says why).");
   m.def("_run_steps_on_threads", &RunStepsOnThreads, py::arg("options"), py::arg("steps"),
         py::arg("source"), py::arg("shares"), py::arg("state") = py::none(),
+        py::arg("fields") = py::none(),
         "Tests: the step of PackedDataIterator on one thread per rank; [rank][step] dicts.");
 }
 

@@ -10,6 +10,7 @@ namespace thdpack::python {
 // The iterator over torch.distributed (bind_torch_iter.cc); declared here rather than in
 // common.h, as only the module registers it.
 void BindTorchIter(py::module_& m);
+void BindFields(py::module_& m);
 // The gradient buffers of thdpack.torch.local_loss (bind_grad_cache.cc).
 void BindGradCache(py::module_& m);
 
@@ -175,4 +176,5 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindJob(m);
   tp::BindTopology(m);
   tp::BindTorchIter(m);
+  tp::BindFields(m);
 }

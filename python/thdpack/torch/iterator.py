@@ -90,9 +90,87 @@ def _as_array(value, name):
     return np.asarray(value)
 
 
-def _to_sample(item, where):
-    """A loader's sample (dict with input_ids, optional loss_mask) as (int32 tokens, uint8 mask
-    or None). Values outside int32 or a mask that is not 0/1 are errors, never cast away."""
+# The keys of a fed sample that are not fields: the tokens, their target mask, and the stream
+# position the caller says the sample has (checked).
+_SAMPLE_KEYS = ("input_ids", "loss_mask", "position")
+_FIELD_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+                 "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+                 "bool": torch.bool}
+
+
+def _dtype_name(dtype, where):
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).replace("torch.", "")
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        raise TypeError(f"{where}: dtype {dtype!r} is not a dtype name, a NumPy or a torch "
+                        f"dtype") from None
+
+
+def field_specs(fields):
+    """``fields=`` as the C++ schema takes it: [(name, kind, dtype, shape, fill)] in the order
+    given. Each entry is a kind ("input", "target", "sample"; dtype float32, scalar rows) or a
+    dict with ``kind`` and optional ``dtype`` (a name, NumPy or torch dtype; default float32),
+    ``shape`` (the inner shape: () for [L] or one value, (k,) for [L, k]; default ()) and
+    ``fill`` (the padding value, default 0). The C++ checks every rule (thdpack/fields.h)."""
+    if fields is None:
+        return []
+    if not isinstance(fields, dict):
+        raise TypeError(f"fields: expected a dict of name -> kind or spec, got "
+                        f"{type(fields).__name__}")
+    out = []
+    for name, spec in fields.items():
+        where = f"fields[{name!r}]"
+        if isinstance(spec, str):
+            spec = {"kind": spec}
+        if not isinstance(spec, dict) or "kind" not in spec:
+            raise TypeError(f"{where}: expected a kind ('input', 'target', 'sample') or a dict "
+                            f"with 'kind' (and optional 'dtype', 'shape', 'fill')")
+        unknown = sorted(set(spec) - {"kind", "dtype", "shape", "fill"})
+        if unknown:
+            raise TypeError(f"{where}: unknown keys {unknown} (kind, dtype, shape, fill)")
+        shape = spec.get("shape", ())
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        out.append((str(name), str(spec["kind"]), _dtype_name(spec.get("dtype", "float32"), where),
+                    shape, float(spec.get("fill", 0))))
+    return out
+
+
+def _field_value(value, dtype, where):
+    """A fed field value as (dtype name, shape, uint8 bytes) for the C++ to check. Arrays and
+    tensors keep their dtype (a different one is an error there: never cast); a list or a
+    Python number has none and is made the declared dtype, if its values fit it exactly (or,
+    for a float dtype, are numbers)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        got, shape = str(t.dtype).replace("torch.", ""), tuple(t.shape)
+        a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    elif isinstance(value, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(value)
+        got, shape = a.dtype.name, a.shape
+    else:
+        given = np.asarray(value)
+        if given.dtype.kind not in "biuf":
+            raise ValueError(f"{where}: holds {given.dtype} values, declared {dtype}")
+        if dtype == "bfloat16":
+            t = torch.tensor(given.tolist(), dtype=torch.bfloat16)
+            a, got = t.view(torch.int16).numpy(), "bfloat16"
+        else:
+            a = given.astype(dtype)
+            exact = _FIELD_DTYPES[dtype].is_floating_point or np.array_equal(a, given)
+            got = dtype if exact else given.dtype.name
+        shape = given.shape
+    return got, tuple(int(d) for d in shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _to_sample(item, where, fields=()):
+    """A loader's sample (dict with input_ids, optional loss_mask, and the run's fields) as
+    (int32 tokens, uint8 mask or None, fields). Values outside int32 or a mask that is not 0/1
+    are errors, never cast away; every other key goes to the C++ as a field, which refuses one
+    not declared."""
     if not isinstance(item, dict) or "input_ids" not in item:
         raise ValueError(f"{where}: expected a dict with 'input_ids', got {type(item).__name__}")
     tokens = _as_array(item["input_ids"], "input_ids").reshape(-1)
@@ -112,7 +190,10 @@ def _to_sample(item, where):
         if not np.all((mask == 0) | (mask == 1)):
             raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
         mask = np.ascontiguousarray(mask, dtype=np.uint8)
-    return np.ascontiguousarray(tokens, dtype=np.int32), mask
+    declared = {f[0]: f[2] for f in fields}
+    values = {k: _field_value(v, declared.get(k, "float32"), f"{where}, field {k!r}")
+              for k, v in item.items() if k not in _SAMPLE_KEYS}
+    return np.ascontiguousarray(tokens, dtype=np.int32), mask, values
 
 
 def loader_positions(start, global_batch, dp_size, loader):
@@ -141,7 +222,8 @@ class PackedStep:
     """One global batch as this rank holds it; iterate for its microbatches (dicts of tensors).
 
     Attributes: step, epoch, num_microbatches (M, the same on every rank), n_loss_tokens (N,
-    the global loss-token count: the loss denominator), seqlen_sum (global padded tokens),
+    the global loss-token count: the loss denominator), n_loss_sequences (the step's sequences
+    with at least one loss token, over every replica: a per-sequence mean's), seqlen_sum (global padded tokens),
     seqlen_squared_sum (sum of padded P^2 over the step), figures (``plan --json``'s step;
     per-replica detail on the ranks that planned only; a dynamic step adds groups_made,
     groups_reused, groups_evicted, groups_cached), microbatches (the list), dynamic,
@@ -149,8 +231,9 @@ class PackedStep:
     """
 
     def __init__(self, raw, device, cp_group=None, copy_stream=None,
-                 label_format="megatron"):
+                 label_format="megatron", fields=()):
         self.step = raw["step"]
+        self.n_loss_sequences = raw["n_loss_sequences"]
         self.epoch = raw["epoch"]
         self.is_loader = raw["is_loader"]
         self.first_stage = raw["first_stage"]
@@ -166,11 +249,11 @@ class PackedStep:
             # Pinned host tensors to the device on a side stream; the caller's stream waits
             # for the copies before it uses them.
             with torch.cuda.stream(copy_stream):
-                self.microbatches = [_microbatch(m, device, cp_group, label_format)
+                self.microbatches = [_microbatch(m, device, cp_group, label_format, fields)
                                      for m in raw["microbatches"]]
             torch.cuda.current_stream(device).wait_stream(copy_stream)
         else:
-            self.microbatches = [_microbatch(m, device, cp_group, label_format)
+            self.microbatches = [_microbatch(m, device, cp_group, label_format, fields)
                                  for m in raw["microbatches"]]
         self._state = raw["state"]
 
@@ -203,6 +286,17 @@ def _pin(raw):
         for k in _DEVICE_ARRAYS:
             if m[k] is not None:
                 m[k] = torch.from_numpy(m[k]).pin_memory()
+        for k, a in m["fields"].items():
+            if a is not None:
+                m["fields"][k] = torch.from_numpy(a).pin_memory()
+
+
+def _field(raw, spec, device):
+    """A field's bytes as the tensor of its dtype, [rows, *shape]."""
+    _, _, dtype, shape, _ = spec
+    t = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+    t = t.view(_FIELD_DTYPES[dtype]).reshape(-1, *shape)
+    return t.to(device, non_blocking=True) if t.is_pinned() else t.to(device)
 
 
 def _host(a):
@@ -217,7 +311,7 @@ def _cp_group(m, topology_cp_group):
     return m["cp_group"] if m["cp_group"] is not None else topology_cp_group
 
 
-def _microbatch(m, device, topology_cp_group, label_format="megatron"):
+def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()):
     cu = _tensor(m["cu_seqlens"], device)
     cup = _tensor(m["cu_seqlens_padded"], device)
     max_seqlen = int(m["max_seqlen"])
@@ -264,6 +358,19 @@ def _microbatch(m, device, topology_cp_group, label_format="megatron"):
             "max_seqlen_q": max_seqlen, "max_seqlen_kv": max_seqlen,
         },
     }
+    # Where each local token comes from, and the samples of the microbatch's sequences.
+    out["seq_index"] = torch.from_numpy(m["seq_index"]).to(device)
+    out["sample_ids"] = torch.from_numpy(m["sample_ids"])
+    out["seq_n_targets"] = torch.from_numpy(m["seq_n_targets"])
+    for spec in fields:
+        name, kind, dtype, shape, fill = spec
+        raw = m["fields"][name]
+        if raw is not None and hf and kind == "target":  # shifted as the labels are
+            host = raw.numpy() if isinstance(raw, torch.Tensor) else raw
+            cup_host = m["cu_seqlens_padded"]
+            cup_host = cup_host.numpy() if isinstance(cup_host, torch.Tensor) else cup_host
+            raw = _thdpack.hf_field(host, cup_host, dtype, shape, fill)
+        out[name] = None if raw is None else _field(raw, spec, device)
     if hf:
         # transformers' names (DataCollatorWithFlattening), over the padded sequences.
         out.update(input_ids=tokens, cu_seq_lens_q=cup, cu_seq_lens_k=cup,
@@ -343,7 +450,7 @@ class PackedDataIterator:
     def __init__(self, source, groups, global_batch=256, max_tokens_per_rank=16384,
                  scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None,
                  steps=None, monitored_barrier_seconds=0.0, label_format="megatron",
-                 prefetch=None, **options):
+                 prefetch=None, fields=None, **options):
         self._src = None
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
@@ -360,6 +467,10 @@ class PackedDataIterator:
                              f"token with one from another chunk. Use label_format='megatron' "
                              f"(labels already shifted) with a CP-aware model")
         self.label_format = label_format
+        self.fields = field_specs(fields)
+        if self.fields and isinstance(source, str):
+            raise ValueError(f"fields: the samples of {source!r} carry none; fields come with "
+                             f"samples fed by the caller (an iterable of dicts)")
         self.groups = groups
         nccl = dist.get_backend(groups.world) == "nccl"
         if device is None:
@@ -397,15 +508,15 @@ class PackedDataIterator:
         # the whole PackedStep on the CPU; for a GPU pinned host arrays, copied by next() on
         # the caller's stream. Holds nothing of the iterator, so a dropped iterator is freed.
         prepare = functools.partial(_prepare, self.device, groups.cp, label_format,
-                                    self.device.type == "cuda" and depth > 0)
+                                    self.device.type == "cuda" and depth > 0, self.fields)
         # Freed without close(), the iterator's source closes as close() would (the C++
         # destructor; on the data plane's own thread, where a collector may free it, it returns
         # at once and the thread ends after its steps).
-        self._shares = _FedShares(groups.sizes["dp"]) if fed else None
+        self._shares = _FedShares(groups.sizes["dp"], self.fields) if fed else None
         self._src = _thdpack._TorchStepSource(
             groups.world, groups.world_ranks, groups.known, opts,
             None if fed else source, self._shares, prepare, cuda if nccl else None,
-            float(monitored_barrier_seconds), depth, steps)
+            float(monitored_barrier_seconds), depth, steps, self.fields)
         # The ranks that read: the step runner's rule (it depends on the scheduler).
         self.is_loader = bool(self._src.reads)
         if fed:
@@ -433,7 +544,7 @@ class PackedDataIterator:
                 if g is not None:
                     m["cp_group"] = g
             step = PackedStep(payload, self.device, self.groups.cp, self._copy_stream,
-                              self.label_format)
+                              self.label_format, self.fields)
         if counts is not None:
             step.figures.update(counts)
         # The step before the last is the caller's no more (it let it go when it took the last
@@ -506,13 +617,14 @@ def _stop_at_exit():
 
 class _FedShares:
     """A caller-fed loader's iterable, read one share at a time by the step source (on the
-    thread that makes the step): ``count`` samples as (tokens, mask) pairs, None where the
+    thread that makes the step): ``count`` samples as (tokens, mask, fields), None where the
     iterable ended at the step boundary (the C++ step agrees the end over every loader). A
     sample dict's ``position``, when given, is checked against the stream position it must
     have."""
 
-    def __init__(self, dp):
+    def __init__(self, dp, fields=()):
         self._dp = dp
+        self._fields = fields
         self._it = None
 
     def start(self, source):
@@ -532,7 +644,7 @@ class _FedShares:
                 raise ValueError(f"the iterable ended after {k} of the {count} samples of this "
                                  f"loader's share") from None
             where = f"sample {k} of the share"
-            items.append(_to_sample(item, where))
+            items.append(_to_sample(item, where, self._fields))
             if isinstance(item, dict) and "position" in item:  # the caller says where: checked
                 want = first_position + loader + k * self._dp
                 if int(item["position"]) != want:
@@ -544,7 +656,7 @@ class _FedShares:
         return items
 
 
-def _prepare(device, cp_group, label_format, pin, raw):
+def _prepare(device, cp_group, label_format, pin, fields, raw):
     """What the step source keeps of a step where it is made: a PackedStep, or (``pin``: a
     GPU, ahead of the caller) the raw step with its arrays pinned, copied by next()."""
     if pin:
@@ -552,4 +664,4 @@ def _prepare(device, cp_group, label_format, pin, raw):
         return raw
     if device.type == "cuda":  # depth 0: made on the caller's thread, copied by next()
         return raw
-    return PackedStep(raw, device, cp_group, None, label_format)
+    return PackedStep(raw, device, cp_group, None, label_format, fields)

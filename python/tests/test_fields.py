@@ -1,0 +1,232 @@
+"""Fields of fed samples (thdpack/fields.h) through the C++ step, from Python.
+
+Rollouts carry per-token fields (input and target, every dtype, [L] and [L, k]) and per-sample
+ones; at topologies with TP, SP, CP, DP, PP, static and dynamic, the fields each rank's
+microbatch holds equal a plain NumPy/torch reference built from the samples it names
+(``sample_ids``): the zigzag shard of the packed field, shifted like the labels for a target
+field (and unshifted in Hugging Face's convention), the fill on padding. The same through
+``PackedDataIterator`` over gloo, tensors of the declared dtype and shape. Fields that do not
+fit are errors naming the sample and the field.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from thdpack import _thdpack
+from thdpack.torch.iterator import _to_sample, field_specs
+from worlds import spawn
+
+GLOBAL_BATCH = 12
+STEPS = 2
+MAX_TOKENS = 64
+FIELDS = {
+    "old_logp": "target",
+    "adv": {"kind": "target", "dtype": torch.bfloat16, "fill": -1},
+    "topk": {"kind": "target", "dtype": "float64", "shape": (2,), "fill": 0.5},
+    "mrope": {"kind": "input", "dtype": np.int32, "shape": (3,), "fill": -7},
+    "token_type": {"kind": "input", "dtype": "uint8", "fill": 9},
+    "uid": {"kind": "sample", "dtype": "int64"},
+    "reward": "sample",
+    "pair": {"kind": "sample", "dtype": "bool", "shape": (2,)},
+}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool}
+
+
+def rollouts(n, seed=3):
+    """n fed samples, their fields given in turn as tensors, arrays and lists."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        L = int(rng.integers(1, 60))
+        prompt = int(rng.integers(0, L + 1))
+        item = {"input_ids": rng.integers(0, 1000, L),
+                "loss_mask": (np.arange(L) >= prompt).astype(np.uint8),
+                "old_logp": torch.from_numpy(rng.normal(size=L).astype(np.float32)),
+                "adv": torch.randn(L, generator=torch.Generator().manual_seed(k)).bfloat16(),
+                "topk": rng.normal(size=(L, 2)),
+                "mrope": rng.integers(-5, 500, (L, 3)).astype(np.int32),
+                "token_type": rng.integers(0, 3, L).astype(np.uint8).tolist(),
+                "uid": k // 2,
+                "reward": float(rng.normal()),
+                "pair": [bool(k % 2), True]}
+        out.append(item)
+    return out
+
+
+def options(tp, cp, dp, pp, sp, data_on, scheduler, **more):
+    return dict(tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, data_on=data_on, global_batch=GLOBAL_BATCH,
+                max_tokens_per_rank=MAX_TOKENS, cost="llama2-7b", scheduler=scheduler, **more)
+
+
+def as_tensor(value, dtype, shape):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype).reshape(-1, *shape)
+    return torch.as_tensor(np.asarray(value)).to(dtype).reshape(-1, *shape)
+
+
+def zigzag(full, cup, cp, r):
+    """CP rank r's rows of a packed [T, ...] tensor: chunks r and 2CP-1-r of every sequence."""
+    if cp == 1:
+        return full
+    parts = []
+    for i in range(len(cup) - 1):
+        a, b = int(cup[i]), int(cup[i + 1])
+        c = (b - a) // (2 * cp)
+        parts += [full[a + r * c:a + (r + 1) * c], full[a + (2 * cp - 1 - r) * c:a + (2 * cp - r) * c]]
+    return torch.cat(parts)
+
+
+def reference(items, m, spec, hf):
+    """The field of microbatch m (a raw dict) as the plain rule builds it from its samples."""
+    name, kind, dtype, shape, fill = spec
+    dt = DTYPES[dtype]
+    values = [as_tensor(items[int(i)][name], dt, shape) for i in m["sample_ids"]]
+    if kind == "sample":
+        return torch.cat(values) if values else torch.zeros((0, *shape), dtype=dt)
+    cu, cup = m["cu_seqlens"], m["cu_seqlens_padded"]
+    full = torch.full((int(cup[-1]), *shape), fill, dtype=dt)
+    for i, v in enumerate(values):
+        a, L = int(cup[i]), int(cu[i + 1] - cu[i])
+        assert len(v) == L
+        if kind == "input":
+            full[a:a + L] = v
+        elif hf:  # unshifted: position o holds value o, the first position the fill
+            full[a + 1:a + L] = v[1:]
+        else:  # position o holds value o + 1
+            full[a:a + L - 1] = v[1:]
+    return zigzag(full, cup, int(m["cp_size"]), int(m["cp_rank"]))
+
+
+def check_microbatch(items, m, fields, first, last, hf, where, typed=False):
+    """m: a raw microbatch (uint8 field bytes) or, typed, a microbatch dict of tensors."""
+    n = len(m["cu_seqlens"]) - 1 if not m["idle"] else 0
+    ids = np.asarray(m["sample_ids"])
+    assert len(ids) == n, where
+    for i, sid in enumerate(ids):
+        x = items[int(sid)]
+        assert len(x["input_ids"]) == m["cu_seqlens"][i + 1] - m["cu_seqlens"][i], where
+        want = int(np.asarray(x["loss_mask"])[1:].sum())
+        assert int(m["seq_n_targets"][i]) == want, where
+    for spec in fields:
+        name, kind, dtype, shape, _ = spec
+        got = m[name] if typed else m["fields"][name]
+        holds = kind == "sample" or (first if kind == "input" else last)
+        if m["idle"] or not holds:
+            assert got is None or len(got) == 0, f"{where}: {name} on a stage without it"
+            continue
+        if typed:
+            assert got.dtype == DTYPES[dtype] and tuple(got.shape[1:]) == shape, \
+                f"{where}: {name} {got.dtype} {tuple(got.shape)}"
+        else:
+            got = torch.from_numpy(got).view(DTYPES[dtype]).reshape(-1, *shape)
+        want = reference(items, m, spec, hf and kind == "target")
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)), \
+            f"{where}: field {name}"
+
+
+def shares(items, dp, specs):
+    """Loader d's samples of every step, converted as the iterator converts them."""
+    out = []
+    for d in range(dp):
+        mine = []
+        for s in range(STEPS):
+            for i in range(d, GLOBAL_BATCH, dp):
+                mine.append(_to_sample(items[s * GLOBAL_BATCH + i], f"sample {i}", specs))
+        out.append(mine)
+    return out
+
+
+TOPOLOGIES = [
+    (1, 1, 2, 1, False, "tp0", "balanced"), (1, 2, 2, 1, False, "tp0", "balanced"),
+    (2, 2, 1, 2, True, "tp0", "sequential"), (1, 2, 1, 2, False, "all", "balanced"),
+    (1, 2, 2, 1, False, "tp0", "dynamic"), (2, 2, 1, 1, False, "all", "dynamic"),
+]
+
+
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "-".join(map(str, t)))
+def test_fields_on_threads_equal_the_reference(topo):
+    tp, cp, dp, pp = topo[:4]
+    items = rollouts(GLOBAL_BATCH * STEPS)
+    specs = field_specs(FIELDS)
+    steps = _thdpack._run_steps_on_threads(options(*topo), STEPS, None, shares(items, dp, specs),
+                                           None, specs)
+    for r, per in enumerate(steps):
+        for s, step in enumerate(per):
+            want = sum(int(np.asarray(x["loss_mask"])[1:].sum() > 0)
+                       for x in items[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH])
+            assert step["n_loss_sequences"] == want
+            for k, m in enumerate(step["microbatches"]):
+                check_microbatch(items, m, specs, step["first_stage"], step["last_stage"], False,
+                                 f"{topo} rank {r} step {s} microbatch {k}")
+
+
+def test_fields_that_do_not_fit_are_errors_naming_the_sample_and_field():
+    specs = field_specs(FIELDS)
+    opts = options(1, 1, 2, 1, False, "tp0", "balanced")
+
+    def error_of(edit):
+        items = rollouts(GLOBAL_BATCH * STEPS)
+        edit(items[5])
+        with pytest.raises(ValueError) as e:
+            _thdpack._run_steps_on_threads(opts, 1, None, shares(items, 2, specs), None, specs)
+        return str(e.value)
+
+    msg = error_of(lambda x: x.update(old_logp=x["old_logp"][:-1]))
+    assert "old_logp (target float32 [L])" in msg and "expected [" in msg, msg
+    msg = error_of(lambda x: x.update(topk=x["topk"].astype(np.float32)))
+    assert "holds float32 values, declared float64 (values are never cast)" in msg, msg
+    msg = error_of(lambda x: x.pop("uid"))
+    assert "declared field uid (sample int64) is missing" in msg, msg
+    msg = error_of(lambda x: x.update(values=[1.0]))
+    assert "'values' is not a declared field" in msg, msg
+    msg = error_of(lambda x: x.update(uid=2.5))
+    assert "holds float64 values, declared int64" in msg, msg
+    with pytest.raises(ValueError, match="fields\\[1\\] 'x': declared twice|fill"):
+        _thdpack._run_steps_on_threads(opts, 1, None, None, None,
+                                       [("x", "target", "bool", (), 2.0)])
+    with pytest.raises(ValueError, match="field kind 'token'"):
+        field = [("x", "token", "float32", (), 0.0)]
+        _thdpack._run_steps_on_threads(opts, 1, None, None, None, field)
+
+
+# Over gloo, through PackedDataIterator: 4 ranks, static with CP and DP, Hugging Face's labels
+# with SP, dynamic CP, at prefetch depths 0 and 1.
+GLOO_RUNS = [((1, 2, 2, 1, False, "tp0", "balanced"), {}, 1),
+             ((2, 1, 2, 1, True, "tp0", "balanced"), {"label_format": "hf"}, 0),
+             ((1, 2, 2, 1, False, "tp0", "dynamic"), {}, 1)]
+
+
+def gloo_worker(rank, world, port, out):
+    from test_torch_iterator import join_gloo, make_groups, coords
+    from thdpack.torch import PackedDataIterator
+    join_gloo(rank, world, port)
+    items = rollouts(GLOBAL_BATCH * STEPS)
+    results = []
+    for topo, more, prefetch in GLOO_RUNS:
+        tp, cp, dp, pp = topo[:4]
+        groups = make_groups(tp, cp, dp, pp)
+        c = coords(rank, tp, cp, dp, pp)
+        loader = c["tp"] == 0 and c["cp"] == 0 and c["pp"] == 0
+        mine = [items[s * GLOBAL_BATCH + i] for s in range(STEPS)
+                for i in range(c["dp"], GLOBAL_BATCH, dp)] if loader else None
+        opts = {k: v for k, v in options(*topo).items() if k not in ("tp", "cp", "dp", "pp")}
+        it = PackedDataIterator(mine, groups, fields=FIELDS, prefetch=prefetch, **opts, **more)
+        specs = it.fields
+        for s, step in enumerate(it):
+            for k, mb in enumerate(step):
+                check_microbatch(items, mb, specs, step.first_stage, step.last_stage,
+                                 more.get("label_format") == "hf",
+                                 f"{topo} {more} rank {rank} step {s} microbatch {k}", typed=True)
+            results.append(step.n_loss_sequences)
+        it.close()
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fields_through_the_iterator_over_gloo(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(gloo_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    for r in range(4):
+        assert len(torch.load(tmp_path / f"rank{r}.pt")) == len(GLOO_RUNS) * STEPS
