@@ -8,6 +8,7 @@
 // whose field does not fit is an error on every rank naming it.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -219,6 +220,77 @@ TEST(FieldsStep, EveryRankHoldsTheReferenceFields) {
       }
       ASSERT_EQ(seen.size(), static_cast<size_t>(kBatch * kSteps));
       for (const auto& [id, count] : seen) EXPECT_EQ(count, 1) << "sample " << id;
+    }
+  }
+}
+
+// Unpacking the packed values of a target field gives every loader its samples' field back, in
+// its order, row 0 the fill: at every topology, for a scalar float32 field and a [L, 3] float64
+// one. A last-stage rank that passes no values is an error on every rank.
+TEST(FieldsStep, UnpackGivesEveryLoaderItsSamplesBack) {
+  constexpr int64_t kBatch = 20;
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(Name(c));
+    const Job job = MakeJob(c, kBatch);
+    const StepRunnerOptions options = FedWithFields(job);
+    // The rank that passes nothing when `missing`: tp 0 of the last stage, the last CP and DP.
+    const int silent = *job.topology.RankOf(
+        Coord{0, c.cp - 1, c.dp - 1, c.pp - 1});
+    for (bool missing : {false, true}) {
+      std::atomic<bool> held_values{false};  // the silent rank held a microbatch to send
+      const auto statuses = RunOnThreads(job.topology.world_size(), [&](ProcessGroup& w) -> Status {
+        THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(w, job.topology, options));
+        THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
+        THDPACK_ASSIGN_OR_RETURN(Coord me, job.topology.CoordOf(w.rank()));
+        std::vector<int64_t> own;
+        if (ReadsShare(me, options)) {
+          for (int64_t k = 0; k < LoaderCount(kBatch, job.topology.dp_size(), me.dp); ++k) {
+            own.push_back(static_cast<int64_t>(
+                SampleAt(k * job.topology.dp_size() + me.dp).tokens.size()));
+          }
+        }
+        for (size_t f : {size_t{0}, size_t{2}}) {
+          const FieldSpec& spec = kSchema[f];
+          std::vector<UnpackMicrobatch> mbs;
+          for (const LocalMicrobatch& m : step.microbatches) {
+            UnpackMicrobatch u{m.cu_seqlens, m.cu_seqlens_padded, m.cp_size, m.cp_rank, m.idle,
+                               m.sample_ids, m.fields[f]};
+            if (missing && w.rank() == silent) {
+              if (!m.idle) held_values = true;
+              u.values = {};
+            }
+            mbs.push_back(u);
+          }
+          const std::vector<std::byte> fill = FillRow(spec);
+          UnpackArgs args{0, kBatch, own, spec.row_bytes(), fill};
+          Result<std::vector<std::vector<std::byte>>> got =
+              UnpackStep(w, job.topology, options, mbs, args);
+          if (missing && held_values) {
+            if (got.ok()) return Status::Internal("unpack without one rank's values succeeded");
+            if (got.status().message().find("must pass its values") == std::string::npos &&
+                got.status().code() != StatusCode::kAborted) {
+              return Status::Internal("unpack without values: " + got.status().ToString());
+            }
+            return Status::Ok();
+          }
+          if (!got.ok()) return got.status();
+          if (got->size() != own.size()) return Status::Internal("unpack: sample count");
+          for (size_t k = 0; k < own.size(); ++k) {
+            std::vector<std::byte> want =
+                SampleAt(static_cast<int64_t>(k) * job.topology.dp_size() + me.dp).fields[f];
+            std::memcpy(want.data(), fill.data(), fill.size());
+            if ((*got)[k] != want) {
+              return Status::Internal("unpack: field " + spec.name + " of loader sample " +
+                                      std::to_string(k) + " differs");
+            }
+          }
+        }
+        return Status::Ok();
+      });
+      for (size_t r = 0; r < statuses.size(); ++r) {
+        EXPECT_TRUE(statuses[r].ok()) << (missing ? "missing, " : "") << "rank " << r << ": "
+                                      << statuses[r].ToString();
+      }
     }
   }
 }

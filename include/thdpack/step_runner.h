@@ -59,6 +59,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -250,6 +251,53 @@ class StepRunner {
   explicit StepRunner(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Whether the rank at `coord` reads its replica's share of each step (StepRunner::reads): with
+// the static schedulers the loaders (tp = cp = pp = 0; with DataOn::kAll every rank), with the
+// dynamic one the ranks cp = 0 of the heads (tp = pp = 0; with kAll every (tp, pp)).
+bool ReadsShare(const Coord& coord, const StepRunnerOptions& options);
+
+// ---- Back to sample order: the inverse of a step for the model's per-token outputs. ----
+
+// One microbatch as a rank holds it, for UnpackStep: its layout and group (LocalMicrobatch's),
+// the samples of its sequences, and this rank's values, [T/CP] rows of row_bytes label-aligned
+// as the loss sees them (row o of a sequence: the prediction of its token o + 1); empty where
+// the rank passes none (only the ranks tp = 0 of the last stage send theirs).
+struct UnpackMicrobatch {
+  std::span<const int32_t> cu_seqlens;
+  std::span<const int32_t> cu_seqlens_padded;
+  int cp_size = 1;
+  int cp_rank = 0;
+  bool idle = false;
+  std::span<const int64_t> sample_ids;
+  std::span<const std::byte> values;
+};
+
+struct UnpackArgs {
+  // The step's first sample id and sample count: with a caller-fed source (the only kind
+  // UnpackStep serves) the k-th sample of loader d has id first_id + k * DP + d.
+  int64_t first_id = 0;
+  int64_t num_samples = 0;
+  // A reading rank: its samples' lengths, in the order it gave them; empty elsewhere.
+  std::span<const int64_t> own_lengths;
+  // Bytes of one value row, and the row written where no prediction produces one (token 0).
+  size_t row_bytes = 0;
+  std::span<const std::byte> fill;
+};
+
+// Collective over `world` (the step's world, topology order): every rank of the last stage with
+// tp = 0 sends each run of its values (a zigzag chunk of a sequence) to every reading rank of
+// the sample's loader (ReadsShare, dp = (id - first_id) % DP), in one all-to-all-v of 24 bytes
+// a run plus the rows. Each reading rank returns, in the order it gave its samples, one buffer
+// per sample of L rows, token-aligned like a target field: row j (1 <= j < L) the value that
+// predicted token j, row 0 the fill; other ranks an empty list. Packing a target field and
+// unpacking its packed values returns it, row 0 replaced by the fill.
+// Errors, agreed over the world (every rank returns one): values of the wrong size or where a
+// microbatch is idle, a run naming a sample or token outside the step (Internal), and, on a
+// reading rank, a sample whose values did not all arrive (a last-stage rank passed none).
+[[nodiscard]] Result<std::vector<std::vector<std::byte>>> UnpackStep(
+    ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
+    std::span<const UnpackMicrobatch> microbatches, const UnpackArgs& args);
 
 // The steps of a run as a training loop takes them (`thdpack run`, the torch iterator, a C++ or
 // MPI loop): one interface whatever the depth. At depth 0 each Next() runs the step runner on

@@ -90,6 +90,14 @@ Result<PhaseTable> GatherPhases(ProcessGroup& world, const RankStep& step) {
 using namespace runner_internal;  // NOLINT: the runtime area's own helpers
 
 
+bool ReadsShare(const Coord& c, const StepRunnerOptions& options) {
+  const bool all = options.data_on == DataOn::kAll;
+  if (options.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+    return c.cp == 0 && (all || (c.tp == 0 && c.pp == 0));
+  }
+  return all || (c.tp == 0 && c.cp == 0 && c.pp == 0);
+}
+
 Status StepRunner::Impl::Init() {
   Status local;
   if (world_.size() != topo_.world_size()) {
@@ -142,8 +150,7 @@ Status StepRunner::Impl::Init() {
       coord_ = *c;
       // Static: the loaders (every rank with all). Dynamic: with all, the ranks cp = 0 of every
       // (tp, pp) slice, which is a domain of its own.
-      reader_ = dynamic_ ? (coord_.cp == 0 && (all || (coord_.tp == 0 && coord_.pp == 0)))
-                         : (all || (coord_.tp == 0 && coord_.cp == 0 && coord_.pp == 0));
+      reader_ = ReadsShare(coord_, opts_);
       head_ = dynamic_ && (all || (coord_.tp == 0 && coord_.pp == 0));
       if (reader_ && !opts_.read_share) {
         auto src = OpenSource(opts_.data, opts_.source);

@@ -1,0 +1,183 @@
+// UnpackStep (thdpack/step_runner.h): a step's per-token outputs back to the loaders that read
+// the samples, in their order. Which local token belongs to which sample and token comes from
+// the shard's own rules (ShardSequenceIndex, LocalPositionIds): a run is a stretch of local
+// positions of one sequence whose padded positions follow each other (a zigzag chunk).
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "thdpack/fields.h"
+#include "thdpack/shard.h"
+#include "thdpack/step_runner.h"
+
+namespace thdpack {
+namespace {
+
+constexpr size_t kRunHeader = 3 * sizeof(int64_t);  // sample id, first token, rows
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+Result<std::vector<std::vector<std::byte>>> UnpackStep(
+    ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
+    std::span<const UnpackMicrobatch> microbatches, const UnpackArgs& args) {
+  const int size = world.size();
+  const int dp = topology.dp_size();
+  const size_t rb = args.row_bytes;
+  Status local;
+  THDPACK_ASSIGN_OR_RETURN(const Coord me, topology.CoordOf(world.rank()));
+  const bool reads = ReadsShare(me, options);
+  // The reading ranks of each loader d.
+  std::vector<std::vector<int>> readers(static_cast<size_t>(dp));
+  for (int r = 0; r < size; ++r) {
+    THDPACK_ASSIGN_OR_RETURN(Coord c, topology.CoordOf(r));
+    if (ReadsShare(c, options)) readers[static_cast<size_t>(c.dp)].push_back(r);
+  }
+  if (rb == 0 || args.fill.size() != rb) {
+    local = Status::InvalidArgument("unpack: a value row of " + Str(static_cast<int64_t>(rb)) +
+                                    " bytes with a fill of " +
+                                    Str(static_cast<int64_t>(args.fill.size())));
+  }
+  const int64_t my_count = reads ? LoaderCount(args.num_samples, dp, me.dp) : 0;
+  if (local.ok() && reads && static_cast<int64_t>(args.own_lengths.size()) != my_count) {
+    local = Status::InvalidArgument("unpack: this loader (dp=" + Str(me.dp) + ") gave " +
+                                    Str(static_cast<int64_t>(args.own_lengths.size())) +
+                                    " sample lengths; its share of the step's " +
+                                    Str(args.num_samples) + " samples is " + Str(my_count));
+  }
+
+  // The runs this rank sends, per destination: the ranks tp = 0 of the last stage send (the
+  // other TP ranks hold the same values; other stages none).
+  const bool sends = me.tp == 0 && me.pp == topology.pp_size() - 1;
+  std::vector<std::vector<std::byte>> send(static_cast<size_t>(size));
+  for (size_t m = 0; m < microbatches.size() && local.ok() && sends; ++m) {
+    const UnpackMicrobatch& mb = microbatches[m];
+    if (mb.values.empty()) continue;
+    const std::string where = "unpack: values of microbatch " + Str(static_cast<int64_t>(m));
+    if (mb.idle) {
+      local = Status::InvalidArgument(where + ": the microbatch is idle on this rank");
+      break;
+    }
+    Result<std::vector<int32_t>> seq =
+        ShardSequenceIndex(mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank);
+    Result<std::vector<int32_t>> pos =
+        LocalPositionIds(mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank);
+    if (!seq.ok() || !pos.ok()) {
+      local = (seq.ok() ? pos.status() : seq.status()).WithContext(where);
+      break;
+    }
+    const size_t n_local = seq->size();
+    if (mb.values.size() != n_local * rb ||
+        mb.sample_ids.size() + 1 != mb.cu_seqlens.size()) {
+      local = Status::InvalidArgument(where + ": " + Str(static_cast<int64_t>(mb.values.size())) +
+                                      " bytes, the shard's " + Str(static_cast<int64_t>(n_local)) +
+                                      " tokens of " + Str(static_cast<int64_t>(rb)) +
+                                      " bytes need " + Str(static_cast<int64_t>(n_local * rb)));
+      break;
+    }
+    for (size_t k = 0; k < n_local;) {
+      const int32_t i = (*seq)[k];
+      if (i < 0) {
+        ++k;
+        continue;
+      }
+      const int64_t length = int64_t{mb.cu_seqlens[i + 1]} - mb.cu_seqlens[i];
+      size_t end = k + 1;
+      while (end < n_local && (*seq)[end] == i && (*pos)[end] == (*pos)[end - 1] + 1) ++end;
+      // Row o predicts token o + 1: the last real token predicts nothing.
+      const int64_t first_token = int64_t{(*pos)[k]} + 1;
+      const int64_t rows = std::min<int64_t>(static_cast<int64_t>(end - k), length - first_token);
+      if (rows > 0) {
+        const int64_t id = mb.sample_ids[static_cast<size_t>(i)];
+        const int64_t offset = id - args.first_id;
+        if (offset < 0 || offset >= args.num_samples) {
+          local = Status::Internal(where + ": sample id " + Str(id) + " is not of the step");
+          break;
+        }
+        const int64_t header[3] = {id, first_token, rows};
+        for (int r : readers[static_cast<size_t>(offset % dp)]) {
+          std::vector<std::byte>& out = send[static_cast<size_t>(r)];
+          const size_t at = out.size();
+          out.resize(at + kRunHeader + static_cast<size_t>(rows) * rb);
+          std::memcpy(out.data() + at, header, kRunHeader);
+          std::memcpy(out.data() + at + kRunHeader, mb.values.data() + k * rb,
+                      static_cast<size_t>(rows) * rb);
+        }
+      }
+      k = end;
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "unpack"));
+
+  // The byte counts of every pair, then the runs.
+  std::vector<int64_t> counts(static_cast<size_t>(size)), all(static_cast<size_t>(size) * size);
+  for (int r = 0; r < size; ++r) {
+    counts[static_cast<size_t>(r)] = static_cast<int64_t>(send[static_cast<size_t>(r)].size());
+  }
+  THDPACK_RETURN_IF_ERROR(
+      world.AllGatherValues(std::span<const int64_t>(counts), std::span<int64_t>(all)));
+  std::vector<int64_t> sc(static_cast<size_t>(size)), sd(sc.size()), rc(sc.size()), rd(sc.size());
+  int64_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < size; ++r) {
+    sc[static_cast<size_t>(r)] = counts[static_cast<size_t>(r)];
+    sd[static_cast<size_t>(r)] = send_total;
+    send_total += sc[static_cast<size_t>(r)];
+    rc[static_cast<size_t>(r)] = all[static_cast<size_t>(r) * size + world.rank()];
+    rd[static_cast<size_t>(r)] = recv_total;
+    recv_total += rc[static_cast<size_t>(r)];
+  }
+  std::vector<std::byte> sendbuf(static_cast<size_t>(send_total)),
+      recvbuf(static_cast<size_t>(recv_total));
+  for (int r = 0; r < size; ++r) {
+    const auto& s = send[static_cast<size_t>(r)];
+    if (!s.empty()) std::memcpy(sendbuf.data() + sd[static_cast<size_t>(r)], s.data(), s.size());
+  }
+  send.clear();
+  THDPACK_RETURN_IF_ERROR(world.AllToAllV(sendbuf, sc, sd, recvbuf, rc, rd));
+
+  // This loader's samples, filled from the runs.
+  std::vector<std::vector<std::byte>> out(static_cast<size_t>(my_count));
+  int64_t expected = 0, received = 0;
+  for (int64_t k = 0; k < my_count; ++k) {
+    const int64_t length = args.own_lengths[static_cast<size_t>(k)];
+    auto& v = out[static_cast<size_t>(k)];
+    v.resize(static_cast<size_t>(std::max<int64_t>(length, 0)) * rb);
+    for (size_t at = 0; at < v.size(); at += rb) std::memcpy(v.data() + at, args.fill.data(), rb);
+    expected += std::max<int64_t>(length - 1, 0);
+  }
+  for (size_t at = 0; at < recvbuf.size() && local.ok();) {
+    int64_t header[3];
+    if (recvbuf.size() - at < kRunHeader) {
+      local = Status::Internal("unpack: a run header cut short");
+      break;
+    }
+    std::memcpy(header, recvbuf.data() + at, kRunHeader);
+    at += kRunHeader;
+    const int64_t offset = header[0] - args.first_id, first = header[1], rows = header[2];
+    const int64_t k = offset / dp;
+    if (offset < 0 || offset % dp != me.dp || k >= my_count || first < 1 || rows < 1 ||
+        first + rows > args.own_lengths[static_cast<size_t>(k)] ||
+        static_cast<uint64_t>(rows) * rb > recvbuf.size() - at) {
+      local = Status::Internal("unpack: a run of sample id " + Str(header[0]) + " tokens " +
+                               Str(first) + "+" + Str(rows) + " does not fit this loader's " +
+                               "samples (are the lengths those it gave, in its order?)");
+      break;
+    }
+    std::memcpy(out[static_cast<size_t>(k)].data() + static_cast<size_t>(first) * rb,
+                recvbuf.data() + at, static_cast<size_t>(rows) * rb);
+    at += static_cast<size_t>(rows) * rb;
+    received += rows;
+  }
+  if (local.ok() && received != expected) {
+    local = Status::InvalidArgument(
+        "unpack: loader dp=" + Str(me.dp) + " received values for " + Str(received) + " of its " +
+        Str(expected) + " predicted tokens: every rank of the last stage with tp = 0 must pass " +
+        "its values for every microbatch it holds");
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "unpack"));
+  return out;
+}
+
+}  // namespace thdpack
