@@ -19,6 +19,7 @@
 // d). `fields` is the run's schema (fields_py.h; None: none).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <memory>
 #include <optional>
@@ -98,7 +99,7 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
 // static step).
 py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
                       const std::string& figures, int world_rank,
-                      const std::vector<FieldSpec>& fields) {
+                      const std::vector<FieldSpec>& fields, int64_t global_batch) {
   py::dict d;
   d["n_loss_sequences"] = step.n_loss_sequences;
   d["step"] = step.step;
@@ -122,6 +123,19 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
   // The run's state once this step is done, as JSON text (the iterator parses it only when
   // asked for its state_dict).
   d["state"] = RunStateToJson(step.after);
+  // What step.unpack needs of a caller-fed step: its first sample id (stream position) and, on a
+  // reading rank, its own samples' lengths in the order it gave them (its ids first + k*DP + dp).
+  if (global_batch > 0) {
+    const int64_t first = step.after.consumed - global_batch;
+    const int dp = topo.dp_size();
+    std::vector<int64_t> own;
+    for (const SampleLength& x : step.samples) {
+      if ((x.id - first) % dp == step.coord.dp) own.push_back(x.length);
+    }
+    d["unpack"] = py::make_tuple(first, global_batch, ToNumpy(std::move(own)));
+  } else {
+    d["unpack"] = py::none();
+  }
   std::vector<int> topology_cp = ValueOrThrow(topo.GroupOf(GroupKind::kCp, world_rank));
   py::list mbs;
   const Coord me = ValueOrThrow(topo.CoordOf(world_rank));
@@ -301,14 +315,14 @@ Result<StepShare> TakeShare(const PyRef& take_share, const Job& job,
 Status PrepareStep(const std::shared_ptr<const Job>& job,
                    const std::shared_ptr<const std::vector<FieldSpec>>& fields,
                    const PyRef& prepare, DropList& dropped, ProcessGroup& comm, RankStep& step,
-                   bool on_data_thread) {
+                   bool on_data_thread, bool fed) {
   THDPACK_ASSIGN_OR_RETURN(std::string figures, StepFiguresJsonOnEveryRank(comm, *job, step));
   py::gil_scoped_acquire gil;
   if (on_data_thread) KeepThreadState();
   dropped.Drain();
   try {
-    py::dict raw =
-        StepToPython(step, job->topology, job->options.sp, figures, comm.rank(), *fields);
+    py::dict raw = StepToPython(step, job->topology, job->options.sp, figures, comm.rank(),
+                                *fields, fed ? job->options.global_batch : 0);
     py::object made = prepare.get()(raw);
     step.prepared = std::make_shared<PyRef>(std::move(made));
   } catch (py::error_already_set& e) {
@@ -363,8 +377,10 @@ class TorchStepSource {
     const bool ahead = depth > 0;  // on_step then runs on the source's own thread
     std::shared_ptr<DropList> dropped = dropped_;
     auto specs = fields_;
-    so.on_step = [prep, job, specs, dropped, ahead](ProcessGroup& c, RankStep& step) -> Status {
-      return PrepareStep(job, specs, *prep, *dropped, c, step, ahead);
+    const bool fed = source.is_none();  // a caller-fed step: step.unpack can serve it
+    so.on_step = [prep, job, specs, dropped, ahead, fed](ProcessGroup& c,
+                                                         RankStep& step) -> Status {
+      return PrepareStep(job, specs, *prep, *dropped, c, step, ahead, fed);
     };
     if (depth > 0) {
       // The data plane's own world: a gloo group over the same ranks, made here on the
@@ -443,6 +459,60 @@ class TorchStepSource {
     ThrowIfError(source_->Restore(RunStateFromPy(state, "load_state_dict: state")));
   }
   bool Reads() const { return source_ && source_->reads(); }
+
+  // step.unpack: collective over the world (UnpackStep). microbatches: the step's microbatch
+  // dicts (their CPU offsets, group and sample ids); values: per microbatch this rank's uint8
+  // bytes of [T/CP, *row] or None; unpack: the step's (first id, samples, own lengths); fill: one
+  // row of bytes. Returns, on a reading rank, one uint8 array per own sample (its order).
+  py::list Unpack(const py::list& microbatches, const py::list& values, const py::tuple& unpack,
+                  const py::object& fill_obj) {
+    if (!world_) throw std::runtime_error("unpack: the iterator is closed");
+    if (values.size() != microbatches.size()) {
+      throw py::value_error("unpack: " + std::to_string(values.size()) + " value tensors for " +
+                            std::to_string(microbatches.size()) + " microbatches");
+    }
+    std::vector<py::object> held;
+    std::vector<UnpackMicrobatch> mbs;
+    auto hold = [&](py::object o) {
+      held.push_back(o);
+      return py::handle(held.back());
+    };
+    for (size_t m = 0; m < microbatches.size(); ++m) {
+      const py::dict mb = microbatches[m].cast<py::dict>();
+      const std::string where = "unpack: microbatch " + std::to_string(m);
+      auto cu = IntView1D<int32_t>(hold(mb["cu_seqlens_cpu"]), where + " cu_seqlens");
+      auto cup = IntView1D<int32_t>(hold(mb["cu_seqlens_padded_cpu"]), where + " cu_seqlens_padded");
+      auto ids = IntView1D<int64_t>(hold(mb["sample_ids"]), where + " sample_ids");
+      held.push_back(cu.owner);
+      held.push_back(cup.owner);
+      held.push_back(ids.owner);
+      UnpackMicrobatch u{cu, cup, mb["cp_size"].cast<int>(), mb["cp_rank"].cast<int>(),
+                         mb["idle"].cast<bool>(), ids, {}};
+      if (!values[m].is_none()) {
+        auto v = View1D<uint8_t>(py::handle(values[m]), where + " values");
+        held.push_back(v.owner);
+        u.values = std::as_bytes(std::span<const uint8_t>(v));
+      }
+      mbs.push_back(u);
+    }
+    auto own = IntView1D<int64_t>(py::handle(unpack[2]), "unpack: own lengths");
+    auto fill = View1D<uint8_t>(py::handle(fill_obj), "unpack: fill");
+    UnpackArgs args{unpack[0].cast<int64_t>(), unpack[1].cast<int64_t>(), own, fill.size(),
+                    std::as_bytes(std::span<const uint8_t>(fill))};
+    std::optional<Result<std::vector<std::vector<std::byte>>>> got;
+    {
+      py::gil_scoped_release release;
+      got.emplace(UnpackStep(*world_, job_->topology, RunnerOptions(*job_), mbs, args));
+    }
+    ThrowIfError(got->status());
+    py::list out;
+    for (std::vector<std::byte>& b : **got) {
+      std::vector<uint8_t> bytes(b.size());
+      if (!b.empty()) std::memcpy(bytes.data(), b.data(), b.size());
+      out.append(ToNumpy(std::move(bytes)));
+    }
+    return out;
+  }
   // A step the caller has finished with: freed by the thread that makes the next step.
   void DropLater(py::object step) { dropped_->Add(std::move(step)); }
   // The data plane's torch group (depth >= 1; None otherwise), for tests: destroyed with the
@@ -551,7 +621,8 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
     py::list per;
     for (size_t s = 0; s < got[static_cast<size_t>(r)].size(); ++s) {
       per.append(StepToPython(got[static_cast<size_t>(r)][s], job.topology,
-                              job.options.sp, figures[static_cast<size_t>(r)][s], r, fields));
+                              job.options.sp, figures[static_cast<size_t>(r)][s], r, fields,
+                              shares.is_none() ? 0 : job.options.global_batch));
     }
     out.append(per);
   }
@@ -572,6 +643,8 @@ void BindTorchIter(py::module_& m) {
       .def("state", &TorchStepSource::State)
       .def("restore", &TorchStepSource::Restore, py::arg("state"))
       .def_property_readonly("reads", &TorchStepSource::Reads)
+      .def("unpack", &TorchStepSource::Unpack, py::arg("microbatches"), py::arg("values"),
+           py::arg("unpack"), py::arg("fill"))
       .def("drop_later", &TorchStepSource::DropLater, py::arg("step"))
       .def_property_readonly("data_group", &TorchStepSource::DataGroup)
       .def("close", &TorchStepSource::Close, py::arg("timeout") = -1.0);

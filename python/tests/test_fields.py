@@ -220,9 +220,76 @@ def gloo_worker(rank, world, port, out):
                                  more.get("label_format") == "hf",
                                  f"{topo} {more} rank {rank} step {s} microbatch {k}", typed=True)
             results.append(step.n_loss_sequences)
+            if "label_format" not in more:  # hf target fields are unshifted: not label-aligned
+                check_unpack(step, items, mine, s, c, dp, f"{topo} {more} rank {rank} step {s}")
         it.close()
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def check_unpack(step, items, mine, s, c, dp, where):
+    """step.unpack of target fields' packed values gives each loader its samples' fields back in
+    its order (entry 0 the fill); the values come from the last stage's tp 0 only."""
+    for name, fill in (("old_logp", 0.0), ("topk", -3.0), ("adv", 2.0)):
+        values = [mb[name] if step.last_stage else None for mb in step]
+        got = step.unpack(values, fill=fill)
+        if mine is None:
+            assert got == [], where
+            continue
+        share = mine[len(mine) // STEPS * s:len(mine) // STEPS * (s + 1)] if s is not None else mine
+        assert len(got) == len(share), where
+        for k, (g, x) in enumerate(zip(got, share)):
+            spec = dict((f[0], f) for f in field_specs(FIELDS))[name]
+            want = as_tensor(x[name], DTYPES[spec[2]], spec[3]).clone()
+            want[0] = fill
+            assert g.dtype == want.dtype and torch.equal(g, want), f"{where}: unpack {name} {k}"
+
+
+# pack_batch: the loaders' lists, one step; at static CP x DP, PP, dynamic CP.
+BATCH_RUNS = [(1, 2, 2, 1, False, "tp0", "balanced"), (1, 1, 2, 2, False, "tp0", "balanced"),
+              (1, 2, 2, 1, False, "tp0", "dynamic")]
+
+
+def batch_worker(rank, world, port, out):
+    from test_torch_iterator import join_gloo, make_groups, coords
+    from thdpack.torch import pack_batch
+    join_gloo(rank, world, port)
+    items = rollouts(30, seed=11)
+    done = 0
+    for topo in BATCH_RUNS:
+        tp, cp, dp, pp = topo[:4]
+        groups = make_groups(tp, cp, dp, pp)
+        c = coords(rank, tp, cp, dp, pp)
+        loader = c["tp"] == 0 and c["cp"] == 0 and c["pp"] == 0
+        mine = items[c["dp"]::dp] if loader else None
+        opts = {k: v for k, v in options(*topo).items()
+                if k not in ("tp", "cp", "dp", "pp", "global_batch")}
+        step = pack_batch(mine, groups, fields=FIELDS, **opts)
+        assert step.num_microbatches >= 1
+        for k, mb in enumerate(step):
+            check_microbatch(items, mb, field_specs(FIELDS), step.first_stage, step.last_stage,
+                             False, f"{topo} rank {rank} microbatch {k}", typed=True)
+        check_unpack(step, items, mine, None, c, dp, f"pack_batch {topo} rank {rank}")
+        done += 1
+        # The last loader holding one sample too many: the batch of 31 gives loader 0 16
+        # samples and loader 1 15, neither what it holds: an error on every rank (the loaders'
+        # name the counts, the others' the loader that failed).
+        bad = (mine + mine[:1]) if (loader and c["dp"] == dp - 1) else mine
+        try:
+            pack_batch(bad, groups, fields=FIELDS, **opts)
+        except (ValueError, RuntimeError) as e:
+            assert "its share of the batch of 31" in str(e), e
+        else:
+            raise AssertionError("a loader with a sample too many was not refused")
+    torch.save(done, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_pack_batch_and_unpack_over_gloo(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(batch_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    for r in range(4):
+        assert torch.load(tmp_path / f"rank{r}.pt") == len(BATCH_RUNS)
 
 
 def test_fields_through_the_iterator_over_gloo(tmp_path):

@@ -14,7 +14,7 @@ from .sharding import partition_indices, shard, sp_split, unshard
 from .loss import (IGNORE_INDEX, LossStatistics, empty_grad_cache, grad_cache_info, local_loss,
                    set_grad_cache, token_statistics)
 from .linear_loss import linear_loss
-from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions
+from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions, pack_batch
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 from .calibrate import calibrate
 
@@ -22,6 +22,6 @@ __all__ = [
     "IGNORE_INDEX", "LossStatistics", "local_loss", "micro_batch_indices", "partition_indices",
     "rearrange_micro_batches", "shard", "sp_split", "token_statistics", "unshard",
 ]
-__all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions"]
+__all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
 __all__ += ["calibrate", "linear_loss"]

@@ -14,6 +14,7 @@ import atexit
 import functools
 import json
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -256,6 +257,45 @@ class PackedStep:
             self.microbatches = [_microbatch(m, device, cp_group, label_format, fields)
                                  for m in raw["microbatches"]]
         self._state = raw["state"]
+        self._unpack = raw["unpack"]
+        # The iterator whose world unpack() communicates over (a weak reference, set by
+        # __next__: a step the iterator's data thread frees must not keep the iterator alive).
+        self._iterator = None
+
+    def unpack(self, values, fill=0):
+        """The model's per-token outputs back to the samples, in each loader's order.
+
+        Collective over the world. ``values``: one tensor per microbatch of this rank's outputs,
+        [T/CP] or [T/CP, *row], label-aligned as the loss sees them (position o of a sequence:
+        the prediction of its token o + 1); needed on the ranks tp = 0 of the last stage, None
+        (or any) elsewhere. Returns, on each rank that read samples, a list in the order it gave
+        them of one tensor per sample, [L] or [L, *row] of the values' dtype, token-aligned like
+        a target field: entry j (1 <= j < L) the value that predicted token j, entry 0 ``fill``;
+        on other ranks []. Only for samples fed by the caller (the iterator's iterables,
+        pack_batch)."""
+        it = None if self._iterator is None else self._iterator()
+        if self._unpack is None or it is None or it._src is None:
+            raise RuntimeError("unpack: needs a step of samples fed by the caller, from an "
+                               "iterator that is still open, or pack_batch")
+        if len(values) != self.num_microbatches:
+            raise ValueError(f"unpack: {len(values)} value tensors for {self.num_microbatches} "
+                             f"microbatches")
+        sends = [v for v in values if v is not None]
+        desc = _agree_row(sends, it._nccl_device, it.groups.world)
+        dtype, shape = _DTYPE_OF_CODE[desc[0]], tuple(desc[1:])
+        raw = []
+        for v in values:
+            if v is None:
+                raw.append(None)
+                continue
+            t = v.detach().contiguous().cpu()
+            if t.dtype != dtype or tuple(t.shape[1:]) != shape:
+                raise ValueError(f"unpack: values of {t.dtype} {tuple(t.shape)}, other "
+                                 f"microbatches' are {dtype} [T/CP, {shape}]")
+            raw.append(t.reshape(-1).view(torch.uint8).numpy())
+        fill_row = torch.full((1, *shape), fill, dtype=dtype).reshape(-1).view(torch.uint8)
+        out = it._src.unpack(self.microbatches, raw, self._unpack, fill_row.numpy())
+        return [torch.from_numpy(b).view(dtype).reshape(-1, *shape) for b in out]
 
     def state_dict(self):
         """The run's state once this step is done (the iterator's state_dict() after it)."""
@@ -266,6 +306,34 @@ class PackedStep:
 
     def __len__(self):
         return self.num_microbatches
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4,
+                torch.int32: 5, torch.int64: 6, torch.uint8: 7, torch.bool: 8}
+_DTYPE_OF_CODE = {c: d for d, c in _DTYPE_CODES.items()}
+_MAX_ROW_DIMS = 4
+
+
+def _agree_row(values, nccl_device, world):
+    """The dtype and row shape of the values every sending rank holds, told to every rank (the
+    loaders that receive them may hold none): (dtype code, *row shape), by one all-reduce (max)
+    over the world."""
+    desc = [0] * (2 + _MAX_ROW_DIMS)
+    if values:
+        v = values[0]
+        if v.dtype not in _DTYPE_CODES or v.dim() - 1 > _MAX_ROW_DIMS or v.dim() < 1:
+            raise ValueError(f"unpack: values of {v.dtype} with {v.dim()} dimensions ([T/CP] or "
+                             f"[T/CP, *row], at most {_MAX_ROW_DIMS} row dimensions)")
+        desc = [_DTYPE_CODES[v.dtype], v.dim() - 1] + list(v.shape[1:]) + \
+            [0] * (_MAX_ROW_DIMS - v.dim() + 1)
+    t = torch.tensor(desc, dtype=torch.int64,
+                     device=nccl_device if nccl_device is not None else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world)
+    desc = t.cpu().tolist()
+    if desc[0] == 0:
+        raise ValueError("unpack: no rank passed values (the ranks tp = 0 of the last stage "
+                         "pass theirs)")
+    return [desc[0]] + desc[2:2 + desc[1]]
 
 
 def _tensor(a, device):
@@ -502,6 +570,7 @@ class PackedDataIterator:
         self._depth = depth
         self.last_wait = 0.0
         self._copy_stream = None
+        self._nccl_device = cuda if nccl else None
         if self.device.type == "cuda" and depth > 0:
             self._copy_stream = torch.cuda.Stream(self.device)
         # Where the step is made (the caller's thread at depth 0, the data plane's otherwise):
@@ -547,6 +616,7 @@ class PackedDataIterator:
                               self.label_format, self.fields)
         if counts is not None:
             step.figures.update(counts)
+        step._iterator = weakref.ref(self)
         # The step before the last is the caller's no more (it let it go when it took the last
         # one): freed by the data plane's thread as it makes the next step, not by the caller
         # as it drops it.
@@ -626,6 +696,8 @@ class _FedShares:
         self._dp = dp
         self._fields = fields
         self._it = None
+        # pack_batch: (samples this loader holds, samples of the batch); its share must be all.
+        self.exact = None
 
     def start(self, source):
         self._it = None if source is None else iter(source)
@@ -634,6 +706,11 @@ class _FedShares:
         if self._it is None:
             raise ValueError("source: this rank is a loader but was given None (give each "
                              "loader its iterable)")
+        if self.exact is not None and self.exact[0] != count:
+            raise ValueError(f"pack_batch: loader dp={loader} holds {self.exact[0]} samples; its "
+                             f"share of the batch of {self.exact[1]} (the samples every rank "
+                             f"passed) is {count}: loader d holds samples d, d + DP, d + 2 DP, "
+                             f"... of the batch, the other ranks pass None")
         items = []
         for k in range(count):
             try:
@@ -665,3 +742,37 @@ def _prepare(device, cp_group, label_format, pin, fields, raw):
     if device.type == "cuda":  # depth 0: made on the caller's thread, copied by next()
         return raw
     return PackedStep(raw, device, cp_group, None, label_format, fields)
+
+
+def pack_batch(samples, groups, fields=None, **options):
+    """One in-memory batch through the C++ step: the PackedStep of ``samples``.
+
+    Collective over ``groups``: each loader (the ranks PackedDataIterator reads on: tp = cp =
+    pp = 0 with data_on="tp0") passes its own list of sample dicts (input_ids, loss_mask, the
+    ``fields``), None on the other ranks; loader d holds samples d, d + DP, d + 2 DP, ... of the
+    batch (its share: the count is checked, on every rank together). The options are
+    PackedDataIterator's (max_tokens_per_rank, scheduler, cost, sp, label_format, ...); the
+    batch is one step of ``global_batch`` = every rank's samples together. What an RL trainer
+    calls once per mini-batch on the rollouts it holds; ``step.unpack(values)`` gives each
+    loader the model's per-token outputs back in its order. Each call makes the step's process
+    groups afresh (a few new_group calls).
+    """
+    if not isinstance(groups, Groups):
+        raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
+    for key in ("global_batch", "prefetch", "steps", "start_step"):
+        if key in options:
+            raise TypeError(f"pack_batch: {key} is the batch's own (one step of every sample)")
+    held = None if samples is None else list(samples)
+    nccl = dist.get_backend(groups.world) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    count = torch.tensor([0 if held is None else len(held)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, group=groups.world)
+    total = int(count.item())
+    if total == 0:
+        raise ValueError("pack_batch: no rank passed samples (each loader passes its list)")
+    it = PackedDataIterator(held if held is not None else [], groups, global_batch=total,
+                            prefetch=0, steps=1, fields=fields, **options)
+    it._shares.exact = (0 if held is None else len(held), total)
+    step = next(it)
+    step._batch_iterator = it  # the world step.unpack communicates over
+    return step
