@@ -1,8 +1,9 @@
 // Run under mpirun (ctest: `mpirun -np 8 thdpack_mpi_check`): the process-group checks of
 // tests/comm_checks.h and the distributed-step checks of tests/step_checks.h (the eight
 // topologies, with and without SP, both data-on modes) on the MPI backend, plus the failure
-// path (a sample over the budget on one loader), and `run --scheduler dynamic --verify` at the
-// topologies of tests/dynamic_checks.h. Exits 0 when every check passed on every rank,
+// path (a sample over the budget on one loader), `run --scheduler dynamic --verify` at the
+// topologies of tests/dynamic_checks.h, and fields through the step and back
+// (tests/fields_checks.h). Exits 0 when every check passed on every rank,
 // 1 otherwise; each rank prints its first failure.
 //
 // `thdpack_mpi_check --timeout-check`: the collective timeout (tests/cli_timeout_test.cmake).
@@ -22,6 +23,7 @@
 
 #include "comm_checks.h"
 #include "dynamic_checks.h"
+#include "fields_checks.h"
 #include "step_checks.h"
 #include "thdpack/comm.h"
 
@@ -108,6 +110,18 @@ int Run() {
     std::vector<thdpack::LossSummary> losses;
     report("dynamic verify " + thdpack::testing::DynName(t),
            thdpack::testing::RunDynamicVerify(world, t, "jsonl:" + jsonl, 1, &losses));
+  }
+  // Fields through the step and back (tests/fields_checks.h), at topologies of the 8 ranks.
+  const thdpack::testing::FieldsCase field_cases[] = {
+      {1, 2, 2, 2, false, "tp0", "balanced"}, {2, 2, 2, 1, true, "tp0", "sequential"},
+      {1, 2, 4, 1, false, "tp0", "dynamic"},  {2, 1, 2, 2, false, "all", "balanced"}};
+  for (const auto& c : field_cases) {
+    const thdpack::Job job = thdpack::testing::MakeJob(c, 24);
+    if (job.topology.world_size() != world.size()) continue;
+    report("fields " + thdpack::testing::Name(c),
+           thdpack::testing::RunFieldsCase(world, job, 2, 0));
+    report("unpack " + thdpack::testing::Name(c),
+           thdpack::testing::RunUnpackCase(world, job, -1, nullptr));
   }
   (void)world.Barrier();
   if (world.rank() == 0) {
