@@ -19,6 +19,11 @@ The single-process run trains the same model on the same samples, built with pla
 (one sequence-aware causal attention over the whole batch, F.cross_entropy, mean over loss
 tokens): the losses, statistics and parameters must agree to float64 rounding.
 
+--rollouts trains RL-style: each step's rollouts are held in memory by the loaders with a
+per-token advantage (a `target` field), packed by one thdpack.torch.pack_batch call a step; the
+loss is the advantage-weighted token mean, and each sample's per-token log-probabilities go back
+to its loader in its order (step.unpack), compared with the single process's too.
+
   /usr/bin/python3 python/examples/train_tiny.py --dp 2 --cp 2 --pp 2 --steps 4 --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
 """
@@ -60,6 +65,12 @@ def step_samples(step, global_batch):
         masks.append(m)
     n_targets = np.array([int(m[1:].sum()) for m in masks], np.int64)
     return ids, lengths.astype(np.int64), n_targets, tokens, masks
+
+
+def advantages(i, L):
+    """--rollouts: the per-token advantage of sample i (float64 [L], value j weighs the loss of
+    predicting token j), a pure function of (i, j)."""
+    return np.cos(0.37 * i + 0.11 * np.arange(L)) + 0.5
 
 
 class TinyLM(torch.nn.Module):
@@ -137,7 +148,15 @@ def new_groups(ranks_of):
     return mine
 
 
-def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
+def rollouts_of(step, dp, d, global_batch):
+    """--rollouts: loader d's rollouts of one step, in memory, with their advantages as a field
+    (samples d, d + DP, ... of the step)."""
+    ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
+    return [{"input_ids": tokens[k], "loss_mask": masks[k],
+             "adv": advantages(int(ids[k]), int(lengths[k]))} for k in range(d, global_batch, dp)]
+
+
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rollouts=False):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=dp * cp * pp)
@@ -162,12 +181,21 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
     if scheduler == "dynamic":
         # A CP group per microbatch over the DP x CP ranks, sized by the tiny model's own
         # dimensions; 24 tokens a rank, so that the longer samples need groups of several ranks.
-        it = tt.PackedDataIterator(source, groups, global_batch=global_batch,
-                                   max_tokens_per_rank=24, scheduler="dynamic",
-                                   cost=f"l=2,h={HIDDEN},nh=1,nkv=1,f={2 * HIDDEN},v={VOCAB}")
+        opts = dict(max_tokens_per_rank=24, scheduler="dynamic",
+                    cost=f"l=2,h={HIDDEN},nh=1,nkv=1,f={2 * HIDDEN},v={VOCAB}")
     else:
-        it = tt.PackedDataIterator(source, groups, global_batch=global_batch,
-                                   max_tokens_per_rank=48, scheduler=scheduler, cost="1,0.05")
+        opts = dict(max_tokens_per_rank=48, scheduler=scheduler, cost="1,0.05")
+    if rollouts:
+        # RL-style: each step's rollouts are in memory on the loaders, with a per-token
+        # advantage (a target field: packed and CP-sharded like the labels); each step is one
+        # pack_batch call, and the model's per-token log-probabilities go back to the loaders
+        # in their order (step.unpack).
+        fields = {"adv": {"kind": "target", "dtype": "float64"}}
+        it = (tt.pack_batch(rollouts_of(s, dp, dp_rank, global_batch) if loader else None,
+                            groups, fields=fields, **opts) for s in range(steps))
+    else:
+        it = tt.PackedDataIterator(source, groups, global_batch=global_batch, **opts)
+    unpacked = []  # --rollouts, a loader: per step, its samples' log-probabilities
     model = TinyLM()
     names = STAGE_PARAMS[0] + STAGE_PARAMS[1] if pp == 1 else STAGE_PARAMS[stage]
     params = [getattr(model, n) for n in names]
@@ -177,7 +205,8 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
         stats = tt.LossStatistics()
         for p in params:  # a rank idle in every microbatch of a dynamic step adds zeros
             p.grad = torch.zeros_like(p)
-        for mb in step:
+        logps = [None] * step.num_microbatches  # --rollouts: label-aligned, the last stage's
+        for k, mb in enumerate(step):
             if mb["idle"]:  # dynamic: this rank is in no group of this microbatch
                 continue
             # The microbatch's CP group: the topology's for a static step, its own for a
@@ -216,10 +245,20 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
             token_values = {}
             share = tt.local_loss(logits, mb["labels"], mb["loss_mask"], n_loss,
                                   token_values=token_values)
+            if rollouts:
+                # The advantage-weighted token mean over the step's N loss tokens: mb["adv"] is
+                # shifted like the labels (position o weighs the prediction of token o + 1).
+                ce = F.cross_entropy(logits, mb["labels"].clamp(min=0), reduction="none")
+                share = (ce * mb["adv"] * mb["loss_mask"]).sum() / n_loss
+                logps[k] = -ce.detach()
             share.backward()
             if pp > 1:
                 dist.send(x.grad, dst=at(cp_rank, dp_rank, stage - 1))
             stats.add_microbatch(None, mb, token_values=token_values)
+        if rollouts:  # each loader gets its rollouts' [L] log-probabilities, in its order
+            got = step.unpack(logps)
+            if loader:
+                unpacked.append([g.tolist() for g in got])
         # The shares are designed for a SUM over DP x CP.
         grads = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(grads, group=dpcp_group)
@@ -242,14 +281,19 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler):
     if rank == at(0, 0, pp - 1):
         with open(out_path, "w") as f:
             json.dump(results, f)
-    it.close()
+    if rollouts and loader:
+        with open(f"{out_path}.logp{dp_rank}", "w") as f:
+            json.dump(unpacked, f)
+    if not rollouts:
+        it.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def single_process(steps, global_batch):
+def single_process(steps, global_batch, rollouts=False):
     """The reference: one batch per step with every sample, plain torch, no thdpack packing,
-    sharding or loss."""
+    sharding or loss. --rollouts: the advantage-weighted loss, and each sample's per-token
+    log-probabilities (entry 0 zero)."""
     torch.set_num_threads(1)
     model = TinyLM()
     results = []
@@ -270,7 +314,15 @@ def single_process(steps, global_batch):
         for p in model.parameters():
             p.grad = None
         loss = (per_token * target).sum() / n_loss
-        loss.backward()
+        if rollouts:
+            adv = torch.cat([torch.cat([torch.from_numpy(advantages(int(i), int(L))[1:]),
+                                        torch.tensor([0.0])]) for i, L in zip(ids, lengths)])
+            (per_token * target * adv).sum().div(n_loss).backward()
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            logp_of = [[0.0] + (-per_token[a:a + int(L) - 1]).tolist()
+                       for a, L in zip(starts, lengths)]
+        else:
+            loss.backward()
         with torch.no_grad():
             for p in model.parameters():
                 p -= LR * p.grad
@@ -284,6 +336,8 @@ def single_process(steps, global_batch):
         results.append({"n_tokens": int(lengths.sum()), "n_loss_tokens": n_loss,
                         "loss": float(loss), "ppl": ppl, "entropy": entropy,
                         "param_sum": float(sum(p.sum() for p in model.parameters()))})
+        if rollouts:
+            results[-1]["logp"] = logp_of
     return results
 
 
@@ -306,17 +360,25 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="also train in one process and compare (relative tolerance --rtol)")
     ap.add_argument("--rtol", type=float, default=1e-9)
+    ap.add_argument("--rollouts", action="store_true",
+                    help="RL-style: in-memory rollouts with a per-token advantage field, one "
+                         "pack_batch a step, an advantage-weighted loss, and the per-token "
+                         "log-probabilities unpacked back to the loaders (checked too)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.global_batch,
-                               free_port(), out, args.scheduler),
+                               free_port(), out, args.scheduler, args.rollouts),
                  nprocs=args.dp * args.cp * args.pp, join=True)
         with open(out) as f:
             multi = json.load(f)
+        logp = []  # [loader][step][sample k of the loader]
+        for d in range(args.dp if args.rollouts else 0):
+            with open(f"{out}.logp{d}") as f:
+                logp.append(json.load(f))
     print(f"DP={args.dp} CP={args.cp} PP={args.pp} {args.scheduler}: {args.steps} steps of "
           f"{args.global_batch} samples")
-    single = single_process(args.steps, args.global_batch) if args.check else None
+    single = single_process(args.steps, args.global_batch, args.rollouts) if args.check else None
     failures = 0
     for s, r in enumerate(multi):
         line = (f"step {s}: microbatches {r['num_microbatches']} tokens {r['n_tokens']} "
@@ -331,6 +393,13 @@ def main():
             for key in ("loss", "ppl", "entropy", "param_sum"):
                 worst = max(worst, abs(r[key] - ref[key]) / max(abs(ref[key]), 1e-300))
             exact = all(r[k] == ref[k] for k in ("n_tokens", "n_loss_tokens"))
+            if args.rollouts:  # loader d's k-th rollout is sample d + k * DP of the step
+                for d in range(args.dp):
+                    for k, got in enumerate(logp[d][s]):
+                        want = ref["logp"][d + k * args.dp]
+                        exact = exact and len(got) == len(want)
+                        worst = max([worst] + [abs(a - b) / max(abs(b), 1e-300)
+                                               for a, b in zip(got, want)])
             ok = exact and worst <= args.rtol
             failures += not ok
             line += f" | single {ref['loss']:.12f} max rel diff {worst:.2e} {'OK' if ok else 'FAIL'}"

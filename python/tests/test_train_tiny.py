@@ -1,7 +1,9 @@
 """The example trains over DP x CP (x PP) processes (gloo), its data path entirely thdpack's
 (PackedDataIterator over torch.distributed), and its losses, statistics and parameters equal
 those of a single process that trains on the same samples with plain torch: with the static
-scheduler, and with the dynamic one (a CP group per microbatch)."""
+scheduler, and with the dynamic one (a CP group per microbatch); and RL-style (--rollouts), its
+in-memory rollouts with an advantage field packed by pack_batch and its log-probabilities
+unpacked back to the loaders."""
 import os
 import pathlib
 import subprocess
@@ -32,3 +34,21 @@ def test_multi_process_equals_single_process(dp, cp, pp, scheduler):
         sizes = [int(g.split(":")[0]) for line in lines
                  for g in line.split(" cp sizes ")[1].split(" |")[0].split(",")]
         assert max(sizes) > 1, lines
+
+
+# RL-style: in-memory rollouts with a per-token advantage field, one pack_batch a step, the
+# advantage-weighted loss, and the log-probabilities unpacked back to each loader in its order:
+# equal to one process (the same loss and updates, each sample's log-probabilities).
+@pytest.mark.no_sanitizer
+@pytest.mark.parametrize("dp,cp,pp,scheduler", [
+    (2, 2, 1, "balanced"), (1, 2, 2, "balanced"), (2, 2, 1, "dynamic")])
+def test_rollouts_with_fields_equal_single_process(dp, cp, pp, scheduler):
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
+                          "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", "--rollouts",
+                          "--check"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    print(out.stdout, out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(line.endswith("OK") for line in lines)
+    assert "check: OK" in out.stdout
