@@ -102,6 +102,18 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
                       const std::vector<FieldSpec>& fields, int64_t global_batch) {
   py::dict d;
   d["n_loss_sequences"] = step.n_loss_sequences;
+  // This rank's bytes sent per phase of the step (RankStep::phases), and the bytes of the
+  // fields it holds (every microbatch's field buffers).
+  py::dict sent;
+  for (const PhaseStats& p : step.phases) {
+    sent[py::str(std::string(PhaseName(p.phase)))] = p.bytes_sent;
+  }
+  d["bytes_sent"] = sent;
+  int64_t field_bytes = 0;
+  for (const LocalMicrobatch& mb : step.microbatches) {
+    for (const auto& f : mb.fields) field_bytes += static_cast<int64_t>(f.size());
+  }
+  d["field_bytes"] = field_bytes;
   d["step"] = step.step;
   d["epoch"] = step.epoch;
   d["is_loader"] = step.is_loader;

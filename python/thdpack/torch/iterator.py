@@ -99,6 +99,9 @@ _FIELD_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16":
                  "bool": torch.bool}
 
 
+_NUMPY_NAMES = {np.dtype(n): n for n in ("float32", "float64", "int32", "int64", "uint8", "bool")}
+
+
 def _dtype_name(dtype, where):
     if isinstance(dtype, torch.dtype):
         return str(dtype).replace("torch.", "")
@@ -151,7 +154,8 @@ def _field_value(value, dtype, where):
         a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     elif isinstance(value, (np.ndarray, np.generic)):
         a = np.ascontiguousarray(value)
-        got, shape = a.dtype.name, a.shape
+        got = _NUMPY_NAMES.get(a.dtype) or a.dtype.name  # dtype.name is slow (NumPy 1.24)
+        shape = a.shape
     else:
         given = np.asarray(value)
         if given.dtype.kind not in "biuf":
@@ -224,7 +228,9 @@ class PackedStep:
 
     Attributes: step, epoch, num_microbatches (M, the same on every rank), n_loss_tokens (N,
     the global loss-token count: the loss denominator), n_loss_sequences (the step's sequences
-    with at least one loss token, over every replica: a per-sequence mean's), seqlen_sum (global padded tokens),
+    with at least one loss token, over every replica: a per-sequence mean's), bytes_sent (this
+    rank's bytes sent per phase: read, lengths, plan, exchange, pack, deliver, agree),
+    field_bytes (the bytes of the fields this rank holds), seqlen_sum (global padded tokens),
     seqlen_squared_sum (sum of padded P^2 over the step), figures (``plan --json``'s step;
     per-replica detail on the ranks that planned only; a dynamic step adds groups_made,
     groups_reused, groups_evicted, groups_cached), microbatches (the list), dynamic,
@@ -235,6 +241,8 @@ class PackedStep:
                  label_format="megatron", fields=()):
         self.step = raw["step"]
         self.n_loss_sequences = raw["n_loss_sequences"]
+        self.bytes_sent = dict(raw["bytes_sent"])  # this rank's, per phase of the step
+        self.field_bytes = raw["field_bytes"]      # the bytes of the fields this rank holds
         self.epoch = raw["epoch"]
         self.is_loader = raw["is_loader"]
         self.first_stage = raw["first_stage"]
