@@ -236,7 +236,7 @@ def main():
     g = torch.load(out)
     threads = thdpack_threads(args, lengths)
     med = statistics.median
-    print(f"\n| path | ranks | pack (ms) | unpack (ms) | microbatches a rank |")
+    print("\n| path | ranks | pack (ms) | unpack (ms) | microbatches a rank |")
     print("|---|---|---|---|---|")
     print(f"| thdpack pack_batch / step.unpack, gloo | {args.ranks} | {1e3 * med(g['pack']):.1f} | "
           f"{1e3 * med(g['unpack']):.1f} | {g['microbatches']} |")

@@ -199,7 +199,9 @@ function(check_profiles dir run_out ranks_in_process)
         string(JSON p GET "${line}" replicas ${dp} microbatches ${m} padded_tokens)
         string(JSON n LENGTH "${line}" replicas ${dp} microbatches ${m} samples)
         math(EXPR sum "${sum} + ${p}")
-        math(EXPR metadata "${metadata} + 2 * (${n} + 1) * 4")
+        # cu_seqlens and cu_seqlens_padded (int32 [n+1]), sample ids and loss-token counts
+        # (int64 [n]).
+        math(EXPR metadata "${metadata} + 2 * (${n} + 1) * 4 + 2 * ${n} * 8")
         if(p GREATER largest)
           set(largest ${p})
         endif()
@@ -214,7 +216,8 @@ function(check_profiles dir run_out ranks_in_process)
                     "${n_mb};num_microbatches"
                     "${tokens};held_bytes;tokens" "${tokens};held_bytes;position_ids"
                     "${tokens};held_bytes;labels" "${mask};held_bytes;loss_mask"
-                    "${metadata};held_bytes;metadata" "${total};held_bytes;total"
+                    "${metadata};held_bytes;metadata" "0;held_bytes;fields"
+                    "${total};held_bytes;total"
                     "${largest};logits;largest_microbatch_tokens" "32000;logits;vocab_size"
                     "bfloat16;logits;dtype" "2;logits;tp_size" "${local};logits;local_bytes"
                     "${gathered};logits;gathered_bytes"

@@ -103,14 +103,16 @@ std::string LogitsFiguresJson(const LogitsFigures& figures);
 
 // Bytes of the arrays a rank holds, summed over its microbatches: each vector's size() times
 // its element size (RankStep's LocalMicrobatch: tokens and position_ids on the first stage,
-// labels and loss_mask on the last, cu_seqlens and cu_seqlens_padded - "metadata" - on every
-// rank).
+// labels and loss_mask on the last, cu_seqlens, cu_seqlens_padded, the sample ids and
+// loss-token counts - "metadata" - on every rank, and the buffers of the run's fields - input
+// ones on the first stage, target ones on the last, sample ones everywhere).
 struct HeldBufferBytes {
   int64_t tokens = 0;
   int64_t position_ids = 0;
   int64_t labels = 0;
   int64_t loss_mask = 0;
   int64_t metadata = 0;
+  int64_t fields = 0;
   int64_t total = 0;
 };
 
@@ -138,7 +140,7 @@ std::string MemoryProfileFileName(int64_t step, int rank, const Coord& coord);
 
 // The profile of one rank, indented JSON ending in a newline: step, rank, pp, dp, cp, tp,
 // first_stage, last_stage, num_microbatches, held_bytes {tokens, position_ids, labels,
-// loss_mask, metadata, total}, logits (LogitsFiguresJson or null), process
+// loss_mask, metadata, fields, total}, logits (LogitsFiguresJson or null), process
 // {peak_rss_bytes, rss_bytes, ranks_in_process[, note]} or null when `process` is nullopt.
 // The note is present when ranks_in_process > 1: the resident figures are then the whole
 // process's, shared by that many ranks (the threads backend), not this rank's own.

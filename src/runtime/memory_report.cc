@@ -246,11 +246,13 @@ Result<RankMemoryFigures> ComputeRankMemory(const RankStep& step, const Topology
     f.held.position_ids += Bytes(mb.position_ids);
     f.held.labels += Bytes(mb.labels);
     f.held.loss_mask += Bytes(mb.loss_mask);
-    f.held.metadata += Bytes(mb.cu_seqlens) + Bytes(mb.cu_seqlens_padded);
+    f.held.metadata += Bytes(mb.cu_seqlens) + Bytes(mb.cu_seqlens_padded) +
+                       Bytes(mb.sample_ids) + Bytes(mb.seq_n_targets);
+    for (const auto& field : mb.fields) f.held.fields += Bytes(field);
     largest_t = std::max(largest_t, mb.total_tokens);
   }
   f.held.total = f.held.tokens + f.held.position_ids + f.held.labels + f.held.loss_mask +
-                 f.held.metadata;
+                 f.held.metadata + f.held.fields;
   if (step.last_stage && step.dynamic) {
     // A shard of T/c tokens holds what a CP = 1 microbatch of T/c tokens holds (as `plan`).
     THDPACK_ASSIGN_OR_RETURN(f.logits, Logits(largest_local, 1, topology.tp_size(), memory));
@@ -285,6 +287,7 @@ std::string RankMemoryJson(const RankMemoryFigures& figures,
   held["labels"] = figures.held.labels;
   held["loss_mask"] = figures.held.loss_mask;
   held["metadata"] = figures.held.metadata;
+  held["fields"] = figures.held.fields;
   held["total"] = figures.held.total;
   j["held_bytes"] = std::move(held);
   j["logits"] = OptionalLogitsJson(figures.logits);

@@ -222,7 +222,18 @@ TEST(MemoryReportTest, RankFiguresFromWhatItHolds) {
   EXPECT_EQ(first->held.position_ids, 48);
   EXPECT_EQ(first->held.labels, 0);
   EXPECT_EQ(first->held.metadata, 40);
+  EXPECT_EQ(first->held.fields, 0);
   EXPECT_EQ(first->held.total, 136);
+  // Sample ids, loss-token counts and field buffers count too.
+  RankStep with_fields = HandRankStep(true);
+  with_fields.microbatches[0].sample_ids = {4, 9};
+  with_fields.microbatches[0].seq_n_targets = {3, 0};
+  with_fields.microbatches[0].fields = {std::vector<std::byte>(24), {}, std::vector<std::byte>(8)};
+  auto counted = ComputeRankMemory(with_fields, *topo, m);
+  ASSERT_TRUE(counted.ok()) << counted.status().ToString();
+  EXPECT_EQ(counted->held.metadata, 40 + 32);
+  EXPECT_EQ(counted->held.fields, 32);
+  EXPECT_EQ(counted->held.total, 136 + 32 + 32);
   EXPECT_FALSE(first->logits.has_value());  // no logits before the last stage
 
   auto last = ComputeRankMemory(HandRankStep(false), *topo, m);
