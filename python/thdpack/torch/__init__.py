@@ -7,6 +7,7 @@
   thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
   thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
   thdpack.torch.calibrate   a cost profile measured by timing the user's step on packed microbatches
+  thdpack.torch.seqloss     per-sequence sums over CP and post-training loss aggregation (verl's modes)
 
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
 """
@@ -17,6 +18,7 @@ from .linear_loss import linear_loss
 from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions, pack_batch
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 from .calibrate import calibrate
+from .seqloss import aggregate_loss, sequence_means, sequence_sums
 
 __all__ = [
     "IGNORE_INDEX", "LossStatistics", "local_loss", "micro_batch_indices", "partition_indices",
@@ -25,3 +27,4 @@ __all__ = [
 __all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
 __all__ += ["calibrate", "linear_loss"]
+__all__ += ["aggregate_loss", "sequence_means", "sequence_sums"]

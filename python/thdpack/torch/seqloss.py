@@ -1,0 +1,146 @@
+"""thdpack.torch.seqloss: per-sequence reductions and post-training loss aggregation on CP shards.
+
+Every function takes this rank's per-token values of one microbatch ([T/CP], label-aligned like
+``mb["labels"]`` and ``mb["loss_mask"]``: position o of a sequence is the prediction of its token
+o + 1) and the microbatch dict of ``PackedDataIterator`` / ``pack_batch``, whose ``seq_index``
+(the packed sequence of each local token, -1 on padding: thdpack/fields.h ShardSequenceIndex),
+``seq_n_targets`` (each sequence's loss tokens over the WHOLE sequence) and the step's global
+counts (``step.n_loss_tokens``, ``step.n_loss_sequences``) make every quantity global before any
+rank divides.
+
+The gradient convention is ``local_loss``'s (docs/loss.md): each rank's share of the step loss is
+what it returns, and the shares SUMMED over every microbatch and every DP x CP rank are the loss
+of the step's whole batch computed in one process, with its gradient. No mode of
+``aggregate_loss`` communicates: each is linear in the per-token losses once the global counts
+are known. ``sequence_sums`` all-reduces over the microbatch's CP group, for what is not linear
+in them (a GSPO sequence ratio, a DPO pair's log-probability sum).
+"""
+import torch
+import torch.distributed as dist
+
+AGGREGATE_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                   "seq-mean-token-sum-norm")
+
+
+def _positions(values, mb, over):
+    """(local positions that count, their sequence) for ``over`` = "loss" (loss_mask != 0) or
+    "all" (every real token of a sequence)."""
+    seq = mb["seq_index"].to(values.device).long()
+    if values.shape[0] != seq.shape[0]:
+        raise ValueError(f"values: {values.shape[0]} local tokens, the microbatch's shard holds "
+                         f"{seq.shape[0]} (values are [T/CP], as mb['loss_mask'])")
+    if over == "loss":
+        mask = mb["loss_mask"]
+        if mask is None:
+            raise ValueError("over='loss' needs the loss mask: call on the last stage")
+        keep = (mask.to(values.device) != 0) & (seq >= 0)
+    elif over == "all":
+        keep = seq >= 0
+    else:
+        raise ValueError(f"over: {over!r} is not 'loss' or 'all'")
+    return keep, seq
+
+
+class _SequenceSums(torch.autograd.Function):
+    """Per-sequence sums all-reduced over the CP group; backward all-reduces the gradient too, so
+    that a term computed alike on every CP rank and divided by its size (or a per-token term,
+    which each rank computes for its own tokens) has its true gradient when shares are summed."""
+
+    @staticmethod
+    def forward(ctx, values, seq, keep, n, group, cp_size):
+        ctx.save_for_backward(seq, keep)
+        ctx.group, ctx.cp_size = group, cp_size
+        flat = values.reshape(values.shape[0], -1)
+        sums = torch.zeros((n, flat.shape[1]), dtype=values.dtype, device=values.device)
+        sums.index_add_(0, seq[keep], flat[keep])
+        if cp_size > 1:
+            dist.all_reduce(sums, group=group)
+        return sums.reshape((n,) + values.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        seq, keep = ctx.saved_tensors
+        g = grad.contiguous().reshape(grad.shape[0], -1).clone()
+        if ctx.cp_size > 1:
+            dist.all_reduce(g, group=ctx.group)
+        out = torch.zeros((seq.shape[0], g.shape[1]), dtype=g.dtype, device=g.device)
+        out[keep] = g[seq[keep]]
+        return out.reshape((seq.shape[0],) + grad.shape[1:]), None, None, None, None, None
+
+
+def sequence_sums(values, mb, over="loss"):
+    """[n] (or [n, *row]) sums of this rank's per-token ``values`` ([T/CP] or [T/CP, *row]) over
+    each packed sequence's loss positions (``over="loss"``) or all its real tokens (``"all"``),
+    summed over the microbatch's CP group: every CP rank of the microbatch gets the same sums,
+    those of the whole sequences. Differentiable. A per-token term built from them (GSPO's
+    sequence ratio applied to each token) needs nothing more; a per-sequence term computed alike
+    on every CP rank (a DPO pair's loss) is the step's once when each rank adds
+    ``term / mb["cp_size"]`` to its share. An idle microbatch (dynamic CP) gives [0]."""
+    n = len(mb["sample_ids"])
+    if mb["idle"] or n == 0:
+        return values.new_zeros((0,) + tuple(values.shape[1:]))
+    keep, seq = _positions(values, mb, over)
+    cp_size = int(mb["cp_size"])
+    return _SequenceSums.apply(values, seq, keep, n, mb["cp_group"], cp_size)
+
+
+def sequence_means(values, mb, over="loss"):
+    """``sequence_sums`` divided by each sequence's loss-token count (``over="loss"``, 0 where a
+    sequence has none) or its real length (``"all"``): the same [n] on every CP rank."""
+    sums = sequence_sums(values, mb, over)
+    if sums.shape[0] == 0:
+        return sums
+    if over == "loss":
+        count = mb["seq_n_targets"].to(values.device, values.dtype)
+    else:
+        cu = mb["cu_seqlens_cpu"] if "cu_seqlens_cpu" in mb else mb["cu_seqlens"]
+        count = (cu[1:] - cu[:-1]).to(values.device, values.dtype)
+    count = count.reshape((-1,) + (1,) * (sums.dim() - 1))
+    return torch.where(count > 0, sums / count.clamp(min=1), torch.zeros_like(sums))
+
+
+def aggregate_loss(per_token_loss, mb, step, mode="token-mean", loss_scale_factor=None):
+    """This rank's share of one microbatch's loss under verl's aggregation ``mode``
+    (verl/trainer/ppo/core_algos.py ``agg_loss``), such that the shares summed over every
+    microbatch and every DP x CP rank equal, for the step's whole batch in one process:
+
+      token-mean               sum over loss tokens of l / N (N = step.n_loss_tokens)
+      seq-mean-token-sum       sum over sequences with a loss token of (sum of its l) / G
+      seq-mean-token-mean      sum over sequences with a loss token of (mean of its l) / G
+                               (G = step.n_loss_sequences, the global count)
+      seq-mean-token-sum-norm  sum over loss tokens of l / loss_scale_factor (required)
+
+    ``per_token_loss``: [T/CP] of this rank's shard, label-aligned like mb["loss_mask"] (the
+    last stage). Differentiable; no mode communicates. A step with no loss token (N = 0 or G = 0)
+    gives 0. Where verl differs: it divides token-mean by the local or given token count times
+    dp_size, and the seq-mean modes by the given global_batch_size (every sequence, fully masked
+    ones included) or the local count, and adds 1e-8 to a sequence's token count; here the
+    divisors are the global counts of the step, fully masked sequences excluded, so the value
+    does not depend on DP, CP, PP or the microbatching."""
+    if mode not in AGGREGATE_MODES:
+        raise ValueError(f"mode: {mode!r} is not one of {', '.join(AGGREGATE_MODES)}")
+    if mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
+        raise ValueError("mode 'seq-mean-token-sum-norm' needs loss_scale_factor: verl's default "
+                         "is the padded response length of its [B, S] batch, and a packed (THD) "
+                         "batch has no such padding, so no default would mean the same thing; "
+                         "pass the constant you normalise by (e.g. the maximum response length)")
+    if per_token_loss.dim() != 1:
+        raise ValueError(f"per_token_loss: expected [T/CP], got {tuple(per_token_loss.shape)}")
+    if mb["idle"] or len(mb["sample_ids"]) == 0:
+        return per_token_loss.sum() * 0
+    keep, seq = _positions(per_token_loss, mb, "loss")
+    masked = torch.where(keep, per_token_loss, torch.zeros_like(per_token_loss))
+    if mode == "token-mean":
+        n = int(step.n_loss_tokens)
+        return masked.sum() / n if n > 0 else masked.sum() * 0
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / float(loss_scale_factor)
+    g = int(step.n_loss_sequences)
+    if g == 0:
+        return masked.sum() * 0
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / g
+    count = mb["seq_n_targets"].to(per_token_loss.device, per_token_loss.dtype)
+    per_token_count = count[seq.clamp(min=0)]
+    weights = torch.where(keep, 1.0 / per_token_count.clamp(min=1), torch.zeros_like(masked))
+    return (masked * weights).sum() / g
