@@ -7,7 +7,8 @@ every aggregation mode of ``aggregate_loss`` (and a GSPO-like per-token term bui
 ``sequence_means``, and a per-sequence term on ``sequence_sums``), backpropagates, and sends the
 gradients back to the loaders with ``step.unpack``. The sum of the shares over the world and
 each sample's gradient must equal, to float64 rounding, one process computing the same loss with
-plain torch on the unpacked samples.
+plain torch on the unpacked samples; so must the RL statistics (RLStatistics: mean ratio, clip
+fraction, KL estimate, by token and by sequence).
 """
 import numpy as np
 import pytest
@@ -78,6 +79,27 @@ def reference(items, mode):
     return float(loss), [torch.zeros_like(new) if new.grad is None else new.grad for new in news]
 
 
+def reference_statistics(items):
+    """The token and sequence means of the RL figures in one process."""
+    sums, seq_sums, tokens, seqs = {}, {}, 0, 0
+    for x in items:
+        m = x["loss_mask"][1:] != 0
+        new, old = x["new"][1:][m], x["old"][1:][m]
+        ratio = np.exp(new - old)
+        vals = {"ratio": ratio, "clipped": ((ratio < 0.8) | (ratio > 1.2)).astype(float),
+                "kl": np.exp(old - new) - (old - new) - 1}
+        tokens += int(m.sum())
+        seqs += int(m.sum() > 0)
+        for k, v in vals.items():
+            sums[k] = sums.get(k, 0.0) + float(v.sum())
+            seq_sums[k] = seq_sums.get(k, 0.0) + (float(v.mean()) if m.sum() else 0.0)
+    out = {"n_loss_tokens": tokens, "n_loss_sequences": seqs}
+    for k in sums:
+        out[k] = sums[k] / tokens
+        out[k + "_seq_mean"] = seq_sums[k] / seqs
+    return out
+
+
 def share_of(step, mode):
     """This rank's share and the leaf tensors (one per microbatch) its gradients land on."""
     import thdpack.torch as tt
@@ -140,6 +162,25 @@ def worker(rank, world, port, out):
                     want = want_grads[c["dp"] + k * dp]
                     assert torch.allclose(g[1:], want[1:], rtol=1e-9, atol=1e-15), \
                         f"{where}: gradient of sample {c['dp'] + k * dp}"
+        # RL figures, over the DP x CP ranks of the last stage: equal to one process's.
+        stage_groups = [dist.new_group([r for r in range(world)
+                                        if coords(r, 1, cp, dp, pp)["pp"] == s])
+                        for s in range(pp)]
+        if step.last_stage:
+            stats = tt.RLStatistics()
+            for mb in step:
+                if mb["idle"]:
+                    continue
+                ratio = torch.exp(mb["new"] - mb["old"])
+                stats.add_microbatch(mb, ratio=ratio,
+                                     clipped=((ratio < 0.8) | (ratio > 1.2)).double(),
+                                     kl=torch.exp(mb["old"] - mb["new"]) -
+                                     (mb["old"] - mb["new"]) - 1)
+            got = stats.summary(stage_groups[pp - 1])
+            want = reference_statistics(items)
+            for key, value in want.items():
+                assert got[key] == value if isinstance(value, int) else \
+                    abs(got[key] - value) <= 1e-9 * abs(value), f"{key}: {got[key]} != {value}"
     torch.save(True, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -18,7 +18,7 @@ from .linear_loss import linear_loss
 from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions, pack_batch
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 from .calibrate import calibrate
-from .seqloss import aggregate_loss, sequence_means, sequence_sums
+from .seqloss import RLStatistics, aggregate_loss, sequence_means, sequence_sums
 
 __all__ = [
     "IGNORE_INDEX", "LossStatistics", "local_loss", "micro_batch_indices", "partition_indices",
@@ -27,4 +27,4 @@ __all__ = [
 __all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
 __all__ += ["calibrate", "linear_loss"]
-__all__ += ["aggregate_loss", "sequence_means", "sequence_sums"]
+__all__ += ["RLStatistics", "aggregate_loss", "sequence_means", "sequence_sums"]

@@ -144,3 +144,76 @@ def aggregate_loss(per_token_loss, mb, step, mode="token-mean", loss_scale_facto
     per_token_count = count[seq.clamp(min=0)]
     weights = torch.where(keep, 1.0 / per_token_count.clamp(min=1), torch.zeros_like(masked))
     return (masked * weights).sum() / g
+
+
+class RLStatistics:
+    """The per-step figures a post-training run logs, reduced over the topology so that they
+    equal one process's: each a mean over the step's loss tokens (token means), or over its
+    sequences with a loss token (sequence means), whatever DP, CP, PP or the microbatching.
+
+    ``add_microbatch(mb, **values)`` (collective over the microbatch's CP group: every member
+    adds it): per-token tensors of this rank's shard ([T/CP],
+    label-aligned like mb["loss_mask"], the last stage), by name - e.g. ratio=exp(new - old),
+    clipped=(ratio outside the clip range), kl=the k3 estimate exp(ref - new) - (ref - new) - 1,
+    entropy=...; only loss positions count. ``summary(group)``: one all-reduce of the sums over
+    ``group`` (the DP x CP ranks of one TP rank of the last stage: each loss token on exactly one
+    of them), then for every name ``name`` (sum / N, N the loss tokens added over the group) and
+    ``name_seq_mean`` (the mean over sequences with a loss token of each sequence's token mean,
+    its per-sequence sums CP-reduced first). ``n_loss_tokens`` and ``n_loss_sequences`` are the
+    counts: the step's, when every microbatch of the step was added on every rank of the group.
+    """
+
+    def __init__(self):
+        self._names = None
+        self._sums = None       # [names] token sums
+        self._seq_sums = None   # [names] sums over sequences of (sequence sum / n_i)
+        self._tokens = 0
+        self._sequences = 0
+
+    def add_microbatch(self, mb, **values):
+        if not values:
+            raise ValueError("add_microbatch: give the per-token values by name")
+        names = sorted(values)
+        if self._names is None:
+            self._names = names
+            self._sums = torch.zeros(len(names), dtype=torch.float64)
+            self._seq_sums = torch.zeros(len(names), dtype=torch.float64)
+        elif names != self._names:
+            raise ValueError(f"add_microbatch: values {names}, earlier microbatches gave "
+                             f"{self._names}")
+        if mb["idle"] or len(mb["sample_ids"]) == 0:
+            return
+        stacked = torch.stack([values[k].detach().to(torch.float64).reshape(-1)
+                               for k in names], 1)
+        keep, _ = _positions(stacked[:, 0], mb, "loss")
+        self._sums += stacked[keep].sum(0).cpu()
+        self._tokens += int(keep.sum())
+        # Per-sequence means over the whole sequences: sums reduced over the CP group, each
+        # sequence then counted on one CP rank only (cp_rank 0).
+        with torch.no_grad():
+            seq_sums = sequence_sums(stacked, mb)
+        n = mb["seq_n_targets"].to(torch.float64)
+        has = n > 0
+        if int(mb["cp_rank"]) == 0:
+            self._seq_sums += (seq_sums.cpu()[has] / n[has].unsqueeze(1)).sum(0)
+            self._sequences += int(has.sum())
+
+    def summary(self, group=None):
+        if self._names is None:
+            return {"n_loss_tokens": 0, "n_loss_sequences": 0}
+        flat = torch.cat([self._sums, self._seq_sums,
+                          torch.tensor([self._tokens, self._sequences], dtype=torch.float64)])
+        if group is not None:
+            device = "cpu"
+            if dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            flat = flat.to(device)
+            dist.all_reduce(flat, group=group)
+            flat = flat.cpu()
+        k = len(self._names)
+        tokens, sequences = int(flat[2 * k]), int(flat[2 * k + 1])
+        out = {"n_loss_tokens": tokens, "n_loss_sequences": sequences}
+        for i, name in enumerate(self._names):
+            out[name] = float(flat[i]) / tokens if tokens else None
+            out[name + "_seq_mean"] = float(flat[k + i]) / sequences if sequences else None
+        return out
