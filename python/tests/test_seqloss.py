@@ -133,12 +133,12 @@ TOPOLOGIES = [((2, 2, 1), "balanced"), ((1, 4, 1), "balanced"), ((2, 1, 2), "bal
               ((2, 2, 1), "dynamic")]
 
 
-def worker(rank, world, port, out):
+def worker(rank, world, port, out, topologies):
     from test_torch_iterator import join_gloo, make_groups, coords
     import thdpack.torch as tt
     join_gloo(rank, world, port)
     items = samples()
-    for (dp, cp, pp), scheduler in TOPOLOGIES:
+    for (dp, cp, pp), scheduler in topologies:
         groups = make_groups(1, cp, dp, pp)
         c = coords(rank, 1, cp, dp, pp)
         loader = c["cp"] == 0 and c["pp"] == 0
@@ -187,8 +187,17 @@ def worker(rank, world, port, out):
 
 def test_every_mode_equals_one_process(tmp_path):
     from test_torch_iterator import free_port
-    spawn(worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    spawn(worker, args=(4, free_port(), str(tmp_path), TOPOLOGIES), nprocs=4)
     for r in range(4):
+        assert torch.load(tmp_path / f"rank{r}.pt")
+
+
+# DP x CP x PP 2x2x2 (8 ranks; the 4-rank paths above run under the sanitizers).
+@pytest.mark.no_sanitizer
+def test_every_mode_equals_one_process_at_2x2x2(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(worker, args=(8, free_port(), str(tmp_path), [((2, 2, 2), "balanced")]), nprocs=8)
+    for r in range(8):
         assert torch.load(tmp_path / f"rank{r}.pt")
 
 
