@@ -317,19 +317,36 @@ class TorchProcessGroup final : public ProcessGroup {
     }
     std::unique_ptr<ProcessGroup> mine;
     Status s = Call("new_group", [&] {
-      for (size_t g = 0; g < groups.size(); ++g) {
-        py::list torch_ranks;
-        for (int r : groups[g]) torch_ranks.append(options_->torch_ranks[static_cast<size_t>(r)]);
-        py::object made = dist_.attr("new_group")(py::arg("ranks") = torch_ranks,
-                                                  py::arg("backend") = options_->backend);
-        if (static_cast<int>(g) == my_group) {
-          auto* group = new TorchProcessGroup(groups[g], my_index, made, options_);
-          group->set_owned();
-          mine.reset(group);
+      // Groups kept from an earlier Split of the same lists (TorchCommOptions::kept_groups):
+      // the same answer on every rank, which keeps the same dict through the same Splits.
+      const bool keep = !options_->kept_groups.is_none();
+      std::string key = options_->backend;
+      for (const std::vector<int>& list : groups) {
+        key += "|";
+        for (int r : list) key += std::to_string(options_->torch_ranks[static_cast<size_t>(r)]) + ",";
+      }
+      py::list made_all;
+      if (keep && options_->kept_groups.contains(py::str(key))) {
+        made_all = options_->kept_groups[py::str(key)].cast<py::list>();
+      } else {
+        for (size_t g = 0; g < groups.size(); ++g) {
+          py::list torch_ranks;
+          for (int r : groups[g]) {
+            torch_ranks.append(options_->torch_ranks[static_cast<size_t>(r)]);
+          }
+          made_all.append(dist_.attr("new_group")(py::arg("ranks") = torch_ranks,
+                                                  py::arg("backend") = options_->backend));
         }
+        if (keep) options_->kept_groups[py::str(key)] = made_all;
+      }
+      if (my_group >= 0) {
+        auto* group = new TorchProcessGroup(groups[static_cast<size_t>(my_group)], my_index,
+                                            made_all[static_cast<size_t>(my_group)], options_);
+        if (!keep) group->set_owned();
+        mine.reset(group);
       }
     });
-    // Every rank waits until every member has made its groups: torch's new_group returns on
+    // Every rank waits until every member has made (or taken) its groups: torch's new_group returns on
     // one member of a gloo group while a peer is still connecting to it (torch 2's new_group
     // has no barrier after it), and a member that destroyed the group right away - an
     // iterator made and closed at once, as a resume that reads a state does - closed the

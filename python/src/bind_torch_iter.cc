@@ -5,7 +5,7 @@
 //
 //   thdpack._thdpack._TorchStepSource(world, torch_ranks, known, options, source, take_share,
 //                                     prepare, cuda_device, monitored_barrier_seconds, depth,
-//                                     steps, fields)
+//                                     steps, fields, kept_groups)
 //       .next() -> (prepared, cp_groups, group_counts): one step as this rank holds it
 //   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares, state, fields)
 //       -> [rank][step] dicts of the same form
@@ -356,7 +356,7 @@ class TorchStepSource {
   TorchStepSource(py::object world_group, std::vector<int> torch_ranks, py::list known,
                   py::dict options, py::object source, py::object take_share, py::object prepare,
                   py::object device, double monitored_barrier_seconds, int depth,
-                  py::object steps, py::object fields)
+                  py::object steps, py::object fields, py::object kept_groups)
       : job_(std::make_shared<const Job>(ResolveOptions(options, source))),
         fields_(std::make_shared<const std::vector<FieldSpec>>(FieldSpecsFromPy(fields))) {
     if (source.is_none() == take_share.is_none()) {
@@ -364,6 +364,7 @@ class TorchStepSource {
     }
     auto comm = CommOptions(world_group, torch_ranks, known, device);
     comm->monitored_barrier_seconds = monitored_barrier_seconds;
+    comm->kept_groups = std::move(kept_groups);
     if (static_cast<int>(comm->torch_ranks.size()) != job_->topology.world_size()) {
       throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
                             " ranks, the groups' topology " + job_->topology.ToString() +
@@ -646,11 +647,12 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
 void BindTorchIter(py::module_& m) {
   py::class_<TorchStepSource>(m, "_TorchStepSource")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
-                    py::object, py::object, double, int, py::object, py::object>(),
+                    py::object, py::object, double, int, py::object, py::object,
+                    py::object>(),
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
            py::arg("source"), py::arg("take_share"), py::arg("prepare"), py::arg("cuda_device"),
            py::arg("monitored_barrier_seconds"), py::arg("depth"), py::arg("steps"),
-           py::arg("fields") = py::none())
+           py::arg("fields") = py::none(), py::arg("kept_groups") = py::none())
       .def("next", &TorchStepSource::Next)
       .def("state", &TorchStepSource::State)
       .def("restore", &TorchStepSource::Restore, py::arg("state"))

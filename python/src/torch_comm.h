@@ -49,6 +49,12 @@ struct TorchCommOptions {
   // Barrier() uses dist.monitored_barrier (gloo only) with this timeout, so that a rank that
   // stopped answering is named; <= 0: plain dist.barrier.
   double monitored_barrier_seconds = 0;
+  // A dict of groups Split keeps across worlds (None: none kept): every group Split makes is
+  // stored under its lists and the world's backend, never destroyed by thdpack, and a later
+  // Split of the same lists (in any world with these options) takes them instead of calling
+  // new_group again. For a caller that makes the same step's groups again and again (pack_batch,
+  // one step per call); every rank must keep the same dict through the same Splits.
+  py::object kept_groups = py::none();
 };
 
 // The world: `group` is the torch group whose positions are the topology's ranks (the default

@@ -270,6 +270,15 @@ def batch_worker(rank, world, port, out):
             check_microbatch(items, mb, field_specs(FIELDS), step.first_stage, step.last_stage,
                              False, f"{topo} rank {rank} microbatch {k}", typed=True)
         check_unpack(step, items, mine, None, c, dp, f"pack_batch {topo} rank {rank}")
+        # A second batch in the same world makes no process group: the first call's are kept.
+        made = []
+        new_group = dist.new_group
+        dist.new_group = lambda *a, **k: made.append(1) or new_group(*a, **k)
+        try:
+            again = pack_batch(mine, groups, fields=FIELDS, **opts)
+        finally:
+            dist.new_group = new_group
+        assert made == [] and again.num_microbatches == step.num_microbatches, made
         done += 1
         # The last loader holding one sample too many: the batch of 31 gives loader 0 16
         # samples and loader 1 15, neither what it holds: an error on every rank (the loaders'
