@@ -95,7 +95,8 @@ inline Job MakeJob(const FieldsCase& c, int64_t global_batch) {
   return *ResolveJob(o);
 }
 
-inline StepRunnerOptions FedWithFields(const Job& job, std::function<void(Sample&)> edit = nullptr) {
+inline StepRunnerOptions FedWithFields(const Job& job,
+                                       std::function<void(Sample&)> edit = nullptr) {
   StepRunnerOptions o = RunnerOptions(job);
   o.fields = kSchema;
   const int64_t n = job.options.global_batch;

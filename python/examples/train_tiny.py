@@ -22,7 +22,11 @@ tokens): the losses, statistics and parameters must agree to float64 rounding.
 --rollouts trains RL-style: each step's rollouts are held in memory by the loaders with a
 per-token advantage (a `target` field), packed by one thdpack.torch.pack_batch call a step; the
 loss is the advantage-weighted token mean, and each sample's per-token log-probabilities go back
-to its loader in its order (step.unpack), compared with the single process's too.
+to its loader in its order (step.unpack), compared with the single process's too. --gspo
+trains the same data path with GRPO's group-normalised advantages (groups of 4 rollouts, a
+reward computed from the tokens) and GSPO's loss: each whole sequence's ratio exp(mean log-ratio)
+(thdpack.torch.sequence_means, reduced over the CP group), clipped, aggregated
+seq-mean-token-mean (thdpack.torch.aggregate_loss); its loss is compared too.
 
   /usr/bin/python3 python/examples/train_tiny.py --dp 2 --cp 2 --pp 2 --steps 4 --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
@@ -71,6 +75,30 @@ def advantages(i, L):
     """--rollouts: the per-token advantage of sample i (float64 [L], value j weighs the loss of
     predicting token j), a pure function of (i, j)."""
     return np.cos(0.37 * i + 0.11 * np.arange(L)) + 0.5
+
+
+GROUP = 4  # --gspo: rollouts per prompt group (GRPO), consecutive ids
+CLIP = 0.2  # --gspo: the sequence ratio's clip range
+
+
+def grpo_advantages(step, global_batch):
+    """--gspo: each rollout's GRPO advantage, (reward - group mean) / group std, computed over
+    the whole step as a driver would, before any packing; the reward of a rollout is the
+    fraction of its target tokens that are even (a pure function of its tokens)."""
+    ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
+    rewards = np.array([float(((t[1:] % 2 == 0) * m[1:]).sum()) / max(int(m[1:].sum()), 1)
+                        for t, m in zip(tokens, masks)])
+    adv = np.zeros_like(rewards)
+    for g in range(0, global_batch, GROUP):
+        r = rewards[g:g + GROUP]
+        adv[g:g + GROUP] = (r - r.mean()) / (r.std() + 1e-6)
+    return adv
+
+
+def old_logprobs(i, L):
+    """--gspo: the behaviour policy's per-token log-probabilities of sample i (a pure function
+    of (i, j), near the tiny model's own so that the sequence ratios straddle the clip range)."""
+    return -np.log(VOCAB) + 0.4 * np.sin(0.7 * i + 0.13 * np.arange(L))
 
 
 class TinyLM(torch.nn.Module):
@@ -148,15 +176,27 @@ def new_groups(ranks_of):
     return mine
 
 
-def rollouts_of(step, dp, d, global_batch):
+def rollouts_of(step, dp, d, global_batch, algo="weighted"):
     """--rollouts: loader d's rollouts of one step, in memory, with their advantages as a field
-    (samples d, d + DP, ... of the step)."""
+    (samples d, d + DP, ... of the step); --gspo adds the old log-probabilities, and the
+    advantage is the rollout's GRPO advantage on every token."""
     ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
-    return [{"input_ids": tokens[k], "loss_mask": masks[k],
-             "adv": advantages(int(ids[k]), int(lengths[k]))} for k in range(d, global_batch, dp)]
+    group_adv = grpo_advantages(step, global_batch) if algo == "gspo" else None
+    out = []
+    for k in range(d, global_batch, dp):
+        i, L = int(ids[k]), int(lengths[k])
+        item = {"input_ids": tokens[k], "loss_mask": masks[k]}
+        if algo == "gspo":
+            item["adv"] = np.full(L, group_adv[k])
+            item["old"] = old_logprobs(i, L)
+        else:
+            item["adv"] = advantages(i, L)
+        out.append(item)
+    return out
 
 
-def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rollouts=False):
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rollouts=False,
+           algo="weighted"):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=dp * cp * pp)
@@ -191,7 +231,9 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
         # pack_batch call, and the model's per-token log-probabilities go back to the loaders
         # in their order (step.unpack).
         fields = {"adv": {"kind": "target", "dtype": "float64"}}
-        it = (tt.pack_batch(rollouts_of(s, dp, dp_rank, global_batch) if loader else None,
+        if algo == "gspo":
+            fields["old"] = {"kind": "target", "dtype": "float64"}
+        it = (tt.pack_batch(rollouts_of(s, dp, dp_rank, global_batch, algo) if loader else None,
                             groups, fields=fields, **opts) for s in range(steps))
     else:
         it = tt.PackedDataIterator(source, groups, global_batch=global_batch, **opts)
@@ -206,6 +248,7 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
         for p in params:  # a rank idle in every microbatch of a dynamic step adds zeros
             p.grad = torch.zeros_like(p)
         logps = [None] * step.num_microbatches  # --rollouts: label-aligned, the last stage's
+        rl_loss = torch.zeros((), dtype=torch.float64)  # --gspo: this rank's shares
         for k, mb in enumerate(step):
             if mb["idle"]:  # dynamic: this rank is in no group of this microbatch
                 continue
@@ -250,6 +293,17 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
                 # shifted like the labels (position o weighs the prediction of token o + 1).
                 ce = F.cross_entropy(logits, mb["labels"].clamp(min=0), reduction="none")
                 share = (ce * mb["adv"] * mb["loss_mask"]).sum() / n_loss
+                if algo == "gspo":
+                    # GSPO: each sequence's ratio exp(mean over its loss tokens of log new -
+                    # log old), over the WHOLE sequence (sequence_means reduces over the CP
+                    # group), clipped, times the GRPO advantage; seq-mean-token-mean over the
+                    # step's sequences with a loss token.
+                    s_ratio = torch.exp(tt.sequence_means(-ce - mb["old"], mb))
+                    ratio = s_ratio[mb["seq_index"].long().clamp(min=0)]
+                    per_token = -torch.minimum(ratio * mb["adv"],
+                                               ratio.clamp(1 - CLIP, 1 + CLIP) * mb["adv"])
+                    share = tt.aggregate_loss(per_token, mb, step, "seq-mean-token-mean")
+                    rl_loss += share.detach()
                 logps[k] = -ce.detach()
             share.backward()
             if pp > 1:
@@ -268,6 +322,9 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
                 p -= LR * grads[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
         summary = stats.summary(group=dpcp_group) if last else {}
+        if algo == "gspo" and last:  # the shares summed over DP x CP: the step's GSPO loss
+            dist.all_reduce(rl_loss, group=dpcp_group)
+            summary["rl_loss"] = float(rl_loss)
         # The parameter sum over stages, each stage counted once (on its cp = dp = 0 rank).
         total = torch.zeros(pp, dtype=torch.float64)
         if cp_rank == 0 and dp_rank == 0:
@@ -290,7 +347,7 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
     dist.destroy_process_group()
 
 
-def single_process(steps, global_batch, rollouts=False):
+def single_process(steps, global_batch, rollouts=False, algo="weighted"):
     """The reference: one batch per step with every sample, plain torch, no thdpack packing,
     sharding or loss. --rollouts: the advantage-weighted loss, and each sample's per-token
     log-probabilities (entry 0 zero)."""
@@ -314,7 +371,29 @@ def single_process(steps, global_batch, rollouts=False):
         for p in model.parameters():
             p.grad = None
         loss = (per_token * target).sum() / n_loss
-        if rollouts:
+        if rollouts and algo == "gspo":
+            group_adv = grpo_advantages(step, global_batch)
+            terms, n_seqs = [], 0
+            a = 0
+            for k, (i, L) in enumerate(zip(ids, lengths)):
+                L = int(L)
+                m = target[a:a + L]  # label-aligned: position o predicts token o + 1
+                if m.sum() > 0:
+                    logp_new = -per_token[a:a + L]
+                    old = torch.cat([torch.from_numpy(old_logprobs(int(i), L)[1:]),
+                                     torch.tensor([0.0])])
+                    ratio = torch.exp(((logp_new - old) * m).sum() / m.sum())
+                    adv = float(group_adv[k])
+                    tok = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+                    terms.append((tok * m).sum() / m.sum())
+                    n_seqs += 1
+                a += L
+            rl_loss = sum(terms) / n_seqs
+            rl_loss.backward()
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            logp_of = [[0.0] + (-per_token[a:a + int(L) - 1]).tolist()
+                       for a, L in zip(starts, lengths)]
+        elif rollouts:
             adv = torch.cat([torch.cat([torch.from_numpy(advantages(int(i), int(L))[1:]),
                                         torch.tensor([0.0])]) for i, L in zip(ids, lengths)])
             (per_token * target * adv).sum().div(n_loss).backward()
@@ -338,6 +417,8 @@ def single_process(steps, global_batch, rollouts=False):
                         "param_sum": float(sum(p.sum() for p in model.parameters()))})
         if rollouts:
             results[-1]["logp"] = logp_of
+        if rollouts and algo == "gspo":
+            results[-1]["rl_loss"] = float(rl_loss)
     return results
 
 
@@ -364,11 +445,17 @@ def main():
                     help="RL-style: in-memory rollouts with a per-token advantage field, one "
                          "pack_batch a step, an advantage-weighted loss, and the per-token "
                          "log-probabilities unpacked back to the loaders (checked too)")
+    ap.add_argument("--gspo", action="store_true",
+                    help="with --rollouts' data path: GRPO group advantages (groups of 4 "
+                         "rollouts) and GSPO's clipped sequence ratio over whole sequences "
+                         "(sequence_means over CP), aggregated seq-mean-token-mean")
     args = ap.parse_args()
+    algo = "gspo" if args.gspo else "weighted"
+    args.rollouts = args.rollouts or args.gspo
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.global_batch,
-                               free_port(), out, args.scheduler, args.rollouts),
+                               free_port(), out, args.scheduler, args.rollouts, algo),
                  nprocs=args.dp * args.cp * args.pp, join=True)
         with open(out) as f:
             multi = json.load(f)
@@ -378,7 +465,8 @@ def main():
                 logp.append(json.load(f))
     print(f"DP={args.dp} CP={args.cp} PP={args.pp} {args.scheduler}: {args.steps} steps of "
           f"{args.global_batch} samples")
-    single = single_process(args.steps, args.global_batch, args.rollouts) if args.check else None
+    single = (single_process(args.steps, args.global_batch, args.rollouts, algo)
+              if args.check else None)
     failures = 0
     for s, r in enumerate(multi):
         line = (f"step {s}: microbatches {r['num_microbatches']} tokens {r['n_tokens']} "
@@ -390,7 +478,8 @@ def main():
         if single is not None:
             ref = single[s]
             worst = 0.0
-            for key in ("loss", "ppl", "entropy", "param_sum"):
+            keys = ("loss", "ppl", "entropy", "param_sum") + (("rl_loss",) if args.gspo else ())
+            for key in keys:
                 worst = max(worst, abs(r[key] - ref[key]) / max(abs(ref[key]), 1e-300))
             exact = all(r[k] == ref[k] for k in ("n_tokens", "n_loss_tokens"))
             if args.rollouts:  # loader d's k-th rollout is sample d + k * DP of the step

@@ -323,7 +323,9 @@ class TorchProcessGroup final : public ProcessGroup {
       std::string key = options_->backend;
       for (const std::vector<int>& list : groups) {
         key += "|";
-        for (int r : list) key += std::to_string(options_->torch_ranks[static_cast<size_t>(r)]) + ",";
+        for (int r : list) {
+          key += std::to_string(options_->torch_ranks[static_cast<size_t>(r)]) + ",";
+        }
       }
       py::list made_all;
       if (keep && options_->kept_groups.contains(py::str(key))) {
@@ -346,9 +348,9 @@ class TorchProcessGroup final : public ProcessGroup {
         mine.reset(group);
       }
     });
-    // Every rank waits until every member has made (or taken) its groups: torch's new_group returns on
-    // one member of a gloo group while a peer is still connecting to it (torch 2's new_group
-    // has no barrier after it), and a member that destroyed the group right away - an
+    // Every rank waits until every member has made (or taken) its groups: torch's new_group
+    // returns on one member of a gloo group while a peer is still connecting to it (torch 2's
+    // new_group has no barrier after it), and a member that destroyed the group right away - an
     // iterator made and closed at once, as a resume that reads a state does - closed the
     // connection under its peer ("Connection closed by peer" there, then a hang in the next
     // group). The same 8 bytes tell every rank whether one of them failed.

@@ -494,7 +494,8 @@ class TorchStepSource {
       const py::dict mb = microbatches[m].cast<py::dict>();
       const std::string where = "unpack: microbatch " + std::to_string(m);
       auto cu = IntView1D<int32_t>(hold(mb["cu_seqlens_cpu"]), where + " cu_seqlens");
-      auto cup = IntView1D<int32_t>(hold(mb["cu_seqlens_padded_cpu"]), where + " cu_seqlens_padded");
+      auto cup =
+          IntView1D<int32_t>(hold(mb["cu_seqlens_padded_cpu"]), where + " cu_seqlens_padded");
       auto ids = IntView1D<int64_t>(hold(mb["sample_ids"]), where + " sample_ids");
       held.push_back(cu.owner);
       held.push_back(cup.owner);

@@ -74,7 +74,8 @@ def zigzag(full, cup, cp, r):
     for i in range(len(cup) - 1):
         a, b = int(cup[i]), int(cup[i + 1])
         c = (b - a) // (2 * cp)
-        parts += [full[a + r * c:a + (r + 1) * c], full[a + (2 * cp - 1 - r) * c:a + (2 * cp - r) * c]]
+        parts += [full[a + r * c:a + (r + 1) * c],
+                  full[a + (2 * cp - 1 - r) * c:a + (2 * cp - r) * c]]
     return torch.cat(parts)
 
 

@@ -3,7 +3,7 @@
 those of a single process that trains on the same samples with plain torch: with the static
 scheduler, and with the dynamic one (a CP group per microbatch); and RL-style (--rollouts), its
 in-memory rollouts with an advantage field packed by pack_batch and its log-probabilities
-unpacked back to the loaders."""
+unpacked back to the loaders; and GRPO/GSPO (--gspo) on that data path."""
 import os
 import pathlib
 import subprocess
@@ -45,6 +45,24 @@ def test_multi_process_equals_single_process(dp, cp, pp, scheduler):
 def test_rollouts_with_fields_equal_single_process(dp, cp, pp, scheduler):
     out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
                           "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", "--rollouts",
+                          "--check"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    print(out.stdout, out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(line.endswith("OK") for line in lines)
+    assert "check: OK" in out.stdout
+
+
+# GRPO/GSPO: group-normalised advantages, GSPO's clipped ratio of each whole sequence (its mean
+# log-ratio reduced over CP by sequence_means), seq-mean-token-mean: the loss and updates equal
+# one process.
+@pytest.mark.no_sanitizer
+@pytest.mark.parametrize("dp,cp,pp,scheduler", [
+    (2, 2, 1, "balanced"), (1, 4, 1, "balanced"), (1, 2, 2, "balanced"), (2, 2, 1, "dynamic")])
+def test_gspo_equals_single_process(dp, cp, pp, scheduler):
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
+                          "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", "--gspo",
                           "--check"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     print(out.stdout, out.stderr)

@@ -152,7 +152,8 @@ TEST(FieldsTest, TokensAsFieldsPackToTokensAndLabels) {
       std::vector<TokenId> tokens(local), labels(local);
       std::vector<int32_t> pos(local);
       std::vector<uint8_t> mask(local);
-      ASSERT_TRUE(PackShardInto(views, *layout, po, r, PackBuffers{tokens, pos, labels, mask}).ok());
+      ASSERT_TRUE(
+          PackShardInto(views, *layout, po, r, PackBuffers{tokens, pos, labels, mask}).ok());
       std::vector<std::byte> a(local * 4), b(local * 4);
       ASSERT_TRUE(PackFieldShardInto(in, Views(values), *layout, cp, r, a).ok());
       ASSERT_TRUE(PackFieldShardInto(tg, Views(values), *layout, cp, r, b).ok());

@@ -7,7 +7,7 @@
   thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
   thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
   thdpack.torch.calibrate   a cost profile measured by timing the user's step on packed microbatches
-  thdpack.torch.seqloss     per-sequence sums over CP and post-training loss aggregation (verl's modes)
+  thdpack.torch.seqloss     per-sequence sums over CP, post-training loss aggregation (verl's modes)
 
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
 """
