@@ -61,6 +61,16 @@ struct FieldSpec {
   // Bytes per token (input, target) or per sample: width() * FieldDtypeSize(dtype).
   size_t row_bytes() const;
   bool per_token() const { return kind != FieldKind::kSample; }
+  // Bytes of this field in a sample of `length` tokens: a row per token, or one row.
+  size_t bytes_for(int64_t length) const {
+    return static_cast<size_t>(per_token() ? length : 1) * row_bytes();
+  }
+  // Whether a rank holds this field of a microbatch, by the arrays its stage holds: an input
+  // field goes with the tokens (first stage), a target field with the labels (last stage), a
+  // sample field to every rank.
+  bool HeldWith(bool tokens, bool labels) const {
+    return kind == FieldKind::kInput ? tokens : kind == FieldKind::kTarget ? labels : true;
+  }
   // "old_logprobs (target float32 [L])", "topk (target float32 [L, 8])", "uid (sample int64)"
   std::string ToString() const;
 };

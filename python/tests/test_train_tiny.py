@@ -14,6 +14,21 @@ import pytest
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
 
 
+def checked_run(dp, cp, pp, scheduler, *more):
+    """The example at a topology with --check over 3 steps: its step lines, each and the whole
+    run required OK."""
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
+                          "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", *more,
+                          "--check"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    print(out.stdout, out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(line.endswith("OK") for line in lines)
+    assert "check: OK" in out.stdout
+    return lines
+
+
 # Not under the sanitizers: the example's data path is the iterator and the loss, whose C++ runs
 # under ASan in test_torch_iterator.py, test_torch_iterator_dynamic.py and test_loss_torch.py;
 # what is its own (the model, its pipeline stages) is torch's.
@@ -22,14 +37,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny
     (2, 2, 1, "balanced"), (1, 3, 1, "balanced"), (3, 1, 1, "balanced"), (2, 1, 2, "balanced"),
     (1, 2, 2, "balanced"), (2, 2, 1, "dynamic"), (1, 4, 1, "dynamic"), (1, 2, 2, "dynamic")])
 def test_multi_process_equals_single_process(dp, cp, pp, scheduler):
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
-                          "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", "--check"],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    print(out.stdout, out.stderr)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3 and all(line.endswith("OK") for line in lines)
-    assert "check: OK" in out.stdout
+    lines = checked_run(dp, cp, pp, scheduler)
     if scheduler == "dynamic":  # groups of more than one rank were used
         sizes = [int(g.split(":")[0]) for line in lines
                  for g in line.split(" cp sizes ")[1].split(" |")[0].split(",")]
@@ -43,15 +51,7 @@ def test_multi_process_equals_single_process(dp, cp, pp, scheduler):
 @pytest.mark.parametrize("dp,cp,pp,scheduler", [
     (2, 2, 1, "balanced"), (1, 2, 2, "balanced"), (2, 2, 1, "dynamic")])
 def test_rollouts_with_fields_equal_single_process(dp, cp, pp, scheduler):
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
-                          "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", "--rollouts",
-                          "--check"],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    print(out.stdout, out.stderr)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3 and all(line.endswith("OK") for line in lines)
-    assert "check: OK" in out.stdout
+    checked_run(dp, cp, pp, scheduler, "--rollouts")
 
 
 # GRPO/GSPO: group-normalised advantages, GSPO's clipped ratio of each whole sequence (its mean
@@ -61,12 +61,4 @@ def test_rollouts_with_fields_equal_single_process(dp, cp, pp, scheduler):
 @pytest.mark.parametrize("dp,cp,pp,scheduler", [
     (2, 2, 1, "balanced"), (1, 4, 1, "balanced"), (1, 2, 2, "balanced"), (2, 2, 1, "dynamic")])
 def test_gspo_equals_single_process(dp, cp, pp, scheduler):
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
-                          "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", "--gspo",
-                          "--check"],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    print(out.stdout, out.stderr)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3 and all(line.endswith("OK") for line in lines)
-    assert "check: OK" in out.stdout
+    checked_run(dp, cp, pp, scheduler, "--gspo")

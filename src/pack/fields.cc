@@ -293,8 +293,7 @@ Status CheckSampleFields(std::span<const FieldSpec> fields,
   }
   for (size_t i = 0; i < fields.size(); ++i) {
     const FieldSpec& f = fields[i];
-    const int64_t rows = f.per_token() ? length : 1;
-    const size_t want = static_cast<size_t>(rows) * f.row_bytes();
+    const size_t want = f.bytes_for(length);
     if (values[i].size() != want) {
       return Status::InvalidArgument(
           std::string(where) + ", field " + f.ToString() + ": " +
@@ -308,9 +307,7 @@ Status CheckSampleFields(std::span<const FieldSpec> fields,
 
 int64_t FieldBytes(std::span<const FieldSpec> fields, int64_t length) {
   int64_t b = 0;
-  for (const FieldSpec& f : fields) {
-    b += (f.per_token() ? length : 1) * static_cast<int64_t>(f.row_bytes());
-  }
+  for (const FieldSpec& f : fields) b += static_cast<int64_t>(f.bytes_for(length));
   return b;
 }
 

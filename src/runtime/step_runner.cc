@@ -670,12 +670,8 @@ Status StepRunner::Impl::PackSequences(RankStep& out, size_t m, std::span<const 
     const SampleRef& r = refs_[static_cast<size_t>(p)];
     if (r.own_fields != nullptr) return std::span<const std::byte>((*r.own_fields)[f]);
     size_t at = 0;
-    for (size_t g = 0; g < f; ++g) {
-      at += static_cast<size_t>(fields[g].per_token() ? r.length : 1) * fields[g].row_bytes();
-    }
-    const size_t size =
-        static_cast<size_t>(fields[f].per_token() ? r.length : 1) * fields[f].row_bytes();
-    return std::span<const std::byte>(r.fields + at, size);
+    for (size_t g = 0; g < f; ++g) at += fields[g].bytes_for(r.length);
+    return std::span<const std::byte>(r.fields + at, fields[f].bytes_for(r.length));
   };
   std::vector<std::span<const std::byte>> values(ps.size());
   info.sample_fields.assign(sample_fields_.size(), {});
@@ -690,10 +686,7 @@ Status StepRunner::Impl::PackSequences(RankStep& out, size_t m, std::span<const 
     const size_t bytes = static_cast<size_t>(layout.total_tokens / cp_size) * spec.row_bytes();
     for (PackedShard& sh : shards) {
       sh.fields.resize(fields.size());
-      // Input fields go with the tokens, target fields with the labels.
-      const bool holds =
-          spec.kind == FieldKind::kInput ? !sh.tokens.empty() : !sh.labels.empty();
-      if (!holds) continue;
+      if (!spec.HeldWith(!sh.tokens.empty(), !sh.labels.empty())) continue;
       sh.fields[f].resize(bytes);
       THDPACK_RETURN_IF_ERROR(
           PackFieldShardInto(spec, values, layout, cp_size, sh.cp_rank, sh.fields[f]));
@@ -771,8 +764,7 @@ Status StepRunner::Impl::SendShard(ProcessGroup& group, int member, int member_p
   // with the labels.
   for (size_t f = 0; f < opts_.fields.size(); ++f) {
     const FieldSpec& spec = opts_.fields[f];
-    if (!spec.per_token() ||
-        !(spec.kind == FieldKind::kInput ? member_pp == 0 : member_pp == topo_.pp_size() - 1)) {
+    if (!spec.per_token() || !spec.HeldWith(member_pp == 0, member_pp == topo_.pp_size() - 1)) {
       continue;
     }
     THDPACK_RETURN_IF_ERROR(group.Send(sh.fields[f], member, kTagFields + static_cast<int>(f)));
@@ -798,8 +790,7 @@ Status StepRunner::Impl::RecvShard(ProcessGroup& group, size_t local_tokens, Pac
   sh.fields.assign(opts_.fields.size(), {});
   for (size_t f = 0; f < opts_.fields.size(); ++f) {
     const FieldSpec& spec = opts_.fields[f];
-    if (!spec.per_token() || (spec.kind == FieldKind::kInput ? coord_.pp != 0
-                                                             : coord_.pp != topo_.pp_size() - 1)) {
+    if (!spec.per_token() || !spec.HeldWith(coord_.pp == 0, coord_.pp == topo_.pp_size() - 1)) {
       continue;
     }
     sh.fields[f].resize(local_tokens * spec.row_bytes());
@@ -867,15 +858,16 @@ LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size
     PackedShard& sh = shards_[m][0];
     for (size_t f = 0; f < sh.fields.size() && f < lm.fields.size(); ++f) {
       const FieldSpec& spec = opts_.fields[f];
-      const bool stage = spec.kind == FieldKind::kInput ? out.first_stage : out.last_stage;
-      if (spec.per_token() && stage) lm.fields[f] = std::move(sh.fields[f]);
+      if (spec.per_token() && spec.HeldWith(out.first_stage, out.last_stage)) {
+        lm.fields[f] = std::move(sh.fields[f]);
+      }
     }
   }
   if (m < mb_info_.size()) {
-    SequenceInfo& info = mb_info_[m];
-    lm.sources = info.sources;
-    lm.sample_ids = info.ids;
-    lm.seq_n_targets = info.n_targets;
+    SequenceInfo& info = mb_info_[m];  // this step's: each microbatch is made once
+    lm.sources = std::move(info.sources);
+    lm.sample_ids = std::move(info.ids);
+    lm.seq_n_targets = std::move(info.n_targets);
     for (size_t k = 0; k < sample_fields_.size() && k < info.sample_fields.size(); ++k) {
       lm.fields[sample_fields_[k]] = std::move(info.sample_fields[k]);
     }

@@ -150,7 +150,7 @@ def _field_value(value, dtype, where):
     for a float dtype, are numbers)."""
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        got, shape = str(t.dtype).replace("torch.", ""), tuple(t.shape)
+        got, shape = _dtype_name(t.dtype, where), tuple(t.shape)
         a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     elif isinstance(value, (np.ndarray, np.generic)):
         a = np.ascontiguousarray(value)
