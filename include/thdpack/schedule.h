@@ -59,6 +59,13 @@ struct ScheduleOptions {
     kBalanced,    // cost-aware: smallest straggler cost, then fewest microbatches
     kDynamic,     // a CP group per microbatch and sequence: ScheduleDynamic (not Schedule)
   };
+  // Samples kept together (post-training: a DPO pair, a GRPO group), named by a group id per
+  // sample (the `groups` argument of Schedule / ScheduleDynamic).
+  enum class KeepGroups {
+    kNone,        // every sample placed on its own (`groups` must be empty)
+    kMicrobatch,  // a group in one microbatch of one replica, its samples adjacent, input order
+    kReplica,     // a group on one replica, its samples in any of that replica's microbatches
+  };
   // The CP group sizes the dynamic scheduler may use.
   enum class CpSizes {
     kAny,   // any size 1..D
@@ -83,6 +90,11 @@ struct ScheduleOptions {
   int max_microbatch_search = 8;
   // Dynamic only: the group sizes it may use (default any).
   CpSizes cp_sizes = CpSizes::kAny;
+  // Groups kept together (balanced and dynamic schedulers; docs/scheduling.md "Groups"). A
+  // group is balanced as a unit: its samples keep their own padded lengths and costs, summed.
+  // Under the dynamic scheduler both modes put a group in one CP group of one microbatch (a
+  // dynamic plan has no replicas: the ranks change with the microbatch).
+  KeepGroups keep_groups = KeepGroups::kNone;
   // The step-time model (cost.h). Required by the dynamic scheduler, which minimises the step
   // time it gives; PlanStepTime / DynamicPlanStepTime report it for any plan. Unset (nullopt)
   // with the `tokens` and `A,B` costs, which have no model dimensions.
@@ -97,6 +109,9 @@ std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy policy);
 [[nodiscard]] Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name);
 std::string_view CpSizesName(ScheduleOptions::CpSizes sizes);
 [[nodiscard]] Result<ScheduleOptions::CpSizes> ParseCpSizes(std::string_view name);
+// "none" / "microbatch" / "replica".
+std::string_view KeepGroupsName(ScheduleOptions::KeepGroups keep);
+[[nodiscard]] Result<ScheduleOptions::KeepGroups> ParseKeepGroups(std::string_view name);
 
 // The padded tokens one replica's microbatch may hold: CP * max_tokens_per_rank.
 inline int64_t MicrobatchBudget(const ScheduleOptions& o) {
@@ -135,13 +150,27 @@ struct Plan {
 // Time: O(n log n) for validation and (balanced) the sort by length, plus O(n) (sequential)
 // or O(n log DP) per value of M tried and a bounded local search (balanced); docs/scheduling.md
 // has the algorithms and measured times (1M samples, DP=512: about 0.35 s on one core).
+//
+// Groups (options.keep_groups not kNone): `groups` holds one group id per sample (same
+// length as `samples`; any int64 values, a group being the samples that share one), and
+// every group of the plan obeys the mode. The balanced scheduler then places groups as units
+// (scheduler_groups.cc: O(G log G + G * DP * M * g) per M tried, G groups of at most g
+// samples); the sequential one is refused. Oversize: a group with an oversize sample, or
+// (kMicrobatch) whose padded tokens together exceed the microbatch budget, is an error naming
+// the group (policy kError) or is skipped whole, every sample of it in Plan::skipped (kSkip):
+// a pair is never half trained. More errors: `groups` of the wrong length, or given with
+// kNone; fewer groups than microbatches (kMicrobatch) or than replicas (kReplica).
 [[nodiscard]] Result<Plan> Schedule(std::span<const SampleLength> samples,
-                                    const ScheduleOptions& options);
+                                    const ScheduleOptions& options,
+                                    std::span<const int64_t> groups = {});
 
 // Checks every invariant listed at the top of this file for `plan` against the inputs it was
 // made from (except determinism, which needs two runs). OK or the first violation found.
+// With options.keep_groups and `groups`, also the group rule; without `groups` it is not
+// checked, and a skipped sample that fits is accepted (its group may have left with another).
 [[nodiscard]] Status ValidatePlan(std::span<const SampleLength> samples,
-                                  const ScheduleOptions& options, const Plan& plan);
+                                  const ScheduleOptions& options, const Plan& plan,
+                                  std::span<const int64_t> groups = {});
 
 // The samples of a step by id, for checking and measuring plans in O(n) without a sort: a
 // direct table indexed by id - min id when the ids are dense (a step's ids are a range of the
@@ -250,7 +279,8 @@ struct ScheduledPlan {
 // reference, compared with this on random steps in the tests). Errors: those of Schedule, and
 // OutOfRange if sum_sq overflows int64 (as ComputePlanFigures).
 [[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
-                                                        const ScheduleOptions& options);
+                                                        const ScheduleOptions& options,
+                                                        std::span<const int64_t> groups = {});
 // The same, consuming `samples`: their memory is released as soon as the step is prepared (the
 // scheduler keeps its own arrays), so a large step does not hold both while it is scheduled.
 [[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::vector<SampleLength>&& samples,
@@ -316,13 +346,18 @@ struct DynamicPlan {
 // out of range, no step_time model ("the dynamic scheduler needs model dimensions"), bad
 // samples, an oversize sample under kError (naming its id, length and the budget), no sample
 // to schedule, a fixed M too small for the plan.
+// Groups (options.keep_groups): as Schedule's, each group in one CP group of one microbatch
+// whatever the mode, its samples adjacent in input order; list scheduling then moves groups
+// as moldable units (sum of the members' t(P, c)).
 [[nodiscard]] Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
-                                                  const ScheduleOptions& options);
+                                                  const ScheduleOptions& options,
+                                                  std::span<const int64_t> groups = {});
 
 // Checks the invariants above for `plan` against its inputs (except determinism and
 // step_time). OK or the first violation found.
 [[nodiscard]] Status ValidateDynamicPlan(std::span<const SampleLength> samples,
-                                         const ScheduleOptions& options, const DynamicPlan& plan);
+                                         const ScheduleOptions& options, const DynamicPlan& plan,
+                                         std::span<const int64_t> groups = {});
 
 // The modelled step time of a dynamic plan: each group's microbatch takes the sum of t(P, c)
 // over its sequences (P in the group's layout, the SP tail on the last), SimulateStepTime the

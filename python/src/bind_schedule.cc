@@ -219,7 +219,8 @@ void BindSchedule(py::module_& m) {
          py::object sp, py::object extra_alignment, py::object rank_multiple,
          int64_t max_tokens_per_rank, const std::string& scheduler, const std::string& cost,
          int microbatch_multiple, int num_microbatches, const std::string& oversize,
-         const std::string& hw, const std::string& cp_sizes) -> py::object {
+         const std::string& hw, const std::string& cp_sizes, const py::handle& groups_obj,
+         const std::string& keep_groups) -> py::object {
         const IntArrayView lengths(lengths_obj, "lengths");
         std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
@@ -239,7 +240,19 @@ void BindSchedule(py::module_& m) {
                                   ": one per sample expected");
           }
         }
+        std::vector<int64_t> groups;
+        if (!groups_obj.is_none()) {
+          const IntArrayView view(groups_obj, "groups");
+          if (view.size() != lengths.size()) {
+            throw py::value_error("groups: has " + std::to_string(view.size()) +
+                                  " entries, lengths has " + std::to_string(lengths.size()) +
+                                  ": one group id per sample expected");
+          }
+          groups.resize(view.size());
+          for (size_t i = 0; i < groups.size(); ++i) groups[i] = view[i];
+        }
         ScheduleOptions o;
+        o.keep_groups = ValueOrThrow(ParseKeepGroups(keep_groups));
         o.dp_size = dp_size;
         o.parallel = LayoutOf(LayoutArgs{std::move(layout), std::move(cp_size),
                                          std::move(tp_size), std::move(sp),
@@ -276,7 +289,7 @@ void BindSchedule(py::module_& m) {
           Status status;
           {
             py::gil_scoped_release release;
-            Result<DynamicPlan> plan = ScheduleDynamic(samples, o);
+            Result<DynamicPlan> plan = ScheduleDynamic(samples, o, groups);
             status = plan.status();
             if (plan.ok()) {
               out.plan = std::move(*plan);
@@ -295,7 +308,7 @@ void BindSchedule(py::module_& m) {
         Result<ScheduledPlan> scheduled = Status::Internal("not scheduled");
         {
           py::gil_scoped_release release;
-          scheduled = ScheduleWithFigures(samples, o);
+          scheduled = ScheduleWithFigures(samples, o, groups);
         }
         ThrowIfError(scheduled.status());
         PyPlan out;
@@ -313,6 +326,7 @@ void BindSchedule(py::module_& m) {
       py::arg("scheduler") = "balanced", py::arg("cost") = JobOptions().cost,
       py::arg("microbatch_multiple") = 1, py::arg("num_microbatches") = 0,
       py::arg("oversize") = "error", py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
+      py::arg("groups") = py::none(), py::arg("keep_groups") = "none",
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
@@ -329,6 +343,10 @@ oversize "error" or "skip", num_microbatches 0 to let the scheduler choose, rank
 rank's tokens of a microbatch a multiple of it (an int, or "fp8" 16, "mxfp8" 32, "blockwise" 128;
 the dynamic scheduler applies it to each group). The layout: layout= (a thdpack.ParallelLayout)
 or its scalars (cp_size, tp_size, sp, extra_alignment, rank_multiple), not both.
+groups: [n] group ids (any integers) with keep_groups "microbatch" (a group in one microbatch,
+its samples adjacent in input order: DPO pairs) or "replica" (a group on one replica: GRPO);
+under the dynamic scheduler both keep a group in one CP group of one microbatch. A group too
+large for its place is an error naming it, or skipped whole with oversize="skip".
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }
 

@@ -423,6 +423,23 @@ Result<ScheduleOptions::CpSizes> ParseCpSizes(std::string_view name) {
                                  "': expected 'any' or 'pow2'");
 }
 
+std::string_view KeepGroupsName(ScheduleOptions::KeepGroups keep) {
+  switch (keep) {
+    case ScheduleOptions::KeepGroups::kNone: return "none";
+    case ScheduleOptions::KeepGroups::kMicrobatch: return "microbatch";
+    case ScheduleOptions::KeepGroups::kReplica: return "replica";
+  }
+  return "none";
+}
+
+Result<ScheduleOptions::KeepGroups> ParseKeepGroups(std::string_view name) {
+  if (name == "none") return ScheduleOptions::KeepGroups::kNone;
+  if (name == "microbatch") return ScheduleOptions::KeepGroups::kMicrobatch;
+  if (name == "replica") return ScheduleOptions::KeepGroups::kReplica;
+  return Status::InvalidArgument("keep_groups '" + std::string(name) +
+                                 "': expected none, microbatch or replica");
+}
+
 Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name) {
   if (name == "error") return ScheduleOptions::OversizePolicy::kError;
   if (name == "skip") return ScheduleOptions::OversizePolicy::kSkip;
@@ -440,6 +457,7 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
                                                 const ScheduleOptions& options,
                                                 internal::PreparedStep* step,
                                                 ScheduleOptions::Scheduler* who,
+                                                std::span<const int64_t> groups,
                                                 PlanFigures* figures = nullptr,
                                                 std::vector<SampleLength>* release = nullptr) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
@@ -449,6 +467,27 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
         "ScheduleDynamic");
   }
   THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
+  if (options.keep_groups != ScheduleOptions::KeepGroups::kNone || !groups.empty()) {
+    if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
+      return Status::InvalidArgument(
+          "schedule: keep_groups '" + std::string(KeepGroupsName(options.keep_groups)) +
+          "' needs the balanced or the dynamic scheduler (the sequential one follows "
+          "Megatron-LM's order, which knows no groups)");
+    }
+    THDPACK_ASSIGN_OR_RETURN(internal::StepUnits units,
+                             internal::UnitsOfGroups(samples, options, groups));
+    THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> unit_of,
+                             internal::ApplyGroups(samples, options, units, step));
+    if (release != nullptr) std::vector<SampleLength>().swap(*release);
+    THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(*step, options));
+    *who = ScheduleOptions::Scheduler::kBalanced;
+    THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
+                             internal::ScheduleGroups(*step, options, unit_of));
+    if (figures != nullptr) {
+      THDPACK_ASSIGN_OR_RETURN(*figures, internal::AssignmentFigures(*step, options, a));
+    }
+    return a;
+  }
   if (release != nullptr) std::vector<SampleLength>().swap(*release);
   THDPACK_RETURN_IF_ERROR(internal::CheckEnoughSamples(*step, options));
   if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
@@ -466,11 +505,12 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
 
 }  // namespace
 
-Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptions& options) {
+Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptions& options,
+                      std::span<const int64_t> groups) {
   internal::PreparedStep step;
   ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
   THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
-                           ScheduleAssignment(samples, options, &step, &who));
+                           ScheduleAssignment(samples, options, &step, &who, groups));
   return internal::ToPlan(step, a, who);
 }
 
@@ -478,13 +518,14 @@ namespace {
 
 Result<ScheduledPlan> ScheduleWithFiguresImpl(std::span<const SampleLength> samples,
                                               const ScheduleOptions& options,
+                                              std::span<const int64_t> groups,
                                               std::vector<SampleLength>* release) {
   internal::PreparedStep step;
   ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
   ScheduledPlan out;
   THDPACK_ASSIGN_OR_RETURN(
       internal::Assignment a,
-      ScheduleAssignment(samples, options, &step, &who, &out.figures, release));
+      ScheduleAssignment(samples, options, &step, &who, groups, &out.figures, release));
   if (options.step_time.has_value()) {
     THDPACK_ASSIGN_OR_RETURN(out.sim_step_time, internal::AssignmentStepTime(step, options, a));
   }
@@ -495,13 +536,14 @@ Result<ScheduledPlan> ScheduleWithFiguresImpl(std::span<const SampleLength> samp
 }  // namespace
 
 Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
-                                          const ScheduleOptions& options) {
-  return ScheduleWithFiguresImpl(samples, options, nullptr);
+                                          const ScheduleOptions& options,
+                                          std::span<const int64_t> groups) {
+  return ScheduleWithFiguresImpl(samples, options, groups, nullptr);
 }
 
 Result<ScheduledPlan> ScheduleWithFigures(std::vector<SampleLength>&& samples,
                                           const ScheduleOptions& options) {
-  return ScheduleWithFiguresImpl(samples, options, &samples);
+  return ScheduleWithFiguresImpl(samples, options, {}, &samples);
 }
 
 namespace internal {
@@ -509,7 +551,8 @@ namespace {
 
 // ValidatePlan with the index of `samples` already built (ComputePlanFigures reuses it).
 Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const SampleIdIndex& index,
-                             const ScheduleOptions& options, const Plan& plan) {
+                             const ScheduleOptions& options, const Plan& plan,
+                             std::span<const int64_t> groups = {}) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   auto bad = [](const std::string& what) { return Status::InvalidArgument("invalid plan: " + what); };
   const int64_t dp = options.dp_size;
@@ -572,22 +615,56 @@ Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const Sample
     if (options.oversize != ScheduleOptions::OversizePolicy::kSkip) {
       return bad("id " + Str(id) + " was skipped but the oversize policy is 'error'");
     }
-    if (p <= capacity) return bad("id " + Str(id) + " was skipped but fits the budget");
+    // With groups, a sample that fits may leave with its group (CheckGroupPlacement).
+    if (p <= capacity && options.keep_groups == ScheduleOptions::KeepGroups::kNone) {
+      return bad("id " + Str(id) + " was skipped but fits the budget");
+    }
   }
   for (const SampleLength& s : samples) {
     if (!seen[static_cast<size_t>(index.Slot(s.id))]) {
       return bad("sample id " + Str(s.id) + " is neither scheduled nor skipped");
     }
   }
-  return Status::Ok();
+  // Without `groups` the group rule is not checked (ComputePlanFigures' use): a skipped
+  // sample that fits is then accepted under a keep_groups mode, as its group may have left.
+  if (groups.empty()) return Status::Ok();
+  if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
+    return bad("keep_groups with the sequential scheduler");
+  }
+  THDPACK_ASSIGN_OR_RETURN(StepUnits units, UnitsOfGroups(samples, options, groups));
+  // Where each sample is: its microbatch (kMicrobatch) or replica (kReplica), and position.
+  std::vector<PlacedSample> where(static_cast<size_t>(index.num_slots()));
+  const bool by_replica = options.keep_groups == ScheduleOptions::KeepGroups::kReplica;
+  for (int64_t g = 0; g < dp * m_count; ++g) {
+    for (int64_t k = plan.offsets[g]; k < plan.offsets[g + 1]; ++k) {
+      const int64_t slot = index.Slot(plan.sample_ids[k]);
+      where[static_cast<size_t>(slot)] = {by_replica ? g / m_count : g, k};
+    }
+  }
+  // The slots of a dense index are not input positions: map them.
+  std::vector<PlacedSample> by_input(samples.size());
+  std::vector<int64_t> sum_p(units.value.size(), 0);
+  std::vector<uint8_t> oversize(units.value.size(), 0);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    by_input[i] = where[static_cast<size_t>(index.Slot(samples[i].id))];
+    const int64_t p = options.parallel.PaddedLength(samples[i].length);
+    const size_t u = static_cast<size_t>(units.unit_of[i]);
+    sum_p[u] += p;
+    if (p > capacity) oversize[u] = 1;
+  }
+  return CheckGroupPlacement(samples, options, units, by_input, [&](int32_t u) {
+    const size_t x = static_cast<size_t>(u);
+    return !oversize[x] &&
+           !(options.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch && sum_p[x] > capacity);
+  });
 }
 
 }  // namespace
 }  // namespace internal
 
 Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions& options,
-                    const Plan& plan) {
-  return internal::ValidatePlanWithIndex(samples, SampleIdIndex(samples), options, plan);
+                    const Plan& plan, std::span<const int64_t> groups) {
+  return internal::ValidatePlanWithIndex(samples, SampleIdIndex(samples), options, plan, groups);
 }
 
 namespace internal {

@@ -44,10 +44,16 @@ struct Size {
   int64_t capacity = 0;
 };
 
-// The kept sequences of a step.
+// The kept sequences of a step, and the units list scheduling moves: a group kept together
+// (ScheduleOptions::keep_groups), or one sequence. Units are numbered by their first sequence,
+// their members (indices into kept) increasing.
 struct DynStep {
   std::vector<SampleLength> kept;  // input order
   std::vector<int64_t> skipped;
+  std::vector<int64_t> kept_groups;  // group id of each kept sequence; empty without groups
+  std::vector<int32_t> unit_first;   // [U + 1]: unit u's members are
+  std::vector<int32_t> unit_members; //   unit_members[unit_first[u] .. unit_first[u + 1])
+  int32_t num_units() const { return static_cast<int32_t>(unit_first.size()) - 1; }
 };
 
 Status ValidateDynamicOptions(const ScheduleOptions& o) {
@@ -83,7 +89,7 @@ Result<std::vector<Size>> AllowedSizes(const ScheduleOptions& o, int domain) {
 // Validates the samples and applies the oversize policy: a sample is oversize when it fits
 // no allowed group size.
 Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const ScheduleOptions& o,
-                               const std::vector<Size>& sizes) {
+                               const std::vector<Size>& sizes, std::span<const int64_t> groups) {
   // The per-sample checks and duplicate ids are PrepareStep's, on a CP = 1 copy that holds
   // any length (so that oversize is decided here).
   ScheduleOptions plain = o;
@@ -91,18 +97,23 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
   plain.max_tokens_per_rank = std::numeric_limits<int32_t>::max();
   plain.oversize = ScheduleOptions::OversizePolicy::kSkip;
   THDPACK_RETURN_IF_ERROR(internal::PrepareStep(samples, plain).status());
+  THDPACK_ASSIGN_OR_RETURN(internal::StepUnits units,
+                           internal::UnitsOfGroups(samples, o, groups));
+  const bool grouped = o.keep_groups != ScheduleOptions::KeepGroups::kNone;
   DynStep step;
   step.kept.reserve(samples.size());
   const Size& widest = sizes.back();
-  for (const SampleLength& s : samples) {
+  // A unit is kept when every sequence of it fits some group and (with groups) their padded
+  // lengths together fit one group's budget at some size.
+  std::vector<uint8_t> unit_ok(static_cast<size_t>(units.size()), 1);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const SampleLength& s = samples[i];
     bool fits = false;
     for (auto it = sizes.rbegin(); it != sizes.rend() && !fits; ++it) {
       fits = it->layout.PaddedLength(s.length) <= it->capacity;
     }
-    if (fits) {
-      step.kept.push_back(s);
-      continue;
-    }
+    if (fits) continue;
+    unit_ok[static_cast<size_t>(units.unit_of[i])] = 0;
     if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
       return Status::InvalidArgument(
           "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (padded " +
@@ -112,7 +123,64 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
           " ranks x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
           " (oversize policy 'error'; 'skip' leaves such samples out)");
     }
-    step.skipped.push_back(s.id);
+  }
+  if (grouped) {
+    std::vector<int64_t> sum(sizes.size() * static_cast<size_t>(units.size()), 0);
+    for (size_t i = 0; i < samples.size(); ++i) {
+      for (size_t z = 0; z < sizes.size(); ++z) {
+        sum[static_cast<size_t>(units.unit_of[i]) * sizes.size() + z] +=
+            sizes[z].layout.PaddedLength(samples[i].length);
+      }
+    }
+    for (int32_t u = 0; u < units.size(); ++u) {
+      if (!unit_ok[static_cast<size_t>(u)]) continue;
+      bool fits = false;
+      for (size_t z = 0; z < sizes.size() && !fits; ++z) {
+        fits = sum[static_cast<size_t>(u) * sizes.size() + z] <= sizes[z].capacity;
+      }
+      if (fits) continue;
+      unit_ok[static_cast<size_t>(u)] = 0;
+      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+        std::string ids;
+        int shown = 0;
+        for (size_t i = 0; i < samples.size() && shown < 4; ++i) {
+          if (units.unit_of[i] == u) ids += (shown++ > 0 ? ", " : "") + Str(samples[i].id);
+        }
+        return Status::InvalidArgument(
+            "schedule: group " + Str(units.value[static_cast<size_t>(u)]) + " (samples " + ids +
+            (shown == 4 ? ", ..." : "") + ") pads to " +
+            Str(sum[static_cast<size_t>(u) * sizes.size() + sizes.size() - 1]) +
+            " tokens together on the largest group of " + Str(widest.c) +
+            " ranks, over its budget " +
+            Str(widest.layout.MicrobatchBudget(o.max_tokens_per_rank)) + " (keep_groups '" +
+            std::string(KeepGroupsName(o.keep_groups)) +
+            "' puts a group in one CP group of one microbatch under dynamic CP; raise "
+            "max_tokens_per_rank, or set the oversize policy 'skip' to leave such groups out)");
+      }
+    }
+  }
+  // Kept sequences and their units, in input order; the others skipped, in input order.
+  std::vector<int32_t> dense(static_cast<size_t>(units.size()), -1);
+  std::vector<std::vector<int32_t>> members;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const int32_t u = units.unit_of[i];
+    if (!unit_ok[static_cast<size_t>(u)]) {
+      step.skipped.push_back(samples[i].id);
+      continue;
+    }
+    if (dense[static_cast<size_t>(u)] < 0) {
+      dense[static_cast<size_t>(u)] = static_cast<int32_t>(members.size());
+      members.emplace_back();
+    }
+    members[static_cast<size_t>(dense[static_cast<size_t>(u)])].push_back(
+        static_cast<int32_t>(step.kept.size()));
+    step.kept.push_back(samples[i]);
+    if (grouped) step.kept_groups.push_back(groups[i]);
+  }
+  step.unit_first.push_back(0);
+  for (const auto& m : members) {
+    step.unit_members.insert(step.unit_members.end(), m.begin(), m.end());
+    step.unit_first.push_back(static_cast<int32_t>(step.unit_members.size()));
   }
   if (step.kept.empty()) {
     return Status::InvalidArgument("schedule: too few samples: 0 to schedule" +
@@ -239,17 +307,24 @@ struct Moldable {
 Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
                       const std::vector<Size>& sizes) {
   const StepTimeModel& model = *o.step_time;
-  const int32_t n = static_cast<int32_t>(step.kept.size());
+  const int32_t n = step.num_units();
   Moldable m;
   m.first.assign(static_cast<size_t>(n) + 1, 0);
   m.w_min.assign(static_cast<size_t>(n), std::numeric_limits<double>::infinity());
   for (int32_t i = 0; i < n; ++i) {
-    const int64_t l = step.kept[static_cast<size_t>(i)].length;
     for (int32_t s = 0; s < static_cast<int32_t>(sizes.size()); ++s) {
       const Size& z = sizes[static_cast<size_t>(s)];
-      const int64_t p = z.layout.PaddedLength(l);
+      // A unit's tokens and seconds: its sequences' own, summed.
+      int64_t p = 0;
+      double t = 0;
+      for (int32_t k = step.unit_first[static_cast<size_t>(i)];
+           k < step.unit_first[static_cast<size_t>(i) + 1]; ++k) {
+        const int64_t pk = z.layout.PaddedLength(
+            step.kept[static_cast<size_t>(step.unit_members[static_cast<size_t>(k)])].length);
+        p += pk;
+        t += model.SequenceSeconds(pk, z.c);
+      }
       if (p > z.capacity) continue;
-      const double t = model.SequenceSeconds(p, z.c);
       m.options.push_back({s, p, t, t * z.c});
       m.w_min[static_cast<size_t>(i)] = std::min(m.w_min[static_cast<size_t>(i)], t * z.c);
     }
@@ -261,7 +336,10 @@ Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
     if (m.w_min[static_cast<size_t>(a)] != m.w_min[static_cast<size_t>(b)]) {
       return m.w_min[static_cast<size_t>(a)] > m.w_min[static_cast<size_t>(b)];
     }
-    return step.kept[static_cast<size_t>(a)].id < step.kept[static_cast<size_t>(b)].id;
+    return step.kept[static_cast<size_t>(step.unit_members[static_cast<size_t>(
+                         step.unit_first[static_cast<size_t>(a)])])].id <
+           step.kept[static_cast<size_t>(step.unit_members[static_cast<size_t>(
+                         step.unit_first[static_cast<size_t>(b)])])].id;
   });
   return m;
 }
@@ -390,12 +468,18 @@ std::optional<DynamicPlan> ListSchedule(const DynStep& step, const ScheduleOptio
   plan.domain_size = domain;
   plan.microbatches.resize(static_cast<size_t>(plan.num_microbatches));
   for (size_t q = 0; q < packs.size(); ++q) {
-    std::vector<int32_t> seqs = packs[q].seqs;
-    std::sort(seqs.begin(), seqs.end());  // arrival order
+    std::vector<int32_t> seqs = packs[q].seqs;  // units
+    std::sort(seqs.begin(), seqs.end());  // arrival order of their first sequences
     CpGroup g;
     g.first_rank = packs[q].first_rank;
     g.num_ranks = sizes[static_cast<size_t>(packs[q].size)].c;
-    for (int32_t s : seqs) g.sample_ids.push_back(step.kept[static_cast<size_t>(s)].id);
+    for (int32_t u : seqs) {
+      for (int32_t k = step.unit_first[static_cast<size_t>(u)];
+           k < step.unit_first[static_cast<size_t>(u) + 1]; ++k) {
+        g.sample_ids.push_back(
+            step.kept[static_cast<size_t>(step.unit_members[static_cast<size_t>(k)])].id);
+      }
+    }
     plan.microbatches[static_cast<size_t>(mb_of[q])].push_back(std::move(g));
   }
   for (auto& groups : plan.microbatches) {
@@ -414,7 +498,11 @@ std::optional<DynamicPlan> StaticCandidate(const DynStep& step, const ScheduleOp
   s.dp_size = domain / size.c;
   s.parallel = size.layout;
   s.oversize = ScheduleOptions::OversizePolicy::kError;
-  Result<Plan> plan = Schedule(step.kept, s);
+  // Replicas are the groups here: a unit in one microbatch of one replica is in one CP group.
+  if (s.keep_groups != ScheduleOptions::KeepGroups::kNone) {
+    s.keep_groups = ScheduleOptions::KeepGroups::kMicrobatch;
+  }
+  Result<Plan> plan = Schedule(step.kept, s, step.kept_groups);
   if (!plan.ok()) return std::nullopt;  // a sample over this size's budget, too few samples
   DynamicPlan out;
   out.domain_size = domain;
@@ -462,18 +550,20 @@ Result<int64_t> LongestKept(const ScheduleOptions& o) {
 }
 
 Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
-                                    const ScheduleOptions& options) {
-  return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false);
+                                    const ScheduleOptions& options,
+                                    std::span<const int64_t> groups) {
+  return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false, groups);
 }
 
 namespace internal {
 
 Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
-                                        const ScheduleOptions& options, bool plain) {
+                                        const ScheduleOptions& options, bool plain,
+                                        std::span<const int64_t> groups) {
   THDPACK_RETURN_IF_ERROR(ValidateDynamicOptions(options));
   const int domain = options.dp_size * options.parallel.cp_size();
   THDPACK_ASSIGN_OR_RETURN(std::vector<Size> sizes, AllowedSizes(options, domain));
-  THDPACK_ASSIGN_OR_RETURN(DynStep step, PrepareDynamic(samples, options, sizes));
+  THDPACK_ASSIGN_OR_RETURN(DynStep step, PrepareDynamic(samples, options, sizes, groups));
   const SampleIdIndex index(step.kept);
   std::optional<DynamicPlan> best;
   auto consider = [&](std::optional<DynamicPlan> candidate) -> Status {
@@ -503,7 +593,7 @@ Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
 }  // namespace internal
 
 Status ValidateDynamicPlan(std::span<const SampleLength> samples, const ScheduleOptions& o,
-                           const DynamicPlan& plan) {
+                           const DynamicPlan& plan, std::span<const int64_t> groups) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(o));
   auto bad = [](const std::string& what) {
     return Status::InvalidArgument("invalid dynamic plan: " + what);
@@ -526,9 +616,13 @@ Status ValidateDynamicPlan(std::span<const SampleLength> samples, const Schedule
   const SampleIdIndex index(samples);
   if (index.has_duplicates()) return bad("the input samples have duplicate ids");
   std::vector<uint8_t> seen(static_cast<size_t>(index.num_slots()), 0);
+  // Where each sample is (by slot): its CP group of its microbatch, and its position.
+  std::vector<internal::PlacedSample> placed(static_cast<size_t>(index.num_slots()));
+  int64_t container = 0, position = 0;
   for (int64_t m = 0; m < m_count; ++m) {
     int64_t next_free = 0;  // groups by first rank, disjoint
     for (const CpGroup& g : plan.microbatches[static_cast<size_t>(m)]) {
+      ++container;
       const std::string where = "microbatch " + Str(m) + ", group at rank " + Str(g.first_rank);
       if (g.num_ranks < 1 || g.first_rank < next_free ||
           static_cast<int64_t>(g.first_rank) + g.num_ranks > domain) {
@@ -547,6 +641,7 @@ Status ValidateDynamicPlan(std::span<const SampleLength> samples, const Schedule
         if (i < 0) return bad("id " + Str(id) + " (" + where + ") is not an input sample");
         if (seen[static_cast<size_t>(i)]) return bad("id " + Str(id) + " appears twice");
         seen[static_cast<size_t>(i)] = 1;
+        placed[static_cast<size_t>(i)] = {container, position++};
         sum += layout.PaddedLength(index.Length(i));
       }
       const int64_t t = layout.MicrobatchTokens(sum);
@@ -566,7 +661,9 @@ Status ValidateDynamicPlan(std::span<const SampleLength> samples, const Schedule
     if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
       return bad("id " + Str(id) + " was skipped but the oversize policy is 'error'");
     }
+    // With groups, a sample that fits may leave with its group (CheckGroupPlacement).
     for (const Size& z : sizes) {
+      if (o.keep_groups != ScheduleOptions::KeepGroups::kNone) break;
       if (z.layout.PaddedLength(index.Length(i)) <= z.capacity) {
         return bad("id " + Str(id) + " was skipped but fits a group of " + Str(z.c) + " ranks");
       }
@@ -577,7 +674,33 @@ Status ValidateDynamicPlan(std::span<const SampleLength> samples, const Schedule
       return bad("sample id " + Str(s.id) + " is neither scheduled nor skipped");
     }
   }
-  return Status::Ok();
+  if (groups.empty()) return Status::Ok();  // the group rule unchecked, as ValidatePlan's
+  THDPACK_ASSIGN_OR_RETURN(internal::StepUnits units, internal::UnitsOfGroups(samples, o, groups));
+  // Under dynamic CP both modes mean one CP group of one microbatch, adjacent.
+  ScheduleOptions as_microbatch = o;
+  as_microbatch.keep_groups = ScheduleOptions::KeepGroups::kMicrobatch;
+  std::vector<internal::PlacedSample> by_input(samples.size());
+  std::vector<uint8_t> sample_fits(samples.size(), 0);
+  std::vector<int64_t> sum(sizes.size() * static_cast<size_t>(units.size()), 0);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    by_input[i] = placed[static_cast<size_t>(index.Slot(samples[i].id))];
+    for (size_t z = 0; z < sizes.size(); ++z) {
+      const int64_t p = sizes[z].layout.PaddedLength(samples[i].length);
+      sum[static_cast<size_t>(units.unit_of[i]) * sizes.size() + z] += p;
+      if (p <= sizes[z].capacity) sample_fits[i] = 1;
+    }
+  }
+  std::vector<uint8_t> unit_has_oversize(static_cast<size_t>(units.size()), 0);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    if (!sample_fits[i]) unit_has_oversize[static_cast<size_t>(units.unit_of[i])] = 1;
+  }
+  return internal::CheckGroupPlacement(samples, as_microbatch, units, by_input, [&](int32_t u) {
+    if (unit_has_oversize[static_cast<size_t>(u)]) return false;
+    for (size_t z = 0; z < sizes.size(); ++z) {
+      if (sum[static_cast<size_t>(u) * sizes.size() + z] <= sizes[z].capacity) return true;
+    }
+    return false;
+  });
 }
 
 Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,

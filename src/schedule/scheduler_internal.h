@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -211,7 +212,52 @@ int64_t BestFitDecreasingBins(const PreparedStep& step);
 // ScheduleDynamic (scheduler_dynamic.cc); plain = true is its reference: every window's
 // maximum computed in full and no window search skipped, which must give the same plan.
 [[nodiscard]] Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
-                                                      const ScheduleOptions& options, bool plain);
+                                                      const ScheduleOptions& options, bool plain,
+                                                      std::span<const int64_t> groups = {});
+
+// ---- Groups kept together (scheduler_groups.cc; ScheduleOptions::keep_groups). ----
+
+// The groups of a step's samples as units, numbered by their first sample in input order.
+// With kNone (and no `groups`), every sample is a unit of its own.
+struct StepUnits {
+  std::vector<int32_t> unit_of;  // [n]: the unit of input sample i
+  std::vector<int64_t> value;    // [U]: the group id of each unit
+  int32_t size() const { return static_cast<int32_t>(value.size()); }
+};
+// Errors: `groups` not of the samples' length with a mode, or non-empty with kNone.
+[[nodiscard]] Result<StepUnits> UnitsOfGroups(std::span<const SampleLength> samples,
+                                              const ScheduleOptions& options,
+                                              std::span<const int64_t> groups);
+
+// The oversize rule of groups on a prepared step: a unit with a skipped (oversize) sample, or
+// (kMicrobatch) whose sum of P exceeds step->capacity, leaves `step` whole - an error naming
+// the group under kError, its ids in step->skipped (input order) under kSkip. Returns the unit
+// of each PreparedStep index that stays.
+[[nodiscard]] Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
+                                                       const ScheduleOptions& options,
+                                                       const StepUnits& units,
+                                                       PreparedStep* step);
+
+// The balanced scheduler over units (unit_of: ApplyGroups's), with its own M search and the
+// same choice rule as ScheduleBalanced. kMicrobatch: a unit in one bin, its samples adjacent
+// in input order; kReplica: a unit on one replica.
+[[nodiscard]] Result<Assignment> ScheduleGroups(const PreparedStep& step,
+                                                const ScheduleOptions& options,
+                                                const std::vector<int32_t>& unit_of);
+
+// Checks a plan's groups. where[i]: the container of input sample i in the plan (a microbatch
+// of a replica, a CP group of a microbatch) and its position in the plan's flat order; -1 for
+// a skipped sample. `fits(u)` says whether unit u could have been scheduled (no oversize
+// sample, and under kMicrobatch its sum within a microbatch): a skipped unit must not. Under
+// kMicrobatch container must be the microbatch, kReplica the replica.
+struct PlacedSample {
+  int64_t container = -1;
+  int64_t position = -1;
+};
+[[nodiscard]] Status CheckGroupPlacement(std::span<const SampleLength> samples,
+                                         const ScheduleOptions& o, const StepUnits& units,
+                                         std::span<const PlacedSample> where,
+                                         const std::function<bool(int32_t)>& fits);
 
 // PlanStepTime of the plan ToPlan(step, a) makes, from the scheduler's arrays: no validation,
 // no id index (the same lengths in the same order, so the same seconds; PlanStepTime is the
