@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -274,6 +275,94 @@ inline Status RunUnpackCase(ProcessGroup& w, const Job& job, int silent,
         return Status::Internal("unpack: field " + spec.name + " of loader sample " +
                                 std::to_string(k) + " differs");
       }
+    }
+  }
+  return Status::Ok();
+}
+
+
+// ---- Groups kept together (StepRunnerOptions::group_field, ScheduleOptions::keep_groups). ----
+
+// The group of the sample at stream position p: pairs (p / 2) or groups of four (p / 4).
+// Consecutive positions go to different loaders, so a group spans loaders.
+inline int64_t GroupAt(int64_t p, int size) { return 1000 + p / size; }
+
+// Every rank: `steps` steps of the case with the sample field "uid" holding GroupAt and
+// keep_groups `keep`; over the world, every sample once and every group where its mode says:
+// under "microbatch" (and always under dynamic CP) in one microbatch of one replica or CP group,
+// adjacent, in the scheduler's input order (loader 0's samples first, each loader's in its
+// order); under "replica" on one replica.
+inline Status RunGroupsCase(ProcessGroup& w, const FieldsCase& c, const std::string& keep,
+                            int64_t steps, int depth) {
+  JobOptions jo = MakeJob(c, 20).options;
+  jo.max_tokens_per_rank = 160;  // a pair of two 70-token samples fits a microbatch at CP 1
+  jo.keep_groups = keep;
+  jo.group_field = "uid";
+  Result<Job> job = ResolveJob(jo);
+  THDPACK_RETURN_IF_ERROR(job.status());
+  const int size = keep == "microbatch" ? 2 : 4;
+  const int dp = c.dp;
+  StepRunnerOptions options = FedWithFields(*job, [size](Sample& x) {
+    const int64_t g = GroupAt(x.id, size);
+    std::memcpy(x.fields[5].data(), &g, sizeof g);  // uid: int64, sample kind
+  });
+  StepSourceOptions so;
+  so.depth = depth;
+  THDPACK_ASSIGN_OR_RETURN(auto source, StepSource::Create(w, job->topology, options, so));
+  THDPACK_ASSIGN_OR_RETURN(Coord me, job->topology.CoordOf(w.rank()));
+  const int64_t batch = jo.global_batch;
+  // Per id: 1 + the rank holding it (cp 0 of its microbatch), its microbatch, its position.
+  std::vector<int64_t> holder(static_cast<size_t>(batch * steps), 0);
+  std::vector<int64_t> mb = holder, pos = holder, count = holder;
+  for (int64_t s = 0; s < steps; ++s) {
+    THDPACK_ASSIGN_OR_RETURN(RankStep step, source->Next());
+    if (me.tp != 0 || me.pp != 0) continue;
+    for (size_t k = 0; k < step.microbatches.size(); ++k) {
+      const LocalMicrobatch& m = step.microbatches[k];
+      if (m.idle || m.cp_rank != 0) continue;
+      for (size_t i = 0; i < m.sample_ids.size(); ++i) {
+        const int64_t id = m.sample_ids[i];
+        if (id < 0 || id >= static_cast<int64_t>(holder.size())) {
+          return Status::Internal("sample id " + std::to_string(id) + " out of range");
+        }
+        holder[static_cast<size_t>(id)] = 1 + w.rank();
+        mb[static_cast<size_t>(id)] = static_cast<int64_t>(k);
+        pos[static_cast<size_t>(id)] = static_cast<int64_t>(i);
+        ++count[static_cast<size_t>(id)];
+      }
+    }
+  }
+  for (auto* v : {&holder, &mb, &pos, &count}) {
+    THDPACK_RETURN_IF_ERROR(w.AllReduceInt64(std::span<int64_t>(*v), ReduceOp::kSum));
+  }
+  const bool by_microbatch = keep == "microbatch" || std::string(c.scheduler) == "dynamic";
+  for (int64_t s = 0; s < steps; ++s) {
+    // The step's ids in the scheduler's input order: by loader, then the loader's order.
+    std::vector<int64_t> order;
+    for (int l = 0; l < dp; ++l) {
+      for (int64_t p = s * batch; p < (s + 1) * batch; ++p) {
+        if ((p - s * batch) % dp == l) order.push_back(p);
+      }
+    }
+    std::map<int64_t, int64_t> last;  // group -> previous id in input order
+    for (int64_t id : order) {
+      const size_t i = static_cast<size_t>(id);
+      if (count[i] != 1) {
+        return Status::Internal("sample " + std::to_string(id) + " is in " +
+                                std::to_string(count[i]) + " microbatches");
+      }
+      const int64_t g = GroupAt(id, size);
+      auto it = last.find(g);
+      if (it != last.end()) {
+        const size_t j = static_cast<size_t>(it->second);
+        const std::string ids = "group " + std::to_string(g) + ": ids " +
+                                std::to_string(it->second) + " and " + std::to_string(id);
+        if (holder[i] != holder[j]) return Status::Internal(ids + " on different ranks");
+        if (by_microbatch && (mb[i] != mb[j] || pos[i] != pos[j] + 1)) {
+          return Status::Internal(ids + " not adjacent in one microbatch");
+        }
+      }
+      last[g] = id;
     }
   }
   return Status::Ok();

@@ -87,5 +87,56 @@ TEST(FieldsStep, AFieldThatDoesNotFitIsAnErrorOnEveryRank) {
   }
 }
 
+// Groups kept together through the step: pairs in one microbatch and groups of four on one
+// replica (one CP group under dynamic CP), every topology of the balanced and dynamic cases,
+// depths 0 and 1; the sequential scheduler and a bad group field are refused by name.
+TEST(GroupsStep, EveryGroupWhereItsModeSays) {
+  for (const FieldsCase& c : kFieldCases) {
+    if (std::string(c.scheduler) == "sequential") continue;
+    for (const char* keep : {"microbatch", "replica"}) {
+      for (int depth : {0, 1}) {
+        SCOPED_TRACE(testing::Name(c) + " " + keep + " depth " + std::to_string(depth));
+        ExpectAllOk(RunOnThreads(c.tp * c.cp * c.dp * c.pp, [&](ProcessGroup& w) {
+          return testing::RunGroupsCase(w, c, keep, 3, depth);
+        }));
+      }
+    }
+  }
+}
+
+TEST(GroupsStep, RefusedByName) {
+  const FieldsCase& c = kFieldCases[1];
+  JobOptions jo = testing::MakeJob(c, 8).options;
+  auto create = [&](JobOptions o) {
+    const Job job = *ResolveJob(o);
+    StepRunnerOptions options = testing::FedWithFields(job);
+    return RunOnThreads(job.topology.world_size(), [&](ProcessGroup& w) -> Status {
+      return StepRunner::Create(w, job.topology, options).status();
+    })[0];
+  };
+  JobOptions o = jo;
+  o.keep_groups = "microbatch";
+  Status s = create(o);
+  EXPECT_NE(s.message().find("needs group_field"), std::string::npos) << s.ToString();
+  o.group_field = "reward";  // float32
+  s = create(o);
+  EXPECT_NE(s.message().find("group_field 'reward' is reward (sample float32"),
+            std::string::npos) << s.ToString();
+  o.group_field = "nope";
+  s = create(o);
+  EXPECT_NE(s.message().find("not one of the 8 declared fields"), std::string::npos)
+      << s.ToString();
+  o.group_field = "uid";
+  o.scheduler = "sequential";
+  s = create(o);
+  EXPECT_NE(s.message().find("not 'sequential'"), std::string::npos) << s.ToString();
+  o = jo;
+  o.group_field = "uid";
+  s = create(o);
+  EXPECT_NE(s.message().find("keep_groups is 'none'"), std::string::npos) << s.ToString();
+  o.keep_groups = "pairs";
+  EXPECT_FALSE(ResolveJob(o).ok());
+}
+
 }  // namespace
 }  // namespace thdpack

@@ -122,6 +122,11 @@ int Run() {
            thdpack::testing::RunFieldsCase(world, job, 2, 0));
     report("unpack " + thdpack::testing::Name(c),
            thdpack::testing::RunUnpackCase(world, job, -1, nullptr));
+    if (std::string(c.scheduler) == "sequential") continue;
+    for (const char* keep : {"microbatch", "replica"}) {
+      report(std::string("groups ") + keep + " " + thdpack::testing::Name(c),
+             thdpack::testing::RunGroupsCase(world, c, keep, 2, 0));
+    }
   }
   (void)world.Barrier();
   if (world.rank() == 0) {

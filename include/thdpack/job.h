@@ -84,6 +84,11 @@ struct JobOptions {
   int microbatch_multiple = 1;  // --microbatch-multiple, >= 1
   int num_microbatches = 0;     // --num-microbatches: 0 (the scheduler chooses) or a multiple
   std::string oversize = "error";  // --oversize: error | skip
+  // Python only (the file sources carry no fields): keep_groups none | microbatch | replica
+  // (ScheduleOptions::keep_groups) and group_field, the sample field holding each sample's
+  // group id (StepRunnerOptions::group_field).
+  std::string keep_groups = "none";
+  std::string group_field;
   TokenId pad_id = 0;              // the token id of padding
   std::string data_on = "tp0";     // --data-on: tp0 | all (run only)
   // --timeout (run only): seconds one collective may wait for its peers before the step fails

@@ -146,6 +146,12 @@ struct StepRunnerOptions {
   // the field and both sizes). Needs a caller-fed source (read_share): the file sources carry
   // no fields. Default: none.
   std::vector<FieldSpec> fields;
+  // Groups kept together (schedule.keep_groups, thdpack/schedule.h): the name of the `sample`
+  // field of `fields` (int32 or int64, shape []) that holds each sample's group id, e.g. a
+  // DPO pair id or a GRPO prompt uid. The ids travel with the lengths (8 bytes a sample) and
+  // every scheduler call gets them. Required with keep_groups, refused without (Create names
+  // the rule broken). Default: none.
+  std::string group_field;
   // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
   // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with
   // every LocalMicrobatch's cp_group null, and the caller attaches them (AttachCpGroups) from

@@ -86,6 +86,8 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"microbatch_multiple", Field(&JobOptions::microbatch_multiple)},
       {"num_microbatches", Field(&JobOptions::num_microbatches)},
       {"oversize", Field(&JobOptions::oversize)},
+      {"keep_groups", Field(&JobOptions::keep_groups)},
+      {"group_field", Field(&JobOptions::group_field)},
       {"pad_id", Field(&JobOptions::pad_id)},
       {"data_on", Field(&JobOptions::data_on)},
       {"vocab_size", Field(&JobOptions::vocab_size)},

@@ -118,6 +118,9 @@ Status FillSchedule(const JobOptions& o, Job& job) {
   Result<ScheduleOptions::CpSizes> cp_sizes = ParseCpSizes(o.cp_sizes);
   if (!cp_sizes.ok()) return Fail("--cp-sizes", cp_sizes.status().message());
   s.cp_sizes = *cp_sizes;
+  Result<ScheduleOptions::KeepGroups> keep = ParseKeepGroups(o.keep_groups);
+  if (!keep.ok()) return Fail("keep_groups", keep.status().message());
+  s.keep_groups = *keep;
   if (o.max_cp_groups < 1) {
     return Fail("--max-cp-groups", "must be >= 1, got " + std::to_string(o.max_cp_groups));
   }
@@ -265,6 +268,7 @@ StepRunnerOptions RunnerOptions(const Job& job) {
   o.check_plan_hash = job.options.check_plan_hash;
   o.max_cp_groups = job.options.max_cp_groups;
   o.start_step = job.options.start_step;
+  o.group_field = job.options.group_field;
   return o;
 }
 

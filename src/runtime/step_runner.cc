@@ -132,6 +132,7 @@ Status StepRunner::Impl::Init() {
   for (size_t f = 0; f < opts_.fields.size(); ++f) {
     if (!opts_.fields[f].per_token()) sample_fields_.push_back(f);
   }
+  if (local.ok()) local = FindGroupField();
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
   if (!opts_.read_share) {
     const Result<SourceKind> kind = SourceKindOf(opts_.data);
@@ -385,6 +386,55 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   return Status::Ok();
 }
 
+Status StepRunner::Impl::FindGroupField() {
+  const bool keep = opts_.schedule.keep_groups != ScheduleOptions::KeepGroups::kNone;
+  const std::string mode(KeepGroupsName(opts_.schedule.keep_groups));
+  if (opts_.group_field.empty()) {
+    if (!keep) return Status::Ok();
+    return Status::InvalidArgument("StepRunner: keep_groups '" + mode +
+                                   "' needs group_field, the sample field holding each "
+                                   "sample's group id");
+  }
+  if (!keep) {
+    return Status::InvalidArgument("StepRunner: group_field '" + opts_.group_field +
+                                   "' given but keep_groups is 'none' (set 'microbatch' or "
+                                   "'replica')");
+  }
+  if (opts_.schedule.scheduler == ScheduleOptions::Scheduler::kSequential) {
+    return Status::InvalidArgument("StepRunner: keep_groups '" + mode +
+                                   "' needs the balanced or the dynamic scheduler, not "
+                                   "'sequential'");
+  }
+  for (size_t f = 0; f < opts_.fields.size(); ++f) {
+    const FieldSpec& spec = opts_.fields[f];
+    if (spec.name != opts_.group_field) continue;
+    if (spec.kind != FieldKind::kSample || spec.width() != 1 ||
+        (spec.dtype != FieldDtype::kInt32 && spec.dtype != FieldDtype::kInt64)) {
+      return Status::InvalidArgument("StepRunner: group_field '" + opts_.group_field +
+                                     "' is " + spec.ToString() +
+                                     "; a group id must be a sample field of int32 or int64, "
+                                     "shape []");
+    }
+    group_field_ = static_cast<int>(f);
+    return Status::Ok();
+  }
+  return Status::InvalidArgument("StepRunner: group_field '" + opts_.group_field +
+                                 "' is not one of the " + std::to_string(opts_.fields.size()) +
+                                 " declared fields");
+}
+
+int64_t StepRunner::Impl::GroupOf(const Sample& x) const {
+  const std::vector<std::byte>& b = x.fields[static_cast<size_t>(group_field_)];
+  if (opts_.fields[static_cast<size_t>(group_field_)].dtype == FieldDtype::kInt32) {
+    int32_t v = 0;
+    std::memcpy(&v, b.data(), sizeof v);
+    return v;
+  }
+  int64_t v = 0;
+  std::memcpy(&v, b.data(), sizeof v);
+  return v;
+}
+
 // Every member sends a header (its sample count, and the step's first id, id span and epoch,
 // which members that read nothing take from loader 0), then the loaders' (id offset, L,
 // n_targets) triples, 12 bytes a sample, gathered in loader order.
@@ -414,7 +464,8 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     if (!reader_) after_.assign(static_cast<size_t>(all[4]), 0);
     THDPACK_RETURN_IF_ERROR(g.BroadcastValues(std::span<int64_t>(after_), 0));
   }
-  const size_t per = blend_ ? 4 : 3;  // id offset, L, n_targets (, source)
+  // id offset, L, n_targets (, source) (, group id as two words)
+  const size_t per = (blend_ ? 4 : 3) + (group_field_ >= 0 ? 2 : 0);
   std::vector<int64_t> c(gs, 0), dsp(gs, 0);
   loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
   for (size_t j = 0; j < gs; ++j) {
@@ -439,11 +490,17 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     send.push_back(static_cast<int32_t>(x.tokens.size()));
     send.push_back(static_cast<int32_t>(NumTargets(x)));
     if (blend_) send.push_back(x.source);
+    if (group_field_ >= 0) {
+      const uint64_t g = static_cast<uint64_t>(GroupOf(x));
+      send.push_back(static_cast<int32_t>(static_cast<uint32_t>(g)));
+      send.push_back(static_cast<int32_t>(static_cast<uint32_t>(g >> 32)));
+    }
   }
   std::vector<int32_t> recv(per * static_cast<size_t>(n));
   THDPACK_RETURN_IF_ERROR(
       g.AllGatherVValues(std::span<const int32_t>(send), std::span<int32_t>(recv), c, dsp));
   out.samples.resize(static_cast<size_t>(n));
+  step_groups_.assign(group_field_ >= 0 ? static_cast<size_t>(n) : 0, 0);
   position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
   for (int64_t p = 0; p < n; ++p) {
     const int32_t* v = recv.data() + per * static_cast<size_t>(p);
@@ -455,12 +512,18 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     position_of_offset_[static_cast<size_t>(off)] = p;
     out.samples[static_cast<size_t>(p)] =
         SampleLength{first_id_ + off, v[1], v[2], blend_ ? v[3] : 0};
+    if (group_field_ >= 0) {
+      const size_t w = blend_ ? 4 : 3;
+      step_groups_[static_cast<size_t>(p)] = static_cast<int64_t>(
+          static_cast<uint64_t>(static_cast<uint32_t>(v[w])) |
+          (static_cast<uint64_t>(static_cast<uint32_t>(v[w + 1])) << 32));
+    }
   }
   return Status::Ok();
 }
 
 Status StepRunner::Impl::MakePlan(RankStep& out) {
-  THDPACK_ASSIGN_OR_RETURN(out.plan, Schedule(out.samples, opts_.schedule));
+  THDPACK_ASSIGN_OR_RETURN(out.plan, Schedule(out.samples, opts_.schedule, step_groups_));
   if (opts_.check_plan_hash) {
     THDPACK_RETURN_IF_ERROR(AgreeOnPlanHash(*loaders_, HashPlan(out.plan), "plan", step_));
   }

@@ -386,6 +386,15 @@ class StepRunner::Impl {
   // The run's fields (StepRunnerOptions::fields): bytes a sample of length L holds in them, and
   // the sample fields' positions in the schema.
   std::vector<size_t> sample_fields_;
+  // keep_groups: the group field's index in the schema (-1: none), and this step's group id of
+  // each sample of RankStep::samples (from the lengths exchange).
+  int group_field_ = -1;
+  std::vector<int64_t> step_groups_;
+  // Checks StepRunnerOptions::group_field against keep_groups and the schema; sets
+  // group_field_.
+  Status FindGroupField();
+  // The group id a sample carries (its group field, int32 or int64).
+  int64_t GroupOf(const Sample& x) const;
   bool started_ = false;  // a step was run (Restore is refused then)
   Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };
