@@ -26,7 +26,10 @@ to its loader in its order (step.unpack), compared with the single process's too
 trains the same data path with GRPO's group-normalised advantages (groups of 4 rollouts, a
 reward computed from the tokens) and GSPO's loss: each whole sequence's ratio exp(mean log-ratio)
 (thdpack.torch.sequence_means, reduced over the CP group), clipped, aggregated
-seq-mean-token-mean (thdpack.torch.aggregate_loss); its loss is compared too.
+seq-mean-token-mean (thdpack.torch.aggregate_loss); its loss is compared too. The rollouts carry
+their group id and reward as sample fields, and keep_groups="replica" puts each group on one
+replica, which normalises its groups' rewards itself, with no communication.
+python/examples/train_dpo.py trains DPO on preference pairs on the same model.
 
   /usr/bin/python3 python/examples/train_tiny.py --dp 2 --cp 2 --pp 2 --steps 4 --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
@@ -81,17 +84,46 @@ GROUP = 4  # --gspo: rollouts per prompt group (GRPO), consecutive ids
 CLIP = 0.2  # --gspo: the sequence ratio's clip range
 
 
+def reward(tokens, mask):
+    """--gspo: a rollout's reward, the fraction of its target tokens that are even."""
+    return float(((tokens[1:] % 2 == 0) * mask[1:]).sum()) / max(int(mask[1:].sum()), 1)
+
+
+def group_normalised(rewards):
+    """GRPO: (reward - group mean) / group std of one group's rewards, in id order."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return (r - r.mean()) / (r.std() + 1e-6)
+
+
 def grpo_advantages(step, global_batch):
-    """--gspo: each rollout's GRPO advantage, (reward - group mean) / group std, computed over
-    the whole step as a driver would, before any packing; the reward of a rollout is the
-    fraction of its target tokens that are even (a pure function of its tokens)."""
+    """--gspo, the single process: each rollout's GRPO advantage over the whole step (groups of
+    GROUP consecutive ids)."""
     ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
-    rewards = np.array([float(((t[1:] % 2 == 0) * m[1:]).sum()) / max(int(m[1:].sum()), 1)
-                        for t, m in zip(tokens, masks)])
-    adv = np.zeros_like(rewards)
+    rewards = [reward(t, m) for t, m in zip(tokens, masks)]
+    adv = np.zeros(global_batch)
     for g in range(0, global_batch, GROUP):
-        r = rewards[g:g + GROUP]
-        adv[g:g + GROUP] = (r - r.mean()) / (r.std() + 1e-6)
+        adv[g:g + GROUP] = group_normalised(rewards[g:g + GROUP])
+    return adv
+
+
+def local_group_advantages(step):
+    """--gspo, a rank of the last stage: the GRPO advantage of every rollout its replica holds,
+    made from the rewards and group ids (sample fields) of its own microbatches, without any
+    communication - keep_groups="replica" puts every group on one replica (under dynamic CP in
+    one CP group of one microbatch). A group found incomplete would mean the rule was broken."""
+    members = {}
+    for mb in step.microbatches:
+        if mb["idle"]:
+            continue
+        for i, g, r in zip(mb["sample_ids"].tolist(), mb["uid"].tolist(), mb["reward"].tolist()):
+            members.setdefault(g, []).append((i, r))
+    adv = {}
+    for g, got in members.items():
+        if len(got) != GROUP:
+            raise RuntimeError(f"group {g}: {len(got)} of its {GROUP} rollouts on this replica")
+        got.sort()
+        for (i, _), a in zip(got, group_normalised([r for _, r in got])):
+            adv[i] = float(a)
     return adv
 
 
@@ -156,6 +188,58 @@ class _GatherCp(torch.autograd.Function):
 STAGE_PARAMS = (("emb", "pos", "wq", "wk", "wv", "wo"), ("w1", "w2", "head"))
 
 
+class Place:
+    """This rank in Megatron's order with TP = 1 (cp fastest, then dp, then pp)."""
+
+    def __init__(self, rank, dp, cp, pp):
+        self.dp, self.cp, self.pp = dp, cp, pp
+        self.cp_rank, self.dp_rank, self.stage = rank % cp, (rank // cp) % dp, rank // (cp * dp)
+        self.first, self.last = self.stage == 0, self.stage == pp - 1
+
+    def at(self, c, d, s):
+        return c + self.cp * (d + self.dp * s)
+
+
+def run_microbatch(model, mb, place, loss_of):
+    """One microbatch through the model's stages: on the first stage the embedding and the
+    attention (K/V of the whole microbatch gathered over its CP group, for a sequence-aware
+    causal mask); with --pp 2 the activations handed to the last stage and their gradient back;
+    on the last stage the MLP and head, ``loss_of(logits)`` -> this rank's share, and its
+    backward pass."""
+    c_size, c_rank, c_group = mb["cp_size"], mb["cp_rank"], mb["cp_group"]
+    cup = mb["cu_seqlens_padded"].numpy()
+    local = int(cup[-1]) // c_size
+    to = (place.cp_rank, place.dp_rank)
+    if place.first:
+        # Global positions and sequence of every token, for the sequence-aware mask.
+        seq = torch.from_numpy(np.repeat(np.arange(len(cup) - 1), np.diff(cup)))
+        q_pos = tt.partition_indices(cup, c_size, c_rank)
+        k_pos = torch.arange(int(cup[-1]))
+
+        def attend(q, k, v):
+            if c_size > 1:  # K/V of the whole microbatch, back in global order
+                k = tt.unshard(list(_GatherCp.apply(k, c_group, c_size, c_rank)), cup)
+                v = tt.unshard(list(_GatherCp.apply(v, c_group, c_size, c_rank)), cup)
+            return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
+
+        x = model.emb[mb["tokens"]] + model.pos[mb["position_ids"]]
+        x = x + attend(x @ model.wq, x @ model.wk, x @ model.wv) @ model.wo
+    if place.pp > 1 and place.first:  # hand the activations on, take their gradient back
+        dist.send(x.detach(), dst=place.at(*to, place.stage + 1))
+        grad = torch.empty(local, HIDDEN, dtype=torch.float64)
+        dist.recv(grad, src=place.at(*to, place.stage + 1))
+        x.backward(grad)
+        return
+    if place.pp > 1:  # the last stage starts from the first stage's activations
+        x = torch.empty(local, HIDDEN, dtype=torch.float64)
+        dist.recv(x, src=place.at(*to, place.stage - 1))
+        x.requires_grad_(True)
+    h = x + torch.tanh(x @ model.w1) @ model.w2
+    loss_of(h @ model.head).backward()
+    if place.pp > 1:
+        dist.send(x.grad, dst=place.at(*to, place.stage - 1))
+
+
 def loader_share(dp, d, steps, global_batch):
     """Loader d's share of every step, in order, as a DataLoader over a DistributedSampler
     would yield it: the samples at positions d, d + DP, ... of each step, as dicts."""
@@ -181,13 +265,13 @@ def rollouts_of(step, dp, d, global_batch, algo="weighted"):
     (samples d, d + DP, ... of the step); --gspo adds the old log-probabilities, and the
     advantage is the rollout's GRPO advantage on every token."""
     ids, lengths, n_targets, tokens, masks = step_samples(step, global_batch)
-    group_adv = grpo_advantages(step, global_batch) if algo == "gspo" else None
     out = []
     for k in range(d, global_batch, dp):
         i, L = int(ids[k]), int(lengths[k])
         item = {"input_ids": tokens[k], "loss_mask": masks[k]}
-        if algo == "gspo":
-            item["adv"] = np.full(L, group_adv[k])
+        if algo == "gspo":  # the group id and reward: each replica normalises its own groups
+            item["uid"] = i // GROUP
+            item["reward"] = reward(tokens[k], masks[k])
             item["old"] = old_logprobs(i, L)
         else:
             item["adv"] = advantages(i, L)
@@ -195,25 +279,54 @@ def rollouts_of(step, dp, d, global_batch, algo="weighted"):
     return out
 
 
-def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rollouts=False,
-           algo="weighted"):
+def join_world(rank, dp, cp, pp, port):
+    """This process's gloo world of DP x CP x PP ranks: its Place, the thdpack Groups, and the
+    group of its stage's DP x CP ranks (over which the shares and gradients are summed)."""
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=dp * cp * pp)
-    # Megatron's order with TP = 1: cp fastest, then dp, then pp.
-    cp_rank, dp_rank, stage = rank % cp, (rank // cp) % dp, rank // (cp * dp)
-
-    def at(c, d, s):
-        return c + cp * (d + dp * s)
-
+    place = Place(rank, dp, cp, pp)
+    at = place.at
     cp_group = new_groups([[at(c, d, s) for c in range(cp)] for s in range(pp) for d in range(dp)])
     dp_group = new_groups([[at(c, d, s) for d in range(dp)] for s in range(pp) for c in range(cp)])
     pp_group = new_groups([[at(c, d, s) for s in range(pp)] for d in range(dp) for c in range(cp)])
-    # Gradients of a stage's parameters are summed over its DP x CP ranks.
     dpcp_group = new_groups([[at(c, d, s) for d in range(dp) for c in range(cp)]
                              for s in range(pp)])
-    groups = tt.Groups(cp=cp_group, dp=dp_group, pp=pp_group)
-    first, last = stage == 0, stage == pp - 1
+    return place, tt.Groups(cp=cp_group, dp=dp_group, pp=pp_group), dpcp_group
+
+
+def stage_params(model, place):
+    """The parameters this rank's stage holds (every one without PP)."""
+    names = STAGE_PARAMS[0] + STAGE_PARAMS[1] if place.pp == 1 else STAGE_PARAMS[place.stage]
+    return [getattr(model, n) for n in names]
+
+
+def sgd_step(params, dpcp_group):
+    """The shares are designed for a SUM over DP x CP: the gradients summed over the stage's
+    DP x CP ranks, then one plain SGD step."""
+    grads = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(grads, group=dpcp_group)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p -= LR * grads[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+def param_sum(params, place):
+    """The sum of every parameter over the stages, each stage counted once (collective)."""
+    total = torch.zeros(place.pp, dtype=torch.float64)
+    if place.cp_rank == 0 and place.dp_rank == 0:
+        total[place.stage] = float(sum(p.sum() for p in params))
+    dist.all_reduce(total)
+    return float(total.sum())
+
+
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rollouts=False,
+           algo="weighted"):
+    place, groups, dpcp_group = join_world(rank, dp, cp, pp, port)
+    cp_rank, dp_rank, stage, at = place.cp_rank, place.dp_rank, place.stage, place.at
+    last = place.last
     loader = cp_rank == 0 and stage == 0
     # The data path is thdpack's: each loader hands its own share; the C++ step schedules,
     # moves tokens between loaders, packs, CP-shards and delivers every stage its tensors.
@@ -232,15 +345,21 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
         # in their order (step.unpack).
         fields = {"adv": {"kind": "target", "dtype": "float64"}}
         if algo == "gspo":
-            fields["old"] = {"kind": "target", "dtype": "float64"}
+            # GRPO's groups on one replica each (keep_groups="replica", by the sample field
+            # "uid"), so that a replica normalises its groups' rewards itself.
+            fields = {"old": {"kind": "target", "dtype": "float64"},
+                      "uid": {"kind": "sample", "dtype": "int64"},
+                      "reward": {"kind": "sample", "dtype": "float64"}}
+            opts.update(keep_groups="replica", group_field="uid")
+            if scheduler == "dynamic":  # a group of 4 in one CP group of the 4 ranks' budget
+                opts["max_tokens_per_rank"] = 48
         it = (tt.pack_batch(rollouts_of(s, dp, dp_rank, global_batch, algo) if loader else None,
                             groups, fields=fields, **opts) for s in range(steps))
     else:
         it = tt.PackedDataIterator(source, groups, global_batch=global_batch, **opts)
     unpacked = []  # --rollouts, a loader: per step, its samples' log-probabilities
     model = TinyLM()
-    names = STAGE_PARAMS[0] + STAGE_PARAMS[1] if pp == 1 else STAGE_PARAMS[stage]
-    params = [getattr(model, n) for n in names]
+    params = stage_params(model, place)
     results = []
     for step in it:
         n_loss = step.n_loss_tokens  # N: the global loss-token count of the step
@@ -249,91 +368,57 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
             p.grad = torch.zeros_like(p)
         logps = [None] * step.num_microbatches  # --rollouts: label-aligned, the last stage's
         rl_loss = torch.zeros((), dtype=torch.float64)  # --gspo: this rank's shares
+        group_adv = local_group_advantages(step) if algo == "gspo" and last else None
         for k, mb in enumerate(step):
             if mb["idle"]:  # dynamic: this rank is in no group of this microbatch
                 continue
-            # The microbatch's CP group: the topology's for a static step, its own for a
-            # dynamic one.
-            c_size, c_rank, c_group = mb["cp_size"], mb["cp_rank"], mb["cp_group"]
-            cu, cup = mb["cu_seqlens"].numpy(), mb["cu_seqlens_padded"].numpy()
-            local = int(cup[-1]) // c_size
-            if first:
-                # Global positions and sequence of every token, for the sequence-aware mask.
-                seq = torch.from_numpy(np.repeat(np.arange(len(cu) - 1), np.diff(cup)))
-                q_pos = tt.partition_indices(cup, c_size, c_rank)
-                k_pos = torch.arange(int(cup[-1]))
 
-                def attend(q, k, v):
-                    if c_size > 1:  # K/V of the whole microbatch, back in global order
-                        k = tt.unshard(list(_GatherCp.apply(k, c_group, c_size, c_rank)), cup)
-                        v = tt.unshard(list(_GatherCp.apply(v, c_group, c_size, c_rank)), cup)
-                    return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
-
-                x = model.emb[mb["tokens"]] + model.pos[mb["position_ids"]]
-                x = x + attend(x @ model.wq, x @ model.wk, x @ model.wv) @ model.wo
-            if pp > 1 and first:  # hand the activations on, take their gradient back
-                dist.send(x.detach(), dst=at(cp_rank, dp_rank, stage + 1))
-                grad = torch.empty(local, HIDDEN, dtype=torch.float64)
-                dist.recv(grad, src=at(cp_rank, dp_rank, stage + 1))
-                x.backward(grad)
-                continue
-            if pp > 1:  # the last stage starts from the first stage's activations
-                x = torch.empty(local, HIDDEN, dtype=torch.float64)
-                dist.recv(x, src=at(cp_rank, dp_rank, stage - 1))
-                x.requires_grad_(True)
-            h = x + torch.tanh(x @ model.w1) @ model.w2
-            logits = h @ model.head
-            # One pass over the logits: the share, its gradient and the per-token values the
-            # statistics take.
-            token_values = {}
-            share = tt.local_loss(logits, mb["labels"], mb["loss_mask"], n_loss,
-                                  token_values=token_values)
-            if rollouts:
-                # The advantage-weighted token mean over the step's N loss tokens: mb["adv"] is
-                # shifted like the labels (position o weighs the prediction of token o + 1).
+            def loss_of(logits):
+                nonlocal rl_loss
+                # One pass over the logits: the share, its gradient and the per-token values
+                # the statistics take.
+                token_values = {}
+                share = tt.local_loss(logits, mb["labels"], mb["loss_mask"], n_loss,
+                                      token_values=token_values)
+                stats.add_microbatch(None, mb, token_values=token_values)
+                if not rollouts:
+                    return share
                 ce = F.cross_entropy(logits, mb["labels"].clamp(min=0), reduction="none")
-                share = (ce * mb["adv"] * mb["loss_mask"]).sum() / n_loss
-                if algo == "gspo":
-                    # GSPO: each sequence's ratio exp(mean over its loss tokens of log new -
-                    # log old), over the WHOLE sequence (sequence_means reduces over the CP
-                    # group), clipped, times the GRPO advantage; seq-mean-token-mean over the
-                    # step's sequences with a loss token.
-                    s_ratio = torch.exp(tt.sequence_means(-ce - mb["old"], mb))
-                    ratio = s_ratio[mb["seq_index"].long().clamp(min=0)]
-                    per_token = -torch.minimum(ratio * mb["adv"],
-                                               ratio.clamp(1 - CLIP, 1 + CLIP) * mb["adv"])
-                    share = tt.aggregate_loss(per_token, mb, step, "seq-mean-token-mean")
-                    rl_loss += share.detach()
                 logps[k] = -ce.detach()
-            share.backward()
-            if pp > 1:
-                dist.send(x.grad, dst=at(cp_rank, dp_rank, stage - 1))
-            stats.add_microbatch(None, mb, token_values=token_values)
+                if algo != "gspo":
+                    # The advantage-weighted token mean over the step's N loss tokens: mb["adv"]
+                    # is shifted like the labels (position o weighs the prediction of token
+                    # o + 1).
+                    return (ce * mb["adv"] * mb["loss_mask"]).sum() / n_loss
+                # GSPO: each sequence's ratio exp(mean over its loss tokens of log new - log
+                # old), over the WHOLE sequence (sequence_means reduces over the CP group),
+                # clipped, times its GRPO advantage (made on this replica from its groups'
+                # rewards: keep_groups="replica"); seq-mean-token-mean over the step's sequences
+                # with a loss token.
+                seq = mb["seq_index"].long().clamp(min=0)
+                s_ratio = torch.exp(tt.sequence_means(-ce - mb["old"], mb))
+                ratio = s_ratio[seq]
+                adv = torch.tensor([group_adv[int(i)] for i in mb["sample_ids"]],
+                                   dtype=torch.float64)[seq]
+                per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+                share = tt.aggregate_loss(per_token, mb, step, "seq-mean-token-mean")
+                rl_loss += share.detach()
+                return share
+
+            run_microbatch(model, mb, place, loss_of)
         if rollouts:  # each loader gets its rollouts' [L] log-probabilities, in its order
             got = step.unpack(logps)
             if loader:
                 unpacked.append([g.tolist() for g in got])
-        # The shares are designed for a SUM over DP x CP.
-        grads = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(grads, group=dpcp_group)
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p -= LR * grads[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+        sgd_step(params, dpcp_group)
         summary = stats.summary(group=dpcp_group) if last else {}
         if algo == "gspo" and last:  # the shares summed over DP x CP: the step's GSPO loss
             dist.all_reduce(rl_loss, group=dpcp_group)
             summary["rl_loss"] = float(rl_loss)
-        # The parameter sum over stages, each stage counted once (on its cp = dp = 0 rank).
-        total = torch.zeros(pp, dtype=torch.float64)
-        if cp_rank == 0 and dp_rank == 0:
-            total[stage] = float(sum(p.sum() for p in params))
-        dist.all_reduce(total)
         summary["num_microbatches"] = step.num_microbatches
         if step.dynamic:  # sequences per CP group size: {"c": count}
             summary["cp_degrees"] = step.figures["cp_degrees"]
-        summary["param_sum"] = float(total.sum())
+        summary["param_sum"] = param_sum(params, place)
         results.append(summary)
     if rank == at(0, 0, pp - 1):
         with open(out_path, "w") as f:

@@ -35,7 +35,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def rollouts(n, seed=3):
-    """n fed samples, their fields given in turn as tensors, arrays and lists."""
+    """n fed samples, their fields given in turn as tensors, arrays, lists, Python numbers and
+    NumPy scalars (shape [], as a Python number)."""
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n):
@@ -48,8 +49,8 @@ def rollouts(n, seed=3):
                 "topk": rng.normal(size=(L, 2)),
                 "mrope": rng.integers(-5, 500, (L, 3)).astype(np.int32),
                 "token_type": rng.integers(0, 3, L).astype(np.uint8).tolist(),
-                "uid": k // 2,
-                "reward": float(rng.normal()),
+                "uid": np.int64(k // 2) if k % 3 == 0 else k // 2,
+                "reward": np.float32(rng.normal()) if k % 3 == 1 else float(rng.normal()),
                 "pair": [bool(k % 2), True]}
         out.append(item)
     return out
@@ -190,6 +191,43 @@ def test_fields_that_do_not_fit_are_errors_naming_the_sample_and_field():
     with pytest.raises(ValueError, match="field kind 'token'"):
         field = [("x", "token", "float32", (), 0.0)]
         _thdpack._run_steps_on_threads(opts, 1, None, None, None, field)
+
+
+# Groups kept together through the C++ step (keep_groups, group_field): the pairs of "uid"
+# (samples 2j, 2j + 1) side by side in one microbatch, or on one replica; every field still
+# equal to the reference.
+@pytest.mark.parametrize("topo,keep", [
+    ((1, 2, 2, 1, False, "tp0", "balanced"), "microbatch"),
+    ((1, 1, 3, 1, False, "tp0", "balanced"), "replica"),
+    ((1, 2, 2, 1, False, "tp0", "dynamic"), "microbatch")], ids=str)
+def test_groups_kept_together_on_threads(topo, keep):
+    tp, cp, dp, pp = topo[:4]
+    items = rollouts(GLOBAL_BATCH * STEPS)
+    specs = field_specs(FIELDS)
+    opts = options(*topo, keep_groups=keep, group_field="uid")
+    steps = _thdpack._run_steps_on_threads(opts, STEPS, None, shares(items, dp, specs), None,
+                                           specs)
+    for r, per in enumerate(steps):
+        for s, step in enumerate(per):
+            for k, m in enumerate(step["microbatches"]):
+                check_microbatch(items, m, specs, step["first_stage"], step["last_stage"], False,
+                                 f"{topo} rank {r} step {s} microbatch {k}")
+            if keep == "microbatch" or topo[-1] == "dynamic":
+                for m in step["microbatches"]:
+                    ids = [int(i) for i in m["sample_ids"]]
+                    for a, i in enumerate(ids):  # each pair's other half right beside it
+                        assert (i ^ 1) in ids[max(a - 1, 0):a + 2], (topo, r, s, ids)
+    # Replica mode: each pair on one replica (the dp of the ranks holding its microbatches).
+    if keep == "replica":
+        replica_of = {}
+        for r, per in enumerate(steps):
+            for m in per[0]["microbatches"]:
+                for i in m["sample_ids"]:
+                    replica_of.setdefault(int(i), set()).add(r)
+        assert all(replica_of[i] == replica_of[i ^ 1] for i in replica_of), replica_of
+    with pytest.raises(ValueError, match="group_field 'reward' is reward"):
+        bad = options(*topo, keep_groups=keep, group_field="reward")
+        _thdpack._run_steps_on_threads(bad, 1, None, shares(items, dp, specs), None, specs)
 
 
 # Over gloo, through PackedDataIterator: 4 ranks, static with CP and DP, Hugging Face's labels

@@ -3,7 +3,8 @@
 those of a single process that trains on the same samples with plain torch: with the static
 scheduler, and with the dynamic one (a CP group per microbatch); and RL-style (--rollouts), its
 in-memory rollouts with an advantage field packed by pack_batch and its log-probabilities
-unpacked back to the loaders; and GRPO/GSPO (--gspo) on that data path."""
+unpacked back to the loaders; and GRPO/GSPO (--gspo) on that data path, its groups kept on one
+replica; and DPO (train_dpo.py), its preference pairs kept in one microbatch."""
 import os
 import pathlib
 import subprocess
@@ -11,13 +12,14 @@ import sys
 
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE = EXAMPLES / "train_tiny.py"
 
 
-def checked_run(dp, cp, pp, scheduler, *more):
+def checked_run(dp, cp, pp, scheduler, *more, example=EXAMPLE):
     """The example at a topology with --check over 3 steps: its step lines, each and the whole
     run required OK."""
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--dp", str(dp), "--cp", str(cp),
+    out = subprocess.run([sys.executable, str(example), "--dp", str(dp), "--cp", str(cp),
                           "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", *more,
                           "--check"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -62,3 +64,14 @@ def test_rollouts_with_fields_equal_single_process(dp, cp, pp, scheduler):
     (2, 2, 1, "balanced"), (1, 4, 1, "balanced"), (1, 2, 2, "balanced"), (2, 2, 1, "dynamic")])
 def test_gspo_equals_single_process(dp, cp, pp, scheduler):
     checked_run(dp, cp, pp, scheduler, "--gspo")
+
+# DPO: preference pairs kept side by side in one microbatch (keep_groups="microbatch"), each
+# response's log-probability summed over its whole sequence across CP (sequence_sums), the pair
+# loss: the loss, accuracy, margin and updates equal one process at DP x CP x PP 1x1x1, 2x2x1,
+# 1x4x1, 2x2x2 and with dynamic CP.
+@pytest.mark.no_sanitizer
+@pytest.mark.parametrize("dp,cp,pp,scheduler", [
+    (1, 1, 1, "balanced"), (2, 2, 1, "balanced"), (1, 4, 1, "balanced"), (2, 2, 2, "balanced"),
+    (2, 2, 1, "dynamic")])
+def test_dpo_equals_single_process(dp, cp, pp, scheduler):
+    checked_run(dp, cp, pp, scheduler, example=EXAMPLES / "train_dpo.py")

@@ -655,7 +655,8 @@ Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const Sample
   return CheckGroupPlacement(samples, options, units, by_input, [&](int32_t u) {
     const size_t x = static_cast<size_t>(u);
     return !oversize[x] &&
-           !(options.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch && sum_p[x] > capacity);
+           !(options.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch &&
+             sum_p[x] > capacity);
   });
 }
 

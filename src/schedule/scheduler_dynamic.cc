@@ -142,13 +142,15 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
       unit_ok[static_cast<size_t>(u)] = 0;
       if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
         std::string ids;
-        int shown = 0;
-        for (size_t i = 0; i < samples.size() && shown < 4; ++i) {
-          if (units.unit_of[i] == u) ids += (shown++ > 0 ? ", " : "") + Str(samples[i].id);
+        int shown = 0, total = 0;
+        for (size_t i = 0; i < samples.size(); ++i) {
+          if (units.unit_of[i] != u) continue;
+          if (shown < 4) ids += (shown++ > 0 ? ", " : "") + Str(samples[i].id);
+          ++total;
         }
         return Status::InvalidArgument(
             "schedule: group " + Str(units.value[static_cast<size_t>(u)]) + " (samples " + ids +
-            (shown == 4 ? ", ..." : "") + ") pads to " +
+            (total > shown ? ", ... (" + Str(total) + " in all)" : "") + ") pads to " +
             Str(sum[static_cast<size_t>(u) * sizes.size() + sizes.size() - 1]) +
             " tokens together on the largest group of " + Str(widest.c) +
             " ranks, over its budget " +

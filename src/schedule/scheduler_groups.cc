@@ -138,9 +138,8 @@ std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& i
     int donor = -1;
     for (int c = 0; c < m; ++c) {
       if (bins[static_cast<size_t>(c)].size() < 2) continue;
-      if (donor < 0 || bins[static_cast<size_t>(c)].size() > bins[static_cast<size_t>(donor)].size()) {
-        donor = c;
-      }
+      const size_t size = bins[static_cast<size_t>(c)].size();
+      if (donor < 0 || size > bins[static_cast<size_t>(donor)].size()) donor = c;
     }
     if (donor < 0) return std::nullopt;
     auto& from = bins[static_cast<size_t>(donor)];
@@ -185,7 +184,8 @@ class GroupsAtM {
         continue;
       }
       for (int32_t i : x.members) {
-        items.push_back({step_.padded[static_cast<size_t>(i)], step_.cost[static_cast<size_t>(i)], i, i});
+        const size_t k = static_cast<size_t>(i);
+        items.push_back({step_.padded[k], step_.cost[k], i, i});
       }
     }
     return items;
@@ -197,8 +197,8 @@ class GroupsAtM {
   // A: units by decreasing cost to the least-cost replica whose bins hold them (best fit).
   bool PlaceByLpt() {
     const int dp = o_.dp_size;
-    std::vector<std::vector<int64_t>> room(static_cast<size_t>(dp),
-                                           std::vector<int64_t>(static_cast<size_t>(m_), step_.capacity));
+    std::vector<std::vector<int64_t>> room(
+        static_cast<size_t>(dp), std::vector<int64_t>(static_cast<size_t>(m_), step_.capacity));
     std::set<std::pair<double, int>> replicas;
     for (int r = 0; r < dp; ++r) replicas.insert({0.0, r});
     std::vector<int32_t> order(units_.size());
@@ -458,7 +458,9 @@ Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
   const size_t u_count = units.value.size();
   std::vector<int32_t> kept_index(n, -1);
   for (size_t i = 0, j = 0; i < n; ++i) {
-    if (j < step->size() && step->ids[j] == samples[i].id) kept_index[i] = static_cast<int32_t>(j++);
+    if (j < step->size() && step->ids[j] == samples[i].id) {
+      kept_index[i] = static_cast<int32_t>(j++);
+    }
   }
   std::vector<uint8_t> broken(u_count, 0);
   std::vector<int64_t> sum_p(u_count, 0);
@@ -555,7 +557,8 @@ Result<Assignment> ScheduleGroups(const PreparedStep& step, const ScheduleOption
   const int64_t max_m = n_items / dp;
   int64_t m_lo = o.num_microbatches;
   if (m_lo == 0) {
-    m_lo = std::max<int64_t>(1, (step.total_padded + dp * step.capacity - 1) / (dp * step.capacity));
+    const int64_t per_m = dp * step.capacity;
+    m_lo = std::max<int64_t>(1, (step.total_padded + per_m - 1) / per_m);
     m_lo = (m_lo + k - 1) / k * k;
   }
   struct Candidate {

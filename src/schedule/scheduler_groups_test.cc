@@ -79,7 +79,9 @@ std::string CheckStatic(const std::vector<SampleLength>& samples,
   for (const auto& [g, pos] : members) {
     for (size_t j = 1; j < pos.size(); ++j) {
       const int64_t a = samples[pos[j - 1]].id, b = samples[pos[j]].id;
-      if (skipped.count(a) != skipped.count(b)) return "group " + std::to_string(g) + " half skipped";
+      if (skipped.count(a) != skipped.count(b)) {
+        return "group " + std::to_string(g) + " half skipped";
+      }
       if (skipped.count(a)) continue;
       const Where& x = where[a];
       const Where& y = where[b];

@@ -153,7 +153,9 @@ def _field_value(value, dtype, where):
         got, shape = _dtype_name(t.dtype, where), tuple(t.shape)
         a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     elif isinstance(value, (np.ndarray, np.generic)):
-        a = np.ascontiguousarray(value)
+        # asarray keeps a NumPy scalar 0-d (shape []); ascontiguousarray would make it [1].
+        a = np.asarray(value)
+        a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
         got = _NUMPY_NAMES.get(a.dtype) or a.dtype.name  # dtype.name is slow (NumPy 1.24)
         shape = a.shape
     else:
