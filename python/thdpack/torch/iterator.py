@@ -488,7 +488,11 @@ class PackedDataIterator:
     starts at that step of a run that read ``global_batch`` samples a step from step 0;
     ``rank_multiple`` (default 1; an int or "fp8" 16, "mxfp8" 32, "blockwise" 128) makes every
     rank's tokens of a microbatch (T/CP, T/(CP*TP) with sp) a multiple of it, the tail on the
-    last sequence (docs/layout.md, "Rank multiple").
+    last sequence (docs/layout.md, "Rank multiple"); ``keep_groups`` ("microbatch": every group
+    in one microbatch, its samples side by side - DPO pairs; "replica": every group on one
+    replica - GRPO groups; dynamic CP: one CP group of one microbatch) with ``group_field`` the
+    name of a declared int32/int64 ``sample`` field holding each sample's group id
+    (docs/scheduling.md, "Groups").
 
     label_format: "megatron" (default): labels already shifted, as thdpack's loss and Megatron
     take them. "hf": Hugging Face's (``thdpack.pack(label_format="hf")``): labels unshifted,
