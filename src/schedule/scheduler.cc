@@ -371,6 +371,26 @@ AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOpt
   return r;
 }
 
+size_t ChooseCandidate(std::span<const int> m, std::span<const AssignmentCost> cost) {
+  double best = std::numeric_limits<double>::infinity();
+  for (const AssignmentCost& c : cost) best = std::min(best, c.max_replica_cost);
+  const double limit = best * kNearBest + 1e-12 * std::abs(best);
+  size_t pick = cost.size();
+  for (size_t i = 0; i < cost.size(); ++i) {
+    if (cost[i].max_replica_cost > limit) continue;
+    if (pick == cost.size()) {
+      pick = i;
+    } else if (m[i] != m[pick]) {
+      if (m[i] < m[pick]) pick = i;
+    } else if (cost[i].max_replica_cost != cost[pick].max_replica_cost) {
+      if (cost[i].max_replica_cost < cost[pick].max_replica_cost) pick = i;
+    } else if (cost[i].max_spread < cost[pick].max_spread) {
+      pick = i;
+    }
+  }
+  return pick;
+}
+
 Plan ToPlan(const PreparedStep& step, const Assignment& a, ScheduleOptions::Scheduler who) {
   Plan plan;
   plan.num_microbatches = a.num_microbatches;

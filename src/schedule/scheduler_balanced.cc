@@ -57,8 +57,6 @@ constexpr int kLinearBinsMax = 32;
 // sequences instead of through the tree (on the Wikipedia step of docs/scheduling.md, DP = 512,
 // any threshold from 16 to 512 gave about the same time).
 constexpr int32_t kMergedRunMin = 16;
-// Relative tolerance of the "within 1%" rule of the objective.
-constexpr double kNearBest = 1.01;
 // Work budget of the local search, in candidate evaluations (plus 2 per sample): fixed, so
 // the result does not depend on the machine.
 constexpr int64_t kLocalSearchBaseBudget = 1'000'000;
@@ -1239,28 +1237,13 @@ Result<Assignment> ScheduleBalanced(const PreparedStep& step, const ScheduleOpti
         " padded tokens, DP = " + std::to_string(dp) +
         "): raise max_microbatch_search or max_tokens_per_rank");
   }
-  double best = std::numeric_limits<double>::infinity();
-  for (const Candidate& c : candidates) best = std::min(best, c.cost.max_replica_cost);
-  const double limit = best * kNearBest + 1e-12 * std::abs(best);
-  int pick = -1;
-  for (int i = 0; i < static_cast<int>(candidates.size()); ++i) {
-    const Candidate& c = candidates[i];
-    if (c.cost.max_replica_cost > limit) continue;
-    if (pick < 0) {
-      pick = i;
-      continue;
-    }
-    const Candidate& p = candidates[pick];
-    if (c.assignment.num_microbatches != p.assignment.num_microbatches) {
-      if (c.assignment.num_microbatches < p.assignment.num_microbatches) pick = i;
-      continue;
-    }
-    if (c.cost.max_replica_cost != p.cost.max_replica_cost) {
-      if (c.cost.max_replica_cost < p.cost.max_replica_cost) pick = i;
-      continue;
-    }
-    if (c.cost.max_spread < p.cost.max_spread) pick = i;
+  std::vector<int> ms;
+  std::vector<AssignmentCost> costs;
+  for (const Candidate& c : candidates) {
+    ms.push_back(c.assignment.num_microbatches);
+    costs.push_back(c.cost);
   }
+  const size_t pick = ChooseCandidate(ms, costs);
   *chosen = candidates[pick].who;
   if (figures != nullptr) {
     if (candidates[pick].figures.has_value()) {

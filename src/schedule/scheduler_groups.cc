@@ -39,7 +39,6 @@ namespace {
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
-constexpr double kNearBest = 1.01;     // the choice's "within 1%"
 constexpr double kSearchStop = 1e-4;   // local search stops this close to the lower bound
 constexpr int64_t kSearchBudget = 200000;  // candidate evaluations of the local search
 constexpr int kFillTries = 16;         // feasibility checks per local-search round
@@ -587,29 +586,14 @@ Result<Assignment> ScheduleGroups(const PreparedStep& step, const ScheduleOption
         " padded tokens, DP = " + Str(dp) + "): raise max_tokens_per_rank" +
         (o.num_microbatches > 0 ? " or M" : " or max_microbatch_search"));
   }
-  double best = std::numeric_limits<double>::infinity();
-  for (const Candidate& c : candidates) best = std::min(best, c.cost.max_replica_cost);
-  const double limit = best * kNearBest + 1e-12 * std::abs(best);
-  int pick = -1;
-  for (int i = 0; i < static_cast<int>(candidates.size()); ++i) {
-    const Candidate& c = candidates[static_cast<size_t>(i)];
-    if (c.cost.max_replica_cost > limit) continue;
-    if (pick < 0) {
-      pick = i;
-      continue;
-    }
-    const Candidate& p = candidates[static_cast<size_t>(pick)];
-    if (c.a.num_microbatches != p.a.num_microbatches) {
-      if (c.a.num_microbatches < p.a.num_microbatches) pick = i;
-      continue;
-    }
-    if (c.cost.max_replica_cost != p.cost.max_replica_cost) {
-      if (c.cost.max_replica_cost < p.cost.max_replica_cost) pick = i;
-      continue;
-    }
-    if (c.cost.max_spread < p.cost.max_spread) pick = i;
+  std::vector<int> ms;
+  std::vector<AssignmentCost> costs;
+  for (const Candidate& c : candidates) {
+    ms.push_back(c.a.num_microbatches);
+    costs.push_back(c.cost);
   }
-  return std::move(candidates[static_cast<size_t>(pick)].a);
+  const size_t pick = ChooseCandidate(ms, costs);
+  return std::move(candidates[pick].a);
 }
 
 Status CheckGroupPlacement(std::span<const SampleLength> samples, const ScheduleOptions& o,

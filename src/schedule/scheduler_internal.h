@@ -103,6 +103,15 @@ struct AssignmentCost {
 AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOptions& options,
                                      const Assignment& a);
 
+// Relative tolerance of the "within 1%" rule of the balanced schedulers' objective.
+inline constexpr double kNearBest = 1.01;
+
+// The choice among the candidates of an M search (ScheduleBalanced, ScheduleGroups): among
+// those within 1% of the least straggler, the fewest microbatches; then the least straggler;
+// then the least microbatch spread; ties to the earlier. `m` and `cost` are parallel; returns
+// the chosen index. REQUIRES: non-empty.
+size_t ChooseCandidate(std::span<const int> m, std::span<const AssignmentCost> cost);
+
 // Cost of one microbatch of padded lengths `padded` (in order), per rank, the SP tail on the
 // last sequence. Also returns T and sum P^2 (false on int64 overflow of sum P^2).
 struct MicrobatchCost {
