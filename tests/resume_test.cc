@@ -304,6 +304,38 @@ TEST(ResumeTest, ANewGlobalBatchContinuesFromTheStreamPosition) {
   }
 }
 
+// Steps counted in tokens resume the same way: a run in steps of 20,000 tokens, saved after 3
+// steps and resumed at another topology in steps of 50,000 tokens (or of 6 samples),
+// continues from the saved position: the samples of both parts are those of one step holding
+// them all, each once.
+TEST(ResumeTest, TokenStepsContinueFromTheStreamPosition) {
+  TempDir dir;
+  for (const SourceCase& src : Sources(dir)) {
+    SCOPED_TRACE(src.data + (src.shuffle ? " shuffled" : ""));
+    Job first = MakeJob(src.data, kTopologies[1], 6, src.shuffle);
+    first.options.global_batch_tokens = 20000;
+    const RunResult part1 = RunSteps(first, 3, std::nullopt);
+    ASSERT_EQ(part1.steps.size(), 3u);
+    for (const bool in_tokens : {true, false}) {
+      Job second = MakeJob(src.data, kTopologies[3], 6, src.shuffle);
+      if (in_tokens) second.options.global_batch_tokens = 50000;
+      const RunResult part2 = RunSteps(second, 2, part1.steps.back().after);
+      ASSERT_EQ(part2.steps.size(), 2u);
+      EXPECT_EQ(part2.steps.front().step, 3);
+      const int64_t n = part2.steps.back().after.consumed;
+      const RunResult one = RunSteps(MakeJob(src.data, kTopologies[0], n, src.shuffle), 1,
+                                     std::nullopt);
+      std::vector<int64_t> got;
+      for (const RunResult* r : {&part1, &part2}) {
+        for (const StepRecord& s : r->steps) got.insert(got.end(), s.ids.begin(), s.ids.end());
+      }
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(got, one.steps[0].ids);
+      EXPECT_TRUE(part2.steps.back().after.cursor == one.steps[0].after.cursor);
+    }
+  }
+}
+
 // A state that does not fit is refused on every rank, naming the field; a state restored after
 // a step is refused; a state of fed data does not resume a file source.
 TEST(ResumeTest, RefusesAStateThatDoesNotFit) {

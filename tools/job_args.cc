@@ -35,9 +35,14 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   cmd->add_option("--max-tokens-per-rank", o.max_tokens_per_rank,
                   "Padded tokens one CP rank may hold in one microbatch")
       ->capture_default_str();
-  cmd->add_option("--global-batch", a->global_batch,
-                  "Samples per step over all replicas, or \"all\" (one whole epoch per step)")
-      ->capture_default_str();
+  a->global_batch_option =
+      cmd->add_option("--global-batch", a->global_batch,
+                      "Samples per step over all replicas, or \"all\" (one whole epoch per step)")
+          ->capture_default_str();
+  cmd->add_option("--global-batch-tokens", o.global_batch_tokens,
+                  "Count each step in tokens instead: samples in stream order while their real "
+                  "tokens stay within this (a sample alone over it forms its own step); "
+                  "replaces --global-batch");
   a->steps_option = cmd->add_option(
       "--steps", a->steps,
       "Steps (default 3, or 1 with --global-batch all; the source wraps into the next epoch)");
@@ -120,6 +125,10 @@ bool EndsWith(const std::string& s, std::string_view end) {
 Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
   JobOptions options = args.options;
   THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
+  if (options.global_batch_tokens != 0 && Given(args.global_batch_option)) {
+    return Status::InvalidArgument("--global-batch-tokens and --global-batch both say how large "
+                                   "a step is: give one");
+  }
   THDPACK_ASSIGN_OR_RETURN(options.memory_limit, ParseMemoryLimit(args.memory_limit));
   Result<int64_t> rank_multiple = ParseRankMultiple(args.rank_multiple);
   if (!rank_multiple.ok()) return rank_multiple.status().WithContext("--rank-multiple");

@@ -27,13 +27,14 @@ struct JobArgs {
   std::string rank_multiple = "1";   // --rank-multiple text (ParseRankMultiple)
   int64_t steps = 3;                  // --steps, when given
   CLI::Option* steps_option = nullptr;
+  CLI::Option* global_batch_option = nullptr;
   CLI::Option* mock_samples_option = nullptr;
   CLI::Option* logits_dtype_option = nullptr;
   CLI::Option* fused_grad_option = nullptr;
 };
 
 // Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --rank-multiple, --max-tokens-per-rank,
-// --global-batch, --steps, --scheduler, --cost, --microbatch-multiple, --num-microbatches,
+// --global-batch, --global-batch-tokens, --steps, --scheduler, --cost, --microbatch-multiple, --num-microbatches,
 // --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype,
 // --fused-grad and --memory-limit on `cmd`, writing into `args` (which must outlive the parse).
 void AddJobOptions(CLI::App* cmd, JobArgs* args);

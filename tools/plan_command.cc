@@ -312,10 +312,13 @@ void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
   const JobOptions& o = job.options;
   const std::string rank_multiple =
       o.rank_multiple > 1 ? " rank multiple " + std::to_string(o.rank_multiple) : std::string();
+  const std::string batch = o.global_batch_tokens > 0
+                                ? std::to_string(o.global_batch_tokens) + " tokens"
+                                : args.job.global_batch;
   std::printf("thdpack plan: data %s, DP=%d CP=%d TP=%d PP=%d%s%s, %lld max tokens per rank, "
               "global batch %s, %s scheduler, %s, hw %s\n",
               o.data.c_str(), o.dp, o.cp, o.tp, o.pp, o.sp ? " SP" : "", rank_multiple.c_str(),
-              static_cast<long long>(o.max_tokens_per_rank), args.job.global_batch.c_str(),
+              static_cast<long long>(o.max_tokens_per_rank), batch.c_str(),
               o.scheduler.c_str(), CostNote(job.schedule.cost, Device(job)).c_str(),
               o.hw.c_str());
   if (!args.summary_only) PrintTable(plan.steps);

@@ -69,6 +69,10 @@ struct JobOptions {
   // --global-batch: samples per step over all replicas, >= 1, or 0 for "all" (one whole epoch
   // per step). ParseGlobalBatch reads the option's text.
   int64_t global_batch = 256;
+  // --global-batch-tokens B (> 0; 0 = off): each step takes samples in stream order while their
+  // real tokens stay within B (thdpack/step.h), replacing --global-batch's sample count. Not
+  // with "all", nor (Python) with a caller-fed source, whose loaders see only their own share.
+  int64_t global_batch_tokens = 0;
   // --steps, >= 1; nullopt (the default): 1 with global_batch 0 ("all"), else 3.
   std::optional<int64_t> steps;
   std::string scheduler = "balanced";  // --scheduler: balanced | sequential | dynamic

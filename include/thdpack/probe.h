@@ -125,8 +125,12 @@ class ProbeModel {
 // epoch (then Reset). Samples whose id is in skipped_ids are left out. Separate from
 // StepReader (thdpack/step.h) ON PURPOSE: it is the independent reference the verifier
 // compares the step runner's reading against, so it must not share that code.
+// global_batch_tokens B > 0: the step's samples in source order while their tokens stay within
+// B (the first always); the sample that would pass B is kept in *pending (REQUIRED then) and is
+// the next call's first.
 [[nodiscard]] Result<std::vector<Sample>> ReadStepSamplesPlain(
-    SampleSource& source, int64_t global_batch, std::span<const int64_t> skipped_ids);
+    SampleSource& source, int64_t global_batch, std::span<const int64_t> skipped_ids,
+    int64_t global_batch_tokens = 0, std::optional<Sample>* pending = nullptr);
 
 // One rank's part of the distributed probe. Collective: every rank of the world creates one and
 // calls Forward on every step, in the same order.
@@ -170,7 +174,7 @@ class StepVerifier {
   [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
       ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
       const std::string& data, const SourceOptions& source, int64_t global_batch,
-      double tolerance, int64_t start_consumed = 0);
+      double tolerance, int64_t start_consumed = 0, int64_t global_batch_tokens = 0);
   ~StepVerifier();
 
   // The step's probe figures (the same on every rank), checked against the reference. Errors:
@@ -185,6 +189,8 @@ class StepVerifier {
   ProcessGroup& world_;
   const ProbeModel& model_;
   int64_t global_batch_;
+  int64_t global_batch_tokens_ = 0;
+  std::optional<Sample> pending_;  // token steps: the next step's first sample, read already
   double tolerance_;
   std::unique_ptr<ProbeRunner> probe_;
   std::unique_ptr<SampleSource> plain_;  // every rank's own, read the plain way

@@ -4,7 +4,11 @@
 // `--global-batch N` means N samples per step for all DP replicas together. Sample i of the
 // step (i = 0..N-1, in source order) is read by loader i mod DP. Sources are read in order and
 // wrap around at their end (Reset(): the next epoch). `--global-batch all` (global_batch = 0)
-// puts one whole epoch of the source in each step.
+// puts one whole epoch of the source in each step. `--global-batch-tokens B` counts the step in
+// tokens instead: a step takes samples in source order while their real tokens stay within B
+// (the first sample of a step always: one over B forms a step of its own, and the oversize
+// policy decides whether it is trained), so the number of samples per step varies and depends
+// only on the stream position and B (docs/design.md section 2).
 //
 // The samples of a step are handed to the scheduler in SCHEDULING order: loader 0's samples
 // first (source positions 0, DP, 2*DP, ...), then loader 1's (1, DP+1, ...), and so on - the
@@ -60,9 +64,11 @@ class StepReader {
   // `source` is not owned and must outlive the reader; the reader must be its only user.
   // global_batch: N >= 1 samples per step, or 0 for "all" (one whole epoch per step: read with
   // NextLength() until the end of the epoch, then Reset()). dp_size >= 1.
-  // Errors (InvalidArgument): null source, global_batch < 0, dp_size < 1.
+  // global_batch_tokens: B > 0 counts the step in tokens (top of file; global_batch is then
+  // ignored), 0 in samples.
+  // Errors (InvalidArgument): null source, global_batch < 0, dp_size < 1, B < 0.
   [[nodiscard]] static Result<StepReader> Create(SampleSource* source, int64_t global_batch,
-                                                 int dp_size);
+                                                 int dp_size, int64_t global_batch_tokens = 0);
 
   // The next step: N lengths read with NextLength(), wrapping around (Reset) at the end of the
   // source. Errors: the source's own errors (file, line, rule), and InvalidArgument naming the
@@ -83,7 +89,8 @@ class StepReader {
   // cursor there (a saved state) the source seeks to it in O(1); without one the cursor is
   // computed from `consumed` (SampleSource::CursorAfter). consumed = -1: the position of step
   // `next_step` of a run from 0 at this global batch - next_step * N samples, or with "all"
-  // (one epoch a step) the start of epoch next_step (CursorAtEpoch). Errors: the source's
+  // (one epoch a step) the start of epoch next_step (CursorAtEpoch), or with tokens the end of
+  // the first next_step token steps, found by reading their lengths (O(samples)). Errors: the source's
   // (Seek's Corruption naming the field, CursorAfter's OutOfRange), InvalidArgument for a
   // negative step or a count below -1, or a cursor whose samples() is not `consumed`.
   [[nodiscard]] Status Start(int64_t next_step, int64_t consumed,
@@ -100,11 +107,13 @@ class StepReader {
   int64_t LoaderOf(int64_t index_in_step) const { return index_in_step % dp_size_; }
 
   int64_t global_batch() const { return global_batch_; }
+  int64_t global_batch_tokens() const { return global_batch_tokens_; }
   int dp_size() const { return dp_size_; }
 
  private:
-  StepReader(SampleSource* source, int64_t global_batch, int dp_size)
-      : source_(source), global_batch_(global_batch), dp_size_(dp_size) {}
+  StepReader(SampleSource* source, int64_t global_batch, int dp_size, int64_t tokens)
+      : source_(source), global_batch_(global_batch), dp_size_(dp_size),
+        global_batch_tokens_(tokens) {}
 
   // The one read loop of a step (Next and NextShare): the sample at source position i is read
   // in full when full(i), else as its length, and handed to take(i, length, sample or null);
@@ -116,6 +125,7 @@ class StepReader {
   int64_t last_n_empty_ = 0;  // of the step ReadStep read last
   int64_t global_batch_ = 0;
   int dp_size_ = 1;
+  int64_t global_batch_tokens_ = 0;  // B > 0: steps counted in tokens
   int64_t next_step_ = 0;
   int64_t consumed_ = 0;
 };

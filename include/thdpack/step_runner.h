@@ -110,6 +110,10 @@ struct StepRunnerOptions {
   SourceOptions source;
   // Samples per step over all replicas; 0 = the whole source (one epoch) per step.
   int64_t global_batch = 0;
+  // > 0: steps counted in tokens instead (thdpack/step.h, StepReader); global_batch is then
+  // ignored. A caller-fed source (read_share) is refused with it: its loaders see their own
+  // shares only, and a token step's size needs every sample's length in stream order.
+  int64_t global_batch_tokens = 0;
   // As documented in thdpack/schedule.h (max_tokens_per_rank is required). dp_size and
   // the parallel layout's CP and TP must be the topology's (checked by Create); thdpack/job.h
   // fills them.

@@ -77,6 +77,7 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"rank_multiple", SetRankMultiple},
       {"max_tokens_per_rank", Field(&JobOptions::max_tokens_per_rank)},
       {"global_batch", SetGlobalBatch},
+      {"global_batch_tokens", Field(&JobOptions::global_batch_tokens)},
       {"steps", SetSteps},
       {"scheduler", Field(&JobOptions::scheduler)},
       {"cp_sizes", Field(&JobOptions::cp_sizes)},

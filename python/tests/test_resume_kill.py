@@ -5,7 +5,8 @@ from its last checkpoint, on another topology and world size each time, until th
 Over the whole run: every step is in the log once, with the samples of an uninterrupted run;
 every sample of every epoch is trained exactly once; and every rank's tensors are, byte for
 byte, those an uninterrupted run at the same topology hands that rank. Once with a shuffled
-mock source, once with a JSONL file.
+mock source, once with a JSONL file, and once with the mock source in steps counted in tokens
+(global_batch_tokens: the samples a step takes vary with their lengths).
 
 This file is also the worker: ``python test_resume_kill.py CONFIG_JSON`` under RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
@@ -22,6 +23,7 @@ import time
 import pytest
 
 GLOBAL_BATCH = 8
+BATCH_TOKENS = 300  # the token-counted run: about 7 samples a step of the mock lengths
 TOTAL = 12  # steps of the run
 STEP_SECONDS = 0.08  # the simulated compute of a step
 
@@ -33,9 +35,11 @@ TOPOLOGIES = {
 }
 
 
-def options(source, scheduler):
+def options(source, scheduler, tokens=0):
     opts = dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=256, scheduler=scheduler,
                 cost="llama2-7b")
+    if tokens:
+        opts = dict(opts, global_batch_tokens=tokens)
     if source.startswith("mock"):
         opts.update(shuffle=True, seed=5, mock_samples=20)
     return opts
@@ -66,7 +70,8 @@ def worker_main(config_path):
     rank = dist.get_rank()
     tp, cp, dp, pp, scheduler = cfg["topology"]
     groups = make_groups(tp, cp, dp, pp)
-    it = PackedDataIterator(cfg["source"], groups, **options(cfg["source"], scheduler))
+    it = PackedDataIterator(cfg["source"], groups,
+                            **options(cfg["source"], scheduler, cfg["tokens"]))
     log = []
     if os.path.exists(cfg["checkpoint"]):
         with open(cfg["checkpoint"]) as f:
@@ -116,7 +121,7 @@ def committed(path):
         return 0
 
 
-def run_killed(tmp_path, source, kills, rng):
+def run_killed(tmp_path, source, kills, rng, tokens=0):
     """The run, killed `kills` times at random steps and restarted; returns the final log and
     the topologies used."""
     ckpt = str(tmp_path / "ckpt.json")
@@ -128,7 +133,8 @@ def run_killed(tmp_path, source, kills, rng):
         topology = rng.choice(TOPOLOGIES[world])
         used.add(tuple(topology))
         cfg = tmp_path / f"cfg{attempt}.json"
-        cfg.write_text(json.dumps({"source": source, "topology": topology, "checkpoint": ckpt}))
+        cfg.write_text(json.dumps({"source": source, "topology": topology, "checkpoint": ckpt,
+                                   "tokens": tokens}))
         procs = launch(str(cfg), world)
         start = committed(ckpt)
         if attempt < kills:
@@ -157,7 +163,7 @@ def run_killed(tmp_path, source, kills, rng):
 # Not under the sanitizers: killed and restarted interpreters are the subject; the C++ of a
 # resume runs under ASan on threads (ResumeTest) and in test_resume.py's world.
 @pytest.mark.no_sanitizer
-@pytest.mark.parametrize("kind", ["mock", "jsonl"])
+@pytest.mark.parametrize("kind", ["mock", "jsonl", "mock-tokens"])
 def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
     import thdpack
     from thdpack import _thdpack
@@ -176,10 +182,12 @@ def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
                                       "mean_seq_len": 40, "lognormal_sigma": 1.0}))
         source = "mock:" + str(config)
         epoch_size = 20
-    log, used = run_killed(tmp_path, source, kills=3 if kind == "mock" else 2, rng=rng)
+    tokens = BATCH_TOKENS if kind.endswith("tokens") else 0
+    log, used = run_killed(tmp_path, source, kills=2 if kind == "jsonl" else 3, rng=rng,
+                           tokens=tokens)
     assert [e["step"] for e in log] == list(range(TOTAL)), f"seed {seed}"
     # The samples of every step are those of an uninterrupted run (any topology: the plan).
-    plan = thdpack.plan_job(data=source, steps=TOTAL, **options(source, "balanced"))
+    plan = thdpack.plan_job(data=source, steps=TOTAL, **options(source, "balanced", tokens))
     for entry, want in zip(log, plan["steps"]):
         got_ids = entry["ids"]
         want_ids = sorted(i for r in want["replicas"] for mb in r["microbatches"]
@@ -187,14 +195,19 @@ def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
         assert got_ids == want_ids, f"seed {seed}: step {entry['step']}"
     # Every sample of every epoch exactly once (ids count the stream: id = epoch * size + i).
     trained = sorted(i for e in log for i in e["ids"])
-    assert trained == list(range(TOTAL * GLOBAL_BATCH)), f"seed {seed}"
-    for epoch in range(TOTAL * GLOBAL_BATCH // epoch_size):
+    assert trained == list(range(len(trained))), f"seed {seed}"
+    if not tokens:
+        assert len(trained) == TOTAL * GLOBAL_BATCH
+    else:  # steps in tokens: each within the budget, the counts of samples varying
+        assert len({len(e["ids"]) for e in log}) > 1, f"seed {seed}"
+        assert all(w["real_tokens"] <= tokens for w in plan["steps"]), f"seed {seed}"
+    for epoch in range(len(trained) // epoch_size):
         assert sum(1 for i in trained if i // epoch_size == epoch) == epoch_size
     # Byte for byte what an uninterrupted run at the same topology hands each rank.
     reference = {}
     for topology in used:
         tp, cp, dp, pp, scheduler = topology
-        opts = dict(options(source, scheduler), tp=tp, cp=cp, dp=dp, pp=pp)
+        opts = dict(options(source, scheduler, tokens), tp=tp, cp=cp, dp=dp, pp=pp)
         steps = _thdpack._run_steps_on_threads(opts, TOTAL, source, None)
         reference[topology] = [[[digest(mb) for mb in s["microbatches"]] for s in per_rank]
                                for per_rank in steps]

@@ -38,6 +38,14 @@ Status CheckNumbers(const JobOptions& o) {
     return Fail("--global-batch", "must be >= 1, or 0 for \"all\", got " +
                                       std::to_string(o.global_batch));
   }
+  if (o.global_batch_tokens < 0) {
+    return Fail("--global-batch-tokens", "must be >= 1 tokens (0: count samples), got " +
+                                             std::to_string(o.global_batch_tokens));
+  }
+  if (o.global_batch_tokens > 0 && o.global_batch == 0) {
+    return Fail("--global-batch-tokens", "and --global-batch all both say how large a step is: "
+                                         "give one");
+  }
   if (o.steps.has_value()) THDPACK_RETURN_IF_ERROR(AtLeast("--steps", *o.steps, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--start-step", o.start_step, 0));
   if (o.start_step > 0 && !o.resume.empty()) {
@@ -189,7 +197,7 @@ Result<Job> ResolveJob(const JobOptions& options) {
     if (!state.ok()) return state.status().WithContext("--resume");
     job.resume = std::move(*state);
   }
-  if (options.global_batch > 0) {
+  if (options.global_batch > 0 && options.global_batch_tokens == 0) {
     THDPACK_RETURN_IF_ERROR(CheckStepMemory(
         job, options.global_batch, "--global-batch " + std::to_string(options.global_batch)));
   }
@@ -262,6 +270,7 @@ StepRunnerOptions RunnerOptions(const Job& job) {
   o.data = job.options.data;
   o.source = job.options.source;
   o.global_batch = job.options.global_batch;
+  o.global_batch_tokens = job.options.global_batch_tokens;
   o.schedule = job.schedule;
   o.pad_id = job.options.pad_id;
   o.data_on = job.data_on;

@@ -115,7 +115,7 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
         verifier, StepVerifier::Create(world, job.topology, *run.probe,
                                        job.schedule.parallel.sp(), options.data, options.source,
                                        options.global_batch, run.options.verify_tolerance,
-                                       consumed));
+                                       consumed, options.global_batch_tokens));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     // The seconds the loop waited for its step: the whole step without --prefetch.

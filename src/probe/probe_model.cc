@@ -280,7 +280,45 @@ Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const Sa
 }
 
 Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t global_batch,
-                                                 std::span<const int64_t> skipped_ids) {
+                                                 std::span<const int64_t> skipped_ids,
+                                                 int64_t global_batch_tokens,
+                                                 std::optional<Sample>* pending) {
+  if (global_batch_tokens > 0) {
+    if (pending == nullptr) {
+      return Status::InvalidArgument("ReadStepSamplesPlain: token steps need `pending`");
+    }
+    const std::set<int64_t> skipped(skipped_ids.begin(), skipped_ids.end());
+    std::vector<Sample> out;
+    int64_t tokens = 0, read = 0;
+    bool empty_epoch = false;
+    while (true) {
+      std::optional<Sample> s;
+      if (pending->has_value()) {
+        s = std::move(*pending);
+        pending->reset();
+      } else {
+        THDPACK_ASSIGN_OR_RETURN(s, source.Next());
+      }
+      if (!s) {
+        if (empty_epoch) {
+          return Status::InvalidArgument("ReadStepSamplesPlain: " + source.spec() +
+                                         " holds no sample");
+        }
+        THDPACK_RETURN_IF_ERROR(source.Reset());
+        empty_epoch = true;
+        continue;
+      }
+      empty_epoch = false;
+      const int64_t length = static_cast<int64_t>(s->tokens.size());
+      if (read > 0 && tokens + length > global_batch_tokens) {
+        *pending = std::move(s);
+        return out;
+      }
+      tokens += length;
+      ++read;
+      if (skipped.count(s->id) == 0) out.push_back(std::move(*s));
+    }
+  }
   if (global_batch < 0) {
     return Status::InvalidArgument("ReadStepSamplesPlain: global_batch = " +
                                    std::to_string(global_batch) + " must be >= 0 (0 = all)");

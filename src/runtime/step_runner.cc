@@ -122,6 +122,13 @@ Status StepRunner::Impl::Init() {
                                     std::to_string(opts_.global_batch) +
                                     " must be >= 0 (0 = the whole source)");
   }
+  if (local.ok() && opts_.global_batch_tokens > 0 && opts_.read_share) {
+    local = Status::InvalidArgument(
+        "StepRunner: global_batch_tokens = " + std::to_string(opts_.global_batch_tokens) +
+        " with a caller-fed source: a token step's size needs every sample's length in stream "
+        "order, and each loader sees only its own share (count the batch in samples, or pack "
+        "each batch you choose with pack_batch)");
+  }
   if (local.ok()) local = ValidateFieldSpecs(opts_.fields).WithContext("StepRunner");
   if (local.ok() && !opts_.fields.empty() && !opts_.read_share) {
     local = Status::InvalidArgument("StepRunner: " + std::to_string(opts_.fields.size()) +
@@ -157,7 +164,8 @@ Status StepRunner::Impl::Init() {
         auto src = OpenSource(opts_.data, opts_.source);
         if (src.ok()) {
           source_ = std::move(*src);
-          auto steps = StepReader::Create(source_.get(), opts_.global_batch, topo_.dp_size());
+          auto steps = StepReader::Create(source_.get(), opts_.global_batch, topo_.dp_size(),
+                                          opts_.global_batch_tokens);
           if (steps.ok()) {
             steps_.emplace(std::move(*steps));
           } else {

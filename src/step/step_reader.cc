@@ -12,8 +12,14 @@
 
 namespace thdpack {
 
-Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch, int dp_size) {
+Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch, int dp_size,
+                                      int64_t global_batch_tokens) {
   if (source == nullptr) return Status::InvalidArgument("StepReader: source is null");
+  if (global_batch_tokens < 0) {
+    return Status::InvalidArgument("global batch tokens must be >= 1 (0: count samples); got " +
+                                   std::to_string(global_batch_tokens));
+  }
+  if (global_batch_tokens > 0) global_batch = 1;  // unused: the step ends by its tokens
   if (global_batch < 0) {
     return Status::InvalidArgument("global batch must be >= 1 samples, or \"all\" (0); got " +
                                    std::to_string(global_batch));
@@ -26,14 +32,16 @@ Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch
                                    "source " + source->spec() + " has no end (a blend): give "
                                    "the global batch as a number of samples");
   }
-  return StepReader(source, global_batch, dp_size);
+  return StepReader(source, global_batch, dp_size, global_batch_tokens);
 }
 
 // The wrap-around lives here only. global_batch 0: one whole epoch, then Reset (the previous
 // "all" step ended with a Reset, so this starts an epoch). N >= 1: N samples, with a Reset at
 // the end of the source; two ends in a row with nothing between = an empty source. A run of
 // positions read as lengths only (all of them for Next, the DP - 1 between a loader's own for
-// NextShare) is read with one NextLengths call per kLengthBatch.
+// NextShare) is read with one NextLengths call per kLengthBatch. Tokens (B > 0): positions are
+// read one at a time, the source's cursor kept before each; the first whose length would take
+// the step over B is put back (Seek to that cursor) and starts the next step.
 template <typename Full, typename Take>
 Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   constexpr int64_t kLengthBatch = 1024;
@@ -44,9 +52,16 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   std::array<SampleLength, kLengthBatch> batch;
   int64_t i = 0;
   bool wrapped = false;  // the last read hit the end of the source
-  while (global_batch_ == 0 || i < global_batch_) {
+  const bool by_tokens = global_batch_tokens_ > 0;
+  int64_t tokens = 0;  // by_tokens: real tokens of the samples taken
+  // by_tokens: the cursor before the position read next - before the Reset when the read
+  // follows one, so that a sample put back leaves the source where a sample count would (the
+  // end of the epoch, not the start of the next: the same stream point, one representation).
+  SourceCursor before;
+  while (by_tokens || global_batch_ == 0 || i < global_batch_) {
     int64_t got = 0;
     std::optional<Sample> sample;
+    if (by_tokens && !wrapped) before = source_->cursor();
     if (full(i)) {
       THDPACK_ASSIGN_OR_RETURN(sample, source_->Next());
       if (sample) {
@@ -56,7 +71,7 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
       }
     } else {
       int64_t run = 1;  // positions i .. i + run - 1 are read as lengths
-      while (run < kLengthBatch && (global_batch_ == 0 || i + run < global_batch_) &&
+      while (!by_tokens && run < kLengthBatch && (global_batch_ == 0 || i + run < global_batch_) &&
              !full(i + run)) {
         ++run;
       }
@@ -73,6 +88,14 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
       continue;
     }
     wrapped = false;
+    if (by_tokens) {
+      const int64_t length = batch[0].length;
+      if (i > 0 && (tokens > global_batch_tokens_ - length)) {
+        THDPACK_RETURN_IF_ERROR(source_->Seek(before));  // the next step's first sample
+        break;
+      }
+      tokens += length;
+    }
     if (i == 0) epoch = source_->epoch();
     for (int64_t k = 0; k < got; ++k) {
       THDPACK_RETURN_IF_ERROR(take(i, batch[static_cast<size_t>(k)], sample ? &*sample : nullptr));
@@ -92,6 +115,21 @@ Status StepReader::Start(int64_t next_step, int64_t consumed,
     return Status::InvalidArgument("StepReader::Start: step " + std::to_string(next_step) +
                                    " after " + std::to_string(consumed) +
                                    " samples (a step >= 0, a count >= 0 or -1 without a cursor)");
+  }
+  if (consumed == -1 && global_batch_tokens_ > 0) {
+    // Token steps: the first next_step steps of a run from 0, read as lengths.
+    THDPACK_ASSIGN_OR_RETURN(SourceCursor zero, source_->CursorAfter(0));
+    THDPACK_RETURN_IF_ERROR(source_->Seek(zero));
+    consumed_ = 0;
+    for (int64_t s = 0; s < next_step; ++s) {
+      THDPACK_RETURN_IF_ERROR(ReadStep([](int64_t) { return false; },
+                                       [](int64_t, const SampleLength&, Sample*) {
+                                         return Status::Ok();
+                                       })
+                                  .status());
+    }
+    next_step_ = next_step;
+    return Status::Ok();
   }
   if (consumed == -1 && global_batch_ > 0 &&
       __builtin_mul_overflow(next_step, global_batch_, &consumed)) {
@@ -124,8 +162,8 @@ Status StepReader::Start(int64_t next_step, int64_t consumed,
 Result<StepSamples> StepReader::Next() {
   StepSamples out;
   out.step = next_step_;
-  int64_t expected = global_batch_;
-  if (expected == 0) {
+  int64_t expected = global_batch_tokens_ > 0 ? 0 : global_batch_;
+  if (expected == 0 && global_batch_tokens_ == 0) {
     const std::optional<int64_t> hint = source_->size_hint();
     expected = hint.has_value() && *hint > 0 ? *hint : 0;
   }

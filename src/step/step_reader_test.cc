@@ -229,6 +229,95 @@ TEST(StepReaderRandom, MatchesThePlainRule) {
   }
 }
 
+// Token steps (global_batch_tokens B): on random files, budgets and DP, every step equals the
+// plain rule worked out here from the file (samples in stream order while their tokens stay
+// within B, the first always; the stream wraps into the next epoch), every loader's share is
+// its part of that step, and Start at step k continues exactly where k steps end.
+TEST(StepReaderRandom, TokenStepsMatchThePlainRule) {
+  std::mt19937_64 rng(4242);
+  testing_util::TempDir dir;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int size = 1 + static_cast<int>(rng() % 23);
+    std::vector<int64_t> file(static_cast<size_t>(size));
+    std::string text;
+    for (int64_t& v : file) {
+      v = 1 + static_cast<int64_t>(rng() % 500);
+      text += std::to_string(v) + "\n";
+    }
+    const std::string path = dir.File("k" + std::to_string(trial) + ".txt");
+    testing_util::WriteText(path, text);
+    const int dp = 1 + static_cast<int>(rng() % 5);
+    // Budgets from below one sample (every step one sample) to several epochs.
+    const int64_t budget = 1 + static_cast<int64_t>(rng() % (trial % 3 == 0 ? 300 : 4000));
+    constexpr int kSteps = 5;
+    // The plain rule.
+    std::vector<std::vector<int64_t>> want;  // positions of each step
+    int64_t pos = 0;
+    for (int s = 0; s < kSteps; ++s) {
+      std::vector<int64_t> step = {pos};
+      int64_t tokens = file[static_cast<size_t>(pos % size)];
+      ++pos;
+      while (tokens + file[static_cast<size_t>(pos % size)] <= budget) {
+        tokens += file[static_cast<size_t>(pos % size)];
+        step.push_back(pos++);
+      }
+      want.push_back(step);
+    }
+    auto source = OpenLengthsSource(path);
+    ASSERT_TRUE(source.ok());
+    auto reader = StepReader::Create(source->get(), 7, dp, budget);
+    ASSERT_TRUE(reader.ok());
+    for (int s = 0; s < kSteps; ++s) {
+      auto step = reader->Next();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      const auto& w = want[static_cast<size_t>(s)];
+      ASSERT_EQ(step->samples.size(), w.size()) << "trial " << trial << " step " << s;
+      size_t k = 0;
+      for (int d = 0; d < dp; ++d) {  // scheduling order: loader 0's first
+        for (size_t i = static_cast<size_t>(d); i < w.size(); i += static_cast<size_t>(dp)) {
+          EXPECT_EQ(step->samples[k].id, w[i]);
+          EXPECT_EQ(step->samples[k++].length, file[static_cast<size_t>(w[i] % size)]);
+        }
+      }
+      EXPECT_EQ(step->epoch, w.front() / size);
+    }
+    EXPECT_EQ(reader->consumed(), want.back().back() + 1);
+    // Every loader's share, each on its own source.
+    for (int d = 0; d < dp; ++d) {
+      auto own = OpenLengthsSource(path);
+      auto r = StepReader::Create(own->get(), 7, dp, budget);
+      ASSERT_TRUE(r.ok());
+      for (int s = 0; s < kSteps; ++s) {
+        auto share = r->NextShare(d);
+        ASSERT_TRUE(share.ok()) << share.status().ToString();
+        const auto& w = want[static_cast<size_t>(s)];
+        EXPECT_EQ(share->n, static_cast<int64_t>(w.size()));
+        EXPECT_EQ(share->first_id, w.front());
+        size_t k = 0;
+        for (size_t i = static_cast<size_t>(d); i < w.size(); i += static_cast<size_t>(dp)) {
+          ASSERT_LT(k, share->samples.size());
+          EXPECT_EQ(share->samples[k++].id, w[i]);
+        }
+        EXPECT_EQ(k, share->samples.size());
+      }
+    }
+    // Start at step 3 with no saved position: the steps of a run from 0.
+    auto again = OpenLengthsSource(path);
+    auto r = StepReader::Create(again->get(), 7, dp, budget);
+    ASSERT_TRUE(r->Start(3, -1, std::nullopt).ok());
+    EXPECT_EQ(r->consumed(), want[3].front());
+    auto step = r->Next();
+    ASSERT_TRUE(step.ok());
+    EXPECT_EQ(step->step, 3);
+    EXPECT_EQ(step->samples.size(), want[3].size());
+  }
+  EXPECT_FALSE(StepReader::Create(nullptr, 1, 1, 5).ok());
+  testing_util::TempDir d;
+  testing_util::WriteText(d.File("one.txt"), "3\n");
+  auto one = OpenLengthsSource(d.File("one.txt"));
+  EXPECT_FALSE(StepReader::Create(one->get(), 1, 1, -1).ok());
+}
+
 // A lengths source whose size hint is wrong (or absent): Next then cannot place samples by the
 // hint and falls back to the plain reorder; the steps must be the same as with a true hint.
 class WrongHintSource final : public SampleSource {
