@@ -492,7 +492,9 @@ class PackedDataIterator:
     in one microbatch, its samples side by side - DPO pairs; "replica": every group on one
     replica - GRPO groups; dynamic CP: one CP group of one microbatch) with ``group_field`` the
     name of a declared int32/int64 ``sample`` field holding each sample's group id
-    (docs/scheduling.md, "Groups").
+    (docs/scheduling.md, "Groups"); ``global_batch_tokens`` (replaces ``global_batch``: each
+    step takes samples in stream order while their tokens stay within it; a source spec only,
+    not a caller-fed iterable).
 
     label_format: "megatron" (default): labels already shifted, as thdpack's loss and Megatron
     take them. "hf": Hugging Face's (``thdpack.pack(label_format="hf")``): labels unshifted,
