@@ -80,6 +80,21 @@ inline Sample SampleAt(int64_t p) {
   return x;
 }
 
+// The sample at p as the step holds it under --oversize truncate to `longest` tokens (0: whole):
+// the plain prefix of its tokens, mask and per-token field rows.
+inline Sample ReferenceAt(int64_t p, int64_t longest) {
+  Sample x = SampleAt(p);
+  if (longest <= 0 || static_cast<int64_t>(x.tokens.size()) <= longest) return x;
+  x.tokens.resize(static_cast<size_t>(longest));
+  if (!x.target_mask.empty()) x.target_mask.resize(static_cast<size_t>(longest));
+  for (size_t f = 0; f < kSchema.size(); ++f) {
+    if (kSchema[f].per_token()) {
+      x.fields[f].resize(static_cast<size_t>(longest) * kSchema[f].row_bytes());
+    }
+  }
+  return x;
+}
+
 inline Job MakeJob(const FieldsCase& c, int64_t global_batch) {
   JobOptions o;
   o.data = "mock";
@@ -115,7 +130,8 @@ inline StepRunnerOptions FedWithFields(const Job& job,
 }
 
 // One microbatch of one rank against the reference built from the samples it names.
-inline Status CheckMicrobatch(const RankStep& step, const LocalMicrobatch& m, size_t index) {
+inline Status CheckMicrobatch(const RankStep& step, const LocalMicrobatch& m, size_t index,
+                              int64_t longest = 0) {
   const std::string where = "step " + std::to_string(step.step) + " microbatch " +
                             std::to_string(index) + ": ";
   const size_t n = m.cu_seqlens.size() - 1;
@@ -131,7 +147,7 @@ inline Status CheckMicrobatch(const RankStep& step, const LocalMicrobatch& m, si
   }
   std::vector<Sample> samples;
   for (size_t i = 0; i < n; ++i) {
-    samples.push_back(SampleAt(m.sample_ids[i]));
+    samples.push_back(ReferenceAt(m.sample_ids[i], longest));
     const Sample& x = samples.back();
     if (static_cast<int64_t>(x.tokens.size()) != m.cu_seqlens[i + 1] - m.cu_seqlens[i]) {
       return Status::Internal(where + "sample id " + std::to_string(x.id) +
@@ -180,7 +196,8 @@ inline Status CheckMicrobatch(const RankStep& step, const LocalMicrobatch& m, si
 // Every rank: `steps` steps of the case's fed source with fields at `depth`, each microbatch
 // against the reference, n_loss_sequences against the samples, and every sample of every step
 // held by exactly one microbatch (counted over the world).
-inline Status RunFieldsCase(ProcessGroup& w, const Job& job, int64_t steps, int depth) {
+inline Status RunFieldsCase(ProcessGroup& w, const Job& job, int64_t steps, int depth,
+                            int64_t longest = 0) {
   const StepRunnerOptions options = FedWithFields(job);
   const int64_t batch = job.options.global_batch;
   StepSourceOptions so;
@@ -191,8 +208,25 @@ inline Status RunFieldsCase(ProcessGroup& w, const Job& job, int64_t steps, int 
   for (int64_t s = 0; s < steps && local.ok(); ++s) {
     THDPACK_ASSIGN_OR_RETURN(RankStep step, source->Next());
     int64_t want_sequences = 0;
+    Truncation cut;  // --oversize truncate: what the step must report it cut
     for (int64_t p = s * batch; p < (s + 1) * batch; ++p) {
-      want_sequences += NumTargets(SampleAt(p)) > 0 ? 1 : 0;
+      const Sample whole = SampleAt(p), kept = ReferenceAt(p, longest);
+      want_sequences += NumTargets(kept) > 0 ? 1 : 0;
+      if (kept.tokens.size() < whole.tokens.size()) {
+        ++cut.samples;
+        cut.tokens += static_cast<int64_t>(whole.tokens.size() - kept.tokens.size());
+        cut.targets += NumTargets(whole) - NumTargets(kept);
+      }
+    }
+    const bool reads = ReadsShare(step.coord, FedWithFields(job));
+    if (reads && (step.truncated.samples != cut.samples || step.truncated.tokens != cut.tokens ||
+                  step.truncated.targets != cut.targets)) {
+      local = Status::Internal("step " + std::to_string(s) + ": truncated " +
+                               std::to_string(step.truncated.samples) + " samples, " +
+                               std::to_string(step.truncated.tokens) + " tokens, " +
+                               std::to_string(step.truncated.targets) + " targets; want " +
+                               std::to_string(cut.samples) + ", " + std::to_string(cut.tokens) +
+                               ", " + std::to_string(cut.targets));
     }
     if (step.n_loss_sequences != want_sequences) {
       local = Status::Internal("step " + std::to_string(s) + ": n_loss_sequences " +
@@ -201,7 +235,7 @@ inline Status RunFieldsCase(ProcessGroup& w, const Job& job, int64_t steps, int 
     }
     for (size_t k = 0; k < step.microbatches.size() && local.ok(); ++k) {
       const LocalMicrobatch& m = step.microbatches[k];
-      local = CheckMicrobatch(step, m, k);
+      if (local.ok()) local = CheckMicrobatch(step, m, k, longest);
       if (!m.idle && m.cp_rank == 0 && step.coord.tp == 0 && step.coord.pp == 0) {
         for (int64_t id : m.sample_ids) {
           if (id >= 0 && id < static_cast<int64_t>(seen.size())) ++seen[static_cast<size_t>(id)];

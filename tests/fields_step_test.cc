@@ -87,6 +87,31 @@ TEST(FieldsStep, AFieldThatDoesNotFitIsAnErrorOnEveryRank) {
   }
 }
 
+// --oversize truncate through the step: samples over the budget keep their first tokens,
+// mask entries and per-token field rows (the reference cuts them plainly), at static and
+// dynamic topologies, depths 0 and 1; the step reports what it cut, every sample once.
+TEST(FieldsStep, TruncatedSamplesKeepTheirFirstTokens) {
+  for (const FieldsCase& c : {kFieldCases[0], kFieldCases[1], kFieldCases[2], kFieldCases[4],
+                              kFieldCases[7]}) {
+    JobOptions o = testing::MakeJob(c, 20).options;
+    o.oversize = "truncate";
+    // Samples of up to 70 tokens: many are cut (dynamic CP's widest group spans 4 ranks).
+    o.max_tokens_per_rank = std::string(c.scheduler) == "dynamic" ? 12 : 24;
+    const Result<Job> job = ResolveJob(o);
+    ASSERT_TRUE(job.ok()) << job.status().ToString();
+    const Result<int64_t> longest = LongestKept(job->schedule);
+    ASSERT_TRUE(longest.ok());
+    ASSERT_LT(*longest, 70);
+    for (int depth : {0, 1}) {
+      SCOPED_TRACE(testing::Name(c) + " depth " + std::to_string(depth) + " longest " +
+                   std::to_string(*longest));
+      ExpectAllOk(RunOnThreads(job->topology.world_size(), [&](ProcessGroup& w) {
+        return testing::RunFieldsCase(w, *job, 3, depth, *longest);
+      }));
+    }
+  }
+}
+
 // Groups kept together through the step: pairs in one microbatch and groups of four on one
 // replica (one CP group under dynamic CP), every topology of the balanced and dynamic cases,
 // depths 0 and 1; the sequential scheduler and a bad group field are refused by name.

@@ -72,7 +72,9 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
                   "Fix the number of microbatches (0: the scheduler chooses)")
       ->capture_default_str();
   cmd->add_option("--oversize", o.oversize,
-                  "A sample longer than CP * max tokens per rank: error | skip (reported)")
+                  "A sample longer than CP * max tokens per rank: error | skip (reported) | "
+                  "truncate (keeps the first tokens that fit; the tokens and targets cut are "
+                  "reported)")
       ->capture_default_str();
   cmd->add_option("--seed", o.source.seed, "Seed of mock lengths and tokens and of --shuffle")
       ->capture_default_str();

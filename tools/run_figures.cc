@@ -10,13 +10,19 @@ std::string StepLine(const RunStepReport& step) {
   const PlanFigures& f = step.figures.plan;
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "step %lld (epoch %lld): %lld sample%s%s -> %d microbatch%s x %d replica%s | "
+                "step %lld (epoch %lld): %lld sample%s%s%s -> %d microbatch%s x %d replica%s | "
                 "tokens %s real, %s padded (pad %.1f%%, fill %.1f%%) | imbalance %.4f | "
                 "sent %s max/rank | %.1f ms\n",
                 static_cast<long long>(step.figures.step),
                 static_cast<long long>(step.figures.epoch), static_cast<long long>(f.n_samples),
                 f.n_samples == 1 ? "" : "s",
                 f.n_skipped ? (", " + std::to_string(f.n_skipped) + " skipped").c_str() : "",
+                step.figures.truncated.samples
+                    ? (", " + std::to_string(step.figures.truncated.samples) + " truncated (" +
+                       std::to_string(step.figures.truncated.tokens) + " tokens, " +
+                       std::to_string(step.figures.truncated.targets) + " targets cut)")
+                          .c_str()
+                    : "",
                 f.num_microbatches, f.num_microbatches == 1 ? "" : "es", step.dp_size,
                 step.dp_size == 1 ? "" : "s", Thousands(f.real_tokens).c_str(),
                 Thousands(f.padded_tokens).c_str(), 100 * f.pad_fraction, 100 * f.fill,

@@ -34,6 +34,13 @@ void PrintMemorySummary(const std::vector<StepMemoryFigures>& memory,
 
 void PrintSkipped(const std::vector<StepFigures>& steps) {
   for (const StepFigures& f : steps) {
+    if (f.truncated.samples > 0) {
+      std::printf("  step %lld truncated %lld oversize sample%s: %lld tokens, %lld targets cut\n",
+                  static_cast<long long>(f.step), static_cast<long long>(f.truncated.samples),
+                  f.truncated.samples == 1 ? "" : "s",
+                  static_cast<long long>(f.truncated.tokens),
+                  static_cast<long long>(f.truncated.targets));
+    }
     if (f.skipped.empty()) continue;
     std::printf("  step %lld skipped %zu oversize sample%s, ids:", static_cast<long long>(f.step),
                 f.skipped.size(), f.skipped.size() == 1 ? "" : "s");

@@ -92,6 +92,12 @@ std::vector<std::byte> FillRow(const FieldSpec& spec);
                                        std::span<const std::vector<std::byte>> values,
                                        int64_t length, std::string_view where);
 
+// The oversize policy 'truncate' on a whole sample: keeps its first `longest` tokens, target
+// mask entries and per-token field rows (sample fields whole). Returns the loss tokens cut
+// (NumTargets before - after); 0 and nothing changed when the sample is no longer than that.
+// REQUIRES: longest >= 1, CheckSampleFields OK.
+int64_t TruncateSample(Sample& x, std::span<const FieldSpec> fields, int64_t longest);
+
 // Bytes a sample of length L holds in its fields: sum over the schema of L * row_bytes (per
 // token) or row_bytes (sample).
 int64_t FieldBytes(std::span<const FieldSpec> fields, int64_t length);

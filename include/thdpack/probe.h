@@ -174,7 +174,8 @@ class StepVerifier {
   [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
       ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
       const std::string& data, const SourceOptions& source, int64_t global_batch,
-      double tolerance, int64_t start_consumed = 0, int64_t global_batch_tokens = 0);
+      double tolerance, int64_t start_consumed = 0, int64_t global_batch_tokens = 0,
+      int64_t truncate_to = 0);
   ~StepVerifier();
 
   // The step's probe figures (the same on every rank), checked against the reference. Errors:
@@ -190,6 +191,7 @@ class StepVerifier {
   const ProbeModel& model_;
   int64_t global_batch_;
   int64_t global_batch_tokens_ = 0;
+  int64_t truncate_to_ = 0;  // --oversize truncate: samples keep this many tokens at most
   std::optional<Sample> pending_;  // token steps: the next step's first sample, read already
   double tolerance_;
   std::unique_ptr<ProbeRunner> probe_;

@@ -117,6 +117,9 @@ struct RankStep {
   int64_t groups_cached = 0;
   // Loaders only: empty documents the source passed over in this step (StepShare::n_empty).
   int64_t n_empty = 0;
+  // Loaders only, oversize policy 'truncate': the samples of the step cut to the longest kept
+  // length (thdpack/schedule.h), their tokens and loss tokens cut - every loader's together.
+  Truncation truncated;
   // Every rank: the step's sequences with at least one loss token, over all replicas (the
   // denominator of a per-sequence mean, as meta.n_loss_tokens is of a per-token one).
   int64_t n_loss_sequences = 0;

@@ -53,6 +53,10 @@ struct ScheduleOptions {
   enum class OversizePolicy {
     kError,  // InvalidArgument naming the sample id, its length and the budget
     kSkip,   // left out of the plan and listed in Plan::skipped (never silently)
+    // Cut to its first LongestKept(options) tokens BEFORE scheduling (the step does it on the
+    // loader, TruncateSample; `plan` on lengths, TruncateLengths), the cut tokens and targets
+    // counted. A sample still oversize when it reaches the scheduler is an error, as kError.
+    kTruncate,
   };
   enum class Scheduler {
     kSequential,  // Megatron-LM's dp_balanced: next-fit in arrival order (without its assert)
@@ -324,6 +328,17 @@ struct DynamicPlan {
   // size, kept because it was fastest).
   std::string method;
 };
+
+// kTruncate on lengths: every sample longer than `longest` keeps its first `longest` tokens,
+// n_targets becoming min(n_targets, longest - 1) - exact for a sample whose targets are all its
+// tokens but the first (every sample of a lengths or mock source), an upper bound of the kept
+// loss tokens for one with a target mask (its mask is not read). Returns what was cut.
+struct Truncation {
+  int64_t samples = 0;  // samples cut
+  int64_t tokens = 0;   // their tokens cut
+  int64_t targets = 0;  // their loss tokens (targets) cut
+};
+Truncation TruncateLengths(std::span<SampleLength> samples, int64_t longest);
 
 // The longest sample a step keeps under options (any oversize policy): the largest L whose
 // padded length fits a microbatch - for the static schedulers PaddedLength(L) <= the usable

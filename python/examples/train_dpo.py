@@ -190,11 +190,13 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="also train in one process and compare (relative tolerance --rtol)")
     ap.add_argument("--rtol", type=float, default=1e-9)
+    ap.add_argument("--port", type=int, default=0,
+                    help="the gloo rendezvous port (default: one the OS finds free)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.pairs, free_port(),
-                               out, args.scheduler),
+        mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.pairs,
+                               args.port or free_port(), out, args.scheduler),
                  nprocs=args.dp * args.cp * args.pp, join=True)
         with open(out) as f:
             multi = json.load(f)

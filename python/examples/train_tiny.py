@@ -526,6 +526,8 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="also train in one process and compare (relative tolerance --rtol)")
     ap.add_argument("--rtol", type=float, default=1e-9)
+    ap.add_argument("--port", type=int, default=0,
+                    help="the gloo rendezvous port (default: one the OS finds free)")
     ap.add_argument("--rollouts", action="store_true",
                     help="RL-style: in-memory rollouts with a per-token advantage field, one "
                          "pack_batch a step, an advantage-weighted loss, and the per-token "
@@ -540,7 +542,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.spawn(worker, args=(args.dp, args.cp, args.pp, args.steps, args.global_batch,
-                               free_port(), out, args.scheduler, args.rollouts, algo),
+                               args.port or free_port(), out, args.scheduler, args.rollouts,
+                               algo),
                  nprocs=args.dp * args.cp * args.pp, join=True)
         with open(out) as f:
             multi = json.load(f)

@@ -19,7 +19,9 @@ EXAMPLE = EXAMPLES / "train_tiny.py"
 def checked_run(dp, cp, pp, scheduler, *more, example=EXAMPLE):
     """The example at a topology with --check over 3 steps: its step lines, each and the whole
     run required OK."""
-    out = subprocess.run([sys.executable, str(example), "--dp", str(dp), "--cp", str(cp),
+    from test_torch_iterator import free_port  # claimed: xdist workers run examples side by side
+    out = subprocess.run([sys.executable, str(example), "--port", str(free_port()),
+                          "--dp", str(dp), "--cp", str(cp),
                           "--pp", str(pp), "--scheduler", scheduler, "--steps", "3", *more,
                           "--check"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))

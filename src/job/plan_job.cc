@@ -96,8 +96,16 @@ namespace {
 Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids) {
   Result<StepSamples> step = reader.Next();
   if (!step.ok()) return Status::InvalidArgument("--data: " + step.status().message());
+  // --oversize truncate, on lengths (the step cuts the samples themselves on the loaders).
+  Truncation cut;
+  if (job.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
+    THDPACK_ASSIGN_OR_RETURN(const int64_t longest, LongestKept(job.schedule));
+    cut = TruncateLengths(step->samples, longest);
+  }
   if (job.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
-    return PlanDynamicStep(job, *step, sample_ids);
+    THDPACK_ASSIGN_OR_RETURN(PlannedStep dyn, PlanDynamicStep(job, *step, sample_ids));
+    dyn.figures.truncated = cut;
+    return dyn;
   }
   // A blend's figures count by source: a copy of the samples (32 bytes a sample) outlives the
   // hand-over.
@@ -113,6 +121,7 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
                                 std::move(scheduled->figures), job.flops, sample_ids);
   out.figures.sim_step_time = sim_step_time;
   out.figures.n_empty = step->n_empty;
+  out.figures.truncated = cut;
   if (job.blend) {
     THDPACK_ASSIGN_OR_RETURN(out.figures.sources,
                              CountBySource(kept, out.figures.skipped, job.num_sources()));

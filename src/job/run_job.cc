@@ -60,6 +60,7 @@ Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool wi
     }
   }
   out.figures.n_empty = step.n_empty;
+  out.figures.truncated = step.truncated;
   return out;
 }
 
@@ -110,12 +111,16 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
   }
   const int64_t consumed = source->state().consumed;
   std::unique_ptr<StepVerifier> verifier;
+  int64_t truncate_to = 0;  // --oversize truncate: the longest kept length
+  if (job.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
+    THDPACK_ASSIGN_OR_RETURN(truncate_to, LongestKept(job.schedule));
+  }
   if (run.probe) {
     THDPACK_ASSIGN_OR_RETURN(
         verifier, StepVerifier::Create(world, job.topology, *run.probe,
                                        job.schedule.parallel.sp(), options.data, options.source,
                                        options.global_batch, run.options.verify_tolerance,
-                                       consumed, options.global_batch_tokens));
+                                       consumed, options.global_batch_tokens, truncate_to));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     // The seconds the loop waited for its step: the whole step without --prefetch.

@@ -282,6 +282,18 @@ std::vector<std::byte> FillRow(const FieldSpec& spec) {
   return row;
 }
 
+int64_t TruncateSample(Sample& x, std::span<const FieldSpec> fields, int64_t longest) {
+  const int64_t length = static_cast<int64_t>(x.tokens.size());
+  if (length <= longest) return 0;
+  const int64_t before = NumTargets(x);
+  x.tokens.resize(static_cast<size_t>(longest));
+  if (!x.target_mask.empty()) x.target_mask.resize(static_cast<size_t>(longest));
+  for (size_t f = 0; f < fields.size() && f < x.fields.size(); ++f) {
+    if (fields[f].per_token()) x.fields[f].resize(fields[f].bytes_for(longest));
+  }
+  return before - NumTargets(x);
+}
+
 Status CheckSampleFields(std::span<const FieldSpec> fields,
                          std::span<const std::vector<std::byte>> values, int64_t length,
                          std::string_view where) {

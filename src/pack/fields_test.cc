@@ -246,5 +246,50 @@ TEST(FieldsTest, SchemaErrorsNameTheFieldAndTheRule) {
   ExpectInvalid(ParseFieldDtype("float16").status(), {"'float16'", "never cast"});
 }
 
+// TruncateSample against the plain prefix of every buffer, on random samples and schemas.
+TEST(FieldsTest, TruncateSampleKeepsThePlainPrefix) {
+  std::mt19937_64 rng(99);
+  const std::vector<FieldSpec> schema = {
+      {"a", FieldKind::kTarget, FieldDtype::kFloat32, {}, 0},
+      {"b", FieldKind::kInput, FieldDtype::kInt32, {3}, 0},
+      {"c", FieldKind::kSample, FieldDtype::kInt64, {}, 0}};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t length = 1 + static_cast<int64_t>(rng() % 40);
+    Sample x;
+    x.tokens.resize(static_cast<size_t>(length));
+    for (auto& t : x.tokens) t = static_cast<TokenId>(rng() % 100);
+    if (rng() % 2) {
+      x.target_mask.resize(static_cast<size_t>(length));
+      for (auto& m : x.target_mask) m = static_cast<uint8_t>(rng() % 2);
+    }
+    for (const FieldSpec& f : schema) {
+      std::vector<std::byte> b(f.bytes_for(length));
+      for (auto& v : b) v = static_cast<std::byte>(rng() % 256);
+      x.fields.push_back(b);
+    }
+    const int64_t longest = 1 + static_cast<int64_t>(rng() % 45);
+    Sample y = x;
+    const int64_t lost = TruncateSample(y, schema, longest);
+    const int64_t keep = std::min(length, longest);
+    ASSERT_EQ(static_cast<int64_t>(y.tokens.size()), keep);
+    EXPECT_TRUE(std::equal(y.tokens.begin(), y.tokens.end(), x.tokens.begin()));
+    // Targets: position j >= 1 of the sample is a target when its mask is 1 (or no mask).
+    auto targets = [](const Sample& s, int64_t upto) {
+      int64_t n = 0;
+      for (int64_t j = 1; j < upto; ++j) {
+        n += s.target_mask.empty() ? 1 : s.target_mask[static_cast<size_t>(j)];
+      }
+      return n;
+    };
+    EXPECT_EQ(lost, targets(x, length) - targets(x, keep));
+    EXPECT_EQ(y.target_mask.size(), x.target_mask.empty() ? 0u : static_cast<size_t>(keep));
+    EXPECT_EQ(y.fields[0], std::vector<std::byte>(x.fields[0].begin(),
+                                                  x.fields[0].begin() + 4 * keep));
+    EXPECT_EQ(y.fields[1], std::vector<std::byte>(x.fields[1].begin(),
+                                                  x.fields[1].begin() + 12 * keep));
+    EXPECT_EQ(y.fields[2], x.fields[2]);  // a sample field is whole
+  }
+}
+
 }  // namespace
 }  // namespace thdpack

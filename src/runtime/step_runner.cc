@@ -373,6 +373,19 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   id_span_ = share.id_span > 0 ? share.id_span : share.n;
   out.epoch = share.epoch;
   out.n_empty = share.n_empty;
+  own_cut_ = Truncation{};
+  if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
+    // Cut here, on the loader, before the lengths are told: every later phase sees the kept
+    // tokens only; the counts go out with the lengths.
+    THDPACK_ASSIGN_OR_RETURN(const int64_t longest, LongestKept(opts_.schedule));
+    for (Sample& x : own_) {
+      const int64_t length = static_cast<int64_t>(x.tokens.size());
+      if (length <= longest) continue;
+      ++own_cut_.samples;
+      own_cut_.tokens += length - longest;
+      own_cut_.targets += TruncateSample(x, opts_.fields, longest);
+    }
+  }
   if (opts_.schedule.oversize != ScheduleOptions::OversizePolicy::kError) return Status::Ok();
   // The dynamic scheduler's budget depends on the group it picks: ScheduleDynamic names an
   // oversize sample (its id, length and the largest group's budget) on every head.
@@ -445,17 +458,21 @@ int64_t StepRunner::Impl::GroupOf(const Sample& x) const {
 
 // Every member sends a header (its sample count, and the step's first id, id span and epoch,
 // which members that read nothing take from loader 0), then the loaders' (id offset, L,
-// n_targets) triples, 12 bytes a sample, gathered in loader order.
+// n_targets) triples, 12 bytes a sample (+4 with a blend's source, +8 with keep_groups' group
+// id), gathered in loader order.
 Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, RankStep& out) {
   const int dp = topo_.dp_size();
   const size_t gs = static_cast<size_t>(g.size());
   // The header: count, first id, id span, epoch, and the size of the run's position after the
   // step, which member 0 then sends to members that read nothing (a dynamic step's heads with
   // cp > 0).
-  constexpr size_t kHeader = 5;
+  // Then this loader's truncation counts (oversize 'truncate'), summed over the loaders.
+  constexpr size_t kHeader = 8;
   const std::array<int64_t, kHeader> header = {static_cast<int64_t>(own_.size()), first_id_,
                                                id_span_, out.epoch,
-                                               static_cast<int64_t>(after_.size())};
+                                               static_cast<int64_t>(after_.size()),
+                                               own_cut_.samples, own_cut_.tokens,
+                                               own_cut_.targets};
   std::vector<int64_t> all(kHeader * gs);
   THDPACK_RETURN_IF_ERROR(
       g.AllGatherValues(std::span<const int64_t>(header), std::span<int64_t>(all)));
@@ -463,6 +480,12 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     first_id_ = all[1];
     id_span_ = all[2];
     out.epoch = all[3];
+  }
+  out.truncated = Truncation{};
+  for (size_t j = 0; j < gs; ++j) {
+    out.truncated.samples += all[kHeader * j + 5];
+    out.truncated.tokens += all[kHeader * j + 6];
+    out.truncated.targets += all[kHeader * j + 7];
   }
   if (loader_stride > 1) {
     if (all[4] < 2 || all[4] > (int64_t{1} << 26)) {

@@ -389,6 +389,7 @@ class StepRunner::Impl {
   // keep_groups: the group field's index in the schema (-1: none), and this step's group id of
   // each sample of RankStep::samples (from the lengths exchange).
   int group_field_ = -1;
+  Truncation own_cut_;  // oversize 'truncate': what this loader cut of its share this step
   std::vector<int64_t> step_groups_;
   // Checks StepRunnerOptions::group_field against keep_groups and the schema; sets
   // group_field_.

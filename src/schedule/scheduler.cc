@@ -218,7 +218,7 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
     const int64_t p = pow2 ? (s.length + align - 1) & -align : o.parallel.PaddedLength(s.length);
     THDPACK_DCHECK(p == o.parallel.PaddedLength(s.length));
     if (p > step.capacity) {
-      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+      if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
         first_oversize = std::min(first_oversize, i);
       } else {
         step.skipped.push_back(s.id);
@@ -263,7 +263,10 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
         "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (" + padded +
         "), over the microbatch budget " + Str(budget) + " = CP " + Str(o.parallel.cp_size()) +
         " x max_tokens_per_rank " + Str(o.max_tokens_per_rank) +
-        " (oversize policy 'error'; 'skip' leaves such samples out)");
+        (o.oversize == ScheduleOptions::OversizePolicy::kTruncate
+             ? " (oversize policy 'truncate' cuts samples before they are scheduled: "
+               "TruncateLengths)"
+             : " (oversize policy 'error'; 'skip' leaves such samples out)"));
   }
   if (kept < n) {
     step.ids.resize(kept);
@@ -421,7 +424,12 @@ std::string_view SchedulerName(ScheduleOptions::Scheduler s) {
 }
 
 std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy p) {
-  return p == ScheduleOptions::OversizePolicy::kError ? "error" : "skip";
+  switch (p) {
+    case ScheduleOptions::OversizePolicy::kError: return "error";
+    case ScheduleOptions::OversizePolicy::kSkip: return "skip";
+    case ScheduleOptions::OversizePolicy::kTruncate: return "truncate";
+  }
+  return "error";
 }
 
 Result<ScheduleOptions::Scheduler> ParseSchedulerName(std::string_view name) {
@@ -463,8 +471,23 @@ Result<ScheduleOptions::KeepGroups> ParseKeepGroups(std::string_view name) {
 Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view name) {
   if (name == "error") return ScheduleOptions::OversizePolicy::kError;
   if (name == "skip") return ScheduleOptions::OversizePolicy::kSkip;
+  if (name == "truncate") return ScheduleOptions::OversizePolicy::kTruncate;
   return Status::InvalidArgument("oversize policy '" + std::string(name) +
-                                 "': expected 'error' or 'skip'");
+                                 "': expected 'error', 'skip' or 'truncate'");
+}
+
+Truncation TruncateLengths(std::span<SampleLength> samples, int64_t longest) {
+  Truncation cut;
+  for (SampleLength& s : samples) {
+    if (s.length <= longest) continue;
+    const int64_t targets = std::min(s.n_targets, longest - 1);
+    ++cut.samples;
+    cut.tokens += s.length - longest;
+    cut.targets += s.n_targets - targets;
+    s.length = longest;
+    s.n_targets = targets;
+  }
+  return cut;
 }
 
 namespace {

@@ -114,7 +114,7 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
     }
     if (fits) continue;
     unit_ok[static_cast<size_t>(units.unit_of[i])] = 0;
-    if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+    if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
       return Status::InvalidArgument(
           "schedule: sample id " + Str(s.id) + " has length " + Str(s.length) + " (padded " +
           Str(widest.layout.PaddedLength(s.length)) + " on the largest group of " +
@@ -140,7 +140,7 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
       }
       if (fits) continue;
       unit_ok[static_cast<size_t>(u)] = 0;
-      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+      if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
         std::string ids;
         int shown = 0, total = 0;
         for (size_t i = 0; i < samples.size(); ++i) {

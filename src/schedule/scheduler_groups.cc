@@ -475,7 +475,7 @@ Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
   for (size_t u = 0; u < u_count; ++u) {
     if (!broken[u] && o.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch &&
         sum_p[u] > step->capacity) {
-      if (o.oversize == ScheduleOptions::OversizePolicy::kError) {
+      if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
         return Status::InvalidArgument(
             "schedule: group " + Str(units.value[u]) + " (samples " +
             IdList(samples, units, static_cast<int32_t>(u)) + ") pads to " + Str(sum_p[u]) +

@@ -128,6 +128,9 @@ SummaryFigures Summarize(std::span<const StepFigures> steps) {
     s.n_samples += p.n_samples;
     s.n_skipped += p.n_skipped;
     s.n_empty += f.n_empty;
+    s.truncated.samples += f.truncated.samples;
+    s.truncated.tokens += f.truncated.tokens;
+    s.truncated.targets += f.truncated.targets;
     s.real_tokens += p.real_tokens;
     s.padded_tokens += p.padded_tokens;
     s.sum_sq += static_cast<double>(p.sum_sq);
@@ -170,6 +173,9 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["n_skipped"] = p.n_skipped;
   j["skipped"] = f.skipped;
   j["n_empty"] = f.n_empty;
+  j["n_truncated"] = f.truncated.samples;
+  j["truncated_tokens"] = f.truncated.tokens;
+  j["truncated_targets"] = f.truncated.targets;
   j["real_tokens"] = p.real_tokens;
   j["padded_tokens"] = p.padded_tokens;
   j["sum_sq"] = p.sum_sq;
@@ -241,6 +247,9 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["n_samples"] = s.n_samples;
   j["n_skipped"] = s.n_skipped;
   j["n_empty"] = s.n_empty;
+  j["n_truncated"] = s.truncated.samples;
+  j["truncated_tokens"] = s.truncated.tokens;
+  j["truncated_targets"] = s.truncated.targets;
   j["real_tokens"] = s.real_tokens;
   j["padded_tokens"] = s.padded_tokens;
   j["sum_sq"] = s.sum_sq;

@@ -208,7 +208,7 @@ Result<DataFingerprint> MakeFingerprint(SampleSource* source, std::string_view s
     }
   }
   f.oversize = std::string(OversizePolicyName(schedule.oversize));
-  if (schedule.oversize == ScheduleOptions::OversizePolicy::kSkip) {
+  if (schedule.oversize != ScheduleOptions::OversizePolicy::kError) {
     THDPACK_ASSIGN_OR_RETURN(f.longest_kept, LongestKept(schedule));
   }
   return f;
@@ -306,11 +306,12 @@ static Status CheckOversize(const DataFingerprint& saved, const DataFingerprint&
                        saved.oversize);
   }
   if (saved.longest_kept != now.longest_kept) {
-    return Differs("a longest kept sample (--oversize skip) of", std::to_string(saved.longest_kept),
-                   std::to_string(now.longest_kept),
-                   "under skip it decides which samples every later step leaves out, so the "
-                   "steps would differ from an uninterrupted run; keep CP x max tokens per rank "
-                   "(and the alignment) as saved, or use --oversize error");
+    return Differs("a longest kept sample (--oversize " + saved.oversize + ") of",
+                   std::to_string(saved.longest_kept), std::to_string(now.longest_kept),
+                   "under skip or truncate it decides which samples (or tokens) every later "
+                   "step leaves out, so the steps would differ from an uninterrupted run; keep "
+                   "CP x max tokens per rank (and the alignment) as saved, or use --oversize "
+                   "error");
   }
   return Status::Ok();
 }
@@ -378,14 +379,14 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
   THDPACK_ASSIGN_OR_RETURN(d.mock_samples, r.Int(*data, "data", "mock_samples"));
   THDPACK_ASSIGN_OR_RETURN(d.oversize, r.Str(*data, "data", "oversize"));
   THDPACK_ASSIGN_OR_RETURN(d.longest_kept, r.Int(*data, "data", "longest_kept"));
-  if (d.oversize != "error" && d.oversize != "skip") {
-    return r.Bad("data.oversize", "= \"" + d.oversize + "\" is not error or skip");
+  if (d.oversize != "error" && d.oversize != "skip" && d.oversize != "truncate") {
+    return r.Bad("data.oversize", "= \"" + d.oversize + "\" is not error, skip or truncate");
   }
-  if ((d.oversize == "skip") != (d.longest_kept >= 1) ||
+  if ((d.oversize != "error") != (d.longest_kept >= 1) ||
       (d.oversize == "error" && d.longest_kept != -1)) {
     return r.Bad("data.longest_kept", "= " + std::to_string(d.longest_kept) +
                                           " does not go with oversize \"" + d.oversize +
-                                          "\" (>= 1 with skip, -1 with error)");
+                                          "\" (>= 1 with skip or truncate, -1 with error)");
   }
   THDPACK_ASSIGN_OR_RETURN(const nlohmann::json* cursor, r.Get(j, "", "cursor"));
   if (!cursor->is_null()) {

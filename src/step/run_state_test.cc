@@ -46,7 +46,7 @@ RunState RandomState(std::mt19937_64& rng) {
     s.cursor = c;
   }
   if (rng() % 2) {
-    d.oversize = "skip";
+    d.oversize = rng() % 2 ? "skip" : "truncate";
     d.longest_kept = 1 + static_cast<int64_t>(rng() % 100000);
   }
   return s;
@@ -152,6 +152,8 @@ TEST(RunStateTest, CheckResumeNamesTheFieldAndBothValues) {
        [](DataFingerprint& f) { f.mock_samples = 10; }},
       {"oversize policy \"error\", this run has oversize policy \"skip\"",
        [](DataFingerprint& f) { f.oversize = "skip"; }},
+      {"oversize policy \"error\", this run has oversize policy \"truncate\"",
+       [](DataFingerprint& f) { f.oversize = "truncate"; }},
   };
   for (const Case& c : cases) {
     DataFingerprint b = a;
@@ -182,6 +184,12 @@ TEST(RunStateTest, CheckResumeNamesTheFieldAndBothValues) {
   Status s = CheckResume(skip, narrower);
   EXPECT_TRUE(Contains(s.message(), "16384, this run has a longest kept sample (--oversize skip) of 8192"))
       << s.ToString();
+  // truncate keeps every sample but cuts at the longest kept length: it must not change either.
+  skip.oversize = narrower.oversize = "truncate";
+  s = CheckResume(skip, narrower);
+  EXPECT_TRUE(Contains(s.message(), "(--oversize truncate) of 8192")) << s.ToString();
+  narrower.oversize = "skip";
+  EXPECT_FALSE(CheckResume(skip, narrower).ok());
 }
 
 TEST(RunStateTest, FilesAreWrittenAtomically) {
