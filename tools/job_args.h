@@ -34,8 +34,8 @@ struct JobArgs {
 };
 
 // Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --rank-multiple, --max-tokens-per-rank,
-// --global-batch, --global-batch-tokens, --steps, --scheduler, --cost, --microbatch-multiple, --num-microbatches,
-// --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype,
+// --global-batch, --global-batch-tokens, --steps, --scheduler, --cost, --microbatch-multiple,
+// --num-microbatches, --oversize, --seed, --shuffle, --vocab, --mock-samples, --vocab-size, --logits-dtype,
 // --fused-grad and --memory-limit on `cmd`, writing into `args` (which must outlive the parse).
 void AddJobOptions(CLI::App* cmd, JobArgs* args);
 

@@ -90,8 +90,8 @@ class StepReader {
   // computed from `consumed` (SampleSource::CursorAfter). consumed = -1: the position of step
   // `next_step` of a run from 0 at this global batch - next_step * N samples, or with "all"
   // (one epoch a step) the start of epoch next_step (CursorAtEpoch), or with tokens the end of
-  // the first next_step token steps, found by reading their lengths (O(samples)). Errors: the source's
-  // (Seek's Corruption naming the field, CursorAfter's OutOfRange), InvalidArgument for a
+  // the first next_step token steps, found by reading their lengths (O(samples)). Errors: the
+  // source's (Seek's Corruption naming the field, CursorAfter's OutOfRange), InvalidArgument for a
   // negative step or a count below -1, or a cursor whose samples() is not `consumed`.
   [[nodiscard]] Status Start(int64_t next_step, int64_t consumed,
                              const std::optional<SourceCursor>& cursor);

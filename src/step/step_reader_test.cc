@@ -184,6 +184,19 @@ TEST(LoaderIndices, HandWorked) {
 namespace thdpack {
 namespace {
 
+// A lengths file of 1..23 random lengths in [1, max_length] at `path`; returns them.
+std::vector<int64_t> RandomLengthsFile(std::mt19937_64& rng, const std::string& path,
+                                       int64_t max_length) {
+  std::vector<int64_t> file(1 + rng() % 23);
+  std::string text;
+  for (int64_t& v : file) {
+    v = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(max_length));
+    text += std::to_string(v) + "\n";
+  }
+  testing_util::WriteText(path, text);
+  return file;
+}
+
 // Random files, batch sizes and DP against a plain reference: step s holds the samples at
 // global positions s*N .. s*N + N - 1 of the endless sequence of epochs (id = position, length
 // = file[position mod size], epoch = the first one's position / size), and loader d gets
@@ -192,15 +205,9 @@ TEST(StepReaderRandom, MatchesThePlainRule) {
   std::mt19937_64 rng(20260);
   testing_util::TempDir dir;
   for (int trial = 0; trial < 60; ++trial) {
-    const int size = 1 + static_cast<int>(rng() % 23);
-    std::vector<int64_t> file(static_cast<size_t>(size));
-    std::string text;
-    for (int64_t& v : file) {
-      v = 1 + static_cast<int64_t>(rng() % 1000);
-      text += std::to_string(v) + "\n";
-    }
     const std::string path = dir.File("t" + std::to_string(trial) + ".txt");
-    testing_util::WriteText(path, text);
+    const std::vector<int64_t> file = RandomLengthsFile(rng, path, 1000);
+    const int size = static_cast<int>(file.size());
     auto source = OpenLengthsSource(path);
     ASSERT_TRUE(source.ok());
     const int dp = 1 + static_cast<int>(rng() % 6);
@@ -237,15 +244,9 @@ TEST(StepReaderRandom, TokenStepsMatchThePlainRule) {
   std::mt19937_64 rng(4242);
   testing_util::TempDir dir;
   for (int trial = 0; trial < 60; ++trial) {
-    const int size = 1 + static_cast<int>(rng() % 23);
-    std::vector<int64_t> file(static_cast<size_t>(size));
-    std::string text;
-    for (int64_t& v : file) {
-      v = 1 + static_cast<int64_t>(rng() % 500);
-      text += std::to_string(v) + "\n";
-    }
     const std::string path = dir.File("k" + std::to_string(trial) + ".txt");
-    testing_util::WriteText(path, text);
+    const std::vector<int64_t> file = RandomLengthsFile(rng, path, 500);
+    const int size = static_cast<int>(file.size());
     const int dp = 1 + static_cast<int>(rng() % 5);
     // Budgets from below one sample (every step one sample) to several epochs.
     const int64_t budget = 1 + static_cast<int64_t>(rng() % (trial % 3 == 0 ? 300 : 4000));
