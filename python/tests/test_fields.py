@@ -197,6 +197,30 @@ def test_fields_that_do_not_fit_are_errors_naming_the_sample_and_field():
         _thdpack._run_steps_on_threads(opts, 1, None, None, None, field)
 
 
+# --oversize truncate from Python: samples over the budget (CP 2 x 16 = 32 tokens) keep their
+# first 32 tokens; every rank's step figures report the samples, tokens and targets cut, equal to
+# the plain count over the step's samples.
+def test_truncate_reports_what_it_cut():
+    specs = field_specs(FIELDS)
+    opts = dict(options(1, 2, 2, 1, False, "tp0", "balanced", oversize="truncate"),
+                max_tokens_per_rank=16)
+    items = rollouts(GLOBAL_BATCH * STEPS)
+    steps = _thdpack._run_steps_on_threads(opts, STEPS, None, shares(items, 2, specs), None,
+                                           specs)
+    for s in range(STEPS):
+        mine = items[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH]
+        long = [x for x in mine if len(x["input_ids"]) > 32]
+        masks = [np.asarray(x["loss_mask"]) for x in long]
+        want = (len(long), sum(len(x["input_ids"]) - 32 for x in long),
+                sum(int(m[32:].sum()) for m in masks))
+        assert want[0] > 0
+        for r, per in enumerate(steps):
+            f = per[s]["figures"]
+            got = (f["n_truncated"], f["truncated_tokens"], f["truncated_targets"])
+            assert got == want, (s, r, got, want)
+            assert f["n_samples"] == GLOBAL_BATCH and f["n_skipped"] == 0
+
+
 # Groups kept together through the C++ step (keep_groups, group_field): the pairs of "uid"
 # (samples 2j, 2j + 1) side by side in one microbatch, or on one replica; every field still
 # equal to the reference.
