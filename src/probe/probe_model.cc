@@ -283,56 +283,31 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
                                                  std::span<const int64_t> skipped_ids,
                                                  int64_t global_batch_tokens,
                                                  std::optional<Sample>* pending) {
-  if (global_batch_tokens > 0) {
-    if (pending == nullptr) {
-      return Status::InvalidArgument("ReadStepSamplesPlain: token steps need `pending`");
-    }
-    const std::set<int64_t> skipped(skipped_ids.begin(), skipped_ids.end());
-    std::vector<Sample> out;
-    int64_t tokens = 0, read = 0;
-    bool empty_epoch = false;
-    while (true) {
-      std::optional<Sample> s;
-      if (pending->has_value()) {
-        s = std::move(*pending);
-        pending->reset();
-      } else {
-        THDPACK_ASSIGN_OR_RETURN(s, source.Next());
-      }
-      if (!s) {
-        if (empty_epoch) {
-          return Status::InvalidArgument("ReadStepSamplesPlain: " + source.spec() +
-                                         " holds no sample");
-        }
-        THDPACK_RETURN_IF_ERROR(source.Reset());
-        empty_epoch = true;
-        continue;
-      }
-      empty_epoch = false;
-      const int64_t length = static_cast<int64_t>(s->tokens.size());
-      if (read > 0 && tokens + length > global_batch_tokens) {
-        *pending = std::move(s);
-        return out;
-      }
-      tokens += length;
-      ++read;
-      if (skipped.count(s->id) == 0) out.push_back(std::move(*s));
-    }
+  const bool by_tokens = global_batch_tokens > 0;
+  if (by_tokens && pending == nullptr) {
+    return Status::InvalidArgument("ReadStepSamplesPlain: token steps need `pending`");
   }
-  if (global_batch < 0) {
+  if (!by_tokens && global_batch < 0) {
     return Status::InvalidArgument("ReadStepSamplesPlain: global_batch = " +
                                    std::to_string(global_batch) + " must be >= 0 (0 = all)");
   }
   const std::set<int64_t> skipped(skipped_ids.begin(), skipped_ids.end());
   std::vector<Sample> out;
   int64_t read = 0;
+  int64_t tokens = 0;        // token steps: real tokens read
   bool empty_epoch = false;  // the last Next() after a Reset() found nothing either
-  while (global_batch == 0 || read < global_batch) {
-    THDPACK_ASSIGN_OR_RETURN(std::optional<Sample> s, source.Next());
+  while (by_tokens || global_batch == 0 || read < global_batch) {
+    std::optional<Sample> s;
+    if (by_tokens && pending->has_value()) {
+      s = std::move(*pending);
+      pending->reset();
+    } else {
+      THDPACK_ASSIGN_OR_RETURN(s, source.Next());
+    }
     if (!s) {
       THDPACK_RETURN_IF_ERROR(source.Reset());
       // "all" reads to the end of the epoch; from the end of one (a resumed run), the next.
-      if (global_batch == 0 && (read > 0 || empty_epoch)) break;
+      if (!by_tokens && global_batch == 0 && (read > 0 || empty_epoch)) break;
       if (empty_epoch) {
         return Status::InvalidArgument("ReadStepSamplesPlain: " + source.spec() +
                                        " holds no sample");
@@ -341,6 +316,14 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
       continue;
     }
     empty_epoch = false;
+    if (by_tokens) {  // the sample that would pass B is the next step's first
+      const int64_t length = static_cast<int64_t>(s->tokens.size());
+      if (read > 0 && tokens + length > global_batch_tokens) {
+        *pending = std::move(s);
+        break;
+      }
+      tokens += length;
+    }
     ++read;
     if (skipped.count(s->id) == 0) out.push_back(std::move(*s));
   }

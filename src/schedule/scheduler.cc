@@ -686,21 +686,12 @@ Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const Sample
   }
   // The slots of a dense index are not input positions: map them.
   std::vector<PlacedSample> by_input(samples.size());
-  std::vector<int64_t> sum_p(units.value.size(), 0);
-  std::vector<uint8_t> oversize(units.value.size(), 0);
   for (size_t i = 0; i < samples.size(); ++i) {
     by_input[i] = where[static_cast<size_t>(index.Slot(samples[i].id))];
-    const int64_t p = options.parallel.PaddedLength(samples[i].length);
-    const size_t u = static_cast<size_t>(units.unit_of[i]);
-    sum_p[u] += p;
-    if (p > capacity) oversize[u] = 1;
   }
-  return CheckGroupPlacement(samples, options, units, by_input, [&](int32_t u) {
-    const size_t x = static_cast<size_t>(u);
-    return !oversize[x] &&
-           !(options.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch &&
-             sum_p[x] > capacity);
-  });
+  const UnitFit fit = FitOfUnits(samples, options, units);
+  return CheckGroupPlacement(samples, options, units, by_input,
+                             [&](int32_t u) { return fit.fits[static_cast<size_t>(u)] != 0; });
 }
 
 }  // namespace

@@ -86,6 +86,38 @@ Result<std::vector<Size>> AllowedSizes(const ScheduleOptions& o, int domain) {
   return sizes;
 }
 
+// The group oversize rule under dynamic CP, one place for the scheduler and the validator:
+// a unit fits when none of its samples is oversize (fits no allowed size) and its padded
+// lengths together fit one group's capacity at some allowed size. sum[u * sizes + z]: its
+// padded tokens at size z.
+struct DynUnitFit {
+  std::vector<int64_t> sum;
+  std::vector<uint8_t> has_oversize;
+  std::vector<uint8_t> fits;
+};
+DynUnitFit FitOfDynamicUnits(std::span<const SampleLength> samples,
+                             const internal::StepUnits& units, const std::vector<Size>& sizes) {
+  const size_t u_count = static_cast<size_t>(units.size()), nz = sizes.size();
+  DynUnitFit fit{std::vector<int64_t>(u_count * nz, 0), std::vector<uint8_t>(u_count, 0),
+                 std::vector<uint8_t>(u_count, 0)};
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const size_t u = static_cast<size_t>(units.unit_of[i]);
+    bool sample_fits = false;
+    for (size_t z = 0; z < nz; ++z) {
+      const int64_t p = sizes[z].layout.PaddedLength(samples[i].length);
+      fit.sum[u * nz + z] += p;
+      sample_fits = sample_fits || p <= sizes[z].capacity;
+    }
+    if (!sample_fits) fit.has_oversize[u] = 1;
+  }
+  for (size_t u = 0; u < u_count; ++u) {
+    for (size_t z = 0; z < nz && !fit.has_oversize[u] && !fit.fits[u]; ++z) {
+      fit.fits[u] = fit.sum[u * nz + z] <= sizes[z].capacity;
+    }
+  }
+  return fit;
+}
+
 // Validates the samples and applies the oversize policy: a sample is oversize when it fits
 // no allowed group size.
 Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const ScheduleOptions& o,
@@ -125,20 +157,10 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
     }
   }
   if (grouped) {
-    std::vector<int64_t> sum(sizes.size() * static_cast<size_t>(units.size()), 0);
-    for (size_t i = 0; i < samples.size(); ++i) {
-      for (size_t z = 0; z < sizes.size(); ++z) {
-        sum[static_cast<size_t>(units.unit_of[i]) * sizes.size() + z] +=
-            sizes[z].layout.PaddedLength(samples[i].length);
-      }
-    }
+    const DynUnitFit fit = FitOfDynamicUnits(samples, units, sizes);
+    const std::vector<int64_t>& sum = fit.sum;
     for (int32_t u = 0; u < units.size(); ++u) {
-      if (!unit_ok[static_cast<size_t>(u)]) continue;
-      bool fits = false;
-      for (size_t z = 0; z < sizes.size() && !fits; ++z) {
-        fits = sum[static_cast<size_t>(u) * sizes.size() + z] <= sizes[z].capacity;
-      }
-      if (fits) continue;
+      if (!unit_ok[static_cast<size_t>(u)] || fit.fits[static_cast<size_t>(u)]) continue;
       unit_ok[static_cast<size_t>(u)] = 0;
       if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
         std::string ids;
@@ -682,27 +704,13 @@ Status ValidateDynamicPlan(std::span<const SampleLength> samples, const Schedule
   ScheduleOptions as_microbatch = o;
   as_microbatch.keep_groups = ScheduleOptions::KeepGroups::kMicrobatch;
   std::vector<internal::PlacedSample> by_input(samples.size());
-  std::vector<uint8_t> sample_fits(samples.size(), 0);
-  std::vector<int64_t> sum(sizes.size() * static_cast<size_t>(units.size()), 0);
   for (size_t i = 0; i < samples.size(); ++i) {
     by_input[i] = placed[static_cast<size_t>(index.Slot(samples[i].id))];
-    for (size_t z = 0; z < sizes.size(); ++z) {
-      const int64_t p = sizes[z].layout.PaddedLength(samples[i].length);
-      sum[static_cast<size_t>(units.unit_of[i]) * sizes.size() + z] += p;
-      if (p <= sizes[z].capacity) sample_fits[i] = 1;
-    }
   }
-  std::vector<uint8_t> unit_has_oversize(static_cast<size_t>(units.size()), 0);
-  for (size_t i = 0; i < samples.size(); ++i) {
-    if (!sample_fits[i]) unit_has_oversize[static_cast<size_t>(units.unit_of[i])] = 1;
-  }
-  return internal::CheckGroupPlacement(samples, as_microbatch, units, by_input, [&](int32_t u) {
-    if (unit_has_oversize[static_cast<size_t>(u)]) return false;
-    for (size_t z = 0; z < sizes.size(); ++z) {
-      if (sum[static_cast<size_t>(u) * sizes.size() + z] <= sizes[z].capacity) return true;
-    }
-    return false;
-  });
+  const DynUnitFit fit = FitOfDynamicUnits(samples, units, sizes);
+  return internal::CheckGroupPlacement(
+      samples, as_microbatch, units, by_input,
+      [&](int32_t u) { return fit.fits[static_cast<size_t>(u)] != 0; });
 }
 
 Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,

@@ -450,6 +450,26 @@ Result<StepUnits> UnitsOfGroups(std::span<const SampleLength> samples, const Sch
   return units;
 }
 
+UnitFit FitOfUnits(std::span<const SampleLength> samples, const ScheduleOptions& o,
+                   const StepUnits& units) {
+  const size_t u_count = units.value.size();
+  const int64_t capacity = UsableCapacity(o);
+  UnitFit fit{std::vector<int64_t>(u_count, 0), std::vector<uint8_t>(u_count, 0),
+              std::vector<uint8_t>(u_count, 0)};
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const size_t u = static_cast<size_t>(units.unit_of[i]);
+    const int64_t p = o.parallel.PaddedLength(samples[i].length);
+    fit.sum_p[u] += p;
+    if (p > capacity) fit.has_oversize[u] = 1;
+  }
+  for (size_t u = 0; u < u_count; ++u) {
+    fit.fits[u] = !fit.has_oversize[u] &&
+                  !(o.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch &&
+                    fit.sum_p[u] > capacity);
+  }
+  return fit;
+}
+
 Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
                                          const ScheduleOptions& o, const StepUnits& units,
                                          PreparedStep* step) {
@@ -461,33 +481,24 @@ Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
       kept_index[i] = static_cast<int32_t>(j++);
     }
   }
-  std::vector<uint8_t> broken(u_count, 0);
-  std::vector<int64_t> sum_p(u_count, 0);
-  for (size_t i = 0; i < n; ++i) {
-    const size_t u = static_cast<size_t>(units.unit_of[i]);
-    if (kept_index[i] < 0) {
-      broken[u] = 1;
-    } else {
-      sum_p[u] += step->padded[static_cast<size_t>(kept_index[i])];
-    }
-  }
+  // An oversize sample left the prepared step already (kSkip; any other policy made it an
+  // error there); a unit over the capacity together (kMicrobatch) is named here.
+  const UnitFit fit = FitOfUnits(samples, o, units);
   bool any = false;
   for (size_t u = 0; u < u_count; ++u) {
-    if (!broken[u] && o.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch &&
-        sum_p[u] > step->capacity) {
-      if (o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
+    if (!fit.fits[u]) {
+      if (!fit.has_oversize[u] && o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
         return Status::InvalidArgument(
             "schedule: group " + Str(units.value[u]) + " (samples " +
-            IdList(samples, units, static_cast<int32_t>(u)) + ") pads to " + Str(sum_p[u]) +
+            IdList(samples, units, static_cast<int32_t>(u)) + ") pads to " + Str(fit.sum_p[u]) +
             " tokens together, over the microbatch budget " + Str(MicrobatchBudget(o)) +
             " = CP " + Str(o.parallel.cp_size()) + " x max_tokens_per_rank " +
             Str(o.max_tokens_per_rank) + " (" + ModeName(o) +
             " puts a group in one microbatch; raise max_tokens_per_rank, keep groups on a "
             "replica, or set the oversize policy 'skip' to leave such groups out)");
       }
-      broken[u] = 1;
+      any = true;
     }
-    any = any || broken[u];
   }
   std::vector<int32_t> unit_of_kept;
   unit_of_kept.reserve(step->size());
@@ -497,12 +508,12 @@ Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
     }
     return unit_of_kept;
   }
-  // Drop every sample of a broken unit; skipped in input order.
+  // Drop every sample of a unit that does not fit; skipped in input order.
   PreparedStep out;
   out.capacity = step->capacity;
   for (size_t i = 0; i < n; ++i) {
     const int32_t u = units.unit_of[i];
-    if (broken[static_cast<size_t>(u)]) {
+    if (!fit.fits[static_cast<size_t>(u)]) {
       out.skipped.push_back(samples[i].id);
       continue;
     }

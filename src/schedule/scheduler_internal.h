@@ -238,6 +238,18 @@ struct StepUnits {
                                               const ScheduleOptions& options,
                                               std::span<const int64_t> groups);
 
+// The oversize rule of groups, one place for the scheduler and the validator: for each unit,
+// the sum of its samples' padded lengths, whether one of them is oversize (over the usable
+// capacity), and whether the unit can be scheduled - no oversize sample and, under
+// kMicrobatch, a sum within the capacity.
+struct UnitFit {
+  std::vector<int64_t> sum_p;
+  std::vector<uint8_t> has_oversize;
+  std::vector<uint8_t> fits;
+};
+UnitFit FitOfUnits(std::span<const SampleLength> samples, const ScheduleOptions& options,
+                   const StepUnits& units);
+
 // The oversize rule of groups on a prepared step: a unit with a skipped (oversize) sample, or
 // (kMicrobatch) whose sum of P exceeds step->capacity, leaves `step` whole - an error naming
 // the group under kError, its ids in step->skipped (input order) under kSkip. Returns the unit
