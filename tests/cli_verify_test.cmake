@@ -124,6 +124,35 @@ if(MPIEXEC)
   expect_close(mpi_rank)
 endif()
 
+# Token steps with a budget B = 150 below what DP x k microbatches need (design.md section 2):
+# each step takes one sample for every microbatch of every replica, past B where needed, and
+# still checks itself against the plain reader's rule. DP 2 x k 2 = 4 samples at least a step;
+# DP 2 x M 4 = 8.
+foreach(case "4;--microbatch-multiple;2" "8;--num-microbatches;4")
+  list(POP_FRONT case least)
+  execute_process(COMMAND ${THDPACK} run --backend threads --tp 1 --cp 2 --dp 2 --pp 2 ${case}
+                  --data jsonl:${WORK_DIR}/verify.jsonl --global-batch-tokens 150 --steps 4
+                  --max-tokens-per-rank 256 --verify --json --summary-only
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "token steps (${case}) failed (${rc}): ${err}")
+  endif()
+  string(REGEX MATCHALL "\"n_samples\":[0-9]+" counts "${out}")
+  list(LENGTH counts n)
+  if(NOT n EQUAL 4)  # one JSON line a step
+    message(FATAL_ERROR "token steps (${case}): expected 4 steps:\n${out}")
+  endif()
+  foreach(c IN LISTS counts)
+    string(REGEX REPLACE ".*:" "" c "${c}")
+    if(c LESS least)
+      message(FATAL_ERROR "token steps (${case}): a step of ${c} samples, fewer than ${least}")
+    endif()
+  endforeach()
+  if(NOT out MATCHES "\"real_tokens\":(1[5-9][1-9]|[2-9][0-9][0-9]),")
+    message(FATAL_ERROR "token steps (${case}): no step past B = 150:\n${out}")
+  endif()
+endforeach()
+
 # The comparison itself can fail: another probe model gives other figures.
 verify_run(other ${THDPACK} run --backend threads --dp 1 --cp 1 ${common} --probe-vocab 255)
 execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/one.json ${WORK_DIR}/other.json

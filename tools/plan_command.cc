@@ -322,7 +322,8 @@ void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
               o.scheduler.c_str(), CostNote(job.schedule.cost, Device(job)).c_str(),
               o.hw.c_str());
   if (!args.summary_only) PrintTable(plan.steps);
-  PrintSummaryBlock(plan.steps, plan.memory, CostNote(job.schedule.cost, Device(job)), job.blend);
+  PrintSummaryBlock(plan.steps, plan.memory, CostNote(job.schedule.cost, Device(job)), job.blend,
+                    o.global_batch_tokens);
   if (!args.svg.empty()) std::printf("  chart              %s\n", args.svg.c_str());
 }
 

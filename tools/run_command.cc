@@ -65,7 +65,8 @@ void PrintRunSummary(const RunTotals& totals, const Job& job) {
   if (totals.steps.empty()) return;
   PrintSummaryBlock(totals.steps, totals.memory,
                     CostNote(job.schedule.cost,
-                             job.profile ? job.profile->measured_on.device : std::string()), job.blend);
+                             job.profile ? job.profile->measured_on.device : std::string()),
+                    job.blend, job.options.global_batch_tokens);
   std::printf("  step time          %.1f ms in all, %.1f ms a step (each step: its slowest rank, "
               "start to end)\n",
               1000 * totals.seconds, 1000 * totals.seconds / static_cast<double>(totals.steps.size()));

@@ -1,5 +1,7 @@
 #include "summary.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 
 #include "formatting.h"
@@ -106,7 +108,8 @@ void PrintMixture(const SummaryFigures& summary, const BlendConfig& blend) {
 
 void PrintSummaryBlock(const std::vector<StepFigures>& steps,
                        const std::vector<StepMemoryFigures>& memory,
-                       const std::string& cost_note, const std::optional<BlendConfig>& blend) {
+                       const std::string& cost_note, const std::optional<BlendConfig>& blend,
+                       int64_t global_batch_tokens) {
   const SummaryFigures summary = Summarize(steps);
   std::printf("\nsummary over %lld step%s (epochs %lld-%lld):\n",
               static_cast<long long>(summary.n_steps), summary.n_steps == 1 ? "" : "s",
@@ -120,6 +123,20 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
   std::printf("  tokens             %s real, %s padded, %s loss tokens\n",
               Thousands(summary.real_tokens).c_str(), Thousands(summary.padded_tokens).c_str(),
               Thousands(summary.n_loss_tokens).c_str());
+  if (global_batch_tokens > 0 && !steps.empty()) {
+    int64_t least = INT64_MAX;
+    int64_t most = 0;
+    int64_t over = 0;
+    for (const StepFigures& f : steps) {
+      least = std::min(least, f.plan.real_tokens);
+      most = std::max(most, f.plan.real_tokens);
+      over += f.plan.real_tokens > global_batch_tokens ? 1 : 0;
+    }
+    std::printf("  token batch        %s tokens: %s-%s real a step, %s step%s over it (a sample "
+                "alone, or one a microbatch taken past it)\n",
+                Thousands(global_batch_tokens).c_str(), Thousands(least).c_str(),
+                Thousands(most).c_str(), Thousands(over).c_str(), over == 1 ? "" : "s");
+  }
   std::printf("  imbalance          mean %.4f, max %.4f (1 = every replica at the lower bound; "
               "%s)\n",
               summary.mean_imbalance, summary.max_imbalance, cost_note.c_str());

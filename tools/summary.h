@@ -28,9 +28,13 @@ std::string CostNote(const CostModel& cost, const std::string& measured_on_devic
 // steps[k] (same length); `cost_note` (CostNote) says what the imbalance is measured in.
 // With a blend, a "mixture" block follows: per source its weight's share and what the steps
 // took of it (samples, real tokens, loss tokens, and their shares of the totals).
+// global_batch_tokens B > 0 (steps counted in tokens): a line with the range of the steps' real
+// tokens and the number of steps over B (a sample alone over B, or the samples every
+// microbatch needs taken past B: thdpack/step.h's TokenSteps).
 void PrintSummaryBlock(const std::vector<StepFigures>& steps,
                        const std::vector<StepMemoryFigures>& memory, const std::string& cost_note,
-                       const std::optional<BlendConfig>& blend = std::nullopt);
+                       const std::optional<BlendConfig>& blend = std::nullopt,
+                       int64_t global_batch_tokens = 0);
 
 }  // namespace thdpack::tools
 

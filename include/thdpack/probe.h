@@ -59,6 +59,7 @@
 #include "thdpack/sample.h"
 #include "thdpack/status.h"
 #include "thdpack/rank_step.h"
+#include "thdpack/step.h"
 #include "thdpack/topology.h"
 
 namespace thdpack {
@@ -125,12 +126,12 @@ class ProbeModel {
 // epoch (then Reset). Samples whose id is in skipped_ids are left out. Separate from
 // StepReader (thdpack/step.h) ON PURPOSE: it is the independent reference the verifier
 // compares the step runner's reading against, so it must not share that code.
-// global_batch_tokens B > 0: the step's samples in source order while their tokens stay within
-// B (the first always); the sample that would pass B is kept in *pending (REQUIRED then) and is
-// the next call's first.
+// tokens.tokens B > 0: the step's samples in source order by TokenSteps' rule (within B, the
+// first always, at least min_samples no longer than longest_counted); the sample refused is
+// kept in *pending (REQUIRED then) and is the next call's first.
 [[nodiscard]] Result<std::vector<Sample>> ReadStepSamplesPlain(
     SampleSource& source, int64_t global_batch, std::span<const int64_t> skipped_ids,
-    int64_t global_batch_tokens = 0, std::optional<Sample>* pending = nullptr);
+    TokenSteps tokens = {}, std::optional<Sample>* pending = nullptr);
 
 // One rank's part of the distributed probe. Collective: every rank of the world creates one and
 // calls Forward on every step, in the same order.
@@ -174,7 +175,7 @@ class StepVerifier {
   [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
       ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
       const std::string& data, const SourceOptions& source, int64_t global_batch,
-      double tolerance, int64_t start_consumed = 0, int64_t global_batch_tokens = 0,
+      double tolerance, int64_t start_consumed = 0, TokenSteps tokens = {},
       int64_t truncate_to = 0);
   ~StepVerifier();
 
@@ -190,7 +191,7 @@ class StepVerifier {
   ProcessGroup& world_;
   const ProbeModel& model_;
   int64_t global_batch_;
-  int64_t global_batch_tokens_ = 0;
+  TokenSteps tokens_;  // tokens > 0: steps counted in tokens
   int64_t truncate_to_ = 0;  // --oversize truncate: samples keep this many tokens at most
   std::optional<Sample> pending_;  // token steps: the next step's first sample, read already
   double tolerance_;

@@ -348,6 +348,11 @@ Truncation TruncateLengths(std::span<SampleLength> samples, int64_t longest);
 // kSkip (thdpack/run_state.h). Errors: the options' own (InvalidArgument).
 [[nodiscard]] Result<int64_t> LongestKept(const ScheduleOptions& options);
 
+// The fewest samples (after the oversize policy) a step needs for options to schedule it:
+// DP x M with M fixed, else DP x k, for the static schedulers (every microbatch of every replica
+// holds one); 1 for the dynamic one. Fewer is Schedule's "too few samples" error.
+int64_t MinStepSamples(const ScheduleOptions& options);
+
 // The layout of a group of c ranks: options.parallel with CP = c.
 // REQUIRES c >= 1 (InvalidArgument otherwise).
 [[nodiscard]] Result<ParallelLayout> GroupLayout(const ScheduleOptions& options, int c);

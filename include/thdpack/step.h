@@ -8,7 +8,9 @@
 // tokens instead: a step takes samples in source order while their real tokens stay within B
 // (the first sample of a step always: one over B forms a step of its own, and the oversize
 // policy decides whether it is trained), so the number of samples per step varies and depends
-// only on the stream position and B (docs/design.md section 2).
+// only on the stream position and B (docs/design.md section 2). A token step also holds at
+// least the samples its schedule needs (TokenSteps::min_samples: one for every microbatch of
+// every replica), taken past B where B alone would give fewer.
 //
 // The samples of a step are handed to the scheduler in SCHEDULING order: loader 0's samples
 // first (source positions 0, DP, 2*DP, ...), then loader 1's (1, DP+1, ...), and so on - the
@@ -30,9 +32,27 @@
 
 #include "thdpack/data.h"
 #include "thdpack/sample.h"
+#include "thdpack/schedule.h"
 #include "thdpack/status.h"
 
 namespace thdpack {
+
+// How a step counted in tokens ends (`--global-batch-tokens B`). The sample at the step's
+// source position i is taken when i = 0, or when the step's samples so far that COUNT hold
+// fewer than min_samples, or when the real tokens taken so far plus its own stay within B;
+// the first sample refused ends the step (it is the next step's first). A sample counts unless
+// it is longer than longest_counted (the oversize policy `skip` leaves those out of the plan,
+// so they give no microbatch a sample). tokens 0: steps counted in samples (the rest unused).
+struct TokenSteps {
+  int64_t tokens = 0;         // B
+  int64_t min_samples = 1;    // >= 1
+  int64_t longest_counted = INT64_MAX;
+};
+
+// The token rule for a schedule: B, min_samples = MinStepSamples(options), longest_counted =
+// LongestKept(options) under oversize skip. tokens 0 gives TokenSteps{} (steps in samples).
+// Errors: B < 0 (InvalidArgument naming it), LongestKept's.
+[[nodiscard]] Result<TokenSteps> TokenStepsFor(int64_t tokens, const ScheduleOptions& options);
 
 struct StepSamples {
   int64_t step = 0;   // 0, 1, ... in the order Next() returned them
@@ -64,11 +84,12 @@ class StepReader {
   // `source` is not owned and must outlive the reader; the reader must be its only user.
   // global_batch: N >= 1 samples per step, or 0 for "all" (one whole epoch per step: read with
   // NextLength() until the end of the epoch, then Reset()). dp_size >= 1.
-  // global_batch_tokens: B > 0 counts the step in tokens (top of file; global_batch is then
+  // tokens.tokens: B > 0 counts the step in tokens (TokenSteps; global_batch is then
   // ignored), 0 in samples.
-  // Errors (InvalidArgument): null source, global_batch < 0, dp_size < 1, B < 0.
+  // Errors (InvalidArgument): null source, global_batch < 0, dp_size < 1, B < 0,
+  // min_samples < 1, longest_counted < 1.
   [[nodiscard]] static Result<StepReader> Create(SampleSource* source, int64_t global_batch,
-                                                 int dp_size, int64_t global_batch_tokens = 0);
+                                                 int dp_size, TokenSteps tokens = {});
 
   // The next step: N lengths read with NextLength(), wrapping around (Reset) at the end of the
   // source. Errors: the source's own errors (file, line, rule), and InvalidArgument naming the
@@ -107,13 +128,12 @@ class StepReader {
   int64_t LoaderOf(int64_t index_in_step) const { return index_in_step % dp_size_; }
 
   int64_t global_batch() const { return global_batch_; }
-  int64_t global_batch_tokens() const { return global_batch_tokens_; }
+  int64_t global_batch_tokens() const { return tokens_.tokens; }
   int dp_size() const { return dp_size_; }
 
  private:
-  StepReader(SampleSource* source, int64_t global_batch, int dp_size, int64_t tokens)
-      : source_(source), global_batch_(global_batch), dp_size_(dp_size),
-        global_batch_tokens_(tokens) {}
+  StepReader(SampleSource* source, int64_t global_batch, int dp_size, TokenSteps tokens)
+      : source_(source), global_batch_(global_batch), dp_size_(dp_size), tokens_(tokens) {}
 
   // The one read loop of a step (Next and NextShare): the sample at source position i is read
   // in full when full(i), else as its length, and handed to take(i, length, sample or null);
@@ -125,7 +145,7 @@ class StepReader {
   int64_t last_n_empty_ = 0;  // of the step ReadStep read last
   int64_t global_batch_ = 0;
   int dp_size_ = 1;
-  int64_t global_batch_tokens_ = 0;  // B > 0: steps counted in tokens
+  TokenSteps tokens_;  // tokens > 0: steps counted in tokens
   int64_t next_step_ = 0;
   int64_t consumed_ = 0;
 };

@@ -169,10 +169,12 @@ Result<JobPlan> PlanJobUnguarded(const Job& job, const PlanStepCallback& on_step
   Result<std::unique_ptr<SampleSource>> source = OpenSource(job.options.data,
                                                             job.options.source);
   if (!source.ok()) return Status::InvalidArgument("--data: " + source.status().message());
+  THDPACK_ASSIGN_OR_RETURN(const TokenSteps tokens,
+                           TokenStepsFor(job.options.global_batch_tokens, job.schedule));
   THDPACK_ASSIGN_OR_RETURN(
       StepReader reader,
       StepReader::Create(source->get(), job.options.global_batch, job.topology.dp_size(),
-                         job.options.global_batch_tokens));
+                         tokens));
   JobPlan out;
   THDPACK_ASSIGN_OR_RETURN(out.state.data, MakeFingerprint(source->get(), job.options.data,
                                                            job.options.source, job.schedule));

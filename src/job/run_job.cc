@@ -116,11 +116,13 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
     THDPACK_ASSIGN_OR_RETURN(truncate_to, LongestKept(job.schedule));
   }
   if (run.probe) {
+    THDPACK_ASSIGN_OR_RETURN(const TokenSteps tokens,
+                             TokenStepsFor(options.global_batch_tokens, job.schedule));
     THDPACK_ASSIGN_OR_RETURN(
         verifier, StepVerifier::Create(world, job.topology, *run.probe,
                                        job.schedule.parallel.sp(), options.data, options.source,
                                        options.global_batch, run.options.verify_tolerance,
-                                       consumed, options.global_batch_tokens, truncate_to));
+                                       consumed, tokens, truncate_to));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     // The seconds the loop waited for its step: the whole step without --prefetch.

@@ -281,9 +281,9 @@ Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const Sa
 
 Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t global_batch,
                                                  std::span<const int64_t> skipped_ids,
-                                                 int64_t global_batch_tokens,
+                                                 TokenSteps tokens_rule,
                                                  std::optional<Sample>* pending) {
-  const bool by_tokens = global_batch_tokens > 0;
+  const bool by_tokens = tokens_rule.tokens > 0;
   if (by_tokens && pending == nullptr) {
     return Status::InvalidArgument("ReadStepSamplesPlain: token steps need `pending`");
   }
@@ -295,6 +295,8 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
   std::vector<Sample> out;
   int64_t read = 0;
   int64_t tokens = 0;        // token steps: real tokens read
+  int64_t counted = 0;       // token steps: samples read no longer than longest_counted
+  int64_t counted_at_reset = -1;
   bool empty_epoch = false;  // the last Next() after a Reset() found nothing either
   while (by_tokens || global_batch == 0 || read < global_batch) {
     std::optional<Sample> s;
@@ -312,17 +314,24 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
         return Status::InvalidArgument("ReadStepSamplesPlain: " + source.spec() +
                                        " holds no sample");
       }
+      if (by_tokens && counted == counted_at_reset) {
+        return Status::InvalidArgument("ReadStepSamplesPlain: " + source.spec() +
+                                       " holds no sample that counts toward min_samples");
+      }
+      counted_at_reset = counted;
       empty_epoch = true;
       continue;
     }
     empty_epoch = false;
-    if (by_tokens) {  // the sample that would pass B is the next step's first
+    if (by_tokens) {  // the sample refused is the next step's first
       const int64_t length = static_cast<int64_t>(s->tokens.size());
-      if (read > 0 && tokens + length > global_batch_tokens) {
+      const bool fits = tokens + length <= tokens_rule.tokens;
+      if (read > 0 && !fits && counted >= tokens_rule.min_samples) {
         *pending = std::move(s);
         break;
       }
       tokens += length;
+      if (length <= tokens_rule.longest_counted) ++counted;
     }
     ++read;
     if (skipped.count(s->id) == 0) out.push_back(std::move(*s));

@@ -430,14 +430,13 @@ StepVerifier::~StepVerifier() = default;
 Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
     ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
     const std::string& data, const SourceOptions& source, int64_t global_batch,
-    double tolerance, int64_t start_consumed, int64_t global_batch_tokens,
-    int64_t truncate_to) {
+    double tolerance, int64_t start_consumed, TokenSteps tokens, int64_t truncate_to) {
   if (!(tolerance >= 0)) {
     return Status::InvalidArgument("StepVerifier: tolerance " + std::to_string(tolerance) +
                                    " must be >= 0");
   }
   auto v = std::unique_ptr<StepVerifier>(new StepVerifier(world, model, global_batch, tolerance));
-  v->global_batch_tokens_ = global_batch_tokens;
+  v->tokens_ = tokens;
   v->truncate_to_ = truncate_to;
   THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, topology, model, sp));
   Status local = Status::Ok();
@@ -483,7 +482,7 @@ Status StepVerifier::CompareWithReference(const RankStep& step, const LossSummar
   {
     Result<std::vector<Sample>> samples =
         ReadStepSamplesPlain(*plain_, global_batch_, step.meta.skipped_ids,
-                             global_batch_tokens_, &pending_);
+                             tokens_, &pending_);
     if (samples.ok() && truncate_to_ > 0) {
       // --oversize truncate, the plain way: a longer sample keeps its first tokens.
       for (Sample& s : *samples) {

@@ -164,8 +164,10 @@ Status StepRunner::Impl::Init() {
         auto src = OpenSource(opts_.data, opts_.source);
         if (src.ok()) {
           source_ = std::move(*src);
-          auto steps = StepReader::Create(source_.get(), opts_.global_batch, topo_.dp_size(),
-                                          opts_.global_batch_tokens);
+          auto tokens = TokenStepsFor(opts_.global_batch_tokens, opts_.schedule);
+          auto steps = tokens.ok() ? StepReader::Create(source_.get(), opts_.global_batch,
+                                                        topo_.dp_size(), *tokens)
+                                   : Result<StepReader>(tokens.status());
           if (steps.ok()) {
             steps_.emplace(std::move(*steps));
           } else {

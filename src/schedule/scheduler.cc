@@ -279,8 +279,7 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
 }
 
 Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& o) {
-  const int64_t need = static_cast<int64_t>(o.dp_size) *
-                       (o.num_microbatches > 0 ? o.num_microbatches : o.microbatch_multiple);
+  const int64_t need = MinStepSamples(o);
   if (static_cast<int64_t>(step.size()) >= need) return Status::Ok();
   std::string why = o.num_microbatches > 0
                         ? "DP " + Str(o.dp_size) + " x M " + Str(o.num_microbatches)
@@ -291,6 +290,16 @@ Status CheckEnoughSamples(const PreparedStep& step, const ScheduleOptions& o) {
                                  " for " + why + " = " + Str(need) +
                                  " microbatches, each of which needs at least one sample");
 }
+
+}  // namespace internal
+
+int64_t MinStepSamples(const ScheduleOptions& o) {
+  if (o.scheduler == ScheduleOptions::Scheduler::kDynamic) return 1;
+  return static_cast<int64_t>(std::max(o.dp_size, 1)) *
+         std::max(o.num_microbatches > 0 ? o.num_microbatches : o.microbatch_multiple, 1);
+}
+
+namespace internal {
 
 MicrobatchCost CostOfSums(const GroupSums& g, const ScheduleOptions& o) {
   MicrobatchCost r;

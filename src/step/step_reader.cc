@@ -12,14 +12,34 @@
 
 namespace thdpack {
 
-Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch, int dp_size,
-                                      int64_t global_batch_tokens) {
-  if (source == nullptr) return Status::InvalidArgument("StepReader: source is null");
-  if (global_batch_tokens < 0) {
+Result<TokenSteps> TokenStepsFor(int64_t tokens, const ScheduleOptions& options) {
+  if (tokens < 0) {
     return Status::InvalidArgument("global batch tokens must be >= 1 (0: count samples); got " +
-                                   std::to_string(global_batch_tokens));
+                                   std::to_string(tokens));
   }
-  if (global_batch_tokens > 0) global_batch = 1;  // unused: the step ends by its tokens
+  TokenSteps out;
+  if (tokens == 0) return out;
+  out.tokens = tokens;
+  out.min_samples = MinStepSamples(options);
+  if (options.oversize == ScheduleOptions::OversizePolicy::kSkip) {
+    THDPACK_ASSIGN_OR_RETURN(out.longest_counted, LongestKept(options));
+  }
+  return out;
+}
+
+Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch, int dp_size,
+                                      TokenSteps tokens) {
+  if (source == nullptr) return Status::InvalidArgument("StepReader: source is null");
+  if (tokens.tokens < 0) {
+    return Status::InvalidArgument("global batch tokens must be >= 1 (0: count samples); got " +
+                                   std::to_string(tokens.tokens));
+  }
+  if (tokens.tokens > 0 && (tokens.min_samples < 1 || tokens.longest_counted < 1)) {
+    return Status::InvalidArgument(
+        "StepReader: a token step's min_samples (" + std::to_string(tokens.min_samples) +
+        ") and longest_counted (" + std::to_string(tokens.longest_counted) + ") must be >= 1");
+  }
+  if (tokens.tokens > 0) global_batch = 1;  // unused: the step ends by its tokens
   if (global_batch < 0) {
     return Status::InvalidArgument("global batch must be >= 1 samples, or \"all\" (0); got " +
                                    std::to_string(global_batch));
@@ -32,7 +52,7 @@ Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch
                                    "source " + source->spec() + " has no end (a blend): give "
                                    "the global batch as a number of samples");
   }
-  return StepReader(source, global_batch, dp_size, global_batch_tokens);
+  return StepReader(source, global_batch, dp_size, tokens);
 }
 
 // The wrap-around lives here only. global_batch 0: one whole epoch, then Reset (the previous
@@ -40,8 +60,9 @@ Result<StepReader> StepReader::Create(SampleSource* source, int64_t global_batch
 // the end of the source; two ends in a row with nothing between = an empty source. A run of
 // positions read as lengths only (all of them for Next, the DP - 1 between a loader's own for
 // NextShare) is read with one NextLengths call per kLengthBatch. Tokens (B > 0): positions are
-// read one at a time, the source's cursor kept before each; the first whose length would take
-// the step over B is put back (Seek to that cursor) and starts the next step.
+// read one at a time, the source's cursor kept before each; the first that TokenSteps refuses
+// (it would take the step over B, and the step already holds min_samples that count) is put
+// back (Seek to that cursor) and starts the next step.
 template <typename Full, typename Take>
 Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   constexpr int64_t kLengthBatch = 1024;
@@ -52,8 +73,10 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   std::array<SampleLength, kLengthBatch> batch;
   int64_t i = 0;
   bool wrapped = false;  // the last read hit the end of the source
-  const bool by_tokens = global_batch_tokens_ > 0;
-  int64_t tokens = 0;  // by_tokens: real tokens of the samples taken
+  const bool by_tokens = tokens_.tokens > 0;
+  int64_t tokens = 0;   // by_tokens: real tokens of the samples taken
+  int64_t counted = 0;  // by_tokens: samples taken no longer than tokens_.longest_counted
+  int64_t counted_at_reset = -1;  // `counted` at the step's last Reset (none yet: -1)
   // by_tokens: the cursor before the position read next - before the Reset when the read
   // follows one, so that a sample put back leaves the source where a sample count would (the
   // end of the epoch, not the start of the next: the same stream point, one representation).
@@ -83,6 +106,14 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
       // a position saved by a run with a numeric batch): it then reads the next epoch whole.
       if (global_batch_ == 0 && (i > 0 || wrapped)) break;
       if (wrapped) return Status::InvalidArgument(empty_message);
+      if (by_tokens && counted == counted_at_reset) {  // a whole epoch gave no sample that counts
+        return Status::InvalidArgument(
+            "data source \"" + source_->spec() + "\" holds no sample of at most " +
+            std::to_string(tokens_.longest_counted) + " tokens (the longest a step keeps): a "
+            "token step cannot give its " + std::to_string(tokens_.min_samples) +
+            " microbatches a sample each");
+      }
+      counted_at_reset = counted;
       THDPACK_RETURN_IF_ERROR(source_->Reset());
       wrapped = true;
       continue;
@@ -90,11 +121,12 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
     wrapped = false;
     if (by_tokens) {
       const int64_t length = batch[0].length;
-      if (i > 0 && (tokens > global_batch_tokens_ - length)) {
+      if (i > 0 && counted >= tokens_.min_samples && tokens > tokens_.tokens - length) {
         THDPACK_RETURN_IF_ERROR(source_->Seek(before));  // the next step's first sample
         break;
       }
       tokens += length;
+      if (length <= tokens_.longest_counted) ++counted;
     }
     if (i == 0) epoch = source_->epoch();
     for (int64_t k = 0; k < got; ++k) {
@@ -116,7 +148,7 @@ Status StepReader::Start(int64_t next_step, int64_t consumed,
                                    " after " + std::to_string(consumed) +
                                    " samples (a step >= 0, a count >= 0 or -1 without a cursor)");
   }
-  if (consumed == -1 && global_batch_tokens_ > 0) {
+  if (consumed == -1 && tokens_.tokens > 0) {
     // Token steps: the first next_step steps of a run from 0, read as lengths.
     THDPACK_ASSIGN_OR_RETURN(SourceCursor zero, source_->CursorAfter(0));
     THDPACK_RETURN_IF_ERROR(source_->Seek(zero));
@@ -162,8 +194,8 @@ Status StepReader::Start(int64_t next_step, int64_t consumed,
 Result<StepSamples> StepReader::Next() {
   StepSamples out;
   out.step = next_step_;
-  int64_t expected = global_batch_tokens_ > 0 ? 0 : global_batch_;
-  if (expected == 0 && global_batch_tokens_ == 0) {
+  int64_t expected = tokens_.tokens > 0 ? 0 : global_batch_;
+  if (expected == 0 && tokens_.tokens == 0) {
     const std::optional<int64_t> hint = source_->size_hint();
     expected = hint.has_value() && *hint > 0 ? *hint : 0;
   }

@@ -236,37 +236,51 @@ TEST(StepReaderRandom, MatchesThePlainRule) {
   }
 }
 
-// Token steps (global_batch_tokens B): on random files, budgets and DP, every step equals the
-// plain rule worked out here from the file (samples in stream order while their tokens stay
-// within B, the first always; the stream wraps into the next epoch), every loader's share is
-// its part of that step, and Start at step k continues exactly where k steps end.
+// Token steps (TokenSteps): on random files, budgets, minimum counts and DP, every step equals
+// the plain rule worked out here from the file (samples in stream order while their tokens stay
+// within B, the first always, and while fewer than min_samples of them are no longer than
+// longest_counted; the stream wraps into the next epoch), every loader's share is its part of
+// that step, and Start at step k continues exactly where k steps end.
 TEST(StepReaderRandom, TokenStepsMatchThePlainRule) {
   std::mt19937_64 rng(4242);
   testing_util::TempDir dir;
-  for (int trial = 0; trial < 60; ++trial) {
+  for (int trial = 0; trial < 90; ++trial) {
     const std::string path = dir.File("k" + std::to_string(trial) + ".txt");
     const std::vector<int64_t> file = RandomLengthsFile(rng, path, 500);
     const int size = static_cast<int>(file.size());
     const int dp = 1 + static_cast<int>(rng() % 5);
+    TokenSteps rule;
     // Budgets from below one sample (every step one sample) to several epochs.
-    const int64_t budget = 1 + static_cast<int64_t>(rng() % (trial % 3 == 0 ? 300 : 4000));
+    rule.tokens = 1 + static_cast<int64_t>(rng() % (trial % 3 == 0 ? 300 : 4000));
+    // A third of the trials without a minimum; the others up to 3 x DP samples a step, with a
+    // longest counted length at or above the file's shortest (some sample always counts).
+    if (trial % 3 != 1) {
+      rule.min_samples = 1 + static_cast<int64_t>(rng() % (3 * dp));
+      if (rng() % 2 == 0) {
+        rule.longest_counted = *std::min_element(file.begin(), file.end()) +
+                               static_cast<int64_t>(rng() % 400);
+      }
+    }
+    const int64_t budget = rule.tokens;
     constexpr int kSteps = 5;
     // The plain rule.
     std::vector<std::vector<int64_t>> want;  // positions of each step
     int64_t pos = 0;
+    auto length = [&](int64_t p) { return file[static_cast<size_t>(p % size)]; };
     for (int s = 0; s < kSteps; ++s) {
-      std::vector<int64_t> step = {pos};
-      int64_t tokens = file[static_cast<size_t>(pos % size)];
-      ++pos;
-      while (tokens + file[static_cast<size_t>(pos % size)] <= budget) {
-        tokens += file[static_cast<size_t>(pos % size)];
+      std::vector<int64_t> step;
+      int64_t tokens = 0;
+      int64_t counted = 0;
+      while (step.empty() || counted < rule.min_samples || tokens + length(pos) <= budget) {
+        tokens += length(pos);
+        if (length(pos) <= rule.longest_counted) ++counted;
         step.push_back(pos++);
       }
       want.push_back(step);
     }
     auto source = OpenLengthsSource(path);
     ASSERT_TRUE(source.ok());
-    auto reader = StepReader::Create(source->get(), 7, dp, budget);
+    auto reader = StepReader::Create(source->get(), 7, dp, rule);
     ASSERT_TRUE(reader.ok());
     for (int s = 0; s < kSteps; ++s) {
       auto step = reader->Next();
@@ -286,7 +300,7 @@ TEST(StepReaderRandom, TokenStepsMatchThePlainRule) {
     // Every loader's share, each on its own source.
     for (int d = 0; d < dp; ++d) {
       auto own = OpenLengthsSource(path);
-      auto r = StepReader::Create(own->get(), 7, dp, budget);
+      auto r = StepReader::Create(own->get(), 7, dp, rule);
       ASSERT_TRUE(r.ok());
       for (int s = 0; s < kSteps; ++s) {
         auto share = r->NextShare(d);
@@ -304,7 +318,7 @@ TEST(StepReaderRandom, TokenStepsMatchThePlainRule) {
     }
     // Start at step 3 with no saved position: the steps of a run from 0.
     auto again = OpenLengthsSource(path);
-    auto r = StepReader::Create(again->get(), 7, dp, budget);
+    auto r = StepReader::Create(again->get(), 7, dp, rule);
     ASSERT_TRUE(r->Start(3, -1, std::nullopt).ok());
     EXPECT_EQ(r->consumed(), want[3].front());
     auto step = r->Next();
@@ -312,11 +326,39 @@ TEST(StepReaderRandom, TokenStepsMatchThePlainRule) {
     EXPECT_EQ(step->step, 3);
     EXPECT_EQ(step->samples.size(), want[3].size());
   }
-  EXPECT_FALSE(StepReader::Create(nullptr, 1, 1, 5).ok());
+  EXPECT_FALSE(StepReader::Create(nullptr, 1, 1, TokenSteps{5}).ok());
   testing_util::TempDir d;
-  testing_util::WriteText(d.File("one.txt"), "3\n");
+  testing_util::WriteText(d.File("one.txt"), "3\n9\n");
   auto one = OpenLengthsSource(d.File("one.txt"));
-  EXPECT_FALSE(StepReader::Create(one->get(), 1, 1, -1).ok());
+  EXPECT_FALSE(StepReader::Create(one->get(), 1, 1, TokenSteps{-1}).ok());
+  EXPECT_FALSE(StepReader::Create(one->get(), 1, 1, TokenSteps{5, 0}).ok());
+  // No sample counts (every one longer than longest_counted): an error naming the source,
+  // never an endless read.
+  auto none = StepReader::Create(one->get(), 1, 1, TokenSteps{5, 2, 2});
+  ASSERT_TRUE(none.ok());
+  auto step = none->Next();
+  ASSERT_FALSE(step.ok());
+  EXPECT_NE(step.status().message().find("holds no sample of at most 2 tokens"),
+            std::string::npos) << step.status().ToString();
+  // TokenStepsFor: the schedule's minimum (DP x k static, DP x M fixed, 1 dynamic) and, under
+  // oversize skip only, its longest kept length.
+  ScheduleOptions o;
+  o.dp_size = 3;
+  o.max_tokens_per_rank = 100;
+  o.microbatch_multiple = 2;
+  auto t = TokenStepsFor(1000, o);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->tokens, 1000);
+  EXPECT_EQ(t->min_samples, 6);
+  EXPECT_EQ(t->longest_counted, INT64_MAX);
+  o.num_microbatches = 4;
+  o.oversize = ScheduleOptions::OversizePolicy::kSkip;
+  t = TokenStepsFor(1000, o);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->min_samples, 12);
+  EXPECT_EQ(t->longest_counted, 100);
+  EXPECT_EQ(TokenStepsFor(0, o)->tokens, 0);
+  EXPECT_FALSE(TokenStepsFor(-5, o).ok());
 }
 
 // A lengths source whose size hint is wrong (or absent): Next then cannot place samples by the
