@@ -124,6 +124,21 @@ if(MPIEXEC)
   expect_close(mpi_rank)
 endif()
 
+# Static shapes (--pad-to-max-tokens, --max-seqs-per-microbatch): every microbatch holds
+# CP * 256 tokens and at most 3 sequences, the loss and token counts still those of one rank
+# (the probe reads the fixed tail as padding), at DP, CP with SP and TP x CP x PP.
+foreach(case "static_dp;--dp;2" "static_sp;--tp;2;--cp;2;--dp;2;--sp"
+        "static_pp;--tp;2;--cp;2;--pp;2")
+  list(POP_FRONT case name)
+  verify_run(${name} ${THDPACK} run --backend threads ${case} ${common} --pad-to-max-tokens
+             --max-seqs-per-microbatch 3)
+  expect_close(${name})
+  file(READ ${WORK_DIR}/${name}.json got)
+  if(NOT got MATCHES "\"pad_fraction\":0\.[5-9]")
+    message(FATAL_ERROR "${name}: the fixed shapes' padding is not in the figures:\n${got}")
+  endif()
+endforeach()
+
 # Token steps with a budget B = 150 below what DP x k microbatches need (design.md section 2):
 # each step takes one sample for every microbatch of every replica, past B where needed, and
 # still checks itself against the plain reader's rule. DP 2 x k 2 = 4 samples at least a step;

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -221,6 +222,7 @@ inline Status VerifyRankStep(ProcessGroup& world, const Topology& topo,
                              TopologyLayout(topo, options.schedule.parallel.sp(),
                                             options.schedule.parallel.extra_alignment()));
     po.pad_id = options.pad_id;
+    po.fixed_tokens = FixedMicrobatchTokens(options.schedule);
     if (meta.parallel != po.parallel) {
       return Status::Internal(who + ": step metadata layout " + meta.parallel.ToString() +
                               ", expected " + po.parallel.ToString());
@@ -238,6 +240,16 @@ inline Status VerifyRankStep(ProcessGroup& world, const Topology& topo,
       THDPACK_RETURN_IF_ERROR(ExpectEq(lm.cu_seqlens, pm.cu_seqlens, mb + " cu_seqlens"));
       THDPACK_RETURN_IF_ERROR(ExpectEq(lm.cu_seqlens_padded, pm.cu_seqlens_padded, mb + " cu_seqlens_padded"));
       const int64_t T = static_cast<int64_t>(pm.tokens.size());
+      // Static shapes, checked from the options alone: T is CP * max_tokens_per_rank, and at
+      // most S sequences.
+      const int64_t max_seqs = options.schedule.max_seqs_per_microbatch;
+      if ((options.schedule.pad_to_max_tokens &&
+           T != topo.cp_size() * options.schedule.max_tokens_per_rank) ||
+          (max_seqs > 0 && static_cast<int64_t>(lm.cu_seqlens.size()) > max_seqs + 1)) {
+        return Status::Internal(mb + ": T " + std::to_string(T) + " or " +
+                                std::to_string(lm.cu_seqlens.size() - 1) +
+                                " sequences break the static shape");
+      }
       if (mm.max_seqlen != pm.max_seqlen || lm.max_seqlen != pm.max_seqlen ||
           mm.n_valid != pm.n_valid || lm.n_valid != pm.n_valid || lm.total_tokens != T ||
           lm.local_tokens != T / topo.cp_size()) {
@@ -401,10 +413,12 @@ inline std::string CaseName(const StepCase& k) {
 
 // Runs `steps` steps of one case on `world` and verifies each. Collective.
 // `data` is a jsonl file path, or any source spec containing ':'.
+// `adjust`, when given, changes the options before the runner is made (static shapes).
 inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std::string& data,
                                int64_t global_batch, int steps,
                                ScheduleOptions::OversizePolicy oversize =
-                                   ScheduleOptions::OversizePolicy::kError) {
+                                   ScheduleOptions::OversizePolicy::kError,
+                               const std::function<void(StepRunnerOptions&)>& adjust = {}) {
   THDPACK_ASSIGN_OR_RETURN(Topology topo, Topology::Create(k.tp, k.cp, k.dp, k.pp));
   StepRunnerOptions o;
   o.data = data.find(':') == std::string::npos ? "jsonl:" + data : data;
@@ -416,6 +430,7 @@ inline Status RunAndVerifyCase(ProcessGroup& world, const StepCase& k, const std
   o.data_on = k.data_on;
   o.check_plan_hash = true;
   o.pad_id = 7;
+  if (adjust) adjust(o);
   THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(world, topo, o));
   for (int s = 0; s < steps; ++s) {
     THDPACK_ASSIGN_OR_RETURN(RankStep got, runner->Next());

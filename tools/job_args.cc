@@ -76,6 +76,13 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
                   "truncate (keeps the first tokens that fit; the tokens and targets cut are "
                   "reported)")
       ->capture_default_str();
+  cmd->add_flag("--pad-to-max-tokens", o.pad_to_max_tokens,
+                "Static shapes: every microbatch holds exactly CP * max tokens per rank tokens "
+                "(the last sequence takes the padding)");
+  cmd->add_option("--max-seqs-per-microbatch", o.max_seqs,
+                  "Static shapes: at most this many sequences in a microbatch, cu_seqlens "
+                  "always this + 1 long (0: no cap)")
+      ->capture_default_str();
   cmd->add_option("--seed", o.source.seed, "Seed of mock lengths and tokens and of --shuffle")
       ->capture_default_str();
   cmd->add_flag("--shuffle", o.source.shuffle, "Visit each epoch in a seeded random order");

@@ -87,7 +87,11 @@ struct JobOptions {
   std::string cost = "llama2-7b";
   int microbatch_multiple = 1;  // --microbatch-multiple, >= 1
   int num_microbatches = 0;     // --num-microbatches: 0 (the scheduler chooses) or a multiple
-  std::string oversize = "error";  // --oversize: error | skip
+  std::string oversize = "error";  // --oversize: error | skip | truncate
+  // Static shapes (ScheduleOptions::pad_to_max_tokens, max_seqs_per_microbatch):
+  // --pad-to-max-tokens / pad_to_max_tokens, --max-seqs-per-microbatch S / max_seqs (0: none).
+  bool pad_to_max_tokens = false;
+  int max_seqs = 0;
   // Python only (the file sources carry no fields): keep_groups none | microbatch | replica
   // (ScheduleOptions::keep_groups) and group_field, the sample field holding each sample's
   // group id (StepRunnerOptions::group_field).

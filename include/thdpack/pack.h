@@ -43,6 +43,10 @@ inline constexpr TokenId kIgnoreIndex = -100;
 struct PackOptions {
   ParallelLayout parallel;      // CP, TP, SP, extra alignment: the padding rule. Default CP=1.
   TokenId pad_id = 0;           // token written into padding slots.
+  // > 0: every microbatch's T is exactly this (static shapes: FixedMicrobatchTokens of
+  // schedule.h), the last sequence absorbing T - sum P_i like any tail. REQUIRES a multiple
+  // of parallel.token_quantum() (ComputeLayout checks it) and at least the sequences' own T.
+  int64_t fixed_tokens = 0;
 };
 
 struct Layout {
@@ -54,9 +58,17 @@ struct Layout {
 
 // The layout of a microbatch of sequences of real lengths `lengths` [n], in order.
 // REQUIRES (InvalidArgument naming the argument, index and rule otherwise): n >= 1, every
-// length >= 1. OutOfRange when T does not fit int32.
+// length >= 1; with fixed_tokens, a multiple of the token quantum holding the sequences.
+// OutOfRange when T does not fit int32.
 [[nodiscard]] Result<Layout> ComputeLayout(std::span<const int64_t> lengths,
                                            const PackOptions& options);
+
+// Offsets [n+1] (cu_seqlens or cu_seqlens_padded) as a fixed-size array of count + 1: the
+// unused tail repeats the last offset, which attention kernels read as empty sequences (static
+// shapes: max_seqs_per_microbatch, docs/layout.md "Static shapes"). InvalidArgument when the
+// offsets are empty or already hold more than `count` sequences.
+[[nodiscard]] Result<std::vector<int32_t>> PadOffsets(std::span<const int32_t> offsets,
+                                                      int64_t count);
 
 struct PackedMicrobatch {
   std::vector<TokenId> tokens;        // [T]

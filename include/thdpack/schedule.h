@@ -99,6 +99,19 @@ struct ScheduleOptions {
   // Under the dynamic scheduler both modes put a group in one CP group of one microbatch (a
   // dynamic plan has no replicas: the ranks change with the microbatch).
   KeepGroups keep_groups = KeepGroups::kNone;
+  // Static shapes for CUDA graphs and torch.compile (docs/scheduling.md "Static shapes"; the
+  // static schedulers only - the dynamic one refuses both). max_seqs_per_microbatch S > 0: at
+  // most S sequences in a microbatch, budgeted by the scheduler with the tokens (the balanced
+  // scheduler places samples as units, scheduler_groups.cc; the sequential one starts a new
+  // microbatch at S); the step hands attention cu_seqlens of exactly S+1 offsets (PadOffsets,
+  // pack.h). 0: no cap.
+  int max_seqs_per_microbatch = 0;
+  // Every microbatch holds exactly T = CP * max_tokens_per_rank tokens (FixedMicrobatchTokens),
+  // the last sequence absorbing T - sum P, as it absorbs the SP and rank-multiple tails. The
+  // cost charges that padding linearly only (a*T; no P^2 term): the layers run on every token
+  // of the fixed shape, attention reads the real lengths and skips it. REQUIRES
+  // CP * max_tokens_per_rank to be a multiple of the layout's token quantum.
+  bool pad_to_max_tokens = false;
   // The step-time model (cost.h). Required by the dynamic scheduler, which minimises the step
   // time it gives; PlanStepTime / DynamicPlanStepTime report it for any plan. Unset (nullopt)
   // with the `tokens` and `A,B` costs, which have no model dimensions.
@@ -253,7 +266,9 @@ struct PlanFigures {
   double total_cost = 0;        // sum over replicas
   double max_replica_cost = 0;  // the straggler
   // max(sum_i cost(P_i)/CP / DP, max_i cost(P_i)/CP) over the scheduled samples, with the
-  // per-sequence padded lengths P_i (no SP tail: that depends on the plan).
+  // per-sequence padded lengths P_i (no SP tail: that depends on the plan). Under
+  // pad_to_max_tokens, M * a * T / CP (the fixed shapes' linear work, on every replica) plus
+  // the same bound over the rest of the cost (the P^2 and per-sequence terms).
   double lower_bound = 0;
   double imbalance = 0;         // max_replica_cost / lower_bound
   double pad_fraction = 0;      // 1 - real_tokens / padded_tokens
@@ -347,6 +362,12 @@ Truncation TruncateLengths(std::span<SampleLength> samples, int64_t longest);
 // kSkip). A resumed run keeps the samples of every later step only if this is unchanged under
 // kSkip (thdpack/run_state.h). Errors: the options' own (InvalidArgument).
 [[nodiscard]] Result<int64_t> LongestKept(const ScheduleOptions& options);
+
+// T of every microbatch under pad_to_max_tokens (CP * max_tokens_per_rank); 0 without it (T
+// then follows the sequences: ParallelLayout::MicrobatchTokens). PackOptions::fixed_tokens.
+inline int64_t FixedMicrobatchTokens(const ScheduleOptions& o) {
+  return o.pad_to_max_tokens ? MicrobatchBudget(o) : 0;
+}
 
 // The fewest samples (after the oversize policy) a step needs for options to schedule it:
 // DP x M with M fixed, else DP x k, for the static schedulers (every microbatch of every replica

@@ -220,7 +220,7 @@ void BindSchedule(py::module_& m) {
          int64_t max_tokens_per_rank, const std::string& scheduler, const std::string& cost,
          int microbatch_multiple, int num_microbatches, const std::string& oversize,
          const std::string& hw, const std::string& cp_sizes, const py::handle& groups_obj,
-         const std::string& keep_groups) -> py::object {
+         const std::string& keep_groups, int max_seqs, bool pad_to_max_tokens) -> py::object {
         const IntArrayView lengths(lengths_obj, "lengths");
         std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
@@ -253,6 +253,8 @@ void BindSchedule(py::module_& m) {
         }
         ScheduleOptions o;
         o.keep_groups = ValueOrThrow(ParseKeepGroups(keep_groups));
+        o.max_seqs_per_microbatch = max_seqs;
+        o.pad_to_max_tokens = pad_to_max_tokens;
         o.dp_size = dp_size;
         o.parallel = LayoutOf(LayoutArgs{std::move(layout), std::move(cp_size),
                                          std::move(tp_size), std::move(sp),
@@ -326,7 +328,8 @@ void BindSchedule(py::module_& m) {
       py::arg("scheduler") = "balanced", py::arg("cost") = JobOptions().cost,
       py::arg("microbatch_multiple") = 1, py::arg("num_microbatches") = 0,
       py::arg("oversize") = "error", py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
-      py::arg("groups") = py::none(), py::arg("keep_groups") = "none",
+      py::arg("groups") = py::none(), py::arg("keep_groups") = "none", py::arg("max_seqs") = 0,
+      py::arg("pad_to_max_tokens") = false,
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
@@ -347,6 +350,8 @@ groups: [n] group ids (any integers) with keep_groups "microbatch" (a group in o
 its samples adjacent in input order: DPO pairs) or "replica" (a group on one replica: GRPO);
 under the dynamic scheduler both keep a group in one CP group of one microbatch. A group too
 large for its place is an error naming it, or skipped whole with oversize="skip".
+Static shapes (static schedulers): max_seqs at most that many sequences a microbatch (0: no
+cap), pad_to_max_tokens every microbatch's T = cp_size * max_tokens_per_rank (figures count it).
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }
 

@@ -96,10 +96,14 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
 // cp_rank, first_rank, idle, cp_ranks (world positions of its members; the topology's CP group
 // for a static step, [] when idle) and cp_group (the torch group of a dynamic microbatch with
 // a group of more than one rank, else None: the iterator puts the caller's CP group there for a
-// static step).
+// static step). cu_seqlens and cu_seqlens_padded are [n+1] (num_seqs = n); with max_seqs S > 0
+// cu_seqlens_fixed and cu_seqlens_padded_fixed are the same offsets padded to S+1 (PadOffsets),
+// else None; with pad_to_max_tokens max_seqlen_fixed is T, else None.
 py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
                       const std::string& figures, int world_rank,
-                      const std::vector<FieldSpec>& fields, int64_t global_batch) {
+                      const std::vector<FieldSpec>& fields, int64_t global_batch,
+                      const ScheduleOptions& schedule) {
+  const int max_seqs = schedule.max_seqs_per_microbatch;
   py::dict d;
   d["n_loss_sequences"] = step.n_loss_sequences;
   // This rank's bytes sent per phase of the step (RankStep::phases), and the bytes of the
@@ -172,6 +176,20 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
                                       : py::object(ToNumpy(std::vector<int32_t>(mb.sources)));
     m["cu_seqlens"] = ToNumpy(std::vector<int32_t>(mb.cu_seqlens));
     m["cu_seqlens_padded"] = ToNumpy(std::vector<int32_t>(mb.cu_seqlens_padded));
+    m["num_seqs"] = static_cast<int64_t>(mb.cu_seqlens.size()) - 1;
+    // Static shapes (max_seqs S): the offsets attention reads, S+1 long (PadOffsets).
+    if (max_seqs > 0) {
+      m["cu_seqlens_fixed"] = ToNumpy(ValueOrThrow(PadOffsets(mb.cu_seqlens, max_seqs)));
+      m["cu_seqlens_padded_fixed"] =
+          ToNumpy(ValueOrThrow(PadOffsets(mb.cu_seqlens_padded, max_seqs)));
+    } else {
+      m["cu_seqlens_fixed"] = py::none();
+      m["cu_seqlens_padded_fixed"] = py::none();
+    }
+    // Static shapes (pad_to_max_tokens): T, the same for every microbatch, as the max_seqlen
+    // attention is given (a bound it accepts, fixed for graph capture); else None.
+    m["max_seqlen_fixed"] = schedule.pad_to_max_tokens ? py::object(py::int_(mb.total_tokens))
+                                                       : py::object(py::none());
     m["max_seqlen"] = mb.max_seqlen;
     m["n_valid"] = mb.n_valid;
     m["total_tokens"] = mb.total_tokens;
@@ -334,7 +352,8 @@ Status PrepareStep(const std::shared_ptr<const Job>& job,
   dropped.Drain();
   try {
     py::dict raw = StepToPython(step, job->topology, job->options.sp, figures, comm.rank(),
-                                *fields, fed ? job->options.global_batch : 0);
+                                *fields, fed ? job->options.global_batch : 0,
+                                job->schedule);
     py::object made = prepare.get()(raw);
     step.prepared = std::make_shared<PyRef>(std::move(made));
   } catch (py::error_already_set& e) {
@@ -636,7 +655,8 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
     for (size_t s = 0; s < got[static_cast<size_t>(r)].size(); ++s) {
       per.append(StepToPython(got[static_cast<size_t>(r)][s], job.topology,
                               job.options.sp, figures[static_cast<size_t>(r)][s], r, fields,
-                              shares.is_none() ? 0 : job.options.global_batch));
+                              shares.is_none() ? 0 : job.options.global_batch,
+                              job.schedule));
     }
     out.append(per);
   }

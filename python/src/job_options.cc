@@ -87,6 +87,8 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"microbatch_multiple", Field(&JobOptions::microbatch_multiple)},
       {"num_microbatches", Field(&JobOptions::num_microbatches)},
       {"oversize", Field(&JobOptions::oversize)},
+      {"pad_to_max_tokens", Field(&JobOptions::pad_to_max_tokens)},
+      {"max_seqs", Field(&JobOptions::max_seqs)},
       {"keep_groups", Field(&JobOptions::keep_groups)},
       {"group_field", Field(&JobOptions::group_field)},
       {"pad_id", Field(&JobOptions::pad_id)},

@@ -221,6 +221,51 @@ def test_truncate_reports_what_it_cut():
             assert f["n_samples"] == GLOBAL_BATCH and f["n_skipped"] == 0
 
 
+# Static shapes from Python (pad_to_max_tokens, max_seqs): every microbatch of every rank holds
+# CP * MAX_TOKENS tokens, T/CP on each rank, over every step; the offsets attention reads
+# (cu_seqlens, cu_seqlens_padded, packed_seq_params) are max_seqs + 1 long, the real ones
+# followed by the last repeated; max_seqlen is T; the host offsets stay the real [n+1] ones;
+# every field still equals the reference, the fixed tail holding the fill.
+@pytest.mark.parametrize("topo", [(1, 1, 2, 1, False, "tp0", "balanced"),
+                                  (2, 2, 1, 2, True, "tp0", "sequential"),
+                                  (1, 2, 2, 1, False, "all", "balanced")],
+                         ids=lambda t: "-".join(map(str, t)))
+def test_static_shapes_on_threads(topo):
+    from thdpack.torch.iterator import _microbatch
+    tp, cp, dp, pp = topo[:4]
+    max_seqs = 3
+    items = rollouts(GLOBAL_BATCH * STEPS)
+    specs = field_specs(FIELDS)
+    opts = options(*topo, pad_to_max_tokens=True, max_seqs=max_seqs)
+    steps = _thdpack._run_steps_on_threads(opts, STEPS, None, shares(items, dp, specs), None,
+                                           specs)
+    T = cp * MAX_TOKENS
+    for r, per in enumerate(steps):
+        shapes = set()
+        for s, step in enumerate(per):
+            for k, m in enumerate(step["microbatches"]):
+                where = f"{topo} rank {r} step {s} microbatch {k}"
+                check_microbatch(items, m, specs, step["first_stage"], step["last_stage"], False,
+                                 where)
+                out = _microbatch(m, "cpu", None, fields=specs)
+                n = out["num_seqs"]
+                assert 1 <= n <= max_seqs and int(m["cu_seqlens_padded"][-1]) == T, where
+                for key, real in (("cu_seqlens", "cu_seqlens_cpu"),
+                                  ("cu_seqlens_padded", "cu_seqlens_padded_cpu")):
+                    fixed = out[key].tolist()
+                    assert len(fixed) == max_seqs + 1, where
+                    assert fixed == out[real].tolist() + [fixed[n]] * (max_seqs - n), where
+                    assert out["packed_seq_params"][key.replace("seqlens", "seqlens_q")] \
+                        is out[key]
+                assert out["packed_seq_params"]["max_seqlen_q"] == T, where
+                local = [tuple(out[x].shape) for x in ("tokens", "labels") if out[x] is not None]
+                shapes.add((tuple(out["cu_seqlens"].shape), T // cp, tuple(local)))
+                assert all(shape == (T // cp,) for shape in local), where
+            assert step["figures"]["padded_tokens"] == \
+                T * dp * step["figures"]["num_microbatches"]
+        assert len(shapes) == 1, (topo, r, shapes)  # one shape per rank over the steps
+
+
 # Groups kept together through the C++ step (keep_groups, group_field): the pairs of "uid"
 # (samples 2j, 2j + 1) side by side in one microbatch, or on one replica; every field still
 # equal to the reference.

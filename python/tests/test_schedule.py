@@ -152,3 +152,21 @@ def test_default_cost_is_the_command_lines_and_lengths_come_in_any_form():
         assert got.figures["flops"] is not None
         assert got.sample_ids.tolist() == want.sample_ids.tolist()
         assert got.offsets.tolist() == want.offsets.tolist()
+
+
+# Static shapes from Python: at most max_seqs sequences a microbatch and, with
+# pad_to_max_tokens, every microbatch's padded tokens CP * max_tokens_per_rank in the figures;
+# the dynamic scheduler refuses them by name.
+def test_static_shapes():
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 200, size=40)
+    for max_seqs in (1, 3, 7):
+        plan = thdpack.schedule(lengths, dp_size=2, cp_size=2, max_tokens_per_rank=256,
+                                max_seqs=max_seqs, pad_to_max_tokens=True)
+        sizes = [len(plan.microbatch(d, m)) for d in range(2)
+                 for m in range(plan.num_microbatches)]
+        assert max(sizes) <= max_seqs and sum(sizes) == 40
+        assert plan.figures["padded_tokens"] == 2 * plan.num_microbatches * 512
+    with pytest.raises(ValueError, match="with the dynamic scheduler"):
+        thdpack.schedule(lengths, dp_size=2, cp_size=2, max_tokens_per_rank=256, max_seqs=3,
+                         scheduler="dynamic", cost="llama2-7b")

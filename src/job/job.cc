@@ -129,6 +129,12 @@ Status FillSchedule(const JobOptions& o, Job& job) {
   Result<ScheduleOptions::KeepGroups> keep = ParseKeepGroups(o.keep_groups);
   if (!keep.ok()) return Fail("keep_groups", keep.status().message());
   s.keep_groups = *keep;
+  s.pad_to_max_tokens = o.pad_to_max_tokens;
+  s.max_seqs_per_microbatch = o.max_seqs;
+  if (o.max_seqs < 0) {
+    return Fail("--max-seqs-per-microbatch", "must be >= 1, or 0 for no cap; got " +
+                                                 std::to_string(o.max_seqs));
+  }
   if (o.max_cp_groups < 1) {
     return Fail("--max-cp-groups", "must be >= 1, got " + std::to_string(o.max_cp_groups));
   }

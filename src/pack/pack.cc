@@ -284,8 +284,18 @@ Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions
     layout.cu_seqlens_padded[i + 1] = static_cast<int32_t>(total);
   }
   // The last sequence absorbs the tail that makes T a multiple of the token quantum: T/CP a
-  // multiple of TP under SP, every rank's tokens a multiple of the rank multiple.
-  const int64_t rounded = parallel.MicrobatchTokens(total);
+  // multiple of TP under SP, every rank's tokens a multiple of the rank multiple; or, for a
+  // fixed shape, the whole way to fixed_tokens.
+  int64_t rounded = parallel.MicrobatchTokens(total);
+  if (options.fixed_tokens > 0) {
+    if (options.fixed_tokens % parallel.token_quantum() != 0 || options.fixed_tokens < rounded) {
+      return Status::InvalidArgument(
+          "fixed_tokens = " + Str(options.fixed_tokens) + ": must be a multiple of the token "
+          "quantum " + Str(parallel.token_quantum()) + " and hold the sequences' T = " +
+          Str(rounded) + " (" + Str(int64_t(lengths.size())) + " sequences)");
+    }
+    rounded = options.fixed_tokens;
+  }
   if (rounded > kInt32Max) {
     return Status::OutOfRange("T = " + Str(rounded) + " padded tokens after the " +
                               (parallel.rank_multiple() > 1 ? "rank-multiple" : "SP") +
@@ -302,6 +312,17 @@ Result<Layout> ComputeLayout(std::span<const int64_t> lengths, const PackOptions
   layout.max_seqlen = static_cast<int32_t>(max_padded);
   layout.total_tokens = total;
   return layout;
+}
+
+Result<std::vector<int32_t>> PadOffsets(std::span<const int32_t> offsets, int64_t count) {
+  if (offsets.empty()) return Status::InvalidArgument("PadOffsets: offsets are empty (n+1 >= 1)");
+  if (count < 0 || static_cast<int64_t>(offsets.size()) - 1 > count) {
+    return Status::InvalidArgument("PadOffsets: " + Str(int64_t(offsets.size()) - 1) +
+                                   " sequences do not fit a fixed count of " + Str(count));
+  }
+  std::vector<int32_t> out(offsets.begin(), offsets.end());
+  out.resize(static_cast<size_t>(count) + 1, offsets.back());
+  return out;
 }
 
 Result<int64_t> PackInto(std::span<const SampleView> samples, const Layout& layout,

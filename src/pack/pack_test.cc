@@ -493,5 +493,30 @@ TEST(HfLabelsTest, RejectsBadArgumentsNamingThem) {
   ExpectInvalid(ToHfLabels(labels, mask, cu, out, out_mask), {"loss_mask[4] = 2", "0 or 1"});
 }
 
+// The layout of a fixed shape: T is fixed_tokens, the last sequence absorbs the rest; a T
+// that is no multiple of the quantum, or below the sequences' own, is refused.
+TEST(PackStaticShapes, FixedLayoutAndPaddedOffsets) {
+  PackOptions po;
+  po.parallel = *ParallelLayout::Create(2, 1, false, 1, 1);  // a = 4
+  po.fixed_tokens = 64;
+  const std::vector<int64_t> lengths = {7, 3};
+  auto l = ComputeLayout(lengths, po);
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->cu_seqlens, (std::vector<int32_t>{0, 7, 10}));
+  EXPECT_EQ(l->cu_seqlens_padded, (std::vector<int32_t>{0, 8, 64}));
+  EXPECT_EQ(l->total_tokens, 64);
+  EXPECT_EQ(l->max_seqlen, 56);
+  po.fixed_tokens = 66;
+  EXPECT_FALSE(ComputeLayout(lengths, po).ok());
+  po.fixed_tokens = 8;
+  EXPECT_FALSE(ComputeLayout(lengths, po).ok());
+  auto padded = PadOffsets(l->cu_seqlens, 4);
+  ASSERT_TRUE(padded.ok());
+  EXPECT_EQ(*padded, (std::vector<int32_t>{0, 7, 10, 10, 10}));
+  EXPECT_EQ(*PadOffsets(l->cu_seqlens, 2), l->cu_seqlens);
+  EXPECT_FALSE(PadOffsets(l->cu_seqlens, 1).ok());
+  EXPECT_FALSE(PadOffsets({}, 3).ok());
+}
+
 }  // namespace
 }  // namespace thdpack

@@ -101,6 +101,7 @@ Result<StepMemoryFigures> ComputeStepMemory(std::span<const SampleLength> sample
 
   PackOptions pack;
   pack.parallel = options.parallel;
+  pack.fixed_tokens = FixedMicrobatchTokens(options);
 
   StepMemoryFigures out;
   out.num_microbatches = m_count;

@@ -687,6 +687,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   PackOptions po;
   po.parallel = opts_.schedule.parallel;
   po.pad_id = opts_.pad_id;
+  po.fixed_tokens = FixedMicrobatchTokens(opts_.schedule);
   StepMeta& meta = out.meta;
   meta = MetaHeader(step_, out.epoch, topo_.dp_size(), me, opts_.schedule.parallel, plan.skipped);
   n_loss_sequences_ = 0;

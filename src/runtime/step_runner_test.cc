@@ -77,6 +77,31 @@ TEST(StepRunner, OversizeSkipLeavesSamplesOutAndSaysSo) {
   }));
 }
 
+// Static shapes (pad_to_max_tokens, max_seqs_per_microbatch 3): at DP, CP with SP, TP x CP x
+// PP, PP and data on every rank, every microbatch holds exactly CP * 256 tokens and at most 3
+// sequences (VerifyRankStep checks both from the options), and every rank's tensors equal the
+// reference's, the fixed tail included; every sample arrives exactly once.
+TEST(StepRunner, StaticShapesHoldOnEveryRank) {
+  ScratchFile file("thdpack_step_static.jsonl");
+  testing::WriteStepTestJsonl(file.path(), 40, 90, 11);
+  const testing::StepCase cases[] = {{1, 1, 4, 1, false, DataOn::kTp0},
+                                     {2, 2, 2, 1, true, DataOn::kTp0},
+                                     {2, 2, 1, 2, false, DataOn::kAll},
+                                     {1, 1, 2, 4, false, DataOn::kTp0}};
+  for (const testing::StepCase& k : cases) {
+    for (int pad = 0; pad < 2; ++pad) {
+      ExpectAllOk(RunOnThreads(k.tp * k.cp * k.dp * k.pp, [&](ProcessGroup& world) {
+        return testing::RunAndVerifyCase(world, k, file.path(), 16, 3,
+                                         ScheduleOptions::OversizePolicy::kError,
+                                         [&](StepRunnerOptions& o) {
+                                           o.schedule.max_seqs_per_microbatch = 3;
+                                           o.schedule.pad_to_max_tokens = pad == 1;
+                                         });
+      }));
+    }
+  }
+}
+
 // Runs one step of `o` on 8 threads and returns each rank's status.
 std::vector<Status> RunOneStep(const Topology& topo, const StepRunnerOptions& o,
                                int corrupt_metadata_of_replica = -1) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -159,6 +160,25 @@ Status ValidateOptions(const ScheduleOptions& o) {
   if (static_cast<int64_t>(o.dp_size) * o.microbatch_multiple > std::numeric_limits<int32_t>::max()) {
     return bad("dp_size * microbatch_multiple must fit int32");
   }
+  if (o.max_seqs_per_microbatch < 0) {
+    return bad("max_seqs_per_microbatch = " + Str(o.max_seqs_per_microbatch) +
+               " must be >= 1, or 0 for no cap");
+  }
+  if (o.pad_to_max_tokens && MicrobatchBudget(o) % o.parallel.token_quantum() != 0) {
+    return bad("pad_to_max_tokens: T = CP " + Str(o.parallel.cp_size()) +
+               " x max_tokens_per_rank " + Str(o.max_tokens_per_rank) + " = " +
+               Str(MicrobatchBudget(o)) + " is not a multiple of the layout's token quantum " +
+               Str(o.parallel.token_quantum()) + " (" + o.parallel.ToString() +
+               "): choose max_tokens_per_rank a multiple of " +
+               Str(o.parallel.token_quantum() /
+                   std::gcd(o.parallel.token_quantum(), int64_t{o.parallel.cp_size()})));
+  }
+  if (o.scheduler == ScheduleOptions::Scheduler::kDynamic &&
+      (o.pad_to_max_tokens || o.max_seqs_per_microbatch > 0)) {
+    return bad(std::string(o.pad_to_max_tokens ? "pad_to_max_tokens" : "max_seqs_per_microbatch") +
+               " with the dynamic scheduler: static shapes are built for the static schedulers "
+               "(balanced, sequential), whose microbatches all share one CP group");
+  }
   return Status::Ok();
 }
 
@@ -306,7 +326,9 @@ MicrobatchCost CostOfSums(const GroupSums& g, const ScheduleOptions& o) {
   r.padded_tokens = o.parallel.MicrobatchTokens(g.sum_p);
   const int64_t tail = r.padded_tokens - g.sum_p;
   GroupSums::Wide sq = g.sum_sq;
-  if (tail > 0) {
+  if (o.pad_to_max_tokens) {
+    r.padded_tokens = FixedMicrobatchTokens(o);  // the fixed shape's padding: linear only
+  } else if (tail > 0) {
     // (last + tail)^2 = last^2 + 2 last tail + tail^2
     sq += 2 * static_cast<GroupSums::Wide>(g.last_p) * static_cast<GroupSums::Wide>(tail) +
           static_cast<GroupSums::Wide>(tail) * static_cast<GroupSums::Wide>(tail);
@@ -519,7 +541,11 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
         "ScheduleDynamic");
   }
   THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
-  if (options.keep_groups != ScheduleOptions::KeepGroups::kNone || !groups.empty()) {
+  // Groups, or a sequence cap under the balanced scheduler: the unit scheduler (each sample
+  // its own unit without groups), which budgets sequences with tokens.
+  const bool capped = options.max_seqs_per_microbatch > 0 &&
+                      options.scheduler == ScheduleOptions::Scheduler::kBalanced;
+  if (options.keep_groups != ScheduleOptions::KeepGroups::kNone || !groups.empty() || capped) {
     if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
       return Status::InvalidArgument(
           "schedule: keep_groups '" + std::string(KeepGroupsName(options.keep_groups)) +
@@ -656,6 +682,12 @@ Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const Sample
         return bad("microbatch " + Str(m) + " of replica " + Str(d) + " holds T = " + Str(t) +
                    " padded tokens, over the budget " + Str(budget));
       }
+      const int64_t seqs = plan.offsets[g + 1] - plan.offsets[g];
+      if (options.max_seqs_per_microbatch > 0 && seqs > options.max_seqs_per_microbatch) {
+        return bad("microbatch " + Str(m) + " of replica " + Str(d) + " holds " + Str(seqs) +
+                   " sequences, over max_seqs_per_microbatch " +
+                   Str(options.max_seqs_per_microbatch));
+      }
     }
   }
   for (int64_t id : plan.skipped) {
@@ -766,6 +798,16 @@ Result<PlanFigures> FiguresOfSums(const ScheduleOptions& options, int m_count,
       options.cost.Cost(f.n_samples, total_p, static_cast<double>(total_sq)) / cp;
   const double max_seq_cost = options.cost.SequenceCost(max_p) / cp;
   f.lower_bound = std::max(total_seq_cost / static_cast<double>(options.dp_size), max_seq_cost);
+  if (options.pad_to_max_tokens) {
+    // Every replica runs the plan's M microbatches of T tokens: their linear work is on every
+    // replica whatever the assignment; the rest (P^2 and per-sequence terms) is what balances.
+    const double fixed = options.cost.a * static_cast<double>(m_count) *
+                         static_cast<double>(FixedMicrobatchTokens(options)) / cp;
+    const double rest = options.cost.Cost(f.n_samples, 0, static_cast<double>(total_sq)) / cp;
+    const double rest_max = options.cost.Cost(
+        1, 0, static_cast<double>(max_p) * static_cast<double>(max_p)) / cp;
+    f.lower_bound = fixed + std::max(rest / static_cast<double>(options.dp_size), rest_max);
+  }
   f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;
   f.pad_fraction = f.padded_tokens > 0
                        ? 1.0 - static_cast<double>(f.real_tokens) / static_cast<double>(f.padded_tokens)

@@ -253,10 +253,15 @@ class StaticGroupTime {
     }
   }
   void set_last_p(int64_t p) { last_p_ = p; }
-  double Seconds(const StepTimeModel& model, const ParallelLayout& layout, int c) {
+  // fixed_tokens > 0 (pad_to_max_tokens): the fixed shape's padding, fixed_tokens - sum P, is
+  // linear work only (as CostOfSums charges it): tokens without a P^2 term or a sequence.
+  double Seconds(const StepTimeModel& model, const ParallelLayout& layout, int c,
+                 int64_t fixed_tokens = 0) {
     const int64_t sum = compute_sum_p_ + exchange_sum_p_;
     const int64_t tail = layout.MicrobatchTokens(sum) - sum;
-    if (tail > 0) {
+    if (fixed_tokens > 0) {
+      compute_sum_p_ += fixed_tokens - sum;
+    } else if (tail > 0) {
       // The last sample's P becomes P + tail: out with the one, in with the other.
       if (model.ExchangeBound(last_p_, c)) {
         --exchange_count_;
@@ -747,7 +752,9 @@ Result<double> AssignmentStepTime(const PreparedStep& step, const ScheduleOption
       const size_t g = static_cast<size_t>(d) * static_cast<size_t>(a.num_microbatches) +
                        static_cast<size_t>(m);
       times[g].set_last_p(LastPadded(step, a, g));
-      tasks.push_back({d * cp, cp, times[g].Seconds(model, options.parallel, cp)});
+      tasks.push_back({d * cp, cp,
+                       times[g].Seconds(model, options.parallel, cp,
+                                        FixedMicrobatchTokens(options))});
     }
   }
   return SimulateStepTime(a.dp_size * cp, tasks);
@@ -774,7 +781,8 @@ Result<double> PlanStepTime(std::span<const SampleLength> samples, const Schedul
         time.Add(model, cp, p);
         time.set_last_p(p);
       }
-      tasks.push_back({d * cp, cp, time.Seconds(model, options.parallel, cp)});
+      tasks.push_back({d * cp, cp,
+                       time.Seconds(model, options.parallel, cp, FixedMicrobatchTokens(options))});
     }
   }
   return SimulateStepTime(plan.dp_size * cp, tasks);

@@ -18,8 +18,14 @@
 //      with room (evens microbatch costs); if some item finds none, best-fit decreasing by
 //      tokens; a bin left empty then takes the smallest item of the bin with the most items.
 // The M search and the choice are ScheduleBalanced's (fewest microbatches within 1% of the
-// least straggler). A microbatch lists its units by their first sample, each unit's samples in
-// input order: a pair stays side by side, chosen before rejected as the caller gave them.
+// least straggler), M starting at the larger of the tokens' and the sequences' lower bounds.
+// A sequence cap (max_seqs_per_microbatch S, static shapes) is a second room of every bin:
+// A, D and the checks of B and C place an item only where both its tokens and its samples fit;
+// A picks the bin that leaves the least of both (each as a share of a bin), and when a unit
+// then finds no bin, A runs again with each unit in the bin with the most sequences left. The
+// balanced scheduler sends a capped step here with each sample its own unit.
+// A microbatch lists its units by their first sample, each unit's samples in input order: a
+// pair stays side by side, chosen before rejected as the caller gave them.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -44,6 +50,9 @@ constexpr int64_t kSearchBudget = 200000;  // candidate evaluations of the local
 constexpr int kFillTries = 16;         // feasibility checks per local-search round
 
 std::string ModeName(const ScheduleOptions& o) {
+  if (o.keep_groups == ScheduleOptions::KeepGroups::kNone) {  // here for a sequence cap only
+    return "max_seqs_per_microbatch " + Str(o.max_seqs_per_microbatch);
+  }
   return "keep_groups '" + std::string(KeepGroupsName(o.keep_groups)) + "'";
 }
 
@@ -73,17 +82,19 @@ struct Item {
   double cost = 0;
   int32_t key = 0;  // first PreparedStep index: ties, and the order inside a microbatch
   int32_t ref = 0;  // unit index (kMicrobatch) or PreparedStep index (kReplica)
+  int64_t seqs = 1;  // its samples (sequences)
 };
 
-// Items into m bins of `capacity` (see D at the top); nullopt when they do not fit or are
-// fewer than m. Returns each bin's item positions (into `items`).
+// Items into m bins of `capacity` tokens and `max_seqs` sequences (see D at the top); nullopt
+// when they do not fit or are fewer than m. Returns each bin's item positions (into `items`).
 std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& items, int m,
-                                                      int64_t capacity) {
+                                                      int64_t capacity, int64_t max_seqs) {
   if (static_cast<int64_t>(items.size()) < m) return std::nullopt;
   std::vector<int32_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
   std::vector<std::vector<int32_t>> bins(static_cast<size_t>(m));
   std::vector<int64_t> room(static_cast<size_t>(m), capacity);
+  std::vector<int64_t> seq_room(static_cast<size_t>(m), max_seqs);
   // LPT: decreasing cost, ties by key.
   std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
     const Item& x = items[static_cast<size_t>(a)];
@@ -97,7 +108,9 @@ std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& i
     const Item& x = items[static_cast<size_t>(it)];
     int best = -1;
     for (int b = 0; b < m; ++b) {
-      if (room[static_cast<size_t>(b)] < x.padded) continue;
+      if (room[static_cast<size_t>(b)] < x.padded || seq_room[static_cast<size_t>(b)] < x.seqs) {
+        continue;
+      }
       if (best < 0 || cost[static_cast<size_t>(b)] < cost[static_cast<size_t>(best)]) best = b;
     }
     if (best < 0) {
@@ -106,12 +119,23 @@ std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& i
     }
     bins[static_cast<size_t>(best)].push_back(it);
     room[static_cast<size_t>(best)] -= x.padded;
+    seq_room[static_cast<size_t>(best)] -= x.seqs;
     cost[static_cast<size_t>(best)] += x.cost;
   }
   if (!ok) {
-    // Best-fit decreasing by tokens.
+    // Best-fit decreasing by tokens; under a sequence cap, the best fit of both rooms (the
+    // least tokens and sequences left, each as a share of its bin's).
+    const bool capped = max_seqs < INT64_MAX;
+    auto left = [&](int b) {
+      const double t = static_cast<double>(room[static_cast<size_t>(b)]) /
+                       static_cast<double>(capacity);
+      return capped ? t + static_cast<double>(seq_room[static_cast<size_t>(b)]) /
+                              static_cast<double>(max_seqs)
+                    : t;
+    };
     for (auto& b : bins) b.clear();
     std::fill(room.begin(), room.end(), capacity);
+    std::fill(seq_room.begin(), seq_room.end(), max_seqs);
     std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
       const Item& x = items[static_cast<size_t>(a)];
       const Item& y = items[static_cast<size_t>(b)];
@@ -122,16 +146,20 @@ std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& i
       const Item& x = items[static_cast<size_t>(it)];
       int best = -1;
       for (int b = 0; b < m; ++b) {
-        if (room[static_cast<size_t>(b)] < x.padded) continue;
-        if (best < 0 || room[static_cast<size_t>(b)] < room[static_cast<size_t>(best)]) best = b;
+        if (room[static_cast<size_t>(b)] < x.padded ||
+            seq_room[static_cast<size_t>(b)] < x.seqs) {
+          continue;
+        }
+        if (best < 0 || left(b) < left(best)) best = b;
       }
       if (best < 0) return std::nullopt;
       bins[static_cast<size_t>(best)].push_back(it);
       room[static_cast<size_t>(best)] -= x.padded;
+      seq_room[static_cast<size_t>(best)] -= x.seqs;
     }
   }
   // Empty bins take the smallest item of the bin with the most items (one item always fits
-  // an empty bin).
+  // an empty bin: a unit holds at most max_seqs samples, FitOfUnits).
   for (int b = 0; b < m; ++b) {
     if (!bins[static_cast<size_t>(b)].empty()) continue;
     int donor = -1;
@@ -154,16 +182,33 @@ std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& i
   return bins;
 }
 
+// What a bin has left: padded tokens and sequences.
+struct Room {
+  int64_t tokens = 0;
+  int64_t seqs = 0;
+};
+
 class GroupsAtM {
  public:
   GroupsAtM(const PreparedStep& step, const ScheduleOptions& o, const std::vector<Unit>& units,
             int m, double lower_bound)
       : step_(step), o_(o), units_(units), m_(m), lower_bound_(lower_bound),
+        max_seqs_(o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT64_MAX),
         by_replica_(static_cast<size_t>(o.dp_size)), cost_(static_cast<size_t>(o.dp_size), 0.0),
         count_(static_cast<size_t>(o.dp_size), 0) {}
 
   std::optional<Assignment> Run() {
-    if (!PlaceByLpt()) return std::nullopt;
+    if (!PlaceByLpt()) {
+      if (max_seqs_ == INT64_MAX) return std::nullopt;
+      // Under a sequence cap, once more with each unit in the bin with the most sequences left
+      // among those that hold its tokens: many short samples then spread over the bins
+      // instead of using up the sequences of bins whose tokens they could share.
+      std::fill(cost_.begin(), cost_.end(), 0.0);
+      std::fill(count_.begin(), count_.end(), 0);
+      for (auto& us : by_replica_) us.clear();
+      spread_ = true;
+      if (!PlaceByLpt()) return std::nullopt;
+    }
     if (!RepairCounts()) return std::nullopt;
     LocalSearch();
     return Emit();
@@ -179,7 +224,8 @@ class GroupsAtM {
     for (int32_t u : us) {
       const Unit& x = units_[static_cast<size_t>(u)];
       if (!per_sample()) {
-        items.push_back({x.padded, x.cost, x.members.front(), u});
+        items.push_back({x.padded, x.cost, x.members.front(), u,
+                         static_cast<int64_t>(x.members.size())});
         continue;
       }
       for (int32_t i : x.members) {
@@ -190,14 +236,15 @@ class GroupsAtM {
     return items;
   }
   bool Fits(const std::vector<int32_t>& us) const {
-    return Fill(ItemsOfReplica(us), m_, step_.capacity).has_value();
+    return Fill(ItemsOfReplica(us), m_, step_.capacity, max_seqs_).has_value();
   }
 
   // A: units by decreasing cost to the least-cost replica whose bins hold them (best fit).
   bool PlaceByLpt() {
     const int dp = o_.dp_size;
-    std::vector<std::vector<int64_t>> room(
-        static_cast<size_t>(dp), std::vector<int64_t>(static_cast<size_t>(m_), step_.capacity));
+    std::vector<std::vector<Room>> room(
+        static_cast<size_t>(dp),
+        std::vector<Room>(static_cast<size_t>(m_), Room{step_.capacity, max_seqs_}));
     std::set<std::pair<double, int>> replicas;
     for (int r = 0; r < dp; ++r) replicas.insert({0.0, r});
     std::vector<int32_t> order(units_.size());
@@ -208,7 +255,7 @@ class GroupsAtM {
       if (x.cost != y.cost) return x.cost > y.cost;
       return x.members.front() < y.members.front();
     });
-    std::vector<int64_t> trial;
+    std::vector<Room> trial;
     for (int32_t u : order) {
       const Unit& x = units_[static_cast<size_t>(u)];
       bool placed = false;
@@ -230,24 +277,38 @@ class GroupsAtM {
     return true;
   }
 
-  // Best fit of a unit into `room` (the whole unit, or each sample longest first).
-  bool PlaceInBins(const Unit& x, std::vector<int64_t>* room) const {
-    auto best_fit = [&](int64_t p) {
+  // Best fit (by tokens) of a unit into `room` (the whole unit, or each sample longest first).
+  bool PlaceInBins(const Unit& x, std::vector<Room>* room) const {
+    // Under a sequence cap, the best fit of both rooms (as in Fill).
+    const bool capped = max_seqs_ < INT64_MAX;
+    auto left = [&](const Room& r) {
+      const double t = static_cast<double>(r.tokens) / static_cast<double>(step_.capacity);
+      return capped ? t + static_cast<double>(r.seqs) / static_cast<double>(max_seqs_) : t;
+    };
+    auto better = [&](const Room& r, const Room& than) {
+      if (spread_ && r.seqs != than.seqs) return r.seqs > than.seqs;
+      return left(r) < left(than);
+    };
+    auto best_fit = [&](int64_t p, int64_t seqs) {
       int best = -1;
       for (int b = 0; b < m_; ++b) {
-        const int64_t r = (*room)[static_cast<size_t>(b)];
-        if (r >= p && (best < 0 || r < (*room)[static_cast<size_t>(best)])) best = b;
+        const Room& r = (*room)[static_cast<size_t>(b)];
+        if (r.tokens >= p && r.seqs >= seqs &&
+            (best < 0 || better(r, (*room)[static_cast<size_t>(best)]))) {
+          best = b;
+        }
       }
       if (best < 0) return false;
-      (*room)[static_cast<size_t>(best)] -= p;
+      (*room)[static_cast<size_t>(best)].tokens -= p;
+      (*room)[static_cast<size_t>(best)].seqs -= seqs;
       return true;
     };
-    if (!per_sample()) return best_fit(x.padded);
+    if (!per_sample()) return best_fit(x.padded, static_cast<int64_t>(x.members.size()));
     std::vector<int64_t> ps;
     for (int32_t i : x.members) ps.push_back(step_.padded[static_cast<size_t>(i)]);
     std::sort(ps.rbegin(), ps.rend());
     for (int64_t p : ps) {
-      if (!best_fit(p)) return false;
+      if (!best_fit(p, 1)) return false;
     }
     return true;
   }
@@ -385,7 +446,7 @@ class GroupsAtM {
     a.offsets.push_back(0);
     for (int r = 0; r < o_.dp_size; ++r) {
       const std::vector<Item> items = ItemsOfReplica(by_replica_[static_cast<size_t>(r)]);
-      auto bins = Fill(items, m_, step_.capacity);
+      auto bins = Fill(items, m_, step_.capacity, max_seqs_);
       if (!bins.has_value()) return std::nullopt;
       for (auto& bin : *bins) {
         std::sort(bin.begin(), bin.end(), [&](int32_t x, int32_t y) {
@@ -411,6 +472,8 @@ class GroupsAtM {
   const std::vector<Unit>& units_;
   const int m_;
   const double lower_bound_;
+  const int64_t max_seqs_;  // sequences a bin may hold (INT64_MAX: no cap)
+  bool spread_ = false;     // PlaceInBins: the bin with the most sequences left (Run)
   std::vector<std::vector<int32_t>> by_replica_;  // units of each replica
   std::vector<double> cost_;                      // sum of their costs
   std::vector<int64_t> count_;                    // their items
@@ -455,17 +518,19 @@ UnitFit FitOfUnits(std::span<const SampleLength> samples, const ScheduleOptions&
   const size_t u_count = units.value.size();
   const int64_t capacity = UsableCapacity(o);
   UnitFit fit{std::vector<int64_t>(u_count, 0), std::vector<uint8_t>(u_count, 0),
-              std::vector<uint8_t>(u_count, 0)};
+              std::vector<uint8_t>(u_count, 0), std::vector<int64_t>(u_count, 0)};
   for (size_t i = 0; i < samples.size(); ++i) {
     const size_t u = static_cast<size_t>(units.unit_of[i]);
     const int64_t p = o.parallel.PaddedLength(samples[i].length);
     fit.sum_p[u] += p;
+    ++fit.n_samples[u];
     if (p > capacity) fit.has_oversize[u] = 1;
   }
+  const bool whole = o.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch;
+  const int64_t max_seqs = o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT64_MAX;
   for (size_t u = 0; u < u_count; ++u) {
     fit.fits[u] = !fit.has_oversize[u] &&
-                  !(o.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch &&
-                    fit.sum_p[u] > capacity);
+                  !(whole && (fit.sum_p[u] > capacity || fit.n_samples[u] > max_seqs));
   }
   return fit;
 }
@@ -487,6 +552,18 @@ Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
   bool any = false;
   for (size_t u = 0; u < u_count; ++u) {
     if (!fit.fits[u]) {
+      const bool too_many = o.max_seqs_per_microbatch > 0 &&
+                            fit.n_samples[u] > o.max_seqs_per_microbatch;
+      if (!fit.has_oversize[u] && too_many &&
+          o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
+        return Status::InvalidArgument(
+            "schedule: group " + Str(units.value[u]) + " (samples " +
+            IdList(samples, units, static_cast<int32_t>(u)) + ") holds " +
+            Str(fit.n_samples[u]) + " samples, over max_seqs_per_microbatch " +
+            Str(o.max_seqs_per_microbatch) + " (" + ModeName(o) +
+            " puts a group in one microbatch; raise the cap, keep groups on a replica, or set "
+            "the oversize policy 'skip' to leave such groups out)");
+      }
       if (!fit.has_oversize[u] && o.oversize != ScheduleOptions::OversizePolicy::kSkip) {
         return Status::InvalidArgument(
             "schedule: group " + Str(units.value[u]) + " (samples " +
@@ -569,7 +646,22 @@ Result<Assignment> ScheduleGroups(const PreparedStep& step, const ScheduleOption
   if (m_lo == 0) {
     const int64_t per_m = dp * step.capacity;
     m_lo = std::max<int64_t>(1, (step.total_padded + per_m - 1) / per_m);
+    if (o.max_seqs_per_microbatch > 0) {  // every bin holds at most S sequences
+      const int64_t seqs_per_m = dp * o.max_seqs_per_microbatch;
+      m_lo = std::max<int64_t>(m_lo, (static_cast<int64_t>(step.size()) + seqs_per_m - 1) /
+                                         seqs_per_m);
+    }
     m_lo = (m_lo + k - 1) / k * k;
+  }
+  if (o.max_seqs_per_microbatch > 0 && m_lo > max_m) {
+    return Status::InvalidArgument(
+        "schedule: too few samples for max_seqs_per_microbatch " +
+        Str(o.max_seqs_per_microbatch) + ": " + Str(static_cast<int64_t>(step.size())) +
+        " samples need M >= " + Str(m_lo) + " microbatches a replica (DP " + Str(dp) + " x " +
+        Str(o.max_seqs_per_microbatch) + " sequences each" +
+        (k > 1 ? ", M a multiple of k " + Str(k) : std::string()) + "), and " + Str(dp) +
+        " x " + Str(m_lo) + " microbatches would leave some without a sample: raise the cap, "
+        "or give a batch of at least DP x M samples");
   }
   struct Candidate {
     Assignment a;
@@ -594,7 +686,12 @@ Result<Assignment> ScheduleGroups(const PreparedStep& step, const ScheduleOption
     return Status::InvalidArgument(
         "schedule: " + ModeName(o) + ": no plan found for M in {" + list + "} (" +
         Str(n_units) + " groups, microbatches of " + Str(MicrobatchBudget(o)) +
-        " padded tokens, DP = " + Str(dp) + "): raise max_tokens_per_rank" +
+        " padded tokens" +
+        (o.max_seqs_per_microbatch > 0
+             ? " and " + Str(o.max_seqs_per_microbatch) + " sequences"
+             : std::string()) +
+        ", DP = " + Str(dp) + "): raise max_tokens_per_rank" +
+        (o.max_seqs_per_microbatch > 0 ? ", max_seqs_per_microbatch" : "") +
         (o.num_microbatches > 0 ? " or M" : " or max_microbatch_search"));
   }
   std::vector<int> ms;

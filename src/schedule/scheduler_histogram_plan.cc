@@ -214,7 +214,8 @@ Result<std::optional<HistogramPlan>> PlanHistogram(std::span<const HistogramRow>
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   const ScheduleOptions& o = options;
   if (o.dp_size != 1 || o.microbatch_multiple != 1 || o.num_microbatches != 0 ||
-      o.scheduler != ScheduleOptions::Scheduler::kBalanced || o.parallel.may_pad_tail()) {
+      o.scheduler != ScheduleOptions::Scheduler::kBalanced || o.parallel.may_pad_tail() ||
+      o.pad_to_max_tokens || o.max_seqs_per_microbatch > 0) {
     return Out();
   }
   for (size_t r = 0; r < histogram.size(); ++r) {

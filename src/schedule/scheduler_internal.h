@@ -241,11 +241,12 @@ struct StepUnits {
 // The oversize rule of groups, one place for the scheduler and the validator: for each unit,
 // the sum of its samples' padded lengths, whether one of them is oversize (over the usable
 // capacity), and whether the unit can be scheduled - no oversize sample and, under
-// kMicrobatch, a sum within the capacity.
+// kMicrobatch, a sum within the capacity and at most max_seqs_per_microbatch samples.
 struct UnitFit {
   std::vector<int64_t> sum_p;
   std::vector<uint8_t> has_oversize;
   std::vector<uint8_t> fits;
+  std::vector<int64_t> n_samples;
 };
 UnitFit FitOfUnits(std::span<const SampleLength> samples, const ScheduleOptions& options,
                    const StepUnits& units);

@@ -2,7 +2,8 @@
 // get_groups_and_subsamples in megatron/core/datasets/data_schedule.py), without its assert.
 //
 //   1. Next-fit in arrival order: a group takes samples while its padded total stays within
-//      the budget; the sample that does not fit starts the next group.
+//      the budget (and, with max_seqs_per_microbatch S, while it holds fewer than S); the
+//      sample that does not fit starts the next group.
 //   2. The group count G is padded up to a multiple of DP*k (or to M*DP for a fixed M) by
 //      walking the groups from the rearmost ORIGINAL group towards group 0: a group with more
 //      than one sample gives up its last sample, which becomes a new single-sample group at the
@@ -12,7 +13,9 @@
 //      fewer samples than groups to fill, reported as "too few samples".
 //   3. Group g = m*DP + d goes to replica d as microbatch m.
 //
-// O(n). Splitting only removes samples from groups, so every group stays within the budget.
+// O(n). Splitting only removes samples from groups, so every group stays within the budget
+// and the sequence cap.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -30,8 +33,10 @@ Result<Assignment> ScheduleSequential(const PreparedStep& step, const ScheduleOp
   };
   std::vector<Range> groups;
   int64_t sum = 0;
+  const int64_t max_seqs = o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT32_MAX;
   for (int32_t i = 0; i < n; ++i) {
-    if (groups.empty() || sum + step.padded[i] > step.capacity) {
+    if (groups.empty() || sum + step.padded[i] > step.capacity ||
+        groups.back().end - groups.back().first >= max_seqs) {
       groups.push_back({i, i});
       sum = 0;
     }

@@ -355,7 +355,7 @@ def _tensor(a, device):
 
 
 _DEVICE_ARRAYS = ("tokens", "position_ids", "labels", "loss_mask", "padding_mask", "cu_seqlens",
-                  "cu_seqlens_padded")
+                  "cu_seqlens_padded", "cu_seqlens_fixed", "cu_seqlens_padded_fixed")
 
 
 def _pin(raw):
@@ -390,9 +390,13 @@ def _cp_group(m, topology_cp_group):
 
 
 def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()):
-    cu = _tensor(m["cu_seqlens"], device)
-    cup = _tensor(m["cu_seqlens_padded"], device)
+    # What attention reads: with max_seqs, the offsets padded to max_seqs + 1 (made in C++).
+    fixed = m["cu_seqlens_fixed"] is not None
+    cu = _tensor(m["cu_seqlens_fixed" if fixed else "cu_seqlens"], device)
+    cup = _tensor(m["cu_seqlens_padded_fixed" if fixed else "cu_seqlens_padded"], device)
     max_seqlen = int(m["max_seqlen"])
+    # What attention is told: with pad_to_max_tokens, T (one value for every microbatch).
+    attn_max = max_seqlen if m["max_seqlen_fixed"] is None else int(m["max_seqlen_fixed"])
     cp_size = int(m["cp_size"])
     cp_group = _cp_group(m, topology_cp_group)
     labels, loss_mask = m["labels"], m["loss_mask"]
@@ -413,10 +417,12 @@ def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()
         "padding_mask": _tensor(m["padding_mask"], device),
         "cu_seqlens": cu,
         "cu_seqlens_padded": cup,
-        # The same offsets in host memory, for whatever needs their values without waiting for
-        # the device (LossStatistics.add_microbatch).
+        # The offsets of the num_seqs real sequences [n+1] in host memory, for whatever needs
+        # their values without waiting for the device (LossStatistics.add_microbatch); with
+        # max_seqs these are the unpadded ones.
         "cu_seqlens_cpu": _host(m["cu_seqlens"]),
         "cu_seqlens_padded_cpu": _host(m["cu_seqlens_padded"]),
+        "num_seqs": int(m["num_seqs"]),
         "max_seqlen": max_seqlen,
         "n_valid": int(m["n_valid"]),
         # A blend: [n] int32 (CPU), each sequence's source in the blend's list; None otherwise.
@@ -433,7 +439,7 @@ def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()
             "qkv_format": "thd",
             "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
             "cu_seqlens_q_padded": cup, "cu_seqlens_kv_padded": cup,
-            "max_seqlen_q": max_seqlen, "max_seqlen_kv": max_seqlen,
+            "max_seqlen_q": attn_max, "max_seqlen_kv": attn_max,
         },
     }
     # Where each local token comes from, and the samples of the microbatch's sequences.
@@ -494,7 +500,13 @@ class PackedDataIterator:
     name of a declared int32/int64 ``sample`` field holding each sample's group id
     (docs/scheduling.md, "Groups"); ``global_batch_tokens`` (replaces ``global_batch``: each
     step takes samples in stream order while their tokens stay within it; a source spec only,
-    not a caller-fed iterable).
+    not a caller-fed iterable); static shapes for CUDA graphs (static schedulers):
+    ``pad_to_max_tokens`` (every microbatch holds exactly CP * max_tokens_per_rank tokens, the
+    padding on the last sequence, and packed_seq_params' max_seqlen is that T) and ``max_seqs``
+    (at most that many sequences a microbatch; ``cu_seqlens``, ``cu_seqlens_padded`` and
+    packed_seq_params' offsets are max_seqs + 1 long, the unused tail repeating the last
+    offset; ``num_seqs`` says how many are real, and ``cu_seqlens_cpu``/``cu_seqlens_padded_cpu``
+    keep the real [num_seqs + 1] ones) - docs/layout.md, "Static shapes".
 
     label_format: "megatron" (default): labels already shifted, as thdpack's loss and Megatron
     take them. "hf": Hugging Face's (``thdpack.pack(label_format="hf")``): labels unshifted,

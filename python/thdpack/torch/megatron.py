@@ -61,16 +61,19 @@ def packed_seq_params(mb):
     """Megatron's PackedSeqParams of one of PackedDataIterator's microbatches, built as Megatron's
     own get_batch_on_this_rank_for_sequence_packing builds it for static CP: cu_seqlens_q/kv the
     real offsets, cu_seqlens_*_padded the padded ones (TransformerEngine reads the tokens at the
-    padded offsets and attends over the real lengths), max_seqlen the largest padded length,
+    padded offsets and attends over the real lengths), max_seqlen the largest padded length (T
+    under pad_to_max_tokens; with max_seqs the offsets are max_seqs + 1 long),
     total_tokens the padded total, pad_between_seqs whether any sequence is padded;
     local_cp_size and cp_group the microbatch's group with the dynamic scheduler (cp_group None
     for a group of one rank), None for a static one (the CP group is the model's).
     Only the fields the installed class has are passed (megatron-core 0.16 has no total_tokens
     or pad_between_seqs). Without megatron.core, the dict of the same fields."""
     cu, cup = mb["cu_seqlens"], mb["cu_seqlens_padded"]
+    # Static shapes: T, as the iterator's own packed_seq_params say (pad_to_max_tokens).
+    max_seqlen = mb.get("packed_seq_params", {}).get("max_seqlen_q", mb["max_seqlen"])
     fields = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
-                  cu_seqlens_kv_padded=cup, max_seqlen_q=mb["max_seqlen"],
-                  max_seqlen_kv=mb["max_seqlen"],
+                  cu_seqlens_kv_padded=cup, max_seqlen_q=max_seqlen,
+                  max_seqlen_kv=max_seqlen,
                   local_cp_size=mb["cp_size"] if mb.get("dynamic") else None,
                   cp_group=mb["cp_group"] if mb.get("dynamic") else None,
                   total_tokens=int(cup[-1]), pad_between_seqs=not torch.equal(cu, cup))
