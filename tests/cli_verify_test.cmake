@@ -139,6 +139,26 @@ foreach(case "static_dp;--dp;2" "static_sp;--tp;2;--cp;2;--dp;2;--sp"
   endif()
 endforeach()
 
+# --oversize split: samples over 64 tokens are cut into pieces of 64 as they are read (each a
+# sample of the stream); each run checks itself against the plain reader's own split, two
+# topologies with the same longest piece (CP x max tokens per rank = 64) give the same figures,
+# and the cuts are in the figures.
+set(split_args --data jsonl:${WORK_DIR}/verify.jsonl --global-batch 16 --steps 3 --verify --json
+               --summary-only --oversize split)
+verify_run(split_one ${THDPACK} run --backend threads --dp 1 --cp 1 --max-tokens-per-rank 64
+           ${split_args})
+verify_run(split_sp ${THDPACK} run --backend threads --tp 2 --cp 2 --dp 2 --sp
+           --max-tokens-per-rank 32 ${split_args})
+execute_process(COMMAND ${JSON_CLOSE} 1e-9 ${keys} ${WORK_DIR}/split_one.json
+                ${WORK_DIR}/split_sp.json RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "split runs differ between topologies:\n${err}")
+endif()
+file(READ ${WORK_DIR}/split_sp.json got)
+if(NOT got MATCHES "\"n_split\":[1-9]" OR NOT got MATCHES "\"split_lost_targets\":[1-9]")
+  message(FATAL_ERROR "split run: no cut in the figures:\n${got}")
+endif()
+
 # Token steps with a budget B = 150 below what DP x k microbatches need (design.md section 2):
 # each step takes one sample for every microbatch of every replica, past B where needed, and
 # still checks itself against the plain reader's rule. DP 2 x k 2 = 4 samples at least a step;

@@ -90,7 +90,8 @@ struct ReferenceStep {
 // Step `step` of `options` read the plain way: every sample with Next(), wrapping at the end.
 inline Result<ReferenceStep> ReadReferenceStep(const StepRunnerOptions& options,
                                                const Topology& topo, int64_t step) {
-  THDPACK_ASSIGN_OR_RETURN(auto src, OpenSource(options.data, options.source));
+  THDPACK_ASSIGN_OR_RETURN(auto src,
+                           OpenStepSource(options.data, options.source, options.schedule));
   ReferenceStep ref;
   std::vector<Sample> in_order;
   for (int64_t s = 0; s <= step; ++s) {
@@ -169,7 +170,8 @@ inline Status VerifyRankStep(ProcessGroup& world, const Topology& topo,
     }
     if (loader) {
       // The step as `thdpack plan` reads it (StepReader) has the same samples, order and epoch.
-      THDPACK_ASSIGN_OR_RETURN(auto src, OpenSource(options.data, options.source));
+      THDPACK_ASSIGN_OR_RETURN(auto src,
+                           OpenStepSource(options.data, options.source, options.schedule));
       THDPACK_ASSIGN_OR_RETURN(auto reader,
                                StepReader::Create(src.get(), options.global_batch, topo.dp_size()));
       StepSamples planned;

@@ -74,7 +74,8 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   cmd->add_option("--oversize", o.oversize,
                   "A sample longer than CP * max tokens per rank: error | skip (reported) | "
                   "truncate (keeps the first tokens that fit; the tokens and targets cut are "
-                  "reported)")
+                  "reported) | split (pieces that fit, each a sample; the targets lost at the "
+                  "cuts are reported)")
       ->capture_default_str();
   cmd->add_flag("--pad-to-max-tokens", o.pad_to_max_tokens,
                 "Static shapes: every microbatch holds exactly CP * max tokens per rank tokens "

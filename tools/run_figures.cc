@@ -10,7 +10,7 @@ std::string StepLine(const RunStepReport& step) {
   const PlanFigures& f = step.figures.plan;
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "step %lld (epoch %lld): %lld sample%s%s%s -> %d microbatch%s x %d replica%s | "
+                "step %lld (epoch %lld): %lld sample%s%s%s%s -> %d microbatch%s x %d replica%s | "
                 "tokens %s real, %s padded (pad %.1f%%, fill %.1f%%) | imbalance %.4f | "
                 "sent %s max/rank | %.1f ms\n",
                 static_cast<long long>(step.figures.step),
@@ -21,6 +21,12 @@ std::string StepLine(const RunStepReport& step) {
                     ? (", " + std::to_string(step.figures.truncated.samples) + " truncated (" +
                        std::to_string(step.figures.truncated.tokens) + " tokens, " +
                        std::to_string(step.figures.truncated.targets) + " targets cut)")
+                          .c_str()
+                    : "",
+                step.figures.split.samples
+                    ? (", " + std::to_string(step.figures.split.samples) + " split into " +
+                       std::to_string(step.figures.split.pieces) + " pieces (" +
+                       std::to_string(step.figures.split.lost_targets) + " targets lost)")
                           .c_str()
                     : "",
                 f.num_microbatches, f.num_microbatches == 1 ? "" : "es", step.dp_size,

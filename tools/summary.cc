@@ -43,6 +43,13 @@ void PrintSkipped(const std::vector<StepFigures>& steps) {
                   static_cast<long long>(f.truncated.tokens),
                   static_cast<long long>(f.truncated.targets));
     }
+    if (f.split.samples > 0) {
+      std::printf("  step %lld split %lld oversize sample%s into %lld pieces: %lld targets lost "
+                  "at the cuts\n",
+                  static_cast<long long>(f.step), static_cast<long long>(f.split.samples),
+                  f.split.samples == 1 ? "" : "s", static_cast<long long>(f.split.pieces),
+                  static_cast<long long>(f.split.lost_targets));
+    }
     if (f.skipped.empty()) continue;
     std::printf("  step %lld skipped %zu oversize sample%s, ids:", static_cast<long long>(f.step),
                 f.skipped.size(), f.skipped.size() == 1 ? "" : "s");
@@ -118,8 +125,14 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
   std::printf("  microbatches       %s (at most %s in a step)\n",
               Thousands(summary.num_microbatches).c_str(),
               Thousands(summary.max_num_microbatches).c_str());
-  std::printf("  samples            %s scheduled, %s skipped\n",
-              Thousands(summary.n_samples).c_str(), Thousands(summary.n_skipped).c_str());
+  std::printf("  samples            %s scheduled, %s skipped%s\n",
+              Thousands(summary.n_samples).c_str(), Thousands(summary.n_skipped).c_str(),
+              summary.split.samples > 0
+                  ? (", " + Thousands(summary.split.samples) + " split into " +
+                     Thousands(summary.split.pieces) + " of them (" +
+                     Thousands(summary.split.lost_targets) + " targets lost at the cuts)")
+                        .c_str()
+                  : "");
   std::printf("  tokens             %s real, %s padded, %s loss tokens\n",
               Thousands(summary.real_tokens).c_str(), Thousands(summary.padded_tokens).c_str(),
               Thousands(summary.n_loss_tokens).c_str());

@@ -101,10 +101,25 @@ struct SourceCursor {
   // empty documents are in their cursors).
   std::vector<SourceCursor> parts;
   std::vector<int64_t> taken;
+  // A splitting source (OpenSplitSource) only: {piece, extra ids, split samples, pieces, lost
+  // targets} - the next piece of the sample being split (0: none pending), the ids its pieces
+  // added before that sample, and its SplitCounts there; `parts` then holds the one cursor of
+  // the source it wraps (before that sample when a piece is pending), and `taken` is empty.
+  std::vector<int64_t> split;
 
   // Samples returned since the source was opened: every id is a sample or an empty document.
   int64_t samples() const { return next_id - skipped_empty; }
   friend bool operator==(const SourceCursor&, const SourceCursor&) = default;
+};
+
+// What a splitting source (OpenSplitSource) cut since it was opened: the samples split, the
+// pieces they became, and the targets lost at the cuts (each cut's first token was a target
+// of the token before it, now in another piece).
+struct SplitCounts {
+  int64_t samples = 0;
+  int64_t pieces = 0;
+  int64_t lost_targets = 0;
+  friend bool operator==(const SplitCounts&, const SplitCounts&) = default;
 };
 
 // The streaming interface every source implements.
@@ -191,6 +206,10 @@ class SampleSource {
   // SourceOptions::mock_num_samples, its default resolved); nullopt for a source whose samples
   // are data. Part of a run's fingerprint where set.
   virtual std::optional<int64_t> drawn_samples() const { return std::nullopt; }
+
+  // What a splitting source cut since it was opened (kept in its cursor, so Seek restores it);
+  // zeros for every other source.
+  virtual SplitCounts split_counts() const { return {}; }
 };
 
 // What a source is, as a value: the kind of its spec (its prefix, parsed once), or kFed for
@@ -211,6 +230,22 @@ std::string_view SourcePathOf(std::string_view spec);
 // empty path is an InvalidArgument error that names the spec.
 [[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenSource(std::string_view spec,
                                                                const SourceOptions& options = {});
+
+// Long samples cut into pieces (`--oversize split`, docs/scheduling.md "Long samples"): every
+// sample of `inner` longer than `longest` (>= 1) becomes ceil(L / longest) samples in its place,
+// piece k holding tokens [k*longest, min(L, (k+1)*longest)) and the same part of its target
+// mask, in order; shorter samples pass unchanged. A piece is a sample like any other - a
+// sequence of its own, its positions from 0, its first token no target - so the stream has
+// more samples than `inner`: ids count the pieces (a sample's id is its id in `inner` plus the
+// pieces before it beyond each split sample's first; an empty document keeps its gap), and
+// every count of samples (a step's, a run's position) counts pieces. The target of each cut's
+// first token is lost (SplitCounts::lost_targets). The cursor holds the wrapped source's cursor
+// and the split's state; Seek to a cursor inside a split sample reads that sample again.
+// CursorAfter and CursorAtEpoch read lengths from the opening (O(samples)); size_hint is
+// unknown; spec, Identity, epoch, skipped_empty, endless and drawn_samples are inner's. Fed
+// samples carry no spec: a caller splits its own. REQUIRES inner non-null (InvalidArgument).
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenSplitSource(
+    std::unique_ptr<SampleSource> inner, int64_t longest);
 
 // ---------------------------------------------------------------------------------------------
 // mock

@@ -5,7 +5,9 @@
 // skipped (ids left out by the oversize policy: never silent), n_empty (empty documents of a
 // `megatron` source passed over while the step was read: not samples, never silent),
 // n_truncated, truncated_tokens, truncated_targets (--oversize truncate: samples cut to the
-// longest kept length, their tokens and loss tokens cut), real_tokens, padded_tokens,
+// longest kept length, their tokens and loss tokens cut), n_split, split_pieces,
+// split_lost_targets (--oversize split: samples cut into pieces as read, the pieces, the
+// targets lost at the cuts), real_tokens, padded_tokens,
 // sum_sq, n_loss_tokens, imbalance, pad_fraction, fill, flops (null when the cost model has no
 // model dimensions), lower_bound, max_replica_cost, max_microbatch_spread, sim_step_time (the
 // modelled step time in seconds, null without model dimensions), for dynamic plans cp_degrees
@@ -70,6 +72,10 @@ struct StepFigures {
   // --oversize truncate: the samples cut to the longest kept length, their tokens and loss
   // tokens cut (JSON n_truncated, truncated_tokens, truncated_targets; never silent).
   Truncation truncated;
+  // --oversize split: the samples cut into pieces as the step was read, the pieces (samples of
+  // the step, in n_samples), and the targets lost at the cuts (JSON n_split, split_pieces,
+  // split_lost_targets; never silent).
+  SplitCounts split;
   std::vector<std::vector<std::vector<int64_t>>> sample_ids;  // [replica][microbatch] ids
   // The modelled step time in seconds (schedule.h's PlanStepTime / DynamicPlanStepTime);
   // nullopt without model dimensions (printed as null).
@@ -114,6 +120,7 @@ struct SummaryFigures {
   int64_t n_skipped = 0;
   int64_t n_empty = 0;  // total over steps
   Truncation truncated;  // totals over steps
+  SplitCounts split;     // totals over steps
   int64_t real_tokens = 0;
   int64_t padded_tokens = 0;
   double sum_sq = 0;          // double: whole-run totals may exceed int64
@@ -143,7 +150,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
 
 // Summary keys, in order: n_steps, first_epoch, last_epoch, num_microbatches,
 // max_num_microbatches, n_samples, n_skipped, n_empty, n_truncated, truncated_tokens,
-// truncated_targets, real_tokens, padded_tokens, sum_sq, n_loss_tokens, mean_imbalance,
+// truncated_targets, n_split, split_pieces, split_lost_targets, real_tokens, padded_tokens, sum_sq, n_loss_tokens, mean_imbalance,
 // max_imbalance, pad_fraction, fill, flops (or null), max_microbatch_spread, sim_step_time (total, or null), sources (a blend), then extra_fields.
 std::string SummaryFiguresJson(const SummaryFigures& s,
                                std::span<const std::pair<std::string, std::string>> extra_fields = {});

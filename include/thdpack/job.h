@@ -87,7 +87,7 @@ struct JobOptions {
   std::string cost = "llama2-7b";
   int microbatch_multiple = 1;  // --microbatch-multiple, >= 1
   int num_microbatches = 0;     // --num-microbatches: 0 (the scheduler chooses) or a multiple
-  std::string oversize = "error";  // --oversize: error | skip | truncate
+  std::string oversize = "error";  // --oversize: error | skip | truncate | split
   // Static shapes (ScheduleOptions::pad_to_max_tokens, max_seqs_per_microbatch):
   // --pad-to-max-tokens / pad_to_max_tokens, --max-seqs-per-microbatch S / max_seqs (0: none).
   bool pad_to_max_tokens = false;

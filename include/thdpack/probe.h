@@ -47,7 +47,9 @@
 #define THDPACK_PROBE_H_
 
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -128,10 +130,23 @@ class ProbeModel {
 // compares the step runner's reading against, so it must not share that code.
 // tokens.tokens B > 0: the step's samples in source order by TokenSteps' rule (within B, the
 // first always, at least min_samples no longer than longest_counted); the sample refused is
-// kept in *pending (REQUIRED then) and is the next call's first.
+// kept in state->pending (REQUIRED then) and is the next call's first. split_longest > 0
+// (`--oversize split`): every sample longer is cut into pieces of that many tokens the plain
+// way (ids and rule of OpenSplitSource, data.h), the pieces not yet taken kept in
+// state->pending (REQUIRED then) and the ids they add in state->split_extra.
+struct PlainReadState {
+  std::deque<Sample> pending;
+  int64_t split_extra = 0;
+};
 [[nodiscard]] Result<std::vector<Sample>> ReadStepSamplesPlain(
     SampleSource& source, int64_t global_batch, std::span<const int64_t> skipped_ids,
-    TokenSteps tokens = {}, std::optional<Sample>* pending = nullptr);
+    TokenSteps tokens = {}, PlainReadState* state = nullptr, int64_t split_longest = 0);
+
+// The next sample of that plain stream (a pending one first, else the source's, cut when
+// split_longest > 0); nullopt at the end of the source's epoch.
+[[nodiscard]] Result<std::optional<Sample>> NextSamplePlain(SampleSource& source,
+                                                            PlainReadState& state,
+                                                            int64_t split_longest);
 
 // One rank's part of the distributed probe. Collective: every rank of the world creates one and
 // calls Forward on every step, in the same order.
@@ -176,7 +191,7 @@ class StepVerifier {
       ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
       const std::string& data, const SourceOptions& source, int64_t global_batch,
       double tolerance, int64_t start_consumed = 0, TokenSteps tokens = {},
-      int64_t truncate_to = 0);
+      int64_t truncate_to = 0, int64_t split_longest = 0);
   ~StepVerifier();
 
   // The step's probe figures (the same on every rank), checked against the reference. Errors:
@@ -193,7 +208,9 @@ class StepVerifier {
   int64_t global_batch_;
   TokenSteps tokens_;  // tokens > 0: steps counted in tokens
   int64_t truncate_to_ = 0;  // --oversize truncate: samples keep this many tokens at most
-  std::optional<Sample> pending_;  // token steps: the next step's first sample, read already
+  int64_t split_longest_ = 0;  // --oversize split: the longest piece
+  // Read already and not yet taken: a token step's refused sample, a split sample's pieces.
+  PlainReadState plain_state_;
   double tolerance_;
   std::unique_ptr<ProbeRunner> probe_;
   std::unique_ptr<SampleSource> plain_;  // every rank's own, read the plain way

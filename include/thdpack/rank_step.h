@@ -117,6 +117,8 @@ struct RankStep {
   int64_t groups_cached = 0;
   // Loaders only: empty documents the source passed over in this step (StepShare::n_empty).
   int64_t n_empty = 0;
+  // Loaders only: what a splitting source cut in this step (StepShare::split).
+  SplitCounts split;
   // Loaders only, oversize policy 'truncate': the samples of the step cut to the longest kept
   // length (thdpack/schedule.h), their tokens and loss tokens cut - every loader's together.
   Truncation truncated;

@@ -57,6 +57,10 @@ struct ScheduleOptions {
     // loader, TruncateSample; `plan` on lengths, TruncateLengths), the cut tokens and targets
     // counted. A sample still oversize when it reaches the scheduler is an error, as kError.
     kTruncate,
+    // Cut into pieces of at most LongestKept(options) tokens BEFORE the step is read: the
+    // source itself yields the pieces (OpenStepSource, OpenSplitSource in data.h), each a
+    // sample and a sequence of its own. A sample still oversize here is an error, as kError.
+    kSplit,
   };
   enum class Scheduler {
     kSequential,  // Megatron-LM's dp_balanced: next-fit in arrival order (without its assert)
@@ -118,7 +122,8 @@ struct ScheduleOptions {
   std::optional<StepTimeModel> step_time;
 };
 
-// "sequential" / "balanced" / "dynamic", "error" / "skip", "any" / "pow2".
+// "sequential" / "balanced" / "dynamic", "error" / "skip" / "truncate" / "split", "any" /
+// "pow2".
 std::string_view SchedulerName(ScheduleOptions::Scheduler scheduler);
 std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy policy);
 // Inverse of the names above; InvalidArgument naming the text otherwise.

@@ -27,7 +27,9 @@
 #define THDPACK_STEP_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "thdpack/data.h"
@@ -49,6 +51,13 @@ struct TokenSteps {
   int64_t longest_counted = INT64_MAX;
 };
 
+// The source a step reads for a schedule: OpenSource(spec, options), cut into pieces of at
+// most LongestKept(schedule) tokens (OpenSplitSource) under the oversize policy `split`. One
+// place for the runner, `plan` and the run state's fingerprint. Errors: OpenSource's,
+// LongestKept's.
+[[nodiscard]] Result<std::unique_ptr<SampleSource>> OpenStepSource(
+    std::string_view spec, const SourceOptions& options, const ScheduleOptions& schedule);
+
 // The token rule for a schedule: B, min_samples = MinStepSamples(options), longest_counted =
 // LongestKept(options) under oversize skip. tokens 0 gives TokenSteps{} (steps in samples).
 // Errors: B < 0 (InvalidArgument naming it), LongestKept's.
@@ -62,6 +71,9 @@ struct StepSamples {
   // Empty documents the source passed over while the step was read (SampleSource::
   // skipped_empty): they are no samples and do not count toward N, but each used up its id.
   int64_t n_empty = 0;
+  // What a splitting source (`--oversize split`) cut while the step was read: the samples cut,
+  // their pieces (samples of the step like any other) and the targets lost at the cuts.
+  SplitCounts split;
 };
 
 // One loader's share of a step (StepReader::NextShare).
@@ -76,6 +88,7 @@ struct StepShare {
   // id_span < 2^31.
   int64_t id_span = 0;
   int64_t n_empty = 0;   // as StepSamples::n_empty
+  SplitCounts split;     // as StepSamples::split
   std::vector<Sample> samples;  // the loader's own, in source order
 };
 
@@ -143,6 +156,7 @@ class StepReader {
 
   SampleSource* source_ = nullptr;
   int64_t last_n_empty_ = 0;  // of the step ReadStep read last
+  SplitCounts last_split_;    // of the step ReadStep read last
   int64_t global_batch_ = 0;
   int dp_size_ = 1;
   TokenSteps tokens_;  // tokens > 0: steps counted in tokens

@@ -185,6 +185,10 @@ def test_fields_that_do_not_fit_are_errors_naming_the_sample_and_field():
     assert "'values' is not a declared field" in msg, msg
     msg = error_of(lambda x: x.update(uid=2.5))
     assert "holds float64 values, declared int64" in msg, msg
+    with pytest.raises(ValueError, match="oversize 'split' with a caller-fed source"):
+        _thdpack._run_steps_on_threads(dict(opts, oversize="split"), 1, None,
+                                       shares(rollouts(GLOBAL_BATCH * STEPS), 2, specs), None,
+                                       specs)
     with pytest.raises(ValueError, match="global_batch_tokens = 100 with a caller-fed source"):
         _thdpack._run_steps_on_threads(dict(opts, global_batch_tokens=100), 1, None,
                                        shares(rollouts(GLOBAL_BATCH * STEPS), 2, specs), None,

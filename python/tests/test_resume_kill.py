@@ -5,8 +5,9 @@ from its last checkpoint, on another topology and world size each time, until th
 Over the whole run: every step is in the log once, with the samples of an uninterrupted run;
 every sample of every epoch is trained exactly once; and every rank's tensors are, byte for
 byte, those an uninterrupted run at the same topology hands that rank. Once with a shuffled
-mock source, once with a JSONL file, and once with the mock source in steps counted in tokens
-(global_batch_tokens: the samples a step takes vary with their lengths).
+mock source, once with a JSONL file, once with the mock source in steps counted in tokens
+(global_batch_tokens: the samples a step takes vary with their lengths), and once with its long
+samples cut into pieces (oversize "split": the pieces are the stream's samples).
 
 This file is also the worker: ``python test_resume_kill.py CONFIG_JSON`` under RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
@@ -25,6 +26,7 @@ import pytest
 GLOBAL_BATCH = 8
 BATCH_TOKENS = 300  # the token-counted run: about 7 samples a step of the mock lengths
 TOTAL = 12  # steps of the run
+SPLIT_LONGEST = 64  # the split run: the longest piece (the mock's lengths reach 200)
 STEP_SECONDS = 0.08  # the simulated compute of a step
 
 # (tp, cp, dp, pp, scheduler) by world size.
@@ -35,11 +37,18 @@ TOPOLOGIES = {
 }
 
 
-def options(source, scheduler, tokens=0):
+def options(source, scheduler, tokens=0, split=False, topology=None):
     opts = dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=256, scheduler=scheduler,
                 cost="llama2-7b")
     if tokens:
         opts = dict(opts, global_batch_tokens=tokens)
+    if split:
+        # Pieces of at most SPLIT_LONGEST tokens at every topology: the longest a step keeps
+        # (CP x max tokens per rank; a dynamic step's widest group, DP x CP of them) must not
+        # change on resume, as the pieces are the stream's samples.
+        tp, cp, dp, pp = (topology or (1, 1, 1, 1, ""))[:4]
+        ranks = cp * (dp if scheduler == "dynamic" else 1)
+        opts = dict(opts, oversize="split", max_tokens_per_rank=SPLIT_LONGEST // ranks)
     if source.startswith("mock"):
         opts.update(shuffle=True, seed=5, mock_samples=20)
     return opts
@@ -71,7 +80,8 @@ def worker_main(config_path):
     tp, cp, dp, pp, scheduler = cfg["topology"]
     groups = make_groups(tp, cp, dp, pp)
     it = PackedDataIterator(cfg["source"], groups,
-                            **options(cfg["source"], scheduler, cfg["tokens"]))
+                            **options(cfg["source"], scheduler, cfg["tokens"], cfg["split"],
+                                      cfg["topology"]))
     log = []
     if os.path.exists(cfg["checkpoint"]):
         with open(cfg["checkpoint"]) as f:
@@ -121,7 +131,7 @@ def committed(path):
         return 0
 
 
-def run_killed(tmp_path, source, kills, rng, tokens=0):
+def run_killed(tmp_path, source, kills, rng, tokens=0, split=False):
     """The run, killed `kills` times at random steps and restarted; returns the final log and
     the topologies used."""
     ckpt = str(tmp_path / "ckpt.json")
@@ -134,7 +144,7 @@ def run_killed(tmp_path, source, kills, rng, tokens=0):
         used.add(tuple(topology))
         cfg = tmp_path / f"cfg{attempt}.json"
         cfg.write_text(json.dumps({"source": source, "topology": topology, "checkpoint": ckpt,
-                                   "tokens": tokens}))
+                                   "tokens": tokens, "split": split}))
         procs = launch(str(cfg), world)
         start = committed(ckpt)
         if attempt < kills:
@@ -163,7 +173,7 @@ def run_killed(tmp_path, source, kills, rng, tokens=0):
 # Not under the sanitizers: killed and restarted interpreters are the subject; the C++ of a
 # resume runs under ASan on threads (ResumeTest) and in test_resume.py's world.
 @pytest.mark.no_sanitizer
-@pytest.mark.parametrize("kind", ["mock", "jsonl", "mock-tokens"])
+@pytest.mark.parametrize("kind", ["mock", "jsonl", "mock-tokens", "mock-split"])
 def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
     import thdpack
     from thdpack import _thdpack
@@ -183,11 +193,18 @@ def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
         source = "mock:" + str(config)
         epoch_size = 20
     tokens = BATCH_TOKENS if kind.endswith("tokens") else 0
+    split = kind.endswith("split")
+    if split:  # the stream's samples are the pieces: an epoch holds sum ceil(L / longest)
+        lengths = thdpack.read_lengths(source, shuffle=True, seed=5, mock_num_samples=20)
+        epoch_size = sum(-(-int(n) // SPLIT_LONGEST) for n in lengths["lengths"])
+        assert epoch_size > 20  # some samples were cut
     log, used = run_killed(tmp_path, source, kills=2 if kind == "jsonl" else 3, rng=rng,
-                           tokens=tokens)
+                           tokens=tokens, split=split)
     assert [e["step"] for e in log] == list(range(TOTAL)), f"seed {seed}"
     # The samples of every step are those of an uninterrupted run (any topology: the plan).
-    plan = thdpack.plan_job(data=source, steps=TOTAL, **options(source, "balanced", tokens))
+    one_rank = dict(dp=1, cp=1) if split else {}  # the longest piece of options' topology
+    plan = thdpack.plan_job(data=source, steps=TOTAL,
+                            **options(source, "balanced", tokens, split), **one_rank)
     for entry, want in zip(log, plan["steps"]):
         got_ids = entry["ids"]
         want_ids = sorted(i for r in want["replicas"] for mb in r["microbatches"]
@@ -196,7 +213,10 @@ def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
     # Every sample of every epoch exactly once (ids count the stream: id = epoch * size + i).
     trained = sorted(i for e in log for i in e["ids"])
     assert trained == list(range(len(trained))), f"seed {seed}"
-    if not tokens:
+    if not tokens and not split:
+        assert len(trained) == TOTAL * GLOBAL_BATCH
+    elif split:  # the split stream: pieces, none longer than SPLIT_LONGEST
+        assert sum(w["n_split"] for w in plan["steps"]) > 0, f"seed {seed}"
         assert len(trained) == TOTAL * GLOBAL_BATCH
     else:  # steps in tokens: each within the budget, the counts of samples varying
         assert len({len(e["ids"]) for e in log}) > 1, f"seed {seed}"
@@ -207,7 +227,8 @@ def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
     reference = {}
     for topology in used:
         tp, cp, dp, pp, scheduler = topology
-        opts = dict(options(source, scheduler, tokens), tp=tp, cp=cp, dp=dp, pp=pp)
+        opts = dict(options(source, scheduler, tokens, split, topology), tp=tp, cp=cp, dp=dp,
+                    pp=pp)
         steps = _thdpack._run_steps_on_threads(opts, TOTAL, source, None)
         reference[topology] = [[[digest(mb) for mb in s["microbatches"]] for s in per_rank]
                                for per_rank in steps]

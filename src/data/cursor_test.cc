@@ -22,6 +22,8 @@ namespace {
 
 using testing_util::Contains;
 using testing_util::TempDir;
+using testing_util::ReadSamples;
+using testing_util::Take;
 using testing_util::WriteText;
 
 std::string Show(const SourceCursor& c) {
@@ -29,35 +31,6 @@ std::string Show(const SourceCursor& c) {
          " next_id " + std::to_string(c.next_id) + " skipped_empty " +
          std::to_string(c.skipped_empty) + " byte " + std::to_string(c.byte_offset) + " line " +
          std::to_string(c.line) + " epoch_size " + std::to_string(c.epoch_size) + "}";
-}
-
-// The reference: `samples` samples read one at a time from the opening, a Reset at each end.
-void ReadSamples(SampleSource& s, int64_t samples) {
-  for (int64_t k = 0; k < samples;) {
-    auto next = s.NextLength();
-    ASSERT_TRUE(next.ok()) << next.status().ToString();
-    if (!next->has_value()) {
-      ASSERT_TRUE(s.Reset().ok());
-      continue;
-    }
-    ++k;
-  }
-}
-
-// The next `n` whole samples, wrapping around.
-std::vector<Sample> Take(SampleSource& s, int64_t n) {
-  std::vector<Sample> out;
-  while (static_cast<int64_t>(out.size()) < n) {
-    auto next = s.Next();
-    EXPECT_TRUE(next.ok()) << next.status().ToString();
-    if (!next.ok()) break;
-    if (!next->has_value()) {
-      EXPECT_TRUE(s.Reset().ok());
-      continue;
-    }
-    out.push_back(std::move(**next));
-  }
-  return out;
 }
 
 void ExpectSameSamples(const std::vector<Sample>& a, const std::vector<Sample>& b) {

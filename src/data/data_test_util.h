@@ -10,7 +10,10 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "thdpack/data.h"
 
 namespace thdpack::testing_util {
 
@@ -72,6 +75,36 @@ inline std::string DataDir() {
 // The real data file `name` (data/README.md lists them). It is part of the repository, so a
 // test that reads it fails when it is missing (the reader's error names the path).
 inline std::string DataFile(const std::string& name) { return DataDir() + "/" + name; }
+
+// The reference reading of a stream: `samples` samples read one at a time with NextLength,
+// a Reset at each end of an epoch.
+inline void ReadSamples(SampleSource& s, int64_t samples) {
+  for (int64_t k = 0; k < samples;) {
+    auto next = s.NextLength();
+    ASSERT_TRUE(next.ok()) << next.status().ToString();
+    if (!next->has_value()) {
+      ASSERT_TRUE(s.Reset().ok());
+      continue;
+    }
+    ++k;
+  }
+}
+
+// The next `n` whole samples, wrapping around.
+inline std::vector<Sample> Take(SampleSource& s, int64_t n) {
+  std::vector<Sample> out;
+  while (static_cast<int64_t>(out.size()) < n) {
+    auto next = s.Next();
+    EXPECT_TRUE(next.ok()) << next.status().ToString();
+    if (!next.ok()) break;
+    if (!next->has_value()) {
+      EXPECT_TRUE(s.Reset().ok());
+      continue;
+    }
+    out.push_back(std::move(**next));
+  }
+  return out;
+}
 
 }  // namespace thdpack::testing_util
 

@@ -36,6 +36,7 @@ Result<PlannedStep> PlanDynamicStep(const Job& job, const StepSamples& step, boo
                            DynamicStepFigures(job, step.step, step.epoch, step.samples,
                                               std::move(*plan), sample_ids));
   out.figures.n_empty = step.n_empty;  // as for the static schedulers: never silent
+  out.figures.split = step.split;
   return out;
 }
 
@@ -121,6 +122,7 @@ Result<PlannedStep> PlanStep(const Job& job, StepReader& reader, bool sample_ids
                                 std::move(scheduled->figures), job.flops, sample_ids);
   out.figures.sim_step_time = sim_step_time;
   out.figures.n_empty = step->n_empty;
+  out.figures.split = step->split;
   out.figures.truncated = cut;
   if (job.blend) {
     THDPACK_ASSIGN_OR_RETURN(out.figures.sources,
@@ -166,8 +168,8 @@ namespace {
 
 Result<JobPlan> PlanJobUnguarded(const Job& job, const PlanStepCallback& on_step,
                                  bool sample_ids) {
-  Result<std::unique_ptr<SampleSource>> source = OpenSource(job.options.data,
-                                                            job.options.source);
+  Result<std::unique_ptr<SampleSource>> source =
+      OpenStepSource(job.options.data, job.options.source, job.schedule);
   if (!source.ok()) return Status::InvalidArgument("--data: " + source.status().message());
   THDPACK_ASSIGN_OR_RETURN(const TokenSteps tokens,
                            TokenStepsFor(job.options.global_batch_tokens, job.schedule));

@@ -60,6 +60,7 @@ Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool wi
     }
   }
   out.figures.n_empty = step.n_empty;
+  out.figures.split = step.split;
   out.figures.truncated = step.truncated;
   return out;
 }
@@ -112,8 +113,12 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
   const int64_t consumed = source->state().consumed;
   std::unique_ptr<StepVerifier> verifier;
   int64_t truncate_to = 0;  // --oversize truncate: the longest kept length
+  int64_t split_longest = 0;  // --oversize split: the longest piece
   if (job.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
     THDPACK_ASSIGN_OR_RETURN(truncate_to, LongestKept(job.schedule));
+  }
+  if (job.schedule.oversize == ScheduleOptions::OversizePolicy::kSplit) {
+    THDPACK_ASSIGN_OR_RETURN(split_longest, LongestKept(job.schedule));
   }
   if (run.probe) {
     THDPACK_ASSIGN_OR_RETURN(const TokenSteps tokens,
@@ -122,7 +127,7 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
         verifier, StepVerifier::Create(world, job.topology, *run.probe,
                                        job.schedule.parallel.sp(), options.data, options.source,
                                        options.global_batch, run.options.verify_tolerance,
-                                       consumed, tokens, truncate_to));
+                                       consumed, tokens, truncate_to, split_longest));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     // The seconds the loop waited for its step: the whole step without --prefetch.

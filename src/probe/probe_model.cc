@@ -279,18 +279,55 @@ Result<LossStats> ProbeReferenceLoss(const ProbeModel& model, std::span<const Sa
   return std::move(part[0]);
 }
 
+Result<std::optional<Sample>> NextSamplePlain(SampleSource& source, PlainReadState& state,
+                                              int64_t split_longest) {
+  if (!state.pending.empty()) {
+    std::optional<Sample> s = std::move(state.pending.front());
+    state.pending.pop_front();
+    return s;
+  }
+  THDPACK_ASSIGN_OR_RETURN(std::optional<Sample> s, source.Next());
+  if (!s) return s;
+  const int64_t length = static_cast<int64_t>(s->tokens.size());
+  const int64_t base = s->id + state.split_extra;
+  if (split_longest <= 0 || length <= split_longest) {
+    s->id = base;
+    return s;
+  }
+  // Pieces of split_longest tokens, in order, ids base, base + 1, ...
+  int64_t k = 0;
+  for (int64_t a = 0; a < length; a += split_longest, ++k) {
+    const int64_t b = std::min(length, a + split_longest);
+    Sample piece;
+    piece.id = base + k;
+    piece.source = s->source;
+    piece.tokens.assign(s->tokens.begin() + a, s->tokens.begin() + b);
+    if (!s->target_mask.empty()) {
+      piece.target_mask.assign(s->target_mask.begin() + a, s->target_mask.begin() + b);
+    }
+    state.pending.push_back(std::move(piece));
+  }
+  state.split_extra += k - 1;
+  std::optional<Sample> first = std::move(state.pending.front());
+  state.pending.pop_front();
+  return first;
+}
+
 Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t global_batch,
                                                  std::span<const int64_t> skipped_ids,
-                                                 TokenSteps tokens_rule,
-                                                 std::optional<Sample>* pending) {
+                                                 TokenSteps tokens_rule, PlainReadState* state,
+                                                 int64_t split_longest) {
   const bool by_tokens = tokens_rule.tokens > 0;
-  if (by_tokens && pending == nullptr) {
-    return Status::InvalidArgument("ReadStepSamplesPlain: token steps need `pending`");
+  if ((by_tokens || split_longest > 0) && state == nullptr) {
+    return Status::InvalidArgument("ReadStepSamplesPlain: token steps and split samples need "
+                                   "`state`");
   }
   if (!by_tokens && global_batch < 0) {
     return Status::InvalidArgument("ReadStepSamplesPlain: global_batch = " +
                                    std::to_string(global_batch) + " must be >= 0 (0 = all)");
   }
+  PlainReadState none;
+  PlainReadState& st = state != nullptr ? *state : none;
   const std::set<int64_t> skipped(skipped_ids.begin(), skipped_ids.end());
   std::vector<Sample> out;
   int64_t read = 0;
@@ -299,13 +336,7 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
   int64_t counted_at_reset = -1;
   bool empty_epoch = false;  // the last Next() after a Reset() found nothing either
   while (by_tokens || global_batch == 0 || read < global_batch) {
-    std::optional<Sample> s;
-    if (by_tokens && pending->has_value()) {
-      s = std::move(*pending);
-      pending->reset();
-    } else {
-      THDPACK_ASSIGN_OR_RETURN(s, source.Next());
-    }
+    THDPACK_ASSIGN_OR_RETURN(std::optional<Sample> s, NextSamplePlain(source, st, split_longest));
     if (!s) {
       THDPACK_RETURN_IF_ERROR(source.Reset());
       // "all" reads to the end of the epoch; from the end of one (a resumed run), the next.
@@ -327,7 +358,7 @@ Result<std::vector<Sample>> ReadStepSamplesPlain(SampleSource& source, int64_t g
       const int64_t length = static_cast<int64_t>(s->tokens.size());
       const bool fits = tokens + length <= tokens_rule.tokens;
       if (read > 0 && !fits && counted >= tokens_rule.min_samples) {
-        *pending = std::move(s);
+        st.pending.push_front(std::move(*s));
         break;
       }
       tokens += length;

@@ -430,7 +430,8 @@ StepVerifier::~StepVerifier() = default;
 Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
     ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
     const std::string& data, const SourceOptions& source, int64_t global_batch,
-    double tolerance, int64_t start_consumed, TokenSteps tokens, int64_t truncate_to) {
+    double tolerance, int64_t start_consumed, TokenSteps tokens, int64_t truncate_to,
+    int64_t split_longest) {
   if (!(tolerance >= 0)) {
     return Status::InvalidArgument("StepVerifier: tolerance " + std::to_string(tolerance) +
                                    " must be >= 0");
@@ -438,6 +439,7 @@ Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
   auto v = std::unique_ptr<StepVerifier>(new StepVerifier(world, model, global_batch, tolerance));
   v->tokens_ = tokens;
   v->truncate_to_ = truncate_to;
+  v->split_longest_ = split_longest;
   THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, topology, model, sp));
   Status local = Status::Ok();
   auto plain = OpenSource(data, source);
@@ -447,10 +449,18 @@ Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
     // end): no seek, no cursor.
     bool empty_epoch = false;
     for (int64_t k = 0; k < start_consumed && local.ok();) {
-      auto next = v->plain_->NextLength();
-      if (!next.ok()) {
-        local = next.status();
-      } else if (next->has_value()) {
+      // With split samples, the plain stream of pieces (each a sample); else lengths only.
+      Result<bool> got = false;
+      if (v->split_longest_ > 0) {
+        auto next = NextSamplePlain(*v->plain_, v->plain_state_, v->split_longest_);
+        got = next.ok() ? Result<bool>(next->has_value()) : Result<bool>(next.status());
+      } else {
+        auto next = v->plain_->NextLength();
+        got = next.ok() ? Result<bool>(next->has_value()) : Result<bool>(next.status());
+      }
+      if (!got.ok()) {
+        local = got.status();
+      } else if (*got) {
         ++k;
         empty_epoch = false;
       } else if (empty_epoch) {
@@ -482,7 +492,7 @@ Status StepVerifier::CompareWithReference(const RankStep& step, const LossSummar
   {
     Result<std::vector<Sample>> samples =
         ReadStepSamplesPlain(*plain_, global_batch_, step.meta.skipped_ids,
-                             tokens_, &pending_);
+                             tokens_, &plain_state_, split_longest_);
     if (samples.ok() && truncate_to_ > 0) {
       // --oversize truncate, the plain way: a longer sample keeps its first tokens.
       for (Sample& s : *samples) {

@@ -129,6 +129,13 @@ Status StepRunner::Impl::Init() {
         "order, and each loader sees only its own share (count the batch in samples, or pack "
         "each batch you choose with pack_batch)");
   }
+  if (local.ok() && opts_.read_share &&
+      opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kSplit) {
+    local = Status::InvalidArgument(
+        "StepRunner: oversize 'split' with a caller-fed source: the pieces of a sample are "
+        "samples of the stream, and a caller's batch is its own (split long samples before "
+        "handing them over, or use 'truncate' or 'skip')");
+  }
   if (local.ok()) local = ValidateFieldSpecs(opts_.fields).WithContext("StepRunner");
   if (local.ok() && !opts_.fields.empty() && !opts_.read_share) {
     local = Status::InvalidArgument("StepRunner: " + std::to_string(opts_.fields.size()) +
@@ -161,7 +168,7 @@ Status StepRunner::Impl::Init() {
       reader_ = ReadsShare(coord_, opts_);
       head_ = dynamic_ && (all || (coord_.tp == 0 && coord_.pp == 0));
       if (reader_ && !opts_.read_share) {
-        auto src = OpenSource(opts_.data, opts_.source);
+        auto src = OpenStepSource(opts_.data, opts_.source, opts_.schedule);
         if (src.ok()) {
           source_ = std::move(*src);
           auto tokens = TokenStepsFor(opts_.global_batch_tokens, opts_.schedule);
@@ -375,6 +382,7 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   id_span_ = share.id_span > 0 ? share.id_span : share.n;
   out.epoch = share.epoch;
   out.n_empty = share.n_empty;
+  out.split = share.split;
   own_cut_ = Truncation{};
   if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
     // Cut here, on the loader, before the lengths are told: every later phase sees the kept

@@ -38,12 +38,20 @@ constexpr int kTagFields = 16;
 // The run's position after a step, as readers send it to the other ranks with the lengths
 // and the metadata, as int64 words: the samples consumed, whether there is a cursor (file
 // sources), and the cursor - its seven fields, then its parts and counts (a blend), each part
-// the same way.
+// the same way; a splitting source's cursor has -1 - (its split words) in place of the parts'
+// count, then those words and its one part.
 using PositionWords = std::vector<int64_t>;
 inline void AppendCursor(const SourceCursor& c, PositionWords* w) {
+  const bool split = !c.split.empty();
   w->insert(w->end(), {c.epoch, c.position, c.next_id, c.skipped_empty, c.byte_offset, c.line,
-                       c.epoch_size, static_cast<int64_t>(c.parts.size())});
-  w->insert(w->end(), c.taken.begin(), c.taken.end());
+                       c.epoch_size,
+                       split ? -1 - static_cast<int64_t>(c.split.size())
+                             : static_cast<int64_t>(c.parts.size())});
+  if (split) {
+    w->insert(w->end(), c.split.begin(), c.split.end());
+  } else {
+    w->insert(w->end(), c.taken.begin(), c.taken.end());
+  }
   for (const SourceCursor& p : c.parts) AppendCursor(p, w);
 }
 inline PositionWords PackPosition(int64_t consumed, const std::optional<SourceCursor>& c) {
@@ -65,7 +73,16 @@ inline bool ReadCursor(const PositionWords& w, size_t* at, int depth, SourceCurs
   c->epoch_size = v[6];
   const int64_t parts = v[7];
   *at += 8;
-  if (parts < 0 || (parts > 0 && depth > 0) ||
+  if (parts < 0) {  // a splitting source: its words, then the one cursor it wraps
+    const int64_t n = -1 - parts;
+    if (n < 1 || n > 16 || static_cast<uint64_t>(n) > (w.size() - *at)) return false;
+    c->split.assign(w.begin() + static_cast<std::ptrdiff_t>(*at),
+                    w.begin() + static_cast<std::ptrdiff_t>(*at + static_cast<size_t>(n)));
+    *at += static_cast<size_t>(n);
+    c->parts.resize(1);
+    return ReadCursor(w, at, depth, &c->parts[0]) && c->parts[0].split.empty();
+  }
+  if ((parts > 0 && depth > 0) ||
       static_cast<uint64_t>(parts) > (w.size() - *at)) {
     return false;
   }

@@ -102,6 +102,28 @@ TEST(StepRunner, StaticShapesHoldOnEveryRank) {
   }
 }
 
+// Oversize split: samples over the longest kept length (CP x 64 = 128 tokens) arrive as their
+// pieces, each a sample of the step, at every rank as the reference (read through the same
+// split stream) packs them, every piece exactly once; at DP with CP, TP x PP, and data on all.
+TEST(StepRunner, SplitSamplesArriveAsPieces) {
+  ScratchFile file("thdpack_step_split.lengths");
+  {
+    std::ofstream out(file.path());
+    for (int i = 0; i < 30; ++i) out << (i % 4 == 1 ? 300 + 37 * i : 10 + 3 * i) << "\n";
+  }
+  const testing::StepCase cases[] = {{1, 2, 2, 1, false, DataOn::kTp0},
+                                     {2, 2, 1, 2, true, DataOn::kAll}};
+  for (const testing::StepCase& k : cases) {
+    ExpectAllOk(RunOnThreads(k.tp * k.cp * k.dp * k.pp, [&](ProcessGroup& world) {
+      return testing::RunAndVerifyCase(world, k, "lengths:" + file.path(), 12, 4,
+                                       ScheduleOptions::OversizePolicy::kSplit,
+                                       [](StepRunnerOptions& o) {
+                                         o.schedule.max_tokens_per_rank = 64;
+                                       });
+    }));
+  }
+}
+
 // Runs one step of `o` on 8 threads and returns each rank's status.
 std::vector<Status> RunOneStep(const Topology& topo, const StepRunnerOptions& o,
                                int corrupt_metadata_of_replica = -1) {

@@ -286,6 +286,8 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
         (o.oversize == ScheduleOptions::OversizePolicy::kTruncate
              ? " (oversize policy 'truncate' cuts samples before they are scheduled: "
                "TruncateLengths)"
+         : o.oversize == ScheduleOptions::OversizePolicy::kSplit
+             ? " (oversize policy 'split' cuts samples as they are read: OpenSplitSource)"
              : " (oversize policy 'error'; 'skip' leaves such samples out)"));
   }
   if (kept < n) {
@@ -459,6 +461,7 @@ std::string_view OversizePolicyName(ScheduleOptions::OversizePolicy p) {
     case ScheduleOptions::OversizePolicy::kError: return "error";
     case ScheduleOptions::OversizePolicy::kSkip: return "skip";
     case ScheduleOptions::OversizePolicy::kTruncate: return "truncate";
+    case ScheduleOptions::OversizePolicy::kSplit: return "split";
   }
   return "error";
 }
@@ -503,8 +506,9 @@ Result<ScheduleOptions::OversizePolicy> ParseOversizePolicy(std::string_view nam
   if (name == "error") return ScheduleOptions::OversizePolicy::kError;
   if (name == "skip") return ScheduleOptions::OversizePolicy::kSkip;
   if (name == "truncate") return ScheduleOptions::OversizePolicy::kTruncate;
+  if (name == "split") return ScheduleOptions::OversizePolicy::kSplit;
   return Status::InvalidArgument("oversize policy '" + std::string(name) +
-                                 "': expected 'error', 'skip' or 'truncate'");
+                                 "': expected 'error', 'skip', 'truncate' or 'split'");
 }
 
 Truncation TruncateLengths(std::span<SampleLength> samples, int64_t longest) {

@@ -131,6 +131,9 @@ SummaryFigures Summarize(std::span<const StepFigures> steps) {
     s.truncated.samples += f.truncated.samples;
     s.truncated.tokens += f.truncated.tokens;
     s.truncated.targets += f.truncated.targets;
+    s.split.samples += f.split.samples;
+    s.split.pieces += f.split.pieces;
+    s.split.lost_targets += f.split.lost_targets;
     s.real_tokens += p.real_tokens;
     s.padded_tokens += p.padded_tokens;
     s.sum_sq += static_cast<double>(p.sum_sq);
@@ -176,6 +179,9 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["n_truncated"] = f.truncated.samples;
   j["truncated_tokens"] = f.truncated.tokens;
   j["truncated_targets"] = f.truncated.targets;
+  j["n_split"] = f.split.samples;
+  j["split_pieces"] = f.split.pieces;
+  j["split_lost_targets"] = f.split.lost_targets;
   j["real_tokens"] = p.real_tokens;
   j["padded_tokens"] = p.padded_tokens;
   j["sum_sq"] = p.sum_sq;
@@ -250,6 +256,9 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["n_truncated"] = s.truncated.samples;
   j["truncated_tokens"] = s.truncated.tokens;
   j["truncated_targets"] = s.truncated.targets;
+  j["n_split"] = s.split.samples;
+  j["split_pieces"] = s.split.pieces;
+  j["split_lost_targets"] = s.split.lost_targets;
   j["real_tokens"] = s.real_tokens;
   j["padded_tokens"] = s.padded_tokens;
   j["sum_sq"] = s.sum_sq;

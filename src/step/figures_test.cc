@@ -78,7 +78,8 @@ TEST(StepFigures, HandWorkedPlan) {
   const std::string text = StepFiguresJson(*f, true);
   EXPECT_EQ(text.rfind("{\"step\":3,\"epoch\":1,\"num_microbatches\":1,\"n_samples\":4,"
                        "\"n_skipped\":0,\"skipped\":[],\"n_empty\":0,\"n_truncated\":0,"
-                       "\"truncated_tokens\":0,\"truncated_targets\":0,\"real_tokens\":16,"
+                       "\"truncated_tokens\":0,\"truncated_targets\":0,\"n_split\":0,"
+                       "\"split_pieces\":0,\"split_lost_targets\":0,\"real_tokens\":16,"
                        "\"padded_tokens\":24,"
                        "\"sum_sq\":160,\"n_loss_tokens\":12,",
                        0),

@@ -36,6 +36,11 @@ nlohmann::json CursorJson(const SourceCursor& c) {
                       {"byte_offset", c.byte_offset},
                       {"line", c.line},
                       {"epoch_size", c.epoch_size}};
+  if (!c.split.empty()) {  // a splitting source: its state and the cursor it wraps
+    j["split"] = c.split;
+    j["inner"] = CursorJson(c.parts.at(0));
+    return j;
+  }
   if (!c.parts.empty() || !c.taken.empty()) {  // a blend: its sources' cursors
     nlohmann::json parts = nlohmann::json::array();
     for (const SourceCursor& p : c.parts) parts.push_back(CursorJson(p));
@@ -137,13 +142,14 @@ class Reader {
 };
 
 // A cursor object at `path` (a blend's parts recursively, at most one level: a blend holds no
-// blend).
+// blend; a splitting source's "split" state and "inner" cursor, which may be a blend's).
 Result<SourceCursor> ParseCursor(const Reader& r, const nlohmann::json& j, const std::string& path,
                                  int depth) {
   if (!j.is_object()) return r.Bad(path, "must be an object");
   THDPACK_RETURN_IF_ERROR(r.OnlyKnown(j, path,
                                       {"epoch", "position", "next_id", "skipped_empty",
-                                       "byte_offset", "line", "epoch_size", "parts", "taken"}));
+                                       "byte_offset", "line", "epoch_size", "parts", "taken",
+                                       "split", "inner"}));
   SourceCursor c;
   THDPACK_ASSIGN_OR_RETURN(c.epoch, r.Int(j, path, "epoch"));
   THDPACK_ASSIGN_OR_RETURN(c.position, r.Int(j, path, "position"));
@@ -152,6 +158,31 @@ Result<SourceCursor> ParseCursor(const Reader& r, const nlohmann::json& j, const
   THDPACK_ASSIGN_OR_RETURN(c.byte_offset, r.Int(j, path, "byte_offset"));
   THDPACK_ASSIGN_OR_RETURN(c.line, r.Int(j, path, "line"));
   THDPACK_ASSIGN_OR_RETURN(c.epoch_size, r.Int(j, path, "epoch_size"));
+  const auto split = j.find("split");
+  const auto inner = j.find("inner");
+  if ((split == j.end()) != (inner == j.end())) {
+    return r.Bad(path + ".split", "and \"inner\" go together (a splitting source's cursor)");
+  }
+  if (split != j.end()) {
+    if (j.contains("parts") || j.contains("taken")) {
+      return r.Bad(path + ".split", "with \"parts\" (a splitting source wraps one cursor)");
+    }
+    if (!split->is_array() || split->size() != 5) {
+      return r.Bad(path + ".split", "must be a list of 5 integers (piece, extra ids, samples, "
+                                    "pieces, lost targets)");
+    }
+    for (size_t k = 0; k < 5; ++k) {
+      const nlohmann::json& v = (*split)[k];
+      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+        return r.Bad(path + ".split[" + std::to_string(k) + "]", "must be an integer >= 0");
+      }
+      c.split.push_back(v.get<int64_t>());
+    }
+    THDPACK_ASSIGN_OR_RETURN(SourceCursor in, ParseCursor(r, *inner, path + ".inner", depth));
+    if (!in.split.empty()) return r.Bad(path + ".inner", "is a splitting source's cursor too");
+    c.parts.push_back(std::move(in));
+    return c;
+  }
   const auto parts = j.find("parts");
   const auto taken = j.find("taken");
   if ((parts == j.end()) != (taken == j.end())) {
@@ -379,8 +410,9 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
   THDPACK_ASSIGN_OR_RETURN(d.mock_samples, r.Int(*data, "data", "mock_samples"));
   THDPACK_ASSIGN_OR_RETURN(d.oversize, r.Str(*data, "data", "oversize"));
   THDPACK_ASSIGN_OR_RETURN(d.longest_kept, r.Int(*data, "data", "longest_kept"));
-  if (d.oversize != "error" && d.oversize != "skip" && d.oversize != "truncate") {
-    return r.Bad("data.oversize", "= \"" + d.oversize + "\" is not error, skip or truncate");
+  if (!ParseOversizePolicy(d.oversize).ok()) {
+    return r.Bad("data.oversize",
+                 "= \"" + d.oversize + "\" is not error, skip, truncate or split");
   }
   if ((d.oversize != "error") != (d.longest_kept >= 1) ||
       (d.oversize == "error" && d.longest_kept != -1)) {

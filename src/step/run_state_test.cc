@@ -44,9 +44,23 @@ RunState RandomState(std::mt19937_64& rng) {
     c.line = static_cast<int64_t>(rng() % 1000000);
     s.consumed = c.samples();
     s.cursor = c;
+    if (rng() % 3 == 0) {  // a splitting source's cursor around it (design of data.h)
+      SourceCursor split;
+      split.epoch = c.epoch;
+      split.position = c.position;
+      split.skipped_empty = c.skipped_empty;
+      split.split = {static_cast<int64_t>(rng() % 4), static_cast<int64_t>(rng() % 1000),
+                     static_cast<int64_t>(rng() % 100), static_cast<int64_t>(rng() % 500),
+                     static_cast<int64_t>(rng() % 400)};
+      split.next_id = c.next_id + split.split[1] + split.split[0];
+      split.parts = {c};
+      s.consumed = split.samples();
+      s.cursor = split;
+    }
   }
   if (rng() % 2) {
-    d.oversize = rng() % 2 ? "skip" : "truncate";
+    const char* policies[] = {"skip", "truncate", "split"};
+    d.oversize = policies[rng() % 3];
     d.longest_kept = 1 + static_cast<int64_t>(rng() % 100000);
   }
   return s;

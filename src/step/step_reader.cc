@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -11,6 +12,15 @@
 #include "thdpack/step.h"
 
 namespace thdpack {
+
+Result<std::unique_ptr<SampleSource>> OpenStepSource(std::string_view spec,
+                                                     const SourceOptions& options,
+                                                     const ScheduleOptions& schedule) {
+  THDPACK_ASSIGN_OR_RETURN(std::unique_ptr<SampleSource> source, OpenSource(spec, options));
+  if (schedule.oversize != ScheduleOptions::OversizePolicy::kSplit) return source;
+  THDPACK_ASSIGN_OR_RETURN(const int64_t longest, LongestKept(schedule));
+  return OpenSplitSource(std::move(source), longest);
+}
 
 Result<TokenSteps> TokenStepsFor(int64_t tokens, const ScheduleOptions& options) {
   if (tokens < 0) {
@@ -70,6 +80,7 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
       "data source \"" + source_->spec() + "\" holds no samples (a step needs at least one)";
   int64_t epoch = source_->epoch();
   const int64_t empty_before = source_->skipped_empty();
+  const SplitCounts split_before = source_->split_counts();
   std::array<SampleLength, kLengthBatch> batch;
   int64_t i = 0;
   bool wrapped = false;  // the last read hit the end of the source
@@ -137,6 +148,10 @@ Result<int64_t> StepReader::ReadStep(const Full& full, const Take& take) {
   if (i == 0) return Status::InvalidArgument(empty_message);
   if (global_batch_ == 0) THDPACK_RETURN_IF_ERROR(source_->Reset());
   last_n_empty_ = source_->skipped_empty() - empty_before;
+  const SplitCounts split_after = source_->split_counts();
+  last_split_ = SplitCounts{split_after.samples - split_before.samples,
+                            split_after.pieces - split_before.pieces,
+                            split_after.lost_targets - split_before.lost_targets};
   consumed_ += i;
   return epoch;
 }
@@ -225,6 +240,7 @@ Result<StepSamples> StepReader::Next() {
                             return Status::Ok();
                           }));
   out.n_empty = last_n_empty_;
+  out.split = last_split_;
   const int64_t read = static_cast<int64_t>(beyond.size()) +
                        std::min(expected, round * dp_size_ + loader);
   if (read != expected) {
@@ -269,6 +285,7 @@ Result<StepShare> StepReader::NextShare(int loader) {
   };
   THDPACK_ASSIGN_OR_RETURN(out.epoch, ReadStep(mine, take));
   out.n_empty = last_n_empty_;
+  out.split = last_split_;
   ++next_step_;
   return out;
 }
