@@ -41,8 +41,8 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
           ->capture_default_str();
   cmd->add_option("--global-batch-tokens", o.global_batch_tokens,
                   "Count each step in tokens instead: samples in stream order while their real "
-                  "tokens stay within this (a sample alone over it forms its own step); "
-                  "replaces --global-batch");
+                  "tokens stay within this (a sample alone over it forms its own step, and a "
+                  "step holds at least one sample for each microbatch); replaces --global-batch");
   a->steps_option = cmd->add_option(
       "--steps", a->steps,
       "Steps (default 3, or 1 with --global-batch all; the source wraps into the next epoch)");

@@ -204,6 +204,12 @@ TEST(RunStateTest, CheckResumeNamesTheFieldAndBothValues) {
   EXPECT_TRUE(Contains(s.message(), "(--oversize truncate) of 8192")) << s.ToString();
   narrower.oversize = "skip";
   EXPECT_FALSE(CheckResume(skip, narrower).ok());
+  // split: the pieces are the stream's samples, so the longest piece must not change either.
+  skip.oversize = narrower.oversize = "split";
+  s = CheckResume(skip, narrower);
+  EXPECT_TRUE(Contains(s.message(), "(--oversize split) of 8192")) << s.ToString();
+  narrower.longest_kept = skip.longest_kept;
+  EXPECT_TRUE(CheckResume(skip, narrower).ok());
 }
 
 TEST(RunStateTest, FilesAreWrittenAtomically) {
