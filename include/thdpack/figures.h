@@ -150,8 +150,9 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
 
 // Summary keys, in order: n_steps, first_epoch, last_epoch, num_microbatches,
 // max_num_microbatches, n_samples, n_skipped, n_empty, n_truncated, truncated_tokens,
-// truncated_targets, n_split, split_pieces, split_lost_targets, real_tokens, padded_tokens, sum_sq, n_loss_tokens, mean_imbalance,
-// max_imbalance, pad_fraction, fill, flops (or null), max_microbatch_spread, sim_step_time (total, or null), sources (a blend), then extra_fields.
+// truncated_targets, n_split, split_pieces, split_lost_targets, real_tokens, padded_tokens,
+// sum_sq, n_loss_tokens, mean_imbalance, max_imbalance, pad_fraction, fill, flops (or null),
+// max_microbatch_spread, sim_step_time (total, or null), sources (a blend), then extra_fields.
 std::string SummaryFiguresJson(const SummaryFigures& s,
                                std::span<const std::pair<std::string, std::string>> extra_fields = {});
 
