@@ -85,6 +85,14 @@ struct Item {
   int64_t seqs = 1;  // its samples (sequences)
 };
 
+// What a bin leaves of its two rooms, each as a share of the bin's (tokens, and sequences
+// under a cap): the best fit of both takes the least. Without a cap, tokens alone.
+double RoomLeft(int64_t tokens, int64_t seqs, int64_t capacity, int64_t max_seqs) {
+  const double t = static_cast<double>(tokens) / static_cast<double>(capacity);
+  if (max_seqs == INT64_MAX) return t;
+  return t + static_cast<double>(seqs) / static_cast<double>(max_seqs);
+}
+
 // Items into m bins of `capacity` tokens and `max_seqs` sequences (see D at the top); nullopt
 // when they do not fit or are fewer than m. Returns each bin's item positions (into `items`).
 std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& items, int m,
@@ -125,13 +133,9 @@ std::optional<std::vector<std::vector<int32_t>>> Fill(const std::vector<Item>& i
   if (!ok) {
     // Best-fit decreasing by tokens; under a sequence cap, the best fit of both rooms (the
     // least tokens and sequences left, each as a share of its bin's).
-    const bool capped = max_seqs < INT64_MAX;
     auto left = [&](int b) {
-      const double t = static_cast<double>(room[static_cast<size_t>(b)]) /
-                       static_cast<double>(capacity);
-      return capped ? t + static_cast<double>(seq_room[static_cast<size_t>(b)]) /
-                              static_cast<double>(max_seqs)
-                    : t;
+      return RoomLeft(room[static_cast<size_t>(b)], seq_room[static_cast<size_t>(b)], capacity,
+                      max_seqs);
     };
     for (auto& b : bins) b.clear();
     std::fill(room.begin(), room.end(), capacity);
@@ -193,7 +197,7 @@ class GroupsAtM {
   GroupsAtM(const PreparedStep& step, const ScheduleOptions& o, const std::vector<Unit>& units,
             int m, double lower_bound)
       : step_(step), o_(o), units_(units), m_(m), lower_bound_(lower_bound),
-        max_seqs_(o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT64_MAX),
+        max_seqs_(SequenceCap(o)),
         by_replica_(static_cast<size_t>(o.dp_size)), cost_(static_cast<size_t>(o.dp_size), 0.0),
         count_(static_cast<size_t>(o.dp_size), 0) {}
 
@@ -280,10 +284,8 @@ class GroupsAtM {
   // Best fit (by tokens) of a unit into `room` (the whole unit, or each sample longest first).
   bool PlaceInBins(const Unit& x, std::vector<Room>* room) const {
     // Under a sequence cap, the best fit of both rooms (as in Fill).
-    const bool capped = max_seqs_ < INT64_MAX;
     auto left = [&](const Room& r) {
-      const double t = static_cast<double>(r.tokens) / static_cast<double>(step_.capacity);
-      return capped ? t + static_cast<double>(r.seqs) / static_cast<double>(max_seqs_) : t;
+      return RoomLeft(r.tokens, r.seqs, step_.capacity, max_seqs_);
     };
     auto better = [&](const Room& r, const Room& than) {
       if (spread_ && r.seqs != than.seqs) return r.seqs > than.seqs;
@@ -527,7 +529,7 @@ UnitFit FitOfUnits(std::span<const SampleLength> samples, const ScheduleOptions&
     if (p > capacity) fit.has_oversize[u] = 1;
   }
   const bool whole = o.keep_groups == ScheduleOptions::KeepGroups::kMicrobatch;
-  const int64_t max_seqs = o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT64_MAX;
+  const int64_t max_seqs = SequenceCap(o);
   for (size_t u = 0; u < u_count; ++u) {
     fit.fits[u] = !fit.has_oversize[u] &&
                   !(whole && (fit.sum_p[u] > capacity || fit.n_samples[u] > max_seqs));

@@ -70,6 +70,11 @@ struct PreparedStep {
 // The usable sum-of-P capacity of a microbatch (see PreparedStep::capacity).
 int64_t UsableCapacity(const ScheduleOptions& options);
 
+// The sequences a microbatch may hold: max_seqs_per_microbatch, or INT64_MAX without a cap.
+inline int64_t SequenceCap(const ScheduleOptions& o) {
+  return o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT64_MAX;
+}
+
 // Validates the samples (ids unique, L >= 1, n_targets in [0, L]) and applies the oversize
 // policy. REQUIRES: ValidateOptions(options) is OK.
 [[nodiscard]] Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,

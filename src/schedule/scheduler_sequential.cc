@@ -33,7 +33,7 @@ Result<Assignment> ScheduleSequential(const PreparedStep& step, const ScheduleOp
   };
   std::vector<Range> groups;
   int64_t sum = 0;
-  const int64_t max_seqs = o.max_seqs_per_microbatch > 0 ? o.max_seqs_per_microbatch : INT32_MAX;
+  const int64_t max_seqs = SequenceCap(o);
   for (int32_t i = 0; i < n; ++i) {
     if (groups.empty() || sum + step.padded[i] > step.capacity ||
         groups.back().end - groups.back().first >= max_seqs) {

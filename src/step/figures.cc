@@ -27,6 +27,16 @@ std::string AppendRawFields(std::string object_text,
   return object_text;
 }
 
+// What the oversize policy cut, in a step's or a summary's JSON (the same keys in both).
+void PutCuts(Json& j, const Truncation& truncated, const SplitCounts& split) {
+  j["n_truncated"] = truncated.samples;
+  j["truncated_tokens"] = truncated.tokens;
+  j["truncated_targets"] = truncated.targets;
+  j["n_split"] = split.samples;
+  j["split_pieces"] = split.pieces;
+  j["split_lost_targets"] = split.lost_targets;
+}
+
 }  // namespace
 
 Result<std::optional<FlopsCoefficients>> FlopsFromCostSpec(std::string_view spec) {
@@ -176,12 +186,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["n_skipped"] = p.n_skipped;
   j["skipped"] = f.skipped;
   j["n_empty"] = f.n_empty;
-  j["n_truncated"] = f.truncated.samples;
-  j["truncated_tokens"] = f.truncated.tokens;
-  j["truncated_targets"] = f.truncated.targets;
-  j["n_split"] = f.split.samples;
-  j["split_pieces"] = f.split.pieces;
-  j["split_lost_targets"] = f.split.lost_targets;
+  PutCuts(j, f.truncated, f.split);
   j["real_tokens"] = p.real_tokens;
   j["padded_tokens"] = p.padded_tokens;
   j["sum_sq"] = p.sum_sq;
@@ -253,12 +258,7 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["n_samples"] = s.n_samples;
   j["n_skipped"] = s.n_skipped;
   j["n_empty"] = s.n_empty;
-  j["n_truncated"] = s.truncated.samples;
-  j["truncated_tokens"] = s.truncated.tokens;
-  j["truncated_targets"] = s.truncated.targets;
-  j["n_split"] = s.split.samples;
-  j["split_pieces"] = s.split.pieces;
-  j["split_lost_targets"] = s.split.lost_targets;
+  PutCuts(j, s.truncated, s.split);
   j["real_tokens"] = s.real_tokens;
   j["padded_tokens"] = s.padded_tokens;
   j["sum_sq"] = s.sum_sq;
