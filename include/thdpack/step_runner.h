@@ -293,6 +293,12 @@ struct UnpackArgs {
   // Bytes of one value row, and the row written where no prediction produces one (token 0).
   size_t row_bytes = 0;
   std::span<const std::byte> fill;
+  // How the values are aligned: false, as thdpack's (Megatron's) labels - row o of a sequence
+  // is the prediction of its token o + 1; true, as Hugging Face's unshifted labels
+  // (label_format 'hf', ToHfLabels) - row o is token o's own value, row 0 (the first token,
+  // which nothing predicts) ignored. The hf alignment needs whole microbatches (CP size 1):
+  // InvalidArgument otherwise.
+  bool hf_aligned = false;
 };
 
 // Collective over `world` (the step's world, topology order): every rank of the last stage with
@@ -301,7 +307,8 @@ struct UnpackArgs {
 // a run plus the rows. Each reading rank returns, in the order it gave its samples, one buffer
 // per sample of L rows, token-aligned like a target field: row j (1 <= j < L) the value that
 // predicted token j, row 0 the fill; other ranks an empty list. Packing a target field and
-// unpacking its packed values returns it, row 0 replaced by the fill.
+// unpacking its packed values returns it, row 0 replaced by the fill; so does unpacking, with
+// hf_aligned, the values ToHfField made of them.
 // Errors, agreed over the world (every rank returns one): values of the wrong size or where a
 // microbatch is idle, a run naming a sample or token outside the step (Internal), and, on a
 // reading rank, a sample whose values did not all arrive (a last-stage rank passed none).

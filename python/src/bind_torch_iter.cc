@@ -497,8 +497,12 @@ class TorchStepSource {
   // bytes of [T/CP, *row] or None; unpack: the step's (first id, samples, own lengths); fill: one
   // row of bytes. Returns, on a reading rank, one uint8 array per own sample (its order).
   py::list Unpack(const py::list& microbatches, const py::list& values, const py::tuple& unpack,
-                  const py::object& fill_obj) {
+                  const py::object& fill_obj, const std::string& label_format) {
     if (!world_) throw std::runtime_error("unpack: the iterator is closed");
+    if (label_format != "megatron" && label_format != "hf") {
+      throw py::value_error("unpack: label_format '" + label_format +
+                            "' is not 'megatron' or 'hf'");
+    }
     if (values.size() != microbatches.size()) {
       throw py::value_error("unpack: " + std::to_string(values.size()) + " value tensors for " +
                             std::to_string(microbatches.size()) + " microbatches");
@@ -531,7 +535,7 @@ class TorchStepSource {
     auto own = IntView1D<int64_t>(py::handle(unpack[2]), "unpack: own lengths");
     auto fill = View1D<uint8_t>(py::handle(fill_obj), "unpack: fill");
     UnpackArgs args{unpack[0].cast<int64_t>(), unpack[1].cast<int64_t>(), own, fill.size(),
-                    std::as_bytes(std::span<const uint8_t>(fill))};
+                    std::as_bytes(std::span<const uint8_t>(fill)), label_format == "hf"};
     std::optional<Result<std::vector<std::vector<std::byte>>>> got;
     {
       py::gil_scoped_release release;
@@ -679,7 +683,7 @@ void BindTorchIter(py::module_& m) {
       .def("restore", &TorchStepSource::Restore, py::arg("state"))
       .def_property_readonly("reads", &TorchStepSource::Reads)
       .def("unpack", &TorchStepSource::Unpack, py::arg("microbatches"), py::arg("values"),
-           py::arg("unpack"), py::arg("fill"))
+           py::arg("unpack"), py::arg("fill"), py::arg("label_format"))
       .def("drop_later", &TorchStepSource::DropLater, py::arg("step"))
       .def_property_readonly("data_group", &TorchStepSource::DataGroup)
       .def("close", &TorchStepSource::Close, py::arg("timeout") = -1.0);

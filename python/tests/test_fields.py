@@ -336,8 +336,8 @@ def gloo_worker(rank, world, port, out):
                                  more.get("label_format") == "hf",
                                  f"{topo} {more} rank {rank} step {s} microbatch {k}", typed=True)
             results.append(step.n_loss_sequences)
-            if "label_format" not in more:  # hf target fields are unshifted: not label-aligned
-                check_unpack(step, items, mine, s, c, dp, f"{topo} {more} rank {rank} step {s}")
+            # Under hf the target fields are unshifted, as the labels: unpack takes them so.
+            check_unpack(step, items, mine, s, c, dp, f"{topo} {more} rank {rank} step {s}")
         it.close()
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -60,6 +60,12 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
       local = Status::InvalidArgument(where + ": the microbatch is idle on this rank");
       break;
     }
+    if (args.hf_aligned && mb.cp_size != 1) {
+      local = Status::InvalidArgument(where + ": values aligned as label_format 'hf' labels " +
+                                      "need a whole microbatch, this one is a shard of CP size " +
+                                      Str(mb.cp_size));
+      break;
+    }
     Result<std::vector<int32_t>> seq =
         ShardSequenceIndex(mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank);
     Result<std::vector<int32_t>> pos =
@@ -86,9 +92,16 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
       const int64_t length = int64_t{mb.cu_seqlens[i + 1]} - mb.cu_seqlens[i];
       size_t end = k + 1;
       while (end < n_local && (*seq)[end] == i && (*pos)[end] == (*pos)[end - 1] + 1) ++end;
-      // Row o predicts token o + 1: the last real token predicts nothing.
-      const int64_t first_token = int64_t{(*pos)[k]} + 1;
-      const int64_t rows = std::min<int64_t>(static_cast<int64_t>(end - k), length - first_token);
+      // Row o predicts token o + 1 (the last real token predicts nothing); aligned as hf
+      // labels, row o is token o's own value and row 0 (the first token) is nobody's.
+      size_t begin = k;
+      int64_t first_token = int64_t{(*pos)[k]} + (args.hf_aligned ? 0 : 1);
+      if (first_token == 0) {
+        ++begin;
+        first_token = 1;
+      }
+      const int64_t rows =
+          std::min<int64_t>(static_cast<int64_t>(end - begin), length - first_token);
       if (rows > 0) {
         const int64_t id = mb.sample_ids[static_cast<size_t>(i)];
         const int64_t offset = id - args.first_id;
@@ -102,7 +115,7 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
           const size_t at = out.size();
           out.resize(at + kRunHeader + static_cast<size_t>(rows) * rb);
           std::memcpy(out.data() + at, header, kRunHeader);
-          std::memcpy(out.data() + at + kRunHeader, mb.values.data() + k * rb,
+          std::memcpy(out.data() + at + kRunHeader, mb.values.data() + begin * rb,
                       static_cast<size_t>(rows) * rb);
         }
       }

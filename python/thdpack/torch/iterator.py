@@ -268,6 +268,7 @@ class PackedStep:
                                  for m in raw["microbatches"]]
         self._state = raw["state"]
         self._unpack = raw["unpack"]
+        self._label_format = label_format  # how unpack's values are aligned
         # The iterator whose world unpack() communicates over (a weak reference, set by
         # __next__: a step the iterator's data thread frees must not keep the iterator alive).
         self._iterator = None
@@ -276,9 +277,11 @@ class PackedStep:
         """The model's per-token outputs back to the samples, in each loader's order.
 
         Collective over the world. ``values``: one tensor per microbatch of this rank's outputs,
-        [T/CP] or [T/CP, *row], label-aligned as the loss sees them (position o of a sequence:
-        the prediction of its token o + 1); needed on the ranks tp = 0 of the last stage, None
-        (or any) elsewhere. Returns, on each rank that read samples, a list in the order it gave
+        [T/CP] or [T/CP, *row], label-aligned as the step's ``mb["labels"]`` are (position o of
+        a sequence: the prediction of its token o + 1; with ``label_format="hf"``, token o's own
+        value, as Hugging Face's unshifted labels and target fields hold it, position 0 of each
+        sequence ignored); needed on the ranks tp = 0 of the last stage, None (or any)
+        elsewhere. Returns, on each rank that read samples, a list in the order it gave
         them of one tensor per sample, [L] or [L, *row] of the values' dtype, token-aligned like
         a target field: entry j (1 <= j < L) the value that predicted token j, entry 0 ``fill``;
         on other ranks []. Only for samples fed by the caller (the iterator's iterables,
@@ -304,7 +307,8 @@ class PackedStep:
                                  f"microbatches' are {dtype} [T/CP, {shape}]")
             raw.append(t.reshape(-1).view(torch.uint8).numpy())
         fill_row = torch.full((1, *shape), fill, dtype=dtype).reshape(-1).view(torch.uint8)
-        out = it._src.unpack(self.microbatches, raw, self._unpack, fill_row.numpy())
+        out = it._src.unpack(self.microbatches, raw, self._unpack, fill_row.numpy(),
+                             self._label_format)
         return [torch.from_numpy(b).view(dtype).reshape(-1, *shape) for b in out]
 
     def state_dict(self):
