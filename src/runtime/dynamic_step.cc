@@ -5,7 +5,9 @@
 // metadata (wire version 2) and delivers both down its column (every tp and pp of its domain
 // index) - with --data-on all every rank is a head of its (tp, pp) slice and nothing is
 // delivered; the CP process groups the plan uses are split from the world (a bounded cache
-// across steps). The phases both kinds of step share are in step_runner.cc.
+// across steps). The phases both kinds of step share are in the step's phase files
+// (step_runner.cc lists them): the read phase, the lengths exchange, MoveSamples, PackSequences,
+// SealMeta and Deliver, MakeLocal.
 #include <algorithm>
 #include <string>
 #include <utility>

@@ -1,7 +1,8 @@
 // src/runtime/step_runner_impl.h: private to the runtime area - the step runner's state and the
-// helpers its two halves share: step_runner.cc (what both kinds of step do, and the static
-// step) and dynamic_step.cc (the dynamic scheduler's step). thdpack/step_runner.h documents the
-// step; nothing here is part of the library's interface.
+// helpers its files share. thdpack/step_runner.h documents the step; step_runner.cc drives it,
+// phase by phase, each phase in a file of its own (step_runner.cc's header lists them, in step
+// order); dynamic_step.cc holds the dynamic scheduler's step; step_words.h the words that travel
+// beside the metadata. Nothing here is part of the library's interface.
 #ifndef THDPACK_RUNTIME_STEP_RUNNER_IMPL_H_
 #define THDPACK_RUNTIME_STEP_RUNNER_IMPL_H_
 
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/step_words.h"
 #include "thdpack/run_state.h"
 #include "thdpack/shard.h"
 #include "thdpack/step.h"
@@ -27,155 +29,14 @@ namespace runner_internal {
 
 using Clock = std::chrono::steady_clock;
 
-// Message tags of the shard delivery (one message per array per microbatch).
-constexpr int kTagTokens = 1;
-constexpr int kTagPositions = 2;
-constexpr int kTagLabels = 3;
-constexpr int kTagMask = 4;
-// Field f of the schema travels under kTagFields + f.
-constexpr int kTagFields = 16;
-
-// The run's position after a step, as readers send it to the other ranks with the lengths
-// and the metadata, as int64 words: the samples consumed, whether there is a cursor (file
-// sources), and the cursor - its seven fields, then its parts and counts (a blend), each part
-// the same way; a splitting source's cursor has -1 - (its split words) in place of the parts'
-// count, then those words and its one part.
-using PositionWords = std::vector<int64_t>;
-inline void AppendCursor(const SourceCursor& c, PositionWords* w) {
-  const bool split = !c.split.empty();
-  w->insert(w->end(), {c.epoch, c.position, c.next_id, c.skipped_empty, c.byte_offset, c.line,
-                       c.epoch_size,
-                       split ? -1 - static_cast<int64_t>(c.split.size())
-                             : static_cast<int64_t>(c.parts.size())});
-  if (split) {
-    w->insert(w->end(), c.split.begin(), c.split.end());
-  } else {
-    w->insert(w->end(), c.taken.begin(), c.taken.end());
-  }
-  for (const SourceCursor& p : c.parts) AppendCursor(p, w);
-}
-inline PositionWords PackPosition(int64_t consumed, const std::optional<SourceCursor>& c) {
-  PositionWords w = {consumed, c.has_value() ? 1 : 0};
-  if (c) AppendCursor(*c, &w);
-  return w;
-}
-// False when the words are not a cursor (a bug or corrupt transport).
-inline bool ReadCursor(const PositionWords& w, size_t* at, int depth, SourceCursor* c) {
-  if (*at + 8 > w.size()) return false;
-  const int64_t* v = w.data() + *at;
-  *c = SourceCursor{};
-  c->epoch = v[0];
-  c->position = v[1];
-  c->next_id = v[2];
-  c->skipped_empty = v[3];
-  c->byte_offset = v[4];
-  c->line = v[5];
-  c->epoch_size = v[6];
-  const int64_t parts = v[7];
-  *at += 8;
-  if (parts < 0) {  // a splitting source: its words, then the one cursor it wraps
-    const int64_t n = -1 - parts;
-    if (n < 1 || n > 16 || static_cast<uint64_t>(n) > (w.size() - *at)) return false;
-    c->split.assign(w.begin() + static_cast<std::ptrdiff_t>(*at),
-                    w.begin() + static_cast<std::ptrdiff_t>(*at + static_cast<size_t>(n)));
-    *at += static_cast<size_t>(n);
-    c->parts.resize(1);
-    return ReadCursor(w, at, depth, &c->parts[0]) && c->parts[0].split.empty();
-  }
-  if ((parts > 0 && depth > 0) ||
-      static_cast<uint64_t>(parts) > (w.size() - *at)) {
-    return false;
-  }
-  c->taken.assign(w.begin() + static_cast<std::ptrdiff_t>(*at),
-                  w.begin() + static_cast<std::ptrdiff_t>(*at + static_cast<size_t>(parts)));
-  *at += static_cast<size_t>(parts);
-  c->parts.resize(static_cast<size_t>(parts));
-  for (SourceCursor& p : c->parts) {
-    if (!ReadCursor(w, at, depth + 1, &p)) return false;
-  }
-  return true;
-}
-inline Status UnpackPosition(const PositionWords& w, RunState* state) {
-  size_t at = 2;
-  SourceCursor c;
-  if (w.size() < 2 || (w[1] != 0 && (!ReadCursor(w, &at, 0, &c) || at != w.size())) ||
-      (w[1] == 0 && w.size() != 2)) {
-    return Status::Internal("step runner: a run position of " + std::to_string(w.size()) +
-                            " words does not decode");
-  }
-  state->consumed = w[0];
-  state->cursor.reset();
-  if (w[1] != 0) state->cursor = std::move(c);
-  return Status::Ok();
-}
-
-// A sample's payload in the exchange: int32 tokens, then one mask byte a token when the mask
-// is not all ones (n_targets != L - 1; target_mask[0] is never used, so such a mask is
-// equivalent to the empty one).
-// Then the sample's field buffers (thdpack/fields.h) back to back, in schema order.
-inline bool SendsMask(const SampleLength& s) { return s.n_targets != s.length - 1; }
-inline int64_t PayloadBytes(const SampleLength& s, std::span<const FieldSpec> fields) {
-  return s.length * static_cast<int64_t>(sizeof(TokenId)) + (SendsMask(s) ? s.length : 0) +
-         FieldBytes(fields, s.length);
-}
-
-// FNV-1a over the bytes of int64 values (least significant first): the plan hash loaders (or
-// heads) compare.
-class PlanHasher {
- public:
-  void Mix(int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h_ ^= (static_cast<uint64_t>(v) >> (8 * i)) & 0xff;
-      h_ *= 1099511628211ull;
-    }
-  }
-  void Mix(std::span<const int64_t> values) {
-    for (int64_t v : values) Mix(v);
-  }
-  uint64_t value() const { return h_; }
-
- private:
-  uint64_t h_ = 1469598103934665603ull;
-};
-
-inline uint64_t HashPlan(const Plan& plan) {
-  PlanHasher h;
-  h.Mix(plan.num_microbatches);
-  h.Mix(plan.dp_size);
-  h.Mix(plan.offsets);
-  h.Mix(plan.sample_ids);
-  h.Mix(plan.skipped);
-  return h.value();
-}
-
-inline uint64_t HashPlan(const DynamicPlan& plan) {
-  PlanHasher h;
-  h.Mix(plan.num_microbatches);
-  h.Mix(plan.domain_size);
-  for (const auto& groups : plan.microbatches) {
-    h.Mix(static_cast<int64_t>(groups.size()));
-    for (const CpGroup& g : groups) {
-      h.Mix(g.first_rank);
-      h.Mix(g.num_ranks);
-      h.Mix(g.sample_ids);
-    }
-  }
-  h.Mix(plan.skipped);
-  return h.value();
-}
+// The plan hash loaders (or heads) compare under check_plan_hash (step_plan.cc): FNV-1a over
+// the plan's int64 values.
+uint64_t HashPlan(const Plan& plan);
+uint64_t HashPlan(const DynamicPlan& plan);
 
 // Every planner of `group` holds the same hash `h` (one all-reduce of 4 int64), else Internal
 // naming `what` and the step.
-inline Status AgreeOnPlanHash(ProcessGroup& group, uint64_t h, const std::string& what, int64_t step) {
-  const int64_t lo = static_cast<int64_t>(h & 0xffffffffu), hi = static_cast<int64_t>(h >> 32);
-  std::vector<int64_t> v = {lo, hi, -lo, -hi};
-  THDPACK_RETURN_IF_ERROR(group.AllReduceInt64(std::span<int64_t>(v), ReduceOp::kMin));
-  if (v[0] != lo || v[1] != hi || v[2] != -lo || v[3] != -hi) {
-    return Status::Internal(what + " of step " + std::to_string(step) +
-                            " differs between planners (hash check)");
-  }
-  return Status::Ok();
-}
+Status AgreeOnPlanHash(ProcessGroup& group, uint64_t h, const std::string& what, int64_t step);
 
 // The step's metadata header, common to both kinds of step.
 inline StepMeta MetaHeader(int64_t step, int64_t epoch, int dp_size, int replica,
@@ -217,16 +78,6 @@ struct SampleRef {
   const std::vector<std::vector<std::byte>>* own_fields = nullptr;
 };
 
-// What every rank of a microbatch learns of its sequences, in packed order (made by the packer,
-// sent with the metadata): the samples' ids and loss-token counts, a blend's sources, and the
-// rows of the sample fields (one buffer per sample field of the schema, n rows each).
-struct SequenceInfo {
-  std::vector<int64_t> ids;
-  std::vector<int64_t> n_targets;
-  std::vector<int32_t> sources;  // a blend only
-  std::vector<std::vector<std::byte>> sample_fields;
-};
-
 }  // namespace runner_internal
 
 class StepRunner::Impl {
@@ -236,10 +87,10 @@ class StepRunner::Impl {
   Impl(ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options)
       : world_(world), topo_(topology), opts_(options), groups_(topology, options.max_cp_groups) {}
 
-  Status Init();
-  Result<RankStep> Next();
+  Status Init();  // step_open.cc
+  Result<RankStep> Next();  // step_runner.cc (a dynamic step: NextDynamic, dynamic_step.cc)
   const RunState& state() const { return state_; }
-  Status Restore(const RunState& state);
+  Status Restore(const RunState& state);  // step_read.cc
   bool reads() const { return reader_; }
 
  private:
@@ -280,11 +131,75 @@ class StepRunner::Impl {
     EndPhase(out);
     return Agree(local, context);
   }
+  // Each phase's work, by the file that holds it (step order; step_runner.cc drives them).
+  // step_runner.cc: a new step of this rank, and the per-step state reset.
+  RankStep StartStep(bool is_loader);
+
+  // step_read.cc - reading and resume.
+  // Readers: the run's fingerprint, checked against a resumed state's, and the reader moved to
+  // the start; state_ then holds where the run starts.
+  Status StartReading();
+  // Every rank: the state where the run starts, from world rank 0 (a reader in every mode).
+  Status ShareStart();
+  Status ReadShare(RankStep& out);
+  // The read phase: ReadShare on the readers, agreed; with a fed source, its end agreed first
+  // (every loader's at the same step boundary: kEndOfData on every rank; some only: an error).
+  Status ReadPhase(RankStep& out);
+  // After a step: state_ moved past it (after_), copied into the step.
+  Status CommitPosition(RankStep& out);
+
+  // step_keep_groups.cc - keep_groups' group ids.
+  // Checks StepRunnerOptions::group_field against keep_groups and the schema; sets
+  // group_field_.
+  Status FindGroupField();
+  // The group id a sample carries (its group field, int32 or int64).
+  int64_t GroupOf(const Sample& x) const;
+
+  // step_lengths.cc - the lengths phase over `group`, whose member d * loader_stride is loader
+  // d (the others read nothing).
+  Status ExchangeLengths(ProcessGroup& group, int loader_stride, RankStep& out);
+
+  // step_plan.cc - the static plan.
+  Status MakePlan(RankStep& out);
+
+  // step_exchange.cc - the token exchange.
+  Status MoveSamples(ProcessGroup& group, const std::vector<SampleLength>& samples,
+                     const std::vector<std::vector<int64_t>>& send_ps,
+                     const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
+                     const std::function<bool(int64_t)>& keeps);
+  Status ExchangeTokens(RankStep& out);
+
+  // step_pack.cc - packing.
+  Status PackReplica(RankStep& out);
+  // The packer's side of SequenceInfo and the per-token fields: for microbatch m, the sequences
+  // at scheduling positions `ps` (packed order) with `layout` over a group of cp_size ranks, into
+  // the shards given (each for its cp_rank; a shard holding tokens gets the input fields, one
+  // holding labels the target fields).
+  Status PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
+                       const Layout& layout, int cp_size, std::vector<PackedShard>& shards);
+
+  // step_deliver.cc - delivery.
+  // A packed step's metadata: encoded for delivery (tp0: meta_bytes_), else validated.
+  Status SealMeta(const StepMeta& meta);
+  // The deliver phase: with a `group`, its member 0 broadcasts the metadata (AcceptMeta on the
+  // others, agreed) and then receive() runs; with none (data on every rank), nothing moves.
+  // Then, agreed, `then` (the dynamic step's groups) when given.
+  Status Deliver(RankStep& out, ProcessGroup* group, const std::string& sender,
+                 const std::function<Status()>& receive, const std::function<Status()>& then);
+  Status DeliverMeta(ProcessGroup& group);
   // The metadata a rank received (meta_bytes_) from `sender`, decoded and checked against this
   // rank's topology and step (a dynamic step's also against its domain rank, with groups);
   // kept in out.meta and out.epoch when good.
   Status AcceptMeta(RankStep& out, const std::string& sender, bool dynamic);
+  Status SendShard(ProcessGroup& group, int member, int member_pp, const PackedShard& sh);
+  Status RecvShard(ProcessGroup& group, size_t local_tokens, PackedShard& sh);
+  Status ReceiveShards(RankStep& out);
 
+  // step_local.cc - the local microbatches.
+  LocalMicrobatch MakeLocal(RankStep& out, size_t m, int cp_size, int cp_rank);
+  void FinishLocal(RankStep& out);
+
+  // dynamic_step.cc - the dynamic scheduler's step.
   Status InitDynamic();
   Result<RankStep> NextDynamic();
   Status MakeDynamicPlan(RankStep& out);
@@ -294,54 +209,6 @@ class StepRunner::Impl {
   Status MakeGroups(RankStep& out);
   void FinishLocalDynamic(RankStep& out);
   int DomainIndex() const { return coord_.dp * topo_.cp_size() + coord_.cp; }
-
-  // Readers: the run's fingerprint, checked against a resumed state's, and the reader moved to
-  // the start; state_ then holds where the run starts.
-  Status StartReading();
-  // Every rank: the state where the run starts, from world rank 0 (a reader in every mode).
-  Status ShareStart();
-  // After a step: state_ moved past it (after_), copied into the step.
-  Status CommitPosition(RankStep& out);
-  // The step's count of sequences with a loss token and what each microbatch's sequences are
-  // (mb_info_) as words after the position in the metadata broadcast, and back.
-  void AppendSequences(runner_internal::PositionWords* w) const;
-  Status ReadSequences(const runner_internal::PositionWords& w, size_t at);
-  // The packer's side of SequenceInfo and the per-token fields: for microbatch m, the sequences
-  // at scheduling positions `ps` (packed order) with `layout` over a group of cp_size ranks, into
-  // the shards given (each for its cp_rank; a shard holding tokens gets the input fields, one
-  // holding labels the target fields).
-  Status PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
-                       const Layout& layout, int cp_size, std::vector<PackedShard>& shards);
-  Status ReadShare(RankStep& out);
-  // The read phase: ReadShare on the readers, agreed; with a fed source, its end agreed first
-  // (every loader's at the same step boundary: kEndOfData on every rank; some only: an error).
-  Status ReadPhase(RankStep& out);
-  Status MakePlan(RankStep& out);
-  Status ExchangeTokens(RankStep& out);
-  Status PackReplica(RankStep& out);
-  Status ReceiveShards(RankStep& out);
-  void FinishLocal(RankStep& out);
-
-  // Shared by the static and the dynamic step.
-  RankStep StartStep(bool is_loader);
-  // The lengths phase over `group`, whose member d * loader_stride is loader d (the others
-  // read nothing).
-  Status ExchangeLengths(ProcessGroup& group, int loader_stride, RankStep& out);
-  // The deliver phase: with a `group`, its member 0 broadcasts the metadata (AcceptMeta on the
-  // others, agreed) and then receive() runs; with none (data on every rank), nothing moves.
-  // Then, agreed, `then` (the dynamic step's groups) when given.
-  Status Deliver(RankStep& out, ProcessGroup* group, const std::string& sender,
-                 const std::function<Status()>& receive, const std::function<Status()>& then);
-  Status MoveSamples(ProcessGroup& group, const std::vector<SampleLength>& samples,
-                     const std::vector<std::vector<int64_t>>& send_ps,
-                     const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
-                     const std::function<bool(int64_t)>& keeps);
-  Status DeliverMeta(ProcessGroup& group);
-  // A packed step's metadata: encoded for delivery (tp0: meta_bytes_), else validated.
-  Status SealMeta(const StepMeta& meta);
-  Status SendShard(ProcessGroup& group, int member, int member_pp, const PackedShard& sh);
-  Status RecvShard(ProcessGroup& group, size_t local_tokens, PackedShard& sh);
-  LocalMicrobatch MakeLocal(RankStep& out, size_t m, int cp_size, int cp_rank);
 
   ProcessGroup& world_;
   Topology topo_;
@@ -408,11 +275,6 @@ class StepRunner::Impl {
   int group_field_ = -1;
   Truncation own_cut_;  // oversize 'truncate': what this loader cut of its share this step
   std::vector<int64_t> step_groups_;
-  // Checks StepRunnerOptions::group_field against keep_groups and the schema; sets
-  // group_field_.
-  Status FindGroupField();
-  // The group id a sample carries (its group field, int32 or int64).
-  int64_t GroupOf(const Sample& x) const;
   bool started_ = false;  // a step was run (Restore is refused then)
   Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };
