@@ -116,12 +116,8 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
   meta = MetaHeader(step_, out.epoch, topo_.dp_size(), coord_.dp, opts_.schedule.parallel,
                     plan.skipped);
   meta.domain_rank = me;
-  n_loss_sequences_ = 0;
-  for (size_t p = 0; p < out.samples.size(); ++p) {
-    if (group_of_[p].second == 0) continue;
-    meta.n_loss_tokens += out.samples[p].n_targets;
-    n_loss_sequences_ += out.samples[p].n_targets > 0 ? 1 : 0;
-  }
+  n_loss_sequences_ =
+      AddLossSums(out.samples, [&](size_t p) { return group_of_[p].second != 0; }, meta);
   PackOptions po;
   po.pad_id = opts_.pad_id;
   const bool tp0 = opts_.data_on == DataOn::kTp0;

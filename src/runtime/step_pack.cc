@@ -1,8 +1,8 @@
 // Phase 5, pack (design.md section 7, step 4): each loader packs its replica's microbatches
 // (PackReplica: every CP rank's shards with tp0, only its own with --data-on all) and makes the
-// replica's StepMeta (its header and token sums: runner_internal::MetaHeader, AddMicrobatch)
-// and each microbatch's sequences (PackSequences: ids, loss-token counts, sources, sample
-// fields, and the per-token fields into the shards - shared with the dynamic step's
+// replica's StepMeta (its header and token sums: runner_internal::MetaHeader, AddMicrobatch,
+// AddLossSums) and each microbatch's sequences (PackSequences: ids, loss-token counts, sources,
+// sample fields, and the per-token fields into the shards - shared with the dynamic step's
 // PackDynamic, dynamic_step.cc). Ends by sealing the metadata for delivery (SealMeta,
 // step_deliver.cc). Sends nothing.
 // Depends on: step_plan.cc (the plan, replica_of_), step_exchange.cc (refs_).
@@ -31,12 +31,8 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   po.fixed_tokens = FixedMicrobatchTokens(opts_.schedule);
   StepMeta& meta = out.meta;
   meta = MetaHeader(step_, out.epoch, topo_.dp_size(), me, opts_.schedule.parallel, plan.skipped);
-  n_loss_sequences_ = 0;
-  for (size_t p = 0; p < out.samples.size(); ++p) {
-    if (replica_of_[p] < 0) continue;
-    meta.n_loss_tokens += out.samples[p].n_targets;
-    n_loss_sequences_ += out.samples[p].n_targets > 0 ? 1 : 0;
-  }
+  n_loss_sequences_ =
+      AddLossSums(out.samples, [&](size_t p) { return replica_of_[p] >= 0; }, meta);
   const bool tp0 = opts_.data_on == DataOn::kTp0;
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});

@@ -67,6 +67,20 @@ inline void AddMicrobatch(StepMeta& meta, Layout layout, int64_t n_valid) {
   meta.microbatches.push_back(std::move(mm));
 }
 
+// The step's loss sums, for both kinds of step: the loss-token counts of the samples the plan
+// keeps (kept(p) for scheduling position p; a skipped sample counts nothing) added to
+// meta.n_loss_tokens, and the count of those sequences with a loss token returned.
+template <typename Kept>
+int64_t AddLossSums(std::span<const SampleLength> samples, Kept&& kept, StepMeta& meta) {
+  int64_t n_loss_sequences = 0;
+  for (size_t p = 0; p < samples.size(); ++p) {
+    if (!kept(p)) continue;
+    meta.n_loss_tokens += samples[p].n_targets;
+    n_loss_sequences += samples[p].n_targets > 0 ? 1 : 0;
+  }
+  return n_loss_sequences;
+}
+
 // A received sample: views into the exchange buffer (or into the loader's own sample).
 struct SampleRef {
   const TokenId* tokens = nullptr;
