@@ -164,13 +164,19 @@ __device__ __forceinline__ uint4 Load16(const uint4* p, bool read_only) {
   return read_only ? __ldg(p) : *p;
 }
 
+// One thread's state over its columns of x[0..V) (ForEachColumn's split of the block's threads;
+// version 2: AddLogits per 16-byte vector, kBatch loads in flight), before the block merges it.
 // read_only: nothing writes the logits during this kernel, so they may go through the
-// read-only data cache (__ldg); false in place, where the same kernel overwrites them.
-template <int kDtype, int kThreads, int kVersion>
-__device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V,
-                                            bool vectors, bool read_only) {
+// read-only data cache (__ldg); false in place, where the same kernel overwrites them. With
+// kStage, every vector and element read is also written to stage at its offset (the one-read
+// kernel's shared-memory copy of the row), in the order it is folded.
+template <int kDtype, int kThreads, int kVersion, bool kStage>
+__device__ __forceinline__ RowState ThreadPass(const typename Elem<kDtype>::Bits* x, int64_t V,
+                                               bool vectors, bool read_only, uint4* stage) {
   using E = Elem<kDtype>;
+  using Bits = typename E::Bits;
   using VT = Vec<kDtype>;
+  Bits* staged = reinterpret_cast<Bits*>(stage);
   RowState st = EmptyState();
   if constexpr (kVersion >= 2) {
     const uint4* p = reinterpret_cast<const uint4*>(x);
@@ -188,11 +194,22 @@ __device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x
             r[u] = Load16(p + k + static_cast<int64_t>(u) * n, read_only);
           }
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) fold(r[u]);
+          for (int u = 0; u < kBatch; ++u) {
+            if constexpr (kStage) stage[k + static_cast<int64_t>(u) * n] = r[u];
+            fold(r[u]);
+          }
         },
-        [&](int64_t k) { fold(Load16(p + k, read_only)); },
-        [&](int64_t v) { AddLogit(st, LoadOne<kDtype>(x + v)); });
-    return BlockMerge<kThreads>(st);
+        [&](int64_t k) {
+          const uint4 r = Load16(p + k, read_only);
+          if constexpr (kStage) stage[k] = r;
+          fold(r);
+        },
+        [&](int64_t v) {
+          const Bits b = x[v];
+          if constexpr (kStage) staged[v] = b;
+          AddLogit(st, LoadOne<kDtype>(&b));
+        });
+    return st;
   }
   ForEachColumn(
       threadIdx.x, kThreads, V, VT::kN, vectors,
@@ -200,11 +217,24 @@ __device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x
         typename VT::U u;
         const uint4* p = reinterpret_cast<const uint4*>(x) + k;
         u.raw = read_only ? __ldg(p) : *p;
+        if constexpr (kStage) stage[k] = u.raw;
 #pragma unroll
         for (int e = 0; e < VT::kN; ++e) AddLogit(st, E::ToFloat(u.e[e]));
       },
-      [&](int64_t v) { AddLogit(st, E::ToFloat(x[v])); });
-  return BlockMerge<kThreads>(st);
+      [&](int64_t v) {
+        const Bits b = x[v];
+        if constexpr (kStage) staged[v] = b;
+        AddLogit(st, E::ToFloat(b));
+      });
+  return st;
+}
+
+// The row's state in every thread of the block (ThreadPass, then the block's merge).
+template <int kDtype, int kThreads, int kVersion>
+__device__ __forceinline__ RowState RowPass(const typename Elem<kDtype>::Bits* x, int64_t V,
+                                            bool vectors, bool read_only) {
+  return BlockMerge<kThreads>(
+      ThreadPass<kDtype, kThreads, kVersion, false>(x, V, vectors, read_only, nullptr));
 }
 
 // The gradient row: (exp(z - lse) - [v == y]) * scale, or zeros when !counted.
@@ -392,10 +422,10 @@ __global__ void __launch_bounds__(kThreads, (MinBlocks<kThreads, kVersion>()))
 //
 // Block c of a cluster of `cs` blocks (1-D clusters: c = blockIdx.x % cs) takes row
 // blockIdx.x / cs's columns [c * slice, c * slice + slice), reads them from global memory once
-// into its shared memory while folding them into its state (the same per-thread columns and
-// block merge as RowPass), and publishes that state. After a cluster barrier every block merges
-// the cluster's states in rank order through distributed shared memory (every block the same
-// row state), block 0 reads the target logit from the block that holds it, and a second
+// into its shared memory while folding them into its state (RowPass's ThreadPass, staging what
+// it reads, and block merge), and publishes that state. After a cluster barrier every block
+// merges the cluster's states in rank order through distributed shared memory (every block the
+// same row state), block 0 reads the target logit from the block that holds it, and a second
 // barrier lets no block leave while another still reads its shared memory. Then each block
 // writes the gradient of its columns from its shared copy: the logits are read once and the
 // gradient written once (in place too: a block overwrites only the columns it has staged).
@@ -405,7 +435,6 @@ template <int kDtype, int kThreads, int kVersion>
 __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int64_t slice) {
   using E = Elem<kDtype>;
   using Bits = typename E::Bits;
-  using VT = Vec<kDtype>;
   extern __shared__ uint4 staged_raw[];
   Bits* staged = reinterpret_cast<Bits*>(staged_raw);
   const int64_t r = blockIdx.x / cs;
@@ -424,55 +453,8 @@ __global__ void __launch_bounds__(kThreads) OneReadKernel(CeArgs a, int cs, int6
   float lse = 0.0f;
   if (counted) {  // the same for every block of the cluster: all of them reach the barriers
     const bool read_only = g != static_cast<const void*>(x);
-    RowState st = EmptyState();
-    if constexpr (kVersion >= 2) {
-      const uint4* p = reinterpret_cast<const uint4*>(x);
-      auto fold = [&](const uint4& raw) {
-        float z[VT::kN];
-        Unpack<kDtype>(raw, z);
-        AddLogits<VT::kN>(st, z);
-      };
-      ForEachColumnBatched<kBatch>(
-          threadIdx.x, kThreads, n, VT::kN, vectors,
-          [&](int64_t k, int stride) {
-            uint4 b[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-              b[u] = Load16(p + k + static_cast<int64_t>(u) * stride, read_only);
-            }
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-              staged_raw[k + static_cast<int64_t>(u) * stride] = b[u];
-              fold(b[u]);
-            }
-          },
-          [&](int64_t k) {
-            const uint4 b = Load16(p + k, read_only);
-            staged_raw[k] = b;
-            fold(b);
-          },
-          [&](int64_t v) {
-            const Bits b = x[v];
-            staged[v] = b;
-            AddLogit(st, LoadOne<kDtype>(&b));
-          });
-    } else {
-      ForEachColumn(
-          threadIdx.x, kThreads, n, VT::kN, vectors,
-          [&](int64_t k) {
-            const uint4* p = reinterpret_cast<const uint4*>(x) + k;
-            typename VT::U u;
-            u.raw = read_only ? __ldg(p) : *p;
-            staged_raw[k] = u.raw;
-#pragma unroll
-            for (int e = 0; e < VT::kN; ++e) AddLogit(st, E::ToFloat(u.e[e]));
-          },
-          [&](int64_t v) {
-            const Bits b = x[v];
-            staged[v] = b;
-            AddLogit(st, E::ToFloat(b));
-          });
-    }
+    RowState st =
+        ThreadPass<kDtype, kThreads, kVersion, true>(x, n, vectors, read_only, staged_raw);
     st = BlockMerge<kThreads>(st);  // its barriers also make `staged` whole for the block
     RowState row = st;
     float target = 0.0f;
