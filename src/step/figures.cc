@@ -27,14 +27,33 @@ std::string AppendRawFields(std::string object_text,
   return object_text;
 }
 
-// What the oversize policy cut, in a step's or a summary's JSON (the same keys in both).
-void PutCuts(Json& j, const Truncation& truncated, const SplitCounts& split) {
-  j["n_truncated"] = truncated.samples;
-  j["truncated_tokens"] = truncated.tokens;
-  j["truncated_targets"] = truncated.targets;
-  j["n_split"] = split.samples;
-  j["split_pieces"] = split.pieces;
-  j["split_lost_targets"] = split.lost_targets;
+// The keys a step's and a summary's JSON share, written once for both (figures.h lists them
+// in order): a step's come from its StepFigures `f` and their PlanFigures `p`, a summary's all
+// from its SummaryFigures (passed as both). Each call writes a run of keys that stands in both
+// objects in the same order; the keys of one kind alone stand between the runs.
+
+// What the oversize policy cut, then the token totals (sum_sq an integer in a step, a double in
+// a summary).
+template <typename Figures, typename Totals>
+void PutCutsAndTotals(Json& j, const Figures& f, const Totals& p) {
+  j["n_truncated"] = f.truncated.samples;
+  j["truncated_tokens"] = f.truncated.tokens;
+  j["truncated_targets"] = f.truncated.targets;
+  j["n_split"] = f.split.samples;
+  j["split_pieces"] = f.split.pieces;
+  j["split_lost_targets"] = f.split.lost_targets;
+  j["real_tokens"] = p.real_tokens;
+  j["padded_tokens"] = p.padded_tokens;
+  j["sum_sq"] = p.sum_sq;
+  j["n_loss_tokens"] = p.n_loss_tokens;
+}
+
+// Padding and fill, then the FLOPs (null without a FLOPs model).
+template <typename Figures, typename Totals>
+void PutFillAndFlops(Json& j, const Figures& f, const Totals& p) {
+  j["pad_fraction"] = p.pad_fraction;
+  j["fill"] = p.fill;
+  j["flops"] = f.has_flops ? Json(f.flops) : Json(nullptr);
 }
 
 }  // namespace
@@ -186,15 +205,9 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["n_skipped"] = p.n_skipped;
   j["skipped"] = f.skipped;
   j["n_empty"] = f.n_empty;
-  PutCuts(j, f.truncated, f.split);
-  j["real_tokens"] = p.real_tokens;
-  j["padded_tokens"] = p.padded_tokens;
-  j["sum_sq"] = p.sum_sq;
-  j["n_loss_tokens"] = p.n_loss_tokens;
+  PutCutsAndTotals(j, f, p);
   j["imbalance"] = p.imbalance;
-  j["pad_fraction"] = p.pad_fraction;
-  j["fill"] = p.fill;
-  j["flops"] = f.has_flops ? Json(f.flops) : Json(nullptr);
+  PutFillAndFlops(j, f, p);
   j["lower_bound"] = p.lower_bound;
   j["max_replica_cost"] = p.max_replica_cost;
   j["max_microbatch_spread"] = p.max_microbatch_spread;
@@ -258,16 +271,10 @@ std::string SummaryFiguresJson(const SummaryFigures& s,
   j["n_samples"] = s.n_samples;
   j["n_skipped"] = s.n_skipped;
   j["n_empty"] = s.n_empty;
-  PutCuts(j, s.truncated, s.split);
-  j["real_tokens"] = s.real_tokens;
-  j["padded_tokens"] = s.padded_tokens;
-  j["sum_sq"] = s.sum_sq;
-  j["n_loss_tokens"] = s.n_loss_tokens;
+  PutCutsAndTotals(j, s, s);
   j["mean_imbalance"] = s.mean_imbalance;
   j["max_imbalance"] = s.max_imbalance;
-  j["pad_fraction"] = s.pad_fraction;
-  j["fill"] = s.fill;
-  j["flops"] = s.has_flops ? Json(s.flops) : Json(nullptr);
+  PutFillAndFlops(j, s, s);
   j["max_microbatch_spread"] = s.max_microbatch_spread;
   j["sim_step_time"] = s.has_sim_step_time ? Json(s.sim_step_time) : Json(nullptr);
   if (!s.sources.empty()) j["sources"] = SourcesJson(s.sources);
