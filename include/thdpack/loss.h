@@ -276,6 +276,13 @@ struct ShardSequences {
 // it with the same size. Returns an error (or the caller's exception passes through) on failure.
 using AllReduceSum = std::function<Status(std::span<double> values)>;
 
+// Whether the rank at cp_rank of a CP group counts the whole sequences of a microbatch (their
+// per-sequence terms: perplexity, per-sequence means, the count of sequences): each sequence is
+// counted once over the group, on its rank 0. The one statement of that rule:
+// ReduceSequencesOverCp, AddShardBySource and thdpack.torch (its device statistics,
+// RLStatistics) ask it.
+inline bool CountsWholeSequences(int cp_rank) { return cp_rank == 0; }
+
 // The CP reduction of one microbatch's shard statistics (AccumulateShardLoss with the same
 // sequence keys on every CP rank, e.g. empty): per-sequence log-prob sums and loss-token counts
 // are summed over the CP group with all_reduce_sum (2n doubles, keys in order; counts are exact

@@ -202,6 +202,10 @@ reduced, and each sequence's perplexity term is kept on CP rank 0 only.)doc")
 }
 
 void BindLoss(py::module_& m) {
+  m.def("counts_whole_sequences", &CountsWholeSequences, py::arg("cp_rank"),
+        "Whether CP rank cp_rank counts a microbatch's whole sequences (per-sequence terms and "
+        "the sequence count): each is counted once over its CP group, on rank 0 "
+        "(CountsWholeSequences of thdpack/loss.h).");
   m.def(
       "gradient_factor",
       [](bool framework_averages, int dp_size, int cp_size) {

@@ -125,7 +125,7 @@ Status ReduceSequencesOverCp(const AllReduceSum& all_reduce_sum, int cp_rank, Lo
     ++i;
   }
   THDPACK_RETURN_IF_ERROR(all_reduce_sum(std::span<double>(v)));
-  if (cp_rank != 0) {
+  if (!CountsWholeSequences(cp_rank)) {
     stats->sequences.clear();
     return Status::Ok();
   }
@@ -247,7 +247,7 @@ Status AddShardBySource(const CrossEntropyResult& result, std::span<const int32_
     }
   }
   if (cp_size > 1) THDPACK_RETURN_IF_ERROR((*all_reduce_sum)(std::span<double>(seq)));
-  if (cp_rank == 0) {  // whole sequences, counted once: on the CP group's rank 0
+  if (CountsWholeSequences(cp_rank)) {
     for (size_t i = 0; i < n; ++i) {
       THDPACK_ASSIGN_OR_RETURN(const int64_t count,
                                CountOf(seq[n + i], f.c_str(),

@@ -63,7 +63,7 @@ def shard_sums(logprob, entropy, counted, local_cu, n_real, cp_size, cp_rank, cp
     if cp_size > 1:  # add_shard has checked that cp_group is given
         dist.all_reduce(seq, group=cp_group)
     seq_lp, seq_cnt = seq[0], seq[1]
-    if cp_rank == 0:  # the CP group's sequences count once: on its rank 0
+    if _thdpack.counts_whole_sequences(int(cp_rank)):  # each sequence once over CP
         has = seq_cnt > 0
         ppl = torch.where(has, torch.exp(-seq_lp / seq_cnt.clamp(min=1)), nil).sum()
         n_ppl = has.to(f64).sum()

@@ -18,6 +18,8 @@ in them (a GSPO sequence ratio, a DPO pair's log-probability sum).
 import torch
 import torch.distributed as dist
 
+from .. import _thdpack
+
 AGGREGATE_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                    "seq-mean-token-sum-norm")
 
@@ -189,12 +191,12 @@ class RLStatistics:
         self._sums += stacked[keep].sum(0).cpu()
         self._tokens += int(keep.sum())
         # Per-sequence means over the whole sequences: sums reduced over the CP group, each
-        # sequence then counted on one CP rank only (cp_rank 0).
+        # sequence then counted on one CP rank only (counts_whole_sequences: the C++ rule).
         with torch.no_grad():
             seq_sums = sequence_sums(stacked, mb)
         n = mb["seq_n_targets"].to(torch.float64)
         has = n > 0
-        if int(mb["cp_rank"]) == 0:
+        if _thdpack.counts_whole_sequences(int(mb["cp_rank"])):
             self._seq_sums += (seq_sums.cpu()[has] / n[has].unsqueeze(1)).sum(0)
             self._sequences += int(has.sum())
 
