@@ -124,7 +124,8 @@ inline StepRunnerOptions FedWithFields(const Job& job,
       mine.push_back(SampleAt(first_position + k * dp + loader));
       if (edit) edit(mine.back());
     }
-    return FedStepShare(n, dp, step, first_position, loader, std::move(mine));
+    THDPACK_ASSIGN_OR_RETURN(const FedShares fed, FedShares::Create(n, dp));
+    return fed.Share(step, first_position, loader, std::move(mine));
   };
   return o;
 }
@@ -254,10 +255,38 @@ inline Status RunFieldsCase(ProcessGroup& w, const Job& job, int64_t steps, int 
   return Status::Ok();
 }
 
+// A microbatch's values for UnpackStep: a field's packed buffer as [T/CP, *shape] of its dtype,
+// or none (shape empty) where the rank holds no buffer of it.
+struct UnpackInput {
+  std::vector<UnpackMicrobatch> mbs;
+  std::vector<std::vector<int64_t>> shapes;  // what mbs' shape spans point into
+};
+inline UnpackInput UnpackValuesOf(const RankStep& step, size_t f, bool pass) {
+  const FieldSpec& spec = kSchema[f];
+  UnpackInput in;
+  in.shapes.reserve(step.microbatches.size());
+  for (const LocalMicrobatch& m : step.microbatches) {
+    UnpackMicrobatch u{m.cu_seqlens, m.cu_seqlens_padded, m.cp_size, m.cp_rank, m.idle,
+                       m.sample_ids, m.fields[f], spec.dtype, {}};
+    std::vector<int64_t> shape;
+    if (pass && step.last_stage) {
+      shape.push_back(static_cast<int64_t>(m.fields[f].size() / spec.row_bytes()));
+      shape.insert(shape.end(), spec.shape.begin(), spec.shape.end());
+    } else {
+      u.values = {};
+    }
+    in.shapes.push_back(std::move(shape));
+    u.shape = in.shapes.back();
+    in.mbs.push_back(u);
+  }
+  return in;
+}
+
 // Every rank: one step, then UnpackStep of the packed values of a scalar float32 and a [L, 3]
-// float64 target field; every loader must get its samples' fields back (row 0 the fill). With
-// `silent` >= 0 that rank passes no values: where it held a microbatch, every rank must get an
-// error (the loaders' naming the missing values). *held: set when the silent rank held one.
+// float64 target field; every loader must get its samples' fields back (row 0 the fill) with
+// the field's dtype and row shape. With `silent` >= 0 that rank passes no values: where it held
+// a microbatch, every rank must get an error (the loaders' naming the missing values). *held:
+// set when the silent rank held one.
 inline Status RunUnpackCase(ProcessGroup& w, const Job& job, int silent,
                             std::atomic<bool>* held) {
   const StepRunnerOptions options = FedWithFields(job);
@@ -281,17 +310,9 @@ inline Status RunUnpackCase(ProcessGroup& w, const Job& job, int silent,
   if (held != nullptr && holds[0] != 0) *held = true;
   for (size_t f : {size_t{0}, size_t{2}}) {
     const FieldSpec& spec = kSchema[f];
-    std::vector<UnpackMicrobatch> mbs;
-    for (const LocalMicrobatch& m : step.microbatches) {
-      UnpackMicrobatch u{m.cu_seqlens, m.cu_seqlens_padded, m.cp_size, m.cp_rank, m.idle,
-                         m.sample_ids, m.fields[f]};
-      if (w.rank() == silent) u.values = {};
-      mbs.push_back(u);
-    }
-    const std::vector<std::byte> fill = FillRow(spec);
-    UnpackArgs args{0, batch, own, spec.row_bytes(), fill};
-    Result<std::vector<std::vector<std::byte>>> got =
-        UnpackStep(w, job.topology, options, mbs, args);
+    const UnpackInput in = UnpackValuesOf(step, f, w.rank() != silent);
+    UnpackArgs args{0, batch, own, spec.fill};
+    Result<UnpackedValues> got = UnpackStep(w, job.topology, options, in.mbs, args);
     if (holds[0] != 0) {
       if (got.ok()) return Status::Internal("unpack without one rank's values succeeded");
       if (got.status().message().find("must pass its values") == std::string::npos &&
@@ -301,11 +322,16 @@ inline Status RunUnpackCase(ProcessGroup& w, const Job& job, int silent,
       return Status::Ok();
     }
     if (!got.ok()) return got.status();
-    if (got->size() != own.size()) return Status::Internal("unpack: sample count");
+    if (got->dtype != spec.dtype || got->row_shape != spec.shape) {
+      return Status::Internal("unpack: the agreed dtype or row shape is not field " + spec.name +
+                              "'s");
+    }
+    if (got->samples.size() != own.size()) return Status::Internal("unpack: sample count");
+    const std::vector<std::byte> fill = FillRow(spec);
     for (size_t k = 0; k < own.size(); ++k) {
       std::vector<std::byte> want = SampleAt(static_cast<int64_t>(k) * dp + me.dp).fields[f];
       std::memcpy(want.data(), fill.data(), fill.size());
-      if ((*got)[k] != want) {
+      if (got->samples[k] != want) {
         return Status::Internal("unpack: field " + spec.name + " of loader sample " +
                                 std::to_string(k) + " differs");
       }
@@ -314,6 +340,52 @@ inline Status RunUnpackCase(ProcessGroup& w, const Job& job, int silent,
   return Status::Ok();
 }
 
+// How `odd` passes its values in RunUnpackMismatchCase.
+enum class OddValues { kDtype, kShape, kWithin };
+
+// Every rank: one step, then UnpackStep of field 2 (float64 [L, 3]) where rank `odd` (of the
+// last stage) passes its values as another dtype (the same bytes as int64), another row shape
+// ([3 T/CP] float64), or one microbatch of its own of another dtype than its others (kWithin;
+// *skipped where it holds fewer than two). Each rank's error message goes to messages[rank].
+inline Status RunUnpackMismatchCase(ProcessGroup& w, const Job& job, int odd, OddValues how,
+                                    std::vector<std::string>* messages,
+                                    std::atomic<bool>* skipped) {
+  const StepRunnerOptions options = FedWithFields(job);
+  THDPACK_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(w, job.topology, options));
+  THDPACK_ASSIGN_OR_RETURN(RankStep step, runner->Next());
+  THDPACK_ASSIGN_OR_RETURN(Coord me, job.topology.CoordOf(w.rank()));
+  std::vector<int64_t> own;
+  if (ReadsShare(me, options)) {
+    for (int64_t k = 0; k < LoaderCount(job.options.global_batch, job.topology.dp_size(), me.dp);
+         ++k) {
+      own.push_back(static_cast<int64_t>(SampleAt(k * job.topology.dp_size() + me.dp)
+                                             .tokens.size()));
+    }
+  }
+  std::vector<int64_t> two = {w.rank() == odd && step.microbatches.size() >= 2 ? 1 : 0};
+  THDPACK_RETURN_IF_ERROR(w.AllReduceInt64(std::span<int64_t>(two), ReduceOp::kMax));
+  if (how == OddValues::kWithin && two[0] == 0) {
+    *skipped = true;
+    return Status::Ok();
+  }
+  UnpackInput in = UnpackValuesOf(step, 2, true);
+  if (w.rank() == odd) {
+    for (size_t m = 0; m < in.mbs.size(); ++m) {
+      if (how == OddValues::kDtype) in.mbs[m].dtype = FieldDtype::kInt64;
+      if (how == OddValues::kWithin && m == 1) in.mbs[m].dtype = FieldDtype::kInt64;
+      if (how == OddValues::kShape) {
+        std::vector<int64_t>& shape = in.shapes[m];
+        shape = {shape[0] * shape[1]};
+        in.mbs[m].shape = shape;
+      }
+    }
+  }
+  UnpackArgs args{0, job.options.global_batch, own, 0.5};
+  Result<UnpackedValues> got = UnpackStep(w, job.topology, options, in.mbs, args);
+  if (got.ok()) return Status::Internal("unpack of mismatched values succeeded");
+  (*messages)[static_cast<size_t>(w.rank())] = got.status().ToString();
+  return Status::Ok();
+}
 
 // ---- Groups kept together (StepRunnerOptions::group_field, ScheduleOptions::keep_groups). ----
 

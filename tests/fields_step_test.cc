@@ -52,6 +52,46 @@ TEST(FieldsStep, UnpackGivesEveryLoaderItsSamplesBack) {
   }
 }
 
+// Values of another dtype or row shape on one rank are one error, the same on every rank (1 to
+// 8 ranks, every topology of the cases), naming both ranks' dtypes and row shapes; a rank whose
+// own microbatches differ is an error on every rank naming its microbatches.
+TEST(FieldsStep, UnpackValuesOfAnotherDtypeOrShapeAreOneErrorOnEveryRank) {
+  using testing::OddValues;
+  for (const FieldsCase& c : kFieldCases) {
+    SCOPED_TRACE(testing::Name(c));
+    const Job job = testing::MakeJob(c, 20);
+    const int world = job.topology.world_size();
+    const int odd = *job.topology.RankOf(Coord{0, c.cp - 1, c.dp - 1, c.pp - 1});
+    const bool other_sender = c.tp * c.cp * c.dp > 1;  // another rank of the last stage
+    for (OddValues how : {OddValues::kDtype, OddValues::kShape, OddValues::kWithin}) {
+      if (how != OddValues::kWithin && !other_sender) continue;
+      std::vector<std::string> messages(static_cast<size_t>(world));
+      std::atomic<bool> skipped{false};
+      ExpectAllOk(RunOnThreads(world, [&](ProcessGroup& w) {
+        return testing::RunUnpackMismatchCase(w, job, odd, how, &messages, &skipped);
+      }));
+      if (skipped) continue;
+      for (int r = 0; r < world; ++r) {
+        const std::string& m = messages[static_cast<size_t>(r)];
+        SCOPED_TRACE("rank " + std::to_string(r) + ": " + m);
+        if (how == OddValues::kWithin) {
+          EXPECT_NE(m.find("values of microbatch 1 are int64 [T/CP, 3], microbatch 0's float64 "
+                           "[T/CP, 3]"),
+                    std::string::npos);
+          continue;
+        }
+        EXPECT_EQ(m, messages[0]);
+        EXPECT_NE(m.find("rank " + std::to_string(odd) + " passed values of " +
+                         (how == OddValues::kDtype ? "int64 [T/CP, 3]" : "float64 [T/CP]")),
+                  std::string::npos);
+        EXPECT_NE(m.find("of float64 [T/CP, 3] (every rank's values are of one dtype and row "
+                         "shape)"),
+                  std::string::npos);
+      }
+    }
+  }
+}
+
 // A sample whose field has the wrong size fails the step on every rank, the loader's error
 // naming the sample, the field and the sizes; fields without a fed source are refused.
 TEST(FieldsStep, AFieldThatDoesNotFitIsAnErrorOnEveryRank) {

@@ -320,7 +320,7 @@ TEST(StepSource, ClosedMidRunLeavesNoRankWaiting) {
 }
 
 // A caller-fed source of mock-like samples: loader d has `steps_of(d)` steps of its share, then
-// says kEndOfData. Ids by the fed rule (FedStepShare).
+// says kEndOfData. Ids by the fed rule (FedShares).
 StepRunnerOptions FedOptions(const Job& job, std::function<int64_t(int)> steps_of) {
   StepRunnerOptions o = RunnerOptions(job);
   const int64_t n = job.options.global_batch;
@@ -335,7 +335,8 @@ StepRunnerOptions FedOptions(const Job& job, std::function<int64_t(int)> steps_o
       for (int64_t t = 0; t < length; ++t) x.tokens.push_back(static_cast<TokenId>(t * 7 % 500));
       mine.push_back(std::move(x));
     }
-    return FedStepShare(n, dp, step, first_position, loader, std::move(mine));
+    THDPACK_ASSIGN_OR_RETURN(const FedShares fed, FedShares::Create(n, dp));
+    return fed.Share(step, first_position, loader, std::move(mine));
   };
   return o;
 }

@@ -39,17 +39,29 @@
 namespace thdpack {
 
 enum class FieldKind : uint8_t { kInput, kTarget, kSample };
-enum class FieldDtype : uint8_t { kFloat32, kFloat64, kBFloat16, kInt32, kInt64, kUInt8, kBool };
+// The element types a field holds, and step.unpack's values (UnpackStep): the one list of them.
+// thdpack.torch takes its torch and NumPy dtypes from it (_thdpack.field_dtypes()).
+enum class FieldDtype : uint8_t {
+  kFloat32, kFloat64, kBFloat16, kInt32, kInt64, kUInt8, kBool, kFloat16
+};
 
 // "input" / "target" / "sample", and the inverse (InvalidArgument naming the text).
 std::string_view FieldKindName(FieldKind kind);
 [[nodiscard]] Result<FieldKind> ParseFieldKind(std::string_view text);
-// "float32", "float64", "bfloat16", "int32", "int64", "uint8", "bool" (NumPy's and torch's
-// names), and the inverse.
+// Every dtype, in the enum's order.
+std::span<const FieldDtype> AllFieldDtypes();
+// "float32", "float64", "bfloat16", "int32", "int64", "uint8", "bool", "float16" (NumPy's and
+// torch's names), and the inverse (InvalidArgument naming the text and listing the names).
 std::string_view FieldDtypeName(FieldDtype dtype);
 [[nodiscard]] Result<FieldDtype> ParseFieldDtype(std::string_view text);
-// Bytes of one element: 4, 8, 2, 4, 8, 1, 1.
+// Bytes of one element: 4, 8, 2, 4, 8, 1, 1, 2.
 size_t FieldDtypeSize(FieldDtype dtype);
+// One row of `width` >= 1 elements, each `value` in `dtype`: a field's fill row (FillRow), the
+// fill of step.unpack's values. InvalidArgument naming the value and the dtype when it is not
+// exactly representable there (an integer in range for the integer types, 0 or 1 for bool,
+// finite for floats, and a bfloat16 or float16 value must round-trip).
+[[nodiscard]] Result<std::vector<std::byte>> ValueRow(FieldDtype dtype, int64_t width,
+                                                       double value);
 
 struct FieldSpec {
   std::string name;                         // unique in the schema, not empty

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -175,17 +176,56 @@ std::vector<int64_t> LoaderIndices(int64_t n, int dp_size, int loader);
 int64_t LoaderCount(int64_t n, int dp_size, int loader);
 int64_t LoaderOffset(int64_t n, int dp_size, int loader);
 
-// One loader's share of step `step` from samples a caller fed it (thdpack.torch's iterable
-// sources): the loader's own samples of a step of global_batch samples starting at stream
-// position first_position (the samples consumed before the step), in source order, with the
-// ids a file source gives: their stream positions (the k-th sample of loader d has id
-// first_position + k * DP + d; first_id = first_position, n = global_batch, id_span 0:
-// consecutive). InvalidArgument naming the loader and the step when there are not
-// LoaderCount(global_batch, dp_size, loader) samples. REQUIRES: global_batch >= 1,
-// 0 <= loader < dp_size, first_position >= 0.
-[[nodiscard]] Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step,
-                                             int64_t first_position, int loader,
-                                             std::vector<Sample> samples);
+// The caller-fed share (thdpack.torch's iterables and pack_batch, the tests' shares): a step of
+// global_batch samples that starts at stream position p (the samples consumed before it) gives
+// loader d the samples at positions p + d, p + d + DP, p + d + 2 DP, ... < p + global_batch
+// (LoaderIndices), in that order, with their positions as ids (the file rule: first_id = p,
+// n = global_batch, id_span 0); the next step starts at p + global_batch. The one place of the
+// loader positions, their check, the per-loader counts and the loader a sample belongs to: the
+// step runner's fed reads, step.unpack (UnpackStep) and thdpack.torch's loader_positions ask it.
+// Thread-safety: a plain value.
+class FedShares {
+ public:
+  // InvalidArgument naming the argument: global_batch < 1, dp_size < 1.
+  [[nodiscard]] static Result<FedShares> Create(int64_t global_batch, int dp_size);
+
+  int64_t global_batch() const { return global_batch_; }
+  int dp_size() const { return dp_size_; }
+
+  // How many samples loader `loader` gives each step: LoaderCount(global_batch, DP, loader).
+  // REQUIRES: 0 <= loader < DP.
+  int64_t Count(int loader) const;
+  // The stream positions of loader `loader`'s samples in the step that starts at
+  // first_position, in the order it gives them. REQUIRES: as Count, first_position >= 0.
+  std::vector<int64_t> Positions(int64_t first_position, int loader) const;
+  // Where the step after the one at first_position starts; and the inverse.
+  int64_t NextFirst(int64_t first_position) const { return first_position + global_batch_; }
+  int64_t FirstBefore(int64_t next_first) const { return next_first - global_batch_; }
+
+  // The loader whose sample has id (= stream position) `id` in the step at first_position, and
+  // the sample's index in that loader's share; nullopt when the id is not of the step.
+  static constexpr int64_t kNotGiven = INT64_MIN;
+
+  struct Slot {
+    int loader = 0;
+    int64_t index = 0;
+  };
+  std::optional<Slot> SlotOf(int64_t first_position, int64_t id) const;
+
+  // Loader `loader`'s share of step `step` (at first_position) from the samples it gave, in its
+  // order, their ids set. given_positions (empty, or one per sample): the stream position the
+  // caller says sample k has, kNotGiven where it says none; checked. InvalidArgument naming the loader,
+  // the step (and the sample) when it gave fewer or more than Count(loader) samples or a
+  // position that is not its k-th. REQUIRES: 0 <= loader < DP, first_position >= 0.
+  [[nodiscard]] Result<StepShare> Share(int64_t step, int64_t first_position, int loader,
+                                        std::vector<Sample> samples,
+                                        std::span<const int64_t> given_positions = {}) const;
+
+ private:
+  FedShares(int64_t global_batch, int dp_size) : global_batch_(global_batch), dp_size_(dp_size) {}
+  int64_t global_batch_ = 1;
+  int dp_size_ = 1;
+};
 
 // Reorders the n samples of a step from source order into scheduling order (loader 0's first,
 // each loader's in source order). REQUIRES: dp_size >= 1.

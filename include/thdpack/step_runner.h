@@ -128,7 +128,7 @@ struct StepRunnerOptions {
   // read_share(step, first_position, dp), called once per step on the rank's own thread:
   // first_position is the stream position of the step's first sample (the samples consumed
   // before it), and the share the loader's own samples in source order, with first_id =
-  // first_position, n the step's sample count and ids first_id + k * DP + dp (FedStepShare,
+  // first_position, n the step's sample count and ids first_id + k * DP + dp (FedShares,
   // step.h), so the lengths phase can place them; id_span 0 means n (consecutive ids). An
   // error it returns fails the read phase on that rank (agreed as any other), except
   // kEndOfData: this loader's source ended at the step boundary. Where every loader's ended,
@@ -270,9 +270,12 @@ bool ReadsShare(const Coord& coord, const StepRunnerOptions& options);
 // ---- Back to sample order: the inverse of a step for the model's per-token outputs. ----
 
 // One microbatch as a rank holds it, for UnpackStep: its layout and group (LocalMicrobatch's),
-// the samples of its sequences, and this rank's values, [T/CP] rows of row_bytes label-aligned
-// as the loss sees them (row o of a sequence: the prediction of its token o + 1); empty where
-// the rank passes none (only the ranks tp = 0 of the last stage send theirs).
+// the samples of its sequences, and this rank's values: the bytes of a [T/CP] or
+// [T/CP, *row] array of `dtype` and `shape` (at most kUnpackMaxRowDims row dimensions, each
+// >= 1), label-aligned as the loss sees them (row o of a sequence: the prediction of its token
+// o + 1); `shape` empty where the rank passes none (only the ranks tp = 0 of the last stage send
+// theirs).
+inline constexpr int kUnpackMaxRowDims = 4;
 struct UnpackMicrobatch {
   std::span<const int32_t> cu_seqlens;
   std::span<const int32_t> cu_seqlens_padded;
@@ -281,40 +284,62 @@ struct UnpackMicrobatch {
   bool idle = false;
   std::span<const int64_t> sample_ids;
   std::span<const std::byte> values;
+  FieldDtype dtype = FieldDtype::kFloat32;
+  std::span<const int64_t> shape;
 };
 
 struct UnpackArgs {
   // The step's first sample id and sample count: with a caller-fed source (the only kind
-  // UnpackStep serves) the k-th sample of loader d has id first_id + k * DP + d.
+  // UnpackStep serves) the samples are those of FedShares (step.h): the k-th sample of loader d
+  // has id first_id + k * DP + d.
   int64_t first_id = 0;
   int64_t num_samples = 0;
   // A reading rank: its samples' lengths, in the order it gave them; empty elsewhere.
   std::span<const int64_t> own_lengths;
-  // Bytes of one value row, and the row written where no prediction produces one (token 0).
-  size_t row_bytes = 0;
-  std::span<const std::byte> fill;
+  // The value written where no prediction produces one (token 0), in the values' dtype
+  // (exactly representable there: ValueRow of fields.h).
+  double fill = 0;
   // How the values are aligned: false, as thdpack's (Megatron's) labels - row o of a sequence
   // is the prediction of its token o + 1; true, as Hugging Face's unshifted labels
   // (label_format 'hf', ToHfLabels) - row o is token o's own value, row 0 (the first token,
   // which nothing predicts) ignored. The hf alignment needs whole microbatches (CP size 1):
   // InvalidArgument otherwise.
   bool hf_aligned = false;
+  // An error the caller found in this rank's own inputs before the call (a value it could not
+  // read): UnpackStep returns it on this rank, and its peers name it, as an error of its own
+  // (agreed over the world), so that no rank waits in a collective another never joins.
+  Status caller_error;
 };
 
-// Collective over `world` (the step's world, topology order): every rank of the last stage with
-// tp = 0 sends each run of its values (a zigzag chunk of a sequence) to every reading rank of
-// the sample's loader (ReadsShare, dp = (id - first_id) % DP), in one all-to-all-v of 24 bytes
-// a run plus the rows. Each reading rank returns, in the order it gave its samples, one buffer
-// per sample of L rows, token-aligned like a target field: row j (1 <= j < L) the value that
-// predicted token j, row 0 the fill; other ranks an empty list. Packing a target field and
-// unpacking its packed values returns it, row 0 replaced by the fill; so does unpacking, with
-// hf_aligned, the values ToHfField made of them.
-// Errors, agreed over the world (every rank returns one): values of the wrong size or where a
-// microbatch is idle, a run naming a sample or token outside the step (Internal), and, on a
-// reading rank, a sample whose values did not all arrive (a last-stage rank passed none).
-[[nodiscard]] Result<std::vector<std::vector<std::byte>>> UnpackStep(
-    ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
-    std::span<const UnpackMicrobatch> microbatches, const UnpackArgs& args);
+// What a reading rank gets back: the values' dtype and row shape (agreed over the world, so
+// also on a rank that passed none) and, in the order it gave its samples, one buffer per sample
+// of L rows.
+struct UnpackedValues {
+  FieldDtype dtype = FieldDtype::kFloat32;
+  std::vector<int64_t> row_shape;
+  std::vector<std::vector<std::byte>> samples;
+};
+
+// Collective over `world` (the step's world, topology order). First the values' dtype and row
+// shape are agreed: one all-gather of every rank's (none, or its values' dtype and row shape);
+// ranks that send values of different dtypes or row shapes, or no rank sending any, are the
+// same InvalidArgument on every rank, naming the ranks and both dtypes and shapes. Then every
+// rank of the last stage with tp = 0 sends each run of its values (a zigzag chunk of a
+// sequence) to every reading rank of the sample's loader (ReadsShare; FedShares::SlotOf), in
+// one all-to-all-v of 24 bytes a run plus the rows. Each reading rank returns, in the order it
+// gave its samples, one buffer per sample of L rows, token-aligned like a target field: row j
+// (1 <= j < L) the value that predicted token j, row 0 the fill; other ranks no samples.
+// Packing a target field and unpacking its packed values returns it, row 0 replaced by the
+// fill; so does unpacking, with hf_aligned, the values ToHfField made of them.
+// Errors, agreed over the world (every rank returns one): a rank's microbatches of different
+// dtypes or row shapes, more than kUnpackMaxRowDims row dimensions, a fill the dtype cannot
+// hold, values of the wrong size or where a microbatch is idle, a run naming a sample or token
+// outside the step (Internal), and, on a reading rank, a sample whose values did not all arrive
+// (a last-stage rank passed none).
+[[nodiscard]] Result<UnpackedValues> UnpackStep(ProcessGroup& world, const Topology& topology,
+                                                const StepRunnerOptions& options,
+                                                std::span<const UnpackMicrobatch> microbatches,
+                                                const UnpackArgs& args);
 
 // The steps of a run as a training loop takes them (`thdpack run`, the torch iterator, a C++ or
 // MPI loop): one interface whatever the depth. At depth 0 each Next() runs the step runner on
@@ -337,7 +362,9 @@ struct UnpackArgs {
 class StepSource;
 
 struct StepSourceOptions {
-  // Steps made ahead of the caller, in [0, 64]; 0: each step made inside Next().
+  // The most steps a source makes ahead (the depth's bound; thdpack.torch's prefetch).
+  static constexpr int kMaxDepth = 64;
+  // Steps made ahead of the caller, in [0, kMaxDepth]; 0: each step made inside Next().
   int depth = 0;
   // The most steps made (-1: no bound, >= 0 otherwise); Next() after them returns kEndOfData,
   // and the thread makes none beyond them.
@@ -351,6 +378,11 @@ struct StepSourceOptions {
   // Depth >= 1: the thread's communicator, its ranks the world's in the same order (a gloo
   // group beside an NCCL world, say); null: split from the world. The source owns it.
   std::shared_ptr<ProcessGroup> data_world;
+
+  // OK when depth and steps are in range (Create's own check; a caller that does collective
+  // work before Create, such as making a data world, asks first). InvalidArgument naming the
+  // value and the range otherwise.
+  [[nodiscard]] Status Check() const;
 };
 
 class StepSource {

@@ -1,4 +1,5 @@
 // python/src/bind_fields.cc: fields at the Python edge (fields_py.h), and
+//   thdpack._thdpack.field_dtypes() the dtype table (names, element bytes)
 //   thdpack._thdpack.hf_field(values, cu_seqlens_padded, dtype, shape, fill)
 // the Hugging Face label convention of a target field (ToHfField).
 #include <cstring>
@@ -102,6 +103,17 @@ py::dict FieldsToPy(const std::vector<FieldSpec>& specs,
 }
 
 void BindFields(py::module_& m) {
+  m.def(
+      "field_dtypes",
+      [] {
+        py::list out;
+        for (FieldDtype d : AllFieldDtypes()) {
+          out.append(py::make_tuple(std::string(FieldDtypeName(d)), FieldDtypeSize(d)));
+        }
+        return out;
+      },
+      "The element types of fields and of step.unpack's values (thdpack/fields.h), as [(name, "
+      "bytes of an element)]: NumPy's and torch's names.");
   m.def(
       "hf_field",
       [](const py::object& values, const py::object& cu_seqlens_padded_obj,

@@ -7,16 +7,21 @@
 //                                     prepare, cuda_device, monitored_barrier_seconds, depth,
 //                                     steps, fields, kept_groups)
 //       .next() -> (prepared, cp_groups, group_counts): one step as this rank holds it
+//       .unpack(microbatches, values, unpack, fill, label_format): step.unpack (UnpackStep)
 //   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares, state, fields)
 //       -> [rank][step] dicts of the same form
+//   thdpack._thdpack._fed_positions(first_position, global_batch, dp, loader)
+//       -> (positions, next first position): FedShares' rule, for loader_positions
 //
 // `options` are the job options of thdpack/job.h by their Python names (tp, cp, dp, pp, sp,
 // global_batch, max_tokens_per_rank, scheduler, cost, ...). `source` is a source spec string, or
-// None with a caller-fed source: take_share(step, first_position, loader, count) (torch) or
-// shares[dp] (threads) give each loader's own samples as (int32 tokens, uint8 mask or None,
-// fields or None) tuples, None where the loader's iterable ended at the step boundary; ids
-// follow the file rule (the k-th sample of loader d in step s has id s * global_batch + k * DP +
-// d). `fields` is the run's schema (fields_py.h; None: none).
+// None with a caller-fed source: take_share(count) (torch: up to `count` samples of the loader's
+// iterable, fewer where it ended, None where it ended at the step boundary, more where a list
+// holds more: pack_batch) or shares[dp] (threads) give each loader's own samples as (int32
+// tokens, uint8 mask or None, fields or None, position or None) tuples; FedShares (step.h)
+// checks the count and the positions given and sets the ids (the k-th sample of loader d in a
+// step at stream position p has id p + k * DP + d). `fields` is the run's schema (fields_py.h;
+// None: none).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -61,12 +66,14 @@ Job ResolveOptions(const py::dict& options, const py::object& source) {
   return ValueOrThrow(ResolveJob(o));
 }
 
-// (int32 tokens, uint8 mask or None, fields or None) tuples -> samples (ids set by
-// FedStepShare). ValueError-free: errors come back as a Status naming the loader, step and
-// sample.
+// (int32 tokens, uint8 mask or None, fields or None, position or None) tuples -> samples (ids
+// set by FedShares::Share) and the positions given (FedShares::kNotGiven where none).
+// ValueError-free: errors come back as a Status naming the loader, step and sample.
 Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_t step,
-                                      const std::vector<FieldSpec>& fields) {
+                                      const std::vector<FieldSpec>& fields,
+                                      std::vector<int64_t>* positions) {
   std::vector<Sample> out;
+  positions->clear();
   for (const py::handle& item : list) {
     auto pair = item.cast<py::tuple>();
     const std::string where = "source of loader dp=" + std::to_string(loader) + ", step " +
@@ -87,6 +94,17 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
     const py::object given = pair.size() > 2 ? py::object(pair[2]) : py::object(py::none());
     THDPACK_RETURN_IF_ERROR(
         FieldsFromPy(fields, given, static_cast<int64_t>(s.tokens.size()), where, s));
+    int64_t position = FedShares::kNotGiven;
+    if (pair.size() > 3 && !pair[3].is_none()) {
+      try {
+        position = pair[3].cast<int64_t>();
+      } catch (const std::exception&) {
+        return Status::InvalidArgument(where + ": position " +
+                                       py::repr(pair[3]).cast<std::string>() +
+                                       " is not an integer");
+      }
+    }
+    positions->push_back(position);
     out.push_back(std::move(s));
   }
   return out;
@@ -140,14 +158,18 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
   // asked for its state_dict).
   d["state"] = RunStateToJson(step.after);
   // What step.unpack needs of a caller-fed step: its first sample id (stream position) and, on a
-  // reading rank, its own samples' lengths in the order it gave them (its ids first + k*DP + dp).
+  // reading rank, its own samples' lengths in the order it gave them (FedShares::SlotOf).
   if (global_batch > 0) {
-    const int64_t first = step.after.consumed - global_batch;
-    const int dp = topo.dp_size();
-    std::vector<int64_t> own;
+    const FedShares fed = ValueOrThrow(FedShares::Create(global_batch, topo.dp_size()));
+    const int64_t first = fed.FirstBefore(step.after.consumed);
+    std::vector<std::pair<int64_t, int64_t>> mine;  // (index in the share, length)
     for (const SampleLength& x : step.samples) {
-      if ((x.id - first) % dp == step.coord.dp) own.push_back(x.length);
+      const auto slot = fed.SlotOf(first, x.id);
+      if (slot && slot->loader == step.coord.dp) mine.emplace_back(slot->index, x.length);
     }
+    std::sort(mine.begin(), mine.end());
+    std::vector<int64_t> own;
+    for (const auto& [k, length] : mine) own.push_back(length);
     d["unpack"] = py::make_tuple(first, global_batch, ToNumpy(std::move(own)));
   } else {
     d["unpack"] = py::none();
@@ -310,23 +332,23 @@ std::set<TorchStepSource*>& LiveSources() {
   return *s;
 }
 
-// A caller-fed loader's share of one step: take_share(step, first_position, loader, count) on
-// this rank's own Python iterable, None where it ended at the step boundary (kEndOfData; the
-// step runner agrees the end over the world).
-Result<StepShare> TakeShare(const PyRef& take_share, const Job& job,
+// A caller-fed loader's share of one step: take_share(count) on this rank's own Python
+// iterable (count: FedShares::Count), None where it ended at the step boundary (kEndOfData; the
+// step runner agrees the end over the world); FedShares::Share checks what it gave.
+Result<StepShare> TakeShare(const PyRef& take_share, const FedShares& fed,
                             const std::vector<FieldSpec>& fields, int64_t step,
                             int64_t first_position, int loader) {
-  const int64_t count = LoaderCount(job.options.global_batch, job.topology.dp_size(), loader);
   std::vector<Sample> samples;
+  std::vector<int64_t> positions;
   {
     py::gil_scoped_acquire gil;
     try {
-      py::object got = take_share.get()(step, first_position, loader, count);
+      py::object got = take_share.get()(fed.Count(loader));
       if (got.is_none()) {
         return Status::EndOfData("the iterable of loader dp=" + std::to_string(loader) +
                                  " ended before step " + std::to_string(step));
       }
-      auto list = ToSamples(got, loader, step, fields);
+      auto list = ToSamples(got, loader, step, fields, &positions);
       if (!list.ok()) return list.status();
       samples = std::move(*list);
     } catch (py::error_already_set& e) {
@@ -334,8 +356,7 @@ Result<StepShare> TakeShare(const PyRef& take_share, const Job& job,
                                      ", step " + std::to_string(step) + ": " + e.what());
     }
   }
-  return FedStepShare(job.options.global_batch, job.topology.dp_size(), step, first_position,
-                      loader, std::move(samples));
+  return fed.Share(step, first_position, loader, std::move(samples), positions);
 }
 
 // Where a step is made (the caller's thread at depth 0, the data plane's otherwise): its
@@ -370,6 +391,36 @@ Status PrepareStep(const std::shared_ptr<const Job>& job,
   return Status::Ok();
 }
 
+// One microbatch's values for step.unpack: (dtype name, shape, uint8 bytes) as thdpack.torch
+// gives a tensor's, into u (its bytes kept alive by `held`) and shape. A Status naming the
+// microbatch for anything else, an unknown dtype or a 0-d array.
+Status ValuesOf(const py::handle& value, size_t m, std::vector<py::object>& held,
+                UnpackMicrobatch& u, std::vector<int64_t>& shape) {
+  const std::string where = "unpack: values of microbatch " + std::to_string(m);
+  if (!py::isinstance<py::tuple>(value) || py::len(value) != 3) {
+    return Status::InvalidArgument(where + ": expected a tensor, got " +
+                                   py::type::of(value).attr("__name__").cast<std::string>());
+  }
+  const auto t = value.cast<py::tuple>();
+  try {
+    Result<FieldDtype> dtype = ParseFieldDtype(t[0].cast<std::string>());
+    if (!dtype.ok()) return dtype.status().WithContext(where);
+    shape = t[1].cast<std::vector<int64_t>>();
+    if (shape.empty()) {
+      return Status::InvalidArgument(where + ": a 0-d tensor ([T/CP] or [T/CP, *row] needed)");
+    }
+    const py::object given = t[2];
+    auto bytes = View1D<uint8_t>(py::handle(given), where);
+    held.push_back(given);
+    held.push_back(bytes.owner);
+    u.values = std::as_bytes(std::span<const uint8_t>(bytes));
+    u.dtype = *dtype;
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(where + ": " + e.what());
+  }
+  return Status::Ok();
+}
+
 class TorchStepSource {
  public:
   TorchStepSource(py::object world_group, std::vector<int> torch_ranks, py::list known,
@@ -394,16 +445,19 @@ class TorchStepSource {
     ro.fields = *fields_;
     if (!take_share.is_none()) {
       auto take = std::make_shared<PyRef>(std::move(take_share));
-      std::shared_ptr<const Job> job = job_;
+      const FedShares fed = ValueOrThrow(
+          FedShares::Create(job_->options.global_batch, job_->topology.dp_size()));
       auto specs = fields_;
-      ro.read_share = [take, job, specs](int64_t step, int64_t first_position,
+      ro.read_share = [take, fed, specs](int64_t step, int64_t first_position,
                                          int loader) -> Result<StepShare> {
-        return TakeShare(*take, *job, *specs, step, first_position, loader);
+        return TakeShare(*take, fed, *specs, step, first_position, loader);
       };
     }
     StepSourceOptions so;
     so.depth = depth;
     so.steps = steps.is_none() ? -1 : steps.cast<int64_t>();
+    // Checked before the data plane's group is made (a collective): prefetch is the depth.
+    ThrowIfError(so.Check().WithContext("prefetch"));
     auto prep = std::make_shared<PyRef>(std::move(prepare));
     std::shared_ptr<const Job> job = job_;
     const bool ahead = depth > 0;  // on_step then runs on the source's own thread
@@ -492,23 +546,31 @@ class TorchStepSource {
   }
   bool Reads() const { return source_ && source_->reads(); }
 
-  // step.unpack: collective over the world (UnpackStep). microbatches: the step's microbatch
-  // dicts (their CPU offsets, group and sample ids); values: per microbatch this rank's uint8
-  // bytes of [T/CP, *row] or None; unpack: the step's (first id, samples, own lengths); fill: one
-  // row of bytes. Returns, on a reading rank, one uint8 array per own sample (its order).
-  py::list Unpack(const py::list& microbatches, const py::list& values, const py::tuple& unpack,
-                  const py::object& fill_obj, const std::string& label_format) {
+  // step.unpack: collective over the world (UnpackStep, which agrees the values' dtype and row
+  // shape). microbatches: the step's microbatch dicts (their CPU offsets, group and sample ids);
+  // values: per microbatch this rank's (dtype name, shape, uint8 bytes) of [T/CP, *row], or
+  // None; unpack: the step's (first id, samples, own lengths); fill: the number written at each
+  // sample's token 0. Returns (dtype name, row shape, [one uint8 array per own sample, in its
+  // order]; [] on a rank that read none). A rank's own error (a value that is no such tuple, an
+  // unknown dtype, a 0-d array, a count of values that is not the microbatches') goes to
+  // UnpackStep's agreement, so that every rank raises it.
+  py::tuple Unpack(const py::list& microbatches, const py::list& values, const py::tuple& unpack,
+                   const py::object& fill_obj, const std::string& label_format) {
     if (!world_) throw std::runtime_error("unpack: the iterator is closed");
     if (label_format != "megatron" && label_format != "hf") {
       throw py::value_error("unpack: label_format '" + label_format +
                             "' is not 'megatron' or 'hf'");
     }
-    if (values.size() != microbatches.size()) {
-      throw py::value_error("unpack: " + std::to_string(values.size()) + " value tensors for " +
-                            std::to_string(microbatches.size()) + " microbatches");
-    }
     std::vector<py::object> held;
     std::vector<UnpackMicrobatch> mbs;
+    std::vector<std::vector<int64_t>> shapes;
+    shapes.reserve(microbatches.size());
+    Status local;
+    if (values.size() != microbatches.size()) {
+      local = Status::InvalidArgument("unpack: " + std::to_string(values.size()) +
+                                      " value tensors for " +
+                                      std::to_string(microbatches.size()) + " microbatches");
+    }
     auto hold = [&](py::object o) {
       held.push_back(o);
       return py::handle(held.back());
@@ -524,31 +586,40 @@ class TorchStepSource {
       held.push_back(cup.owner);
       held.push_back(ids.owner);
       UnpackMicrobatch u{cu, cup, mb["cp_size"].cast<int>(), mb["cp_rank"].cast<int>(),
-                         mb["idle"].cast<bool>(), ids, {}};
-      if (!values[m].is_none()) {
-        auto v = View1D<uint8_t>(py::handle(values[m]), where + " values");
-        held.push_back(v.owner);
-        u.values = std::as_bytes(std::span<const uint8_t>(v));
+                         mb["idle"].cast<bool>(), ids, {}, FieldDtype::kFloat32, {}};
+      shapes.emplace_back();
+      if (local.ok() && m < values.size() && !values[m].is_none()) {
+        local = ValuesOf(values[m], m, held, u, shapes.back());
       }
+      u.shape = shapes.back();
       mbs.push_back(u);
     }
+    double fill = 0;
+    try {
+      fill = fill_obj.cast<double>();
+    } catch (const std::exception&) {
+      if (local.ok()) {
+        local = Status::InvalidArgument("unpack: fill " + py::repr(fill_obj).cast<std::string>() +
+                                        " is not a number");
+      }
+    }
     auto own = IntView1D<int64_t>(py::handle(unpack[2]), "unpack: own lengths");
-    auto fill = View1D<uint8_t>(py::handle(fill_obj), "unpack: fill");
-    UnpackArgs args{unpack[0].cast<int64_t>(), unpack[1].cast<int64_t>(), own, fill.size(),
-                    std::as_bytes(std::span<const uint8_t>(fill)), label_format == "hf"};
-    std::optional<Result<std::vector<std::vector<std::byte>>>> got;
+    UnpackArgs args{unpack[0].cast<int64_t>(), unpack[1].cast<int64_t>(), own, fill,
+                    label_format == "hf", local};
+    std::optional<Result<UnpackedValues>> got;
     {
       py::gil_scoped_release release;
       got.emplace(UnpackStep(*world_, job_->topology, RunnerOptions(*job_), mbs, args));
     }
     ThrowIfError(got->status());
     py::list out;
-    for (std::vector<std::byte>& b : **got) {
+    for (std::vector<std::byte>& b : (*got)->samples) {
       std::vector<uint8_t> bytes(b.size());
       if (!b.empty()) std::memcpy(bytes.data(), b.data(), b.size());
       out.append(ToNumpy(std::move(bytes)));
     }
-    return out;
+    return py::make_tuple(std::string(FieldDtypeName((*got)->dtype)),
+                          py::tuple(py::cast((*got)->row_shape)), out);
   }
   // A step the caller has finished with: freed by the thread that makes the next step.
   void DropLater(py::object step) { dropped_->Add(std::move(step)); }
@@ -605,11 +676,14 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
   if (!state.is_none()) restore = RunStateFromPy(state, "state");
   StepRunnerOptions ro = RunnerOptions(job);
   ro.fields = fields;
-  std::vector<std::vector<Sample>> fed;  // [DP]: loader d's samples of every step, in order
+  // [DP]: loader d's samples of every step, in order, and the positions they say they have.
+  std::vector<std::vector<Sample>> fed;
+  std::vector<std::vector<int64_t>> said;
   if (!shares.is_none()) {
     int d = 0;
     for (const py::handle& list : shares) {
-      fed.push_back(ValueOrThrow(ToSamples(list, d, -1, fields)));
+      said.emplace_back();
+      fed.push_back(ValueOrThrow(ToSamples(list, d, -1, fields, &said.back())));
       ++d;
     }
     if (static_cast<int>(fed.size()) != job.topology.dp_size()) {
@@ -618,19 +692,22 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
     }
     // shares[d] holds loader d's samples of every step from the first one run.
     const int64_t first_step = restore ? restore->next_step : job.first_step();
-    ro.read_share = [&job, &fed, first_step](int64_t step, int64_t first_position,
-                                             int loader) -> Result<StepShare> {
-      const int64_t count = LoaderCount(job.options.global_batch, job.topology.dp_size(), loader);
+    const FedShares rule =
+        ValueOrThrow(FedShares::Create(job.options.global_batch, job.topology.dp_size()));
+    ro.read_share = [rule, &fed, &said, first_step](int64_t step, int64_t first_position,
+                                                    int loader) -> Result<StepShare> {
+      const int64_t count = rule.Count(loader);
       const auto& all = fed[static_cast<size_t>(loader)];
-      const size_t begin = static_cast<size_t>((step - first_step) * count);
-      if (begin + static_cast<size_t>(count) > all.size()) {
+      const auto& positions = said[static_cast<size_t>(loader)];
+      const int64_t begin = (step - first_step) * count;
+      if (begin + count > static_cast<int64_t>(all.size())) {
         return Status::OutOfRange("shares: loader " + std::to_string(loader) + " has no step " +
                                   std::to_string(step));
       }
-      return FedStepShare(job.options.global_batch, job.topology.dp_size(), step, first_position,
-                          loader,
-                          std::vector<Sample>(all.begin() + static_cast<int64_t>(begin),
-                                              all.begin() + static_cast<int64_t>(begin) + count));
+      return rule.Share(step, first_position, loader,
+                        std::vector<Sample>(all.begin() + begin, all.begin() + begin + count),
+                        std::span<const int64_t>(positions).subspan(
+                            static_cast<size_t>(begin), static_cast<size_t>(count)));
     };
   }
   const int world = job.topology.world_size();
@@ -701,6 +778,23 @@ void BindTorchIter(py::module_& m) {
       py::arg("obj"),
       "Holds a tensor handed to a torch collective until its worker threads have let go of it "
       "(thdpack.torch's own collectives; bind_torch_comm.cc says why).");
+  m.def(
+      "_fed_positions",
+      [](int64_t first_position, int64_t global_batch, int dp, int loader) {
+        if (first_position < 0 || dp < 1 || loader < 0 || loader >= dp) {
+          throw py::value_error("loader_positions: start " + std::to_string(first_position) +
+                                " >= 0, dp_size " + std::to_string(dp) + " >= 1 and 0 <= loader " +
+                                std::to_string(loader) + " < dp_size required");
+        }
+        Result<FedShares> fed = FedShares::Create(global_batch, dp);
+        ThrowIfError(fed.status().WithContext("loader_positions"));
+        return py::make_tuple(py::cast(fed->Positions(first_position, loader)),
+                              fed->NextFirst(first_position));
+      },
+      py::arg("first_position"), py::arg("global_batch"), py::arg("dp"), py::arg("loader"),
+      "loader_positions' rule (FedShares of thdpack/step.h): the stream positions loader `loader` "
+      "yields in the caller-fed step of `global_batch` samples at first_position, and where the "
+      "next step starts.");
   m.def("_run_steps_on_threads", &RunStepsOnThreads, py::arg("options"), py::arg("steps"),
         py::arg("source"), py::arg("shares"), py::arg("state") = py::none(),
         py::arg("fields") = py::none(),

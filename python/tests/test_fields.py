@@ -29,9 +29,11 @@ FIELDS = {
     "uid": {"kind": "sample", "dtype": "int64"},
     "reward": "sample",
     "pair": {"kind": "sample", "dtype": "bool", "shape": (2,)},
+    "half": {"kind": "target", "dtype": torch.float16, "shape": (2,), "fill": 0.25},
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool}
+          "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool,
+          "float16": torch.float16}
 
 
 def rollouts(n, seed=3):
@@ -51,7 +53,8 @@ def rollouts(n, seed=3):
                 "token_type": rng.integers(0, 3, L).astype(np.uint8).tolist(),
                 "uid": np.int64(k // 2) if k % 3 == 0 else k // 2,
                 "reward": np.float32(rng.normal()) if k % 3 == 1 else float(rng.normal()),
-                "pair": [bool(k % 2), True]}
+                "pair": [bool(k % 2), True],
+                "half": rng.normal(size=(L, 2)).astype(np.float16)}
         out.append(item)
     return out
 
@@ -145,6 +148,19 @@ TOPOLOGIES = [
     (2, 2, 1, 2, True, "tp0", "sequential"), (1, 2, 1, 2, False, "all", "balanced"),
     (1, 2, 2, 1, False, "tp0", "dynamic"), (2, 2, 1, 1, False, "all", "dynamic"),
 ]
+
+
+def test_the_dtype_table_is_the_cpp_one():
+    """One list of element types (thdpack/fields.h): thdpack.torch's torch and NumPy dtypes are
+    derived from it, each of the C++'s width."""
+    from thdpack.torch import _dtypes
+    table = _thdpack.field_dtypes()
+    assert [name for name, _ in table] == list(DTYPES)  # the test's own list, in enum order
+    for name, width in table:
+        assert _dtypes.TORCH[name] == DTYPES[name]
+        assert torch.empty(0, dtype=DTYPES[name]).element_size() == width, name
+        if name != "bfloat16":  # NumPy has no bfloat16: its tensors cross as their bits
+            assert np.dtype(name).itemsize == width and _dtypes.NUMPY_NAMES[np.dtype(name)] == name
 
 
 @pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "-".join(map(str, t)))
@@ -346,7 +362,7 @@ def gloo_worker(rank, world, port, out):
 def check_unpack(step, items, mine, s, c, dp, where):
     """step.unpack of target fields' packed values gives each loader its samples' fields back in
     its order (entry 0 the fill); the values come from the last stage's tp 0 only."""
-    for name, fill in (("old_logp", 0.0), ("topk", -3.0), ("adv", 2.0)):
+    for name, fill in (("old_logp", 0.0), ("topk", -3.0), ("adv", 2.0), ("half", -1.5)):
         values = [mb[name] if step.last_stage else None for mb in step]
         got = step.unpack(values, fill=fill)
         if mine is None:
@@ -372,6 +388,7 @@ def batch_worker(rank, world, port, out):
     join_gloo(rank, world, port)
     items = rollouts(30, seed=11)
     done = 0
+    messages = []
     for topo in BATCH_RUNS:
         tp, cp, dp, pp = topo[:4]
         groups = make_groups(tp, cp, dp, pp)
@@ -386,6 +403,7 @@ def batch_worker(rank, world, port, out):
             check_microbatch(items, mb, field_specs(FIELDS), step.first_stage, step.last_stage,
                              False, f"{topo} rank {rank} microbatch {k}", typed=True)
         check_unpack(step, items, mine, None, c, dp, f"pack_batch {topo} rank {rank}")
+        messages.append(unpack_errors(step, rank, world))
         # A second batch in the same world makes no process group: the first call's are kept.
         made = []
         new_group = dist.new_group
@@ -406,15 +424,77 @@ def batch_worker(rank, world, port, out):
             assert "its share of the batch of 31" in str(e), e
         else:
             raise AssertionError("a loader with a sample too many was not refused")
-    torch.save(done, f"{out}/rank{rank}.pt")
+    torch.save((done, messages), f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+UNPACK_ERRORS = ("dtype", "shape", "within", "fill", "no tensor")
+
+
+def unpack_errors(step, rank, world):
+    """step.unpack where the last rank (of the last stage, beside others) passes values of
+    another dtype, of another row shape, of two dtypes in its own microbatches, or no tensor;
+    and where every rank's fill does not fit the dtype. Each must raise on every rank (never a
+    hang: the world goes on to the next batch), a ValueError where every rank finds it, naming
+    the rank that failed where one rank did. {case: this rank's exception}."""
+    out = {}
+    odd = rank == world - 1
+    for how in UNPACK_ERRORS:
+        values = [mb["topk"] if step.last_stage else None for mb in step]
+        fill = 0.0
+        if odd and how == "dtype":
+            values = [None if v is None else v.to(torch.float32) for v in values]
+        elif odd and how == "shape":
+            values = [None if v is None else v.reshape(-1) for v in values]
+        elif how == "within" and step.num_microbatches == 1:  # M: the same on every rank
+            out[how] = "skipped"
+            continue
+        elif odd and how == "within":  # its last values int64, the others float64
+            last = max((k for k, v in enumerate(values) if v is not None), default=-1)
+            values = [v.to(torch.int64) if k == last else v for k, v in enumerate(values)]
+        elif odd and how == "no tensor":
+            values = [[1.0] for _ in values]
+        elif how == "fill":
+            values = [None if v is None else v.to(torch.int64) for v in values]
+            fill = 0.5
+        try:
+            step.unpack(values, fill=fill)
+        except (ValueError, RuntimeError) as e:  # a peer's own error: RuntimeError (Aborted)
+            out[how] = f"{type(e).__name__}: {e}"
+        else:
+            out[how] = None
+    return out
 
 
 def test_pack_batch_and_unpack_over_gloo(tmp_path):
     from test_torch_iterator import free_port
     spawn(batch_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for r in range(4):
-        assert torch.load(tmp_path / f"rank{r}.pt") == len(BATCH_RUNS)
+        assert got[r][0] == len(BATCH_RUNS)
+    # The unpack errors of each batch: a ValueError on every rank; where ranks disagree on the
+    # dtype or row shape, the same message on every rank naming both.
+    for b, topo in enumerate(BATCH_RUNS):
+        said = [got[r][1][b] for r in range(4)]
+        for how in UNPACK_ERRORS:
+            msgs = [m[how] for m in said]
+            assert all(m is not None for m in msgs), (topo, how, msgs)
+            if how in ("dtype", "shape"):
+                assert len(set(msgs)) == 1 and msgs[0].startswith("ValueError"), (topo, msgs)
+                want = "float32 [T/CP, 2]" if how == "dtype" else "float64 [T/CP]"
+                assert f"rank 3 passed values of {want}" in msgs[0], msgs[0]
+                assert "of float64 [T/CP, 2] (every rank's values are of one dtype" in msgs[0]
+            elif how == "fill":
+                assert all(m.startswith("ValueError") and "fill: the value 0.5 is not exactly "
+                           "representable as int64" in m for m in msgs), msgs
+            elif how == "within":  # named by microbatch, or by rank where its others were idle
+                assert msgs == ["skipped"] * 4 or all("int64 [T/CP, 2]" in m for m in msgs), msgs
+                assert msgs == ["skipped"] * 4 or msgs[3].startswith("ValueError"), msgs
+            else:  # rank 3's own error, named on every rank
+                assert all("values of microbatch 0: expected a tensor, got list" in m
+                           for m in msgs), msgs
+                assert msgs[3].startswith("ValueError") and all(
+                    "rank 3 (unpack) failed" in m for m in msgs[:3]), msgs
 
 
 def test_fields_through_the_iterator_over_gloo(tmp_path):

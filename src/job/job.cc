@@ -322,8 +322,9 @@ Result<std::vector<int64_t>> ParseProfileSteps(std::string_view text) {
 Result<RunSetup> ResolveRun(const Job& job, const RunOptions& options) {
   RunSetup run;
   run.options = options;
-  if (options.prefetch < 0 || options.prefetch > 64) {
-    return Fail("--prefetch", "must be in [0, 64] steps, got " + std::to_string(options.prefetch));
+  if (options.prefetch < 0 || options.prefetch > StepSourceOptions::kMaxDepth) {
+    return Fail("--prefetch", "must be in [0, " + std::to_string(StepSourceOptions::kMaxDepth) +
+                                  "] steps, got " + std::to_string(options.prefetch));
   }
   if (!(options.compute_seconds >= 0 && options.compute_seconds <= 3600)) {
     return Fail("--compute-seconds", "must be in [0, 3600], got " +

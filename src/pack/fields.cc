@@ -4,8 +4,12 @@
 #include "thdpack/fields.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <iomanip>
+#include <iterator>
 #include <limits>
+#include <sstream>
 #include <set>
 #include <string>
 
@@ -32,6 +36,32 @@ float FromBf16(uint16_t b) {
   float v;
   std::memcpy(&v, &bits, 4);
   return v;
+}
+
+// A finite value as float16 bits when it is exactly one (else false): sign, 5 exponent bits
+// (bias 15), 10 mantissa bits; below 2^-14 the subnormals k * 2^-24, k < 1024.
+bool ToF16Exact(double v, uint16_t* out) {
+  if (!std::isfinite(v)) return false;
+  const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  const double a = std::fabs(v);
+  if (a == 0) {
+    *out = sign;
+    return true;
+  }
+  int e = 0;
+  const double m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  const int exponent = e - 1;          // a = 2m * 2^exponent, 2m in [1, 2)
+  if (exponent > 15) return false;
+  if (exponent >= -14) {
+    const double mantissa = (2 * m - 1) * 1024;  // exact: a power-of-two scaling
+    if (mantissa != std::floor(mantissa)) return false;
+    *out = static_cast<uint16_t>(sign | ((exponent + 15) << 10) | static_cast<int>(mantissa));
+    return true;
+  }
+  const double k = a * 16777216.0;  // 2^24, exact
+  if (k != std::floor(k)) return false;
+  *out = static_cast<uint16_t>(sign | static_cast<int>(k));
+  return true;
 }
 
 // The fill as one element of the dtype; false when not exactly representable.
@@ -78,6 +108,12 @@ bool FillElement(FieldDtype dtype, double fill, std::byte* out) {
       if (!integral(0, dtype == FieldDtype::kBool ? 1 : 255)) return false;
       const uint8_t v = static_cast<uint8_t>(fill);
       std::memcpy(out, &v, 1);
+      return true;
+    }
+    case FieldDtype::kFloat16: {
+      uint16_t h = 0;
+      if (!ToF16Exact(fill, &h)) return false;
+      std::memcpy(out, &h, 2);
       return true;
     }
   }
@@ -160,41 +196,78 @@ Result<FieldKind> ParseFieldKind(std::string_view text) {
                                  "'sample' (one row per sample)");
 }
 
-std::string_view FieldDtypeName(FieldDtype dtype) {
-  switch (dtype) {
-    case FieldDtype::kFloat32: return "float32";
-    case FieldDtype::kFloat64: return "float64";
-    case FieldDtype::kBFloat16: return "bfloat16";
-    case FieldDtype::kInt32: return "int32";
-    case FieldDtype::kInt64: return "int64";
-    case FieldDtype::kUInt8: return "uint8";
-    case FieldDtype::kBool: return "bool";
+namespace {
+
+// The dtypes: the enum's order, NumPy's and torch's names, bytes of an element.
+struct DtypeEntry {
+  FieldDtype dtype;
+  std::string_view name;
+  size_t size;
+};
+constexpr DtypeEntry kDtypes[] = {
+    {FieldDtype::kFloat32, "float32", 4}, {FieldDtype::kFloat64, "float64", 8},
+    {FieldDtype::kBFloat16, "bfloat16", 2}, {FieldDtype::kInt32, "int32", 4},
+    {FieldDtype::kInt64, "int64", 8},     {FieldDtype::kUInt8, "uint8", 1},
+    {FieldDtype::kBool, "bool", 1},       {FieldDtype::kFloat16, "float16", 2}};
+
+constexpr bool InEnumOrder() {
+  for (size_t i = 0; i < std::size(kDtypes); ++i) {
+    if (static_cast<size_t>(kDtypes[i].dtype) != i) return false;
   }
-  return "?";
+  return true;
 }
+static_assert(InEnumOrder(), "kDtypes lists FieldDtype in the enum's order");
+
+const DtypeEntry& EntryOf(FieldDtype dtype) {
+  const size_t i = static_cast<size_t>(dtype);
+  return kDtypes[i < std::size(kDtypes) ? i : 0];
+}
+
+}  // namespace
+
+std::span<const FieldDtype> AllFieldDtypes() {
+  static const auto* all = [] {
+    auto* v = new std::vector<FieldDtype>();
+    for (const DtypeEntry& e : kDtypes) v->push_back(e.dtype);
+    return v;
+  }();
+  return *all;
+}
+
+std::string_view FieldDtypeName(FieldDtype dtype) { return EntryOf(dtype).name; }
 
 Result<FieldDtype> ParseFieldDtype(std::string_view text) {
-  for (FieldDtype d : {FieldDtype::kFloat32, FieldDtype::kFloat64, FieldDtype::kBFloat16,
-                       FieldDtype::kInt32, FieldDtype::kInt64, FieldDtype::kUInt8,
-                       FieldDtype::kBool}) {
-    if (text == FieldDtypeName(d)) return d;
+  std::string names;
+  for (const DtypeEntry& e : kDtypes) {
+    if (text == e.name) return e.dtype;
+    names += (names.empty() ? "" : ", ") + std::string(e.name);
   }
-  return Status::InvalidArgument("field dtype '" + std::string(text) +
-                                 "': expected one of float32, float64, bfloat16, int32, int64, "
-                                 "uint8, bool (values are kept as given, never cast)");
+  return Status::InvalidArgument("dtype '" + std::string(text) + "': expected one of " + names +
+                                 " (values are kept as given, never cast)");
 }
 
-size_t FieldDtypeSize(FieldDtype dtype) {
-  switch (dtype) {
-    case FieldDtype::kFloat64:
-    case FieldDtype::kInt64: return 8;
-    case FieldDtype::kFloat32:
-    case FieldDtype::kInt32: return 4;
-    case FieldDtype::kBFloat16: return 2;
-    case FieldDtype::kUInt8:
-    case FieldDtype::kBool: return 1;
+size_t FieldDtypeSize(FieldDtype dtype) { return EntryOf(dtype).size; }
+
+Result<std::vector<std::byte>> ValueRow(FieldDtype dtype, int64_t width, double value) {
+  if (width < 1) {
+    return Status::InvalidArgument("a row of " + Str(width) + " elements (at least 1)");
   }
-  return 1;
+  const size_t es = FieldDtypeSize(dtype);
+  std::byte e[8] = {};
+  if (!FillElement(dtype, value, e)) {
+    std::string text;
+    for (int digits = 6; digits <= 17; ++digits) {  // the shortest that reads back as value
+      std::ostringstream v;
+      v << std::setprecision(digits) << value;
+      text = v.str();
+      if (std::strtod(text.c_str(), nullptr) == value) break;
+    }
+    return Status::InvalidArgument("the value " + text + " is not exactly representable as " +
+                                   std::string(FieldDtypeName(dtype)));
+  }
+  std::vector<std::byte> row(static_cast<size_t>(width) * es);
+  for (size_t k = 0; k < row.size(); k += es) std::memcpy(row.data() + k, e, es);
+  return row;
 }
 
 int64_t FieldSpec::width() const {
@@ -274,12 +347,9 @@ Status ValidateFieldSpecs(std::span<const FieldSpec> fields) {
 }
 
 std::vector<std::byte> FillRow(const FieldSpec& spec) {
-  const size_t es = FieldDtypeSize(spec.dtype);
-  std::byte e[8] = {};
-  FillElement(spec.dtype, spec.fill, e);  // validated by ValidateFieldSpecs; else zero
-  std::vector<std::byte> row(spec.row_bytes());
-  for (size_t k = 0; k < row.size(); k += es) std::memcpy(row.data() + k, e, es);
-  return row;
+  Result<std::vector<std::byte>> row = ValueRow(spec.dtype, spec.width(), spec.fill);
+  // Validated by ValidateFieldSpecs; else zeros.
+  return row.ok() ? std::move(*row) : std::vector<std::byte>(spec.row_bytes());
 }
 
 int64_t TruncateSample(Sample& x, std::span<const FieldSpec> fields, int64_t longest) {

@@ -5,8 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -77,13 +79,11 @@ TEST(FieldsTest, WorkedExampleByHand) {
 }
 
 FieldSpec RandomSpec(std::mt19937_64& rng, FieldKind kind) {
-  const FieldDtype dtypes[] = {FieldDtype::kFloat32, FieldDtype::kFloat64, FieldDtype::kBFloat16,
-                               FieldDtype::kInt32,   FieldDtype::kInt64,   FieldDtype::kUInt8,
-                               FieldDtype::kBool};
+  const std::span<const FieldDtype> dtypes = AllFieldDtypes();
   FieldSpec f;
   f.name = "f";
   f.kind = kind;
-  f.dtype = dtypes[rng() % 7];
+  f.dtype = dtypes[rng() % dtypes.size()];
   if (rng() % 2) f.shape = {static_cast<int64_t>(1 + rng() % 4)};
   f.fill = f.dtype == FieldDtype::kBool ? static_cast<double>(rng() % 2)
                                         : static_cast<double>(rng() % 7);
@@ -243,7 +243,68 @@ TEST(FieldsTest, SchemaErrorsNameTheFieldAndTheRule) {
   ExpectInvalid(CheckSampleFields(schema, v, 5, "sample 3"), {"1 field buffers", "declares 2"});
   EXPECT_EQ(FieldBytes(schema, 5), 28);
   ExpectInvalid(ParseFieldKind("token").status(), {"'token'", "'input'"});
-  ExpectInvalid(ParseFieldDtype("float16").status(), {"'float16'", "never cast"});
+  ExpectInvalid(ParseFieldDtype("int16").status(), {"'int16'", "float16", "never cast"});
+}
+
+// The dtype table: names and widths as NumPy and torch spell them, each name parsed back.
+TEST(FieldsTest, DtypeTableNamesAndWidths) {
+  const std::vector<std::pair<std::string, size_t>> want = {
+      {"float32", 4}, {"float64", 8}, {"bfloat16", 2}, {"int32", 4},
+      {"int64", 8},   {"uint8", 1},   {"bool", 1},     {"float16", 2}};
+  ASSERT_EQ(AllFieldDtypes().size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const FieldDtype d = AllFieldDtypes()[i];
+    EXPECT_EQ(FieldDtypeName(d), want[i].first);
+    EXPECT_EQ(FieldDtypeSize(d), want[i].second) << want[i].first;
+    auto back = ParseFieldDtype(want[i].first);
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, d);
+  }
+}
+
+// IEEE half, decoded by its definition (independent of the encoder under test).
+double HalfValue(uint16_t h) {
+  const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+  const double magnitude = exponent == 0 ? std::ldexp(mantissa, -24)
+                                         : std::ldexp(1024 + mantissa, exponent - 25);
+  return sign ? -magnitude : magnitude;
+}
+
+// Every finite float16 value as a fill row gives its own bits back; values between two of them,
+// past the largest (65504) or not finite are refused, naming the value and the dtype.
+TEST(FieldsTest, Float16FillIsExactOrRefused) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    if (((h >> 10) & 31) == 31) continue;  // inf, nan
+    const double v = HalfValue(static_cast<uint16_t>(h));
+    auto row = ValueRow(FieldDtype::kFloat16, 1, v);
+    ASSERT_TRUE(row.ok()) << h << " " << v << " " << row.status().ToString();
+    uint16_t got = 0;
+    std::memcpy(&got, row->data(), 2);
+    if (v == 0) {
+      EXPECT_EQ(got & 0x7fff, 0) << h;
+    } else {
+      EXPECT_EQ(got, h) << v;
+    }
+    // Halfway to the next value up (of the same sign) is no float16 value (a sample of them:
+    // each refusal writes its message).
+    if ((h & 0x7fff) < 0x7bff && v != 0 && (h % 61 == 0 || (h & 0x7fff) < 0x0400)) {
+      const double next = HalfValue(static_cast<uint16_t>(h + 1));
+      EXPECT_FALSE(ValueRow(FieldDtype::kFloat16, 1, (v + next) / 2).ok()) << h;
+    }
+  }
+  auto row = ValueRow(FieldDtype::kFloat16, 3, -2.5);
+  ASSERT_TRUE(row.ok());
+  ASSERT_EQ(row->size(), 6u);
+  for (size_t k = 0; k < 6; k += 2) {
+    uint16_t got = 0;
+    std::memcpy(&got, row->data() + k, 2);
+    EXPECT_EQ(got, 0xc100);
+  }
+  ExpectInvalid(ValueRow(FieldDtype::kFloat16, 1, 65536.0).status(), {"65536", "float16"});
+  ExpectInvalid(ValueRow(FieldDtype::kFloat16, 1, 0.1).status(), {"0.1", "float16"});
+  EXPECT_FALSE(ValueRow(FieldDtype::kFloat16, 1, INFINITY).ok());
+  ExpectInvalid(ValueRow(FieldDtype::kInt64, 1, 0.5).status(), {"0.5", "int64"});
+  EXPECT_FALSE(ValueRow(FieldDtype::kFloat32, 0, 0).ok());
 }
 
 // TruncateSample against the plain prefix of every buffer, on random samples and schemas.

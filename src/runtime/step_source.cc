@@ -17,11 +17,17 @@
 
 namespace thdpack {
 
-namespace {
-
-constexpr int kMaxDepth = 64;
-
-}  // namespace
+Status StepSourceOptions::Check() const {
+  if (depth < 0 || depth > kMaxDepth) {
+    return Status::InvalidArgument("depth = " + std::to_string(depth) + " must be in [0, " +
+                                   std::to_string(kMaxDepth) + "] steps");
+  }
+  if (steps < -1) {
+    return Status::InvalidArgument("steps = " + std::to_string(steps) +
+                                   " must be >= 0, or -1 for no bound");
+  }
+  return Status::Ok();
+}
 
 // Shared by the StepSource and its thread: whichever lets go last frees it (the thread, when a
 // Close timed out or was called on the thread itself), so the thread never outlives what it
@@ -235,15 +241,8 @@ Result<std::unique_ptr<StepSource>> StepSource::Create(ProcessGroup& world,
                                                        StepSourceOptions source_options) {
   // Local checks of arguments every rank holds alike: the same answer everywhere, no
   // collective needed.
+  THDPACK_RETURN_IF_ERROR(source_options.Check().WithContext("StepSource"));
   const int depth = source_options.depth;
-  if (depth < 0 || depth > kMaxDepth) {
-    return Status::InvalidArgument("StepSource: depth = " + std::to_string(depth) +
-                                   " must be in [0, " + std::to_string(kMaxDepth) + "] steps");
-  }
-  if (source_options.steps < -1) {
-    return Status::InvalidArgument("StepSource: steps = " + std::to_string(source_options.steps) +
-                                   " must be >= 0, or -1 for no bound");
-  }
   StepRunnerOptions o = options;
   std::shared_ptr<ProcessGroup> data_world;
   std::optional<CpGroupCache> cache;

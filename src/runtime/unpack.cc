@@ -1,8 +1,11 @@
 // UnpackStep (thdpack/step_runner.h): a step's per-token outputs back to the loaders that read
-// the samples, in their order. Which local token belongs to which sample and token comes from
-// the shard's own rules (ShardSequenceIndex, LocalPositionIds): a run is a stretch of local
-// positions of one sequence whose padded positions follow each other (a zigzag chunk).
+// the samples, in their order. The values' dtype and row shape are agreed first (RowOfWorld);
+// which loader a sample belongs to is FedShares' rule; which local token belongs to which sample
+// and token comes from the shard's own rules (ShardSequenceIndex, LocalPositionIds): a run is a
+// stretch of local positions of one sequence whose padded positions follow each other (a zigzag
+// chunk).
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -18,14 +21,125 @@ constexpr size_t kRunHeader = 3 * sizeof(int64_t);  // sample id, first token, r
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
+// A rank's values as it tells them to the world: state (0 none, 1 values, 2 a local error),
+// dtype, row dimensions, the row shape (zero-padded).
+using RowWords = std::array<int64_t, 3 + kUnpackMaxRowDims>;
+
+// "float32 [T/CP]", "float64 [T/CP, 3]": values of dtype and row shape.
+std::string RowText(FieldDtype dtype, std::span<const int64_t> row) {
+  std::string s = std::string(FieldDtypeName(dtype)) + " [T/CP";
+  for (int64_t d : row) s += ", " + Str(d);
+  return s + "]";
+}
+
+// This rank's values: every microbatch that has some, of one dtype and row shape (the first's),
+// each of at most kUnpackMaxRowDims row dimensions of at least 1 and its bytes those of its
+// shape. *words: state 1 and the row, 0 when there are none; a Status naming the microbatch
+// otherwise.
+Status LocalRow(std::span<const UnpackMicrobatch> microbatches, RowWords* words) {
+  words->fill(0);
+  int first = -1;
+  for (size_t m = 0; m < microbatches.size(); ++m) {
+    const UnpackMicrobatch& mb = microbatches[m];
+    if (mb.shape.empty()) continue;
+    const std::string where = "unpack: values of microbatch " + Str(static_cast<int64_t>(m));
+    const auto row = mb.shape.subspan(1);
+    if (static_cast<int>(row.size()) > kUnpackMaxRowDims) {
+      return Status::InvalidArgument(where + " have " + Str(static_cast<int64_t>(mb.shape.size())) +
+                                     " dimensions ([T/CP] or [T/CP, *row], at most " +
+                                     Str(kUnpackMaxRowDims) + " row dimensions)");
+    }
+    int64_t elements = mb.shape[0];
+    for (int64_t d : row) {
+      if (d < 1) return Status::InvalidArgument(where + ": row dimension " + Str(d) + " (>= 1)");
+      elements *= d;
+    }
+    if (mb.shape[0] < 0 || mb.values.size() != static_cast<size_t>(elements) *
+                                                   FieldDtypeSize(mb.dtype)) {
+      return Status::InvalidArgument(where + ": " + Str(static_cast<int64_t>(mb.values.size())) +
+                                     " bytes for " + RowText(mb.dtype, row) + " with T/CP = " +
+                                     Str(mb.shape[0]));
+    }
+    if (first < 0) {
+      first = static_cast<int>(m);
+      (*words)[0] = 1;
+      (*words)[1] = static_cast<int64_t>(mb.dtype);
+      (*words)[2] = static_cast<int64_t>(row.size());
+      std::copy(row.begin(), row.end(), words->begin() + 3);
+      continue;
+    }
+    const UnpackMicrobatch& f = microbatches[static_cast<size_t>(first)];
+    if (mb.dtype != f.dtype || !std::ranges::equal(row, f.shape.subspan(1))) {
+      return Status::InvalidArgument(where + " are " + RowText(mb.dtype, row) + ", microbatch " +
+                                     Str(first) + "'s " + RowText(f.dtype, f.shape.subspan(1)) +
+                                     " (every microbatch's values of one dtype and row shape)");
+    }
+  }
+  return Status::Ok();
+}
+
+// The values' dtype and row shape over the world: one all-gather of every rank's RowWords. A
+// local error (`local`, state 2 on its rank) is agreed as any (AgreeOnStatus); senders that
+// differ, or no sender, are the same InvalidArgument on every rank.
+Status RowOfWorld(ProcessGroup& world, const Status& local, const RowWords& mine,
+                  FieldDtype* dtype, std::vector<int64_t>* row) {
+  RowWords sent = mine;
+  if (!local.ok()) sent[0] = 2;
+  const int size = world.size();
+  std::vector<int64_t> all(static_cast<size_t>(size) * sent.size());
+  THDPACK_RETURN_IF_ERROR(
+      world.AllGatherValues(std::span<const int64_t>(sent), std::span<int64_t>(all)));
+  auto words = [&](int r) {
+    return std::span<const int64_t>(all).subspan(static_cast<size_t>(r) * sent.size(),
+                                                 sent.size());
+  };
+  for (int r = 0; r < size; ++r) {
+    if (words(r)[0] == 2) return AgreeOnStatus(world, local, "unpack");
+  }
+  auto text = [&](int r) {
+    const auto w = words(r);
+    return RowText(static_cast<FieldDtype>(w[1]), w.subspan(3, static_cast<size_t>(w[2])));
+  };
+  int first = -1;
+  for (int r = 0; r < size; ++r) {
+    if (words(r)[0] != 1) continue;
+    if (first < 0) {
+      first = r;
+    } else if (!std::ranges::equal(words(r), words(first))) {
+      return Status::InvalidArgument(
+          "unpack: rank " + Str(world.ranks()[static_cast<size_t>(r)]) + " passed values of " +
+          text(r) + ", rank " + Str(world.ranks()[static_cast<size_t>(first)]) + " of " +
+          text(first) + " (every rank's values are of one dtype and row shape)");
+    }
+  }
+  if (first < 0) {
+    return Status::InvalidArgument(
+        "unpack: no rank passed values (the ranks tp = 0 of the last stage pass theirs)");
+  }
+  const auto w = words(first);
+  *dtype = static_cast<FieldDtype>(w[1]);
+  row->assign(w.begin() + 3, w.begin() + 3 + w[2]);
+  return Status::Ok();
+}
+
 }  // namespace
 
-Result<std::vector<std::vector<std::byte>>> UnpackStep(
-    ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
-    std::span<const UnpackMicrobatch> microbatches, const UnpackArgs& args) {
+Result<UnpackedValues> UnpackStep(ProcessGroup& world, const Topology& topology,
+                                  const StepRunnerOptions& options,
+                                  std::span<const UnpackMicrobatch> microbatches,
+                                  const UnpackArgs& args) {
   const int size = world.size();
   const int dp = topology.dp_size();
-  const size_t rb = args.row_bytes;
+  UnpackedValues result;
+  {
+    RowWords mine;
+    const Status local =
+        args.caller_error.ok() ? LocalRow(microbatches, &mine) : args.caller_error;
+    THDPACK_RETURN_IF_ERROR(RowOfWorld(world, local, mine, &result.dtype, &result.row_shape));
+  }
+  int64_t width = 1;
+  for (int64_t d : result.row_shape) width *= d;
+  const size_t rb = static_cast<size_t>(width) * FieldDtypeSize(result.dtype);
   Status local;
   THDPACK_ASSIGN_OR_RETURN(const Coord me, topology.CoordOf(world.rank()));
   const bool reads = ReadsShare(me, options);
@@ -35,12 +149,15 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
     THDPACK_ASSIGN_OR_RETURN(Coord c, topology.CoordOf(r));
     if (ReadsShare(c, options)) readers[static_cast<size_t>(c.dp)].push_back(r);
   }
-  if (rb == 0 || args.fill.size() != rb) {
-    local = Status::InvalidArgument("unpack: a value row of " + Str(static_cast<int64_t>(rb)) +
-                                    " bytes with a fill of " +
-                                    Str(static_cast<int64_t>(args.fill.size())));
+  std::vector<std::byte> fill;
+  if (Result<std::vector<std::byte>> row = ValueRow(result.dtype, width, args.fill); row.ok()) {
+    fill = std::move(*row);
+  } else {
+    local = row.status().WithContext("unpack: fill");
   }
-  const int64_t my_count = reads ? LoaderCount(args.num_samples, dp, me.dp) : 0;
+  Result<FedShares> fed = FedShares::Create(args.num_samples, dp);
+  if (local.ok() && !fed.ok()) local = fed.status().WithContext("unpack");
+  const int64_t my_count = reads && fed.ok() ? fed->Count(me.dp) : 0;
   if (local.ok() && reads && static_cast<int64_t>(args.own_lengths.size()) != my_count) {
     local = Status::InvalidArgument("unpack: this loader (dp=" + Str(me.dp) + ") gave " +
                                     Str(static_cast<int64_t>(args.own_lengths.size())) +
@@ -54,7 +171,7 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
   std::vector<std::vector<std::byte>> send(static_cast<size_t>(size));
   for (size_t m = 0; m < microbatches.size() && local.ok() && sends; ++m) {
     const UnpackMicrobatch& mb = microbatches[m];
-    if (mb.values.empty()) continue;
+    if (mb.shape.empty() || (mb.idle && mb.values.empty())) continue;
     const std::string where = "unpack: values of microbatch " + Str(static_cast<int64_t>(m));
     if (mb.idle) {
       local = Status::InvalidArgument(where + ": the microbatch is idle on this rank");
@@ -104,13 +221,13 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
           std::min<int64_t>(static_cast<int64_t>(end - begin), length - first_token);
       if (rows > 0) {
         const int64_t id = mb.sample_ids[static_cast<size_t>(i)];
-        const int64_t offset = id - args.first_id;
-        if (offset < 0 || offset >= args.num_samples) {
+        const auto slot = fed->SlotOf(args.first_id, id);
+        if (!slot) {
           local = Status::Internal(where + ": sample id " + Str(id) + " is not of the step");
           break;
         }
         const int64_t header[3] = {id, first_token, rows};
-        for (int r : readers[static_cast<size_t>(offset % dp)]) {
+        for (int r : readers[static_cast<size_t>(slot->loader)]) {
           std::vector<std::byte>& out = send[static_cast<size_t>(r)];
           const size_t at = out.size();
           out.resize(at + kRunHeader + static_cast<size_t>(rows) * rb);
@@ -151,13 +268,14 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
   THDPACK_RETURN_IF_ERROR(world.AllToAllV(sendbuf, sc, sd, recvbuf, rc, rd));
 
   // This loader's samples, filled from the runs.
-  std::vector<std::vector<std::byte>> out(static_cast<size_t>(my_count));
+  std::vector<std::vector<std::byte>>& out = result.samples;
+  out.resize(static_cast<size_t>(my_count));
   int64_t expected = 0, received = 0;
   for (int64_t k = 0; k < my_count; ++k) {
     const int64_t length = args.own_lengths[static_cast<size_t>(k)];
     auto& v = out[static_cast<size_t>(k)];
     v.resize(static_cast<size_t>(std::max<int64_t>(length, 0)) * rb);
-    for (size_t at = 0; at < v.size(); at += rb) std::memcpy(v.data() + at, args.fill.data(), rb);
+    for (size_t at = 0; at < v.size(); at += rb) std::memcpy(v.data() + at, fill.data(), rb);
     expected += std::max<int64_t>(length - 1, 0);
   }
   for (size_t at = 0; at < recvbuf.size() && local.ok();) {
@@ -168,9 +286,10 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
     }
     std::memcpy(header, recvbuf.data() + at, kRunHeader);
     at += kRunHeader;
-    const int64_t offset = header[0] - args.first_id, first = header[1], rows = header[2];
-    const int64_t k = offset / dp;
-    if (offset < 0 || offset % dp != me.dp || k >= my_count || first < 1 || rows < 1 ||
+    const int64_t first = header[1], rows = header[2];
+    const auto slot = fed->SlotOf(args.first_id, header[0]);
+    const int64_t k = slot ? slot->index : 0;
+    if (!slot || slot->loader != me.dp || k >= my_count || first < 1 || rows < 1 ||
         first + rows > args.own_lengths[static_cast<size_t>(k)] ||
         static_cast<uint64_t>(rows) * rb > recvbuf.size() - at) {
       local = Status::Internal("unpack: a run of sample id " + Str(header[0]) + " tokens " +
@@ -190,7 +309,7 @@ Result<std::vector<std::vector<std::byte>>> UnpackStep(
         "its values for every microbatch it holds");
   }
   THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world, local, "unpack"));
-  return out;
+  return result;
 }
 
 }  // namespace thdpack

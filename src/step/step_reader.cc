@@ -297,23 +297,73 @@ std::vector<int64_t> LoaderIndices(int64_t n, int dp_size, int loader) {
   return out;
 }
 
-Result<StepShare> FedStepShare(int64_t global_batch, int dp_size, int64_t step,
-                               int64_t first_position, int loader, std::vector<Sample> samples) {
-  const int64_t want = LoaderCount(global_batch, dp_size, loader);
-  if (static_cast<int64_t>(samples.size()) != want) {
-    return Status::InvalidArgument(
-        "source of loader dp=" + std::to_string(loader) + ", step " + std::to_string(step) +
-        ": gave " + std::to_string(samples.size()) + " samples, its share of global_batch " +
-        std::to_string(global_batch) + " over DP " + std::to_string(dp_size) + " is " +
-        std::to_string(want));
+Result<FedShares> FedShares::Create(int64_t global_batch, int dp_size) {
+  if (global_batch < 1) {
+    return Status::InvalidArgument("a caller-fed source needs global_batch >= 1, got " +
+                                   std::to_string(global_batch));
+  }
+  if (dp_size < 1) {
+    return Status::InvalidArgument("dp_size = " + std::to_string(dp_size) + " must be >= 1");
+  }
+  return FedShares(global_batch, dp_size);
+}
+
+int64_t FedShares::Count(int loader) const { return LoaderCount(global_batch_, dp_size_, loader); }
+
+std::vector<int64_t> FedShares::Positions(int64_t first_position, int loader) const {
+  std::vector<int64_t> out = LoaderIndices(global_batch_, dp_size_, loader);
+  for (int64_t& p : out) p += first_position;
+  return out;
+}
+
+std::optional<FedShares::Slot> FedShares::SlotOf(int64_t first_position, int64_t id) const {
+  const int64_t offset = id - first_position;
+  if (offset < 0 || offset >= global_batch_) return std::nullopt;
+  return Slot{static_cast<int>(offset % dp_size_), offset / dp_size_};
+}
+
+Result<StepShare> FedShares::Share(int64_t step, int64_t first_position, int loader,
+                                   std::vector<Sample> samples,
+                                   std::span<const int64_t> given_positions) const {
+  const std::string where =
+      "source of loader dp=" + std::to_string(loader) + ", step " + std::to_string(step);
+  const int64_t want = Count(loader);
+  const int64_t got = static_cast<int64_t>(samples.size());
+  const std::string rule = " (loader d gives samples d, d + DP, d + 2 DP, ... of each batch)";
+  if (got < want) {
+    return Status::InvalidArgument(where + ": ended after " + std::to_string(got) + " of the " +
+                                   std::to_string(want) + " samples of its share of the batch of " +
+                                   std::to_string(global_batch_) + " over DP " +
+                                   std::to_string(dp_size_) + rule);
+  }
+  if (got > want) {
+    return Status::InvalidArgument(where + ": holds " + std::to_string(got) +
+                                   " samples; its share of the batch of " +
+                                   std::to_string(global_batch_) + " over DP " +
+                                   std::to_string(dp_size_) + " is " + std::to_string(want) +
+                                   rule);
+  }
+  if (!given_positions.empty() && given_positions.size() != samples.size()) {
+    return Status::InvalidArgument(where + ": " + std::to_string(given_positions.size()) +
+                                   " positions for " + std::to_string(got) + " samples");
+  }
+  const std::vector<int64_t> positions = Positions(first_position, loader);
+  for (size_t k = 0; k < samples.size(); ++k) {
+    const int64_t said = given_positions.empty() ? kNotGiven : given_positions[k];
+    if (said != kNotGiven && said != positions[k]) {
+      return Status::InvalidArgument(
+          where + ", sample " + std::to_string(k) + ": position " + std::to_string(said) +
+          ", expected " + std::to_string(positions[k]) +
+          " (this loader's iterable must yield loader_positions(state, global_batch, DP, dp) "
+          "from the run's state: it resumes after " +
+          std::to_string(first_position) + " samples)");
+    }
+    samples[k].id = positions[k];
   }
   StepShare share;
   share.step = step;
-  share.n = global_batch;
+  share.n = global_batch_;
   share.first_id = first_position;
-  for (size_t k = 0; k < samples.size(); ++k) {
-    samples[k].id = share.first_id + static_cast<int64_t>(k) * dp_size + loader;
-  }
   share.samples = std::move(samples);
   return share;
 }

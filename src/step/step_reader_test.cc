@@ -660,28 +660,70 @@ TEST(StepReaderShare, LoaderOutsideDpIsAnError) {
 }
 
 // A fed share takes the ids a file source gives, their stream positions: the k-th sample of
-// loader d in a step starting at position p has id p + k * DP + d; a share of the wrong size
-// names the loader and the step.
-TEST(FedStepShareTest, IdsFollowTheFileRuleAndTheCountIsChecked) {
+// loader d in a step starting at position p has id p + k * DP + d (the file rule, written out
+// here); a share of the wrong size, or a position the caller gave that is not the sample's,
+// names the loader, the step and the sample.
+TEST(FedSharesTest, IdsFollowTheFileRuleAndTheCountIsChecked) {
   for (const auto& [n, dp] : std::vector<std::pair<int64_t, int>>{{14, 2}, {10, 3}, {5, 8}}) {
+    auto fed = FedShares::Create(n, dp);
+    ASSERT_TRUE(fed.ok()) << fed.status().ToString();
+    const int64_t first = 3 * n + 5;
+    std::vector<int> seen(static_cast<size_t>(n), 0);
     for (int d = 0; d < dp; ++d) {
-      const std::vector<int64_t> file_ids = LoaderIndices(n, dp, d);  // positions in the step
-      std::vector<Sample> samples(file_ids.size());
+      std::vector<int64_t> want;  // the file rule, by hand
+      for (int64_t k = 0; d + k * dp < n; ++k) want.push_back(first + k * dp + d);
+      EXPECT_EQ(fed->Count(d), static_cast<int64_t>(want.size()));
+      EXPECT_EQ(fed->Positions(first, d), want);
+      std::vector<Sample> samples(want.size());
       for (auto& x : samples) x.tokens = {1, 2};
-      auto share = FedStepShare(n, dp, 3, 3 * n + 5, d, samples);
+      auto share = fed->Share(3, first, d, samples, want);  // positions given: checked, equal
       ASSERT_TRUE(share.ok()) << share.status().ToString();
-      EXPECT_EQ(share->first_id, 3 * n + 5);
+      EXPECT_EQ(share->first_id, first);
       EXPECT_EQ(share->n, n);
-      ASSERT_EQ(share->samples.size(), file_ids.size());
-      for (size_t k = 0; k < file_ids.size(); ++k) {
-        EXPECT_EQ(share->samples[k].id, 3 * n + 5 + file_ids[k]) << "n " << n << " dp " << dp;
+      ASSERT_EQ(share->samples.size(), want.size());
+      for (size_t k = 0; k < want.size(); ++k) {
+        EXPECT_EQ(share->samples[k].id, want[k]) << "n " << n << " dp " << dp;
+        const auto slot = fed->SlotOf(first, want[k]);
+        ASSERT_TRUE(slot.has_value());
+        EXPECT_EQ(slot->loader, d);
+        EXPECT_EQ(slot->index, static_cast<int64_t>(k));
+        ++seen[static_cast<size_t>(want[k] - first)];
       }
     }
+    // Every position of the step belongs to exactly one loader; none outside it.
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], 1) << i;
+    EXPECT_FALSE(fed->SlotOf(first, first - 1).has_value());
+    EXPECT_FALSE(fed->SlotOf(first, first + n).has_value());
+    EXPECT_EQ(fed->NextFirst(first), first + n);
+    EXPECT_EQ(fed->FirstBefore(fed->NextFirst(first)), first);
   }
-  auto bad = FedStepShare(10, 3, 2, 20, 1, std::vector<Sample>(2));
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("loader dp=1, step 2: gave 2 samples"), std::string::npos)
-      << bad.status().ToString();
+  auto fed = FedShares::Create(10, 3);
+  ASSERT_TRUE(fed.ok());
+  auto fewer = fed->Share(2, 20, 1, std::vector<Sample>(2));
+  ASSERT_FALSE(fewer.ok());
+  EXPECT_NE(fewer.status().message().find(
+                "loader dp=1, step 2: ended after 2 of the 3 samples of its share of the batch "
+                "of 10"),
+            std::string::npos)
+      << fewer.status().ToString();
+  auto more = fed->Share(2, 20, 2, std::vector<Sample>(4));
+  ASSERT_FALSE(more.ok());
+  EXPECT_NE(more.status().message().find("loader dp=2, step 2: holds 4 samples; its share of the "
+                                         "batch of 10 over DP 3 is 3"),
+            std::string::npos)
+      << more.status().ToString();
+  // Loader 1 of the step at 20 yields 21, 24, 27: a caller that says 25 for its second sample
+  // is refused, naming both; a position not given is not checked.
+  const int64_t said[] = {21, 25, FedShares::kNotGiven};
+  auto wrong = fed->Share(2, 20, 1, std::vector<Sample>(3), said);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("step 2, sample 1: position 25, expected 24"),
+            std::string::npos)
+      << wrong.status().ToString();
+  const int64_t right[] = {21, FedShares::kNotGiven, 27};
+  EXPECT_TRUE(fed->Share(2, 20, 1, std::vector<Sample>(3), right).ok());
+  EXPECT_FALSE(FedShares::Create(0, 2).ok());
+  EXPECT_FALSE(FedShares::Create(4, 0).ok());
 }
 
 }  // namespace

@@ -1,0 +1,166 @@
+"""thdpack.torch.fed: samples fed by the caller, as the C++ step takes them.
+
+``fields=`` as the C++ schema takes it (``field_specs``), a loader's sample dict as int32 tokens,
+a uint8 mask, each field's (dtype name, shape, bytes) and the position it says it has
+(``_to_sample``), the reader of a loader's iterable that the step source calls for each share
+(``_FedShares``), and ``loader_positions``. Conversions only: which positions a loader yields,
+how many samples a share holds and every field rule are the C++'s (FedShares of thdpack/step.h,
+thdpack/fields.h), asked here, never restated.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from .. import _thdpack
+from ._dtypes import NUMPY_NAMES, TORCH, dtype_name
+
+
+def _as_array(value, name):
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+# The keys of a fed sample that are not fields: the tokens, their target mask, and the stream
+# position the caller says the sample has (checked by the C++).
+_SAMPLE_KEYS = ("input_ids", "loss_mask", "position")
+
+
+def field_specs(fields):
+    """``fields=`` as the C++ schema takes it: [(name, kind, dtype, shape, fill)] in the order
+    given. Each entry is a kind ("input", "target", "sample"; dtype float32, scalar rows) or a
+    dict with ``kind`` and optional ``dtype`` (a name, NumPy or torch dtype; default float32),
+    ``shape`` (the inner shape: () for [L] or one value, (k,) for [L, k]; default ()) and
+    ``fill`` (the padding value, default 0). The C++ checks every rule (thdpack/fields.h)."""
+    if fields is None:
+        return []
+    if not isinstance(fields, dict):
+        raise TypeError(f"fields: expected a dict of name -> kind or spec, got "
+                        f"{type(fields).__name__}")
+    out = []
+    for name, spec in fields.items():
+        where = f"fields[{name!r}]"
+        if isinstance(spec, str):
+            spec = {"kind": spec}
+        if not isinstance(spec, dict) or "kind" not in spec:
+            raise TypeError(f"{where}: expected a kind ('input', 'target', 'sample') or a dict "
+                            f"with 'kind' (and optional 'dtype', 'shape', 'fill')")
+        unknown = sorted(set(spec) - {"kind", "dtype", "shape", "fill"})
+        if unknown:
+            raise TypeError(f"{where}: unknown keys {unknown} (kind, dtype, shape, fill)")
+        shape = spec.get("shape", ())
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        out.append((str(name), str(spec["kind"]), dtype_name(spec.get("dtype", "float32"), where),
+                    shape, float(spec.get("fill", 0))))
+    return out
+
+
+def _field_value(value, dtype, where):
+    """A fed field value as (dtype name, shape, uint8 bytes) for the C++ to check. Arrays and
+    tensors keep their dtype (a different one is an error there: never cast); a list or a
+    Python number has none and is made the declared dtype, if its values fit it exactly (or,
+    for a float dtype, are numbers)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        got, shape = dtype_name(t.dtype, where), tuple(t.shape)
+        a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    elif isinstance(value, (np.ndarray, np.generic)):
+        # asarray keeps a NumPy scalar 0-d (shape []); ascontiguousarray would make it [1].
+        a = np.asarray(value)
+        a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        got = NUMPY_NAMES.get(a.dtype) or a.dtype.name
+        shape = a.shape
+    else:
+        given = np.asarray(value)
+        if given.dtype.kind not in "biuf":
+            raise ValueError(f"{where}: holds {given.dtype} values, declared {dtype}")
+        if dtype == "bfloat16":
+            t = torch.tensor(given.tolist(), dtype=torch.bfloat16)
+            a, got = t.view(torch.int16).numpy(), "bfloat16"
+        else:
+            a = given.astype(dtype)
+            exact = TORCH[dtype].is_floating_point or np.array_equal(a, given)
+            got = dtype if exact else given.dtype.name
+        shape = given.shape
+    return got, tuple(int(d) for d in shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _to_sample(item, where, fields=()):
+    """A loader's sample (dict with input_ids, optional loss_mask and position, and the run's
+    fields) as (int32 tokens, uint8 mask or None, fields, position or None). Values outside
+    int32 or a mask that is not 0/1 are errors, never cast away; every other key goes to the
+    C++ as a field, which refuses one not declared; the position, when given, is checked there
+    against the one the sample has (FedShares)."""
+    if not isinstance(item, dict) or "input_ids" not in item:
+        raise ValueError(f"{where}: expected a dict with 'input_ids', got {type(item).__name__}")
+    tokens = _as_array(item["input_ids"], "input_ids").reshape(-1)
+    if tokens.size == 0:
+        raise ValueError(f"{where}: input_ids is empty")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{where}: input_ids has dtype {tokens.dtype}, expected integers")
+    if tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{where}: input_ids holds {int(tokens.min())}..{int(tokens.max())}, "
+                         f"outside [0, 2^31)")
+    mask = item.get("loss_mask")
+    if mask is not None:
+        mask = _as_array(mask, "loss_mask").reshape(-1)
+        if mask.shape != tokens.shape:
+            raise ValueError(f"{where}: loss_mask has {mask.size} entries, input_ids "
+                             f"{tokens.size} (the mask is token-aligned)")
+        if not np.all((mask == 0) | (mask == 1)):
+            raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
+        mask = np.ascontiguousarray(mask, dtype=np.uint8)
+    declared = {f[0]: f[2] for f in fields}
+    values = {k: _field_value(v, declared.get(k, "float32"), f"{where}, field {k!r}")
+              for k, v in item.items() if k not in _SAMPLE_KEYS}
+    position = item.get("position")
+    return (np.ascontiguousarray(tokens, dtype=np.int32), mask, values,
+            None if position is None else int(position))
+
+
+def loader_positions(start, global_batch, dp_size, loader):
+    """The stream positions loader ``loader`` yields, in order, from position ``start`` on.
+
+    A step of ``global_batch`` samples takes the stream positions ``p .. p + global_batch - 1``
+    (``p``: the samples consumed before it) and loader ``d`` yields ``p + d, p + d + DP, ...``
+    of them; the next step starts at ``p + global_batch``. ``start`` is a position or a run
+    state (``state_dict()``: its ``consumed``). This is where each loader's iterable continues
+    after ``load_state_dict``, at any DP size and global batch: a caller's resumable sampler
+    yields these positions (an infinite generator). The rule is the C++ step's (FedShares of
+    thdpack/step.h), asked step by step.
+    """
+    if isinstance(start, dict):
+        start = start["consumed"]
+    p, global_batch, dp_size, loader = int(start), int(global_batch), int(dp_size), int(loader)
+    while True:
+        positions, p = _thdpack._fed_positions(p, global_batch, dp_size, loader)
+        yield from positions
+
+
+class _FedShares:
+    """A caller-fed loader's iterable, read one share at a time by the step source (on the
+    thread that makes the step): ``take(count)`` gives the next ``count`` samples as
+    ``_to_sample`` makes them, fewer where the iterable ended inside the share, None where it
+    ended at the step boundary (the C++ step agrees the end over every loader). ``whole``
+    (pack_batch: a list that is the loader's whole share) gives every sample it holds, however
+    many. The C++ (FedShares) checks the count and every position given."""
+
+    def __init__(self, fields=()):
+        self._fields = fields
+        self._it = None
+        self.whole = False
+
+    def start(self, source):
+        self._it = None if source is None else iter(source)
+
+    def __call__(self, count):
+        if self._it is None:
+            raise ValueError("source: this rank is a loader but was given None (give each "
+                             "loader its iterable)")
+        items = self._it if self.whole else itertools.islice(self._it, count)
+        out = [_to_sample(item, f"sample {k} of the share", self._fields)
+               for k, item in enumerate(items)]
+        return None if count and not out and not self.whole else out
