@@ -112,6 +112,51 @@ struct SourceCursor {
   friend bool operator==(const SourceCursor&, const SourceCursor&) = default;
 };
 
+// ---- A cursor's fields, described once. ----
+// Every field of SourceCursor as the run state (thdpack/run_state.h, JSON) and the step's
+// messages (thdpack/step_wire.h, binary) write it: both encoders and both decoders walk this
+// table, and both decoders end with CheckSourceCursor, so a new field of SourceCursor is one
+// row here (and a new version of each format), never a second codec.
+//
+// A cursor has one shape: plain (the integers only), a blend's (`parts` and `taken`) or a
+// splitting source's (`split`, and the cursor it wraps, `inner`, held as parts[0]). A row is
+// in every cursor (shape kPlain) or only in the cursors of its shape.
+enum class CursorShape : uint8_t { kPlain = 0, kBlend = 1, kSplit = 2 };
+enum class CursorFieldKind : uint8_t {
+  kInt,      // one int64 (`value`)
+  kInts,     // a list of int64 (`values`)
+  kCursor,   // one cursor: parts[0]
+  kCursors,  // a list of cursors: parts
+};
+struct CursorField {
+  std::string_view name;  // the key in the run state, the name in errors
+  CursorFieldKind kind;
+  CursorShape shape;
+  int64_t min;    // each integer's range (kInt, kInts), inclusive
+  int64_t max;
+  size_t count;   // kInts: the exact number of values, 0 for any
+  int64_t SourceCursor::*value;                // kInt, else null
+  std::vector<int64_t> SourceCursor::*values;  // kInts, else null
+};
+
+// The rows, in the order both formats write them: the integers, then the rows of each shape.
+std::span<const CursorField> SourceCursorFields();
+
+// The shape `c` has: kSplit when `split` is set, kBlend when `parts` or `taken` is, kPlain
+// otherwise.
+CursorShape ShapeOf(const SourceCursor& c);
+
+// Every rule of the table on `c` and its nested cursors: each integer in its row's range, each
+// fixed list of its count, the rows of other shapes empty, `taken` as long as `parts`, a blend
+// only at the top (a blend holds no blend; `inner` keeps its wrapper's level), a splitting
+// source's `inner` not a splitting source's cursor. Corruption naming the field by its path
+// (`path` is the cursor's own, e.g. "cursor"; "cursor.inner.parts[1].epoch") and the rule.
+[[nodiscard]] Status CheckSourceCursor(const SourceCursor& c, std::string_view path);
+
+// The deepest nesting a cursor may have (split, its blend, a part, the part's own inner); the
+// decoders refuse deeper input before they recurse.
+inline constexpr int kMaxCursorNesting = 4;
+
 // What a splitting source (OpenSplitSource) cut since it was opened: the samples split, the
 // pieces they became, and the targets lost at the cuts (each cut's first token was a target
 // of the token before it, now in another piece).

@@ -295,3 +295,65 @@ TEST(SourceCursorTest, IdentityChangesWithTheData) {
 
 }  // namespace
 }  // namespace thdpack
+
+namespace thdpack {
+namespace {
+
+// The rules between a cursor's fields (CheckSourceCursor, the one check the run state's and the
+// step messages' decoders both end with), each named by the field's path.
+TEST(SourceCursorFieldsTest, EachRuleIsNamedByItsPath) {
+  SourceCursor plain;
+  plain.position = 3;
+  plain.next_id = 3;
+  plain.epoch_size = 10;
+  EXPECT_TRUE(CheckSourceCursor(plain, "cursor").ok());
+  SourceCursor c = plain;
+  c.epoch = -1;
+  EXPECT_TRUE(Contains(CheckSourceCursor(c, "cursor").message(), "\"cursor.epoch\" = -1"));
+  c = plain;
+  c.epoch_size = -2;
+  EXPECT_TRUE(Contains(CheckSourceCursor(c, "cursor").message(), "cursor.epoch_size"));
+  c.epoch_size = -1;  // unknown: allowed
+  EXPECT_TRUE(CheckSourceCursor(c, "cursor").ok());
+
+  SourceCursor blend;
+  blend.parts = {plain, plain};
+  blend.taken = {1};
+  EXPECT_EQ(ShapeOf(blend), CursorShape::kBlend);
+  EXPECT_TRUE(Contains(CheckSourceCursor(blend, "cursor").message(), "same length (2 and 1)"));
+  blend.taken = {1, -4};
+  EXPECT_TRUE(Contains(CheckSourceCursor(blend, "cursor").message(), "\"cursor.taken[1]\""));
+  blend.taken = {1, 4};
+  EXPECT_TRUE(CheckSourceCursor(blend, "cursor").ok());
+  blend.parts[1].parts = {plain};  // a blend inside a part
+  blend.parts[1].taken = {0};
+  EXPECT_TRUE(Contains(CheckSourceCursor(blend, "cursor").message(),
+                       "\"cursor.parts[1].parts\" inside a part"));
+
+  SourceCursor split = plain;
+  split.split = {1, 2, 3, 4, 5};
+  split.parts = {plain};
+  EXPECT_EQ(ShapeOf(split), CursorShape::kSplit);
+  EXPECT_TRUE(CheckSourceCursor(split, "cursor").ok());
+  split.split.pop_back();
+  EXPECT_TRUE(Contains(CheckSourceCursor(split, "cursor").message(), "has 4 values, not 5"));
+  split.split = {1, 2, 3, 4, 5};
+  split.parts = {split};  // a splitting source's cursor inside one
+  EXPECT_TRUE(Contains(CheckSourceCursor(split, "cursor").message(),
+                       "\"cursor.inner\" is a splitting source's cursor too"));
+  split.parts = {plain, plain};
+  EXPECT_TRUE(Contains(CheckSourceCursor(split, "cursor").message(), "with 2 wrapped cursors"));
+  // A splitting source around a blend (its inner keeps the top level), and a blend's part that
+  // is a splitting source's: both valid.
+  blend.parts[1] = plain;
+  split.parts = {blend};
+  EXPECT_TRUE(CheckSourceCursor(split, "cursor").ok()) << CheckSourceCursor(split, "c").ToString();
+  SourceCursor wrapped = plain;
+  wrapped.split = {0, 0, 0, 0, 0};
+  wrapped.parts = {plain};
+  blend.parts[0] = wrapped;
+  EXPECT_TRUE(CheckSourceCursor(blend, "cursor").ok());
+}
+
+}  // namespace
+}  // namespace thdpack

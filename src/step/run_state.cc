@@ -28,24 +28,23 @@ bool MockTokens(SourceKind source) {
          source == SourceKind::kHistogram;
 }
 
+// A cursor as the table of its fields (thdpack/data.h) says: each row of the cursor's shape
+// under its name.
 nlohmann::json CursorJson(const SourceCursor& c) {
-  nlohmann::json j = {{"epoch", c.epoch},
-                      {"position", c.position},
-                      {"next_id", c.next_id},
-                      {"skipped_empty", c.skipped_empty},
-                      {"byte_offset", c.byte_offset},
-                      {"line", c.line},
-                      {"epoch_size", c.epoch_size}};
-  if (!c.split.empty()) {  // a splitting source: its state and the cursor it wraps
-    j["split"] = c.split;
-    j["inner"] = CursorJson(c.parts.at(0));
-    return j;
-  }
-  if (!c.parts.empty() || !c.taken.empty()) {  // a blend: its sources' cursors
-    nlohmann::json parts = nlohmann::json::array();
-    for (const SourceCursor& p : c.parts) parts.push_back(CursorJson(p));
-    j["parts"] = std::move(parts);
-    j["taken"] = c.taken;
+  nlohmann::json j = nlohmann::json::object();
+  const CursorShape shape = ShapeOf(c);
+  for (const CursorField& f : SourceCursorFields()) {
+    if (f.shape != CursorShape::kPlain && f.shape != shape) continue;
+    nlohmann::json& v = j[std::string(f.name)];
+    switch (f.kind) {
+      case CursorFieldKind::kInt: v = c.*f.value; break;
+      case CursorFieldKind::kInts: v = c.*f.values; break;
+      case CursorFieldKind::kCursor: v = CursorJson(c.parts.at(0)); break;
+      case CursorFieldKind::kCursors:
+        v = nlohmann::json::array();
+        for (const SourceCursor& p : c.parts) v.push_back(CursorJson(p));
+        break;
+    }
   }
   return j;
 }
@@ -141,68 +140,83 @@ class Reader {
   std::string where_;
 };
 
-// A cursor object at `path` (a blend's parts recursively, at most one level: a blend holds no
-// blend; a splitting source's "split" state and "inner" cursor, which may be a blend's).
-Result<SourceCursor> ParseCursor(const Reader& r, const nlohmann::json& j, const std::string& path,
-                                 int depth) {
+// A cursor object at `path`, walking the table of its fields (thdpack/data.h): its shape from
+// the rows present, each row of that shape read by its kind, then every rule between fields
+// (CheckSourceCursor).
+Result<SourceCursor> ParseCursorFields(const Reader& r, const nlohmann::json& j,
+                                       const std::string& path, int nesting) {
   if (!j.is_object()) return r.Bad(path, "must be an object");
-  THDPACK_RETURN_IF_ERROR(r.OnlyKnown(j, path,
-                                      {"epoch", "position", "next_id", "skipped_empty",
-                                       "byte_offset", "line", "epoch_size", "parts", "taken",
-                                       "split", "inner"}));
+  if (nesting > kMaxCursorNesting) return r.Bad(path, "nests deeper than any source's cursor");
+  // Every key a row's name; the shape that of the rows present (one shape's rows only).
+  const CursorField* shaped = nullptr;
+  for (const auto& [key, value] : j.items()) {
+    const CursorField* row = nullptr;
+    for (const CursorField& f : SourceCursorFields()) {
+      if (f.name == key) row = &f;
+    }
+    if (row == nullptr) return r.Bad(path + "." + key, "is not a field of version 1");
+    if (row->shape == CursorShape::kPlain) continue;
+    if (shaped != nullptr && shaped->shape != row->shape) {
+      return r.Bad(path + "." + std::string(shaped->name),
+                   "with \"" + key +
+                       "\" (a cursor is a blend's or a splitting source's, not both)");
+    }
+    shaped = row;
+  }
+  const CursorShape shape = shaped == nullptr ? CursorShape::kPlain : shaped->shape;
   SourceCursor c;
-  THDPACK_ASSIGN_OR_RETURN(c.epoch, r.Int(j, path, "epoch"));
-  THDPACK_ASSIGN_OR_RETURN(c.position, r.Int(j, path, "position"));
-  THDPACK_ASSIGN_OR_RETURN(c.next_id, r.Int(j, path, "next_id"));
-  THDPACK_ASSIGN_OR_RETURN(c.skipped_empty, r.Int(j, path, "skipped_empty"));
-  THDPACK_ASSIGN_OR_RETURN(c.byte_offset, r.Int(j, path, "byte_offset"));
-  THDPACK_ASSIGN_OR_RETURN(c.line, r.Int(j, path, "line"));
-  THDPACK_ASSIGN_OR_RETURN(c.epoch_size, r.Int(j, path, "epoch_size"));
-  const auto split = j.find("split");
-  const auto inner = j.find("inner");
-  if ((split == j.end()) != (inner == j.end())) {
-    return r.Bad(path + ".split", "and \"inner\" go together (a splitting source's cursor)");
-  }
-  if (split != j.end()) {
-    if (j.contains("parts") || j.contains("taken")) {
-      return r.Bad(path + ".split", "with \"parts\" (a splitting source wraps one cursor)");
+  for (const CursorField& f : SourceCursorFields()) {
+    if (f.shape != CursorShape::kPlain && f.shape != shape) continue;
+    const std::string at = path + "." + std::string(f.name);
+    const auto it = j.find(std::string(f.name));
+    if (it == j.end()) {
+      if (f.shape == CursorShape::kPlain) return r.Bad(at, "is missing");
+      return r.Bad(at, "is missing: \"" + std::string(shaped->name) + "\" and \"" +
+                           std::string(f.name) + "\" go together");
     }
-    if (!split->is_array() || split->size() != 5) {
-      return r.Bad(path + ".split", "must be a list of 5 integers (piece, extra ids, samples, "
-                                    "pieces, lost targets)");
-    }
-    for (size_t k = 0; k < 5; ++k) {
-      const nlohmann::json& v = (*split)[k];
-      if (!v.is_number_integer() || v.get<int64_t>() < 0) {
-        return r.Bad(path + ".split[" + std::to_string(k) + "]", "must be an integer >= 0");
+    switch (f.kind) {
+      case CursorFieldKind::kInt: {
+        THDPACK_ASSIGN_OR_RETURN(c.*f.value, r.Int(j, path, std::string(f.name).c_str()));
+        break;
       }
-      c.split.push_back(v.get<int64_t>());
-    }
-    THDPACK_ASSIGN_OR_RETURN(SourceCursor in, ParseCursor(r, *inner, path + ".inner", depth));
-    if (!in.split.empty()) return r.Bad(path + ".inner", "is a splitting source's cursor too");
-    c.parts.push_back(std::move(in));
-    return c;
-  }
-  const auto parts = j.find("parts");
-  const auto taken = j.find("taken");
-  if ((parts == j.end()) != (taken == j.end())) {
-    return r.Bad(path + ".parts", "and \"taken\" go together (a blend's cursor)");
-  }
-  if (parts != j.end()) {
-    if (depth > 0) return r.Bad(path + ".parts", "inside a part (a blend holds no blend)");
-    if (!parts->is_array() || !taken->is_array() || parts->size() != taken->size()) {
-      return r.Bad(path + ".parts", "and \"taken\" must be lists of the same length");
-    }
-    for (size_t d = 0; d < parts->size(); ++d) {
-      const std::string at = path + ".parts[" + std::to_string(d) + "]";
-      THDPACK_ASSIGN_OR_RETURN(SourceCursor p, ParseCursor(r, (*parts)[d], at, depth + 1));
-      c.parts.push_back(std::move(p));
-      const nlohmann::json& t = (*taken)[d];
-      if (!t.is_number_integer() || t.get<int64_t>() < 0) {
-        return r.Bad(path + ".taken[" + std::to_string(d) + "]", "must be an integer >= 0");
+      case CursorFieldKind::kInts: {
+        if (!it->is_array()) return r.Bad(at, "must be a list of integers");
+        std::vector<int64_t>& out = c.*f.values;
+        for (size_t k = 0; k < it->size(); ++k) {
+          const nlohmann::json& v = (*it)[k];
+          if (!v.is_number_integer() ||
+              (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))) {
+            return r.Bad(at + "[" + std::to_string(k) + "]", "must be an integer in int64");
+          }
+          out.push_back(v.get<int64_t>());
+        }
+        break;
       }
-      c.taken.push_back(t.get<int64_t>());
+      case CursorFieldKind::kCursor: {
+        THDPACK_ASSIGN_OR_RETURN(SourceCursor in, ParseCursorFields(r, *it, at, nesting + 1));
+        c.parts.insert(c.parts.begin(), std::move(in));
+        break;
+      }
+      case CursorFieldKind::kCursors: {
+        if (!it->is_array()) return r.Bad(at, "must be a list of cursors");
+        for (size_t d = 0; d < it->size(); ++d) {
+          THDPACK_ASSIGN_OR_RETURN(
+              SourceCursor p,
+              ParseCursorFields(r, (*it)[d], at + "[" + std::to_string(d) + "]", nesting + 1));
+          c.parts.push_back(std::move(p));
+        }
+        break;
+      }
     }
+  }
+  return c;
+}
+
+Result<SourceCursor> ParseCursor(const Reader& r, const nlohmann::json& j,
+                                 const std::string& path) {
+  THDPACK_ASSIGN_OR_RETURN(SourceCursor c, ParseCursorFields(r, j, path, 1));
+  if (Status s = CheckSourceCursor(c, path); !s.ok()) {
+    return Status::Corruption(r.where() + ": " + s.message());
   }
   return c;
 }
@@ -426,7 +440,7 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
     if (d.source == SourceKind::kFed) {
       return r.Bad("cursor", "is set, but the data is fed by the caller (it has no cursor)");
     }
-    THDPACK_ASSIGN_OR_RETURN(SourceCursor c, ParseCursor(r, *cursor, "cursor", 0));
+    THDPACK_ASSIGN_OR_RETURN(SourceCursor c, ParseCursor(r, *cursor, "cursor"));
     if (c.samples() != s.consumed) {
       return r.Bad("consumed", "= " + std::to_string(s.consumed) + ", but the cursor has " +
                                    std::to_string(c.samples()) + " samples behind it (next_id " +

@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <random>
 #include <string>
 
@@ -79,6 +81,45 @@ TEST(RunStateTest, RoundTripsOnRandomStates) {
     EXPECT_TRUE(*back == s) << text;
     EXPECT_EQ(RunStateToJson(*back), text);
   }
+}
+
+// The record writes a cursor by the table of its fields (thdpack/data.h), the table the step's
+// messages walk too: a cursor's keys are exactly the rows of its shape, at every level.
+TEST(RunStateTest, CursorKeysAreTheRowsOfTheTable) {
+  SourceCursor plain;
+  plain.position = 2;
+  plain.next_id = 2;
+  SourceCursor blend;
+  blend.position = blend.next_id = 4;
+  blend.parts = {plain, plain};
+  blend.taken = {2, 2};
+  SourceCursor split = blend;
+  split.split = {0, 1, 1, 2, 0};
+  split.parts = {blend};
+  split.taken.clear();
+  auto rows = [](CursorShape shape) {
+    std::set<std::string> names;
+    for (const CursorField& f : SourceCursorFields()) {
+      if (f.shape == CursorShape::kPlain || f.shape == shape) names.insert(std::string(f.name));
+    }
+    return names;
+  };
+  auto keys = [](const nlohmann::json& j) {
+    std::set<std::string> names;
+    for (const auto& [key, value] : j.items()) names.insert(key);
+    return names;
+  };
+  RunState s;
+  s.data.source = SourceKind::kMock;
+  s.cursor = split;
+  s.consumed = split.samples();
+  const nlohmann::json j = nlohmann::json::parse(RunStateToJson(s))["cursor"];
+  EXPECT_EQ(keys(j), rows(CursorShape::kSplit));
+  EXPECT_EQ(keys(j["inner"]), rows(CursorShape::kBlend));
+  EXPECT_EQ(keys(j["inner"]["parts"][1]), rows(CursorShape::kPlain));
+  auto back = ParseRunState(RunStateToJson(s));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(*back == s);
 }
 
 TEST(RunStateTest, EveryTruncationAndByteFlipIsRefused) {
