@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "thdpack/wire.h"
@@ -82,6 +83,41 @@ TEST(Crc32cTest, FastPathsEqualReferenceOnRandomBuffers) {
       ASSERT_EQ(crc32c::ExtendHardware(seed, p, len), want) << "len " << len;
     }
     ASSERT_EQ(Crc32c(std::span<const uint8_t>(p, len)), ~crc32c::ExtendReference(~0u, p, len));
+  }
+}
+
+// The three-stream form equals the bitwise reference on fresh random buffers whose lengths
+// fall on, around and between its block sizes (3 x 256 and 3 x 8192 bytes), at every start
+// alignment; and its combination step (Shift) equals appending zero bytes one bit at a time.
+TEST(Crc32cTest, InterleavedEqualsReferenceOnRandomBuffers) {
+  if (!crc32c::HardwareAvailable()) GTEST_SKIP() << "no SSE4.2 on this CPU";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const size_t kLong3 = 3 * crc32c::kInterleaveLong, kShort3 = 3 * crc32c::kInterleaveShort;
+  std::vector<uint8_t> pool(3 * kLong3 + 64);
+  for (auto& b : pool) b = static_cast<uint8_t>(rng());
+  std::vector<size_t> lengths = {0, 1, 7, 8, kShort3 - 1, kShort3, kShort3 + 1, 2 * kShort3 + 9,
+                                 kLong3 - 1, kLong3, kLong3 + 1, kLong3 + kShort3 + 3,
+                                 2 * kLong3, 2 * kLong3 + 5 * kShort3 + 17};
+  for (int trial = 0; trial < 200; ++trial) lengths.push_back(rng() % (3 * kLong3));
+  for (size_t len : lengths) {
+    const size_t offset = rng() % 16;
+    const uint8_t* p = pool.data() + offset;
+    const uint32_t state = static_cast<uint32_t>(rng());
+    ASSERT_EQ(crc32c::ExtendHardwareInterleaved(state, p, len),
+              crc32c::ExtendReference(state, p, len))
+        << "len " << len << " offset " << offset;
+  }
+  for (size_t zeros : {crc32c::kInterleaveShort, crc32c::kInterleaveLong}) {
+    for (int trial = 0; trial < 50; ++trial) {
+      const uint32_t state = static_cast<uint32_t>(rng());
+      ASSERT_EQ(crc32c::Shift(state, zeros), crc32c::ShiftReference(state, zeros))
+          << zeros << " zero bytes";
+    }
+    const std::vector<uint8_t> zero_bytes(zeros, 0);
+    EXPECT_EQ(crc32c::ShiftReference(0x12345678u, zeros),
+              crc32c::ExtendReference(0x12345678u, zero_bytes.data(), zeros));
   }
 }
 
