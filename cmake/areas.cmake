@@ -28,7 +28,7 @@ thdpack_area(data     DEPS common HEADERS data.h megatron_dataset.h blend.h LIBS
 thdpack_area(cost     DEPS common HEADERS cost.h profile.h LIBS nlohmann_json::nlohmann_json)
 thdpack_area(shard    DEPS common HEADERS shard.h)
 thdpack_area(kernels  DEPS common HEADERS cuda_loss.h)
-thdpack_area(wire     DEPS common HEADERS wire.h)
+thdpack_area(wire     DEPS data HEADERS wire.h step_wire.h)
 thdpack_area(schedule DEPS data cost HEADERS schedule.h)
 thdpack_area(pack     DEPS shard HEADERS pack.h fields.h)
 thdpack_area(loss     DEPS pack shard HEADERS loss.h memory.h)

@@ -22,6 +22,7 @@
 #include "thdpack/status.h"
 #include "thdpack/step.h"
 #include "thdpack/step_runner.h"
+#include "thdpack/step_wire.h"
 #include "thdpack/topology.h"
 #include "thdpack/version.h"
 #include "thdpack/wire.h"

@@ -122,8 +122,11 @@ inline constexpr uint8_t kStepMetaMagic[4] = {'T', 'H', 'D', 'M'};
 // step (groups empty, rank multiple 1), version 2 for a dynamic one (groups set), version 3 for
 // either with a rank multiple R > 1 (a reader of versions 1-2 refuses it as newer: it could not
 // know that every T carries R tokens a rank). DecodeStepMeta reads every version from 1 to
-// this one.
+// this one, and version 4, the step message (thdpack/step_wire.h), whose metadata it returns.
 inline constexpr uint8_t kStepMetaVersion = 3;
+// The newest version of the THDM frame: the step message (thdpack/step_wire.h), a StepMeta
+// with the parts of the step that travel beside it, under the same checksum.
+inline constexpr uint8_t kStepMessageVersion = 4;
 inline constexpr uint8_t kStepMetaVersionStatic = 1;
 inline constexpr uint8_t kStepMetaVersionGroups = 2;
 inline constexpr uint8_t kStepMetaVersionRankMultiple = 3;
@@ -138,8 +141,9 @@ inline constexpr size_t kStepMetaMinSize = kStepMetaHeaderSize + 4;
 
 // Decodes one whole message (exactly `bytes`, no trailing bytes). Checks, in this order, the
 // size of the prefix, the magic, total_length == bytes.size(), the CRC-32C trailer, then the
-// version: a version newer than kStepMetaVersion returns Unimplemented naming it (a checksummed
-// message from a newer writer is not corruption). Then the body: every declared count against
+// version: a version newer than kStepMessageVersion returns Unimplemented naming it (a
+// checksummed message from a newer writer is not corruption); version 4 is decoded whole by
+// DecodeStepMessage (thdpack/step_wire.h) and its metadata returned. Then the body: every declared count against
 // the bytes left BEFORE allocating, varint ranges, int32 overflow of the offsets, unused bits
 // zero, and finally ValidateStepMeta on the result. Every failure of these is Corruption with
 // the byte offset and field. On success the result equals the StepMeta that was encoded.

@@ -1,4 +1,5 @@
-// StepMeta: validation, and versions 1, 2 and 3 of its wire format (docs/wire_format.md).
+// StepMeta: validation, and versions 1, 2 and 3 of its wire format (docs/wire_format.md); the
+// message's frame and the metadata part of version 4, the step message (step_message.cc).
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -7,7 +8,9 @@
 
 #include "common/check.h"
 #include "thdpack/wire.h"
+#include "thdpack/step_wire.h"
 #include "wire/coding.h"
+#include "wire/step_meta_body.h"
 
 namespace thdpack {
 namespace {
@@ -308,73 +311,98 @@ void EncodeMicrobatch(const MicrobatchMeta& mb, int64_t pm, std::vector<uint32_t
 
 }  // namespace
 
+namespace wire {
+
+Status AppendStepMetaBody(const StepMeta& meta, uint8_t version, std::vector<uint8_t>* out) {
+  const bool groups = !meta.groups.empty();
+  // Versions 3 and 4 carry the rank multiple, and the groups under a flag.
+  const bool with_rank_multiple = version >= kStepMetaVersionRankMultiple;
+  wire::PutVarint64(out, meta.step);
+  wire::PutVarint64(out, meta.epoch);
+  wire::PutVarint64(out, static_cast<uint64_t>(meta.dp_size));
+  wire::PutVarint64(out, static_cast<uint64_t>(meta.replica));
+  // The parallel layout, with the per-sequence alignment as pad_multiple (version 1 bytes).
+  const ParallelLayout& parallel = meta.parallel;
+  wire::PutVarint64(out, static_cast<uint64_t>(parallel.cp_size()));
+  wire::PutVarint64(out, static_cast<uint64_t>(parallel.tp_size()));
+  out->push_back(static_cast<uint8_t>((parallel.sp() ? kFlagSp : 0) |
+                                      (with_rank_multiple && groups ? kFlagGroups : 0)));
+  wire::PutVarint64(out, static_cast<uint64_t>(parallel.sequence_alignment()));
+  if (with_rank_multiple) {
+    wire::PutVarint64(out, static_cast<uint64_t>(parallel.rank_multiple()));
+  }
+  wire::PutVarint64(out, static_cast<uint64_t>(meta.real_tokens));
+  wire::PutVarint64(out, static_cast<uint64_t>(meta.padded_tokens));
+  wire::PutVarint64(out, static_cast<uint64_t>(meta.sum_sq));
+  wire::PutVarint64(out, static_cast<uint64_t>(meta.n_loss_tokens));
+  if (groups) wire::PutVarint64(out, static_cast<uint64_t>(meta.domain_rank));
+  wire::PutVarint64(out, meta.microbatches.size());
+  std::vector<uint32_t> lens, excess;
+  for (size_t m = 0; m < meta.microbatches.size(); ++m) {
+    int64_t pm = parallel.sequence_alignment();
+    if (groups) {
+      // Version 2 (and 3, 4 with groups): the group first; an idle microbatch is nothing more.
+      const MicrobatchGroup& g = meta.groups[m];
+      wire::PutVarint64(out, static_cast<uint64_t>(g.first_rank));
+      wire::PutVarint64(out, static_cast<uint64_t>(g.num_ranks));
+      if (g.num_ranks == 0) continue;
+      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayoutOf(parallel, g.num_ranks));
+      pm = layout.sequence_alignment();
+    }
+    EncodeMicrobatch(meta.microbatches[m], pm, &lens, &excess, out);
+  }
+  wire::PutVarint64(out, meta.skipped_ids.size());
+  uint64_t prev = 0;
+  for (int64_t id : meta.skipped_ids) {
+    const uint64_t cur = static_cast<uint64_t>(id);
+    wire::PutVarint64(out, wire::ZigZagEncode(static_cast<int64_t>(cur - prev)));  // wraps
+    prev = cur;
+  }
+  return Status::Ok();
+}
+
+void StartMessage(uint8_t version, std::vector<uint8_t>* out) {
+  for (uint8_t b : kStepMetaMagic) out->push_back(b);
+  out->push_back(version);
+  wire::PutFixed32(out, 0);  // total_length, filled in by SealMessage
+}
+
+Status SealMessage(std::vector<uint8_t>* out, std::string_view who) {
+  if (out->size() + 4 > std::numeric_limits<uint32_t>::max()) {
+    return Status::OutOfRange(std::string(who) + ": the message would take " +
+                              std::to_string(out->size() + 4) + " bytes, over 2^32-1");
+  }
+  wire::EncodeFixed32(out->data() + 5, static_cast<uint32_t>(out->size() + 4));
+  wire::PutFixed32(out, Crc32c(*out));
+  return Status::Ok();
+}
+
+}  // namespace wire
+
 Result<std::vector<uint8_t>> EncodeStepMeta(const StepMeta& meta) {
   THDPACK_RETURN_IF_ERROR(ValidateStepMeta(meta));
   size_t sequences = 0;
   for (const auto& mb : meta.microbatches) sequences += mb.cu_seqlens.size() - 1;
   std::vector<uint8_t> out;
   out.reserve(96 + 24 * meta.microbatches.size() + 3 * sequences + 10 * meta.skipped_ids.size());
-  const bool groups = !meta.groups.empty();
   // The oldest version that carries the step, so that a step of an older kind keeps its bytes
-  // (and older readers read it): version 3 only with a rank multiple.
+  // (and older readers read it): version 3 only with a rank multiple. (Version 4 is the step
+  // message, thdpack/step_wire.h: the metadata with what travels beside it.)
+  const bool groups = !meta.groups.empty();
   const bool rank_multiple = meta.parallel.rank_multiple() > 1;
-  for (uint8_t b : kStepMetaMagic) out.push_back(b);
-  out.push_back(rank_multiple ? kStepMetaVersionRankMultiple
-                : groups      ? kStepMetaVersionGroups
-                              : kStepMetaVersionStatic);
-  wire::PutFixed32(&out, 0);  // total_length, filled in below
-  wire::PutVarint64(&out, meta.step);
-  wire::PutVarint64(&out, meta.epoch);
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.dp_size));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.replica));
-  // The parallel layout, with the per-sequence alignment as pad_multiple (version 1 bytes).
-  const ParallelLayout& parallel = meta.parallel;
-  wire::PutVarint64(&out, static_cast<uint64_t>(parallel.cp_size()));
-  wire::PutVarint64(&out, static_cast<uint64_t>(parallel.tp_size()));
-  out.push_back(static_cast<uint8_t>((parallel.sp() ? kFlagSp : 0) |
-                                     (rank_multiple && groups ? kFlagGroups : 0)));
-  wire::PutVarint64(&out, static_cast<uint64_t>(parallel.sequence_alignment()));
-  if (rank_multiple) wire::PutVarint64(&out, static_cast<uint64_t>(parallel.rank_multiple()));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.real_tokens));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.padded_tokens));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.sum_sq));
-  wire::PutVarint64(&out, static_cast<uint64_t>(meta.n_loss_tokens));
-  if (groups) wire::PutVarint64(&out, static_cast<uint64_t>(meta.domain_rank));
-  wire::PutVarint64(&out, meta.microbatches.size());
-  std::vector<uint32_t> lens, excess;
-  for (size_t m = 0; m < meta.microbatches.size(); ++m) {
-    int64_t pm = parallel.sequence_alignment();
-    if (groups) {
-      // Version 2 (and 3 with groups): the group first; an idle microbatch is nothing more.
-      const MicrobatchGroup& g = meta.groups[m];
-      wire::PutVarint64(&out, static_cast<uint64_t>(g.first_rank));
-      wire::PutVarint64(&out, static_cast<uint64_t>(g.num_ranks));
-      if (g.num_ranks == 0) continue;
-      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayoutOf(parallel, g.num_ranks));
-      pm = layout.sequence_alignment();
-    }
-    EncodeMicrobatch(meta.microbatches[m], pm, &lens, &excess, &out);
-  }
-  wire::PutVarint64(&out, meta.skipped_ids.size());
-  uint64_t prev = 0;
-  for (int64_t id : meta.skipped_ids) {
-    const uint64_t cur = static_cast<uint64_t>(id);
-    wire::PutVarint64(&out, wire::ZigZagEncode(static_cast<int64_t>(cur - prev)));  // wraps
-    prev = cur;
-  }
-  if (out.size() + 4 > std::numeric_limits<uint32_t>::max()) {
-    return Status::OutOfRange("EncodeStepMeta: the message would take " +
-                              std::to_string(out.size() + 4) + " bytes, over 2^32-1");
-  }
-  wire::EncodeFixed32(out.data() + 5, static_cast<uint32_t>(out.size() + 4));
-  wire::PutFixed32(&out, Crc32c(out));
+  wire::StartMessage(rank_multiple ? kStepMetaVersionRankMultiple
+                     : groups      ? kStepMetaVersionGroups
+                                   : kStepMetaVersionStatic,
+                     &out);
+  THDPACK_RETURN_IF_ERROR(wire::AppendStepMetaBody(meta, out[4], &out));
+  THDPACK_RETURN_IF_ERROR(wire::SealMessage(&out, "EncodeStepMeta"));
   return out;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Decoding.
 
-namespace {
+namespace wire {
 
 std::string Hex32(uint32_t v) {
   char buf[16];
@@ -383,12 +411,14 @@ std::string Hex32(uint32_t v) {
 }
 
 // Reads the body of a version 1, 2 or 3 message (version 2 adds domain_rank and a group before
-// each microbatch; version 3 adds rank_multiple, and the groups when its flags say so). Errors
-// say the byte offset in the whole message.
+// each microbatch; version 3 adds rank_multiple, and the groups when its flags say so), or the
+// metadata part of a version 4 message (version 3's grammar with any rank multiple >= 1; the
+// rest of the body stays in the reader). Errors say `what` and the byte offset in the whole
+// message.
 class BodyDecoder {
  public:
-  BodyDecoder(std::span<const uint8_t> body, uint8_t version)
-      : r_(body), version_(version), groups_(version == kStepMetaVersionGroups) {}
+  BodyDecoder(ByteReader& r, uint8_t version, std::string_view what)
+      : r_(r), version_(version), groups_(version == kStepMetaVersionGroups), what_(what) {}
 
   Result<StepMeta> Decode() {
     StepMeta meta;
@@ -406,7 +436,7 @@ class BodyDecoder {
     if (tp_size < 1) return Error("tp_size", kNoMb, "is 0: must be >= 1");
     uint8_t flags = 0;
     THDPACK_RETURN_IF_ERROR(Byte("flags", kNoMb, &flags));
-    const bool v3 = version_ == kStepMetaVersionRankMultiple;
+    const bool v3 = version_ >= kStepMetaVersionRankMultiple;  // versions 3 and 4
     const uint8_t known = v3 ? (kFlagSp | kFlagGroups) : kFlagSp;
     if ((flags & ~known) != 0) return Error("flags", kNoMb, "unknown bits set in " + Num(flags));
     if (v3) groups_ = (flags & kFlagGroups) != 0;
@@ -415,9 +445,11 @@ class BodyDecoder {
     if (v3) {
       const size_t at = r_.position();
       THDPACK_RETURN_IF_ERROR(Varint("rank_multiple", kNoMb, kInt32Max, &rank_multiple));
-      // One encoding per step: without a rank multiple the writer writes version 1 or 2.
-      if (rank_multiple < 2) {
-        return Status::Corruption("step metadata: " + Where(at, "rank_multiple", kNoMb) +
+      // One encoding per step: without a rank multiple the writer writes version 1 or 2 (the
+      // step message, version 4, carries every step, 1 included).
+      if (rank_multiple < (version_ == kStepMetaVersionRankMultiple ? 2u : 1u)) {
+        if (rank_multiple == 0) return Error("rank_multiple", kNoMb, "is 0: must be >= 1");
+        return Status::Corruption(what_ + ": " + Where(at, "rank_multiple", kNoMb) +
                                   ": is " + Num(static_cast<int64_t>(rank_multiple)) +
                                   ": version 3 carries a rank multiple >= 2 (a step without "
                                   "one is written as version 1 or 2)");
@@ -495,7 +527,7 @@ class BodyDecoder {
       prev += static_cast<uint64_t>(wire::ZigZagDecode(v));  // wraps, as the encoder's delta
       id = static_cast<int64_t>(prev);
     }
-    if (r_.remaining() != 0) {
+    if (version_ <= kStepMetaVersionRankMultiple && r_.remaining() != 0) {
       return Error("end of body", kNoMb, Num(static_cast<int64_t>(r_.remaining())) +
                                              " bytes left over before the checksum");
     }
@@ -511,16 +543,16 @@ class BodyDecoder {
     return s + field + ")";
   }
   Status Error(const char* field, size_t mb, const std::string& what) const {
-    return Status::Corruption("step metadata: " + Where(r_.position(), field, mb) + ": " + what);
+    return Status::Corruption(what_ + ": " + Where(r_.position(), field, mb) + ": " + what);
   }
   Status Varint(const char* field, size_t mb, uint64_t max, uint64_t* v) {
     const size_t at = r_.position();
     if (!r_.GetVarint64(v)) {
-      return Status::Corruption("step metadata: " + Where(at, field, mb) +
+      return Status::Corruption(what_ + ": " + Where(at, field, mb) +
                                 ": truncated or over-long varint");
     }
     if (*v > max) {
-      return Status::Corruption("step metadata: " + Where(at, field, mb) + ": value " +
+      return Status::Corruption(what_ + ": " + Where(at, field, mb) + ": value " +
                                 std::to_string(*v) + " exceeds its limit " + std::to_string(max));
     }
     return Status::Ok();
@@ -621,12 +653,52 @@ class BodyDecoder {
     return Status::Ok();
   }
 
-  wire::ByteReader r_;
+  wire::ByteReader& r_;
   uint8_t version_;
-  bool groups_;  // the version 2 additions follow (version 2, or 3 with kFlagGroups)
+  bool groups_;  // the version 2 additions follow (version 2, or 3 and 4 with kFlagGroups)
+  std::string what_;
 };
 
-}  // namespace
+Result<StepMeta> ReadStepMetaBody(ByteReader& r, uint8_t version, std::string_view what) {
+  BodyDecoder decoder(r, version, what);
+  return decoder.Decode();
+}
+
+Result<uint8_t> OpenMessage(std::span<const uint8_t> bytes, std::string_view what_view) {
+  const std::string what(what_view);
+  if (bytes.size() < kStepMetaMinSize) {
+    return Status::Corruption(what + ": " + std::to_string(bytes.size()) +
+                              " bytes is shorter than the smallest message (" +
+                              std::to_string(kStepMetaMinSize) + "): truncated");
+  }
+  THDPACK_ASSIGN_OR_RETURN(const uint32_t total, StepMetaMessageSize(bytes));
+  if (total != bytes.size()) {
+    return Status::Corruption(what + ": total_length says " + std::to_string(total) +
+                              " bytes but " + std::to_string(bytes.size()) + " were given (" +
+                              (total > bytes.size() ? "truncated" : "trailing bytes") + ")");
+  }
+  const size_t body_end = bytes.size() - 4;
+  const uint32_t stored = DecodeFixed32(bytes.data() + body_end);
+  const uint32_t actual = Crc32c(bytes.first(body_end));
+  if (stored != actual) {
+    return Status::Corruption(what + ": checksum mismatch: trailer says " + Hex32(stored) +
+                              ", bytes give " + Hex32(actual));
+  }
+  // The checksum holds, so the version byte is what the writer wrote.
+  const uint8_t version = bytes[4];
+  if (version == 0) {
+    return Status::Corruption(what + ": byte 4: version 0 does not exist (first is 1)");
+  }
+  if (version > kStepMessageVersion) {
+    return Status::Unimplemented(what + ": version " + std::to_string(version) +
+                                 " is newer than this reader, which reads versions 1 to " +
+                                 std::to_string(kStepMessageVersion) +
+                                 "; upgrade thdpack on the receiving ranks");
+  }
+  return version;
+}
+
+}  // namespace wire
 
 Result<uint32_t> StepMetaMessageSize(std::span<const uint8_t> prefix) {
   if (prefix.size() < kStepMetaHeaderSize) {
@@ -636,7 +708,7 @@ Result<uint32_t> StepMetaMessageSize(std::span<const uint8_t> prefix) {
   }
   if (!std::equal(std::begin(kStepMetaMagic), std::end(kStepMetaMagic), prefix.begin())) {
     return Status::Corruption("step metadata: bytes 0-3: bad magic " +
-                              Hex32(wire::DecodeFixed32(prefix.data())) +
+                              wire::Hex32(wire::DecodeFixed32(prefix.data())) +
                               " (expected \"THDM\", 0x4D444854 read little-endian)");
   }
   const uint32_t total = wire::DecodeFixed32(prefix.data() + 5);
@@ -648,39 +720,16 @@ Result<uint32_t> StepMetaMessageSize(std::span<const uint8_t> prefix) {
 }
 
 Result<StepMeta> DecodeStepMeta(std::span<const uint8_t> bytes) {
-  if (bytes.size() < kStepMetaMinSize) {
-    return Status::Corruption("step metadata: " + std::to_string(bytes.size()) +
-                              " bytes is shorter than the smallest message (" +
-                              std::to_string(kStepMetaMinSize) + "): truncated");
-  }
-  THDPACK_ASSIGN_OR_RETURN(const uint32_t total, StepMetaMessageSize(bytes));
-  if (total != bytes.size()) {
-    return Status::Corruption("step metadata: total_length says " + std::to_string(total) +
-                              " bytes but " + std::to_string(bytes.size()) + " were given (" +
-                              (total > bytes.size() ? "truncated" : "trailing bytes") + ")");
-  }
-  const size_t body_end = bytes.size() - 4;
-  const uint32_t stored = wire::DecodeFixed32(bytes.data() + body_end);
-  const uint32_t actual = Crc32c(bytes.first(body_end));
-  if (stored != actual) {
-    return Status::Corruption("step metadata: checksum mismatch: trailer says " + Hex32(stored) +
-                              ", bytes give " + Hex32(actual));
-  }
-  // The checksum holds, so the version byte is what the writer wrote.
-  const uint8_t version = bytes[4];
-  if (version == 0) {
-    return Status::Corruption("step metadata: byte 4: version 0 does not exist (first is 1)");
-  }
-  if (version > kStepMetaVersion) {
-    return Status::Unimplemented("step metadata: version " + std::to_string(version) +
-                                 " is newer than this reader, which reads versions 1 to " +
-                                 std::to_string(kStepMetaVersion) +
-                                 "; upgrade thdpack on the receiving ranks");
+  THDPACK_ASSIGN_OR_RETURN(const uint8_t version, wire::OpenMessage(bytes, "step metadata"));
+  // A step message (version 4) carries a StepMeta with the step's other parts: all of it is
+  // decoded and checked, the metadata returned.
+  if (version == kStepMessageVersion) {
+    THDPACK_ASSIGN_OR_RETURN(StepMessage message, DecodeStepMessage(bytes));
+    return std::move(message.meta);
   }
   // One case per version ever written; old cases are kept so old messages stay readable.
-  BodyDecoder decoder(bytes.subspan(kStepMetaHeaderSize, body_end - kStepMetaHeaderSize),
-                      version);
-  THDPACK_ASSIGN_OR_RETURN(StepMeta meta, decoder.Decode());
+  wire::ByteReader r(bytes.subspan(kStepMetaHeaderSize, bytes.size() - 4 - kStepMetaHeaderSize));
+  THDPACK_ASSIGN_OR_RETURN(StepMeta meta, wire::ReadStepMetaBody(r, version, "step metadata"));
   if (Status s = ValidateStepMeta(meta); !s.ok()) {
     return Status::Corruption("step metadata: decoded values break a rule: " + s.message());
   }

@@ -708,14 +708,20 @@ TEST(WireCorruptionTest, MagicAndVersion) {
   EXPECT_TRUE(Contains(bad_magic.status(), "magic")) << bad_magic.status().ToString();
 
   msg = kGoldenBytes;
-  msg[4] = kStepMetaVersion + 1;  // a well-formed message from a newer writer
+  msg[4] = kStepMessageVersion + 1;  // a well-formed message from a newer writer
   Reseal(&msg);
   auto newer = DecodeStepMeta(msg);
   ASSERT_FALSE(newer.ok());
   EXPECT_EQ(newer.status().code(), StatusCode::kUnimplemented);
   EXPECT_TRUE(Contains(newer.status(),
-                       "version " + std::to_string(kStepMetaVersion + 1) + " is newer"))
+                       "version " + std::to_string(kStepMessageVersion + 1) + " is newer"))
       << newer.status().ToString();
+  // A version 1 body under version 4 (the step message): read as one, and corrupt.
+  msg[4] = kStepMessageVersion;
+  Reseal(&msg);
+  auto misread = DecodeStepMeta(msg);
+  ASSERT_FALSE(misread.ok());
+  EXPECT_EQ(misread.status().code(), StatusCode::kCorruption) << misread.status().ToString();
 
   msg[4] = 0;
   Reseal(&msg);
