@@ -30,7 +30,7 @@
 //   exchange  all-to-all-v among the heads: each sample goes from its loader to the head of
 //             every domain rank of its group;
 //   pack      each head packs its group's sequences with the group's layout (GroupLayout) and
-//             keeps its own zigzag shard, and encodes its metadata (wire version 2);
+//             keeps its own zigzag shard, and encodes its step message (thdpack/step_wire.h);
 //   deliver   the metadata and the shard go down the head's column (every tp and pp of its
 //             domain index), then the CP groups of the step are split from the world (those
 //             not made in an earlier step; RankStep::groups_made / groups_reused).

@@ -2,13 +2,15 @@
 // docs/design.md section 7): the heads learn every sample's length and plan; each loader sends
 // each sample it read to the head of every domain rank of the sample's group; each head packs
 // its group's sequences with the group's layout and keeps its own zigzag shard, encodes its
-// metadata (wire version 2) and delivers both down its column (every tp and pp of its domain
-// index) - with --data-on all every rank is a head of its (tp, pp) slice and nothing is
-// delivered; the CP process groups the plan uses are split from the world (a bounded cache
-// across steps). The phases both kinds of step share are in the step's phase files
+// step message (thdpack/step_wire.h: the metadata with groups) and delivers both down its
+// column (every tp and pp of its domain index) - with --data-on all every rank is a head of
+// its (tp, pp) slice and nothing is delivered; the CP process groups the plan uses are split
+// from the world (a bounded cache across steps), their list broadcast by head 0 as a groups
+// frame. The phases both kinds of step share are in the step's phase files
 // (step_runner.cc lists them): the read phase, the lengths exchange, MoveSamples, PackSequences,
 // SealMeta and Deliver, MakeLocal.
 #include <algorithm>
+#include <array>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,7 +110,7 @@ Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
 
 // Each head: per microbatch, its group's sequences packed with the group's layout and its own
 // zigzag shard (every array: the column's first and last stages take theirs), and the
-// metadata of its domain index (wire version 2).
+// metadata of its domain index (with groups), sealed into its step message (SealMeta).
 Status StepRunner::Impl::PackDynamic(RankStep& out) {
   const int me = DomainIndex();
   const DynamicPlan& plan = out.dynamic_plan;
@@ -207,16 +209,23 @@ Status StepRunner::Impl::ReceiveShardsDynamic(RankStep& out) {
     }
     shards_[m].push_back(std::move(sh));
   }
+  // Every array has arrived: each checked against the step message's checksum.
+  const std::string sender = Sender(col, 0, "head");
+  for (size_t m = 0; m < shards_.size(); ++m) {
+    if (out.meta.groups[m].num_ranks == 0) continue;
+    THDPACK_RETURN_IF_ERROR(CheckShard(shards_[m][0], m, 0, sender));
+  }
   return Status::Ok();
 }
 
 // The CP groups of this step's plan, (first rank, size) in increasing order, broadcast over the
-// world by head 0; every rank splits, in that order, those not made before (one Split each: at
-// every (tp, pp) the ranks of the group's domain indices), and keeps them for later steps.
-// The step's groups from head 0 (world rank 0) to every rank: the sorted list of (first
-// domain rank, size) of every group of the plan.
+// world by head 0 (world rank 0) as a groups frame after a size frame (the size agreed, so that
+// a rank that cannot read it does not leave the others waiting in the broadcast; the list
+// agreed too, before the splits); every rank splits, in that order, those not made before (one
+// Split each: at every (tp, pp) the ranks of the group's domain indices), and keeps them for
+// later steps.
 Status StepRunner::Impl::MakeGroups(RankStep& out) {
-  std::vector<int64_t> pairs;
+  std::vector<uint8_t> frame;
   if (head_) {
     std::vector<std::pair<int, int>> used;
     for (const auto& groups : out.dynamic_plan.microbatches) {
@@ -224,31 +233,36 @@ Status StepRunner::Impl::MakeGroups(RankStep& out) {
     }
     std::sort(used.begin(), used.end());
     used.erase(std::unique(used.begin(), used.end()), used.end());
-    for (const auto& [first, c] : used) {
-      pairs.push_back(first);
-      pairs.push_back(c);
-    }
+    frame = EncodeGroupsFrame(used);
   }
   THDPACK_ASSIGN_OR_RETURN(const int root, topo_.RankOf(Coord{0, 0, 0, 0}));
   const int64_t b0 = world_.bytes_sent();
-  int64_t count = static_cast<int64_t>(pairs.size());
-  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(&count, 1), root));
+  const int64_t a0 = agree_bytes_;
   const int cp = topo_.cp_size(), domain = topo_.dp_size() * cp;
-  if (count < 0 || count % 2 != 0 || count > 2 * int64_t{domain} * domain) {
-    return Status::Internal("dynamic step: " + std::to_string(count) + " group entries");
-  }
-  pairs.resize(static_cast<size_t>(count));
-  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(pairs), root));
-  out.cp_groups.clear();
-  for (size_t k = 0; k < pairs.size(); k += 2) {
-    out.cp_groups.emplace_back(static_cast<int>(pairs[k]), static_cast<int>(pairs[k + 1]));
-  }
-  if (opts_.defer_cp_groups) {
-    groups_bytes_ += world_.bytes_sent() - b0;
-    return Status::Ok();
-  }
+  const std::string from = "step " + std::to_string(step_) + ": received from " +
+                           Sender(world_, root, "head");
+  std::array<uint8_t, kSizeFrameSize> size_frame =
+      EncodeSizeFrame(static_cast<int64_t>(frame.size()));
+  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<uint8_t>(size_frame), root));
+  // At most every (first, size) pair of the domain, 2 varints of up to 5 bytes each.
+  Result<int64_t> size = DecodeSizeFrame(size_frame, static_cast<int64_t>(kFrameTrailerSize) + 1,
+                                         10 * int64_t{domain} * domain + 64);
+  THDPACK_RETURN_IF_ERROR(Agree(size.status().WithContext(from), "groups size"));
+  frame.resize(static_cast<size_t>(*size));
+  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<uint8_t>(frame), root));
+  auto groups = DecodeGroupsFrame(frame, domain);
+  // Attach splits groups, a collective: agreed first, so that a rank that received the list
+  // damaged is not missing from it.
+  const Status got = opts_.defer_cp_groups ? groups.status().WithContext(from)
+                                           : Agree(groups.status().WithContext(from), "groups");
+  // The data bytes of the groups (the agreements are counted as agreement).
+  groups_bytes_ += world_.bytes_sent() - b0 - (agree_bytes_ - a0);
+  THDPACK_RETURN_IF_ERROR(got);
+  out.cp_groups = std::move(*groups);
+  if (opts_.defer_cp_groups) return Status::Ok();
+  const int64_t b1 = world_.bytes_sent();
   Status attached = groups_.Attach(world_, out);
-  groups_bytes_ += world_.bytes_sent() - b0;
+  groups_bytes_ += world_.bytes_sent() - b1;
   return attached;
 }
 

@@ -2,18 +2,22 @@
 // the ranks that pack them, in one all-to-all-v (MoveSamples) - among the loaders, to the
 // replica the plan chose (ExchangeTokens), or among the heads, to every head of the sample's
 // group (the dynamic step, dynamic_step.cc). A sample's payload is its int32 tokens, its mask
-// bytes when the mask is not all ones, and its field buffers; blocks are padded to 4 bytes; a
-// token that stays is not sent. Afterwards refs_ points at every sample this rank packs (its
-// own, or in recv_buffer_). No checksum covers these bytes. Depends on: step_read.cc (own_),
-// step_lengths.cc (out.samples, loader_offset_), step_plan.cc (replica_of_).
+// bytes when the mask is not all ones, and its field buffers; each block that carries a sample
+// is a samples frame (thdpack/step_wire.h): the payloads padded to 4 bytes, then the frame's
+// trailer with its CRC-32C, checked on arrival; a token that stays is not sent. Afterwards
+// refs_ points at every sample this rank packs (its own, or in recv_buffer_). Depends on:
+// step_read.cc (own_), step_lengths.cc (out.samples, loader_offset_), step_plan.cc
+// (replica_of_).
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "runtime/step_runner_impl.h"
 #include "thdpack/fields.h"
+#include "thdpack/step_wire.h"
 
 namespace thdpack {
 
@@ -43,10 +47,11 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
                                      const std::vector<std::vector<int64_t>>& recv_ps,
                                      int64_t my_begin, const std::function<bool(int64_t)>& keeps) {
   const size_t n = static_cast<size_t>(group.size());
+  // A block: its payloads padded to 4 bytes, and a trailer when it carries any.
   auto block_bytes = [&](const std::vector<int64_t>& ps) {
     int64_t b = 0;
     for (int64_t p : ps) b += PayloadBytes(samples[static_cast<size_t>(p)], opts_.fields);
-    return (b + 3) / 4 * 4;
+    return ps.empty() ? 0 : (b + 3) / 4 * 4 + static_cast<int64_t>(kFrameTrailerSize);
   };
   std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
   for (size_t e = 0; e < n; ++e) {
@@ -78,9 +83,27 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
         dst += f.size();
       }
     }
+    if (sc[e] > 0) {
+      SealFrame(FrameKind::kSamples,
+                std::span<uint8_t>(reinterpret_cast<uint8_t*>(send.data() + sd[e]),
+                                   static_cast<size_t>(sc[e])));
+    }
   }
   recv_buffer_.assign(static_cast<size_t>(rd[n - 1] + rc[n - 1]), std::byte{0});
   THDPACK_RETURN_IF_ERROR(group.AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
+  // Each block checked before anything reads it.
+  for (size_t e = 0; e < n; ++e) {
+    if (rc[e] == 0) continue;
+    auto body = OpenFrame(std::span<const uint8_t>(
+                              reinterpret_cast<const uint8_t*>(recv_buffer_.data() + rd[e]),
+                              static_cast<size_t>(rc[e])),
+                          FrameKind::kSamples);
+    if (!body.ok()) {
+      return body.status().WithContext(
+          "step " + std::to_string(step_) + ": received from " +
+          Sender(group, static_cast<int>(e), dynamic_ ? "head" : "loader"));
+    }
+  }
 
   // Where each sample this rank packs lives now.
   refs_.assign(samples.size(), SampleRef{});

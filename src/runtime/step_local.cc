@@ -3,7 +3,7 @@
 // of its stage, the microbatch's sequences (ids, loss-token counts, sources, sample fields) and
 // its SP range. MakeLocal serves both kinds of step (FinishLocalDynamic, dynamic_step.cc).
 // Sends nothing. Depends on: step_deliver.cc (out.meta, shards_), step_pack.cc or the delivered
-// words (mb_info_, n_loss_sequences_).
+// step message (mb_info_, n_loss_sequences_).
 #include <cstddef>
 #include <utility>
 #include <vector>
@@ -50,7 +50,7 @@ LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size
     }
   }
   if (m < mb_info_.size()) {
-    SequenceInfo& info = mb_info_[m];  // this step's: each microbatch is made once
+    MicrobatchSequences& info = mb_info_[m];  // this step's: each microbatch is made once
     lm.sources = std::move(info.sources);
     lm.sample_ids = std::move(info.ids);
     lm.seq_n_targets = std::move(info.n_targets);

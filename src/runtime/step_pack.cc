@@ -90,7 +90,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
 Status StepRunner::Impl::PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
                                        const Layout& layout, int cp_size,
                                        std::vector<PackedShard>& shards) {
-  SequenceInfo& info = mb_info_[m];
+  MicrobatchSequences& info = mb_info_[m];
   for (int64_t p : ps) {
     const SampleLength& x = out.samples[static_cast<size_t>(p)];
     info.ids.push_back(x.id);

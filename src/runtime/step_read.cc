@@ -6,10 +6,12 @@
 // here so that the error names the loader), the read phase agreed over the world (ReadPhase:
 // a caller-fed source's end counted first), and the position committed after a step
 // (CommitPosition).
-// Sends: the start state (JSON, broadcast from world rank 0) and the agreements; the position
-// after the step (after_) is sent later, with the lengths (step_lengths.cc) or the metadata
-// (step_deliver.cc), as step_words.h's words. Depends on: step_words.h (the position words).
+// Sends: the start state (its size in a size frame, agreed, then the run state's JSON with its
+// own checksum, broadcast from world rank 0) and the agreements; the position after the step
+// (after_) is sent later, with the lengths (step_lengths.cc) or in the step message
+// (step_deliver.cc), as wire/ writes it (thdpack/step_wire.h).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <optional>
 #include <span>
@@ -19,6 +21,7 @@
 
 #include "runtime/step_runner_impl.h"
 #include "thdpack/step.h"
+#include "thdpack/step_wire.h"
 
 namespace thdpack {
 
@@ -43,15 +46,18 @@ Status StepRunner::Impl::StartReading() {
   return Status::Ok();
 }
 
-// World rank 0 reads in every mode (a loader, a head): its start is everyone's.
+// World rank 0 reads in every mode (a loader, a head): its start is everyone's. Its size first,
+// agreed (a rank that cannot read it cannot take part in the broadcast), then the record.
 Status StepRunner::Impl::ShareStart() {
   std::string text = world_.rank() == 0 ? RunStateToJson(state_) : std::string();
-  int64_t size = static_cast<int64_t>(text.size());
-  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<int64_t>(&size, 1), 0));
-  if (size <= 0 || size > (int64_t{1} << 24)) {
-    return Status::Corruption("step runner: a start state of " + std::to_string(size) + " bytes");
-  }
-  text.resize(static_cast<size_t>(size));
+  std::array<uint8_t, kSizeFrameSize> size_frame =
+      EncodeSizeFrame(static_cast<int64_t>(text.size()));
+  THDPACK_RETURN_IF_ERROR(world_.BroadcastValues(std::span<uint8_t>(size_frame), 0));
+  Result<int64_t> size = DecodeSizeFrame(size_frame, 1, int64_t{1} << 24);
+  THDPACK_RETURN_IF_ERROR(AgreeOnStatus(
+      world_, size.status().WithContext("the start state's size from world rank 0"),
+      "the start state"));
+  text.resize(static_cast<size_t>(*size));
   THDPACK_RETURN_IF_ERROR(
       world_.Broadcast(std::as_writable_bytes(std::span<char>(text.data(), text.size())), 0));
   Status local;
@@ -63,7 +69,7 @@ Status StepRunner::Impl::ShareStart() {
   }
   THDPACK_RETURN_IF_ERROR(AgreeOnStatus(world_, local, "the start state"));
   step_ = state_.next_step;
-  after_ = PackPosition(state_.consumed, state_.cursor);
+  after_ = StepPosition{state_.consumed, state_.cursor};
   return Status::Ok();
 }
 
@@ -84,14 +90,15 @@ Status StepRunner::Impl::Restore(const RunState& saved) {
   state_.consumed = saved.consumed;
   state_.cursor = saved.cursor;  // a state without one: the readers compute it (below)
   step_ = saved.next_step;
-  after_ = PackPosition(state_.consumed, state_.cursor);
+  after_ = StepPosition{state_.consumed, state_.cursor};
   if (source_) restore_error_ = steps_->Start(saved.next_step, saved.consumed, saved.cursor);
   return Status::Ok();
 }
 
 Status StepRunner::Impl::CommitPosition(RankStep& out) {
   state_.next_step = step_;
-  THDPACK_RETURN_IF_ERROR(UnpackPosition(after_, &state_));
+  state_.consumed = after_.consumed;
+  state_.cursor = after_.cursor;
   out.after = state_;
   return Status::Ok();
 }
@@ -108,10 +115,10 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
       return Status::Ok();
     }
     THDPACK_ASSIGN_OR_RETURN(share, std::move(fed));
-    after_ = PackPosition(state_.consumed + share.n, std::nullopt);
+    after_ = StepPosition{state_.consumed + share.n, std::nullopt};
   } else {
     THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
-    after_ = PackPosition(steps_->consumed(), source_->cursor());
+    after_ = StepPosition{steps_->consumed(), source_->cursor()};
   }
   if (opts_.read_share) {
     for (const Sample& x : share.samples) {

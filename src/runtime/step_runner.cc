@@ -14,7 +14,6 @@
 //   step_pack.cc         pack: the microbatches packed and CP-sharded, the step's StepMeta
 //   step_deliver.cc      deliver: the metadata to every rank, then each stage's shards
 //   step_local.cc        every rank's LocalMicrobatch list, the step's end
-//   step_words.{h,cc}    the position and sequences words sent beside the metadata
 //   phase_table.cc       the phases' names and the phase table gathered over the world
 // The dynamic scheduler's step is NextDynamic (dynamic_step.cc), over the same phases;
 // step_runner_impl.h holds the state they share.

@@ -1,8 +1,8 @@
 // src/runtime/step_runner_impl.h: private to the runtime area - the step runner's state and the
 // helpers its files share. thdpack/step_runner.h documents the step; step_runner.cc drives it,
 // phase by phase, each phase in a file of its own (step_runner.cc's header lists them, in step
-// order); dynamic_step.cc holds the dynamic scheduler's step; step_words.h the words that travel
-// beside the metadata. Nothing here is part of the library's interface.
+// order); dynamic_step.cc holds the dynamic scheduler's step. Every message a phase sends is
+// wire/'s (thdpack/step_wire.h). Nothing here is part of the library's interface.
 #ifndef THDPACK_RUNTIME_STEP_RUNNER_IMPL_H_
 #define THDPACK_RUNTIME_STEP_RUNNER_IMPL_H_
 
@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/step_words.h"
 #include "thdpack/run_state.h"
 #include "thdpack/shard.h"
 #include "thdpack/step.h"
 #include "thdpack/step_runner.h"
+#include "thdpack/step_wire.h"
 
 namespace thdpack {
 namespace runner_internal {
@@ -126,16 +126,22 @@ class StepRunner::Impl {
     if (heads_) n += heads_->bytes_sent();
     if (column_) n += column_->bytes_sent();
     n += groups_bytes_;
-    return n;
+    return n - group_agree_bytes_;
   }
-  Status Agree(const Status& local, const char* context) {
+  Status Agree(const Status& local, const char* context) { return AgreeIn(world_, local, context); }
+  // The agreement over `group` (a phase's own group, before a collective whose sizes came in a
+  // message: a rank that found that message damaged cannot take part), counted as agreement.
+  Status AgreeIn(ProcessGroup& group, const Status& local, const char* context) {
     const auto t0 = Clock::now();
-    const int64_t b0 = world_.bytes_sent();
-    Status s = AgreeOnStatus(world_, local, context);
+    const int64_t b0 = group.bytes_sent();
+    Status s = AgreeOnStatus(group, local, context);
     agree_seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
-    agree_bytes_ += world_.bytes_sent() - b0;
+    agree_bytes_ += group.bytes_sent() - b0;
+    if (&group != &world_) group_agree_bytes_ += group.bytes_sent() - b0;
     return s;
   }
+  // "the loader of replica 1 (world rank 4)": who sent this rank a message, for its errors.
+  std::string Sender(const ProcessGroup& group, int member, const char* role) const;
   // One phase of a step: timed, `work` run on the ranks that take part (`here`; the others
   // contribute Ok), then the outcome agreed by every rank under `context`.
   template <typename Work>
@@ -185,28 +191,37 @@ class StepRunner::Impl {
 
   // step_pack.cc - packing.
   Status PackReplica(RankStep& out);
-  // The packer's side of SequenceInfo and the per-token fields: for microbatch m, the sequences
-  // at scheduling positions `ps` (packed order) with `layout` over a group of cp_size ranks, into
-  // the shards given (each for its cp_rank; a shard holding tokens gets the input fields, one
-  // holding labels the target fields).
+  // The packer's side of MicrobatchSequences and the per-token fields: for microbatch m, the
+  // sequences at scheduling positions `ps` (packed order) with `layout` over a group of cp_size
+  // ranks, into the shards given (each for its cp_rank; a shard holding tokens gets the input
+  // fields, one holding labels the target fields).
   Status PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
                        const Layout& layout, int cp_size, std::vector<PackedShard>& shards);
 
   // step_deliver.cc - delivery.
-  // A packed step's metadata: encoded for delivery (tp0: meta_bytes_), else validated.
+  // A packed step's message: with a group to deliver to (tp0), the metadata, the position, the
+  // sequences and the checksums of the shards the group's members get, encoded (meta_bytes_);
+  // else the metadata validated.
   Status SealMeta(const StepMeta& meta);
+  // The CRC-32C of shard s's arrays that some member of `group` (> 1 member) receives (0 for
+  // the others), in the step message's order; shard s of a static step is CP rank s's.
+  std::vector<uint32_t> ChecksumShards(ProcessGroup& group, size_t m) const;
   // The deliver phase: with a `group`, its member 0 broadcasts the metadata (AcceptMeta on the
   // others, agreed) and then receive() runs; with none (data on every rank), nothing moves.
   // Then, agreed, `then` (the dynamic step's groups) when given.
   Status Deliver(RankStep& out, ProcessGroup* group, const std::string& sender,
                  const std::function<Status()>& receive, const std::function<Status()>& then);
   Status DeliverMeta(ProcessGroup& group);
-  // The metadata a rank received (meta_bytes_) from `sender`, decoded and checked against this
-  // rank's topology and step (a dynamic step's also against its domain rank, with groups);
-  // kept in out.meta and out.epoch when good.
+  // The step message a rank received (meta_bytes_) from `sender`, decoded and checked against
+  // this rank's topology, step and schema (a dynamic step's also against its domain rank, with
+  // groups); kept in out.meta, out.epoch, after_, mb_info_, n_loss_sequences_ and
+  // shard_checksums_ when good.
   Status AcceptMeta(RankStep& out, const std::string& sender, bool dynamic);
   Status SendShard(ProcessGroup& group, int member, int member_pp, const PackedShard& sh);
   Status RecvShard(ProcessGroup& group, size_t local_tokens, PackedShard& sh);
+  // A received shard (shard s of microbatch m) against the checksums of the step message:
+  // Corruption naming the microbatch, the array and `sender` on the first that differs.
+  Status CheckShard(const PackedShard& sh, size_t m, size_t s, const std::string& sender) const;
   Status ReceiveShards(RankStep& out);
 
   // step_local.cc - the local microbatches.
@@ -251,6 +266,7 @@ class StepRunner::Impl {
   std::unique_ptr<ProcessGroup> column_;
   CpGroupCache groups_;
   int64_t groups_bytes_ = 0;
+  int64_t group_agree_bytes_ = 0;  // agreements over a phase's group (AgreeIn), not data
   std::vector<std::pair<int, int>> group_of_;  // [n]: (first rank, size) per position, (-1, 0)
 
   // Per-step state.
@@ -269,17 +285,22 @@ class StepRunner::Impl {
   std::vector<SampleRef> refs_;         // [n]: where each of this replica's samples lives
   // Loader's packed shards: [M][CP].
   std::vector<std::vector<PackedShard>> shards_;
-  std::vector<uint8_t> meta_bytes_;
+  std::vector<uint8_t> meta_bytes_;  // the encoded step message
+  // Receivers: the checksums the step message announced for the shards that follow it: [m]
+  // the checksums of microbatch m's shards (shards_per_mb_ x arrays_per_shard_; empty when
+  // idle or when no shard travels).
+  std::vector<std::vector<uint32_t>> shard_checksums_;
+  int32_t arrays_per_shard_ = 0;
   // The run's state after the last step returned (or its start), and the position after the
   // step in flight: set by readers in the read phase, received by the others with the lengths
-  // (ExchangeLengths) or the metadata (DeliverMeta).
+  // (ExchangeLengths) or the step message (AcceptMeta).
   RunState state_;
-  runner_internal::PositionWords after_;
+  StepPosition after_;
   // A blend: samples carry their source (sent with the lengths). Each microbatch's sequences
   // (mb_info_[m]: ids, loss-token counts, sources, sample fields) and the step's count of
   // sequences with a loss token, made by the packer and sent with the metadata.
   bool blend_ = false;
-  std::vector<runner_internal::SequenceInfo> mb_info_;
+  std::vector<MicrobatchSequences> mb_info_;
   int64_t n_loss_sequences_ = 0;
   // The run's fields (StepRunnerOptions::fields): bytes a sample of length L holds in them, and
   // the sample fields' positions in the schema.
