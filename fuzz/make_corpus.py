@@ -5,7 +5,10 @@ Usage: PYTHONPATH=build/python /usr/bin/python3 fuzz/make_corpus.py [OUT_DIR]   
 
 Each seed is one input a unit test uses (a valid one, or a corrupt one the test expects an error
 for), so the fuzzers start from every shape the readers know. The wire seeds are encoded with the
-thdpack module (encode_metadata); the golden message is the bytes of docs/wire_format.md. Seeds
+thdpack module (encode_metadata); the golden message is the bytes of docs/wire_format.md. The
+step's messages (step_message, position_frame, lengths_frame, groups_frame, size_frame) are the
+golden bytes of src/wire/step_wire_test.cc and a larger step message encoded here from the
+grammar (blend, sample fields, a blend's cursor), each after its control byte. Seeds
 are kept small: the whole corpus is a few KB per target. Files are named by content.
 """
 import hashlib
@@ -71,6 +74,100 @@ def wire_seeds():
         step=5, epoch=1, dp_size=2, replica=0, cp_size=2, n_loss_tokens=54, skipped_ids=[4, 2],
         groups=[(0, 3), (0, 0), (1, 1), (0, 2)], domain_rank=1, rank_multiple=16))
     return seeds
+
+
+def crc32c(data):
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def varint(v):
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def zigzag(v):
+    return ((v << 1) ^ (v >> 63)) & (2**64 - 1)
+
+
+def rice_stream(values, k):
+    bits = []
+    for v in values:
+        bits += [0] * (v >> k) + [1] + [(v >> i) & 1 for i in range(k)]
+    bits += [0] * (-len(bits) % 8)
+    return bytes(sum(b << i for i, b in enumerate(bits[j:j + 8])) for j in range(0, len(bits), 8))
+
+
+def cursor(ints, shape=0, rest=b""):
+    # The seven integers of the table, each minus its row's minimum (epoch_size: -1).
+    mins = [0, 0, 0, 0, 0, 0, -1]
+    return bytes([shape]) + b"".join(varint(v - m) for v, m in zip(ints, mins)) + rest
+
+
+def frame(body, kind):
+    t = bytes(body) + bytes([kind, 4, 0, 0])
+    return t + struct.pack("<I", crc32c(t))
+
+
+def large_step_message():
+    """A static step (DP 2, replica 1, CP 1) of two microbatches, a blend's cursor, sources and
+    one 8-byte sample field (docs/wire_format.md, "Body, version 4")."""
+    body = varint(9) + varint(0) + varint(2) + varint(1)  # step, epoch, dp_size, replica
+    body += varint(1) + varint(1) + bytes([0]) + varint(1) + varint(1)  # cp, tp, flags, pm, R
+    body += varint(17) + varint(17) + varint(87) + varint(31)  # real, padded, sum_sq, N
+    body += varint(2)  # microbatches
+    body += varint(3) + bytes([0x80 | 1]) + varint(2) + rice_stream([2, 6, 1], 1)
+    body += varint(1) + bytes([1]) + rice_stream([4], 1)
+    body += varint(0)  # no skipped ids
+    parts = varint(2) + cursor([1, 3, 13, 0, 0, 0, 10]) + cursor([0, 27, 27, 1, 1234, 28, -1])
+    taken = varint(2) + varint(13) + varint(27)
+    body += varint(40) + bytes([1]) + cursor([0, 40, 40, 0, 0, 0, -1], 1, parts + taken)
+    body += varint(30) + bytes([1]) + varint(1) + varint(8)  # n_loss_sequences, sources, F
+    prev = 0
+    for ids, deficits, sources in (([100, 98, 105], [0, 0, 1], [0, 1, 1]), ([101], [0], [0])):
+        for i in ids:
+            body += varint(zigzag(i - prev))
+            prev = i
+        body += b"".join(varint(d) for d in deficits) + b"".join(varint(x) for x in sources)
+        body += bytes(range(8 * len(ids)))
+    body += varint(5) + varint(1) + b"".join(struct.pack("<I", 0x01010101 * c) for c in range(10))
+    msg = b"THDM" + bytes([4]) + struct.pack("<I", 9 + len(body) + 4) + body
+    return msg + struct.pack("<I", crc32c(msg))
+
+
+def step_wire_seeds():
+    """(target, message) pairs: the golden bytes of src/wire/step_wire_test.cc and more."""
+    golden = bytes.fromhex(
+        "54 48 44 4D 04 3B 00 00 00 01 00 01 00 02 01 00 04 01 08 0C 50 06 01 02 01 22 01 0E"
+        "03 00 02 00 00 14 04 00 00 04 01 01 02 03 04 05 06 07 08 09 0A 0B 0C 0D 0E 0F 10"
+        "95 4F 13 BE")
+    header = struct.pack("<8q", 2, 100, 3, 1, 0, 0, 0, 0)
+    lengths = struct.pack("<6i", 0, 5, 4, 2, 3, 1)
+    sourced = struct.pack("<4iII", 0, 9, 8, 3, 0xFFFFFFFF, 0x7FFFFFFF)  # source 3, group 2^63-1
+    return [
+        ("step_message", golden),
+        ("step_message", large_step_message()),
+        ("position_frame", frame(bytes.fromhex("07 01 00 00 07 07 00 00 00 15"), 3)),
+        ("position_frame", frame(bytes.fromhex("09 01 02 00 05 0B 02 00 00 00 05 01 03 01 02 00"
+                                               "00 00 05 08 02 00 00 15"), 3)),
+        ("position_frame", frame(varint(40) + bytes([1]) + cursor(
+            [0, 40, 40, 0, 0, 0, -1], 1, varint(2) + cursor([1, 3, 13, 0, 0, 0, 10]) +
+            cursor([0, 27, 27, 1, 1234, 28, -1]) + varint(2) + varint(13) + varint(27)), 3)),
+        ("lengths_frame", frame(lengths, 2)),
+        ("lengths_frame", frame(sourced, 2)),
+        ("lengths_frame", frame(header, 1)),
+        ("groups_frame", frame(bytes([2, 0, 2, 2, 2]), 6)),
+        ("size_frame", frame(struct.pack("<q", 59), 5)),
+        ("size_frame", frame(struct.pack("<2i", 5, 6), 4)),
+    ]
 
 
 def jsonl_seeds():
@@ -170,6 +267,22 @@ def main():
     for seed in wire_seeds():
         write(out, "wire_decode", seed)
         write(out, "wire_decode_sealed", seed)
+    # The control byte of the step's targets (fuzz/step_wire_checks.h): bit 0 reseals; for
+    # lengths_frame bit 1 picks the header and bits 2-3 the columns, for groups_frame bits 1-6
+    # the domain (3: 4 ranks), for size_frame bits 1-3 the kind opened (4: 5, a size).
+    controls = {"lengths_frame": {0: 0, 1: 0, 2: 2}, "groups_frame": 6, "size_frame": 8}
+    counts = {}
+    for target, seed in step_wire_seeds():
+        k = counts.get(target, 0)
+        counts[target] = k + 1
+        c = controls.get(target, 0)
+        c = c.get(k, 0) if isinstance(c, dict) else c
+        if target == "lengths_frame" and k == 1:
+            c = 4 | 8  # source and group columns
+        if target == "size_frame" and k == 1:
+            c = 6  # opened as a samples frame
+        write(out, target, bytes([c]) + seed)
+        write(out, target, bytes([c | 1]) + seed)
     for seed in jsonl_seeds():
         write(out, "jsonl_line", seed)
     for seed in mock_seeds():
