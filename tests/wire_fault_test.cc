@@ -72,7 +72,8 @@ StepRunnerOptions Options(const FaultCase& k, const Topology& topo, const std::s
     for (int64_t j = 0; j < LoaderCount(n, dp, loader); ++j) {
       mine.push_back(testing::SampleAt(first + j * dp + loader));
     }
-    return FedStepShare(n, dp, step, first, loader, std::move(mine));
+    THDPACK_ASSIGN_OR_RETURN(const FedShares fed, FedShares::Create(n, dp));
+    return fed.Share(step, first, loader, std::move(mine));
   };
   return o;
 }
