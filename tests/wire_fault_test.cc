@@ -118,7 +118,7 @@ Outcome RunStep(const FaultCase& k, const std::string& jsonl, int target_rank, i
 // The messages a damaged rank's error may name (thdpack/step_wire.h's and the shards').
 bool NamesAMessage(const std::string& m) {
   for (const char* name : {"lengths header:", "lengths:", "position", "samples:", "size:",
-                           "step message", "shard of microbatch", "groups:"}) {
+                           "step message", "step metadata:", "shard of microbatch", "groups:"}) {
     if (m.find(name) != std::string::npos) return true;
   }
   return false;

@@ -280,8 +280,14 @@ class RestDecoder {
     q.sample_fields.resize(msg_.sample_field_bytes.size());
     for (size_t f = 0; f < q.sample_fields.size(); ++f) {
       const size_t bytes = n * static_cast<size_t>(msg_.sample_field_bytes[f]);
+      // The bound above counted a byte a varint: longer ones may have taken the rows' bytes.
+      if (bytes > r_.remaining()) {
+        return Error(r_.position(), at + "sample_fields[" + Num(int64_t(f)) + "]",
+                     Num(int64_t(n)) + " rows need " + Num(int64_t(bytes)) + " bytes but only " +
+                         Num(int64_t(r_.remaining())) + " remain");
+      }
       const auto* p = reinterpret_cast<const std::byte*>(r_.rest().data());
-      q.sample_fields[f].assign(p, p + bytes);  // fits: counted above
+      q.sample_fields[f].assign(p, p + bytes);
       r_.Skip(bytes);
     }
     return Status::Ok();
