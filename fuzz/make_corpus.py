@@ -165,6 +165,8 @@ def step_wire_seeds():
         ("lengths_frame", frame(sourced, 2)),
         ("lengths_frame", frame(header, 1)),
         ("groups_frame", frame(bytes([2, 0, 2, 2, 2]), 6)),
+        ("groups_frame", frame(varint(2) + varint(2) + b"cp" + varint(1) + b"2" + varint(6)
+                               + b"fields" + varint(11) + b"a:float32[]", 7)),
         ("size_frame", frame(struct.pack("<q", 59), 5)),
         ("size_frame", frame(struct.pack("<2i", 5, 6), 4)),
     ]
@@ -269,7 +271,8 @@ def main():
         write(out, "wire_decode_sealed", seed)
     # The control byte of the step's targets (fuzz/step_wire_checks.h): bit 0 reseals; for
     # lengths_frame bit 1 picks the header and bits 2-3 the columns, for groups_frame bits 1-6
-    # the domain (3: 4 ranks), for size_frame bits 1-3 the kind opened (4: 5, a size).
+    # the domain (3: 4 ranks) or with bit 7 the job frame, for size_frame bits 1-3 the kind
+    # opened (4: 5, a size).
     controls = {"lengths_frame": {0: 0, 1: 0, 2: 2}, "groups_frame": 6, "size_frame": 8}
     counts = {}
     for target, seed in step_wire_seeds():
@@ -279,6 +282,8 @@ def main():
         c = c.get(k, 0) if isinstance(c, dict) else c
         if target == "lengths_frame" and k == 1:
             c = 4 | 8  # source and group columns
+        if target == "groups_frame" and k == 1:
+            c = 128  # the job frame
         if target == "size_frame" and k == 1:
             c = 6  # opened as a samples frame
         write(out, target, bytes([c]) + seed)

@@ -116,8 +116,18 @@ inline void CheckLengthsFrame(Input in) {
   FUZZ_CHECK(encoded == in.bytes, "accepted lengths re-encode to other bytes");
 }
 
-// The domain is 1 + the control byte's bits 1-6 ranks.
+// Control bit 7: the job frame (DecodeJobFrame) instead; else the domain is 1 + the control
+// byte's bits 1-6 ranks.
 inline void CheckGroupsFrame(Input in) {
+  if (in.control & 128) {
+    if (in.control & 1) ResealFrame(FrameKind::kJob, &in.bytes);
+    auto job = DecodeJobFrame(in.bytes);
+    if (!job.ok()) return CheckError(job.status(), "DecodeJobFrame");
+    FUZZ_CHECK(static_cast<int64_t>(job->size()) <= kMaxJobEntries,
+               "an accepted job has more entries than the bound");
+    FUZZ_CHECK(EncodeJobFrame(*job) == in.bytes, "an accepted job re-encodes to other bytes");
+    return;
+  }
   if (in.control & 1) ResealFrame(FrameKind::kGroups, &in.bytes);
   const int64_t domain = 1 + ((in.control >> 1) & 63);
   auto groups = DecodeGroupsFrame(in.bytes, domain);
@@ -132,9 +142,9 @@ inline void CheckGroupsFrame(Input in) {
   FUZZ_CHECK(again.ok() && *again == *groups, "decode(encode(decode(x))) != decode(x)");
 }
 
-// Control bits 1-3: the kind the frame is opened as (1-6); a size frame is decoded whole.
+// Control bits 1-3: the kind the frame is opened as (1-7); a size frame is decoded whole.
 inline void CheckSizeFrame(Input in) {
-  const auto kind = static_cast<FrameKind>(1 + ((in.control >> 1) & 7) % 6);
+  const auto kind = static_cast<FrameKind>(1 + ((in.control >> 1) & 7) % 7);
   if (in.control & 1) ResealFrame(kind, &in.bytes);
   auto body = OpenFrame(in.bytes, kind);
   if (!body.ok()) CheckError(body.status(), "OpenFrame");

@@ -2,12 +2,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <string>
 
 namespace thdpack::tools {
 
 void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   JobOptions& o = a->options;
+  a->app = cmd;
   cmd->add_option("--data", o.data,
                   "Data source: mock | mock:FILE.json | lengths:FILE | histogram:FILE | "
                   "jsonl:FILE | megatron:PREFIX")
@@ -134,6 +137,14 @@ bool EndsWith(const std::string& s, std::string_view end) {
 
 Result<Job> ResolveJobArgs(const JobArgs& args, const char* verb) {
   JobOptions options = args.options;
+  if (args.app != nullptr) {
+    options.given.emplace();
+    for (std::string_view name : kJobOptionNames) {
+      if (Given(args.app->get_option_no_throw(JobOptionFlag(name)))) {
+        options.given->emplace_back(name);
+      }
+    }
+  }
   THDPACK_ASSIGN_OR_RETURN(options.global_batch, ParseGlobalBatch(args.global_batch));
   if (options.global_batch_tokens != 0 && Given(args.global_batch_option)) {
     return Status::InvalidArgument("--global-batch-tokens and --global-batch both say how large "

@@ -31,6 +31,8 @@ struct JobArgs {
   CLI::Option* mock_samples_option = nullptr;
   CLI::Option* logits_dtype_option = nullptr;
   CLI::Option* fused_grad_option = nullptr;
+  // The subcommand the options were registered on: which were given (JobOptions::given).
+  CLI::App* app = nullptr;
 };
 
 // Registers --data, --dp, --cp, --tp, --pp, --sp, --align, --rank-multiple, --max-tokens-per-rank,

@@ -324,6 +324,7 @@ void PrintReadable(const PlanArgs& args, const Job& job, const JobPlan& plan) {
   if (!args.summary_only) PrintTable(plan.steps);
   PrintSummaryBlock(plan.steps, plan.memory, CostNote(job.schedule.cost, Device(job)), job.blend,
                     o.global_batch_tokens);
+  PrintDefaulted(job);
   if (!args.svg.empty()) std::printf("  chart              %s\n", args.svg.c_str());
 }
 

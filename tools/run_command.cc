@@ -67,6 +67,7 @@ void PrintRunSummary(const RunTotals& totals, const Job& job) {
                     CostNote(job.schedule.cost,
                              job.profile ? job.profile->measured_on.device : std::string()),
                     job.blend, job.options.global_batch_tokens);
+  PrintDefaulted(job);
   std::printf("  step time          %.1f ms in all, %.1f ms a step (each step: its slowest rank, "
               "start to end)\n",
               1000 * totals.seconds, 1000 * totals.seconds / static_cast<double>(totals.steps.size()));

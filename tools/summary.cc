@@ -169,4 +169,34 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
   if (blend) PrintMixture(summary, *blend);
 }
 
+void PrintDefaulted(const Job& job) {
+  if (job.defaulted.empty()) return;
+  const std::vector<JobEntry> entries = StepJobEntries(RunnerOptions(job), job.topology);
+  std::vector<std::string> shown;
+  int64_t others = 0;
+  for (const std::string& name : job.defaulted) {
+    const auto it = std::find_if(entries.begin(), entries.end(),
+                                 [&](const JobEntry& e) { return e.first == name; });
+    if (it == entries.end()) {
+      ++others;
+    } else {
+      shown.push_back(name + " " + (it->second.empty() ? "\"\"" : it->second));
+    }
+  }
+  shown.push_back(std::to_string(others) + " other option" + (others == 1 ? "" : "s"));
+  // Wrapped under the label, a line at most 100 columns wide.
+  const std::string indent(21, ' ');
+  std::string line = "  defaulted          ";
+  for (size_t k = 0; k < shown.size(); ++k) {
+    const std::string item = shown[k] + (k + 1 < shown.size() ? ", " : "");
+    if (line.size() > indent.size() && line.size() + item.size() > 100) {
+      line.pop_back();  // the space after the comma
+      std::printf("%s\n", line.c_str());
+      line = indent;
+    }
+    line += item;
+  }
+  std::printf("%s\n", line.c_str());
+}
+
 }  // namespace thdpack::tools

@@ -10,6 +10,7 @@
 #include "thdpack/blend.h"
 #include "thdpack/cost.h"
 #include "thdpack/figures.h"
+#include "thdpack/job.h"
 #include "thdpack/memory_report.h"
 
 namespace thdpack::tools {
@@ -35,6 +36,11 @@ void PrintSummaryBlock(const std::vector<StepFigures>& steps,
                        const std::vector<StepMemoryFigures>& memory, const std::string& cost_note,
                        const std::optional<BlendConfig>& blend = std::nullopt,
                        int64_t global_batch_tokens = 0);
+
+// Prints "  defaulted          ..." on stdout: the options the job defaulted (Job::defaulted)
+// that shape a step, each with its value (StepJobEntries), then the count of the others. Nothing
+// when none was defaulted or not known.
+void PrintDefaulted(const Job& job);
 
 }  // namespace thdpack::tools
 

@@ -124,7 +124,29 @@ struct JobOptions {
   // --save-state FILE (run: after every step, written by world rank 0; plan: after its last
   // step): the run state, written atomically (WriteRunStateFile). Empty: none.
   std::string save_state;
+  // The options the user gave, by name (kJobOptionNames): the command line's flags given, the
+  // keyword arguments passed. Every other option is defaulted, which Job::defaulted lists and
+  // errors naming one say (SayDefaulted, thdpack/step_runner.h). nullopt: not known (a caller
+  // that fills JobOptions itself), nothing is said to be defaulted.
+  std::optional<std::vector<std::string>> given;
 };
+
+// Every option of JobOptions by name: the command line's flag without "--" and with '_' for
+// '-', which is also the keyword argument of thdpack's Python functions.
+inline constexpr std::string_view kJobOptionNames[] = {
+    "data", "seed", "shuffle", "vocab", "mock_samples", "tp", "cp", "dp", "pp", "rank_order",
+    "sp", "align", "rank_multiple", "max_tokens_per_rank", "global_batch",
+    "global_batch_tokens", "steps", "scheduler", "cp_sizes", "max_cp_groups", "hw", "cost",
+    "microbatch_multiple", "num_microbatches", "oversize", "pad_to_max_tokens", "max_seqs",
+    "keep_groups", "group_field", "pad_id", "data_on", "timeout", "vocab_size", "logits_dtype",
+    "fused_grad", "memory_limit", "check_plan_hash", "start_step", "resume", "save_state"};
+
+// The command line's flag of an option of kJobOptionNames: "--" and the name with '-' for '_'
+// ("--max-tokens-per-rank"), but max_seqs, whose flag is --max-seqs-per-microbatch.
+std::string JobOptionFlag(std::string_view name);
+
+// The options of kJobOptionNames not in options.given (empty when given is nullopt).
+std::vector<std::string> DefaultedOptions(const JobOptions& options);
 
 // A checked job: everything `plan` and `run` need, derived once from JobOptions.
 struct Job {
@@ -132,6 +154,7 @@ struct Job {
 
   JobOptions options;  // as given
   Topology topology;
+  std::vector<std::string> defaulted;  // DefaultedOptions(options)
   int64_t steps = 1;        // options.steps, or its default
   ScheduleOptions schedule;  // complete: the topology's sizes, the cost model, the policies
   // The cost spec, parsed once: the cost model is schedule.cost; the model's dimensions and
@@ -159,7 +182,8 @@ struct Job {
 // The one validation. Errors (InvalidArgument) name the option, e.g. "--dp: must be >= 1, got 0",
 // "--cost: ...", "--dp/--cp/--tp/--pp: ..." for a topology too large, "--sp: ..." for SP with
 // TP = 1 (nothing to split); ResourceExhausted when a numeric --global-batch needs more memory
-// than the limit (CheckStepMemory). Opens no source.
+// than the limit (CheckStepMemory). Opens no source. An error naming a defaulted option says so
+// (SayDefaulted).
 [[nodiscard]] Result<Job> ResolveJob(const JobOptions& options);
 
 // The options of a StepRunner for this job (thdpack/step_runner.h).

@@ -71,6 +71,8 @@ class [[nodiscard]] Status {
 
   // Returns a copy whose message is "<context>: <message>" (same code and origin). OK stays OK.
   Status WithContext(std::string_view context) const;
+  // Returns a copy whose message is "<message> (<note>)" (same code and origin). OK stays OK.
+  Status WithNote(std::string_view note) const;
 
   friend bool operator==(const Status& a, const Status& b) {
     return a.code() == b.code() && a.message() == b.message();

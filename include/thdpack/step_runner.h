@@ -73,6 +73,7 @@
 #include "thdpack/schedule.h"
 #include "thdpack/status.h"
 #include "thdpack/step.h"
+#include "thdpack/step_wire.h"
 #include "thdpack/topology.h"
 #include "thdpack/wire.h"
 
@@ -162,6 +163,10 @@ struct StepRunnerOptions {
   // the world it wants them in, on its own thread - what a runner preparing steps in the
   // background needs (a torch job makes groups on the training thread only). Default false.
   bool defer_cp_groups = false;
+  // The options the caller did not give (JobOptions::given; thdpack/job.h), by name: an error
+  // naming one says it was defaulted (SayDefaulted). Not part of the job agreed over the world.
+  // Default: none.
+  std::vector<std::string> defaulted;
 };
 
 // The dynamic scheduler's CP process groups, made from a world and kept across steps: at most
@@ -221,6 +226,30 @@ struct PhaseTable {
 // Collective over `world`: every rank passes the RankStep its runner returned and gets the
 // table (the same on every rank). Two all-gathers of kNumPhases values.
 [[nodiscard]] Result<PhaseTable> GatherPhases(ProcessGroup& world, const RankStep& step);
+
+// The job as the world agrees on it (src/runtime/step_job.cc): every option of `options` that
+// shapes a step - named as thdpack's keyword arguments and the command line name them
+// (max_tokens_per_rank, scheduler, cost, ...) - and the field schema (fields, fields[k]), as
+// (name, value) text, in a fixed order. The source is its kind ("jsonl", "fed by the caller"),
+// not its path or callable: ranks may read copies of the data at paths of their own.
+std::vector<JobEntry> StepJobEntries(const StepRunnerOptions& options, const Topology& topology);
+
+// Collective over `world`: OK when every rank's `mine` is the same; otherwise InvalidArgument
+// on every rank (AgreeOnStatus) naming the first entry that differs between the lowest rank that
+// differs from world rank 0 and rank 0, with both values ("the job differs over the world:
+// scheduler is \"sequential\" on world rank 1 and \"balanced\" on world rank 0 ..."). Costs one
+// 16-byte all-reduce when all agree. StepRunner::Create calls it before any other collective.
+[[nodiscard]] Status AgreeOnJob(ProcessGroup& world, std::span<const JobEntry> mine);
+// The same for any entries every member must give alike, `what` naming them in the error
+// ("<what> differs over the world: ..."). AgreeOnJob is AgreeOnEntries(world, mine, "the job").
+[[nodiscard]] Status AgreeOnEntries(ProcessGroup& world, std::span<const JobEntry> mine,
+                                    std::string_view what);
+
+// An error naming an option the job defaulted says so: "<message> (max_tokens_per_rank
+// defaulted)", for every name of `defaulted` found in the message as a word - as thdpack's
+// keyword arguments spell it, or as the command line's flag (--max-tokens-per-rank). OK stays
+// OK. StepRunner::Create and Next, and ResolveJob, return their errors through it.
+[[nodiscard]] Status SayDefaulted(const Status& s, std::span<const std::string> defaulted);
 
 // One rank's step loop. Collective: every rank of `world` creates its runner, and calls Next()
 // the same number of times.

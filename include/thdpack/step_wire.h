@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -127,8 +128,9 @@ enum class FrameKind : uint8_t {
   kSamples = 4,        // the token exchange: one block of sample payloads, sender to receiver
   kSize = 5,           // the size of the message that follows in a broadcast
   kGroups = 6,         // a dynamic step's CP groups
+  kJob = 7,            // the job as the world agrees on it when the step runner opens
 };
-// "lengths header", "lengths", "position", "samples", "size", "groups".
+// "lengths header", "lengths", "position", "samples", "size", "groups", "job".
 std::string_view FrameKindName(FrameKind kind);
 
 inline constexpr size_t kFrameTrailerSize = 8;
@@ -207,6 +209,17 @@ std::vector<uint8_t> EncodeGroupsFrame(std::span<const std::pair<int, int>> grou
 // domain of `domain` ranks (first >= 0, size >= 1, first + size <= domain).
 [[nodiscard]] Result<std::vector<std::pair<int, int>>> DecodeGroupsFrame(
     std::span<const uint8_t> frame, int64_t domain);
+
+// The job (StepJobEntries, thdpack/step_runner.h): (name, value) pairs, each string as a
+// varint length and its bytes, after a varint count. At most kMaxJobEntries entries of at most
+// kMaxJobText bytes each.
+inline constexpr int64_t kMaxJobEntries = 4096;
+inline constexpr int64_t kMaxJobText = 1 << 20;
+using JobEntry = std::pair<std::string, std::string>;
+std::vector<uint8_t> EncodeJobFrame(std::span<const JobEntry> entries);
+// Corruption on a damaged frame, a count or length past the bytes or the bounds, or bytes left
+// over.
+[[nodiscard]] Result<std::vector<JobEntry>> DecodeJobFrame(std::span<const uint8_t> frame);
 
 }  // namespace thdpack
 

@@ -18,6 +18,7 @@ namespace {
 // Reads the keyword arguments into the options; summary_only is returned apart.
 bool ReadOptions(const py::kwargs& kwargs, bool run, JobOptions& job, RunOptions& run_options) {
   bool summary_only = false;
+  job.given.emplace();  // what is not set below is defaulted
   for (const auto& [key, value] : kwargs) {
     const std::string name = key.cast<std::string>();
     if (name == "summary_only") {

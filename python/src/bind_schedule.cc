@@ -212,6 +212,7 @@ void BindSchedule(py::module_& m) {
                std::to_string(p.plan.skipped.size()) + ">";
       });
 
+  static const JobOptions kJob;  // the defaults of every option (thdpack/job.h)
   m.def(
       "schedule",
       [](const py::handle& lengths_obj, const py::handle& n_targets_obj, const py::handle& ids_obj,
@@ -324,12 +325,15 @@ void BindSchedule(py::module_& m) {
         return py::cast(std::move(out));
       },
       py::arg("lengths"), py::arg("n_targets") = py::none(), py::arg("ids") = py::none(),
-      py::kw_only(), py::arg("dp_size"), THDPACK_LAYOUT_ARGS, py::arg("max_tokens_per_rank"),
-      py::arg("scheduler") = "balanced", py::arg("cost") = JobOptions().cost,
-      py::arg("microbatch_multiple") = 1, py::arg("num_microbatches") = 0,
-      py::arg("oversize") = "error", py::arg("hw") = "h100-ib", py::arg("cp_sizes") = "any",
-      py::arg("groups") = py::none(), py::arg("keep_groups") = "none", py::arg("max_seqs") = 0,
-      py::arg("pad_to_max_tokens") = false,
+      // The defaults are the job's (JobOptions, thdpack/job.h), said there only.
+      py::kw_only(), py::arg("dp_size"), THDPACK_LAYOUT_ARGS,
+      py::arg("max_tokens_per_rank") = kJob.max_tokens_per_rank,
+      py::arg("scheduler") = kJob.scheduler, py::arg("cost") = kJob.cost,
+      py::arg("microbatch_multiple") = kJob.microbatch_multiple,
+      py::arg("num_microbatches") = kJob.num_microbatches, py::arg("oversize") = kJob.oversize,
+      py::arg("hw") = kJob.hw, py::arg("cp_sizes") = kJob.cp_sizes,
+      py::arg("groups") = py::none(), py::arg("keep_groups") = kJob.keep_groups,
+      py::arg("max_seqs") = kJob.max_seqs, py::arg("pad_to_max_tokens") = kJob.pad_to_max_tokens,
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
@@ -341,8 +345,9 @@ CP groups {'ranks', 'samples'} of the dp_size*cp_size ranks; cp_sizes "any" or "
 hw the step-time model's hardware ("h100-ib", "h100-nvlink" or "R,B", for sim_step_time),
 cost a cost spec ("tokens", "llama3-8b", "A,B", "l=..,h=..,nh=..,nkv=..,f=..,v=..", or
 "profile:FILE", a measured profile (thdpack.torch.calibrate, thdpack calibrate); default the
-command line's, "llama2-7b"),
-oversize "error" or "skip", num_microbatches 0 to let the scheduler choose, rank_multiple every
+job's, "llama2-7b"), max_tokens_per_rank default the job's (16384),
+oversize "error" or "skip" (the step's "truncate" and "split" act as samples are read, before a
+schedule: the scheduler takes them as "error"), num_microbatches 0 to let the scheduler choose, rank_multiple every
 rank's tokens of a microbatch a multiple of it (an int, or "fp8" 16, "mxfp8" 32, "blockwise" 128;
 the dynamic scheduler applies it to each group). The layout: layout= (a thdpack.ParallelLayout)
 or its scalars (cp_size, tp_size, sp, extra_alignment, rank_multiple), not both.

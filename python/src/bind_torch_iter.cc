@@ -46,6 +46,7 @@ namespace {
 
 Job ResolveOptions(const py::dict& options, const py::object& source) {
   JobOptions o;
+  o.given.emplace();  // what is not set below is defaulted
   RunOptions unused;
   for (const auto& [key, value] : options) {
     const std::string name = key.cast<std::string>();
@@ -426,38 +427,53 @@ class TorchStepSource {
   TorchStepSource(py::object world_group, std::vector<int> torch_ranks, py::list known,
                   py::dict options, py::object source, py::object take_share, py::object prepare,
                   py::object device, double monitored_barrier_seconds, int depth,
-                  py::object steps, py::object fields, py::object kept_groups)
-      : job_(std::make_shared<const Job>(ResolveOptions(options, source))),
-        fields_(std::make_shared<const std::vector<FieldSpec>>(FieldSpecsFromPy(fields))) {
-    if (source.is_none() == take_share.is_none()) {
-      throw py::value_error("source: give a source spec or a caller-fed source, not both");
-    }
+                  py::object steps, py::object fields, py::object kept_groups) {
     auto comm = CommOptions(world_group, torch_ranks, known, device);
     comm->monitored_barrier_seconds = monitored_barrier_seconds;
     comm->kept_groups = std::move(kept_groups);
-    if (static_cast<int>(comm->torch_ranks.size()) != job_->topology.world_size()) {
-      throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
-                            " ranks, the groups' topology " + job_->topology.ToString() +
-                            " needs " + std::to_string(job_->topology.world_size()));
-    }
     world_ = MakeTorchWorld(std::move(world_group), comm);
-    StepRunnerOptions ro = RunnerOptions(*job_);
-    ro.fields = *fields_;
-    if (!take_share.is_none()) {
-      auto take = std::make_shared<PyRef>(std::move(take_share));
-      const FedShares fed = ValueOrThrow(
-          FedShares::Create(job_->options.global_batch, job_->topology.dp_size()));
-      auto specs = fields_;
-      ro.read_share = [take, fed, specs](int64_t step, int64_t first_position,
-                                         int loader) -> Result<StepShare> {
-        return TakeShare(*take, fed, *specs, step, first_position, loader);
-      };
-    }
+    // Every check this rank makes alone (the options, the fields, the world, the prefetch
+    // depth) is agreed over the world before the step's first collective, so that a misspelt
+    // option on one rank raises on every rank instead of leaving the others waiting: this
+    // rank's own error as it was raised, the others' a RuntimeError naming it.
+    StepRunnerOptions ro;
     StepSourceOptions so;
-    so.depth = depth;
-    so.steps = steps.is_none() ? -1 : steps.cast<int64_t>();
-    // Checked before the data plane's group is made (a collective): prefetch is the depth.
-    ThrowIfError(so.Check().WithContext("prefetch"));
+    Status local;
+    std::exception_ptr mine;
+    try {
+      job_ = std::make_shared<const Job>(ResolveOptions(options, source));
+      fields_ = std::make_shared<const std::vector<FieldSpec>>(FieldSpecsFromPy(fields));
+      if (source.is_none() == take_share.is_none()) {
+        throw py::value_error("source: give a source spec or a caller-fed source, not both");
+      }
+      if (static_cast<int>(comm->torch_ranks.size()) != job_->topology.world_size()) {
+        throw py::value_error("world: has " + std::to_string(comm->torch_ranks.size()) +
+                              " ranks, the groups' topology " + job_->topology.ToString() +
+                              " needs " + std::to_string(job_->topology.world_size()));
+      }
+      ro = RunnerOptions(*job_);
+      ro.fields = *fields_;
+      if (!take_share.is_none()) {
+        auto take = std::make_shared<PyRef>(std::move(take_share));
+        const FedShares fed = ValueOrThrow(
+            FedShares::Create(job_->options.global_batch, job_->topology.dp_size()));
+        auto specs = fields_;
+        ro.read_share = [take, fed, specs](int64_t step, int64_t first_position,
+                                           int loader) -> Result<StepShare> {
+          return TakeShare(*take, fed, *specs, step, first_position, loader);
+        };
+      }
+      so.depth = depth;
+      so.steps = steps.is_none() ? -1 : steps.cast<int64_t>();
+      // Checked before the data plane's group is made (a collective): prefetch is the depth.
+      ThrowIfError(so.Check().WithContext("prefetch"));
+    } catch (const std::exception& e) {
+      mine = std::current_exception();
+      local = Status::InvalidArgument(e.what());
+    }
+    const Status agreed = AgreeOnStatus(*world_, local, "making PackedDataIterator");
+    if (mine) std::rethrow_exception(mine);
+    ThrowIfError(agreed);
     auto prep = std::make_shared<PyRef>(std::move(prepare));
     std::shared_ptr<const Job> job = job_;
     const bool ahead = depth > 0;  // on_step then runs on the source's own thread
@@ -545,6 +561,8 @@ class TorchStepSource {
     ThrowIfError(source_->Restore(RunStateFromPy(state, "load_state_dict: state")));
   }
   bool Reads() const { return source_ && source_->reads(); }
+  // (every effective option by name, the names defaulted): step.options (JobOptionsToPy).
+  py::tuple Options() const { return JobOptionsToPy(*job_, OptionsOf::kIterator); }
 
   // step.unpack: collective over the world (UnpackStep, which agrees the values' dtype and row
   // shape). microbatches: the step's microbatch dicts (their CPU offsets, group and sample ids);
@@ -744,9 +762,39 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
   return out;
 }
 
+// thdpack.torch's collective entry points (RLStatistics.summary, ...): this member's local
+// check (`error`: its message, None when its checks passed) and what every member must give
+// alike (`entries`: (name, value) text, e.g. the statistics' names; None: nothing, on every
+// member), agreed over the torch
+// group `group` before the entry point's own collective, so that one member's error is raised
+// on every member, named, instead of leaving the others waiting in the collective.
+// AgreeOnStatus, then AgreeOnEntries (thdpack/step_runner.h): one all-reduce of 8 bytes and one
+// of 16 when all is well.
+void AgreeChecks(py::object group, py::object error, std::optional<std::vector<JobEntry>> entries,
+                 const std::string& what) {
+  auto dist = py::module_::import("torch.distributed");
+  auto ranks = dist.attr("get_process_group_ranks")(group).cast<std::vector<int>>();
+  py::object cuda = py::none();
+  if (dist.attr("get_backend")(group).cast<std::string>() == "nccl") {
+    auto cuda_mod = py::module_::import("torch").attr("cuda");
+    cuda = py::module_::import("torch").attr("device")("cuda", cuda_mod.attr("current_device")());
+  }
+  auto comm = CommOptions(group, std::move(ranks), py::list(), cuda);
+  std::unique_ptr<ProcessGroup> world = MakeTorchWorld(group, comm);
+  const Status local =
+      error.is_none() ? Status::Ok() : Status::InvalidArgument(error.cast<std::string>());
+  ThrowIfError(AgreeOnStatus(*world, local, what));
+  if (entries) ThrowIfError(AgreeOnEntries(*world, *entries, what));
+}
+
 }  // namespace
 
 void BindTorchIter(py::module_& m) {
+  m.def("_agree_checks", &AgreeChecks, py::arg("group"), py::arg("error"), py::arg("entries"),
+        py::arg("what"),
+        "A collective entry point's local checks and the values every member must give alike, "
+        "agreed over a torch group before its collective: ValueError (the failing member) or "
+        "RuntimeError (the others) naming the member and the rule, on every member.");
   py::class_<TorchStepSource>(m, "_TorchStepSource")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
                     py::object, py::object, double, int, py::object, py::object,
@@ -759,6 +807,7 @@ void BindTorchIter(py::module_& m) {
       .def("state", &TorchStepSource::State)
       .def("restore", &TorchStepSource::Restore, py::arg("state"))
       .def_property_readonly("reads", &TorchStepSource::Reads)
+      .def_property_readonly("options", &TorchStepSource::Options)
       .def("unpack", &TorchStepSource::Unpack, py::arg("microbatches"), py::arg("values"),
            py::arg("unpack"), py::arg("fill"), py::arg("label_format"))
       .def("drop_later", &TorchStepSource::DropLater, py::arg("step"))

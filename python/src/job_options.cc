@@ -1,6 +1,7 @@
 // python/src/job_options.cc: the one table of job keyword arguments (job_options.h).
 #include "job_options.h"
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <set>
@@ -8,27 +9,35 @@
 namespace thdpack::python {
 namespace {
 
-using Setter = std::function<void(JobOptions&, RunOptions&, const py::handle&)>;
+// An option: how a keyword argument sets it, and how its effective value reads back.
+struct Option {
+  std::function<void(JobOptions&, RunOptions&, const py::handle&)> set;
+  std::function<py::object(const JobOptions&, const RunOptions&)> get;
+};
 
 template <typename T>
-Setter Field(T JobOptions::*field) {
-  return [field](JobOptions& o, RunOptions&, const py::handle& v) { o.*field = v.cast<T>(); };
+Option Field(T JobOptions::*field) {
+  return {[field](JobOptions& o, RunOptions&, const py::handle& v) { o.*field = v.cast<T>(); },
+          [field](const JobOptions& o, const RunOptions&) { return py::cast(o.*field); }};
 }
 template <typename T>
-Setter SourceField(T SourceOptions::*field) {
-  return [field](JobOptions& o, RunOptions&, const py::handle& v) {
-    o.source.*field = v.cast<T>();
-  };
+Option SourceField(T SourceOptions::*field) {
+  return {[field](JobOptions& o, RunOptions&, const py::handle& v) {
+            o.source.*field = v.cast<T>();
+          },
+          [field](const JobOptions& o, const RunOptions&) { return py::cast(o.source.*field); }};
 }
 template <typename T>
-Setter RunField(T RunOptions::*field) {
-  return [field](JobOptions&, RunOptions& r, const py::handle& v) { r.*field = v.cast<T>(); };
+Option RunField(T RunOptions::*field) {
+  return {[field](JobOptions&, RunOptions& r, const py::handle& v) { r.*field = v.cast<T>(); },
+          [field](const JobOptions&, const RunOptions& r) { return py::cast(r.*field); }};
 }
 template <typename T>
-Setter ProbeField(T ProbeConfig::*field) {
-  return [field](JobOptions&, RunOptions& r, const py::handle& v) {
-    r.probe.*field = v.cast<T>();
-  };
+Option ProbeField(T ProbeConfig::*field) {
+  return {[field](JobOptions&, RunOptions& r, const py::handle& v) {
+            r.probe.*field = v.cast<T>();
+          },
+          [field](const JobOptions&, const RunOptions& r) { return py::cast(r.probe.*field); }};
 }
 
 // --global-batch: "all" or a positive integer, through the command line's parser.
@@ -60,8 +69,20 @@ void SetSteps(JobOptions& o, RunOptions&, const py::handle& v) {
   }
 }
 
-const std::map<std::string, Setter>& Setters(bool run) {
-  static const std::map<std::string, Setter> plan_setters = {
+template <typename T>
+std::function<py::object(const JobOptions&, const RunOptions&)> Get(T JobOptions::*field) {
+  return [field](const JobOptions& o, const RunOptions&) { return py::cast(o.*field); };
+}
+// 0 is "all" (one epoch a step), as the option takes it.
+py::object GetGlobalBatch(const JobOptions& o, const RunOptions&) {
+  return o.global_batch == 0 ? py::object(py::str("all")) : py::object(py::int_(o.global_batch));
+}
+py::object GetSteps(const JobOptions& o, const RunOptions&) {
+  return o.steps ? py::object(py::int_(*o.steps)) : py::object(py::none());
+}
+
+const std::map<std::string, Option>& Options(bool run) {
+  static const std::map<std::string, Option> plan_options = {
       {"data", Field(&JobOptions::data)},
       {"seed", SourceField(&SourceOptions::seed)},
       {"shuffle", SourceField(&SourceOptions::shuffle)},
@@ -74,11 +95,11 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"rank_order", Field(&JobOptions::rank_order)},
       {"sp", Field(&JobOptions::sp)},
       {"align", Field(&JobOptions::align)},
-      {"rank_multiple", SetRankMultiple},
+      {"rank_multiple", Option{SetRankMultiple, Get(&JobOptions::rank_multiple)}},
       {"max_tokens_per_rank", Field(&JobOptions::max_tokens_per_rank)},
-      {"global_batch", SetGlobalBatch},
+      {"global_batch", Option{SetGlobalBatch, GetGlobalBatch}},
       {"global_batch_tokens", Field(&JobOptions::global_batch_tokens)},
-      {"steps", SetSteps},
+      {"steps", Option{SetSteps, GetSteps}},
       {"scheduler", Field(&JobOptions::scheduler)},
       {"cp_sizes", Field(&JobOptions::cp_sizes)},
       {"max_cp_groups", Field(&JobOptions::max_cp_groups)},
@@ -97,13 +118,13 @@ const std::map<std::string, Setter>& Setters(bool run) {
       {"logits_dtype", Field(&JobOptions::logits_dtype)},
       {"fused_grad", Field(&JobOptions::fused_grad)},
       {"check_plan_hash", Field(&JobOptions::check_plan_hash)},
-      {"memory_limit", SetMemoryLimit},
+      {"memory_limit", Option{SetMemoryLimit, Get(&JobOptions::memory_limit)}},
       {"start_step", Field(&JobOptions::start_step)},
       {"resume", Field(&JobOptions::resume)},
       {"save_state", Field(&JobOptions::save_state)},
   };
-  static const std::map<std::string, Setter> run_setters = [] {
-    std::map<std::string, Setter> m = plan_setters;
+  static const std::map<std::string, Option> run_options = [] {
+    std::map<std::string, Option> m = plan_options;
     m["timeout"] = Field(&JobOptions::timeout);
     m["verify"] = RunField(&RunOptions::verify);
     m["verify_tolerance"] = RunField(&RunOptions::verify_tolerance);
@@ -115,7 +136,7 @@ const std::map<std::string, Setter>& Setters(bool run) {
     m["probe_vocab"] = ProbeField(&ProbeConfig::vocab_size);
     return m;
   }();
-  return run ? run_setters : plan_setters;
+  return run ? run_options : plan_options;
 }
 
 }  // namespace
@@ -127,22 +148,39 @@ bool IsJobOption(const std::string& name, OptionsOf of) {
     static const std::set<std::string> not_iterator = {
         "data",         "steps",        "vocab_size", "logits_dtype",
         "fused_grad",   "memory_limit", "resume",     "save_state"};
-    return Setters(false).count(name) > 0 && not_iterator.count(name) == 0;
+    return Options(false).count(name) > 0 && not_iterator.count(name) == 0;
   }
-  return Setters(of == OptionsOf::kRun).count(name) > 0;
+  return Options(of == OptionsOf::kRun).count(name) > 0;
 }
 
 void SetJobOption(const std::string& name, const py::handle& value, JobOptions& job,
                   RunOptions& run) {
-  const auto& setters = Setters(/*run=*/true);
-  auto it = setters.find(name);
-  if (it == setters.end()) throw py::type_error("unknown job option '" + name + "'");
+  const auto& options = Options(/*run=*/true);
+  auto it = options.find(name);
+  if (it == options.end()) throw py::type_error("unknown job option '" + name + "'");
+  if (!job.given) job.given.emplace();
+  if (std::find(job.given->begin(), job.given->end(), name) == job.given->end()) {
+    job.given->push_back(name);
+  }
   try {
-    it->second(job, run, value);
+    it->second.set(job, run, value);
   } catch (const py::cast_error&) {
     throw py::type_error(name + ": cannot take " +
                          std::string(py::str(py::type::of(value).attr("__name__"))));
   }
+}
+
+py::tuple JobOptionsToPy(const Job& job, OptionsOf of) {
+  py::dict values;
+  const RunOptions run;
+  for (const auto& [name, option] : Options(of == OptionsOf::kRun)) {
+    if (IsJobOption(name, of)) values[py::str(name)] = option.get(job.options, run);
+  }
+  py::list defaulted;
+  for (const std::string& name : job.defaulted) {
+    if (IsJobOption(name, of)) defaulted.append(name);
+  }
+  return py::make_tuple(values, defaulted);
 }
 
 }  // namespace thdpack::python

@@ -26,6 +26,12 @@ bool IsJobOption(const std::string& name, OptionsOf of);
 void SetJobOption(const std::string& name, const py::handle& value, JobOptions& job,
                   RunOptions& run);
 
+// Every option of `of` by name with its effective value (as the keyword argument takes it:
+// global_batch 0 is "all"), and the names of those the job defaulted (Job::defaulted): the
+// (dict, list) that thdpack.torch's step.options shows. SetJobOption records each option it
+// sets as given (JobOptions::given). REQUIRES the GIL.
+py::tuple JobOptionsToPy(const Job& job, OptionsOf of);
+
 // A run state (thdpack/run_state.h) as Python holds it: the dict of its JSON record
 // (bind_job.cc). From a dict or its JSON text; ValueError naming the field (ParseRunState),
 // TypeError for anything else; `what` names the argument.

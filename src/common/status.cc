@@ -46,6 +46,16 @@ std::string Status::ToString() const {
   return out;
 }
 
+Status Status::WithNote(std::string_view note) const {
+  if (ok()) return *this;
+  std::string msg = rep_->message + " (";
+  msg += note;
+  msg += ")";
+  Status s;
+  s.rep_ = std::make_shared<const Rep>(Rep{code(), std::move(msg), rep_->origin});
+  return s;
+}
+
 Status Status::WithContext(std::string_view context) const {
   if (ok()) return *this;
   std::string msg(context);

@@ -170,9 +170,7 @@ Status ResolveMemory(const JobOptions& o, Job& job) {
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<Job> ResolveJob(const JobOptions& options) {
+Result<Job> ResolveGiven(const JobOptions& options) {
   THDPACK_RETURN_IF_ERROR(CheckNumbers(options));
   // The order alone first, so that its error names --rank-order.
   if (Result<Topology> order = Topology::Create(1, 1, 1, 1, options.rank_order); !order.ok()) {
@@ -207,6 +205,34 @@ Result<Job> ResolveJob(const JobOptions& options) {
     THDPACK_RETURN_IF_ERROR(CheckStepMemory(
         job, options.global_batch, "--global-batch " + std::to_string(options.global_batch)));
   }
+  return job;
+}
+
+}  // namespace
+
+std::string JobOptionFlag(std::string_view name) {
+  if (name == "max_seqs") return "--max-seqs-per-microbatch";
+  std::string flag = "--" + std::string(name);
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
+std::vector<std::string> DefaultedOptions(const JobOptions& options) {
+  std::vector<std::string> out;
+  if (!options.given) return out;
+  for (std::string_view name : kJobOptionNames) {
+    if (std::find(options.given->begin(), options.given->end(), name) == options.given->end()) {
+      out.emplace_back(name);
+    }
+  }
+  return out;
+}
+
+Result<Job> ResolveJob(const JobOptions& options) {
+  const std::vector<std::string> defaulted = DefaultedOptions(options);
+  Result<Job> job = ResolveGiven(options);
+  if (!job.ok()) return SayDefaulted(job.status(), defaulted);
+  job->defaulted = defaulted;
   return job;
 }
 
@@ -284,6 +310,7 @@ StepRunnerOptions RunnerOptions(const Job& job) {
   o.max_cp_groups = job.options.max_cp_groups;
   o.start_step = job.options.start_step;
   o.group_field = job.options.group_field;
+  o.defaulted = job.defaulted;
   return o;
 }
 

@@ -101,6 +101,41 @@ TEST(Job, ErrorsNameTheOption) {
 }
 
 // --timeout reaches the world of RunJobOnRank (and so every group the step splits from it).
+// What the user did not give is defaulted: listed by the job, said by an error that names it
+// (as a keyword argument or as the command line's flag), never said of an option given.
+TEST(Job, DefaultedOptionsAreListedAndSaidInErrors) {
+  JobOptions o;
+  o.given = std::vector<std::string>{"cp", "dp"};
+  o.cp = 1 << 20;  // CP x the default max_tokens_per_rank overflows int32
+  const Result<Job> job = ResolveJob(o);
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("--max-tokens-per-rank: CP * max tokens per rank"),
+            std::string::npos)
+      << job.status().ToString();
+  EXPECT_NE(job.status().message().find("(max_tokens_per_rank defaulted)"), std::string::npos)
+      << job.status().ToString();
+  o.given->push_back("max_tokens_per_rank");  // given: nothing said
+  EXPECT_EQ(ResolveJob(o).status().message().find("defaulted"), std::string::npos);
+  o.given.reset();  // unknown: nothing said either
+  EXPECT_EQ(ResolveJob(o).status().message().find("defaulted"), std::string::npos);
+
+  JobOptions fine;
+  fine.given = std::vector<std::string>{"dp", "cost"};
+  const Job ok = ResolveJob(fine).value();
+  EXPECT_EQ(ok.defaulted.size(), std::size(kJobOptionNames) - 2);
+  EXPECT_EQ(std::count(ok.defaulted.begin(), ok.defaulted.end(), "cost"), 0);
+  EXPECT_EQ(std::count(ok.defaulted.begin(), ok.defaulted.end(), "max_tokens_per_rank"), 1);
+  EXPECT_EQ(RunnerOptions(ok).defaulted, ok.defaulted);
+  EXPECT_EQ(JobOptionFlag("max_seqs"), "--max-seqs-per-microbatch");
+  EXPECT_EQ(JobOptionFlag("max_tokens_per_rank"), "--max-tokens-per-rank");
+  // A word, not a part of one: "cp" is not said of "cp_sizes".
+  const std::vector<std::string> cp = {"cp"};
+  EXPECT_EQ(SayDefaulted(Status::InvalidArgument("cp_sizes: bad"), cp).message(),
+            "cp_sizes: bad");
+  EXPECT_EQ(SayDefaulted(Status::InvalidArgument("--cp: bad"), cp).message(),
+            "--cp: bad (cp defaulted)");
+}
+
 TEST(Job, RunSetsTheTimeoutOnItsWorld) {
   JobOptions o;
   o.global_batch = 8;

@@ -6,9 +6,9 @@
 // tp = cp = pp = 0; with --data-on all every DP group) and, with tp0, each replica (its loader
 // first, then the others by world rank). The dynamic step's groups: InitDynamic
 // (dynamic_step.cc). Also the names of DataOn (--data-on).
-// Sends: one agreement of the checks over the world, the start state (ShareStart), the
-// splits of the groups. Depends on: step_read.cc (StartReading, ShareStart),
-// step_keep_groups.cc (FindGroupField).
+// Sends: the job's agreement (AgreeOnJob, step_job.cc), one agreement of the checks over the
+// world, the start state (ShareStart), the splits of the groups. Depends on: step_job.cc,
+// step_read.cc (StartReading, ShareStart), step_keep_groups.cc (FindGroupField).
 #include <string>
 #include <string_view>
 #include <utility>
@@ -40,6 +40,9 @@ bool ReadsShare(const Coord& c, const StepRunnerOptions& options) {
 }
 
 Status StepRunner::Impl::Init() {
+  // First the job itself: ranks given different options would fail the checks below for
+  // different reasons, or pass them and exchange messages of different shapes.
+  THDPACK_RETURN_IF_ERROR(AgreeOnJob(world_, StepJobEntries(opts_, topo_)));
   Status local;
   if (world_.size() != topo_.world_size()) {
     local = Status::InvalidArgument("StepRunner: the world has " + std::to_string(world_.size()) +

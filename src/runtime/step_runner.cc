@@ -3,6 +3,7 @@
 // one rank ends with AgreeOnStatus over the world before any rank waits on data from another.
 // The step's phases (design.md section 7: read, lengths, plan, exchange, pack, deliver), a file
 // each, in step order:
+//   step_job.cc          before the first step: the job agreed over the world
 //   step_open.cc         before the first step: the options checked, who reads, the readers,
 //                        the start of the run, the static step's process groups
 //   step_read.cc         read: each loader's share; where the run starts, resume, and the
@@ -87,11 +88,15 @@ Result<std::unique_ptr<StepRunner>> StepRunner::Create(ProcessGroup& world,
                                                        const Topology& topology,
                                                        const StepRunnerOptions& options) {
   auto impl = std::make_unique<Impl>(world, topology, options);
-  THDPACK_RETURN_IF_ERROR(impl->Init());
+  THDPACK_RETURN_IF_ERROR(SayDefaulted(impl->Init(), options.defaulted));
   return std::unique_ptr<StepRunner>(new StepRunner(std::move(impl)));
 }
 
-Result<RankStep> StepRunner::Next() { return impl_->Next(); }
+Result<RankStep> StepRunner::Next() {
+  Result<RankStep> step = impl_->Next();
+  if (!step.ok()) return SayDefaulted(step.status(), impl_->defaulted());
+  return step;
+}
 
 const RunState& StepRunner::state() const { return impl_->state(); }
 

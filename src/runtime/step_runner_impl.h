@@ -106,6 +106,7 @@ class StepRunner::Impl {
   const RunState& state() const { return state_; }
   Status Restore(const RunState& state);  // step_read.cc
   bool reads() const { return reader_; }
+  const std::vector<std::string>& defaulted() const { return opts_.defaulted; }
 
  private:
   friend struct runner_internal::TestHooks;

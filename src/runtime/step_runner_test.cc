@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 
 #include "step_checks.h"
@@ -309,6 +310,86 @@ TEST(StepRunner, CallerFedShareEqualsFileSource) {
       EXPECT_NE(s.message().find("share of loader 1 unreadable"), std::string::npos)
           << s.ToString();
     }
+  }
+}
+
+// Ranks given different options (a careless launch): a named error on every rank at Create,
+// naming the option and both values, never an abort or a step made by two plans. Each case
+// changes one option on one rank (the last, or one in the middle), at 2 and 4 ranks.
+TEST(StepRunner, JobThatDiffersOverTheWorldIsNamedOnEveryRank) {
+  struct Case {
+    const char* option;
+    const char* here;   // the value the odd rank shows
+    const char* there;  // rank 0's
+    std::function<void(StepRunnerOptions&)> change;
+  };
+  FieldSpec adv;
+  adv.name = "adv";
+  adv.kind = FieldKind::kSample;
+  const std::vector<Case> cases = {
+      {"scheduler", "\"sequential\"", "\"balanced\"",
+       [](StepRunnerOptions& o) { o.schedule.scheduler = ScheduleOptions::Scheduler::kSequential; }},
+      {"max_tokens_per_rank", "\"4096\"", "\"8192\"",
+       [](StepRunnerOptions& o) { o.schedule.max_tokens_per_rank = 4096; }},
+      {"cost", "\"7,1 (a 7", "\"tokens (a 1",
+       [](StepRunnerOptions& o) { o.schedule.cost = CostModel{7, 1, "7,1"}; }},
+      {"keep_groups", "\"replica\"", "\"none\"",
+       [](StepRunnerOptions& o) {
+         o.schedule.keep_groups = ScheduleOptions::KeepGroups::kReplica;
+       }},
+      {"fields[0]", "float64", "float32",
+       [](StepRunnerOptions& o) { o.fields[0].dtype = FieldDtype::kFloat64; }},
+      {"fields[0]", "\"advantage (", "\"adv (",
+       [](StepRunnerOptions& o) { o.fields[0].name = "advantage"; }},
+      {"fields", "\"2\"", "\"1\"",
+       [](StepRunnerOptions& o) { o.fields.push_back(o.fields[0]), o.fields[1].name = "b"; }},
+  };
+  for (const int world_size : {2, 4}) {
+    const Topology topo = *Topology::Create(1, 1, world_size, 1);
+    for (const Case& k : cases) {
+      const int odd = world_size == 2 ? 1 : 2;
+      const std::vector<Status> statuses = RunOnThreads(world_size, [&](ProcessGroup& world) {
+        StepRunnerOptions o;
+        o.global_batch = 8;
+        o.schedule.max_tokens_per_rank = 8192;
+        o.schedule.cost = CostModel{};
+        o.schedule.dp_size = world_size;
+        o.schedule.parallel = testing::TopologyLayout(topo, false).value();
+        o.fields = {adv};
+        o.read_share = [](int64_t, int64_t, int) -> Result<StepShare> {
+          return Status::Internal("no step is read");
+        };
+        if (world.rank() == odd) k.change(o);
+        return StepRunner::Create(world, topo, o).status();
+      });
+      for (int r = 0; r < world_size; ++r) {
+        const Status& s = statuses[static_cast<size_t>(r)];
+        SCOPED_TRACE(std::string(k.option) + " at " + std::to_string(world_size) + " ranks, rank " +
+                     std::to_string(r) + ": " + s.ToString());
+        EXPECT_EQ(r == odd ? s.code() : s.origin(), StatusCode::kInvalidArgument);
+        EXPECT_NE(s.message().find(std::string("the job differs over the world: ") + k.option),
+                  std::string::npos);
+        EXPECT_NE(s.message().find(std::string(k.here)), std::string::npos);
+        EXPECT_NE(s.message().find(std::string(k.there)), std::string::npos);
+        EXPECT_NE(s.message().find("on world rank " + std::to_string(odd)), std::string::npos);
+      }
+    }
+    // The same job on every rank: no error, and nothing but the 16-byte agreement sent.
+    const std::vector<Status> same = RunOnThreads(world_size, [&](ProcessGroup& world) {
+      StepRunnerOptions o;
+      o.schedule.max_tokens_per_rank = 100;
+      const int64_t before = world.bytes_sent();
+      THDPACK_RETURN_IF_ERROR(AgreeOnJob(world, StepJobEntries(o, topo)));
+      const int64_t agreed = world.bytes_sent() - before;
+      int64_t two[2] = {0, 0};  // what one all-reduce of 16 bytes sends, for comparison
+      THDPACK_RETURN_IF_ERROR(world.AllReduceInt64(two, ReduceOp::kMax));
+      if (agreed != world.bytes_sent() - before - agreed) {
+        return Status::Internal("the agreement sent " + std::to_string(agreed) +
+                                " bytes, more than one all-reduce of 16");
+      }
+      return Status::Ok();
+    });
+    ExpectAllOk(same);
   }
 }
 

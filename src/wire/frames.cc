@@ -43,6 +43,7 @@ std::string_view FrameKindName(FrameKind kind) {
     case FrameKind::kSamples: return "samples";
     case FrameKind::kSize: return "size";
     case FrameKind::kGroups: return "groups";
+    case FrameKind::kJob: return "job";
   }
   return "unknown frame";
 }
@@ -300,6 +301,53 @@ Result<std::vector<std::pair<int, int>>> DecodeGroupsFrame(std::span<const uint8
     return Bad(kKind, Num(int64_t(r.remaining())) + " bytes left over after the groups");
   }
   return groups;
+}
+
+// ---- job ----
+
+std::vector<uint8_t> EncodeJobFrame(std::span<const JobEntry> entries) {
+  std::vector<uint8_t> out;
+  auto put = [&out](const std::string& text) {
+    wire::PutVarint64(&out, text.size());
+    out.insert(out.end(), text.begin(), text.end());
+  };
+  wire::PutVarint64(&out, entries.size());
+  for (const auto& [name, value] : entries) {
+    put(name);
+    put(value);
+  }
+  AppendFrameTrailer(FrameKind::kJob, &out);
+  return out;
+}
+
+Result<std::vector<JobEntry>> DecodeJobFrame(std::span<const uint8_t> frame) {
+  constexpr FrameKind kKind = FrameKind::kJob;
+  THDPACK_ASSIGN_OR_RETURN(std::span<const uint8_t> body, OpenFrame(frame, kKind));
+  wire::ByteReader r(body);
+  uint64_t count = 0;
+  if (!r.GetVarint64(&count) || count > static_cast<uint64_t>(kMaxJobEntries) ||
+      count > r.remaining() / 2) {
+    return Bad(kKind, "byte 0 (count): a bad varint, more than " + Num(kMaxJobEntries) +
+                          " entries, or more than the bytes hold");
+  }
+  std::vector<JobEntry> entries(count);
+  for (size_t k = 0; k < count; ++k) {
+    for (std::string* text : {&entries[k].first, &entries[k].second}) {
+      const size_t at = r.position();
+      uint64_t n = 0;
+      if (!r.GetVarint64(&n) || n > static_cast<uint64_t>(kMaxJobText) || n > r.remaining()) {
+        return Bad(kKind, "byte " + Num(int64_t(at)) + " (entry " + Num(int64_t(k)) +
+                              "): a bad length or one past the bytes");
+      }
+      const std::span<const uint8_t> bytes = r.rest().first(n);
+      text->assign(bytes.begin(), bytes.end());
+      r.Skip(n);
+    }
+  }
+  if (r.remaining() != 0) {
+    return Bad(kKind, Num(int64_t(r.remaining())) + " bytes left over after the entries");
+  }
+  return entries;
 }
 
 }  // namespace thdpack

@@ -129,6 +129,10 @@ const std::vector<uint8_t> kGoldenSplitPosition = {
 const std::vector<uint8_t> kGoldenGroups = {0x02, 0x00, 0x02, 0x02, 0x02, 0x06, 0x04,
                                             0x00, 0x00, 0xA1, 0x22, 0x47, 0x77};
 
+// The job of one entry, ("cp", "2").
+const std::vector<uint8_t> kGoldenJob = {0x01, 0x02, 0x63, 0x70, 0x01, 0x32, 0x07,
+                                         0x04, 0x00, 0x00, 0x19, 0x7A, 0xAF, 0x5E};
+
 // A samples block: one sample's tokens 5 and 6 (no mask, no fields, already 4-aligned).
 const std::vector<uint8_t> kGoldenSamples = {0x05, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,
                                              0x04, 0x04, 0x00, 0x00, 0x67, 0xDC, 0x4F, 0x89};
@@ -190,6 +194,9 @@ TEST(StepWireGoldenTest, FramesEncodeToTheBytesWorkedOutByHand) {
   EXPECT_EQ(EncodePositionFrame(GoldenSplitPosition()), kGoldenSplitPosition);
   const std::vector<std::pair<int, int>> groups = {{0, 2}, {2, 2}};
   EXPECT_EQ(EncodeGroupsFrame(groups), kGoldenGroups);
+  const std::vector<JobEntry> job = {{"cp", "2"}};
+  EXPECT_EQ(EncodeJobFrame(job), kGoldenJob);
+  EXPECT_TRUE(DecodeJobFrame(kGoldenJob).value() == job);
   std::vector<uint8_t> samples = {0x05, 0, 0, 0, 0x06, 0, 0, 0};
   AppendFrameTrailer(FrameKind::kSamples, &samples);
   EXPECT_EQ(samples, kGoldenSamples);
@@ -210,7 +217,7 @@ TEST(StepWireGoldenTest, FramesEncodeToTheBytesWorkedOutByHand) {
 // The trailers worked out separately agree with the library's CRC-32C.
 TEST(StepWireGoldenTest, TrailersAreTheCrcOfWhatPrecedesThem) {
   for (const auto& frame : {kGoldenSize, GoldenLengthsHeader(), kGoldenLengths, kGoldenPosition,
-                            kGoldenSplitPosition, kGoldenGroups, kGoldenSamples}) {
+                            kGoldenSplitPosition, kGoldenGroups, kGoldenJob, kGoldenSamples}) {
     const size_t n = frame.size();
     EXPECT_EQ(wire::DecodeFixed32(frame.data() + n - 4),
               Crc32c(std::span<const uint8_t>(frame.data(), n - 4)));
@@ -403,6 +410,15 @@ TEST(StepWireRoundTripTest, RandomMessagesAndFrames) {
       groups.emplace_back(first, 1 + static_cast<int>(rng() % 4));
     }
     EXPECT_TRUE(DecodeGroupsFrame(EncodeGroupsFrame(groups), 20).value() == groups);
+
+    std::vector<JobEntry> job(rng() % 40);
+    for (auto& [name, value] : job) {
+      name.resize(rng() % 30);
+      value.resize(rng() % 300);  // lengths past one varint byte
+      for (char& ch : name) ch = static_cast<char>(rng());
+      for (char& ch : value) ch = static_cast<char>(rng());
+    }
+    EXPECT_TRUE(DecodeJobFrame(EncodeJobFrame(job)).value() == job);
   }
 }
 
@@ -450,6 +466,7 @@ TEST(StepWireCorruptionTest, EveryBitFlipAndTruncationIsCorruption) {
                              "split position");
   ExpectEveryFlipAndCutFails(kGoldenGroups, [](auto b) { return DecodeGroupsFrame(b, 4).status(); },
                              "groups");
+  ExpectEveryFlipAndCutFails(kGoldenJob, [](auto b) { return DecodeJobFrame(b).status(); }, "job");
   ExpectEveryFlipAndCutFails(kGoldenSamples,
                              [](auto b) { return OpenFrame(b, FrameKind::kSamples).status(); },
                              "samples");

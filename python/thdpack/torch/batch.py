@@ -61,16 +61,31 @@ def pack_batch(samples, groups, fields=None, **options):
     from .iterator import PackedDataIterator  # which imports this module
     if not isinstance(groups, Groups):
         raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
-    for key in ("global_batch", "prefetch", "steps", "start_step"):
-        if key in options:
-            raise TypeError(f"pack_batch: {key} is the batch's own (one step of every sample)")
-    held = None if samples is None else list(samples)
+    error = None  # this rank's own, agreed over the world with the batch's size
+    held = None
+    try:
+        for key in ("global_batch", "prefetch", "steps", "start_step"):
+            if key in options:
+                raise TypeError(f"pack_batch: {key} is the batch's own (one step of every "
+                                f"sample)")
+        held = None if samples is None else list(samples)
+    except (TypeError, ValueError) as e:
+        error = e
     nccl = dist.get_backend(groups.world) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-    count = torch.tensor([0 if held is None else len(held)], dtype=torch.int64, device=device)
+    count = torch.tensor([0 if held is None else len(held), error is not None],
+                         dtype=torch.int64, device=device)
     dist.all_reduce(count, group=groups.world)
-    total = int(count.item())
+    total, failed = int(count[0].item()), int(count[1].item())
     _thdpack._release_later(count)  # let go of once gloo's workers have (bind_torch_comm.cc)
+    if failed:  # the failing rank's error, named on every rank (a second agreement, only now)
+        try:
+            _thdpack._agree_checks(groups.world, None if error is None else
+                                   f"{type(error).__name__}: {error}", None, "pack_batch")
+        except (ValueError, RuntimeError):
+            if error is None:
+                raise
+        raise error
     if total == 0:
         raise ValueError("pack_batch: no rank passed samples (each loader passes its list)")
     # The step's process groups are made by the first call and kept for the next ones (per

@@ -33,7 +33,7 @@ from .. import _thdpack
 from .batch import _release_batch_groups, pack_batch  # noqa: F401
 from .fed import _FedShares, _field_value, _to_sample, field_specs, loader_positions  # noqa
 from .groups import Groups, _group_ranks  # noqa: F401
-from .packed_step import PackedStep, _microbatch, _pin, _prepare  # noqa: F401
+from .packed_step import PackedStep, StepOptions, _microbatch, _pin, _prepare  # noqa: F401
 
 __all__ = ["Groups", "PackedDataIterator", "PackedStep", "field_specs", "loader_positions",
            "pack_batch"]
@@ -87,6 +87,14 @@ class PackedDataIterator:
     offset; ``num_seqs`` says how many are real, and ``cu_seqlens_cpu``/``cu_seqlens_padded_cpu``
     keep the real [num_seqs + 1] ones) - docs/layout.md, "Static shapes".
 
+    Defaults are the C++ job's (thdpack/job.h), said there only: an option left out (or None)
+    is defaulted. ``it.options`` (and every step's ``step.options``) maps every effective
+    option to its value, given or not (``options["max_tokens_per_rank"] == 16384`` when not
+    given), and ``options.defaulted`` names those the job defaulted; an error about a defaulted
+    option says so ("... (max_tokens_per_rank defaulted)"). Every rank must give the same
+    options and fields: the step agrees them over the world when it is made, and a difference is
+    a ValueError on every rank naming the option and both values.
+
     label_format: "megatron" (default): labels already shifted, as thdpack's loss and Megatron
     take them. "hf": Hugging Face's (``thdpack.pack(label_format="hf")``): labels unshifted,
     -100 at each sequence's first token, where the target mask is 0 and at padding, loss_mask
@@ -122,60 +130,75 @@ class PackedDataIterator:
     budget overflow, a failing source) raises on every rank; the iterator is then finished.
     """
 
-    def __init__(self, source, groups, global_batch=256, max_tokens_per_rank=16384,
-                 scheduler="balanced", cost="llama2-7b", sp=False, data_on="tp0", device=None,
-                 steps=None, monitored_barrier_seconds=0.0, label_format="megatron",
-                 prefetch=None, fields=None, _kept_groups=None, **options):
+    def __init__(self, source, groups, global_batch=None, max_tokens_per_rank=None,
+                 scheduler=None, cost=None, sp=None, data_on=None, device=None, steps=None,
+                 monitored_barrier_seconds=0.0, label_format="megatron", prefetch=None,
+                 fields=None, _kept_groups=None, **options):
         self._src = None
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
-        if label_format not in _LABEL_FORMATS:
-            raise ValueError(f"label_format: {label_format!r} is not 'megatron' (labels already "
-                             f"shifted) or 'hf' (unshifted, as Hugging Face models take them)")
-        if label_format == "hf" and (groups.sizes["cp"] > 1 or scheduler == "dynamic"):
-            what = (f"CP = {groups.sizes['cp']}" if groups.sizes["cp"] > 1
-                    else "the dynamic scheduler (a CP group per microbatch)")
-            raise ValueError(f"label_format='hf' needs whole microbatches (CP = 1, a static "
-                             f"scheduler), got {what}: a Hugging Face model shifts its labels "
-                             f"inside the tokens it is given, and a zigzag CP shard puts tokens "
-                             f"of different chunks side by side, so the shift would pair a "
-                             f"token with one from another chunk. Use label_format='megatron' "
-                             f"(labels already shifted) with a CP-aware model")
-        self.label_format = label_format
-        self.fields = field_specs(fields)
-        if self.fields and isinstance(source, str):
-            raise ValueError(f"fields: the samples of {source!r} carry none; fields come with "
-                             f"samples fed by the caller (an iterable of dicts)")
-        self.groups = groups
-        nccl = dist.get_backend(groups.world) == "nccl"
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.device = torch.device(device)
-        # The world's collectives (and those of any NCCL group of the caller's) run on CUDA
-        # tensors when the group is NCCL, on CPU tensors otherwise: a gloo world inside an NCCL
-        # job stays on the CPU. Groups the step makes take the world's backend.
-        cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else None
-        self._finished = False
-        self._held = []  # the last two steps handed out (__next__)
-        self._state = None  # the JSON of the state after the last step handed out
-        self.global_batch = global_batch
-        if "rank_order" in options:
-            raise TypeError("PackedDataIterator: the rank order is the groups' (Groups(..., "
-                            "order=...)), not an option")
-        opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"], dp=groups.sizes["dp"],
-                    pp=groups.sizes["pp"], rank_order=groups.order, global_batch=global_batch,
-                    max_tokens_per_rank=max_tokens_per_rank, scheduler=scheduler, cost=cost,
-                    sp=sp, data_on=data_on)
-        fed = not isinstance(source, str)
-        depth = DEFAULT_PREFETCH if prefetch is None else prefetch
-        # Its range is the C++ step source's (StepSourceOptions::kMaxDepth): refused there,
-        # before any collective.
-        if not isinstance(depth, int) or isinstance(depth, bool):
-            raise ValueError(f"prefetch: {prefetch!r} is not a number of steps")
-        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
-                                  or steps < 0):
-            raise ValueError(f"steps: {steps!r} is not a number of steps >= 0 (or None)")
+        # This rank's own checks, agreed over the world before it makes the step (a collective
+        # the others are about to enter): a bad argument on one rank raises on every rank.
+        try:
+            if label_format not in _LABEL_FORMATS:
+                raise ValueError(f"label_format: {label_format!r} is not 'megatron' (labels already "
+                                 f"shifted) or 'hf' (unshifted, as Hugging Face models take them)")
+            # None: not given (the C++ job's default, said once there; step.options shows it).
+            named = dict(global_batch=global_batch, max_tokens_per_rank=max_tokens_per_rank,
+                         scheduler=scheduler, cost=cost, sp=sp, data_on=data_on)
+            options.update({k: v for k, v in named.items() if v is not None})
+            if label_format == "hf" and (groups.sizes["cp"] > 1
+                                         or options.get("scheduler") == "dynamic"):
+                what = (f"CP = {groups.sizes['cp']}" if groups.sizes["cp"] > 1
+                        else "the dynamic scheduler (a CP group per microbatch)")
+                raise ValueError(f"label_format='hf' needs whole microbatches (CP = 1, a static "
+                                 f"scheduler), got {what}: a Hugging Face model shifts its labels "
+                                 f"inside the tokens it is given, and a zigzag CP shard puts tokens "
+                                 f"of different chunks side by side, so the shift would pair a "
+                                 f"token with one from another chunk. Use label_format='megatron' "
+                                 f"(labels already shifted) with a CP-aware model")
+            self.label_format = label_format
+            self.fields = field_specs(fields)
+            if self.fields and isinstance(source, str):
+                raise ValueError(f"fields: the samples of {source!r} carry none; fields come with "
+                                 f"samples fed by the caller (an iterable of dicts)")
+            self.groups = groups
+            nccl = dist.get_backend(groups.world) == "nccl"
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            self.device = torch.device(device)
+            # The world's collectives (and those of any NCCL group of the caller's) run on CUDA
+            # tensors when the group is NCCL, on CPU tensors otherwise: a gloo world inside an NCCL
+            # job stays on the CPU. Groups the step makes take the world's backend.
+            cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else None
+            self._finished = False
+            self._held = []  # the last two steps handed out (__next__)
+            self._state = None  # the JSON of the state after the last step handed out
+            for key in ("tp", "cp", "dp", "pp", "rank_order"):
+                if key in options:
+                    raise TypeError(f"PackedDataIterator: {key} is the groups' (Groups(...)), not an "
+                                    f"option")
+            # The options go to C++ as given, once: their defaults are the C++ job's (JobOptions),
+            # and step.options shows the effective ones and which were defaulted.
+            opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"], dp=groups.sizes["dp"],
+                        pp=groups.sizes["pp"], rank_order=groups.order)
+            fed = not isinstance(source, str)
+            depth = DEFAULT_PREFETCH if prefetch is None else prefetch
+            # Its range is the C++ step source's (StepSourceOptions::kMaxDepth): refused there,
+            # before any collective.
+            if not isinstance(depth, int) or isinstance(depth, bool):
+                raise ValueError(f"prefetch: {prefetch!r} is not a number of steps")
+            if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
+                                      or steps < 0):
+                raise ValueError(f"steps: {steps!r} is not a number of steps >= 0 (or None)")
+        except (TypeError, ValueError) as e:
+            try:
+                _thdpack._agree_checks(groups.world, f"{type(e).__name__}: {e}", [],
+                                       "making PackedDataIterator")
+            except (ValueError, RuntimeError):
+                pass
+            raise
         self._depth = depth
         self.last_wait = 0.0
         self._copy_stream = None
@@ -197,6 +220,9 @@ class PackedDataIterator:
             float(monitored_barrier_seconds), depth, steps, self.fields, _kept_groups)
         # The ranks that read: the step runner's rule (it depends on the scheduler).
         self.is_loader = bool(self._src.reads)
+        values, defaulted = self._src.options
+        self.options = StepOptions(values, defaulted)
+        self.global_batch = values["global_batch"]
         if fed:
             self._shares.start(source if self.is_loader else None)
 
@@ -226,6 +252,7 @@ class PackedDataIterator:
         if counts is not None:
             step.figures.update(counts)
         step._iterator = weakref.ref(self)
+        step.options = self.options
         # The step before the last is the caller's no more (it let it go when it took the last
         # one): freed by the data plane's thread as it makes the next step, not by the caller
         # as it drops it.

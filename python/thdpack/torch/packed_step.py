@@ -16,6 +16,18 @@ from .. import _thdpack
 from ._dtypes import TORCH, torch_name
 
 
+class StepOptions(dict):
+    """Every effective option of a step's job by name (a dict), given or defaulted; ``defaulted``
+    is the frozenset of those the C++ job defaulted (thdpack/job.h, Job::defaulted)."""
+
+    def __init__(self, values, defaulted):
+        super().__init__(values)
+        self.defaulted = frozenset(defaulted)
+
+    def __repr__(self):
+        return f"StepOptions({dict.__repr__(self)}, defaulted={sorted(self.defaulted)})"
+
+
 class PackedStep:
     """One global batch as this rank holds it; iterate for its microbatches (dicts of tensors).
 
@@ -27,12 +39,14 @@ class PackedStep:
     seqlen_squared_sum (sum of padded P^2 over the step), figures (``plan --json``'s step;
     per-replica detail on the ranks that planned only; a dynamic step adds groups_made,
     groups_reused, groups_evicted, groups_cached), microbatches (the list), dynamic,
-    is_loader, first_stage, last_stage.
+    is_loader, first_stage, last_stage, options (the job's effective options, ``StepOptions``:
+    ``options.defaulted`` names those not given).
     """
 
     def __init__(self, raw, device, cp_group=None, copy_stream=None,
                  label_format="megatron", fields=()):
         self.step = raw["step"]
+        self.options = None  # the iterator's StepOptions, set as it hands the step out
         self.n_loss_sequences = raw["n_loss_sequences"]
         self.bytes_sent = dict(raw["bytes_sent"])  # this rank's, per phase of the step
         self.field_bytes = raw["field_bytes"]      # the bytes of the fields this rank holds

@@ -163,6 +163,9 @@ class RLStatistics:
     ``name_seq_mean`` (the mean over sequences with a loss token of each sequence's token mean,
     its per-sequence sums CP-reduced first). ``n_loss_tokens`` and ``n_loss_sequences`` are the
     counts: the step's, when every microbatch of the step was added on every rank of the group.
+    Every member of ``group`` must have added microbatches with the same names: checked over the
+    group before the all-reduce (a ValueError or RuntimeError naming the rank and the rule on
+    every member, never a wait or an abort in the collective).
     """
 
     def __init__(self):
@@ -201,6 +204,14 @@ class RLStatistics:
             self._sequences += int(has.sum())
 
     def summary(self, group=None):
+        if group is not None:
+            # The sums' size is the names': agreed before the all-reduce, with this rank's own
+            # check, so that a rank that added nothing or other names fails every rank, named.
+            error = None if self._names is not None else (
+                "RLStatistics.summary: this rank added no microbatch (call add_microbatch for "
+                "every microbatch of the step, idle ones included)")
+            _thdpack._agree_checks(group, error, [("names", ",".join(self._names or []))],
+                                   "RLStatistics.summary")
         if self._names is None:
             return {"n_loss_tokens": 0, "n_loss_sequences": 0}
         flat = torch.cat([self._sums, self._seq_sums,
