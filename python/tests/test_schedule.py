@@ -78,7 +78,14 @@ def test_schedule_errors():
     with pytest.raises(ValueError, match="scheduler"):
         thdpack.schedule(np.array([5, 6]), dp_size=1, max_tokens_per_rank=100, scheduler="x")
     with pytest.raises(TypeError):
-        thdpack.schedule(np.array([5, 6]), dp_size=1)  # max_tokens_per_rank is required
+        thdpack.schedule(np.array([5, 6]))  # dp_size is required
+    # max_tokens_per_rank defaults to the job's (JobOptions: 16384), said once there.
+    job = thdpack.resolve_job()
+    long = thdpack.schedule(np.array([5, 16384]), dp_size=1, cost="tokens")
+    assert long.figures["padded_tokens"] == 16384 + 5
+    with pytest.raises(ValueError, match="16384"):
+        thdpack.schedule(np.array([5, 16385]), dp_size=1, cost="tokens")
+    assert job["cost"] == "llama2-7b"
 
 
 def group_padded(length, c):
