@@ -3,16 +3,17 @@
 #   make test   install what is missing, build, and pass every test on Debian's stack (the
 #               current PyPI stack's environment is made meanwhile, once); then the current
 #               stack: the wheel pip builds, in fresh environments, with the whole Python suite;
-#               then everything under ASan + UBSan (the Python suite's binding and one-world-
-#               per-path subset on the current stack); then the library and the fuzz targets
-#               with clang, each run briefly. docs/testing.md has the parts and their times.
+#               then everything under ASan + UBSan in one clang build whose library is also
+#               instrumented for libFuzzer (the Python suite's binding and one-world-per-path
+#               subset on the current stack), and its fuzz targets, each run briefly.
+#               docs/testing.md has the parts and their times.
 #   make fuzz   the fuzz targets for FUZZ_SECONDS each (docs/testing.md)
 # A user installs the Python package with `pip install .` (pyproject.toml).
 JOBS ?= $(shell nproc)
 BUILD ?= build
 WITH_MPI ?= ON
-ASAN_BUILD ?= build-asan
-CLANG_BUILD ?= build-clang
+# The sanitized build (clang: ASan + UBSan, the library instrumented for libFuzzer too).
+SAN_BUILD ?= build-san
 CLANG_CXX ?= clang++
 FUZZ_SECONDS ?= 60
 FUZZ_SMOKE_SECONDS ?= 3
@@ -45,23 +46,26 @@ PYTHON ?= /usr/bin/python3
 VENV ?= .venv
 WHEEL_BUILD ?= build-wheel
 
-.PHONY: all deps venv build test test-unit test-current test-asan test-fuzz build-clang fuzz demo bench clean
+.PHONY: all deps venv build test test-unit test-current test-asan test-fuzz build-san fuzz demo bench clean
 
 all: build
 
 deps:
 	@bash scripts/install_deps.sh
 
+# build/'s unit-test program is built on demand (`cmake --build build --target thdpack_tests`):
+# make test runs the unit tests once, under ASan + UBSan in $(SAN_BUILD); build/ runs the rest
+# (the Python suite on Debian's stack, the command line, MPI, the corpus replays, the package).
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) $(CMAKE_COMMON) -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$(PYTHON) \
-	  -DCMAKE_CXX_FLAGS_RELEASE="$(RELEASE_FLAGS)" \
+	  -DCMAKE_CXX_FLAGS_RELEASE="$(RELEASE_FLAGS)" -DTHDPACK_UNIT_TESTS_IN_ALL=OFF \
 	  -DTHDPACK_WITH_MPI=$(WITH_MPI) $(CMAKE_FLAGS)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 test-unit: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -E '^thdpack_tests_NOT_BUILT$$'
 
 venv: deps
 	bash scripts/make_venv.sh $(VENV) $(PYTHON)
@@ -72,42 +76,41 @@ test-current: venv build
 	RELEASE_FLAGS="$(RELEASE_FLAGS)" LAUNCHER=$(LAUNCHER) \
 	  bash scripts/test_current_stack.sh $(VENV) $(BUILD) $(WHEEL_BUILD)
 
-# Sanitizers in a build folder of their own; flags are given here, never forced by CMakeLists.
-# The Python module is built for the current stack's interpreter, and ctest runs the Python
-# suite with the ASan runtime preloaded (python/CMakeLists.txt), so a read past an array's
-# buffer under NumPy 2 is a report, not a silent wrong value. No CUDA objects: nvcc does not
-# instrument them, and the kernels' arithmetic runs on the CPU (ce_host.cc) in every build.
-$(ASAN_BUILD)/CMakeCache.txt: | venv
-	cmake -S . -B $(ASAN_BUILD) $(CMAKE_COMMON) -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF \
-	  -DTHDPACK_WITH_CUDA=OFF \
-	  -DPython3_EXECUTABLE=$(abspath $(VENV))/bin/python \
+# One clang build for the sanitizers and the fuzzers: ASan + UBSan on every object, and the
+# library instrumented for libFuzzer as well (THDPACK_BUILD_FUZZ: fuzzer-no-link, cmake/fuzz.cmake),
+# so that the sanitized unit tests, the CLI, the Python module (for the current stack's
+# interpreter, ctest running the Python suite with clang's ASan runtime preloaded:
+# python/CMakeLists.txt) and the libFuzzer targets share one compile of the library - two
+# builds before (gcc for the sanitizers, clang for the fuzzers). Flags are given here, never
+# forced by CMakeLists. No CUDA objects: nvcc does not instrument them, and the kernels'
+# arithmetic runs on the CPU (ce_host.cc) in every build. Debug without NDEBUG keeps the
+# library's internal checks on while fuzzing.
+# Every program links clang's ASan runtime as the shared library the Python suite preloads
+# (python/CMakeLists.txt), so that a program the suite starts (the CLI) finds one runtime, not
+# its own static copy beside the preloaded one.
+CLANG_ASAN_DIR = $(dir $(shell $(CLANG_CXX) -print-file-name=libclang_rt.asan-x86_64.so 2>/dev/null))
+$(SAN_BUILD)/CMakeCache.txt: | venv
+	cmake -S . -B $(SAN_BUILD) $(CMAKE_COMMON) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) \
+	  -DCMAKE_BUILD_TYPE=Debug -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_WITH_CUDA=OFF \
+	  -DTHDPACK_BUILD_FUZZ=ON -DPython3_EXECUTABLE=$(abspath $(VENV))/bin/python \
 	  -DTHDPACK_WITH_MPI=$(WITH_MPI) -DCMAKE_CXX_FLAGS_DEBUG="$(DEBUG_INFO)" \
-	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+	  -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
+	  -DCMAKE_EXE_LINKER_FLAGS="-shared-libasan -Wl,-rpath,$(CLANG_ASAN_DIR)"
 
-test-asan: deps venv $(ASAN_BUILD)/CMakeCache.txt
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli fuzz_targets thdpack_python
-	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+build-san: deps venv $(SAN_BUILD)/CMakeCache.txt
+	cmake --build $(SAN_BUILD) -j $(JOBS) --target thdpack_tests thdpack_cli fuzz_targets thdpack_python
+
+test-asan: build-san
+	cd $(SAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) -E '^package\.' -LE mpi
 
-# The clang build: the library and the libFuzzer targets (fuzz/), instrumented by
-# THDPACK_BUILD_FUZZ; -O1 without NDEBUG keeps the library's internal checks on while fuzzing.
-# No CUDA: the fuzz targets read files and messages, and nvcc would take clang as its host
-# compiler.
-$(CLANG_BUILD)/CMakeCache.txt:
-	cmake -S . -B $(CLANG_BUILD) $(CMAKE_COMMON) -DCMAKE_CXX_COMPILER=$(CLANG_CXX) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 $(DEBUG_INFO)" -DTHDPACK_BUILD_FUZZ=ON -DTHDPACK_BUILD_TESTS=OFF \
-	  -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF -DTHDPACK_BUILD_TOOLS=OFF \
-	  -DTHDPACK_WITH_MPI=$(WITH_MPI) -DTHDPACK_WITH_CUDA=OFF
+# Each fuzz target for a few seconds from the checked-in seeds (and the corpus, which libFuzzer
+# runs first: the replay of every input kept): a smoke, not a fuzzing campaign.
+test-fuzz: build-san
+	bash fuzz/run_fuzzers.sh --smoke $(SAN_BUILD) $(FUZZ_SMOKE_SECONDS)
 
-build-clang: deps $(CLANG_BUILD)/CMakeCache.txt
-	cmake --build $(CLANG_BUILD) -j $(JOBS)
-
-# Each target for a few seconds from the checked-in seeds: a smoke, not a fuzzing campaign.
-test-fuzz: build-clang
-	bash fuzz/run_fuzzers.sh --smoke $(CLANG_BUILD) $(FUZZ_SMOKE_SECONDS)
-
-fuzz: build-clang
-	bash fuzz/run_fuzzers.sh $(CLANG_BUILD) $(FUZZ_SECONDS)
+fuzz: build-san
+	bash fuzz/run_fuzzers.sh $(SAN_BUILD) $(FUZZ_SECONDS)
 
 # The parts one after the other, each timed (scripts/timed.sh), but the current stack's
 # environment, made while Debian's build compiles and its tests run (a download, mostly).
@@ -124,11 +127,13 @@ test:
 	@bash scripts/timed.sh $(TIMINGS) test-fuzz $(MAKE) --no-print-directory test-fuzz
 	@bash scripts/timed.sh --summary $(TIMINGS)
 
-demo: build
+# Only what the demo runs: the command line and the Python module (the example it trains).
+demo: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS) --target thdpack_cli thdpack_python
 	bash scripts/demo.sh $(BUILD)
 
 bench: build
 	bash scripts/bench.sh $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(CLANG_BUILD) $(WHEEL_BUILD) $(TIMINGS)
+	rm -rf $(BUILD) $(SAN_BUILD) build-asan build-clang $(WHEEL_BUILD) $(TIMINGS)

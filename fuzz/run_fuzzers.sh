@@ -5,7 +5,7 @@
 # timed out or ran out of memory; the input that did it is kept in BUILD/fuzz-artifacts/.
 #
 # Usage: fuzz/run_fuzzers.sh [--smoke] BUILD SECONDS [TARGET...]
-#   BUILD     the fuzzing build folder (make fuzz: build-clang)
+#   BUILD     the fuzzing build folder (make fuzz and make test: build-san)
 #   SECONDS   libFuzzer's -max_total_time per target (the seed corpus is run first, inside it)
 #   --smoke   start from the checked-in seeds only, in a scratch corpus removed afterwards
 #             (make test); otherwise new inputs accumulate in BUILD/fuzz-corpus/<target>/
