@@ -4,6 +4,7 @@ other than 0 (python/tests/test_exit_paths.py's paths, each rank an interpreter 
 
   PYTHONPATH=build/python /usr/bin/python3 bench/exit_paths.py --runs 200 --world 4 \
       [--paths break_destroy,break_return] [--load 2]
+  (pack_batch once, then the end: --paths batch_return,batch_destroy)
 
 --load N keeps N busy-looping processes beside the worlds (the CPU loaded, as a CI machine is).
 Prints, per path, the runs, the failed runs and the statuses seen.
