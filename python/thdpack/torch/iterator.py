@@ -141,8 +141,9 @@ class PackedDataIterator:
         # the others are about to enter): a bad argument on one rank raises on every rank.
         try:
             if label_format not in _LABEL_FORMATS:
-                raise ValueError(f"label_format: {label_format!r} is not 'megatron' (labels already "
-                                 f"shifted) or 'hf' (unshifted, as Hugging Face models take them)")
+                raise ValueError(f"label_format: {label_format!r} is not 'megatron' (labels "
+                                 f"already shifted) or 'hf' (unshifted, as Hugging Face models "
+                                 f"take them)")
             # None: not given (the C++ job's default, said once there; step.options shows it).
             named = dict(global_batch=global_batch, max_tokens_per_rank=max_tokens_per_rank,
                          scheduler=scheduler, cost=cost, sp=sp, data_on=data_on)
@@ -152,11 +153,12 @@ class PackedDataIterator:
                 what = (f"CP = {groups.sizes['cp']}" if groups.sizes["cp"] > 1
                         else "the dynamic scheduler (a CP group per microbatch)")
                 raise ValueError(f"label_format='hf' needs whole microbatches (CP = 1, a static "
-                                 f"scheduler), got {what}: a Hugging Face model shifts its labels "
-                                 f"inside the tokens it is given, and a zigzag CP shard puts tokens "
-                                 f"of different chunks side by side, so the shift would pair a "
-                                 f"token with one from another chunk. Use label_format='megatron' "
-                                 f"(labels already shifted) with a CP-aware model")
+                                 f"scheduler), got {what}: a Hugging Face model shifts its "
+                                 f"labels inside the tokens it is given, and a zigzag CP shard "
+                                 f"puts tokens of different chunks side by side, so the shift "
+                                 f"would pair a token with one from another chunk. Use "
+                                 f"label_format='megatron' (labels already shifted) with a "
+                                 f"CP-aware model")
             self.label_format = label_format
             self.fields = field_specs(fields)
             if self.fields and isinstance(source, str):
@@ -165,7 +167,8 @@ class PackedDataIterator:
             self.groups = groups
             nccl = dist.get_backend(groups.world) == "nccl"
             if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+                device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                          else torch.device("cpu"))
             self.device = torch.device(device)
             # The world's collectives (and those of any NCCL group of the caller's) run on CUDA
             # tensors when the group is NCCL, on CPU tensors otherwise: a gloo world inside an NCCL
@@ -177,12 +180,12 @@ class PackedDataIterator:
             self._state = None  # the JSON of the state after the last step handed out
             for key in ("tp", "cp", "dp", "pp", "rank_order"):
                 if key in options:
-                    raise TypeError(f"PackedDataIterator: {key} is the groups' (Groups(...)), not an "
-                                    f"option")
+                    raise TypeError(f"PackedDataIterator: {key} is the groups' (Groups(...)), "
+                                    f"not an option")
             # The options go to C++ as given, once: their defaults are the C++ job's (JobOptions),
             # and step.options shows the effective ones and which were defaulted.
-            opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"], dp=groups.sizes["dp"],
-                        pp=groups.sizes["pp"], rank_order=groups.order)
+            opts = dict(options, tp=groups.sizes["tp"], cp=groups.sizes["cp"],
+                        dp=groups.sizes["dp"], pp=groups.sizes["pp"], rank_order=groups.order)
             fed = not isinstance(source, str)
             depth = DEFAULT_PREFETCH if prefetch is None else prefetch
             # Its range is the C++ step source's (StepSourceOptions::kMaxDepth): refused there,
