@@ -135,6 +135,12 @@ std::string_view CpSizesName(ScheduleOptions::CpSizes sizes);
 std::string_view KeepGroupsName(ScheduleOptions::KeepGroups keep);
 [[nodiscard]] Result<ScheduleOptions::KeepGroups> ParseKeepGroups(std::string_view name);
 
+// The one rule of keep_groups beside the scheduler and the group ids, asked by the schedulers,
+// the plan's validator and the step runner: InvalidArgument when keep_groups is set under the
+// sequential scheduler (Megatron-LM's order knows no groups), or when group ids are given
+// (`ids`, e.g. "24 group ids" or "group_field 'uid'"; empty: none) while keep_groups is 'none'.
+[[nodiscard]] Status CheckKeepGroups(const ScheduleOptions& options, std::string_view ids);
+
 // The padded tokens one replica's microbatch may hold: CP * max_tokens_per_rank.
 inline int64_t MicrobatchBudget(const ScheduleOptions& o) {
   return o.parallel.MicrobatchBudget(o.max_tokens_per_rank);

@@ -24,16 +24,9 @@ Status StepRunner::Impl::FindGroupField() {
                                    "' needs group_field, the sample field holding each "
                                    "sample's group id");
   }
-  if (!keep) {
-    return Status::InvalidArgument("StepRunner: group_field '" + opts_.group_field +
-                                   "' given but keep_groups is 'none' (set 'microbatch' or "
-                                   "'replica')");
-  }
-  if (opts_.schedule.scheduler == ScheduleOptions::Scheduler::kSequential) {
-    return Status::InvalidArgument("StepRunner: keep_groups '" + mode +
-                                   "' needs the balanced or the dynamic scheduler, not "
-                                   "'sequential'");
-  }
+  THDPACK_RETURN_IF_ERROR(CheckKeepGroups(opts_.schedule, "group_field '" + opts_.group_field +
+                                                              "'")
+                              .WithContext("StepRunner"));
   for (size_t f = 0; f < opts_.fields.size(); ++f) {
     const FieldSpec& spec = opts_.fields[f];
     if (spec.name != opts_.group_field) continue;

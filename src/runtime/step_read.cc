@@ -152,19 +152,21 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   // The dynamic scheduler's budget depends on the group it picks: ScheduleDynamic names an
   // oversize sample (its id, length and the largest group's budget) on every head.
   if (dynamic_) return Status::Ok();
-  const int64_t budget = MicrobatchBudget(opts_.schedule);
+  // What fits is the schedule's rule (LongestKept), asked, not worked out again here.
+  THDPACK_ASSIGN_OR_RETURN(const int64_t longest, LongestKept(opts_.schedule));
   const ParallelLayout& parallel = opts_.schedule.parallel;
   for (const Sample& x : own_) {
     const int64_t length = static_cast<int64_t>(x.tokens.size());
+    if (length <= longest) continue;
     const int64_t padded = parallel.MicrobatchTokens(parallel.PaddedLength(length));
-    if (padded <= budget) continue;
     return Status::InvalidArgument(
         "sample id " + std::to_string(x.id) + " (step " + std::to_string(step_) + ", source " +
         (source_ ? source_->spec() : std::string("fed by the caller")) +
         ", read by loader dp=" + std::to_string(coord_.dp) + "): length " +
         std::to_string(length) + " pads to " + std::to_string(padded) +
         " tokens, over the microbatch budget CP * max_tokens_per_rank = " +
-        std::to_string(budget));
+        std::to_string(MicrobatchBudget(opts_.schedule)) + " (the longest sample kept: " +
+        std::to_string(longest) + " tokens)");
   }
   return Status::Ok();
 }

@@ -485,6 +485,22 @@ Result<ScheduleOptions::CpSizes> ParseCpSizes(std::string_view name) {
                                  "': expected 'any' or 'pow2'");
 }
 
+Status CheckKeepGroups(const ScheduleOptions& options, std::string_view ids) {
+  const bool keep = options.keep_groups != ScheduleOptions::KeepGroups::kNone;
+  if (keep && options.scheduler == ScheduleOptions::Scheduler::kSequential) {
+    return Status::InvalidArgument(
+        "keep_groups '" + std::string(KeepGroupsName(options.keep_groups)) +
+        "' needs the balanced or the dynamic scheduler, not 'sequential' (the sequential one "
+        "follows Megatron-LM's order, which knows no groups)");
+  }
+  if (!keep && !ids.empty()) {
+    return Status::InvalidArgument(std::string(ids) +
+                                   " given but keep_groups is 'none' (set 'microbatch' or "
+                                   "'replica' to keep groups together)");
+  }
+  return Status::Ok();
+}
+
 std::string_view KeepGroupsName(ScheduleOptions::KeepGroups keep) {
   switch (keep) {
     case ScheduleOptions::KeepGroups::kNone: return "none";
@@ -550,12 +566,10 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
   const bool capped = options.max_seqs_per_microbatch > 0 &&
                       options.scheduler == ScheduleOptions::Scheduler::kBalanced;
   if (options.keep_groups != ScheduleOptions::KeepGroups::kNone || !groups.empty() || capped) {
-    if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
-      return Status::InvalidArgument(
-          "schedule: keep_groups '" + std::string(KeepGroupsName(options.keep_groups)) +
-          "' needs the balanced or the dynamic scheduler (the sequential one follows "
-          "Megatron-LM's order, which knows no groups)");
-    }
+    THDPACK_RETURN_IF_ERROR(
+        CheckKeepGroups(options,
+                        groups.empty() ? "" : std::to_string(groups.size()) + " group ids")
+            .WithContext("schedule"));
     THDPACK_ASSIGN_OR_RETURN(internal::StepUnits units,
                              internal::UnitsOfGroups(samples, options, groups));
     THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> unit_of,
@@ -716,8 +730,9 @@ Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const Sample
   // Without `groups` the group rule is not checked (ComputePlanFigures' use): a skipped
   // sample that fits is then accepted under a keep_groups mode, as its group may have left.
   if (groups.empty()) return Status::Ok();
-  if (options.scheduler == ScheduleOptions::Scheduler::kSequential) {
-    return bad("keep_groups with the sequential scheduler");
+  if (Status rule = CheckKeepGroups(options, std::to_string(groups.size()) + " group ids");
+      !rule.ok()) {
+    return bad(rule.message());
   }
   THDPACK_ASSIGN_OR_RETURN(StepUnits units, UnitsOfGroups(samples, options, groups));
   // Where each sample is: its microbatch (kMicrobatch) or replica (kReplica), and position.

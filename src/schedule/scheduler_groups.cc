@@ -488,11 +488,10 @@ Result<StepUnits> UnitsOfGroups(std::span<const SampleLength> samples, const Sch
   StepUnits units;
   const size_t n = samples.size();
   if (o.keep_groups == ScheduleOptions::KeepGroups::kNone) {
-    if (!groups.empty()) {
-      return Status::InvalidArgument("schedule: " + Str(static_cast<int64_t>(groups.size())) +
-                                     " group ids given but keep_groups is 'none' (set "
-                                     "'microbatch' or 'replica' to keep groups together)");
-    }
+    THDPACK_RETURN_IF_ERROR(
+        CheckKeepGroups(o, groups.empty() ? "" : Str(static_cast<int64_t>(groups.size())) +
+                                                     " group ids")
+            .WithContext("schedule"));
     units.unit_of.resize(n);
     std::iota(units.unit_of.begin(), units.unit_of.end(), 0);
     units.value.resize(n);
