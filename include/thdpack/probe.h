@@ -66,6 +66,8 @@
 
 namespace thdpack {
 
+struct StepRunnerOptions;  // thdpack/step_runner.h: StepVerifier::Create takes the runner's
+
 struct ProbeConfig {
   int64_t vocab_size = 256;  // V: token ids and labels are taken mod V; >= TP
   int hidden = 32;           // H: a multiple of 2 * heads (RoPE rotates pairs)
@@ -180,18 +182,20 @@ class ProbeRunner {
 // Check on every step, in order. Thread-safety: one rank's, as ProbeRunner.
 class StepVerifier {
  public:
-  // data, source and global_batch: those the StepRunner reads (thdpack/step_runner.h); every
-  // rank opens `data` again (each computes the reference of a share of the step's samples). world and model must outlive the verifier. tolerance >= 0: the relative
-  // tolerance of CompareLossSummaries. Errors (agreed over the world): as ProbeRunner::Create,
-  // the source's own, a negative tolerance (InvalidArgument).
+  // options: the StepRunner's (thdpack/step_runner.h), passed whole: the verifier reads what
+  // the runner reads (options.data and source, global_batch or global_batch_tokens; every rank
+  // opens the data again, each computing the reference of a share of the step's samples) and
+  // cuts what it cuts (oversize truncate or split, at LongestKept(options.schedule)); SP from
+  // options.schedule.parallel. world and model must outlive the verifier. tolerance >= 0: the
+  // relative tolerance of CompareLossSummaries. Errors (agreed over the world): as
+  // ProbeRunner::Create, the source's own, a negative tolerance (InvalidArgument), a
+  // caller-fed source (InvalidArgument: there is no source to read again).
   // start_consumed: the samples the run consumed before its first step (StepRunner::state()
   // after Create: a resumed run's); the verifier's own source reads past them one by one, the
   // plain way, so that it checks the runner's seek instead of sharing it.
   [[nodiscard]] static Result<std::unique_ptr<StepVerifier>> Create(
-      ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
-      const std::string& data, const SourceOptions& source, int64_t global_batch,
-      double tolerance, int64_t start_consumed = 0, TokenSteps tokens = {},
-      int64_t truncate_to = 0, int64_t split_longest = 0);
+      ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
+      const ProbeModel& model, double tolerance, int64_t start_consumed = 0);
   ~StepVerifier();
 
   // The step's probe figures (the same on every rank), checked against the reference. Errors:

@@ -112,22 +112,10 @@ static Status RunJobOnRankUnguarded(ProcessGroup& world, const Job& job, const R
   }
   const int64_t consumed = source->state().consumed;
   std::unique_ptr<StepVerifier> verifier;
-  int64_t truncate_to = 0;  // --oversize truncate: the longest kept length
-  int64_t split_longest = 0;  // --oversize split: the longest piece
-  if (job.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
-    THDPACK_ASSIGN_OR_RETURN(truncate_to, LongestKept(job.schedule));
-  }
-  if (job.schedule.oversize == ScheduleOptions::OversizePolicy::kSplit) {
-    THDPACK_ASSIGN_OR_RETURN(split_longest, LongestKept(job.schedule));
-  }
   if (run.probe) {
-    THDPACK_ASSIGN_OR_RETURN(const TokenSteps tokens,
-                             TokenStepsFor(options.global_batch_tokens, job.schedule));
-    THDPACK_ASSIGN_OR_RETURN(
-        verifier, StepVerifier::Create(world, job.topology, *run.probe,
-                                       job.schedule.parallel.sp(), options.data, options.source,
-                                       options.global_batch, run.options.verify_tolerance,
-                                       consumed, tokens, truncate_to, split_longest));
+    THDPACK_ASSIGN_OR_RETURN(verifier,
+                             StepVerifier::Create(world, job.topology, options, *run.probe,
+                                                  run.options.verify_tolerance, consumed));
   }
   for (int64_t s = 0; s < job.steps; ++s) {
     // The seconds the loop waited for its step: the whole step without --prefetch.

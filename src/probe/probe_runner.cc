@@ -11,7 +11,9 @@
 #include "probe/probe_attention.h"
 #include "probe/probe_internal.h"
 #include "thdpack/probe.h"
+#include "thdpack/schedule.h"
 #include "thdpack/shard.h"
+#include "thdpack/step_runner.h"
 
 namespace thdpack {
 namespace {
@@ -428,19 +430,30 @@ StepVerifier::StepVerifier(ProcessGroup& world, const ProbeModel& model, int64_t
 StepVerifier::~StepVerifier() = default;
 
 Result<std::unique_ptr<StepVerifier>> StepVerifier::Create(
-    ProcessGroup& world, const Topology& topology, const ProbeModel& model, bool sp,
-    const std::string& data, const SourceOptions& source, int64_t global_batch,
-    double tolerance, int64_t start_consumed, TokenSteps tokens, int64_t truncate_to,
-    int64_t split_longest) {
+    ProcessGroup& world, const Topology& topology, const StepRunnerOptions& options,
+    const ProbeModel& model, double tolerance, int64_t start_consumed) {
   if (!(tolerance >= 0)) {
     return Status::InvalidArgument("StepVerifier: tolerance " + std::to_string(tolerance) +
                                    " must be >= 0");
   }
-  auto v = std::unique_ptr<StepVerifier>(new StepVerifier(world, model, global_batch, tolerance));
-  v->tokens_ = tokens;
-  v->truncate_to_ = truncate_to;
-  v->split_longest_ = split_longest;
-  THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, topology, model, sp));
+  if (options.read_share) {
+    return Status::InvalidArgument(
+        "StepVerifier: a caller-fed source has no data to read again for the reference");
+  }
+  const std::string& data = options.data;
+  auto v = std::unique_ptr<StepVerifier>(
+      new StepVerifier(world, model, options.global_batch, tolerance));
+  THDPACK_ASSIGN_OR_RETURN(v->tokens_,
+                           TokenStepsFor(options.global_batch_tokens, options.schedule));
+  using Oversize = ScheduleOptions::OversizePolicy;
+  if (options.schedule.oversize == Oversize::kTruncate) {
+    THDPACK_ASSIGN_OR_RETURN(v->truncate_to_, LongestKept(options.schedule));
+  } else if (options.schedule.oversize == Oversize::kSplit) {
+    THDPACK_ASSIGN_OR_RETURN(v->split_longest_, LongestKept(options.schedule));
+  }
+  THDPACK_ASSIGN_OR_RETURN(v->probe_, ProbeRunner::Create(world, topology, model,
+                                                          options.schedule.parallel.sp()));
+  const SourceOptions& source = options.source;
   Status local = Status::Ok();
   auto plain = OpenSource(data, source);
   if (plain.ok()) {
