@@ -8,8 +8,10 @@
 #      package only, a module that links neither libtorch nor libpython;
 #   2. a fresh virtual environment with NumPy alone: the wheel installed, the smoke test;
 #   3. a fresh virtual environment with the current stack (VENV's packages through a .pth file,
-#      so 5 GB of torch are not copied): the wheel installed, the smoke test, then the whole
-#      Python suite against the installed package (THDPACK_CLI: the command line of BUILD).
+#      so 5 GB of torch are not copied): the wheel installed, the smoke test, then the Python
+#      suite against the installed package (THDPACK_CLI: the command line of BUILD) - the whole
+#      suite, or with PYTEST_MARKERS the tests of that marker expression (make test passes
+#      "no_sanitizer": the rest run on the same stack in the sanitized build, docs/testing.md).
 # Prints the time of each part and the wheel's size. Usage: test_current_stack.sh VENV BUILD [OUT]
 set -euo pipefail
 venv=$(realpath "${1:?usage: test_current_stack.sh VENV BUILD [OUT]}")
@@ -80,7 +82,9 @@ echo "current stack: torch environment made and checked in $(since "$t")"
 
 t=$(clock)
 # In one process per core (pytest-xdist), as ctest runs it (python/CMakeLists.txt).
+markers=()
+if [ -n "${PYTEST_MARKERS:-}" ]; then markers=(-m "$PYTEST_MARKERS"); fi
 (cd "$out" && THDPACK_CLI="$build/thdpack" OMP_NUM_THREADS=1 \
   "$env_torch/bin/python" -m pytest -q -p no:cacheprovider -rs -n "$(nproc)" --dist loadgroup \
-  "$here/python/tests")
-echo "current stack: the Python suite on the installed wheel in $(since "$t")"
+  "${markers[@]}" "$here/python/tests")
+echo "current stack: the Python suite${PYTEST_MARKERS:+ (-m $PYTEST_MARKERS)} on the installed wheel in $(since "$t")"
