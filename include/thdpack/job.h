@@ -141,10 +141,6 @@ inline constexpr std::string_view kJobOptionNames[] = {
     "keep_groups", "group_field", "pad_id", "data_on", "timeout", "vocab_size", "logits_dtype",
     "fused_grad", "memory_limit", "check_plan_hash", "start_step", "resume", "save_state"};
 
-// The command line's flag of an option of kJobOptionNames: "--" and the name with '-' for '_'
-// ("--max-tokens-per-rank"), but max_seqs, whose flag is --max-seqs-per-microbatch.
-std::string JobOptionFlag(std::string_view name);
-
 // The options of kJobOptionNames not in options.given (empty when given is nullopt).
 std::vector<std::string> DefaultedOptions(const JobOptions& options);
 

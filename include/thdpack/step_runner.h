@@ -245,9 +245,14 @@ std::vector<JobEntry> StepJobEntries(const StepRunnerOptions& options, const Top
 [[nodiscard]] Status AgreeOnEntries(ProcessGroup& world, std::span<const JobEntry> mine,
                                     std::string_view what);
 
+// The command line's flag of an option (thdpack/job.h, kJobOptionNames): "--" and the name with
+// '-' for '_' ("--max-tokens-per-rank"), but max_seqs, whose flag is --max-seqs-per-microbatch.
+// The one rule, for the command line's parser and SayDefaulted.
+std::string JobOptionFlag(std::string_view name);
+
 // An error naming an option the job defaulted says so: "<message> (max_tokens_per_rank
 // defaulted)", for every name of `defaulted` found in the message as a word - as thdpack's
-// keyword arguments spell it, or as the command line's flag (--max-tokens-per-rank). OK stays
+// keyword arguments spell it, or as the command line's flag (JobOptionFlag). OK stays
 // OK. StepRunner::Create and Next, and ResolveJob, return their errors through it.
 [[nodiscard]] Status SayDefaulted(const Status& s, std::span<const std::string> defaulted);
 

@@ -210,13 +210,6 @@ Result<Job> ResolveGiven(const JobOptions& options) {
 
 }  // namespace
 
-std::string JobOptionFlag(std::string_view name) {
-  if (name == "max_seqs") return "--max-seqs-per-microbatch";
-  std::string flag = "--" + std::string(name);
-  std::replace(flag.begin(), flag.end(), '_', '-');
-  return flag;
-}
-
 std::vector<std::string> DefaultedOptions(const JobOptions& options) {
   std::vector<std::string> out;
   if (!options.given) return out;

@@ -166,13 +166,18 @@ bool HasWord(std::string_view text, std::string_view word) {
 
 }  // namespace
 
+std::string JobOptionFlag(std::string_view name) {
+  if (name == "max_seqs") return "--max-seqs-per-microbatch";
+  std::string flag = "--" + std::string(name);
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
 Status SayDefaulted(const Status& s, std::span<const std::string> defaulted) {
   if (s.ok() || defaulted.empty()) return s;
   std::string named;
   for (const std::string& name : defaulted) {
-    std::string flag = "--" + name;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    if (!HasWord(s.message(), name) && !HasWord(s.message(), flag)) continue;
+    if (!HasWord(s.message(), name) && !HasWord(s.message(), JobOptionFlag(name))) continue;
     if (s.message().find(name + " defaulted") != std::string::npos) continue;  // said already
     named += (named.empty() ? "" : ", ") + name;
   }
