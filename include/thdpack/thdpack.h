@@ -18,6 +18,7 @@
 #include "thdpack/run_state.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
+#include "thdpack/media.h"
 #include "thdpack/shard.h"
 #include "thdpack/status.h"
 #include "thdpack/step.h"
