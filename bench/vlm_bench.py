@@ -1,0 +1,126 @@
+"""Encoder work and payload per CP rank for images and video in packed microbatches
+(docs/media.md, "Figures").
+
+The mix (stated, seeded): each sample 50-2,000 text tokens and 0-4 images of 256-1,600 patches
+(h, w even, merge 2), one sample in five with a short video (2-8 frames of 16x16 to 24x24
+patches). Samples fill microbatches of CP x 8,192 tokens in order. For each microbatch and CP
+size, the encoder's work per CP rank (thdpack/media.h ItemEncoderCost, the default term) under:
+  thdpack      whole items spread over the CP ranks, longest first (PlaceMicrobatchMedia);
+  first-token  each item encoded on the CP rank that holds its first token (a local rule);
+  colocated    every CP rank encodes every item (Megatron MIMO's colocated path).
+Printed: the largest rank's work over the mean (1.0 = perfect), payload rows and image-embedding
+rows per rank as a share of the microbatch's (colocated: 1.0), and media_microbatch's wall time.
+
+Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200]
+"""
+import argparse
+import time
+
+import numpy as np
+import torch
+
+import thdpack._thdpack as _t
+from thdpack.torch import media_microbatch
+
+IMG, VID, MERGE, D = 151655, 151656, 2, 8
+MEDIA = {"image": {"token_id": IMG, "payload": "pixel_values", "grid": "image_grid_thw"},
+         "video": {"token_id": VID, "payload": "pixel_values_videos", "grid": "video_grid_thw"}}
+
+
+def sample(rng):
+    ids, img, vid = [], [], []
+    ids += [5] * int(rng.integers(50, 2001))
+    for _ in range(int(rng.integers(0, 5))):
+        while True:
+            h, w = 2 * int(rng.integers(8, 21)), 2 * int(rng.integers(8, 21))
+            if 256 <= h * w <= 1600:
+                break
+        img.append([1, h, w])
+        ids += [IMG] * (h * w // 4) + [5] * int(rng.integers(1, 40))
+    if rng.random() < 0.2:
+        s = 2 * int(rng.integers(8, 13))
+        vid.append([int(rng.integers(2, 9)), s, s])
+        ids += [VID] * (vid[-1][0] * s * s // 4) + [5]
+    rows_i = sum(t * h * w for t, h, w in img)
+    rows_v = sum(t * h * w for t, h, w in vid)
+    return {"input_ids": np.asarray(ids, dtype=np.int64),
+            "image_grid_thw": np.asarray(img, dtype=np.int64).reshape(-1, 3),
+            "video_grid_thw": np.asarray(vid, dtype=np.int64).reshape(-1, 3),
+            "pixel_values": torch.zeros(rows_i, D), "pixel_values_videos": torch.zeros(rows_v, D)}
+
+
+def microbatches(rng, cp, count):
+    budget, out, cur, used = cp * 8192, [], [], 0
+    while len(out) < count:
+        s = sample(rng)
+        n = len(s["input_ids"])
+        if n > budget:
+            continue
+        if used + n > budget and cur:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(s)
+        used += n
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--microbatches", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(f"{'CP':>3} {'rule':>12} {'work max/mean':>14} {'payload/rank':>13} "
+          f"{'embeds/rank':>12} {'ms/mb':>7}")
+    specs = [(n, s["token_id"], False) for n, s in MEDIA.items()]
+    for cp in (2, 4, 8):
+        rng = np.random.default_rng(args.seed)
+        mbs = microbatches(rng, cp, args.microbatches)
+        ratio = {"thdpack": [], "first-token": [], "colocated": []}
+        payload, embeds, ms = [], [], []
+        for mb in mbs:
+            q = 2 * cp
+            lens = [len(s["input_ids"]) for s in mb]
+            cu = np.concatenate([[0], np.cumsum(lens)])
+            cup = np.concatenate([[0], np.cumsum([(n + q - 1) // q * q for n in lens])])
+            items = [_t.media_items(specs, MERGE, s["input_ids"],
+                                    [s["image_grid_thw"], s["video_grid_thw"]], None, "s")
+                     for s in mb]
+            flat = [(i, x) for i, xs in enumerate(items) for x in xs]
+            if not flat:
+                continue
+            cost = np.asarray([_t.media_item_cost([x[2], x[3], x[4]]) for _, x in flat])
+            total = cost.sum()
+            r = _t.media_route(cu, cup, cp, 0, 1, 0, 0, items, None)
+            work = np.bincount(r["encoder_rank"], weights=cost, minlength=cp)
+            ratio["thdpack"].append(work.max() / (total / cp))
+            # first-token: the CP rank holding each item's first token.
+            owner = np.empty(int(cup[-1]), dtype=np.int64)
+            for c in range(cp):
+                owner[np.asarray(_t.cp_partition_indices(cup.astype(np.int32), cp, c))] = c
+            first = np.asarray([owner[cup[i] + x[5]] for i, x in flat])
+            work_f = np.bincount(first, weights=cost, minlength=cp)
+            ratio["first-token"].append(work_f.max() / (total / cp))
+            ratio["colocated"].append(float(cp))  # every rank does all of it
+            t0 = time.perf_counter()
+            per_rank = [media_microbatch(mb, MEDIA, cu, cup, cp, c, 1, 0, MERGE)
+                        for c in range(cp)]
+            ms.append((time.perf_counter() - t0) * 1e3 / cp)
+            rows = [sum(int(m[n]["pixel_values"].shape[0]) for n in MEDIA) for m in per_rank]
+            toks = [sum(int(m[n]["token_index"].shape[0]) for n in MEDIA) for m in per_rank]
+            payload.append(max(rows) / max(1, sum(rows)))
+            embeds.append(max(toks) / max(1, sum(toks)))
+        for rule in ratio:
+            p = f"{np.mean(payload):.3f}" if rule == "thdpack" else \
+                ("1.000" if rule == "colocated" else "-")
+            e = f"{np.mean(embeds):.3f}" if rule == "thdpack" else \
+                ("1.000" if rule == "colocated" else "-")
+            t = f"{np.mean(ms):.2f}" if rule == "thdpack" else "-"
+            print(f"{cp:>3} {rule:>12} {np.mean(ratio[rule]):>14.3f} {p:>13} {e:>12} {t:>7}")
+    print("work max/mean: the busiest CP rank's encoder work over the mean, averaged over "
+          "microbatches; payload/rank, embeds/rank: the busiest rank's share of the microbatch's "
+          "payload rows and image-embedding rows (1/CP is ideal); ms/mb: media_microbatch's wall "
+          "time per rank and microbatch")
+
+
+if __name__ == "__main__":
+    main()
