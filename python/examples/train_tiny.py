@@ -383,7 +383,7 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
                 stats.add_microbatch(None, mb, token_values=token_values)
                 if not rollouts:
                     return share
-                ce = F.cross_entropy(logits, mb["labels"].clamp(min=0), reduction="none")
+                ce = -tt.token_logprobs(logits, mb)  # 0 where a position has no target
                 logps[k] = -ce.detach()
                 if algo != "gspo":
                     # The advantage-weighted token mean over the step's N loss tokens: mb["adv"]
@@ -395,11 +395,10 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, scheduler, rol
                 # clipped, times its GRPO advantage (made on this replica from its groups'
                 # rewards: keep_groups="replica"); seq-mean-token-mean over the step's sequences
                 # with a loss token.
-                seq = mb["seq_index"].long().clamp(min=0)
                 s_ratio = torch.exp(tt.sequence_means(-ce - mb["old"], mb))
-                ratio = s_ratio[seq]
-                adv = torch.tensor([group_adv[int(i)] for i in mb["sample_ids"]],
-                                   dtype=torch.float64)[seq]
+                ratio = tt.per_token(s_ratio, mb)  # each sequence's value on its tokens
+                adv = tt.per_token(torch.tensor([group_adv[int(i)] for i in mb["sample_ids"]],
+                                                dtype=torch.float64), mb)
                 per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
                 share = tt.aggregate_loss(per_token, mb, step, "seq-mean-token-mean")
                 rl_loss += share.detach()

@@ -18,6 +18,7 @@ from .linear_loss import linear_loss
 from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions, pack_batch
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 from .calibrate import calibrate
+from .logprobs import linear_token_logprobs, per_token, token_logprobs
 from .media import (media_microbatch, media_specs, mrope_microbatch, mrope_positions,
                     route_media)
 from .seqloss import RLStatistics, aggregate_loss, sequence_means, sequence_sums
@@ -29,6 +30,7 @@ __all__ = [
 __all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
 __all__ += ["calibrate", "linear_loss"]
+__all__ += ["linear_token_logprobs", "per_token", "token_logprobs"]
 __all__ += ["media_microbatch", "media_specs", "mrope_microbatch", "mrope_positions",
             "route_media"]
 __all__ += ["RLStatistics", "aggregate_loss", "sequence_means", "sequence_sums"]

@@ -221,6 +221,8 @@ def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()
         "cp_ranks": list(m["cp_ranks"]),
         "idle": bool(m["idle"]),
         "dynamic": bool(m["dynamic"]),
+        # How labels and target fields are aligned (token_logprobs reads it).
+        "label_format": label_format,
         "packed_seq_params": {
             "qkv_format": "thd",
             "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
