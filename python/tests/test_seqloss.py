@@ -224,3 +224,37 @@ def test_modes_and_arguments_are_checked():
     s.sum().backward()
     assert x.grad.tolist() == [1.0, 1.0]
     assert tt.sequence_means(torch.tensor([2.0, 5.0]), mb).tolist() == [2.0]
+
+
+def test_grad_factor_scales_what_local_loss_scales_and_factors_are_checked():
+    """aggregate_loss's grad_factor multiplies its share and the share's gradient (as
+    local_loss's); sequence_sums' multiplies only the gradient that flows back through the sums;
+    a factor or loss_scale_factor that is 0, negative, NaN or infinite is refused by name."""
+    import types
+    from thdpack.torch import aggregate_loss, sequence_sums
+    mb = {"sample_ids": torch.tensor([3, 4]), "idle": False, "cp_size": 1, "cp_group": None,
+          "seq_index": torch.tensor([0, 0, 0, 1, 1, -1], dtype=torch.int32),
+          "loss_mask": torch.tensor([1, 1, 0, 1, 1, 0]),
+          "seq_n_targets": torch.tensor([2, 2])}
+    step = types.SimpleNamespace(n_loss_tokens=4, n_loss_sequences=2)
+    base = torch.tensor([0.5, 1.0, 7.0, 2.0, -1.0, 9.0], dtype=torch.float64)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        x1, x4 = base.clone().requires_grad_(), base.clone().requires_grad_()
+        a1 = aggregate_loss(x1, mb, step, mode)
+        a4 = aggregate_loss(x4, mb, step, mode, grad_factor=4)
+        a1.backward()
+        a4.backward()
+        assert torch.allclose(a4, 4 * a1) and torch.allclose(x4.grad, 4 * x1.grad), mode
+    x1, x3 = base.clone().requires_grad_(), base.clone().requires_grad_()
+    s1, s3 = sequence_sums(x1, mb), sequence_sums(x3, mb, grad_factor=3)
+    assert torch.equal(s1, s3) and s1.tolist() == [1.5, 1.0]
+    (s1 ** 2).sum().backward()
+    (s3 ** 2).sum().backward()
+    assert torch.allclose(x3.grad, 3 * x1.grad)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="grad_factor = .*: must be a finite number > 0"):
+            aggregate_loss(base, mb, step, grad_factor=bad)
+        with pytest.raises(ValueError, match="grad_factor = .*: must be a finite number > 0"):
+            sequence_sums(base, mb, grad_factor=bad)
+        with pytest.raises(ValueError, match="loss_scale_factor = .*: must be a finite number"):
+            aggregate_loss(base, mb, step, "seq-mean-token-sum-norm", loss_scale_factor=bad)

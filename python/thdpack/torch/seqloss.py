@@ -49,9 +49,9 @@ class _SequenceSums(torch.autograd.Function):
     which each rank computes for its own tokens) has its true gradient when shares are summed."""
 
     @staticmethod
-    def forward(ctx, values, seq, keep, n, group, cp_size):
+    def forward(ctx, values, seq, keep, n, group, cp_size, grad_factor):
         ctx.save_for_backward(seq, keep)
-        ctx.group, ctx.cp_size = group, cp_size
+        ctx.group, ctx.cp_size, ctx.grad_factor = group, cp_size, grad_factor
         flat = values.reshape(values.shape[0], -1)
         sums = torch.zeros((n, flat.shape[1]), dtype=values.dtype, device=values.device)
         sums.index_add_(0, seq[keep], flat[keep])
@@ -67,29 +67,48 @@ class _SequenceSums(torch.autograd.Function):
             dist.all_reduce(g, group=ctx.group)
         out = torch.zeros((seq.shape[0], g.shape[1]), dtype=g.dtype, device=g.device)
         out[keep] = g[seq[keep]]
-        return out.reshape((seq.shape[0],) + grad.shape[1:]), None, None, None, None, None
+        if ctx.grad_factor != 1.0:
+            out = out * ctx.grad_factor
+        return out.reshape((seq.shape[0],) + grad.shape[1:]), None, None, None, None, None, None
 
 
-def sequence_sums(values, mb, over="loss"):
+def _factor(value, name):
+    """A gradient factor or loss scale: a finite number > 0 (ValueError naming it otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
+            isinstance(value, torch.Tensor) and value.numel() == 1):
+        raise ValueError(f"{name} = {value!r}: expected a number")
+    v = float(value)
+    if not (v > 0) or v == float("inf"):
+        raise ValueError(f"{name} = {value!r}: must be a finite number > 0")
+    return v
+
+
+def sequence_sums(values, mb, over="loss", grad_factor=1.0):
     """[n] (or [n, *row]) sums of this rank's per-token ``values`` ([T/CP] or [T/CP, *row]) over
     each packed sequence's loss positions (``over="loss"``) or all its real tokens (``"all"``),
     summed over the microbatch's CP group: every CP rank of the microbatch gets the same sums,
     those of the whole sequences. Differentiable. A per-token term built from them (GSPO's
     sequence ratio applied to each token) needs nothing more; a per-sequence term computed alike
     on every CP rank (a DPO pair's loss) is the step's once when each rank adds
-    ``term / mb["cp_size"]`` to its share. An idle microbatch (dynamic CP) gives [0]."""
+    ``term / mb["cp_size"]`` to its share. An idle microbatch (dynamic CP) gives [0].
+    ``grad_factor`` multiplies the gradient that flows back through the sums, not their values
+    (a loss built from them may be non-linear): DP x CP where the framework averages gradients
+    over DP x CP (Megatron's DDP with CP, FSDP over the same ranks), as local_loss's and
+    aggregate_loss's ``grad_factor``."""
+    factor = _factor(grad_factor, "grad_factor")
     n = len(mb["sample_ids"])
     if mb["idle"] or n == 0:
         return values.new_zeros((0,) + tuple(values.shape[1:]))
     keep, seq = _positions(values, mb, over)
     cp_size = int(mb["cp_size"])
-    return _SequenceSums.apply(values, seq, keep, n, mb["cp_group"], cp_size)
+    return _SequenceSums.apply(values, seq, keep, n, mb["cp_group"], cp_size, factor)
 
 
-def sequence_means(values, mb, over="loss"):
+def sequence_means(values, mb, over="loss", grad_factor=1.0):
     """``sequence_sums`` divided by each sequence's loss-token count (``over="loss"``, 0 where a
-    sequence has none) or its real length (``"all"``): the same [n] on every CP rank."""
-    sums = sequence_sums(values, mb, over)
+    sequence has none) or its real length (``"all"``): the same [n] on every CP rank;
+    ``grad_factor`` as sequence_sums'."""
+    sums = sequence_sums(values, mb, over, grad_factor)
     if sums.shape[0] == 0:
         return sums
     if over == "loss":
@@ -101,7 +120,8 @@ def sequence_means(values, mb, over="loss"):
     return torch.where(count > 0, sums / count.clamp(min=1), torch.zeros_like(sums))
 
 
-def aggregate_loss(per_token_loss, mb, step, mode="token-mean", loss_scale_factor=None):
+def aggregate_loss(per_token_loss, mb, step, mode="token-mean", loss_scale_factor=None,
+                   grad_factor=1.0):
     """This rank's share of one microbatch's loss under verl's aggregation ``mode``
     (verl/trainer/ppo/core_algos.py ``agg_loss``), such that the shares summed over every
     microbatch and every DP x CP rank equal, for the step's whole batch in one process:
@@ -118,7 +138,15 @@ def aggregate_loss(per_token_loss, mb, step, mode="token-mean", loss_scale_facto
     dp_size, and the seq-mean modes by the given global_batch_size (every sequence, fully masked
     ones included) or the local count, and adds 1e-8 to a sequence's token count; here the
     divisors are the global counts of the step, fully masked sequences excluded, so the value
-    does not depend on DP, CP, PP or the microbatching."""
+    does not depend on DP, CP, PP or the microbatching. ``grad_factor`` multiplies the share
+    (its value and its gradient) as local_loss's does: DP x CP where the framework averages
+    gradients over DP x CP (Megatron's DDP with CP, FSDP over the same ranks), 1 where it sums
+    them; ``loss_scale_factor`` and ``grad_factor`` must be finite numbers > 0."""
+    factor = _factor(grad_factor, "grad_factor")
+    if loss_scale_factor is not None:
+        loss_scale_factor = _factor(loss_scale_factor, "loss_scale_factor")
+    if factor != 1.0:
+        return aggregate_loss(per_token_loss, mb, step, mode, loss_scale_factor) * factor
     if mode not in AGGREGATE_MODES:
         raise ValueError(f"mode: {mode!r} is not one of {', '.join(AGGREGATE_MODES)}")
     if mode == "seq-mean-token-sum-norm" and loss_scale_factor is None:
