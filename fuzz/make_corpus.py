@@ -264,6 +264,22 @@ def megatron_seeds():
     ]
 
 
+def media_seeds():
+    """(control, bytes) seeds of media_frame (fuzz/step_wire_checks.h CheckMediaFrame): a
+    sample's media of two modalities (an image of 2x2 float32 rows of width 3, a timed video
+    item without payload), and a rank's media frame of one microbatch with mRoPE."""
+    q = lambda *v: struct.pack("<%dq" % len(v), *v)
+    payload = bytes(range(48))  # 4 rows x 3 float32
+    image = q(1, 0, 3, len(payload), 0) + q(1, 2, 2) + payload
+    video = q(1, 1, 0, 0, 1) + q(2, 2, 2) + struct.pack("<d", 0.5)
+    sample = image + video
+    part = (q(1, 0, 3, len(payload), 1, 2, 1, 2) + q(1, 2, 2) + q(0, 3) + q(1, 0) + q(0)
+            + q(1, 0) + q(1, 1) + payload)
+    empty = q(0, 0, 0, 0, 0, 0, 0, 2) + q(0, 0) + q(0, 0)
+    body = q(1) + q(2, 6) + q(0, 1, 2, 3, 4, 5) + part + empty
+    return [(2 | (2 << 2), sample), (2 << 2, frame(body, 8)), (1 | (2 << 2), frame(body, 8))]
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "corpus")
     for seed in wire_seeds():
@@ -288,6 +304,8 @@ def main():
             c = 6  # opened as a samples frame
         write(out, target, bytes([c]) + seed)
         write(out, target, bytes([c | 1]) + seed)
+    for control, seed in media_seeds():
+        write(out, "media_frame", bytes([control]) + seed)
     for seed in jsonl_seeds():
         write(out, "jsonl_line", seed)
     for seed in mock_seeds():

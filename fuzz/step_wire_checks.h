@@ -159,6 +159,38 @@ inline void CheckSizeFrame(Input in) {
              "an accepted size frame re-encodes to other bytes");
 }
 
+// Media (docs/wire_format.md "Media"). Control bits 2-3: the number of declared modalities
+// (0-3); bit 1: one sample's media (DecodeSampleMedia on the bytes as they came), else a rank's
+// media frame (DecodeMediaFrame; bit 0 reseals it). What either accepts re-encodes to bytes
+// that decode to the same re-encoding (encode(decode(encode(decode(x)))) == encode(decode(x)):
+// padding bytes and NaN payloads of the seconds are not compared by value).
+inline void CheckMediaFrame(Input in) {
+  const size_t modalities = (in.control >> 2) & 3;
+  if (in.control & 2) {
+    size_t off = 0;
+    auto parts = DecodeSampleMedia(in.bytes, modalities, &off);
+    if (!parts.ok()) return CheckError(parts.status(), "DecodeSampleMedia");
+    FUZZ_CHECK(off <= in.bytes.size() && off % 8 == 0, "DecodeSampleMedia moved past the bytes");
+    std::vector<uint8_t> once(SampleMediaBytes(*parts));
+    FUZZ_CHECK(EncodeSampleMedia(*parts, once.data()) == once.data() + once.size(),
+               "EncodeSampleMedia wrote another size than SampleMediaBytes");
+    size_t off2 = 0;
+    auto back = DecodeSampleMedia(once, modalities, &off2);
+    FUZZ_CHECK(back.ok() && off2 == once.size(), "decode(encode(decode(x))) failed");
+    std::vector<uint8_t> twice(SampleMediaBytes(*back));
+    EncodeSampleMedia(*back, twice.data());
+    FUZZ_CHECK(once == twice, "encode(decode(.)) is not stable");
+    return;
+  }
+  if (in.control & 1) ResealFrame(FrameKind::kMedia, &in.bytes);
+  auto shards = DecodeMediaFrame(in.bytes, modalities);
+  if (!shards.ok()) return CheckError(shards.status(), "DecodeMediaFrame");
+  const std::vector<uint8_t> once = EncodeMediaFrame(*shards);
+  auto back = DecodeMediaFrame(once, modalities);
+  FUZZ_CHECK(back.ok(), "decode(encode(decode(x))) failed");
+  FUZZ_CHECK(EncodeMediaFrame(*back) == once, "encode(decode(.)) is not stable");
+}
+
 }  // namespace thdpack::fuzz
 
 #endif  // THDPACK_FUZZ_STEP_WIRE_CHECKS_H_

@@ -19,6 +19,16 @@ namespace thdpack {
 // Python/PyTorch edge widens them to int64.
 using TokenId = int32_t;
 
+// One declared modality of a sample's media (thdpack/media.h): its items' grids and payload,
+// as a caller feeds them. The payload's rows are bytes of one element type, never converted.
+struct MediaPart {
+  std::vector<int64_t> grid;       // [3k]: (t, h, w) of each of its k items, in order
+  std::vector<double> seconds;     // [k] seconds per temporal grid step (timed), or empty
+  uint8_t dtype = 0;               // the payload's element type (FieldDtype of fields.h)
+  int64_t width = 0;               // elements a payload row (0 when there is no payload)
+  std::vector<std::byte> payload;  // [sum of t*h*w rows, width] elements
+};
+
 // An owning sample, as data sources produce it.
 struct Sample {
   int64_t id = 0;
@@ -30,6 +40,9 @@ struct Sample {
   // per-token field, one row of a sample field, each row the field's row_bytes. Empty when the
   // run declares none.
   std::vector<std::vector<std::byte>> fields;
+  // The run's declared media, one part per modality in declaration order; empty when the run
+  // declares none (only a caller-fed step carries media).
+  std::vector<MediaPart> media;
 };
 
 // A non-owning view of a sample, as packing consumes it.

@@ -129,8 +129,9 @@ enum class FrameKind : uint8_t {
   kSize = 5,           // the size of the message that follows in a broadcast
   kGroups = 6,         // a dynamic step's CP groups
   kJob = 7,            // the job as the world agrees on it when the step runner opens
+  kMedia = 8,          // media: samples' media in the exchange, a rank's media of a step
 };
-// "lengths header", "lengths", "position", "samples", "size", "groups", "job".
+// "lengths header", "lengths", "position", "samples", "size", "groups", "job", "media".
 std::string_view FrameKindName(FrameKind kind);
 
 inline constexpr size_t kFrameTrailerSize = 8;
@@ -220,6 +221,48 @@ std::vector<uint8_t> EncodeJobFrame(std::span<const JobEntry> entries);
 // Corruption on a damaged frame, a count or length past the bytes or the bounds, or bytes left
 // over.
 [[nodiscard]] Result<std::vector<JobEntry>> DecodeJobFrame(std::span<const uint8_t> frame);
+
+// ---------------------------------------------------------------------------------------------
+// Media (thdpack/media.h, docs/media.md): each sample's media in the exchange, and each rank's
+// media of a step. Little-endian int64 words; payload bytes padded to 8.
+
+// A sample's media (one MediaPart per declared modality), as the token exchange's media block
+// carries it: per part, k (items), dtype, width, payload bytes, seconds count; then 3k grid
+// words, the seconds (IEEE-754 bits), the payload padded to 8 bytes.
+size_t SampleMediaBytes(std::span<const MediaPart> media);
+// Writes SampleMediaBytes(media) bytes at dst; returns the end.
+uint8_t* EncodeSampleMedia(std::span<const MediaPart> media, uint8_t* dst);
+// One sample's `modalities` parts from bytes[*offset...]; *offset moves past them. Corruption
+// naming the part and the count when a count is negative or runs past the bytes, or a dtype is
+// not one of fields.h's.
+[[nodiscard]] Result<std::vector<MediaPart>> DecodeSampleMedia(std::span<const uint8_t> bytes,
+                                                               size_t modalities, size_t* offset);
+
+// What one rank of a microbatch gets of its media (RouteMedia of thdpack/media.h): per
+// declared modality the items it encodes, their payload rows and the route of their output
+// rows; and the mRoPE positions of its shard.
+struct MediaShardPart {
+  std::vector<int64_t> grid;         // [3k]: the items it encodes
+  uint8_t dtype = 0;                 // their payload's element type (FieldDtype)
+  int64_t width = 0;                 // elements a payload row
+  std::vector<std::byte> payload;    // their rows, concatenated
+  int64_t output_rows = 0;           // their tokens
+  std::vector<int64_t> token_index;  // [m] local positions taking this modality's rows
+  std::vector<int64_t> recv_index;   // [m]
+  std::vector<int64_t> send_index;   // [output rows sent]
+  std::vector<int64_t> send_counts;  // [CP]
+  std::vector<int64_t> recv_counts;  // [CP]
+};
+struct MediaShard {
+  std::vector<MediaShardPart> parts;  // one per declared modality
+  std::vector<int64_t> mrope;         // [3, T/CP] row-major, or empty (no mRoPE)
+};
+// One rank's media of a step, every microbatch's, as one kMedia frame.
+std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches);
+// Corruption on a damaged frame, a count past the bytes, another number of modalities than
+// `modalities`, or bytes left over.
+[[nodiscard]] Result<std::vector<MediaShard>> DecodeMediaFrame(std::span<const uint8_t> frame,
+                                                               size_t modalities);
 
 }  // namespace thdpack
 

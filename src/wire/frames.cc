@@ -44,6 +44,7 @@ std::string_view FrameKindName(FrameKind kind) {
     case FrameKind::kSize: return "size";
     case FrameKind::kGroups: return "groups";
     case FrameKind::kJob: return "job";
+    case FrameKind::kMedia: return "media";
   }
   return "unknown frame";
 }
@@ -78,7 +79,7 @@ Result<std::span<const uint8_t>> OpenFrame(std::span<const uint8_t> frame, Frame
   // The checksum holds: the trailer is what the sender wrote.
   const uint8_t* t = frame.data() + body;
   if (t[0] != static_cast<uint8_t>(kind)) {
-    const std::string got = t[0] >= 1 && t[0] <= 6
+    const std::string got = t[0] >= 1 && t[0] <= 8
                                 ? "a " + Name(static_cast<FrameKind>(t[0])) + " frame"
                                 : "kind " + Num(t[0]);
     return Bad(kind, "byte " + Num(int64_t(body)) + ": " + got + " in its place");

@@ -1,0 +1,227 @@
+// Media on the wire (thdpack/step_wire.h, docs/wire_format.md "Media"): a sample's media in the
+// token exchange's media blocks, and a rank's media of a step in one kMedia frame. Every count
+// is checked against the bytes left before anything is allocated or read.
+#include <cstring>
+#include <string>
+
+#include "thdpack/step_wire.h"
+
+namespace thdpack {
+namespace {
+
+constexpr uint8_t kDtypes = 8;  // FieldDtype's values (fields.h)
+
+std::string Num(int64_t v) { return std::to_string(v); }
+
+void Put(uint8_t*& dst, int64_t v) {
+  const uint64_t u = static_cast<uint64_t>(v);
+  for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(u >> (8 * i));
+  dst += 8;
+}
+void PutWords(uint8_t*& dst, const std::vector<int64_t>& v) {
+  for (int64_t x : v) Put(dst, x);
+}
+void PutBytes(uint8_t*& dst, std::span<const std::byte> b) {
+  if (!b.empty()) std::memcpy(dst, b.data(), b.size());
+  const size_t padded = (b.size() + 7) / 8 * 8;
+  std::memset(dst + b.size(), 0, padded - b.size());
+  dst += padded;
+}
+size_t Padded(size_t n) { return (n + 7) / 8 * 8; }
+
+// A reader of words that names what ran past the bytes.
+class Reader {
+ public:
+  Reader(std::span<const uint8_t> b, size_t at, const char* what) : b_(b), at_(at), what_(what) {}
+  size_t at() const { return at_; }
+  size_t left() const { return b_.size() - at_; }
+  Status Word(int64_t* v, const std::string& name) {
+    if (left() < 8) return Bad(name + " at byte " + Num(int64_t(at_)) + ": past the end");
+    uint64_t u = 0;
+    for (int i = 0; i < 8; ++i) u |= static_cast<uint64_t>(b_[at_ + i]) << (8 * i);
+    at_ += 8;
+    *v = static_cast<int64_t>(u);
+    return Status::Ok();
+  }
+  // A count: >= 0, and `each` bytes of it fit in what is left.
+  Status Count(int64_t* v, const std::string& name, size_t each) {
+    THDPACK_RETURN_IF_ERROR(Word(v, name));
+    if (*v < 0 || static_cast<uint64_t>(*v) > left() / each) {
+      return Bad(name + " = " + Num(*v) + ": negative or past the " + Num(int64_t(left())) +
+                 " bytes left");
+    }
+    return Status::Ok();
+  }
+  Status Words(std::vector<int64_t>* v, int64_t n, const std::string& name) {
+    if (n < 0 || static_cast<uint64_t>(n) > left() / 8) {
+      return Bad(name + ": " + Num(n) + " words past the " + Num(int64_t(left())) + " bytes left");
+    }
+    v->resize(static_cast<size_t>(n));
+    for (auto& x : *v) THDPACK_RETURN_IF_ERROR(Word(&x, name));
+    return Status::Ok();
+  }
+  Status Bytes(std::vector<std::byte>* v, int64_t n, const std::string& name) {
+    if (n < 0 || Padded(static_cast<size_t>(n)) > left()) {
+      return Bad(name + ": " + Num(n) + " bytes past the " + Num(int64_t(left())) + " left");
+    }
+    v->resize(static_cast<size_t>(n));
+    if (n > 0) std::memcpy(v->data(), b_.data() + at_, static_cast<size_t>(n));
+    at_ += Padded(static_cast<size_t>(n));
+    return Status::Ok();
+  }
+  Status Bad(const std::string& msg) const { return Status::Corruption(std::string(what_) + msg); }
+
+ private:
+  std::span<const uint8_t> b_;
+  size_t at_;
+  const char* what_;
+};
+
+Status Dtype(Reader& r, int64_t v, const std::string& name) {
+  if (v < 0 || v >= kDtypes) return r.Bad(name + " dtype " + Num(v) + " is not one of fields.h's");
+  return Status::Ok();
+}
+
+}  // namespace
+
+size_t SampleMediaBytes(std::span<const MediaPart> media) {
+  size_t n = 0;
+  for (const MediaPart& p : media) {
+    n += 5 * 8 + p.grid.size() * 8 + p.seconds.size() * 8 + Padded(p.payload.size());
+  }
+  return n;
+}
+
+uint8_t* EncodeSampleMedia(std::span<const MediaPart> media, uint8_t* dst) {
+  for (const MediaPart& p : media) {
+    Put(dst, static_cast<int64_t>(p.grid.size() / 3));
+    Put(dst, p.dtype);
+    Put(dst, p.width);
+    Put(dst, static_cast<int64_t>(p.payload.size()));
+    Put(dst, static_cast<int64_t>(p.seconds.size()));
+    PutWords(dst, p.grid);
+    for (double s : p.seconds) {
+      int64_t bits;
+      std::memcpy(&bits, &s, 8);
+      Put(dst, bits);
+    }
+    PutBytes(dst, p.payload);
+  }
+  return dst;
+}
+
+Result<std::vector<MediaPart>> DecodeSampleMedia(std::span<const uint8_t> bytes,
+                                                 size_t modalities, size_t* offset) {
+  Reader r(bytes, *offset, "media: ");
+  std::vector<MediaPart> out(modalities);
+  for (size_t m = 0; m < modalities; ++m) {
+    const std::string at = "part " + Num(int64_t(m));
+    MediaPart& p = out[m];
+    int64_t k, dtype, payload, seconds;
+    THDPACK_RETURN_IF_ERROR(r.Count(&k, at + " items", 24));
+    THDPACK_RETURN_IF_ERROR(r.Word(&dtype, at + " dtype"));
+    THDPACK_RETURN_IF_ERROR(Dtype(r, dtype, at));
+    THDPACK_RETURN_IF_ERROR(r.Word(&p.width, at + " width"));
+    if (p.width < 0) return r.Bad(at + " width " + Num(p.width) + " is negative");
+    THDPACK_RETURN_IF_ERROR(r.Count(&payload, at + " payload bytes", 1));
+    THDPACK_RETURN_IF_ERROR(r.Count(&seconds, at + " seconds", 8));
+    p.dtype = static_cast<uint8_t>(dtype);
+    THDPACK_RETURN_IF_ERROR(r.Words(&p.grid, 3 * k, at + " grid"));
+    std::vector<int64_t> bits;
+    THDPACK_RETURN_IF_ERROR(r.Words(&bits, seconds, at + " seconds"));
+    p.seconds.resize(bits.size());
+    for (size_t j = 0; j < bits.size(); ++j) std::memcpy(&p.seconds[j], &bits[j], 8);
+    THDPACK_RETURN_IF_ERROR(r.Bytes(&p.payload, payload, at + " payload"));
+  }
+  *offset = r.at();
+  return out;
+}
+
+std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches) {
+  size_t n = 8;
+  for (const MediaShard& s : microbatches) {
+    n += 16 + s.mrope.size() * 8;
+    for (const MediaShardPart& p : s.parts) {
+      n += 8 * 8 + 8 * (p.grid.size() + p.token_index.size() + p.recv_index.size() +
+                        p.send_index.size() + p.send_counts.size() + p.recv_counts.size()) +
+           Padded(p.payload.size());
+    }
+  }
+  std::vector<uint8_t> out(n + kFrameTrailerSize);
+  uint8_t* dst = out.data();
+  Put(dst, static_cast<int64_t>(microbatches.size()));
+  for (const MediaShard& s : microbatches) {
+    Put(dst, static_cast<int64_t>(s.parts.size()));
+    Put(dst, static_cast<int64_t>(s.mrope.size()));
+    PutWords(dst, s.mrope);
+    for (const MediaShardPart& p : s.parts) {
+      Put(dst, static_cast<int64_t>(p.grid.size() / 3));
+      Put(dst, p.dtype);
+      Put(dst, p.width);
+      Put(dst, static_cast<int64_t>(p.payload.size()));
+      Put(dst, p.output_rows);
+      Put(dst, static_cast<int64_t>(p.token_index.size()));
+      Put(dst, static_cast<int64_t>(p.send_index.size()));
+      Put(dst, static_cast<int64_t>(p.send_counts.size()));
+      PutWords(dst, p.grid);
+      PutWords(dst, p.token_index);
+      PutWords(dst, p.recv_index);
+      PutWords(dst, p.send_index);
+      PutWords(dst, p.send_counts);
+      PutWords(dst, p.recv_counts);
+      PutBytes(dst, p.payload);
+    }
+  }
+  SealFrame(FrameKind::kMedia, out);
+  return out;
+}
+
+Result<std::vector<MediaShard>> DecodeMediaFrame(std::span<const uint8_t> frame,
+                                                 size_t modalities) {
+  THDPACK_ASSIGN_OR_RETURN(std::span<const uint8_t> body, OpenFrame(frame, FrameKind::kMedia));
+  Reader r(body, 0, "media: ");
+  int64_t count;
+  THDPACK_RETURN_IF_ERROR(r.Count(&count, "microbatches", 16));
+  std::vector<MediaShard> out(static_cast<size_t>(count));
+  for (int64_t mb = 0; mb < count; ++mb) {
+    const std::string at = "microbatch " + Num(mb);
+    MediaShard& s = out[static_cast<size_t>(mb)];
+    int64_t parts, mrope;
+    THDPACK_RETURN_IF_ERROR(r.Word(&parts, at + " modalities"));
+    if (parts != static_cast<int64_t>(modalities)) {
+      return r.Bad(at + ": " + Num(parts) + " modalities, the run declares " +
+                   Num(int64_t(modalities)));
+    }
+    THDPACK_RETURN_IF_ERROR(r.Count(&mrope, at + " mrope", 8));
+    THDPACK_RETURN_IF_ERROR(r.Words(&s.mrope, mrope, at + " mrope"));
+    s.parts.resize(modalities);
+    for (size_t m = 0; m < modalities; ++m) {
+      const std::string pat = at + " part " + Num(int64_t(m));
+      MediaShardPart& p = s.parts[m];
+      int64_t k, dtype, payload, tokens, sent, cp;
+      THDPACK_RETURN_IF_ERROR(r.Count(&k, pat + " items", 24));
+      THDPACK_RETURN_IF_ERROR(r.Word(&dtype, pat + " dtype"));
+      THDPACK_RETURN_IF_ERROR(Dtype(r, dtype, pat));
+      p.dtype = static_cast<uint8_t>(dtype);
+      THDPACK_RETURN_IF_ERROR(r.Word(&p.width, pat + " width"));
+      if (p.width < 0) return r.Bad(pat + " width " + Num(p.width) + " is negative");
+      THDPACK_RETURN_IF_ERROR(r.Count(&payload, pat + " payload bytes", 1));
+      THDPACK_RETURN_IF_ERROR(r.Word(&p.output_rows, pat + " output rows"));
+      if (p.output_rows < 0) return r.Bad(pat + " output rows " + Num(p.output_rows));
+      THDPACK_RETURN_IF_ERROR(r.Count(&tokens, pat + " tokens", 16));
+      THDPACK_RETURN_IF_ERROR(r.Count(&sent, pat + " rows sent", 8));
+      THDPACK_RETURN_IF_ERROR(r.Count(&cp, pat + " CP ranks", 16));
+      THDPACK_RETURN_IF_ERROR(r.Words(&p.grid, 3 * k, pat + " grid"));
+      THDPACK_RETURN_IF_ERROR(r.Words(&p.token_index, tokens, pat + " token index"));
+      THDPACK_RETURN_IF_ERROR(r.Words(&p.recv_index, tokens, pat + " receive index"));
+      THDPACK_RETURN_IF_ERROR(r.Words(&p.send_index, sent, pat + " send index"));
+      THDPACK_RETURN_IF_ERROR(r.Words(&p.send_counts, cp, pat + " send counts"));
+      THDPACK_RETURN_IF_ERROR(r.Words(&p.recv_counts, cp, pat + " receive counts"));
+      THDPACK_RETURN_IF_ERROR(r.Bytes(&p.payload, payload, pat + " payload"));
+    }
+  }
+  if (r.left() != 0) return r.Bad(Num(int64_t(r.left())) + " bytes left over");
+  return out;
+}
+
+}  // namespace thdpack
