@@ -78,6 +78,17 @@ struct MediaItem {
     std::span<const std::vector<MediaGrid>> grids, std::span<const std::vector<double>> seconds,
     std::string_view where);
 
+// One sample's media as a caller feeds it (Sample::media, thdpack/sample.h): one part per
+// spec, its grid rows [3k] and seconds tied to the tokens by SampleMediaItems, and a payload of
+// exactly sum(t*h*w) rows of `width` >= 1 elements of its dtype (none: width 0, no bytes, no
+// items). Returns the items; InvalidArgument naming `where` and the rule otherwise (a payload
+// of the wrong size names both row counts).
+[[nodiscard]] Result<std::vector<MediaItem>> CheckSampleMedia(std::span<const MediaSpec> specs,
+                                                              int64_t merge,
+                                                              std::span<const TokenId> tokens,
+                                                              std::span<const MediaPart> media,
+                                                              std::string_view where);
+
 // ---- The encoder's work, and where it runs. ----
 
 // cost(item) = per_patch * t*h*w + per_frame_sq * t * (h*w)^2: the encoder's layers linear in

@@ -17,6 +17,7 @@
 #include "thdpack/run_state.h"
 #include "thdpack/sample.h"
 #include "thdpack/schedule.h"
+#include "thdpack/step_wire.h"
 #include "thdpack/topology.h"
 #include "thdpack/wire.h"
 
@@ -57,6 +58,10 @@ struct LocalMicrobatch {
   // (CP-sharded like the tokens and the labels, not SP-split), a sample field's [n, w] on every
   // rank; empty where the stage does not hold it.
   std::vector<std::vector<std::byte>> fields;
+  // The first stage only, with media declared (StepRunnerOptions::media): what this rank
+  // encodes of the microbatch's media and where the rows go (thdpack/step_wire.h MediaShard);
+  // empty parts elsewhere.
+  MediaShard media;
   // This TP rank's part of the [T/CP] activations under SP: (offset, count). Without SP the
   // whole range (0, T/CP).
   std::pair<int64_t, int64_t> sp_range{0, 0};

@@ -67,6 +67,7 @@
 #include "thdpack/comm.h"
 #include "thdpack/data.h"
 #include "thdpack/fields.h"
+#include "thdpack/media.h"
 #include "thdpack/pack.h"
 #include "thdpack/rank_step.h"
 #include "thdpack/run_state.h"
@@ -157,6 +158,17 @@ struct StepRunnerOptions {
   // every scheduler call gets them. Required with keep_groups, refused without (Create names
   // the rule broken). Default: none.
   std::string group_field;
+  // Images and video (thdpack/media.h, docs/media.md): the declared modalities, in order; each
+  // sample's Sample::media holds one part per modality. Each microbatch's items are placed
+  // whole on its CP ranks (PlaceMicrobatchMedia, by media_cost) and each first-stage rank gets
+  // its MediaShard (LocalMicrobatch::media): the payload rows it encodes, the route of their
+  // output rows and, with mrope, its shard's mRoPE positions. Needs a caller-fed source, data
+  // on tp0 and a static scheduler (Create names the rule broken). Default: none.
+  std::vector<MediaSpec> media;
+  int64_t spatial_merge_size = 2;
+  Mrope mrope = Mrope::kNone;          // needs media
+  double mrope_tokens_per_second = 2;  // Qwen2.5-VL's vision_config.tokens_per_second
+  EncoderCost media_cost = DefaultEncoderCost();
   // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
   // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with
   // every LocalMicrobatch's cp_group null, and the caller attaches them (AttachCpGroups) from

@@ -10,11 +10,14 @@
 //   thdpack._thdpack.media_item_cost(grid, per_patch=None, per_frame_sq=None)
 // specs: [(name, token_id, timed)]; grids: per modality, [k, 3] integers; seconds: None or per
 // modality a list of floats; items: per sequence, the tuples media_items returns.
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common.h"
+#include "media_py.h"
+#include "thdpack/fields.h"
 #include "thdpack/media.h"
 
 namespace thdpack::python {
@@ -113,6 +116,76 @@ py::array_t<T> ToArray(const std::vector<T>& v) {
 }
 
 }  // namespace
+
+Status MediaFromPy(const py::handle& parts, const std::string& where, Sample& s) {
+  try {
+    for (const py::handle& part : parts) {
+      const auto t = part.cast<py::tuple>();
+      if (t.size() != 5) throw py::value_error("expected (grid, seconds, dtype, width, payload)");
+      MediaPart mp;
+      const HeldSpan<int64_t> grid = View1D<int64_t>(py::handle(t[0]), where + " media grid");
+      mp.grid.assign(grid.begin(), grid.end());
+      if (!t[1].is_none()) mp.seconds = t[1].cast<std::vector<double>>();
+      auto dtype = ParseFieldDtype(t[2].cast<std::string>());
+      if (!dtype.ok()) return dtype.status().WithContext(where + " media payload");
+      mp.dtype = static_cast<uint8_t>(*dtype);
+      mp.width = t[3].cast<int64_t>();
+      const HeldSpan<uint8_t> bytes = View1D<uint8_t>(py::handle(t[4]), where + " media payload");
+      mp.payload.resize(bytes.size());
+      if (!bytes.empty()) std::memcpy(mp.payload.data(), bytes.data(), bytes.size());
+      s.media.push_back(std::move(mp));
+    }
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(where + ": media: " + e.what());
+  }
+  return Status::Ok();
+}
+
+void SetMediaOptions(const py::handle& media, StepRunnerOptions& ro) {
+  const auto t = media.cast<py::tuple>();
+  if (t.size() != 5) throw py::value_error("media: expected (specs, merge, mrope, tps, cost)");
+  for (const py::handle& spec : t[0]) {
+    const auto x = spec.cast<py::tuple>();
+    ro.media.push_back(
+        MediaSpec{x[0].cast<std::string>(), x[1].cast<TokenId>(), x[2].cast<bool>()});
+  }
+  ro.spatial_merge_size = t[1].cast<int64_t>();
+  ro.mrope = ValueOrThrow(ParseMrope(t[2].is_none() ? "none" : t[2].cast<std::string>()));
+  ro.mrope_tokens_per_second = t[3].cast<double>();
+  if (!t[4].is_none()) {
+    const auto c = t[4].cast<std::pair<double, double>>();
+    ro.media_cost = EncoderCost{c.first, c.second};
+  }
+}
+
+py::object MediaToPy(MediaShard& media) {
+  if (media.parts.empty()) return py::none();
+  py::list parts;
+  for (MediaShardPart& p : media.parts) {
+    py::dict d;
+    py::array_t<uint8_t> payload(static_cast<py::ssize_t>(p.payload.size()));
+    if (!p.payload.empty()) std::memcpy(payload.mutable_data(), p.payload.data(), p.payload.size());
+    d["payload"] = payload;
+    d["dtype"] = std::string(FieldDtypeName(static_cast<FieldDtype>(p.dtype)));
+    d["width"] = p.width;
+    const int64_t k = static_cast<int64_t>(p.grid.size() / 3);
+    d["grid_thw"] = ToNumpy(std::move(p.grid)).reshape({k, int64_t{3}});
+    d["output_rows"] = p.output_rows;
+    d["token_index"] = ToNumpy(std::move(p.token_index));
+    d["recv_index"] = ToNumpy(std::move(p.recv_index));
+    d["send_index"] = ToNumpy(std::move(p.send_index));
+    d["send_counts"] = ToNumpy(std::move(p.send_counts));
+    d["recv_counts"] = ToNumpy(std::move(p.recv_counts));
+    parts.append(d);
+  }
+  return parts;
+}
+
+py::object MropeToPy(MediaShard& media) {
+  if (media.mrope.empty()) return py::none();
+  const int64_t local = static_cast<int64_t>(media.mrope.size() / 3);
+  return ToNumpy(std::move(media.mrope)).reshape({int64_t{3}, local});
+}
 
 void BindMedia(py::module_& m) {
   m.def("media_items", [](const py::handle& specs, int64_t merge, const py::handle& tokens,

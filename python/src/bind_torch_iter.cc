@@ -5,7 +5,7 @@
 //
 //   thdpack._thdpack._TorchStepSource(world, torch_ranks, known, options, source, take_share,
 //                                     prepare, cuda_device, monitored_barrier_seconds, depth,
-//                                     steps, fields, kept_groups)
+//                                     steps, fields, kept_groups, media)
 //       .next() -> (prepared, cp_groups, group_counts): one step as this rank holds it
 //       .unpack(microbatches, values, unpack, fill, label_format): step.unpack (UnpackStep)
 //   thdpack._thdpack._run_steps_on_threads(options, steps, source, shares, state, fields)
@@ -21,7 +21,9 @@
 // tokens, uint8 mask or None, fields or None, position or None) tuples; FedShares (step.h)
 // checks the count and the positions given and sets the ids (the k-th sample of loader d in a
 // step at stream position p has id p + k * DP + d). `fields` is the run's schema (fields_py.h;
-// None: none).
+// None: none). `media` (None: none) is (specs, spatial_merge_size, mrope,
+// mrope_tokens_per_second, encoder cost or None), and a fed sample's tuple then has a fifth
+// entry: per modality (int64 grid [3k], seconds or None, dtype name, width, uint8 payload).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -39,6 +41,7 @@
 #include "thdpack/step_runner.h"
 #include "job_options.h"
 #include "fields_py.h"
+#include "media_py.h"
 #include "torch_comm.h"
 
 namespace thdpack::python {
@@ -92,6 +95,9 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
       return Status::InvalidArgument(e.what());
     }
     if (s.tokens.empty()) return Status::InvalidArgument(where + ": input_ids is empty");
+    if (pair.size() > 4 && !pair[4].is_none()) {  // media (media_py.h)
+      THDPACK_RETURN_IF_ERROR(MediaFromPy(pair[4], where, s));
+    }
     const py::object given = pair.size() > 2 ? py::object(pair[2]) : py::object(py::none());
     THDPACK_RETURN_IF_ERROR(
         FieldsFromPy(fields, given, static_cast<int64_t>(s.tokens.size()), where, s));
@@ -194,6 +200,9 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
     m["sample_ids"] = ToNumpy(std::vector<int64_t>(mb.sample_ids));
     m["seq_n_targets"] = ToNumpy(std::vector<int64_t>(mb.seq_n_targets));
     m["fields"] = FieldsToPy(fields, mb.fields);
+    // Media (first stage, media declared) and mRoPE, or None (media_py.h).
+    m["media"] = MediaToPy(mb.media);
+    m["mrope_position_ids"] = MropeToPy(mb.media);
     // A blend: each sequence's source (its index in the blend's list); None for other data.
     m["sources"] = mb.sources.empty() ? py::object(py::none())
                                       : py::object(ToNumpy(std::vector<int32_t>(mb.sources)));
@@ -427,7 +436,8 @@ class TorchStepSource {
   TorchStepSource(py::object world_group, std::vector<int> torch_ranks, py::list known,
                   py::dict options, py::object source, py::object take_share, py::object prepare,
                   py::object device, double monitored_barrier_seconds, int depth,
-                  py::object steps, py::object fields, py::object kept_groups) {
+                  py::object steps, py::object fields, py::object kept_groups,
+                  py::object media) {
     auto comm = CommOptions(world_group, torch_ranks, known, device);
     comm->monitored_barrier_seconds = monitored_barrier_seconds;
     comm->kept_groups = std::move(kept_groups);
@@ -453,6 +463,7 @@ class TorchStepSource {
       }
       ro = RunnerOptions(*job_);
       ro.fields = *fields_;
+      if (!media.is_none()) SetMediaOptions(media, ro);
       if (!take_share.is_none()) {
         auto take = std::make_shared<PyRef>(std::move(take_share));
         const FedShares fed = ValueOrThrow(
@@ -798,11 +809,12 @@ void BindTorchIter(py::module_& m) {
   py::class_<TorchStepSource>(m, "_TorchStepSource")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
                     py::object, py::object, double, int, py::object, py::object,
-                    py::object>(),
+                    py::object, py::object>(),
            py::arg("world"), py::arg("torch_ranks"), py::arg("known"), py::arg("options"),
            py::arg("source"), py::arg("take_share"), py::arg("prepare"), py::arg("cuda_device"),
            py::arg("monitored_barrier_seconds"), py::arg("depth"), py::arg("steps"),
-           py::arg("fields") = py::none(), py::arg("kept_groups") = py::none())
+           py::arg("fields") = py::none(), py::arg("kept_groups") = py::none(),
+           py::arg("media") = py::none())
       .def("next", &TorchStepSource::Next)
       .def("state", &TorchStepSource::State)
       .def("restore", &TorchStepSource::Restore, py::arg("state"))

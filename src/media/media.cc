@@ -9,6 +9,8 @@
 #include <set>
 #include <string>
 
+#include "thdpack/fields.h"
+
 namespace thdpack {
 namespace {
 
@@ -140,6 +142,59 @@ Result<std::vector<MediaItem>> SampleMediaItems(std::span<const MediaSpec> specs
   }
   std::sort(items.begin(), items.end(),
             [](const MediaItem& a, const MediaItem& b) { return a.begin < b.begin; });
+  return items;
+}
+
+Result<std::vector<MediaItem>> CheckSampleMedia(std::span<const MediaSpec> specs,
+                                                int64_t merge, std::span<const TokenId> tokens,
+                                                std::span<const MediaPart> media,
+                                                std::string_view where) {
+  const std::string w(where);
+  if (media.size() != specs.size()) {
+    return Status::InvalidArgument(w + ": media for " + Str(static_cast<int64_t>(media.size())) +
+                                   " modalities, the run declares " +
+                                   Str(static_cast<int64_t>(specs.size())));
+  }
+  std::vector<std::vector<MediaGrid>> grids(specs.size());
+  std::vector<std::vector<double>> seconds(specs.size());
+  for (size_t m = 0; m < specs.size(); ++m) {
+    const MediaPart& p = media[m];
+    if (p.grid.size() % 3 != 0) {
+      return Status::InvalidArgument(w + ": '" + specs[m].name + "' grid of " +
+                                     Str(static_cast<int64_t>(p.grid.size())) +
+                                     " values, not [k, 3]");
+    }
+    for (size_t k = 0; k < p.grid.size(); k += 3) {
+      grids[m].push_back(MediaGrid{p.grid[k], p.grid[k + 1], p.grid[k + 2]});
+    }
+    seconds[m] = p.seconds;
+  }
+  THDPACK_ASSIGN_OR_RETURN(std::vector<MediaItem> items,
+                           SampleMediaItems(specs, merge, tokens, grids, seconds, where));
+  for (size_t m = 0; m < specs.size(); ++m) {
+    const MediaPart& p = media[m];
+    int64_t rows = 0;
+    for (const MediaGrid& g : grids[m]) rows += g.patches();
+    const std::string name = "'" + specs[m].name + "'";
+    if (p.dtype >= AllFieldDtypes().size()) {
+      return Status::InvalidArgument(w + ": " + name + " payload dtype code " + Str(p.dtype) +
+                                     " is not one of fields.h's");
+    }
+    const int64_t row_bytes = p.width * static_cast<int64_t>(
+                                            FieldDtypeSize(static_cast<FieldDtype>(p.dtype)));
+    if (rows > 0 && p.width < 1) {
+      return Status::InvalidArgument(w + ": " + name + " has " + Str(rows) +
+                                     " patches of items but no payload rows");
+    }
+    const int64_t got = row_bytes > 0 ? static_cast<int64_t>(p.payload.size()) / row_bytes : 0;
+    if (static_cast<int64_t>(p.payload.size()) != rows * row_bytes) {
+      return Status::InvalidArgument(
+          w + ": " + name + " payload has " + Str(got) + " rows" +
+          (row_bytes > 0 && static_cast<int64_t>(p.payload.size()) % row_bytes != 0
+               ? " and a part" : "") +
+          ", its items' grids (t*h*w) take " + Str(rows));
+    }
+  }
   return items;
 }
 

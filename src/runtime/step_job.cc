@@ -92,6 +92,19 @@ std::vector<JobEntry> StepJobEntries(const StepRunnerOptions& o, const Topology&
   for (size_t f = 0; f < o.fields.size(); ++f) {
     e.emplace_back("fields[" + std::to_string(f) + "]", o.fields[f].ToString());
   }
+  e.emplace_back("media", Num(static_cast<int64_t>(o.media.size())));
+  for (size_t m = 0; m < o.media.size(); ++m) {
+    e.emplace_back("media[" + std::to_string(m) + "]",
+                   o.media[m].name + " (token " + Num(o.media[m].token_id) +
+                       (o.media[m].timed ? ", timed)" : ")"));
+  }
+  if (!o.media.empty()) {
+    e.emplace_back("spatial_merge_size", Num(o.spatial_merge_size));
+    e.emplace_back("mrope", std::string(MropeName(o.mrope)));
+    e.emplace_back("mrope_tokens_per_second", std::to_string(o.mrope_tokens_per_second));
+    e.emplace_back("media_cost", std::to_string(o.media_cost.per_patch) + "," +
+                                     std::to_string(o.media_cost.per_frame_sq));
+  }
   return e;
 }
 

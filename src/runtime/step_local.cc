@@ -58,6 +58,7 @@ LocalMicrobatch StepRunner::Impl::MakeLocal(RankStep& out, size_t m, int cp_size
       lm.fields[sample_fields_[k]] = std::move(info.sample_fields[k]);
     }
   }
+  if (out.first_stage && m < media_local_.size()) lm.media = std::move(media_local_[m]);
   lm.sp_range = {0, lm.local_tokens};
   if (opts_.schedule.parallel.sp()) {
     // The microbatch's layout (the group's, in a dynamic step) makes T/c a multiple of TP.

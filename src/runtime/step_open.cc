@@ -91,6 +91,7 @@ Status StepRunner::Impl::Init() {
     if (!opts_.fields[f].per_token()) sample_fields_.push_back(f);
   }
   if (local.ok()) local = FindGroupField();
+  if (local.ok()) local = CheckMediaOptions();
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
   if (!opts_.read_share) {
     const Result<SourceKind> kind = SourceKindOf(opts_.data);

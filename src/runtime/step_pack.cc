@@ -37,6 +37,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
   mb_info_.assign(static_cast<size_t>(plan.num_microbatches), {});
+  media_shards_.assign(opts_.media.empty() ? 0 : static_cast<size_t>(plan.num_microbatches), {});
   std::vector<SampleView> views;
   std::vector<int64_t> lengths, ps;
   for (int m = 0; m < plan.num_microbatches; ++m) {
@@ -82,6 +83,9 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
       THDPACK_ASSIGN_OR_RETURN(n_valid, PackShardInto(views, layout, po, coord_.cp, bufs[0]));
     }
     THDPACK_RETURN_IF_ERROR(PackSequences(out, static_cast<size_t>(m), ps, layout, cp, shards));
+    if (!opts_.media.empty()) {  // step_media.cc
+      THDPACK_RETURN_IF_ERROR(PackMedia(out, static_cast<size_t>(m), ps, layout));
+    }
     AddMicrobatch(meta, std::move(layout), n_valid);
   }
   return SealMeta(meta);

@@ -122,10 +122,16 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
   }
   if (opts_.read_share) {
     for (const Sample& x : share.samples) {
-      THDPACK_RETURN_IF_ERROR(CheckSampleFields(
-          opts_.fields, x.fields, static_cast<int64_t>(x.tokens.size()),
-          "sample id " + std::to_string(x.id) + " (step " + std::to_string(step_) +
-              ", read by loader dp=" + std::to_string(coord_.dp) + ")"));
+      const std::string where = "sample id " + std::to_string(x.id) + " (step " +
+                                std::to_string(step_) + ", read by loader dp=" +
+                                std::to_string(coord_.dp) + ")";
+      THDPACK_RETURN_IF_ERROR(CheckSampleFields(opts_.fields, x.fields,
+                                                static_cast<int64_t>(x.tokens.size()), where));
+      if (!opts_.media.empty()) {  // its items against its tokens, its payload's rows
+        THDPACK_RETURN_IF_ERROR(CheckSampleMedia(opts_.media, opts_.spatial_merge_size,
+                                                 x.tokens, x.media, where)
+                                    .status());
+      }
     }
   }
   own_ = std::move(share.samples);

@@ -13,6 +13,8 @@
 //   step_plan.cc         plan: the same Plan on every loader, and the plan hash check
 //   step_exchange.cc     exchange: sample tokens to the ranks that pack them
 //   step_pack.cc         pack: the microbatches packed and CP-sharded, the step's StepMeta
+//   step_media.cc        media: images and video with their samples (exchange), placed and
+//                        routed (pack), each first-stage rank's part (deliver)
 //   step_deliver.cc      deliver: the metadata to every rank, then each stage's shards
 //   step_local.cc        every rank's LocalMicrobatch list, the step's end
 //   phase_table.cc       the phases' names and the phase table gathered over the world
@@ -60,19 +62,28 @@ Result<RankStep> StepRunner::Impl::Next() {
   THDPACK_RETURN_IF_ERROR(
       RunPhase(out, Phase::kPlan, reader_, "plan", [&] { return MakePlan(out); }));
   // 3. Sample tokens move to the replica the Plan chose.
-  THDPACK_RETURN_IF_ERROR(
-      RunPhase(out, Phase::kExchange, reader_, "exchange", [&] { return ExchangeTokens(out); }));
+  const bool media = !opts_.media.empty();
+  THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kExchange, reader_, "exchange", [&] {
+    THDPACK_RETURN_IF_ERROR(ExchangeTokens(out));
+    return media ? ExchangeMedia(out) : Status::Ok();  // step_media.cc
+  }));
   // 4. Each loader packs its microbatches and CP-shards them.
   const Status packed =
       RunPhase(out, Phase::kPack, reader_, "pack", [&] { return PackReplica(out); });
   own_.clear();  // packed: the samples are no longer needed
+  media_recv_.clear();
+  media_of_.clear();
   THDPACK_RETURN_IF_ERROR(packed);
 
   // 5. Every rank gets the metadata, and its stage's shards.
   THDPACK_RETURN_IF_ERROR(
       Deliver(out, tp0 ? replica_.get() : nullptr,
               "the loader of replica " + std::to_string(coord_.dp),
-              [&] { return ReceiveShards(out); }, nullptr));
+              [&] {
+                THDPACK_RETURN_IF_ERROR(ReceiveShards(out));
+                return media ? DeliverMedia(out) : Status::Ok();
+              },
+              nullptr));
   // 6. Each rank's microbatches, the step's figures, and the run's position past the step.
   FinishLocal(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});

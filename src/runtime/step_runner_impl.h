@@ -199,6 +199,17 @@ class StepRunner::Impl {
   Status PackSequences(RankStep& out, size_t m, std::span<const int64_t> ps,
                        const Layout& layout, int cp_size, std::vector<PackedShard>& shards);
 
+  // step_media.cc - media (docs/media.md).
+  // The media options against the source, the data placement, the scheduler and oversize.
+  Status CheckMediaOptions() const;
+  // After the token exchange: each sample's media to the loader that packs it (media_of_).
+  Status ExchangeMedia(RankStep& out);
+  // Microbatch m's media: its items checked and placed, each first-stage rank's MediaShard
+  // (media_shards_[m][cp * TP + tp]).
+  Status PackMedia(RankStep& out, size_t m, std::span<const int64_t> ps, const Layout& layout);
+  // After the shards: each first-stage member's MediaShards (media_local_ on every rank).
+  Status DeliverMedia(RankStep& out);
+
   // step_deliver.cc - delivery.
   // A packed step's message: with a group to deliver to (tp0), the metadata, the position, the
   // sequences and the checksums of the shards the group's members get, encoded (meta_bytes_);
@@ -286,6 +297,13 @@ class StepRunner::Impl {
   std::vector<SampleRef> refs_;         // [n]: where each of this replica's samples lives
   // Loader's packed shards: [M][CP].
   std::vector<std::vector<PackedShard>> shards_;
+  // Media (step_media.cc): where each sample this loader packs has its media (its own, or
+  // media_recv_ from the exchange), each microbatch's MediaShard per (cp, tp) of the replica
+  // (the loader), and this rank's, per microbatch.
+  std::vector<std::vector<MediaPart>> media_recv_;
+  std::vector<const std::vector<MediaPart>*> media_of_;
+  std::vector<std::vector<MediaShard>> media_shards_;
+  std::vector<MediaShard> media_local_;
   std::vector<uint8_t> meta_bytes_;  // the encoded step message
   // Receivers: the checksums the step message announced for the shards that follow it: [m]
   // the checksums of microbatch m's shards (shards_per_mb_ x arrays_per_shard_; empty when

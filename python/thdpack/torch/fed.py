@@ -88,7 +88,43 @@ def _field_value(value, dtype, where):
     return got, tuple(int(d) for d in shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def _to_sample(item, where, fields=()):
+_FLOAT_NAMES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _media_parts(item, media, where):
+    """A sample's media, one part per declared modality in order, as the C++ takes it: (int64
+    grid [3k], seconds or None, payload dtype name, row width, uint8 payload bytes). The payload
+    keeps its dtype (a float dtype; never cast) and is [rows, width]; the C++ checks the rows
+    against the grids and the grids against the tokens (CheckSampleMedia, thdpack/media.h)."""
+    parts = []
+    for name, spec in media.items():
+        at = f"{where}, media {name!r}"
+        grid = item.get(spec["grid"])
+        grid = np.zeros(0, dtype=np.int64) if grid is None else \
+            np.ascontiguousarray(_as_array(grid, spec["grid"]), dtype=np.int64).reshape(-1)
+        seconds = None
+        if "seconds" in spec and item.get(spec["seconds"]) is not None:
+            seconds = [float(v) for v in _as_array(item[spec["seconds"]], "seconds").reshape(-1)]
+        payload = item.get(spec["payload"])
+        if payload is None:
+            parts.append((grid, seconds, "float32", 0, np.zeros(0, dtype=np.uint8)))
+            continue
+        got, shape, raw = _field_value(payload, "float32", f"{at} {spec['payload']!r}")
+        if got not in _FLOAT_NAMES or len(shape) != 2:
+            raise ValueError(f"{at}: {spec['payload']!r} must be a [rows, D] array of a float "
+                             f"dtype (kept as it is), got {got} of shape {shape}")
+        parts.append((grid, seconds, got, int(shape[1]), raw))
+    return parts
+
+
+def _media_keys(media):
+    keys = set()
+    for spec in (media or {}).values():
+        keys.update(spec[k] for k in ("payload", "grid", "seconds") if k in spec)
+    return keys
+
+
+def _to_sample(item, where, fields=(), media=None):
     """A loader's sample (dict with input_ids, optional loss_mask and position, and the run's
     fields) as (int32 tokens, uint8 mask or None, fields, position or None). Values outside
     int32 or a mask that is not 0/1 are errors, never cast away; every other key goes to the
@@ -114,11 +150,13 @@ def _to_sample(item, where, fields=()):
             raise ValueError(f"{where}: loss_mask holds values other than 0 and 1")
         mask = np.ascontiguousarray(mask, dtype=np.uint8)
     declared = {f[0]: f[2] for f in fields}
+    skip = _media_keys(media)
     values = {k: _field_value(v, declared.get(k, "float32"), f"{where}, field {k!r}")
-              for k, v in item.items() if k not in _SAMPLE_KEYS}
+              for k, v in item.items() if k not in _SAMPLE_KEYS and k not in skip}
     position = item.get("position")
     return (np.ascontiguousarray(tokens, dtype=np.int32), mask, values,
-            None if position is None else int(position))
+            None if position is None else int(position),
+            None if not media else _media_parts(item, media, where))
 
 
 def loader_positions(start, global_batch, dp_size, loader):
@@ -148,8 +186,9 @@ class _FedShares:
     (pack_batch: a list that is the loader's whole share) gives every sample it holds, however
     many. The C++ (FedShares) checks the count and every position given."""
 
-    def __init__(self, fields=()):
+    def __init__(self, fields=(), media=None):
         self._fields = fields
+        self._media = media
         self._it = None
         self.whole = False
 
@@ -161,6 +200,6 @@ class _FedShares:
             raise ValueError("source: this rank is a loader but was given None (give each "
                              "loader its iterable)")
         items = self._it if self.whole else itertools.islice(self._it, count)
-        out = [_to_sample(item, f"sample {k} of the share", self._fields)
+        out = [_to_sample(item, f"sample {k} of the share", self._fields, self._media)
                for k, item in enumerate(items)]
         return None if count and not out and not self.whole else out

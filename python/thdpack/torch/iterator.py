@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import _thdpack
 # The parts' names, each also under this module's path (tests and tools import some).
 from .batch import _release_batch_groups, pack_batch  # noqa: F401
+from .media import media_specs
 from .fed import _FedShares, _field_value, _to_sample, field_specs, loader_positions  # noqa
 from .groups import Groups, _group_ranks  # noqa: F401
 from .packed_step import PackedStep, StepOptions, _microbatch, _pin, _prepare  # noqa: F401
@@ -134,7 +135,8 @@ class PackedDataIterator:
     def __init__(self, source, groups, global_batch=None, max_tokens_per_rank=None,
                  scheduler=None, cost=None, sp=None, data_on=None, device=None, steps=None,
                  monitored_barrier_seconds=0.0, label_format="megatron", prefetch=None,
-                 fields=None, _kept_groups=None, **options):
+                 fields=None, media=None, spatial_merge_size=2, mrope=None,
+                 mrope_tokens_per_second=2.0, media_cost=None, _kept_groups=None, **options):
         self._src = None
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
@@ -165,6 +167,18 @@ class PackedDataIterator:
             if self.fields and isinstance(source, str):
                 raise ValueError(f"fields: the samples of {source!r} carry none; fields come with "
                                  f"samples fed by the caller (an iterable of dicts)")
+            # Media (docs/media.md): the declaration as the C++ takes it; every rule is there.
+            self.media = media
+            media_arg = None
+            if media is not None or mrope is not None:
+                specs = media_specs(media) if media is not None else []
+                if isinstance(source, str) and specs:
+                    raise ValueError(f"media: the samples of {source!r} carry none; media come "
+                                     f"with samples fed by the caller (an iterable of dicts)")
+                media_arg = (specs, int(spatial_merge_size), mrope,
+                             float(mrope_tokens_per_second),
+                             None if media_cost is None else tuple(float(c)
+                                                                   for c in media_cost))
             self.groups = groups
             nccl = dist.get_backend(groups.world) == "nccl"
             if device is None:
@@ -212,16 +226,19 @@ class PackedDataIterator:
         # Where the step is made (the caller's thread at depth 0, the data plane's otherwise):
         # the whole PackedStep on the CPU; for a GPU pinned host arrays, copied by next() on
         # the caller's stream. Holds nothing of the iterator, so a dropped iterator is freed.
+        names = tuple(media) if media else ()
         prepare = functools.partial(_prepare, self.device, groups.cp, label_format,
-                                    self.device.type == "cuda" and depth > 0, self.fields)
+                                    self.device.type == "cuda" and depth > 0, self.fields,
+                                    media_names=names)
         # Freed without close(), the iterator's source closes as close() would (the C++
         # destructor; on the data plane's own thread, where a collector may free it, it returns
         # at once and the thread ends after its steps).
-        self._shares = _FedShares(self.fields) if fed else None
+        self._shares = _FedShares(self.fields, media) if fed else None
         self._src = _thdpack._TorchStepSource(
             groups.world, groups.world_ranks, groups.known, opts,
             None if fed else source, self._shares, prepare, cuda if nccl else None,
-            float(monitored_barrier_seconds), depth, steps, self.fields, _kept_groups)
+            float(monitored_barrier_seconds), depth, steps, self.fields, _kept_groups,
+            media_arg)
         # The ranks that read: the step runner's rule (it depends on the scheduler).
         self.is_loader = bool(self._src.reads)
         values, defaulted = self._src.options
@@ -252,7 +269,8 @@ class PackedDataIterator:
                 if g is not None:
                     m["cp_group"] = g
             step = PackedStep(payload, self.device, self.groups.cp, self._copy_stream,
-                              self.label_format, self.fields)
+                              self.label_format, self.fields,
+                              tuple(self.media) if self.media else ())
         if counts is not None:
             step.figures.update(counts)
         step._iterator = weakref.ref(self)

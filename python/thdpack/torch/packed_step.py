@@ -44,7 +44,7 @@ class PackedStep:
     """
 
     def __init__(self, raw, device, cp_group=None, copy_stream=None,
-                 label_format="megatron", fields=()):
+                 label_format="megatron", fields=(), media_names=()):
         self.step = raw["step"]
         self.options = None  # the iterator's StepOptions, set as it hands the step out
         self.n_loss_sequences = raw["n_loss_sequences"]
@@ -65,12 +65,12 @@ class PackedStep:
             # Pinned host tensors to the device on a side stream; the caller's stream waits
             # for the copies before it uses them.
             with torch.cuda.stream(copy_stream):
-                self.microbatches = [_microbatch(m, device, cp_group, label_format, fields)
-                                     for m in raw["microbatches"]]
+                self.microbatches = [_microbatch(m, device, cp_group, label_format, fields,
+                                                 media_names) for m in raw["microbatches"]]
             torch.cuda.current_stream(device).wait_stream(copy_stream)
         else:
-            self.microbatches = [_microbatch(m, device, cp_group, label_format, fields)
-                                 for m in raw["microbatches"]]
+            self.microbatches = [_microbatch(m, device, cp_group, label_format, fields,
+                                             media_names) for m in raw["microbatches"]]
         self._state = raw["state"]
         self._unpack = raw["unpack"]
         self._label_format = label_format  # how unpack's values are aligned
@@ -175,7 +175,36 @@ def _cp_group(m, topology_cp_group):
     return m["cp_group"] if m["cp_group"] is not None else topology_cp_group
 
 
-def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()):
+def _media(parts, names, device):
+    """The step's media of a microbatch (MediaShard, thdpack/step_wire.h) by modality name: the
+    payload rows this rank encodes as a tensor of their own dtype [rows, D], their grids, the
+    local token positions taking each modality's rows, and route_media's tables."""
+    out = {}
+    for name, p in zip(names, parts):
+        raw = p["payload"]
+        t = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+        width = int(p["width"])
+        if t.numel() == 0:  # none here: empty rows of the modality's width (0 when unknown)
+            pixels = torch.zeros((0, width), dtype=TORCH[p["dtype"]])
+        else:
+            pixels = t.view(TORCH[p["dtype"]]).reshape(-1, width)
+        out[name] = {
+            "pixel_values": pixels.to(device),
+            "grid_thw": torch.from_numpy(p["grid_thw"]).to(device),
+            "token_index": torch.from_numpy(p["token_index"]).to(device),
+            "route": {
+                "output_rows": int(p["output_rows"]),
+                "send_index": torch.from_numpy(p["send_index"]).to(device),
+                "send_counts": p["send_counts"].tolist(),
+                "recv_counts": p["recv_counts"].tolist(),
+                "recv_index": torch.from_numpy(p["recv_index"]).to(device),
+            },
+        }
+    return out
+
+
+def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=(),
+                media_names=()):
     # What attention reads: with max_seqs, the offsets padded to max_seqs + 1 (made in C++).
     fixed = m["cu_seqlens_fixed"] is not None
     cu = _tensor(m["cu_seqlens_fixed" if fixed else "cu_seqlens"], device)
@@ -243,6 +272,12 @@ def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()
             cup_host = cup_host.numpy() if isinstance(cup_host, torch.Tensor) else cup_host
             raw = _thdpack.hf_field(host, cup_host, dtype, shape, fill)
         out[name] = None if raw is None else _field(raw, spec, device)
+    # Media (first stage, media declared): mb["media"][name] (route_media reads it) and the
+    # shard's mRoPE positions [3, T/CP].
+    if m.get("media") is not None:
+        out["media"] = _media(m["media"], media_names, device)
+    if m.get("mrope_position_ids") is not None:
+        out["mrope_position_ids"] = _tensor(m["mrope_position_ids"], device)
     if hf:
         # transformers' names (DataCollatorWithFlattening), over the padded sequences.
         out.update(input_ids=tokens, cu_seq_lens_q=cup, cu_seq_lens_k=cup,
@@ -250,7 +285,7 @@ def _microbatch(m, device, topology_cp_group, label_format="megatron", fields=()
     return out
 
 
-def _prepare(device, cp_group, label_format, pin, fields, raw):
+def _prepare(device, cp_group, label_format, pin, fields, raw, media_names=()):
     """What the step source keeps of a step where it is made: a PackedStep, or (``pin``: a
     GPU, ahead of the caller) the raw step with its arrays pinned, copied by next()."""
     if pin:
@@ -258,4 +293,4 @@ def _prepare(device, cp_group, label_format, pin, fields, raw):
         return raw
     if device.type == "cuda":  # depth 0: made on the caller's thread, copied by next()
         return raw
-    return PackedStep(raw, device, cp_group, None, label_format, fields)
+    return PackedStep(raw, device, cp_group, None, label_format, fields, media_names)

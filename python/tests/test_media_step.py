@@ -1,0 +1,186 @@
+"""Media through the step (docs/media.md): pack_batch and PackedDataIterator with media=MEDIA
+give every first-stage rank its part of each microbatch's media - the same as
+media_microbatch/mrope_microbatch computed from the whole samples - and a model that encodes
+its items, routes the rows and places them trains with the loss and gradients of one process,
+at DP x CP, with SP, and with prefetch. The step's errors for bad media are named on every
+rank."""
+import datetime
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_media import H, MEDIA, MERGE, encoder, make_samples, params
+from worlds import spawn
+
+N = 12  # samples in the batch
+
+
+def sample_weights(sample_id, length):
+    """Each sample's per-token weights of the loss, [L, H], the same in any packing."""
+    g = torch.Generator().manual_seed(1000 + int(sample_id))
+    return torch.randn(length, H, generator=g, dtype=torch.float64)
+
+
+def one_process(samples):
+    """The loss sum over samples of sum(embeds * weights) - each sample's text embeddings with
+    its encoder rows placed at its placeholders - and the gradients of E, W, W2."""
+    E, W, W2 = (p.requires_grad_() for p in params())
+    loss = 0
+    for i, s in enumerate(samples):
+        ids = torch.from_numpy(s["input_ids"])
+        emb = E[ids]
+        for name, spec in MEDIA.items():
+            out = encoder(s[spec["payload"]], torch.from_numpy(s[spec["grid"]]), W, W2)
+            emb = emb.masked_scatter((ids == spec["token_id"])[:, None].expand_as(emb), out)
+        loss = loss + (emb * sample_weights(i, len(ids))).sum()
+    loss.backward()
+    return float(loss), E.grad, W.grad, W2.grad
+
+
+def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir):
+    from test_torch_iterator import make_groups
+    from thdpack.torch import (PackedDataIterator, media_microbatch, mrope_microbatch,
+                               pack_batch, route_media)
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    world = tp * cp * dp
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = make_groups(tp, cp, dp, 1)
+    tp_rank, cp_rank, dp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
+    samples = make_samples(21, n=N)
+    loader = tp_rank == 0 and cp_rank == 0
+    mine = samples[dp_rank::dp] if loader else None
+    kw = dict(media=MEDIA, spatial_merge_size=MERGE, mrope="qwen2.5-vl",
+              max_tokens_per_rank=512, sp=sp)
+    if prefetch is None:
+        steps = [pack_batch(mine, groups, **kw)]
+    else:  # the iterator, two steps of N/2, a step prepared ahead
+        it = PackedDataIterator(mine if loader else None, groups, global_batch=N // 2,
+                                prefetch=prefetch, steps=2, **kw)
+        steps = list(it)
+    E, W, W2 = (p.requires_grad_() for p in params())
+    loss, checked = 0, 0
+    for step in steps:
+        for mb in step:
+            ids = mb["sample_ids"].tolist()  # stream positions: indices into samples
+            whole = [samples[i] for i in ids]
+            cu, cup = mb["cu_seqlens_cpu"].numpy(), mb["cu_seqlens_padded_cpu"].numpy()
+            sp_size, sp_rank = (tp, tp_rank) if sp else (1, 0)
+            want = media_microbatch(whole, MEDIA, cu, cup, cp, cp_rank, sp_size, sp_rank, MERGE)
+            for name in MEDIA:
+                got, exp = mb["media"][name], want[name]
+                assert torch.equal(got["pixel_values"], exp["pixel_values"]), name
+                assert torch.equal(got["grid_thw"], exp["grid_thw"]), name
+                assert torch.equal(got["token_index"], exp["token_index"]), name
+                for key in ("send_index", "recv_index"):
+                    assert torch.equal(got["route"][key], exp["route"][key]), (name, key)
+            rope = mrope_microbatch(whole, MEDIA, cu, cup, cp, cp_rank, MERGE, "qwen2.5-vl")
+            assert torch.equal(mb["mrope_position_ids"], rope)
+            checked += 1
+            # The model: text embeddings, each modality's rows encoded here and routed.
+            lo, n = mb["sp_range"]
+            embeds = E[mb["tokens"].long()]
+            for name in MEDIA:
+                m = mb["media"][name]
+                rows = route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, name)
+                if sp:  # this TP rank's SP part: its token_index is local to the part
+                    part = embeds[lo:lo + n].index_put((m["token_index"],), rows)
+                    embeds = torch.cat([embeds[:lo], part, embeds[lo + n:]])
+                else:
+                    embeds = embeds.index_put((m["token_index"],), rows)
+            seq, pos = mb["seq_index"].long(), mb["position_ids"].long()
+            weights = torch.zeros_like(embeds)
+            for k in range(len(seq)):
+                if seq[k] >= 0:
+                    sid = ids[int(seq[k])]
+                    weights[k] = sample_weights(sid, len(samples[sid]["input_ids"]))[pos[k]]
+            keep = slice(lo, lo + n) if sp else slice(None)
+            loss = loss + (embeds[keep] * weights[keep]).sum()
+    loss.backward()
+    torch.save((float(loss), E.grad, W.grad, W2.grad, checked), f"{out_dir}/r{rank}.pt")
+    dist.destroy_process_group()
+
+
+CONFIGS = [  # (tp, cp, dp, sp, prefetch)
+    (1, 1, 2, False, None),
+    (1, 2, 1, False, None),
+    pytest.param(1, 2, 2, False, None, marks=pytest.mark.no_sanitizer),
+    pytest.param(1, 4, 1, False, None, marks=pytest.mark.no_sanitizer),
+    pytest.param(2, 2, 1, True, None, marks=pytest.mark.no_sanitizer),
+    pytest.param(1, 2, 2, False, 1, marks=pytest.mark.no_sanitizer),
+]
+
+
+@pytest.mark.parametrize("tp,cp,dp,sp,prefetch", CONFIGS)
+def test_the_steps_media_train_as_one_process(tmp_path, tp, cp, dp, sp, prefetch):
+    from test_torch_iterator import free_port
+    world = tp * cp * dp
+    spawn(worker, args=(free_port(), tp, cp, dp, sp, prefetch, str(tmp_path)), nprocs=world)
+    got = [torch.load(f"{tmp_path}/r{r}.pt") for r in range(world)]
+    assert all(g[4] > 0 for g in got)
+    loss, gE, gW, gW2 = one_process(make_samples(21, n=N))
+    assert abs(sum(g[0] for g in got) - loss) <= 1e-11 * max(1.0, abs(loss))
+    for k, want in ((1, gE), (2, gW), (3, gW2)):
+        total = sum(g[k] for g in got)
+        assert torch.allclose(total, want, rtol=1e-11, atol=1e-11), (k, (total - want).abs().max())
+
+
+def error_worker(rank, port, out_dir):
+    from test_torch_iterator import make_groups
+    from thdpack.torch import PackedDataIterator, pack_batch
+    from test_job_agreement import error_of
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = make_groups(1, 1, 2, 1)
+    samples = make_samples(21, n=4)
+    mine = samples[rank::2]
+    got = {}
+    kw = dict(media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512)
+    # Rank 1's first sample: an image grid that takes more placeholders than it has.
+    bad = [dict(x) for x in mine]
+    if rank == 1:
+        ids = bad[0]["input_ids"]
+        bad[0] = dict(bad[0], input_ids=np.concatenate([ids, [MEDIA["image"]["token_id"]] * 4,
+                                                        [3]]),
+                      image_grid_thw=np.concatenate([bad[0]["image_grid_thw"], [[1, 4, 8]]]),
+                      pixel_values=torch.cat([bad[0]["pixel_values"],
+                                              torch.zeros(32, bad[0]["pixel_values"].shape[1],
+                                                          dtype=torch.float64)]))
+    got["count"] = error_of(lambda: pack_batch(bad, groups, **kw))
+    # A payload with a row too few.
+    short = [dict(x) for x in mine]
+    k = next(i for i, x in enumerate(short) if x["pixel_values"].shape[0] > 0)
+    short[k] = dict(short[k], pixel_values=short[k]["pixel_values"][1:])
+    got["rows"] = error_of(lambda: pack_batch(short, groups, **kw))
+    got["file source"] = error_of(lambda: PackedDataIterator("mock", groups, global_batch=4,
+                                                             prefetch=0, **kw))
+    got["dynamic"] = error_of(lambda: pack_batch(mine, groups, scheduler="dynamic", **kw))
+    got["truncate"] = error_of(lambda: pack_batch(mine, groups, oversize="truncate", **kw))
+    got["mrope alone"] = error_of(lambda: pack_batch(mine, groups, mrope="qwen2-vl",
+                                                     max_tokens_per_rank=512))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the world still works
+    torch.save((got, float(t)), f"{out_dir}/e{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_bad_media_is_named_on_every_rank(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(error_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got, total = torch.load(f"{tmp_path}/e{rank}.pt")
+        assert total == 2
+        for case, text in (("count", "'image' item 1 (grid [1, 4, 8]) takes 8 'image' tokens "
+                                     "(id 900), only 4 are left"),
+                           ("rows", "payload has"),
+                           ("file source", "media: the samples of 'mock' carry none"),
+                           ("dynamic", "with the dynamic scheduler: not yet"),
+                           ("truncate", "oversize 'truncate'"),
+                           ("mrope alone", "mrope 'qwen2-vl' needs media")):
+            assert got[case] is not None and text in got[case], (rank, case, got[case])

@@ -1,0 +1,311 @@
+// Media through the step (docs/media.md; thdpack/media.h): the samples' images and videos move
+// with their samples and reach the rank that encodes them. Three parts, each inside a phase of
+// step_runner.cc:
+//   exchange (ExchangeMedia, after ExchangeTokens): each sample's media to the loader of the
+//     replica the plan chose, over the same pairs as its tokens - a size frame to each loader,
+//     then one all-to-all-v of kMedia frames (thdpack/step_wire.h), each checked on arrival;
+//   pack (PackMedia, per microbatch): its items checked against their tokens (CheckSampleMedia),
+//     placed whole on its CP ranks by the encoder's cost (PlaceMicrobatchMedia), and each
+//     first-stage rank's MediaShard made: the payload rows it encodes, their route
+//     (RouteMedia) and its shard's mRoPE positions;
+//   deliver (DeliverMedia, after the shards): each first-stage member of the replica gets its
+//     MediaShards of the step in one kMedia frame after a size frame, checked on arrival.
+// Depends on: step_exchange.cc (the exchange's pairs, refs_), step_plan.cc (replica_of_),
+// step_read.cc (own_).
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "runtime/step_runner_impl.h"
+#include "thdpack/step_wire.h"
+
+namespace thdpack {
+
+namespace {
+
+// Message tags of the media delivery (the shards' are 1-4 and 16 + field).
+constexpr int kTagMediaSize = 5;
+constexpr int kTagMedia = 6;
+
+std::string Num(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+using namespace runner_internal;  // NOLINT: the runtime area's own helpers
+
+Status StepRunner::Impl::CheckMediaOptions() const {
+  if (opts_.media.empty()) {
+    if (opts_.mrope != Mrope::kNone) {
+      return Status::InvalidArgument("StepRunner: mrope '" + std::string(MropeName(opts_.mrope)) +
+                                     "' needs media (declare the modalities)");
+    }
+    return Status::Ok();
+  }
+  THDPACK_RETURN_IF_ERROR(
+      ValidateMediaSpecs(opts_.media, opts_.spatial_merge_size).WithContext("StepRunner"));
+  const std::string first = "StepRunner: media ('" + opts_.media[0].name + "', ...) ";
+  if (!opts_.read_share) {
+    return Status::InvalidArgument(first + "with samples from '" + opts_.data +
+                                   "': only a source fed by the caller carries media");
+  }
+  if (opts_.data_on != DataOn::kTp0) {
+    return Status::InvalidArgument(first + "with data on every rank: media moves from the "
+                                   "loaders, data_on must be tp0");
+  }
+  if (opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+    return Status::InvalidArgument(first + "with the dynamic scheduler: not yet (a static "
+                                   "scheduler places the encoder's items over CP)");
+  }
+  if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
+    return Status::InvalidArgument(first + "with oversize 'truncate': cutting a sample would "
+                                   "cut an item's placeholder tokens (use 'error' or 'skip')");
+  }
+  if (!(opts_.mrope_tokens_per_second > 0)) {
+    return Status::InvalidArgument("StepRunner: mrope_tokens_per_second = " +
+                                   std::to_string(opts_.mrope_tokens_per_second) +
+                                   ": must be > 0");
+  }
+  if (!(opts_.media_cost.per_patch >= 0) || !(opts_.media_cost.per_frame_sq >= 0)) {
+    return Status::InvalidArgument("StepRunner: the encoder's cost terms must be >= 0");
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
+  const int dp = topo_.dp_size();
+  const int me = coord_.dp;
+  const size_t n = static_cast<size_t>(dp);
+  const auto& samples = out.samples;
+  const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
+  auto positions = [&](int s, int e) {
+    std::vector<int64_t> ps;
+    for (int64_t p = loader_offset_[static_cast<size_t>(s)];
+         p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
+      if (replica_of_[static_cast<size_t>(p)] == e) ps.push_back(p);
+    }
+    return ps;
+  };
+  // The blocks: each sample's media (EncodeSampleMedia) back to back, in one kMedia frame.
+  std::vector<std::vector<uint8_t>> blocks(n);
+  for (int e = 0; e < dp; ++e) {
+    if (e == me) continue;
+    const std::vector<int64_t> ps = positions(me, e);
+    if (ps.empty()) continue;
+    size_t bytes = 0;
+    for (int64_t p : ps) bytes += SampleMediaBytes(own_[static_cast<size_t>(p - my_begin)].media);
+    std::vector<uint8_t>& b = blocks[static_cast<size_t>(e)];
+    b.resize(bytes + kFrameTrailerSize);
+    uint8_t* dst = b.data();
+    for (int64_t p : ps) dst = EncodeSampleMedia(own_[static_cast<size_t>(p - my_begin)].media, dst);
+    SealFrame(FrameKind::kMedia, b);
+  }
+  // Their sizes first, each in a size frame, so that every receiver knows what comes.
+  std::vector<std::byte> sizes_out(n * kSizeFrameSize), sizes_in(n * kSizeFrameSize);
+  std::vector<int64_t> fixed(n, static_cast<int64_t>(kSizeFrameSize)), at(n, 0);
+  for (size_t e = 0; e < n; ++e) {
+    at[e] = static_cast<int64_t>(e * kSizeFrameSize);
+    const auto frame = EncodeSizeFrame(static_cast<int64_t>(blocks[e].size()));
+    std::memcpy(sizes_out.data() + at[e], frame.data(), kSizeFrameSize);
+  }
+  THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(sizes_out, fixed, at, sizes_in, fixed, at));
+  std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
+  for (size_t e = 0; e < n; ++e) {
+    sc[e] = static_cast<int64_t>(blocks[e].size());
+    auto size = DecodeSizeFrame(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(sizes_in.data() + at[e]),
+                                 kSizeFrameSize),
+        0, int64_t{1} << 40);
+    if (!size.ok()) {
+      return size.status().WithContext("step " + Num(step_) + ": media sizes from " +
+                                       Sender(*loaders_, static_cast<int>(e), "loader"));
+    }
+    rc[e] = static_cast<int>(e) == me ? 0 : *size;
+  }
+  for (size_t j = 1; j < n; ++j) {
+    sd[j] = sd[j - 1] + sc[j - 1];
+    rd[j] = rd[j - 1] + rc[j - 1];
+  }
+  std::vector<std::byte> send(static_cast<size_t>(sd[n - 1] + sc[n - 1]));
+  for (size_t e = 0; e < n; ++e) {
+    if (!blocks[e].empty()) std::memcpy(send.data() + sd[e], blocks[e].data(), blocks[e].size());
+  }
+  std::vector<std::byte> recv(static_cast<size_t>(rd[n - 1] + rc[n - 1]));
+  THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(send, sc, sd, recv, rc, rd));
+  // Where each sample this loader packs has its media: its own, or decoded from a block.
+  media_recv_.assign(samples.size(), {});
+  media_of_.assign(samples.size(), nullptr);
+  for (size_t k = 0; k < own_.size(); ++k) {
+    const int64_t p = my_begin + static_cast<int64_t>(k);
+    if (replica_of_[static_cast<size_t>(p)] == me) media_of_[static_cast<size_t>(p)] = &own_[k].media;
+  }
+  for (int e = 0; e < dp; ++e) {
+    if (e == me) continue;
+    const std::vector<int64_t> ps = positions(e, me);
+    const size_t ue = static_cast<size_t>(e);
+    const std::string from = "step " + Num(step_) + ": media from " +
+                             Sender(*loaders_, e, "loader");
+    if (ps.empty()) {
+      if (rc[ue] != 0) return Status::Corruption(from + ": " + Num(rc[ue]) + " bytes unasked");
+      continue;
+    }
+    auto body = OpenFrame(std::span<const uint8_t>(
+                              reinterpret_cast<const uint8_t*>(recv.data() + rd[ue]),
+                              static_cast<size_t>(rc[ue])),
+                          FrameKind::kMedia);
+    if (!body.ok()) return body.status().WithContext(from);
+    size_t off = 0;
+    for (int64_t p : ps) {
+      auto parts = DecodeSampleMedia(*body, opts_.media.size(), &off);
+      if (!parts.ok()) return parts.status().WithContext(from);
+      media_recv_[static_cast<size_t>(p)] = std::move(*parts);
+      media_of_[static_cast<size_t>(p)] = &media_recv_[static_cast<size_t>(p)];
+    }
+    if (off != body->size()) {
+      return Status::Corruption(from + ": " + Num(static_cast<int64_t>(body->size() - off)) +
+                                " bytes left over");
+    }
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int64_t> ps,
+                                   const Layout& layout) {
+  const int cp = topo_.cp_size(), tp = topo_.tp_size();
+  const bool sp = opts_.schedule.parallel.splits_over_tp();
+  const size_t nm = opts_.media.size();
+  MicrobatchMedia mm;
+  std::vector<std::vector<int64_t>> mrope;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const size_t p = static_cast<size_t>(ps[i]);
+    const SampleRef& r = refs_[p];
+    const std::string where = "sample id " + Num(out.samples[p].id) + " (step " + Num(step_) + ")";
+    if (media_of_[p] == nullptr) return Status::Internal(where + ": its media did not arrive");
+    THDPACK_ASSIGN_OR_RETURN(
+        std::vector<MediaItem> items,
+        CheckSampleMedia(opts_.media, opts_.spatial_merge_size,
+                         std::span<const TokenId>(r.tokens, static_cast<size_t>(r.length)),
+                         *media_of_[p], where));
+    if (opts_.mrope != Mrope::kNone) {
+      THDPACK_ASSIGN_OR_RETURN(std::vector<int64_t> pos,
+                               SampleMropePositions(opts_.mrope, items, r.length,
+                                                    opts_.spatial_merge_size,
+                                                    opts_.mrope_tokens_per_second));
+      mrope.push_back(std::move(pos));
+    }
+    mm.items.push_back(std::move(items));
+  }
+  mm.encoder_rank = PlaceMicrobatchMedia(mm.items, cp, opts_.media_cost);
+  // Each modality's payload dtype and width: that of the microbatch's first sample that gives a
+  // payload of it; every other must match (a payload of another dtype or width is named).
+  std::vector<const MediaPart*> like(nm, nullptr);
+  std::vector<int64_t> like_id(nm, 0);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const size_t p = static_cast<size_t>(ps[i]);
+    for (size_t k = 0; k < nm; ++k) {
+      const MediaPart& part = (*media_of_[p])[k];
+      if (part.width == 0) continue;  // no payload given (an empty one still says its form)
+      if (like[k] == nullptr) {
+        like[k] = &part;
+        like_id[k] = out.samples[p].id;
+      } else if (part.dtype != like[k]->dtype || part.width != like[k]->width) {
+        auto text = [](const MediaPart& x) {
+          return std::string(FieldDtypeName(static_cast<FieldDtype>(x.dtype))) + " rows of " +
+                 Num(x.width);
+        };
+        return Status::InvalidArgument(
+            "sample id " + Num(out.samples[p].id) + ": '" + opts_.media[k].name + "' payload of " +
+            text(part) + ", sample id " + Num(like_id[k]) + " of the same microbatch has " +
+            text(*like[k]) + " (every payload of a modality: one dtype and width)");
+      }
+    }
+  }
+  auto& dest = media_shards_[m];
+  dest.assign(static_cast<size_t>(cp * tp), MediaShard{});
+  for (int c = 0; c < cp; ++c) {
+    for (int t = 0; t < (sp ? tp : 1); ++t) {
+      MediaShard sh;
+      for (size_t k = 0; k < nm; ++k) {
+        THDPACK_ASSIGN_OR_RETURN(MediaRoute route,
+                                 RouteMedia(layout, cp, c, sp ? tp : 1, sp ? t : 0,
+                                            static_cast<int32_t>(k), mm));
+        MediaShardPart part;
+        if (like[k] != nullptr) {
+          part.dtype = like[k]->dtype;
+          part.width = like[k]->width;
+        }
+        const size_t row_bytes =
+            static_cast<size_t>(part.width) * FieldDtypeSize(static_cast<FieldDtype>(part.dtype));
+        for (const auto& [i, j] : route.encodes) {
+          const MediaItem& x = mm.items[static_cast<size_t>(i)][static_cast<size_t>(j)];
+          part.grid.insert(part.grid.end(), {x.grid.t, x.grid.h, x.grid.w});
+          const MediaPart& src = (*media_of_[static_cast<size_t>(ps[static_cast<size_t>(i)])])[k];
+          const size_t a = static_cast<size_t>(x.row_begin) * row_bytes;
+          const size_t b = a + static_cast<size_t>(x.grid.patches()) * row_bytes;
+          part.payload.insert(part.payload.end(), src.payload.begin() + static_cast<ptrdiff_t>(a),
+                              src.payload.begin() + static_cast<ptrdiff_t>(b));
+        }
+        part.output_rows = route.output_rows;
+        part.token_index = std::move(route.token_index);
+        part.recv_index = std::move(route.recv_index);
+        part.send_index = std::move(route.send_index);
+        part.send_counts = std::move(route.send_counts);
+        part.recv_counts = std::move(route.recv_counts);
+        sh.parts.push_back(std::move(part));
+      }
+      if (opts_.mrope != Mrope::kNone) {
+        THDPACK_ASSIGN_OR_RETURN(sh.mrope, MropeShard(mrope, layout, cp, c));
+      }
+      dest[static_cast<size_t>(c * tp + t)] = std::move(sh);
+    }
+    for (int t = 1; !sp && t < tp; ++t) {  // without SP every TP rank gets TP rank 0's
+      dest[static_cast<size_t>(c * tp + t)] = dest[static_cast<size_t>(c * tp)];
+    }
+  }
+  return Status::Ok();
+}
+
+Status StepRunner::Impl::DeliverMedia(RankStep& out) {
+  const size_t mbs = out.meta.microbatches.size();
+  const int tp = topo_.tp_size();
+  media_local_.assign(mbs, MediaShard{});
+  if (replica_->rank() == 0) {
+    for (int j = 1; j < replica_->size(); ++j) {
+      THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(replica_->ranks()[static_cast<size_t>(j)]));
+      if (c.pp != 0) continue;
+      std::vector<MediaShard> mine(mbs);
+      for (size_t m = 0; m < mbs; ++m) {
+        mine[m] = media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)];
+      }
+      const std::vector<uint8_t> frame = EncodeMediaFrame(mine);
+      const auto size = EncodeSizeFrame(static_cast<int64_t>(frame.size()));
+      THDPACK_RETURN_IF_ERROR(
+          replica_->SendValues(std::span<const uint8_t>(size), j, kTagMediaSize));
+      THDPACK_RETURN_IF_ERROR(
+          replica_->SendValues(std::span<const uint8_t>(frame), j, kTagMedia));
+    }
+    for (size_t m = 0; m < mbs; ++m) media_local_[m] = std::move(media_shards_[m][0]);
+    media_shards_.clear();
+    return Status::Ok();
+  }
+  if (coord_.pp != 0) return Status::Ok();
+  const std::string from = "step " + Num(step_) + ": media from " +
+                           Sender(*replica_, 0, "the loader");
+  std::vector<uint8_t> size(kSizeFrameSize);
+  THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(size), 0, kTagMediaSize));
+  auto bytes = DecodeSizeFrame(size, static_cast<int64_t>(8 + kFrameTrailerSize),
+                               int64_t{1} << 40);
+  if (!bytes.ok()) return bytes.status().WithContext(from);
+  std::vector<uint8_t> frame(static_cast<size_t>(*bytes));
+  THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(frame), 0, kTagMedia));
+  auto shards = DecodeMediaFrame(frame, opts_.media.size());
+  if (!shards.ok()) return shards.status().WithContext(from);
+  if (shards->size() != mbs) {
+    return Status::Corruption(from + ": media of " + Num(static_cast<int64_t>(shards->size())) +
+                              " microbatches, the step has " + Num(static_cast<int64_t>(mbs)));
+  }
+  media_local_ = std::move(*shards);
+  return Status::Ok();
+}
+
+}  // namespace thdpack
