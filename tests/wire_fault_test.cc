@@ -4,7 +4,8 @@
 // random bits and at the first and last bit of each kind's first message - at several
 // topologies (static with CP, with TP x PP, data on every rank, dynamic with and without a
 // column), with a file source (a cursor in the position) and with fed samples carrying fields
-// of every kind (every array of a shard, sample fields). Each time, the rank that received the
+// of every kind (every array of a shard, sample fields), and with media (the exchange's and the
+// delivery's media frames and their size frames). Each time, the rank that received the
 // damaged message fails with Corruption naming the message and its sender, every other rank
 // fails with that error's origin, and no rank hangs (a timeout would be kAborted).
 #include <gtest/gtest.h>
@@ -36,6 +37,7 @@ struct FaultCase {
   DataOn data_on;
   bool dynamic;
   bool fed;  // samples with fields, fed by the caller; else a jsonl file (a cursor)
+  bool media = false;  // fed samples with an image each (docs/media.md): media frames too
 };
 
 const FaultCase kCases[] = {
@@ -44,7 +46,30 @@ const FaultCase kCases[] = {
     {"all_cp2_dp2_jsonl", 1, 2, 2, 1, DataOn::kAll, false, false},
     {"dynamic_cp2_dp2_jsonl", 1, 2, 2, 1, DataOn::kTp0, true, false},
     {"dynamic_tp2_cp2_fed_fields", 2, 2, 1, 1, DataOn::kTp0, true, true},
+    {"static_cp2_dp2_fed_media", 1, 2, 2, 1, DataOn::kTp0, false, true, true},
 };
+
+constexpr TokenId kImage = 100000;
+
+// SampleAt(p) with an image of grid (1, 2, 2p % 6 + 2) at merge 2 on its tokens 1.. where it
+// has room (its payload: float32 rows of 3), and mRoPE positions.
+Sample MediaSampleAt(int64_t p) {
+  Sample x = testing::SampleAt(p);
+  MediaPart part;
+  const int64_t w = 2 * (p % 3) + 2, tokens = w / 2;
+  if (static_cast<int64_t>(x.tokens.size()) > tokens + 1) {
+    for (int64_t t = 1; t <= tokens; ++t) x.tokens[static_cast<size_t>(t)] = kImage;
+    part.grid = {1, 2, w};
+    part.dtype = static_cast<uint8_t>(FieldDtype::kFloat32);
+    part.width = 3;
+    part.payload.resize(static_cast<size_t>(2 * w * 3 * 4));
+    for (size_t b = 0; b < part.payload.size(); ++b) {
+      part.payload[b] = static_cast<std::byte>((p * 31 + static_cast<int64_t>(b)) % 251);
+    }
+  }
+  x.media.push_back(std::move(part));
+  return x;
+}
 
 StepRunnerOptions Options(const FaultCase& k, const Topology& topo, const std::string& jsonl) {
   StepRunnerOptions o;
@@ -65,12 +90,18 @@ StepRunnerOptions Options(const FaultCase& k, const Topology& topo, const std::s
     return o;
   }
   o.fields = testing::kSchema;
+  if (k.media) {
+    o.media = {MediaSpec{"image", kImage, false}};
+    o.mrope = Mrope::kQwen2Vl;
+  }
   const int64_t n = o.global_batch;
   const int dp = k.dp;
-  o.read_share = [n, dp](int64_t step, int64_t first, int loader) -> Result<StepShare> {
+  const bool media = k.media;
+  o.read_share = [n, dp, media](int64_t step, int64_t first, int loader) -> Result<StepShare> {
     std::vector<Sample> mine;
     for (int64_t j = 0; j < LoaderCount(n, dp, loader); ++j) {
-      mine.push_back(testing::SampleAt(first + j * dp + loader));
+      const int64_t p = first + j * dp + loader;
+      mine.push_back(media ? MediaSampleAt(p) : testing::SampleAt(p));
     }
     THDPACK_ASSIGN_OR_RETURN(const FedShares fed, FedShares::Create(n, dp));
     return fed.Share(step, first, loader, std::move(mine));
@@ -118,7 +149,8 @@ Outcome RunStep(const FaultCase& k, const std::string& jsonl, int target_rank, i
 // The messages a damaged rank's error may name (thdpack/step_wire.h's and the shards').
 bool NamesAMessage(const std::string& m) {
   for (const char* name : {"lengths header:", "lengths:", "position", "samples:", "size:",
-                           "step message", "step metadata:", "shard of microbatch", "groups:"}) {
+                           "step message", "step metadata:", "shard of microbatch", "groups:",
+                           "media:"}) {
     if (m.find(name) != std::string::npos) return true;
   }
   return false;

@@ -349,7 +349,7 @@ Status StepRunner::Impl::Deliver(RankStep& out, ProcessGroup* group, const std::
     }
     local = then();
     EndPhase(out);
-    return Agree(local, "groups");
+    return Agree(local, dynamic_ ? "groups" : "media");
   }
   EndPhase(out);
   return Agree(local, "deliver");

@@ -8,8 +8,9 @@
 //     placed whole on its CP ranks by the encoder's cost (PlaceMicrobatchMedia), and each
 //     first-stage rank's MediaShard made: the payload rows it encodes, their route
 //     (RouteMedia) and its shard's mRoPE positions;
-//   deliver (DeliverMedia, after the shards): each first-stage member of the replica gets its
-//     MediaShards of the step in one kMedia frame after a size frame, checked on arrival.
+//   deliver (DeliverMedia, once every rank holds its shards): each first-stage member of the
+//     replica gets a size frame (agreed over the replica), then its MediaShards of the step in
+//     one kMedia frame, checked on arrival.
 // Depends on: step_exchange.cc (the exchange's pairs, refs_), step_plan.cc (replica_of_),
 // step_read.cc (own_).
 #include <cstdint>
@@ -110,18 +111,22 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
   }
   THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(sizes_out, fixed, at, sizes_in, fixed, at));
   std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
-  for (size_t e = 0; e < n; ++e) {
+  Status sizes;
+  for (size_t e = 0; e < n && sizes.ok(); ++e) {
     sc[e] = static_cast<int64_t>(blocks[e].size());
     auto size = DecodeSizeFrame(
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(sizes_in.data() + at[e]),
                                  kSizeFrameSize),
         0, int64_t{1} << 40);
     if (!size.ok()) {
-      return size.status().WithContext("step " + Num(step_) + ": media sizes from " +
-                                       Sender(*loaders_, static_cast<int>(e), "loader"));
+      sizes = size.status().WithContext("step " + Num(step_) + ": media sizes received from " +
+                                        Sender(*loaders_, static_cast<int>(e), "loader"));
+    } else {
+      rc[e] = static_cast<int>(e) == me ? 0 : *size;
     }
-    rc[e] = static_cast<int>(e) == me ? 0 : *size;
   }
+  // Nobody sizes the data by a damaged size: agreed over the loaders first.
+  THDPACK_RETURN_IF_ERROR(AgreeIn(*loaders_, sizes, "the media sizes"));
   for (size_t j = 1; j < n; ++j) {
     sd[j] = sd[j - 1] + sc[j - 1];
     rd[j] = rd[j - 1] + rc[j - 1];
@@ -143,7 +148,7 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
     if (e == me) continue;
     const std::vector<int64_t> ps = positions(e, me);
     const size_t ue = static_cast<size_t>(e);
-    const std::string from = "step " + Num(step_) + ": media from " +
+    const std::string from = "step " + Num(step_) + ": media received from " +
                              Sender(*loaders_, e, "loader");
     if (ps.empty()) {
       if (rc[ue] != 0) return Status::Corruption(from + ": " + Num(rc[ue]) + " bytes unasked");
@@ -266,10 +271,18 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
 }
 
 Status StepRunner::Impl::DeliverMedia(RankStep& out) {
+  // Every rank of the world is here (Deliver's `then`), its shards good. The loader sends each
+  // first-stage member of its replica a size frame, agreed over the replica, then the frame.
   const size_t mbs = out.meta.microbatches.size();
   const int tp = topo_.tp_size();
   media_local_.assign(mbs, MediaShard{});
-  if (replica_->rank() == 0) {
+  const bool loader = replica_->rank() == 0;
+  std::vector<std::pair<int, std::vector<uint8_t>>> frames;  // (member, frame), the loader's
+  Status sizes;
+  std::vector<uint8_t> size(kSizeFrameSize);
+  const std::string from = "step " + Num(step_) + ": media received from " +
+                           Sender(*replica_, 0, "the loader");
+  if (loader) {
     for (int j = 1; j < replica_->size(); ++j) {
       THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(replica_->ranks()[static_cast<size_t>(j)]));
       if (c.pp != 0) continue;
@@ -277,10 +290,24 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
       for (size_t m = 0; m < mbs; ++m) {
         mine[m] = media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)];
       }
-      const std::vector<uint8_t> frame = EncodeMediaFrame(mine);
-      const auto size = EncodeSizeFrame(static_cast<int64_t>(frame.size()));
+      frames.emplace_back(j, EncodeMediaFrame(mine));
+      const auto s = EncodeSizeFrame(static_cast<int64_t>(frames.back().second.size()));
       THDPACK_RETURN_IF_ERROR(
-          replica_->SendValues(std::span<const uint8_t>(size), j, kTagMediaSize));
+          replica_->SendValues(std::span<const uint8_t>(s.data(), s.size()), j, kTagMediaSize));
+    }
+  } else if (coord_.pp == 0) {
+    THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(size), 0, kTagMediaSize));
+    auto bytes = DecodeSizeFrame(size, static_cast<int64_t>(8 + kFrameTrailerSize),
+                                 int64_t{1} << 40);
+    if (!bytes.ok()) {
+      sizes = bytes.status().WithContext(from);
+    } else {
+      size.assign(static_cast<size_t>(*bytes), 0);  // now the frame's buffer
+    }
+  }
+  THDPACK_RETURN_IF_ERROR(AgreeIn(*replica_, sizes, "the media sizes"));
+  if (loader) {
+    for (const auto& [j, frame] : frames) {
       THDPACK_RETURN_IF_ERROR(
           replica_->SendValues(std::span<const uint8_t>(frame), j, kTagMedia));
     }
@@ -289,16 +316,8 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
     return Status::Ok();
   }
   if (coord_.pp != 0) return Status::Ok();
-  const std::string from = "step " + Num(step_) + ": media from " +
-                           Sender(*replica_, 0, "the loader");
-  std::vector<uint8_t> size(kSizeFrameSize);
-  THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(size), 0, kTagMediaSize));
-  auto bytes = DecodeSizeFrame(size, static_cast<int64_t>(8 + kFrameTrailerSize),
-                               int64_t{1} << 40);
-  if (!bytes.ok()) return bytes.status().WithContext(from);
-  std::vector<uint8_t> frame(static_cast<size_t>(*bytes));
-  THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(frame), 0, kTagMedia));
-  auto shards = DecodeMediaFrame(frame, opts_.media.size());
+  THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(size), 0, kTagMedia));
+  auto shards = DecodeMediaFrame(size, opts_.media.size());
   if (!shards.ok()) return shards.status().WithContext(from);
   if (shards->size() != mbs) {
     return Status::Corruption(from + ": media of " + Num(static_cast<int64_t>(shards->size())) +

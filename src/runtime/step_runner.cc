@@ -64,8 +64,11 @@ Result<RankStep> StepRunner::Impl::Next() {
   // 3. Sample tokens move to the replica the Plan chose.
   const bool media = !opts_.media.empty();
   THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kExchange, reader_, "exchange", [&] {
-    THDPACK_RETURN_IF_ERROR(ExchangeTokens(out));
-    return media ? ExchangeMedia(out) : Status::Ok();  // step_media.cc
+    const Status tokens = ExchangeTokens(out);
+    if (!media) return tokens;
+    // The media follow (step_media.cc) only where every loader's tokens arrived whole.
+    THDPACK_RETURN_IF_ERROR(AgreeIn(*loaders_, tokens, "exchange"));
+    return ExchangeMedia(out);
   }));
   // 4. Each loader packs its microbatches and CP-shards them.
   const Status packed =
@@ -79,11 +82,8 @@ Result<RankStep> StepRunner::Impl::Next() {
   THDPACK_RETURN_IF_ERROR(
       Deliver(out, tp0 ? replica_.get() : nullptr,
               "the loader of replica " + std::to_string(coord_.dp),
-              [&] {
-                THDPACK_RETURN_IF_ERROR(ReceiveShards(out));
-                return media ? DeliverMedia(out) : Status::Ok();
-              },
-              nullptr));
+              [&] { return ReceiveShards(out); },
+              media ? std::function<Status()>([&] { return DeliverMedia(out); }) : nullptr));
   // 6. Each rank's microbatches, the step's figures, and the run's position past the step.
   FinishLocal(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});
