@@ -15,6 +15,10 @@ slowest rank, median of --repeats), and the bytes the step sent (every rank, eve
 against the bytes the fields hold. On --threads ranks in one process (default 8): the same step
 through the thread backend (pack only).
 
+And from a verl rank's own padded batch (its share with prompts left-padded and responses
+right-padded, the fields [B, R]): thdpack.torch.adapters' samples_from_padded + pack_batch, and
+step.unpack + padded_from_unpacked back to [B, R], the conversions included.
+
 verl (its own code, loaded from the verl wheel: verl/utils/seqlen_balancing.py and
 verl/utils/npu_utils.py, its copy of flash-attn's unpad/pad; needs einops): the
 driver's balance over DP (`get_seqlen_balanced_partitions`, equal sizes, on the whole batch),
@@ -100,16 +104,56 @@ def gloo_worker(rank, world, port, args, out):
         assert len(got) == len(mine)
         packs.append(t1 - t0)
         unpacks.append(t3 - t2)
+    # The same share as a verl rank holds it - a padded batch, prompts (the first L/4 tokens)
+    # left-padded, responses right-padded, the fields [B, R] - through the adapters
+    # (thdpack.torch.adapters): in, pack_batch, unpack, out to [B, R].
+    from thdpack.torch.adapters import padded_from_unpacked, samples_from_padded
+    batch, r = padded_share(mine)
+    ins, outs = [], []
+    for _ in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        samples = samples_from_padded(batch, r, per_token=FIELDS)
+        t1 = time.perf_counter()
+        step = tt.pack_batch(samples, groups, fields=fields, max_tokens_per_rank=args.max_tokens,
+                             cost="llama2-7b")
+        t2 = time.perf_counter()
+        got = padded_from_unpacked(step.unpack([mb["old_logprobs"] for mb in step]), batch, r)
+        t3 = time.perf_counter()
+        assert got.shape == (len(mine), r)
+        ins.append(t1 - t0 + t2 - t1)
+        outs.append(t3 - t2)
     # The slowest rank's time of each repeat; the bytes every rank sent, and held in fields.
-    times = torch.tensor([packs, unpacks], dtype=torch.float64)
+    times = torch.tensor([packs, unpacks, ins, outs], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     sent = torch.tensor([sum(step.bytes_sent.values()), step.field_bytes], dtype=torch.int64)
     dist.all_reduce(sent)
     if rank == 0:
         torch.save({"pack": times[0].tolist(), "unpack": times[1].tolist(),
+                    "adapted_in": times[2].tolist(), "adapted_out": times[3].tolist(),
                     "sent": int(sent[0]), "held": int(sent[1]),
                     "microbatches": step.num_microbatches}, out)
     dist.destroy_process_group()
+
+
+def padded_share(mine):
+    """A rank's rollouts as a verl batch: input_ids and attention_mask [B, P + R] (prompts, the
+    first L/4 tokens, left-padded to P; responses right-padded to R), the fields [B, R]."""
+    prompts = [len(x["input_ids"]) // 4 for x in mine]
+    p = max(prompts)
+    r = max(len(x["input_ids"]) - q for x, q in zip(mine, prompts))
+    b = len(mine)
+    batch = {"input_ids": torch.zeros(b, p + r, dtype=torch.int64),
+             "attention_mask": torch.zeros(b, p + r, dtype=torch.int64)}
+    for name in FIELDS:
+        batch[name] = torch.zeros(b, r, dtype=torch.float32)
+    for i, (x, q) in enumerate(zip(mine, prompts)):
+        n = len(x["input_ids"])
+        batch["input_ids"][i, p - q:p - q + n] = torch.from_numpy(x["input_ids"])
+        batch["attention_mask"][i, p - q:p - q + n] = 1
+        for name in FIELDS:
+            batch[name][i, :n - q] = torch.from_numpy(x[name][q:])
+    return batch, r
 
 
 def thdpack_threads(args, lengths):
@@ -240,6 +284,9 @@ def main():
     print("|---|---|---|---|---|")
     print(f"| thdpack pack_batch / step.unpack, gloo | {args.ranks} | {1e3 * med(g['pack']):.1f} | "
           f"{1e3 * med(g['unpack']):.1f} | {g['microbatches']} |")
+    print(f"| thdpack from verl's padded batch: samples_from_padded + pack_batch / unpack + "
+          f"padded_from_unpacked, gloo | {args.ranks} | {1e3 * med(g['adapted_in']):.1f} | "
+          f"{1e3 * med(g['adapted_out']):.1f} | {g['microbatches']} |")
     print(f"| thdpack step on threads (pack only) | {args.threads} | {1e3 * med(threads):.1f} | - "
           f"| - |")
     mods, why = load_verl(args.cache)
@@ -253,6 +300,9 @@ def main():
               f"{1e3 * pack:.1f} | {1e3 * unpack:.1f} | {runs[0][3]} |")
         print(f"\nratio verl (balance + one rank's pack) / thdpack pack_batch: "
               f"{(bal + pack) / med(g['pack']):.2f}; unpack: {unpack / med(g['unpack']):.2f}")
+        both = med(g["adapted_in"]) + med(g["adapted_out"])
+        print(f"ratio verl (balance + pack + unpack) / thdpack with the adapters in and out: "
+              f"{(bal + pack + unpack) / both:.2f}")
     print(f"\nbytes: the gloo step sent {g['sent'] / 1e6:.1f} MB over every rank and phase; the "
           f"fields the ranks hold after it: {g['held'] / 1e6:.1f} MB (the batch's fields: "
           f"{held / 1e6:.1f} MB)")
