@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""A tiny vision-language model trained on packed (THD) batches with images and video from
+thdpack, over torch.distributed (gloo, CPU) with DP x CP processes, checked against one process.
+
+Each loader rank (cp = 0) feeds its share of every step - samples of text with images and short
+videos, each item a payload of patch rows and a grid, placed at its placeholder tokens as
+Qwen2-VL's processor writes them - to thdpack.torch.PackedDataIterator with media=MEDIA and
+mrope="qwen2-vl". The C++ step schedules the samples over the replicas and microbatches, moves
+each image with its sample, places every item whole on one CP rank of its microbatch (balancing
+the encoder's work) and gives each rank the payload rows it encodes, the local positions of the
+placeholders its shard holds, and its shard of the mRoPE positions. Each rank runs the vision
+tower on its items only; thdpack.torch.route_media sends each output row to the rank whose shard
+holds its token (one all-to-all over CP, its backward the reverse) and the rows replace the
+placeholders' embeddings. The language model: embeddings, the three mRoPE position rows as three
+learned tables (temporal, height, width) added to them, one causal attention block (K/V
+all-gathered over CP), an MLP and a head; the CP-local loss share from thdpack.torch.local_loss;
+gradients summed over DP x CP.
+
+The vision tower: each patch row embedded, each merged 2x2 block of patch embeddings
+concatenated and projected to the language model's width, plus each item's mean patch embedding
+projected (a term that mixes the whole item, as attention does).
+
+The single process trains the same model on the same samples one by one with plain torch: each
+sample's items encoded, placed by masked_scatter (Megatron's alignment rule), its mRoPE positions
+(thdpack.torch.mrope_positions, equal to transformers' get_rope_index, python/tests/test_media.py),
+causal attention within the sample, cross-entropy over the step's loss tokens. Losses and
+parameters must agree to float64 rounding.
+
+  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 --steps 3 --check
+(with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import thdpack.torch as tt
+
+VOCAB, HIDDEN, VISION, PATCH, MERGE = 48, 16, 8, 6, 2
+IMAGE, VIDEO = 46, 47
+MEDIA = {"image": {"token_id": IMAGE, "payload": "pixel_values", "grid": "image_grid_thw"},
+         "video": {"token_id": VIDEO, "payload": "pixel_values_videos", "grid": "video_grid_thw"}}
+SEED, LR = 7, 0.05
+
+
+def sample(i):
+    """Sample i of the stream: text (ids 1..45) with 0-2 images and now and then a video, each
+    between text tokens; its payloads [patches, PATCH] float64; a loss on text targets only."""
+    rng = np.random.default_rng(1000 + i)
+    ids = list(rng.integers(1, 46, int(rng.integers(2, 8))))
+    grids = {"image": [], "video": []}
+    rows = {"image": [], "video": []}
+    for _ in range(int(rng.integers(0, 3))):
+        kind = "video" if rng.random() < 0.25 else "image"
+        t = int(rng.integers(2, 4)) if kind == "video" else 1
+        h, w = MERGE * int(rng.integers(1, 3)), MERGE * int(rng.integers(1, 3))
+        grids[kind].append([t, h, w])
+        rows[kind].append(rng.standard_normal((t * h * w, PATCH)))
+        ids += [IMAGE if kind == "image" else VIDEO] * (t * (h // MERGE) * (w // MERGE))
+        ids += list(rng.integers(1, 46, int(rng.integers(1, 5))))
+    ids = np.asarray(ids, dtype=np.int64)
+    # Token j is a target when it is text (a placeholder is never predicted).
+    mask = ((ids != IMAGE) & (ids != VIDEO)).astype(np.uint8)
+    out = {"input_ids": ids, "loss_mask": mask}
+    for kind, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        out[MEDIA[kind]["grid"]] = np.asarray(grids[kind], dtype=np.int64).reshape(-1, 3)
+        out[key] = torch.from_numpy(np.concatenate(rows[kind]) if rows[kind]
+                                    else np.zeros((0, PATCH)))
+    return out
+
+
+class TinyVLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(SEED)
+
+        def w(*shape, scale):
+            return torch.nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64) * scale)
+
+        self.patch = w(PATCH, VISION, scale=PATCH ** -0.5)
+        self.merge = w(MERGE * MERGE * VISION, HIDDEN, scale=(MERGE * MERGE * VISION) ** -0.5)
+        self.mix = w(VISION, HIDDEN, scale=VISION ** -0.5)
+        self.emb = w(VOCAB, HIDDEN, scale=0.5)
+        self.pos = torch.nn.ParameterList([w(64, HIDDEN, scale=0.1) for _ in range(3)])
+        self.wq, self.wk, self.wv, self.wo = (w(HIDDEN, HIDDEN, scale=HIDDEN ** -0.5)
+                                              for _ in range(4))
+        self.w1 = w(HIDDEN, 2 * HIDDEN, scale=HIDDEN ** -0.5)
+        self.w2 = w(2 * HIDDEN, HIDDEN, scale=(2 * HIDDEN) ** -0.5)
+        self.head = w(HIDDEN, VOCAB, scale=HIDDEN ** -0.5)
+
+    def vision(self, pixel_values, grid_thw):
+        """[tokens of the items, HIDDEN]: the items of grid_thw, in order."""
+        out, at = [], 0
+        for t, h, w in grid_thw.tolist():
+            e = torch.tanh(pixel_values[at:at + t * h * w] @ self.patch)
+            at += t * h * w
+            blocks = e.reshape(-1, MERGE * MERGE * VISION)
+            out.append(blocks @ self.merge + e.mean(0) @ self.mix)
+        return torch.cat(out) if out else torch.zeros((0, HIDDEN), dtype=self.merge.dtype)
+
+    def embed(self, tokens, mrope):
+        x = self.emb[tokens]
+        for r in range(3):
+            x = x + self.pos[r][mrope[r]]
+        return x
+
+    def rest(self, x, attend):
+        x = x + attend(x @ self.wq, x @ self.wk, x @ self.wv) @ self.wo
+        x = x + torch.tanh(x @ self.w1) @ self.w2
+        return x @ self.head
+
+
+def causal_attention(q, k, v, q_pos, k_pos, q_seq, k_seq):
+    scores = (q @ k.T) / math.sqrt(q.shape[-1])
+    visible = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+
+class _GatherCp(torch.autograd.Function):
+    """All-gather over the CP group whose backward sums every rank's gradient of its part."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp_size, cp_rank):
+        parts = [torch.empty_like(x) for _ in range(cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.cp_rank = group, cp_rank
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.cp_rank], None, None, None
+
+
+def worker(rank, dp, cp, steps, global_batch, port, out_path, colocated=True):
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=dp * cp)
+    cp_rank, dp_rank = rank % cp, rank // cp
+
+    def groups_of(lists):
+        mine = None
+        for ranks in lists:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine = g
+        return mine
+    cp_group = groups_of([[d * cp + c for c in range(cp)] for d in range(dp)])
+    dp_group = groups_of([[d * cp + c for d in range(dp)] for c in range(cp)])
+    groups = tt.Groups(cp=cp_group, dp=dp_group)
+    model = TinyVLM()
+    params = list(model.parameters())
+    loader = cp_rank == 0
+    # Loader d's share: stream positions d, d + DP, ... (a DistributedSampler's order).
+    share = (sample(i) for i in range(dp_rank, steps * global_batch, dp)) if loader else None
+    it = tt.PackedDataIterator(share, groups, global_batch=global_batch, steps=steps,
+                               max_tokens_per_rank=48, media=MEDIA, spatial_merge_size=MERGE,
+                               mrope="qwen2-vl", prefetch=1)
+    losses = []
+    for step in it:
+        n = step.n_loss_tokens
+        total = torch.zeros(1, dtype=torch.float64)
+        for mb in step:
+            cup = mb["cu_seqlens_padded"].numpy()
+            c_size, c_rank, group = mb["cp_size"], mb["cp_rank"], mb["cp_group"]
+            x = model.emb[mb["tokens"].long()]
+            for name in MEDIA:  # every rank, every modality, in order
+                m = mb["media"][name]
+                rows = tt.route_media(model.vision(m["pixel_values"], m["grid_thw"]), mb, name)
+                x = x.index_put((m["token_index"],), rows)
+            mrope = mb["mrope_position_ids"]
+            for r in range(3):
+                x = x + model.pos[r][mrope[r]]
+            seq = torch.from_numpy(np.repeat(np.arange(len(cup) - 1), np.diff(cup)))
+            q_pos = tt.partition_indices(cup, c_size, c_rank)
+            k_pos = torch.arange(int(cup[-1]))
+
+            def attend(q, k, v):
+                if c_size > 1:
+                    k = tt.unshard(list(_GatherCp.apply(k, group, c_size, c_rank)), cup)
+                    v = tt.unshard(list(_GatherCp.apply(v, group, c_size, c_rank)), cup)
+                return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
+
+            share_ = tt.local_loss(model.rest(x, attend), mb["labels"], mb["loss_mask"], n)
+            share_.backward()
+            total += share_.detach()
+        dist.all_reduce(total)
+        grads = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(grads)  # the shares are designed for a sum over DP x CP
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p -= LR * grads[offset:offset + p.numel()].view_as(p)
+                p.grad = None
+                offset += p.numel()
+        losses.append(float(total))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"losses": losses, "param_sum": float(sum(p.detach().sum() for p in params))}, f)
+    dist.destroy_process_group()
+
+
+def single_process(steps, global_batch):
+    """The same model on the same samples, one sample at a time, as a plain torch program."""
+    model = TinyVLM()
+    params = list(model.parameters())
+    losses = []
+    for s in range(steps):
+        batch = [sample(i) for i in range(s * global_batch, (s + 1) * global_batch)]
+        n = sum(int(x["loss_mask"][1:].sum()) for x in batch)
+        total = 0
+        for x in batch:
+            ids = torch.from_numpy(x["input_ids"])
+            emb = model.emb[ids]
+            for name, spec in MEDIA.items():
+                rows = model.vision(x[spec["payload"]], torch.from_numpy(x[spec["grid"]]))
+                emb = emb.masked_scatter((ids == spec["token_id"])[:, None].expand_as(emb), rows)
+            mrope = tt.mrope_positions(x["input_ids"], x, MEDIA, MERGE, "qwen2-vl")
+            for r in range(3):
+                emb = emb + model.pos[r][mrope[r]]
+            pos = torch.arange(len(ids))
+            seq = torch.zeros(len(ids), dtype=torch.long)
+            logits = model.rest(emb, lambda q, k, v: causal_attention(q, k, v, pos, pos, seq, seq))
+            target = torch.from_numpy(x["loss_mask"][1:].astype(bool))
+            ce = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+            total = total + (ce * target).sum() / n
+        total.backward()
+        with torch.no_grad():
+            for p in params:
+                p -= LR * p.grad
+                p.grad = None
+        losses.append(float(total.detach()))
+    return {"losses": losses, "param_sum": float(sum(p.detach().sum() for p in params))}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--check", action="store_true",
+                    help="also train in one process and compare (relative tolerance --rtol)")
+    ap.add_argument("--rtol", type=float, default=1e-9)
+    ap.add_argument("--port", type=int, default=0,
+                    help="the gloo rendezvous port (default: one the OS finds free)")
+    args = ap.parse_args()
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(["numpy", "torch", "torch.distributed", "thdpack",
+                                            "thdpack.torch"])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.start_processes(worker, args=(args.dp, args.cp, args.steps, args.global_batch,
+                                         args.port or free_port(), out, True),
+                           nprocs=args.dp * args.cp, join=True, start_method="forkserver")
+        with open(out) as f:
+            multi = json.load(f)
+    print(f"DP {args.dp} x CP {args.cp}: losses "
+          + ", ".join(f"{v:.6f}" for v in multi["losses"]))
+    if not args.check:
+        return 0
+    one = single_process(args.steps, args.global_batch)
+    bad = []
+    for k, (a, b) in enumerate(zip(multi["losses"], one["losses"])):
+        if abs(a - b) > args.rtol * max(1.0, abs(b)):
+            bad.append(f"step {k}: loss {a!r} vs one process {b!r}")
+    a, b = multi["param_sum"], one["param_sum"]
+    if abs(a - b) > args.rtol * max(1.0, abs(b)):
+        bad.append(f"parameters: sum {a!r} vs one process {b!r}")
+    print("check: " + ("equal to one process" if not bad else "; ".join(bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
