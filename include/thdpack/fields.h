@@ -87,8 +87,13 @@ struct FieldSpec {
   std::string ToString() const;
 };
 
-// OK when the schema is usable: names non-empty and unique (and none of the microbatch's own
-// keys: tokens, position_ids, labels, loss_mask, ...), shapes of dimensions >= 1 with a row
+// The keys a microbatch dict of thdpack.torch holds besides the fields (tokens, position_ids,
+// labels, loss_mask, cu_seqlens, cp_group, idle, media, ...), and "position" (a fed sample's
+// own key): no field may take one. The one list of them (python/tests/test_fields.py checks
+// every key of a real microbatch against it).
+std::span<const std::string_view> MicrobatchKeys();
+
+// OK when the schema is usable: names non-empty and unique (and none of MicrobatchKeys()), shapes of dimensions >= 1 with a row
 // under 2^20 bytes, and each fill exactly representable in its dtype (an integer in range for
 // the integer types, 0 or 1 for bool, finite for floats - bfloat16's fill must round-trip).
 // InvalidArgument naming the field (fields[i] 'name') and the rule otherwise.

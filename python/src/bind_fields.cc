@@ -103,6 +103,11 @@ py::dict FieldsToPy(const std::vector<FieldSpec>& specs,
 }
 
 void BindFields(py::module_& m) {
+  m.def("microbatch_keys", [] {
+    py::list out;
+    for (std::string_view k : MicrobatchKeys()) out.append(std::string(k));
+    return out;
+  }, "The keys a microbatch dict holds besides its fields (no field may take one).");
   m.def(
       "field_dtypes",
       [] {

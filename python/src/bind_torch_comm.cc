@@ -388,7 +388,8 @@ class TorchProcessGroup final : public ProcessGroup {
       return Status::Ok();
     } catch (py::error_already_set& e) {
       return Status::Aborted("torch.distributed." + std::string(op) + " on " + Describe() +
-                             " (rank " + std::to_string(global_rank()) + "): " + e.what());
+                             " (rank " + std::to_string(global_rank()) + "): " +
+                             PyErrorText(e));
     } catch (const std::exception& e) {
       return Status::Internal("torch.distributed." + std::string(op) + " on " + Describe() +
                               " (rank " + std::to_string(global_rank()) + "): " + e.what());

@@ -363,7 +363,7 @@ Result<StepShare> TakeShare(const PyRef& take_share, const FedShares& fed,
       samples = std::move(*list);
     } catch (py::error_already_set& e) {
       return Status::InvalidArgument("source of loader dp=" + std::to_string(loader) +
-                                     ", step " + std::to_string(step) + ": " + e.what());
+                                     ", step " + std::to_string(step) + ": " + PyErrorText(e));
     }
   }
   return fed.Share(step, first_position, loader, std::move(samples), positions);
@@ -388,7 +388,8 @@ Status PrepareStep(const std::shared_ptr<const Job>& job,
     py::object made = prepare.get()(raw);
     step.prepared = std::make_shared<PyRef>(std::move(made));
   } catch (py::error_already_set& e) {
-    return Status::Internal("preparing step " + std::to_string(step.step) + ": " + e.what());
+    return Status::Internal("preparing step " + std::to_string(step.step) + ": " +
+                            PyErrorText(e));
   } catch (const std::exception& e) {
     return Status::Internal("preparing step " + std::to_string(step.step) + ": " + e.what());
   }

@@ -36,6 +36,11 @@ namespace py = pybind11;
 // ResourceExhausted, RuntimeError otherwise.
 void ThrowIfError(const Status& status);
 
+// A Python exception as one line, "TypeName: message", without the traceback pybind11's what()
+// appends: for errors that travel on as a Status (a message names the input and the rule, and
+// a traceback of thdpack's own frames inside it says nothing to the user).
+std::string PyErrorText(const py::error_already_set& e);
+
 template <typename T>
 T ValueOrThrow(Result<T> result) {
   ThrowIfError(result.status());

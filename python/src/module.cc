@@ -16,6 +16,17 @@ void BindMedia(py::module_& m);
 // The gradient buffers of thdpack.torch.local_loss (bind_grad_cache.cc).
 void BindGradCache(py::module_& m);
 
+std::string PyErrorText(const py::error_already_set& e) {
+  py::gil_scoped_acquire gil;
+  try {
+    const std::string type = py::str(e.type().attr("__name__"));
+    const std::string text = py::str(e.value());
+    return type + ": " + text;
+  } catch (const std::exception&) {
+    return e.what();
+  }
+}
+
 void ThrowIfError(const Status& status) {
   if (status.ok()) return;
   const std::string text = status.ToString();
@@ -78,7 +89,7 @@ py::array AsArray(const py::handle& obj, const std::string& name, bool bfloat16_
     } catch (const py::error_already_set& e) {
       throw py::value_error(name + ": got a torch tensor of dtype " +
                             std::string(py::str(obj.attr("dtype"))) +
-                            " that NumPy cannot view (" + e.what() + ")");
+                            " that NumPy cannot view (" + PyErrorText(e) + ")");
     }
   }
   if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
@@ -91,7 +102,7 @@ py::array AsArray(const py::handle& obj, const std::string& name, bool bfloat16_
       a = py::module_::import("numpy").attr("asarray")(obj).cast<py::array>();
     } catch (const py::error_already_set& e) {
       throw py::value_error(name + ": got a " + type_name + " that is not a rectangular list of " +
-                            "numbers (" + e.what() + ")");
+                            "numbers (" + PyErrorText(e) + ")");
     }
     const char kind = a.dtype().kind();
     if (kind != 'b' && kind != 'i' && kind != 'u' && kind != 'f') {

@@ -78,6 +78,8 @@ def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir):
                 assert torch.equal(got["token_index"], exp["token_index"]), name
                 for key in ("send_index", "recv_index"):
                     assert torch.equal(got["route"][key], exp["route"][key]), (name, key)
+            import thdpack._thdpack as _t  # every key of the microbatch is a reserved name
+            assert not set(mb) - set(_t.microbatch_keys()), set(mb) - set(_t.microbatch_keys())
             rope = mrope_microbatch(whole, MEDIA, cu, cup, cp, cp_rank, MERGE, "qwen2.5-vl")
             assert torch.equal(mb["mrope_position_ids"], rope)
             checked += 1

@@ -31,6 +31,7 @@ Status CheckNumbers(const JobOptions& o) {
   THDPACK_RETURN_IF_ERROR(AtLeast("--align", o.align, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--rank-multiple", o.rank_multiple, 1));
   THDPACK_RETURN_IF_ERROR(AtLeast("--max-tokens-per-rank", o.max_tokens_per_rank, 1));
+  THDPACK_RETURN_IF_ERROR(AtLeast("--pad-id", o.pad_id, 0));  // a token id, written as one
   if (static_cast<int64_t>(o.cp) * o.max_tokens_per_rank > kMaxSampleLength) {
     return Fail("--max-tokens-per-rank", "CP * max tokens per rank must fit int32");
   }

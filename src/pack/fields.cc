@@ -299,12 +299,21 @@ std::string FieldSpec::ToString() const {
   return s + ")";
 }
 
+std::span<const std::string_view> MicrobatchKeys() {
+  static constexpr std::string_view kKeys[] = {
+      "tokens", "input_ids", "position_ids", "labels", "loss_mask", "padding_mask",
+      "cu_seqlens", "cu_seqlens_padded", "cu_seqlens_cpu", "cu_seqlens_padded_cpu", "num_seqs",
+      "max_seqlen", "n_valid", "sources", "sp_range", "cp_group", "cp_size", "cp_rank",
+      "cp_ranks", "idle", "dynamic", "label_format", "packed_seq_params", "seq_index",
+      "sample_ids", "seq_n_targets", "media", "mrope_position_ids", "cu_seq_lens_q",
+      "cu_seq_lens_k", "max_length_q", "max_length_k", "position"};
+  return kKeys;
+}
+
 Status ValidateFieldSpecs(std::span<const FieldSpec> fields) {
   // The keys a microbatch already holds (thdpack.torch's dict): a field may not shadow one.
-  static const std::set<std::string> kReserved = {
-      "tokens", "input_ids", "position_ids", "labels", "loss_mask", "padding_mask",
-      "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "n_valid", "sources", "sample_ids",
-      "seq_n_targets", "seq_index", "position", "cp_group", "cp_size", "cp_rank"};
+  static const std::set<std::string_view> kReserved(MicrobatchKeys().begin(),
+                                                    MicrobatchKeys().end());
   std::set<std::string> seen;
   for (size_t i = 0; i < fields.size(); ++i) {
     const FieldSpec& f = fields[i];

@@ -40,9 +40,14 @@ Status StepRunner::Impl::FindGroupField() {
     group_field_ = static_cast<int>(f);
     return Status::Ok();
   }
+  std::string declared;
+  for (const FieldSpec& spec : opts_.fields) {
+    declared += (declared.empty() ? "" : ", ") + spec.ToString();
+  }
   return Status::InvalidArgument("StepRunner: group_field '" + opts_.group_field +
                                  "' is not one of the " + std::to_string(opts_.fields.size()) +
-                                 " declared fields");
+                                 " declared fields" +
+                                 (declared.empty() ? "" : " (" + declared + ")"));
 }
 
 int64_t StepRunner::Impl::GroupOf(const Sample& x) const {

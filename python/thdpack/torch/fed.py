@@ -19,9 +19,18 @@ from ._dtypes import NUMPY_NAMES, TORCH, dtype_name
 
 
 def _as_array(value, name):
+    """A tensor, array or list as a NumPy array of the same values: bfloat16 (which NumPy has
+    not) as float32, exactly; another byte order than the machine's as the machine's, exactly
+    (a big-endian array's bytes are never read as little-endian)."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        value = value.numpy()
+    a = np.asarray(value)
+    if a.dtype.byteorder not in "=|":
+        a = a.astype(a.dtype.newbyteorder("="))
+    return a
 
 
 # The keys of a fed sample that are not fields: the tokens, their target mask, and the stream
@@ -43,6 +52,8 @@ def field_specs(fields):
     out = []
     for name, spec in fields.items():
         where = f"fields[{name!r}]"
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: a field's name must be a str, got {type(name).__name__}")
         if isinstance(spec, str):
             spec = {"kind": spec}
         if not isinstance(spec, dict) or "kind" not in spec:
@@ -52,7 +63,12 @@ def field_specs(fields):
         if unknown:
             raise TypeError(f"{where}: unknown keys {unknown} (kind, dtype, shape, fill)")
         shape = spec.get("shape", ())
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+            shape = (shape,)
+        elif isinstance(shape, (str, bytes)) or not all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
+            raise TypeError(f"{where}: shape {spec['shape']!r} is not an int or a tuple of ints")
+        shape = tuple(int(d) for d in shape)
         out.append((str(name), str(spec["kind"]), dtype_name(spec.get("dtype", "float32"), where),
                     shape, float(spec.get("fill", 0))))
     return out
@@ -68,8 +84,9 @@ def _field_value(value, dtype, where):
         got, shape = dtype_name(t.dtype, where), tuple(t.shape)
         a = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     elif isinstance(value, (np.ndarray, np.generic)):
-        # asarray keeps a NumPy scalar 0-d (shape []); ascontiguousarray would make it [1].
-        a = np.asarray(value)
+        # asarray keeps a NumPy scalar 0-d (shape []); ascontiguousarray would make it [1]. A
+        # byte order other than the machine's is converted (exactly), never reinterpreted.
+        a = _as_array(value, where)
         a = a if a.flags.c_contiguous else np.ascontiguousarray(a)
         got = NUMPY_NAMES.get(a.dtype) or a.dtype.name
         shape = a.shape
@@ -80,10 +97,19 @@ def _field_value(value, dtype, where):
         if dtype == "bfloat16":
             t = torch.tensor(given.tolist(), dtype=torch.bfloat16)
             a, got = t.view(torch.int16).numpy(), "bfloat16"
+            made = t.float().numpy()
         else:
             a = given.astype(dtype)
             exact = TORCH[dtype].is_floating_point or np.array_equal(a, given)
             got = dtype if exact else given.dtype.name
+            made = a
+        if TORCH[dtype].is_floating_point and given.dtype.kind in "biuf":
+            over = np.isfinite(given) & ~np.isfinite(made.astype(np.float64))
+            if over.any():
+                k = int(np.flatnonzero(over.reshape(-1))[0])
+                value = float(given.reshape(-1)[k])
+                raise ValueError(f"{where}: value {value!r} does not fit {dtype} (it would "
+                                 f"become inf)")
         shape = given.shape
     return got, tuple(int(d) for d in shape), np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
@@ -132,7 +158,10 @@ def _to_sample(item, where, fields=(), media=None):
     against the one the sample has (FedShares)."""
     if not isinstance(item, dict) or "input_ids" not in item:
         raise ValueError(f"{where}: expected a dict with 'input_ids', got {type(item).__name__}")
-    tokens = _as_array(item["input_ids"], "input_ids").reshape(-1)
+    tokens = _as_array(item["input_ids"], "input_ids")
+    if tokens.ndim != 1:
+        raise ValueError(f"{where}: input_ids has shape {tokens.shape}, expected one sequence "
+                         f"[L] (a sample is one sequence: give each row as its own sample)")
     if tokens.size == 0:
         raise ValueError(f"{where}: input_ids is empty")
     if not np.issubdtype(tokens.dtype, np.integer):
@@ -142,7 +171,7 @@ def _to_sample(item, where, fields=(), media=None):
                          f"outside [0, 2^31)")
     mask = item.get("loss_mask")
     if mask is not None:
-        mask = _as_array(mask, "loss_mask").reshape(-1)
+        mask = _as_array(mask, "loss_mask")
         if mask.shape != tokens.shape:
             raise ValueError(f"{where}: loss_mask has {mask.size} entries, input_ids "
                              f"{tokens.size} (the mask is token-aligned)")
@@ -154,6 +183,9 @@ def _to_sample(item, where, fields=(), media=None):
     values = {k: _field_value(v, declared.get(k, "float32"), f"{where}, field {k!r}")
               for k, v in item.items() if k not in _SAMPLE_KEYS and k not in skip}
     position = item.get("position")
+    if position is not None and (isinstance(position, bool) or
+                                 not isinstance(position, (int, np.integer))):
+        raise ValueError(f"{where}: position {position!r} is not an integer stream position")
     return (np.ascontiguousarray(tokens, dtype=np.int32), mask, values,
             None if position is None else int(position),
             None if not media else _media_parts(item, media, where))

@@ -24,6 +24,21 @@ AGGREGATE_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                    "seq-mean-token-sum-norm")
 
 
+def _values(values, name, integers=False):
+    """A per-token tensor the reductions take: a torch tensor with values (not on the meta
+    device) of a floating dtype (or int64 with ``integers``). Sums of bool would be an OR, of
+    int8 wrap, of complex values are no loss: each a named error instead."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch tensor, got {type(values).__name__}")
+    if values.device.type == "meta":
+        raise ValueError(f"{name}: a meta tensor holds no values")
+    ok = values.dtype.is_floating_point or (integers and values.dtype == torch.int64)
+    if not ok:
+        want = "a floating dtype or int64" if integers else "a floating dtype"
+        raise ValueError(f"{name}: dtype {values.dtype}, expected {want}")
+    return values
+
+
 def _positions(values, mb, over):
     """(local positions that count, their sequence) for ``over`` = "loss" (loss_mask != 0) or
     "all" (every real token of a sequence)."""
@@ -96,6 +111,7 @@ def sequence_sums(values, mb, over="loss", grad_factor=1.0):
     over DP x CP (Megatron's DDP with CP, FSDP over the same ranks), as local_loss's and
     aggregate_loss's ``grad_factor``."""
     factor = _factor(grad_factor, "grad_factor")
+    _values(values, "sequence_sums: values", integers=True)
     n = len(mb["sample_ids"])
     if mb["idle"] or n == 0:
         return values.new_zeros((0,) + tuple(values.shape[1:]))
@@ -154,6 +170,7 @@ def aggregate_loss(per_token_loss, mb, step, mode="token-mean", loss_scale_facto
                          "is the padded response length of its [B, S] batch, and a packed (THD) "
                          "batch has no such padding, so no default would mean the same thing; "
                          "pass the constant you normalise by (e.g. the maximum response length)")
+    _values(per_token_loss, "aggregate_loss: per_token_loss")
     if per_token_loss.dim() != 1:
         raise ValueError(f"per_token_loss: expected [T/CP], got {tuple(per_token_loss.shape)}")
     if mb["idle"] or len(mb["sample_ids"]) == 0:
@@ -214,6 +231,17 @@ class RLStatistics:
         elif names != self._names:
             raise ValueError(f"add_microbatch: values {names}, earlier microbatches gave "
                              f"{self._names}")
+        clash = sorted(set(names) & {"n_loss_tokens", "n_loss_sequences"} |
+                       {k for k in names if k.endswith("_seq_mean")})
+        if clash:
+            raise ValueError(f"add_microbatch: {clash} would overwrite the summary's own "
+                             f"entries (n_loss_tokens, n_loss_sequences, <name>_seq_mean)")
+        local = mb["seq_index"].shape[0]
+        for k in names:
+            v = _values(values[k], f"add_microbatch: {k}")
+            if tuple(v.shape) != (local,):
+                raise ValueError(f"add_microbatch: {k} has shape {tuple(v.shape)}, expected "
+                                 f"[T/CP] = ({local},), one value per local token")
         if mb["idle"] or len(mb["sample_ids"]) == 0:
             return
         stacked = torch.stack([values[k].detach().to(torch.float64).reshape(-1)
