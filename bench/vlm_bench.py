@@ -11,9 +11,20 @@ size, the encoder's work per CP rank (thdpack/media.h ItemEncoderCost, the defau
 Printed: the largest rank's work over the mean (1.0 = perfect), payload rows and image-embedding
 rows per rank as a share of the microbatch's (colocated: 1.0), and media_microbatch's wall time.
 
-Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200]
+Then the step itself (--step): one step of --step-samples samples of the same mix through
+pack_batch over a gloo world of CP ranks (DP 1, the loader holding every sample), with media and,
+for comparison, the same tokens without (text only); the wall time of pack_batch on the slowest
+rank, the bytes the step sent, and route_media's forward and backward of every microbatch's
+encoder output ([rows, 1280] float32, a Qwen2-VL tower's width), against the step's modelled time
+(llama2-7b's training FLOPs plus the default encoder term, over CP GPUs at --tflops each).
+
+Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200] [--step]
 """
 import argparse
+import datetime
+import os
+import socket
+import statistics
 import time
 
 import numpy as np
@@ -22,7 +33,7 @@ import torch
 import thdpack._thdpack as _t
 from thdpack.torch import media_microbatch
 
-IMG, VID, MERGE, D = 151655, 151656, 2, 8
+IMG, VID, MERGE, D = 151655, 151656, 2, 1176  # D: 3 x 2 x 14 x 14, Qwen2-VL's patch row
 MEDIA = {"image": {"token_id": IMG, "payload": "pixel_values", "grid": "image_grid_thw"},
          "video": {"token_id": VID, "payload": "pixel_values_videos", "grid": "video_grid_thw"}}
 
@@ -46,7 +57,10 @@ def sample(rng):
     return {"input_ids": np.asarray(ids, dtype=np.int64),
             "image_grid_thw": np.asarray(img, dtype=np.int64).reshape(-1, 3),
             "video_grid_thw": np.asarray(vid, dtype=np.int64).reshape(-1, 3),
-            "pixel_values": torch.zeros(rows_i, D), "pixel_values_videos": torch.zeros(rows_v, D)}
+            # Zero rows that take no memory until a copy (a view of one row): the microbatches
+            # above hold thousands of images.
+            "pixel_values": torch.zeros(1, D, dtype=torch.bfloat16).expand(rows_i, D),
+            "pixel_values_videos": torch.zeros(1, D, dtype=torch.bfloat16).expand(rows_v, D)}
 
 
 def microbatches(rng, cp, count):
@@ -64,10 +78,91 @@ def microbatches(rng, cp, count):
     return out
 
 
+def step_worker(rank, cp, port, args, out):
+    import torch.distributed as dist
+    import thdpack.torch as tt
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=cp,
+                            timeout=datetime.timedelta(seconds=120))
+    groups = tt.Groups(cp=dist.new_group(list(range(cp))))
+    rng = np.random.default_rng(args.seed)
+    samples = [sample(rng) for _ in range(args.step_samples)]
+    text = [{"input_ids": s["input_ids"]} for s in samples]
+    kw = dict(max_tokens_per_rank=8192, cost="llama2-7b")
+    times = {"media": [], "text": [], "route": []}
+    # A first call of each makes the step's process groups (kept for the next calls): untimed.
+    tt.pack_batch(samples if rank == 0 else None, groups, media=MEDIA, spatial_merge_size=MERGE,
+                  **kw)
+    tt.pack_batch(text if rank == 0 else None, groups, **kw)
+    for _ in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step = tt.pack_batch(samples if rank == 0 else None, groups, media=MEDIA,
+                             spatial_merge_size=MERGE, mrope="qwen2-vl", **kw)
+        times["media"].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        tt.pack_batch(text if rank == 0 else None, groups, **kw)
+        times["text"].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for mb in step:
+            for name in MEDIA:
+                m = mb["media"][name]
+                rows = torch.randn(m["route"]["output_rows"], 1280, requires_grad=True)
+                tt.route_media(rows, mb, name).sum().backward()
+        times["route"].append(time.perf_counter() - t0)
+    t = torch.tensor([[statistics.median(times[k]) for k in ("media", "text", "route")]],
+                     dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    sent = torch.tensor([sum(step.bytes_sent.values())], dtype=torch.int64)
+    dist.all_reduce(sent)
+    if rank == 0:
+        patches = sum(int(s["pixel_values"].shape[0] + s["pixel_values_videos"].shape[0])
+                      for s in samples)
+        flops = sum(_t.media_item_cost(list(map(int, g)))
+                    for s in samples for key in ("image_grid_thw", "video_grid_thw")
+                    for g in s[key])
+        lengths = [len(s["input_ids"]) for s in samples]
+        c = _t.cost_model("llama2-7b")  # cost(L) = a L + b L^2 in training FLOPs
+        lm = sum(c["a"] * n + c["b"] * n * n for n in lengths)
+        torch.save({"t": t[0].tolist(), "sent": int(sent), "patches": patches,
+                    "tokens": sum(lengths), "mbs": step.num_microbatches,
+                    "flops": flops + lm}, out)
+    dist.destroy_process_group()
+
+
+def step_figures(args):
+    import torch.multiprocessing as mp
+    print(f"\none step of {args.step_samples} samples through pack_batch (gloo, DP 1), median of "
+          f"{args.repeats}; modelled at {args.tflops:.0f} TFLOP/s a GPU")
+    print(f"{'CP':>3} {'mbs':>4} {'pack media ms':>14} {'pack text ms':>13} {'route ms':>9} "
+          f"{'MB sent':>8} {'modelled ms':>12} {'(pack+route)/model':>19}")
+    for cp in (2, 4):
+        out = f"/tmp/vlm_bench_step_{os.getpid()}.pt"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.start_processes(step_worker, args=(cp, port, args, out), nprocs=cp, join=True,
+                           start_method="spawn")
+        r = torch.load(out)
+        os.remove(out)
+        media, text, route = r["t"]
+        model = r["flops"] / (cp * args.tflops * 1e12)
+        print(f"{cp:>3} {r['mbs']:>4} {1e3 * media:>14.1f} {1e3 * text:>13.1f} "
+              f"{1e3 * route:>9.1f} {r['sent'] / 1e6:>8.1f} {1e3 * model:>12.1f} "
+              f"{(media + route) / model:>19.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--microbatches", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step", action="store_true", help="also one step through pack_batch")
+    ap.add_argument("--step-samples", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tflops", type=float, default=400.0)
     args = ap.parse_args()
     print(f"{'CP':>3} {'rule':>12} {'work max/mean':>14} {'payload/rank':>13} "
           f"{'embeds/rank':>12} {'ms/mb':>7}")
@@ -120,6 +215,8 @@ def main():
           "microbatches; payload/rank, embeds/rank: the busiest rank's share of the microbatch's "
           "payload rows and image-embedding rows (1/CP is ideal); ms/mb: media_microbatch's wall "
           "time per rank and microbatch")
+    if args.step:
+        step_figures(args)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/step_runner_impl.h"
@@ -286,9 +287,9 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
     for (int j = 1; j < replica_->size(); ++j) {
       THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(replica_->ranks()[static_cast<size_t>(j)]));
       if (c.pp != 0) continue;
-      std::vector<MediaShard> mine(mbs);
+      std::vector<MediaShard> mine(mbs);  // each member's part is sent once: moved, not copied
       for (size_t m = 0; m < mbs; ++m) {
-        mine[m] = media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)];
+        mine[m] = std::move(media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)]);
       }
       frames.emplace_back(j, EncodeMediaFrame(mine));
       const auto s = EncodeSizeFrame(static_cast<int64_t>(frames.back().second.size()));
