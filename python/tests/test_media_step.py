@@ -186,3 +186,42 @@ def test_bad_media_is_named_on_every_rank(tmp_path):
                            ("truncate", "oversize 'truncate'"),
                            ("mrope alone", "mrope 'qwen2-vl' needs media")):
             assert got[case] is not None and text in got[case], (rank, case, got[case])
+
+
+def pp_worker(rank, port, out_dir):
+    from test_torch_iterator import make_groups
+    from thdpack.torch import media_microbatch, mrope_microbatch, pack_batch
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = make_groups(1, 2, 1, 2)  # CP 2 x PP 2: ranks 0, 1 the first stage
+    cp_rank, stage = rank % 2, rank // 2
+    samples = make_samples(21, n=N)
+    step = pack_batch(samples if rank == 0 else None, groups, media=MEDIA,
+                      spatial_merge_size=MERGE, mrope="qwen2-vl", max_tokens_per_rank=512)
+    seen = []
+    for mb in step:
+        if stage == 1:  # the last stage holds no media, and no mRoPE
+            seen.append(("media" in mb, "mrope_position_ids" in mb))
+            continue
+        whole = [samples[i] for i in mb["sample_ids"].tolist()]
+        cu, cup = mb["cu_seqlens_cpu"].numpy(), mb["cu_seqlens_padded_cpu"].numpy()
+        want = media_microbatch(whole, MEDIA, cu, cup, 2, cp_rank, 1, 0, MERGE)
+        same = all(torch.equal(mb["media"][n][k], want[n][k]) for n in MEDIA
+                   for k in ("pixel_values", "grid_thw", "token_index"))
+        rope = mrope_microbatch(whole, MEDIA, cu, cup, 2, cp_rank, MERGE, "qwen2-vl")
+        seen.append((same, torch.equal(mb["mrope_position_ids"], rope)))
+    torch.save(seen, f"{out_dir}/pp{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.no_sanitizer
+def test_media_goes_to_the_first_stage_only(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(pp_worker, args=(free_port(), str(tmp_path)), nprocs=4)
+    for rank in range(4):
+        seen = torch.load(f"{tmp_path}/pp{rank}.pt")
+        assert seen, rank
+        want = (True, True) if rank < 2 else (False, False)
+        assert all(s == want for s in seen), (rank, seen)
