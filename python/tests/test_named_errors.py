@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from test_job_agreement import error_of
 from worlds import spawn
 
 F = {"f": {"kind": "target", "dtype": "float32"}}
@@ -25,14 +26,6 @@ def base(n=4, field=False):
         for x in out:
             x["f"] = np.zeros(len(x["input_ids"]), np.float32)
     return out
-
-
-def error_of(fn):
-    try:
-        fn()
-    except (TypeError, ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def worker(rank, port, out_dir):
