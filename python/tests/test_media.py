@@ -156,7 +156,7 @@ def reference(samples, cp, sp):
         rows += [emb, E[torch.zeros(pad, dtype=torch.long)]]
     loss = (torch.cat(rows) * R).sum()
     loss.backward()
-    return float(loss), E.grad, W.grad, W2.grad
+    return float(loss.detach()), E.grad, W.grad, W2.grad
 
 
 def route_worker(rank, port, cp, sp, seed, out_dir):
@@ -190,7 +190,7 @@ def route_worker(rank, port, cp, sp, seed, out_dir):
     loss = (embeds * R[mine]).sum()
     loss.backward()
     payload_rows = sum(int(mb["media"][n]["pixel_values"].shape[0]) for n in MEDIA)
-    torch.save((float(loss), E.grad, W.grad, W2.grad, payload_rows),
+    torch.save((float(loss.detach()), E.grad, W.grad, W2.grad, payload_rows),
                f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -37,7 +37,7 @@ def one_process(samples):
             emb = emb.masked_scatter((ids == spec["token_id"])[:, None].expand_as(emb), out)
         loss = loss + (emb * sample_weights(i, len(ids))).sum()
     loss.backward()
-    return float(loss), E.grad, W.grad, W2.grad
+    return float(loss.detach()), E.grad, W.grad, W2.grad
 
 
 def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir):
@@ -103,7 +103,7 @@ def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir):
             keep = slice(lo, lo + n) if sp else slice(None)
             loss = loss + (embeds[keep] * weights[keep]).sum()
     loss.backward()
-    torch.save((float(loss), E.grad, W.grad, W2.grad, checked), f"{out_dir}/r{rank}.pt")
+    torch.save((float(loss.detach()), E.grad, W.grad, W2.grad, checked), f"{out_dir}/r{rank}.pt")
     dist.destroy_process_group()
 
 
