@@ -104,6 +104,16 @@ class PackedDataIterator:
     It needs whole microbatches: CP = 1 and a static scheduler (ValueError otherwise: a model
     that shifts its labels inside a zigzag CP shard would pair tokens of different chunks).
 
+    Media (docs/media.md): ``media`` declares the modalities (``{"image": {"token_id": ...,
+    "payload": "pixel_values", "grid": "image_grid_thw"}, ...}``, optional "seconds"); each fed
+    sample then carries, under those names, its payload rows [sum t*h*w, D] (own float dtype)
+    and its grid rows [k, 3]. ``spatial_merge_size`` (2) is m: item j takes t*h*w/m^2
+    placeholder tokens. Every first-stage microbatch then holds ``mb["media"][name]``
+    (``pixel_values`` this rank encodes, ``grid_thw``, ``token_index`` and the route that
+    ``route_media`` takes) and, with ``mrope`` ("qwen2-vl", "qwen2.5-vl"; its
+    ``mrope_tokens_per_second``, 2), ``mb["mrope_position_ids"]`` [3, T/CP]. ``media_cost``:
+    (per_patch, per_frame_sq) of the encoder, placing items over CP (default: Qwen2-VL's tower).
+
     ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller by the C++
     step source (thdpack/step_runner.h, ``StepSource``) on a thread of each rank, over a gloo
     group of its own (made here, collectively): the caller's groups and every NCCL group are
