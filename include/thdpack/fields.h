@@ -93,9 +93,10 @@ struct FieldSpec {
 // every key of a real microbatch against it).
 std::span<const std::string_view> MicrobatchKeys();
 
-// OK when the schema is usable: names non-empty and unique (and none of MicrobatchKeys()), shapes of dimensions >= 1 with a row
-// under 2^20 bytes, and each fill exactly representable in its dtype (an integer in range for
-// the integer types, 0 or 1 for bool, finite for floats - bfloat16's fill must round-trip).
+// OK when the schema is usable: names non-empty and unique (and none of MicrobatchKeys()),
+// shapes of dimensions >= 1 with a row under 2^20 bytes, and each fill exactly representable in
+// its dtype (an integer in range for the integer types, 0 or 1 for bool, finite for floats -
+// bfloat16's fill must round-trip).
 // InvalidArgument naming the field (fields[i] 'name') and the rule otherwise.
 [[nodiscard]] Status ValidateFieldSpecs(std::span<const FieldSpec> fields);
 

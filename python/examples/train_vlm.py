@@ -205,7 +205,8 @@ def worker(rank, dp, cp, steps, global_batch, port, out_path, colocated=True):
         losses.append(float(total))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "param_sum": float(sum(p.detach().sum() for p in params))}, f)
+            json.dump({"losses": losses,
+                       "param_sum": float(sum(p.detach().sum() for p in params))}, f)
     dist.destroy_process_group()
 
 

@@ -99,7 +99,9 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
     std::vector<uint8_t>& b = blocks[static_cast<size_t>(e)];
     b.resize(bytes + kFrameTrailerSize);
     uint8_t* dst = b.data();
-    for (int64_t p : ps) dst = EncodeSampleMedia(own_[static_cast<size_t>(p - my_begin)].media, dst);
+    for (int64_t p : ps) {
+      dst = EncodeSampleMedia(own_[static_cast<size_t>(p - my_begin)].media, dst);
+    }
     SealFrame(FrameKind::kMedia, b);
   }
   // Their sizes first, each in a size frame, so that every receiver knows what comes.
@@ -143,7 +145,9 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
   media_of_.assign(samples.size(), nullptr);
   for (size_t k = 0; k < own_.size(); ++k) {
     const int64_t p = my_begin + static_cast<int64_t>(k);
-    if (replica_of_[static_cast<size_t>(p)] == me) media_of_[static_cast<size_t>(p)] = &own_[k].media;
+    if (replica_of_[static_cast<size_t>(p)] == me) {
+      media_of_[static_cast<size_t>(p)] = &own_[k].media;
+    }
   }
   for (int e = 0; e < dp; ++e) {
     if (e == me) continue;
