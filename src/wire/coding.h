@@ -35,6 +35,16 @@ inline uint32_t DecodeFixed32(const uint8_t* p) {
   return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
          (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
 }
+// An int64 as 8 bytes, little-endian two's complement (the fixed-width frames' words).
+inline void EncodeFixed64(uint8_t* dst, int64_t v) {
+  const uint64_t u = static_cast<uint64_t>(v);
+  for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(u >> (8 * i));
+}
+inline int64_t DecodeFixed64(const uint8_t* p) {
+  uint64_t u = 0;
+  for (int i = 0; i < 8; ++i) u |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return static_cast<int64_t>(u);
+}
 
 // LEB128: 7 bits per byte, least significant group first, high bit set on all but the last.
 inline void PutVarint64(std::vector<uint8_t>* out, uint64_t v) {
@@ -82,6 +92,13 @@ class ByteReader {
       }
     }
     return false;
+  }
+  // False when fewer than 8 bytes remain.
+  bool GetFixed64(int64_t* v) {
+    if (remaining() < 8) return false;
+    *v = DecodeFixed64(bytes_.data() + pos_);
+    pos_ += 8;
+    return true;
   }
   // The bytes not read yet.
   std::span<const uint8_t> rest() const { return bytes_.subspan(pos_); }

@@ -16,15 +16,6 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 std::string Num(int64_t v) { return std::to_string(v); }
 
-void PutFixed64(uint8_t* dst, int64_t v) {
-  const uint64_t u = static_cast<uint64_t>(v);
-  for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(u >> (8 * i));
-}
-int64_t GetFixed64(const uint8_t* p) {
-  uint64_t u = 0;
-  for (int i = 0; i < 8; ++i) u |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return static_cast<int64_t>(u);
-}
 int32_t GetInt32(const uint8_t* p) { return static_cast<int32_t>(wire::DecodeFixed32(p)); }
 
 std::string Name(FrameKind kind) { return std::string(FrameKindName(kind)); }
@@ -106,7 +97,7 @@ std::array<uint8_t, kLengthsHeaderFrameSize> EncodeLengthsHeader(const LengthsHe
   const int64_t v[8] = {h.count,          h.first_id,          h.id_span,
                         h.epoch,          h.position_bytes,    h.truncated_samples,
                         h.truncated_tokens, h.truncated_targets};
-  for (int i = 0; i < 8; ++i) PutFixed64(out.data() + 8 * i, v[i]);
+  for (int i = 0; i < 8; ++i) wire::EncodeFixed64(out.data() + 8 * i, v[i]);
   SealFrame(FrameKind::kLengthsHeader, out);
   return out;
 }
@@ -128,7 +119,7 @@ Result<LengthsHeader> DecodeLengthsHeader(std::span<const uint8_t> frame) {
   const int64_t hi[8] = {int64_t{1} << 40, INT64_MAX, INT64_MAX, INT64_MAX, int64_t{1} << 26,
                          INT64_MAX, INT64_MAX, INT64_MAX};
   for (int i = 0; i < 8; ++i) {
-    *fields[i] = GetFixed64(body.data() + 8 * i);
+    *fields[i] = wire::DecodeFixed64(body.data() + 8 * i);
     if (*fields[i] < lo[i] || *fields[i] > hi[i]) {
       return Bad(kKind, "byte " + Num(8 * i) + " (" + names[i] + "): " + Num(*fields[i]) +
                             " is outside [" + Num(lo[i]) + ", " + Num(hi[i]) + "]");
@@ -238,7 +229,7 @@ Result<StepPosition> DecodePositionFrame(std::span<const uint8_t> frame) {
 
 std::array<uint8_t, kSizeFrameSize> EncodeSizeFrame(int64_t size) {
   std::array<uint8_t, kSizeFrameSize> out{};
-  PutFixed64(out.data(), size);
+  wire::EncodeFixed64(out.data(), size);
   SealFrame(FrameKind::kSize, out);
   return out;
 }
@@ -248,7 +239,7 @@ Result<int64_t> DecodeSizeFrame(std::span<const uint8_t> frame, int64_t min, int
   if (body.size() != 8) {
     return Bad(FrameKind::kSize, "a body of " + Num(int64_t(body.size())) + " bytes, not 8");
   }
-  const int64_t v = GetFixed64(body.data());
+  const int64_t v = wire::DecodeFixed64(body.data());
   if (v < min || v > max) {
     return Bad(FrameKind::kSize, Num(v) + " bytes is outside [" + Num(min) + ", " + Num(max) + "]");
   }

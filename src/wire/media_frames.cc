@@ -1,10 +1,12 @@
 // Media on the wire (thdpack/step_wire.h, docs/wire_format.md "Media"): a sample's media in the
 // token exchange's media blocks, and a rank's media of a step in one kMedia frame. Every count
 // is checked against the bytes left before anything is allocated or read.
+#include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "thdpack/step_wire.h"
+#include "wire/coding.h"
 
 namespace thdpack {
 namespace {
@@ -14,33 +16,31 @@ constexpr uint8_t kDtypes = 8;  // FieldDtype's values (fields.h)
 std::string Num(int64_t v) { return std::to_string(v); }
 
 void Put(uint8_t*& dst, int64_t v) {
-  const uint64_t u = static_cast<uint64_t>(v);
-  for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(u >> (8 * i));
+  wire::EncodeFixed64(dst, v);
   dst += 8;
 }
 void PutWords(uint8_t*& dst, const std::vector<int64_t>& v) {
   for (int64_t x : v) Put(dst, x);
 }
+size_t Padded(size_t n) { return (n + 7) / 8 * 8; }
 void PutBytes(uint8_t*& dst, std::span<const std::byte> b) {
   if (!b.empty()) std::memcpy(dst, b.data(), b.size());
-  const size_t padded = (b.size() + 7) / 8 * 8;
-  std::memset(dst + b.size(), 0, padded - b.size());
-  dst += padded;
+  std::memset(dst + b.size(), 0, Padded(b.size()) - b.size());
+  dst += Padded(b.size());
 }
-size_t Padded(size_t n) { return (n + 7) / 8 * 8; }
 
-// A reader of words that names what ran past the bytes.
+// wire::ByteReader's words, counts and bytes, each failure a Corruption naming what ran past the
+// bytes.
 class Reader {
  public:
-  Reader(std::span<const uint8_t> b, size_t at, const char* what) : b_(b), at_(at), what_(what) {}
-  size_t at() const { return at_; }
-  size_t left() const { return b_.size() - at_; }
+  Reader(std::span<const uint8_t> b, size_t at, const char* what) : r_(b), what_(what) {
+    r_.Skip(std::min(at, b.size()));  // an offset past the bytes reads as their end
+  }
+  size_t at() const { return r_.position(); }
+  size_t left() const { return r_.remaining(); }
   Status Word(int64_t* v, const std::string& name) {
-    if (left() < 8) return Bad(name + " at byte " + Num(int64_t(at_)) + ": past the end");
-    uint64_t u = 0;
-    for (int i = 0; i < 8; ++i) u |= static_cast<uint64_t>(b_[at_ + i]) << (8 * i);
-    at_ += 8;
-    *v = static_cast<int64_t>(u);
+    const size_t at = r_.position();
+    if (!r_.GetFixed64(v)) return Bad(name + " at byte " + Num(int64_t(at)) + ": past the end");
     return Status::Ok();
   }
   // A count: >= 0, and `each` bytes of it fit in what is left.
@@ -65,15 +65,14 @@ class Reader {
       return Bad(name + ": " + Num(n) + " bytes past the " + Num(int64_t(left())) + " left");
     }
     v->resize(static_cast<size_t>(n));
-    if (n > 0) std::memcpy(v->data(), b_.data() + at_, static_cast<size_t>(n));
-    at_ += Padded(static_cast<size_t>(n));
+    if (n > 0) std::memcpy(v->data(), r_.rest().data(), static_cast<size_t>(n));
+    r_.Skip(Padded(static_cast<size_t>(n)));
     return Status::Ok();
   }
   Status Bad(const std::string& msg) const { return Status::Corruption(std::string(what_) + msg); }
 
  private:
-  std::span<const uint8_t> b_;
-  size_t at_;
+  wire::ByteReader r_;
   const char* what_;
 };
 
