@@ -136,6 +136,15 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
   return Status::Ok();
 }
 
+std::vector<int64_t> StepRunner::Impl::LoaderBlock(int s, int e) const {
+  std::vector<int64_t> ps;
+  for (int64_t p = loader_offset_[static_cast<size_t>(s)];
+       p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
+    if (replica_of_[static_cast<size_t>(p)] == e) ps.push_back(p);
+  }
+  return ps;
+}
+
 // The all-to-all-v of sample payloads among the loaders. The block from loader s to loader e
 // holds, for the samples s read that the plan sends to e (scheduling order), first all their
 // int32 tokens, then the masks of those that send one, padded to a multiple of 4 bytes so that
@@ -145,18 +154,11 @@ Status StepRunner::Impl::ExchangeTokens(RankStep& out) {
   const int me = coord_.dp;
   const auto& samples = out.samples;
   const size_t udp = static_cast<size_t>(dp);
-  auto positions = [&](int s, int e) {  // scheduling positions of block s -> e
-    std::vector<int64_t> ps;
-    for (int64_t p = loader_offset_[static_cast<size_t>(s)]; p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
-      if (replica_of_[static_cast<size_t>(p)] == e) ps.push_back(p);
-    }
-    return ps;
-  };
   std::vector<std::vector<int64_t>> send_ps(udp), recv_ps(udp);
   for (int e = 0; e < dp; ++e) {
     if (e == me) continue;
-    send_ps[static_cast<size_t>(e)] = positions(me, e);
-    recv_ps[static_cast<size_t>(e)] = positions(e, me);
+    send_ps[static_cast<size_t>(e)] = LoaderBlock(me, e);
+    recv_ps[static_cast<size_t>(e)] = LoaderBlock(e, me);
   }
   const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
   return MoveSamples(*loaders_, samples, send_ps, recv_ps, my_begin,

@@ -80,43 +80,43 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
   const size_t n = static_cast<size_t>(dp);
   const auto& samples = out.samples;
   const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
-  auto positions = [&](int s, int e) {
-    std::vector<int64_t> ps;
-    for (int64_t p = loader_offset_[static_cast<size_t>(s)];
-         p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
-      if (replica_of_[static_cast<size_t>(p)] == e) ps.push_back(p);
-    }
-    return ps;
-  };
-  // The blocks: each sample's media (EncodeSampleMedia) back to back, in one kMedia frame.
-  std::vector<std::vector<uint8_t>> blocks(n);
+  // The blocks: each sample's media (EncodeSampleMedia) back to back, one kMedia frame a
+  // receiver, encoded in place in the send buffer.
+  std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
+  std::vector<std::vector<int64_t>> send_ps(n);
   for (int e = 0; e < dp; ++e) {
     if (e == me) continue;
-    const std::vector<int64_t> ps = positions(me, e);
-    if (ps.empty()) continue;
-    size_t bytes = 0;
-    for (int64_t p : ps) bytes += SampleMediaBytes(own_[static_cast<size_t>(p - my_begin)].media);
-    std::vector<uint8_t>& b = blocks[static_cast<size_t>(e)];
-    b.resize(bytes + kFrameTrailerSize);
-    uint8_t* dst = b.data();
-    for (int64_t p : ps) {
+    const size_t ue = static_cast<size_t>(e);
+    send_ps[ue] = LoaderBlock(me, e);
+    if (send_ps[ue].empty()) continue;
+    size_t bytes = kFrameTrailerSize;
+    for (int64_t p : send_ps[ue]) {
+      bytes += SampleMediaBytes(own_[static_cast<size_t>(p - my_begin)].media);
+    }
+    sc[ue] = static_cast<int64_t>(bytes);
+  }
+  for (size_t j = 1; j < n; ++j) sd[j] = sd[j - 1] + sc[j - 1];
+  std::vector<std::byte> send(static_cast<size_t>(sd[n - 1] + sc[n - 1]));
+  for (size_t e = 0; e < n; ++e) {
+    if (sc[e] == 0) continue;
+    auto* block = reinterpret_cast<uint8_t*>(send.data() + sd[e]);
+    uint8_t* dst = block;
+    for (int64_t p : send_ps[e]) {
       dst = EncodeSampleMedia(own_[static_cast<size_t>(p - my_begin)].media, dst);
     }
-    SealFrame(FrameKind::kMedia, b);
+    SealFrame(FrameKind::kMedia, std::span<uint8_t>(block, static_cast<size_t>(sc[e])));
   }
   // Their sizes first, each in a size frame, so that every receiver knows what comes.
   std::vector<std::byte> sizes_out(n * kSizeFrameSize), sizes_in(n * kSizeFrameSize);
   std::vector<int64_t> fixed(n, static_cast<int64_t>(kSizeFrameSize)), at(n, 0);
   for (size_t e = 0; e < n; ++e) {
     at[e] = static_cast<int64_t>(e * kSizeFrameSize);
-    const auto frame = EncodeSizeFrame(static_cast<int64_t>(blocks[e].size()));
+    const auto frame = EncodeSizeFrame(sc[e]);
     std::memcpy(sizes_out.data() + at[e], frame.data(), kSizeFrameSize);
   }
   THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(sizes_out, fixed, at, sizes_in, fixed, at));
-  std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
   Status sizes;
   for (size_t e = 0; e < n && sizes.ok(); ++e) {
-    sc[e] = static_cast<int64_t>(blocks[e].size());
     auto size = DecodeSizeFrame(
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(sizes_in.data() + at[e]),
                                  kSizeFrameSize),
@@ -130,14 +130,7 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
   }
   // Nobody sizes the data by a damaged size: agreed over the loaders first.
   THDPACK_RETURN_IF_ERROR(AgreeIn(*loaders_, sizes, "the media sizes"));
-  for (size_t j = 1; j < n; ++j) {
-    sd[j] = sd[j - 1] + sc[j - 1];
-    rd[j] = rd[j - 1] + rc[j - 1];
-  }
-  std::vector<std::byte> send(static_cast<size_t>(sd[n - 1] + sc[n - 1]));
-  for (size_t e = 0; e < n; ++e) {
-    if (!blocks[e].empty()) std::memcpy(send.data() + sd[e], blocks[e].data(), blocks[e].size());
-  }
+  for (size_t j = 1; j < n; ++j) rd[j] = rd[j - 1] + rc[j - 1];
   std::vector<std::byte> recv(static_cast<size_t>(rd[n - 1] + rc[n - 1]));
   THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(send, sc, sd, recv, rc, rd));
   // Where each sample this loader packs has its media: its own, or decoded from a block.
@@ -151,7 +144,7 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
   }
   for (int e = 0; e < dp; ++e) {
     if (e == me) continue;
-    const std::vector<int64_t> ps = positions(e, me);
+    const std::vector<int64_t> ps = LoaderBlock(e, me);
     const size_t ue = static_cast<size_t>(e);
     const std::string from = "step " + Num(step_) + ": media received from " +
                              Sender(*loaders_, e, "loader");

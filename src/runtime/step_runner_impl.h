@@ -189,6 +189,9 @@ class StepRunner::Impl {
                      const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
                      const std::function<bool(int64_t)>& keeps);
   Status ExchangeTokens(RankStep& out);
+  // The scheduling positions loader s read that the plan sends to loader e's replica, in order:
+  // the block s -> e of the token exchange and of the media exchange (step_media.cc).
+  std::vector<int64_t> LoaderBlock(int s, int e) const;
 
   // step_pack.cc - packing.
   Status PackReplica(RankStep& out);
