@@ -21,11 +21,14 @@ from ._loss_common import IGNORE_INDEX, _accumulation_dtype
 _CHUNK_BYTES = 64 << 20
 
 
-def _rows_per_chunk(t, v, elem, chunk_tokens):
+def _rows_per_chunk(t, v, dtype, chunk_tokens):
+    """Rows per chunk: chunk_tokens, or about _CHUNK_BYTES of the accumulation dtype of inputs
+    of ``dtype`` a chunk of v columns."""
     if chunk_tokens is not None:
         if int(chunk_tokens) < 1:
             raise ValueError(f"chunk_tokens = {chunk_tokens}: must be >= 1")
         return int(chunk_tokens)
+    elem = 8 if dtype == torch.float64 else 4  # _accumulation_dtype's element size
     return max(1, min(t, _CHUNK_BYTES // max(1, v * elem)))
 
 
@@ -226,8 +229,7 @@ def token_logprobs(logits, mb, temperature=1.0, entropy=False, *, tp_group=None,
     labels, rows, counted = (x.to(logits.device) for x in (labels, rows, counted))
     tp = _tp(tp_group)
     _check_vocab(labels, counted, logits.shape[1] * tp[2])
-    chunk = _rows_per_chunk(logits.shape[0], logits.shape[1],
-                            8 if logits.dtype == torch.float64 else 4, chunk_tokens)
+    chunk = _rows_per_chunk(logits.shape[0], logits.shape[1], logits.dtype, chunk_tokens)
     lp, en = _TokenLogprobs.apply(_LogitsRows(logits), inv, labels, rows, counted, tp, chunk,
                                   logits)
     return (lp, en) if entropy else lp
@@ -250,8 +252,7 @@ def linear_token_logprobs(hidden, weight, mb, temperature=1.0, entropy=False, *,
     labels, rows, counted = (x.to(hidden.device) for x in (labels, rows, counted))
     tp = _tp(tp_group)
     _check_vocab(labels, counted, weight.shape[0] * tp[2])
-    chunk = _rows_per_chunk(hidden.shape[0], weight.shape[0], 8 if hidden.dtype ==
-                            torch.float64 else 4, chunk_tokens)
+    chunk = _rows_per_chunk(hidden.shape[0], weight.shape[0], hidden.dtype, chunk_tokens)
     lp, en = _TokenLogprobs.apply(_LinearRows(hidden, weight), inv, labels, rows, counted, tp,
                                   chunk, hidden, weight)
     return (lp, en) if entropy else lp

@@ -158,19 +158,31 @@ def media_microbatch(samples, media, cu_seqlens, cu_seqlens_padded, cp_size, cp_
                          if s.get(spec["payload"]) is not None), None)
             like = torch.as_tensor(like) if like is not None else torch.zeros(0, 0)
             pixel_values = like.new_zeros((0,) + tuple(like.shape[1:]))
-        out[name] = {
-            "pixel_values": pixel_values.to(device) if device is not None else pixel_values,
-            "grid_thw": torch.from_numpy(r["grid_thw"]).to(device or "cpu"),
-            "token_index": torch.from_numpy(r["token_index"]).to(device or "cpu"),
-            "route": {
-                "output_rows": int(r["output_rows"]),
-                "send_index": torch.from_numpy(r["send_index"]).to(device or "cpu"),
-                "send_counts": r["send_counts"].tolist(),
-                "recv_counts": r["recv_counts"].tolist(),
-                "recv_index": torch.from_numpy(r["recv_index"]).to(device or "cpu"),
-            },
-        }
+        out[name] = _media_entry(pixel_values, r, device)
     return out
+
+
+def _media_entry(pixel_values, r, device):
+    """One modality's ``mb["media"][name]``: the rows this rank encodes and, from ``r`` (the
+    NumPy arrays of a route: grid_thw, token_index, output_rows, send/recv index and counts),
+    their grids, the token positions that take them and route_media's tables. The one layout
+    of it, for media_microbatch and for the step's microbatches (packed_step.py). ``device``
+    None: the arrays on the CPU, the rows where they are."""
+    if device is not None:
+        pixel_values = pixel_values.to(device)
+    device = device or "cpu"
+    return {
+        "pixel_values": pixel_values,
+        "grid_thw": torch.from_numpy(r["grid_thw"]).to(device),
+        "token_index": torch.from_numpy(r["token_index"]).to(device),
+        "route": {
+            "output_rows": int(r["output_rows"]),
+            "send_index": torch.from_numpy(r["send_index"]).to(device),
+            "send_counts": r["send_counts"].tolist(),
+            "recv_counts": r["recv_counts"].tolist(),
+            "recv_index": torch.from_numpy(r["recv_index"]).to(device),
+        },
+    }
 
 
 class _RouteMedia(torch.autograd.Function):

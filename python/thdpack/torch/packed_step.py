@@ -14,6 +14,7 @@ import torch
 
 from .. import _thdpack
 from ._dtypes import TORCH, torch_name
+from .media import _media_entry
 
 
 class StepOptions(dict):
@@ -188,18 +189,7 @@ def _media(parts, names, device):
             pixels = torch.zeros((0, width), dtype=TORCH[p["dtype"]])
         else:
             pixels = t.view(TORCH[p["dtype"]]).reshape(-1, width)
-        out[name] = {
-            "pixel_values": pixels.to(device),
-            "grid_thw": torch.from_numpy(p["grid_thw"]).to(device),
-            "token_index": torch.from_numpy(p["token_index"]).to(device),
-            "route": {
-                "output_rows": int(p["output_rows"]),
-                "send_index": torch.from_numpy(p["send_index"]).to(device),
-                "send_counts": p["send_counts"].tolist(),
-                "recv_counts": p["recv_counts"].tolist(),
-                "recv_index": torch.from_numpy(p["recv_index"]).to(device),
-            },
-        }
+        out[name] = _media_entry(pixels, p, device)
     return out
 
 
