@@ -118,7 +118,8 @@ def gloo_worker(rank, world, port, args, out):
         step = tt.pack_batch(samples, groups, fields=fields, max_tokens_per_rank=args.max_tokens,
                              cost="llama2-7b")
         t2 = time.perf_counter()
-        got = padded_from_unpacked(step.unpack([mb["old_logprobs"] for mb in step]), batch, r)
+        got = padded_from_unpacked(step.unpack([mb["old_logprobs"] for mb in step], flat=True),
+                                   batch, r)
         t3 = time.perf_counter()
         assert got.shape == (len(mine), r)
         ins.append(t1 - t0 + t2 - t1)

@@ -6,6 +6,7 @@
 #ifndef THDPACK_TESTS_FIELDS_CHECKS_H_
 #define THDPACK_TESTS_FIELDS_CHECKS_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -326,12 +327,13 @@ inline Status RunUnpackCase(ProcessGroup& w, const Job& job, int silent,
       return Status::Internal("unpack: the agreed dtype or row shape is not field " + spec.name +
                               "'s");
     }
-    if (got->samples.size() != own.size()) return Status::Internal("unpack: sample count");
+    if (got->num_samples() != own.size()) return Status::Internal("unpack: sample count");
     const std::vector<std::byte> fill = FillRow(spec);
     for (size_t k = 0; k < own.size(); ++k) {
       std::vector<std::byte> want = SampleAt(static_cast<int64_t>(k) * dp + me.dp).fields[f];
       std::memcpy(want.data(), fill.data(), fill.size());
-      if (got->samples[k] != want) {
+      const std::span<const std::byte> have = got->Sample(k);
+      if (!std::equal(have.begin(), have.end(), want.begin(), want.end())) {
         return Status::Internal("unpack: field " + spec.name + " of loader sample " +
                                 std::to_string(k) + " differs");
       }

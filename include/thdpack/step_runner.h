@@ -358,12 +358,22 @@ struct UnpackArgs {
 };
 
 // What a reading rank gets back: the values' dtype and row shape (agreed over the world, so
-// also on a rank that passed none) and, in the order it gave its samples, one buffer per sample
-// of L rows.
+// also on a rank that passed none) and, in the order it gave its samples, their rows one after
+// another (one allocation however many samples): sample k is rows [offsets[k], offsets[k+1]),
+// its L rows. Another rank: no rows, offsets {0}.
 struct UnpackedValues {
   FieldDtype dtype = FieldDtype::kFloat32;
   std::vector<int64_t> row_shape;
-  std::vector<std::vector<std::byte>> samples;
+  std::vector<std::byte> values;  // [sum of L, *row_shape] of dtype
+  std::vector<int64_t> offsets;   // [samples + 1], in rows
+  size_t num_samples() const { return offsets.empty() ? 0 : offsets.size() - 1; }
+  // Sample k's bytes.
+  std::span<const std::byte> Sample(size_t k) const {
+    const size_t rb = values.empty() ? 0 : values.size() / static_cast<size_t>(offsets.back());
+    return std::span<const std::byte>(values).subspan(static_cast<size_t>(offsets[k]) * rb,
+                                                      static_cast<size_t>(offsets[k + 1] -
+                                                                          offsets[k]) * rb);
+  }
 };
 
 // Collective over `world` (the step's world, topology order). First the values' dtype and row
@@ -373,7 +383,7 @@ struct UnpackedValues {
 // rank of the last stage with tp = 0 sends each run of its values (a zigzag chunk of a
 // sequence) to every reading rank of the sample's loader (ReadsShare; FedShares::SlotOf), in
 // one all-to-all-v of 24 bytes a run plus the rows. Each reading rank returns, in the order it
-// gave its samples, one buffer per sample of L rows, token-aligned like a target field: row j
+// gave its samples, their L rows each (UnpackedValues), token-aligned like a target field: row j
 // (1 <= j < L) the value that predicted token j, row 0 the fill; other ranks no samples.
 // Packing a target field and unpacking its packed values returns it, row 0 replaced by the
 // fill; so does unpacking, with hf_aligned, the values ToHfField made of them.

@@ -2,12 +2,14 @@
 //   thdpack._thdpack.field_dtypes() the dtype table (names, element bytes)
 //   thdpack._thdpack.hf_field(values, cu_seqlens_padded, dtype, shape, fill)
 // the Hugging Face label convention of a target field (ToHfField).
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "fields_py.h"
+#include "thdpack/columns.h"
 
 namespace thdpack::python {
 
@@ -86,6 +88,53 @@ Status FieldsFromPy(const std::vector<FieldSpec>& specs, const py::handle& value
   return CheckSampleFields(specs, out.fields, length, where);
 }
 
+bool IsPyColumns(const py::handle& obj) {
+  if (!py::isinstance<py::tuple>(obj)) return false;
+  const auto t = py::reinterpret_borrow<py::tuple>(obj);
+  return t.size() == 5 && py::isinstance<py::str>(t[0]) && t[0].cast<std::string>() == "columns";
+}
+
+Result<std::vector<Sample>> SamplesFromPyColumns(const std::vector<FieldSpec>& specs,
+                                                 const py::tuple& columns,
+                                                 const std::string& where) {
+  std::vector<py::object> held;  // keeps every viewed array alive through the call
+  SampleColumns c;
+  auto column = [&](const py::handle& t, const std::string& name, ColumnView& out,
+                    bool* per_token) -> Status {
+    const auto tuple = t.cast<py::tuple>();
+    Result<FieldDtype> dtype = ParseFieldDtype(tuple[0].cast<std::string>());
+    if (!dtype.ok()) return dtype.status().WithContext(where + ": column '" + name + "'");
+    py::array bytes = py::array::ensure(tuple[2]);
+    if (!bytes || bytes.itemsize() != 1 || !(bytes.flags() & py::array::c_style)) {
+      return Status::Internal(where + ": column '" + name + "': the bytes are not contiguous");
+    }
+    held.push_back(bytes);
+    out.name = name;
+    out.dtype = *dtype;
+    out.shape = tuple[1].cast<std::vector<int64_t>>();
+    out.values = std::span<const std::byte>(static_cast<const std::byte*>(bytes.data()),
+                                            static_cast<size_t>(bytes.nbytes()));
+    if (per_token != nullptr) *per_token = tuple[3].cast<bool>();
+    return Status::Ok();
+  };
+  auto offsets = IntView1D<int64_t>(py::handle(columns[2]), where + ": offsets");
+  held.push_back(offsets.owner);
+  const ColumnOffsets off{offsets, {}};
+  THDPACK_RETURN_IF_ERROR(column(columns[1], "input_ids", c.tokens, nullptr));
+  c.tokens.offsets = off;
+  if (!columns[3].is_none()) {
+    c.has_mask = true;
+    THDPACK_RETURN_IF_ERROR(column(columns[3], "loss_mask", c.mask, nullptr));
+  }
+  for (const auto& [key, value] : columns[4].cast<py::dict>()) {
+    ColumnView& f = c.fields.emplace_back();
+    bool per_token = false;
+    THDPACK_RETURN_IF_ERROR(column(value, key.cast<std::string>(), f, &per_token));
+    if (per_token) f.offsets = off;
+  }
+  return SamplesFromColumns(c, specs, where);
+}
+
 py::dict FieldsToPy(const std::vector<FieldSpec>& specs,
                     std::vector<std::vector<std::byte>>& buffers) {
   py::dict d;
@@ -102,7 +151,178 @@ py::dict FieldsToPy(const std::vector<FieldSpec>& specs,
   return d;
 }
 
+namespace {
+
+// A [B, S] mask (bool, uint8, int32 or int64, C-contiguous) as its runs among columns
+// [col0, col0 + width); ValueError naming `name` for another dtype or shape.
+MaskRuns RunsOfPyMask(const py::array& mask, int64_t col0, int64_t width,
+                      const std::string& name) {
+  if (mask.ndim() != 2 || !(mask.flags() & py::array::c_style)) {
+    throw py::value_error(name + ": expected a C-contiguous [B, S] array, got " +
+                          DescribeArray(mask));
+  }
+  const int64_t b = mask.shape(0), s = mask.shape(1);
+  if (col0 < 0 || width < 0 || col0 + width > s) {
+    throw py::value_error(name + ": columns [" + std::to_string(col0) + ", " +
+                          std::to_string(col0 + width) + ") are not within its " +
+                          std::to_string(s));
+  }
+  const char kind = mask.dtype().kind();
+  const auto size = mask.itemsize();
+  py::gil_scoped_release release;
+  if ((kind == 'b' || kind == 'u') && size == 1) {
+    return RunsOfMask(static_cast<const uint8_t*>(mask.data()), b, s, col0, width);
+  }
+  if (kind == 'i' && size == 4) {
+    return RunsOfMask(static_cast<const int32_t*>(mask.data()), b, s, col0, width);
+  }
+  if (kind == 'i' && size == 8) {
+    return RunsOfMask(static_cast<const int64_t*>(mask.data()), b, s, col0, width);
+  }
+  py::gil_scoped_acquire gil;
+  throw py::value_error(name + ": holds " + DescribeArray(mask) + "; a mask is bool, uint8, " +
+                        "int32 or int64");
+}
+
+// A C-contiguous array of at least 2 dimensions [B, C, *row] and its row bytes.
+size_t RowBytesOf(const py::array& a, int64_t b, int64_t c, const std::string& name) {
+  if (a.ndim() < 2 || a.shape(0) != b || a.shape(1) != c || !(a.flags() & py::array::c_style)) {
+    throw py::value_error(name + ": expected a C-contiguous [" + std::to_string(b) + ", " +
+                          std::to_string(c) + ", ...] array, got " + DescribeArray(a));
+  }
+  size_t rb = static_cast<size_t>(a.itemsize());
+  for (py::ssize_t d = 2; d < a.ndim(); ++d) rb *= static_cast<size_t>(a.shape(d));
+  return rb;
+}
+
+std::vector<py::ssize_t> FlatShape(const py::array& a, int64_t n) {
+  std::vector<py::ssize_t> shape = {static_cast<py::ssize_t>(n)};
+  for (py::ssize_t d = 2; d < a.ndim(); ++d) shape.push_back(a.shape(d));
+  return shape;
+}
+
+}  // namespace
+
 void BindFields(py::module_& m) {
+  m.def(
+      "_flatten_padded",
+      [](const py::array& mask, int64_t response_length, const py::list& whole,
+         const py::list& response) {
+        const int64_t b = mask.ndim() == 2 ? mask.shape(0) : 0;
+        const int64_t s = mask.ndim() == 2 ? mask.shape(1) : 0;
+        const int64_t p = s - response_length;
+        if (p < 0 || response_length < 0) {
+          throw py::value_error("response_length " + std::to_string(response_length) +
+                                ": not within the mask's " + std::to_string(s) + " columns");
+        }
+        const MaskRuns all = RunsOfPyMask(mask, 0, s, "attention_mask");
+        const MaskRuns resp = ClipRuns(all, p, response_length);
+        std::vector<int64_t> offsets(static_cast<size_t>(b) + 1, 0), resp_start(b);
+        for (int64_t r = 0; r < b; ++r) {
+          offsets[static_cast<size_t>(r) + 1] = offsets[static_cast<size_t>(r)] +
+                                                all.counts[static_cast<size_t>(r)];
+          resp_start[static_cast<size_t>(r)] = offsets[static_cast<size_t>(r) + 1] -
+                                               resp.counts[static_cast<size_t>(r)];
+        }
+        const int64_t total = offsets.back();
+        py::list out_whole, out_resp;
+        for (size_t k = 0; k < whole.size(); ++k) {
+          const py::array a = whole[k].cast<py::array>();
+          const size_t rb = RowBytesOf(a, b, s, "whole[" + std::to_string(k) + "]");
+          py::array out(a.dtype(), FlatShape(a, total));
+          GatherRuns(all, static_cast<const std::byte*>(a.data()), s, rb,
+                     static_cast<std::byte*>(out.mutable_data()), offsets);
+          out_whole.append(out);
+        }
+        for (size_t k = 0; k < response.size(); ++k) {
+          const py::array a = response[k].cast<py::array>();
+          const size_t rb =
+              RowBytesOf(a, b, response_length, "response[" + std::to_string(k) + "]");
+          py::array out(a.dtype(), FlatShape(a, total));
+          auto* o = static_cast<std::byte*>(out.mutable_data());
+          for (int64_t r = 0; r < b; ++r) {  // each row's prompt part: 0
+            const size_t at = static_cast<size_t>(offsets[static_cast<size_t>(r)]) * rb;
+            std::memset(o + at, 0, static_cast<size_t>(resp_start[static_cast<size_t>(r)]) * rb -
+                                       at);
+          }
+          GatherRuns(resp, static_cast<const std::byte*>(a.data()), response_length, rb,
+                     static_cast<std::byte*>(out.mutable_data()), resp_start);
+          out_resp.append(out);
+        }
+        return py::make_tuple(ToNumpy(std::move(offsets)), out_whole, out_resp);
+      },
+      py::arg("mask"), py::arg("response_length"), py::arg("whole"), py::arg("response"),
+      R"doc(A padded batch as columns (thdpack.torch.adapters): mask [B, S] (nonzero: kept),
+whole: arrays [B, S, ...] whose kept entries become each row's values, response: arrays
+[B, R, ...] over the last R columns whose kept entries become the response part of each row (0
+on its prompt). Returns (offsets int64 [B + 1], [whole flat], [response flat]), flat arrays
+[N, ...] of each array's dtype.)doc");
+  m.def(
+      "_pad_flat",
+      [](const py::array& mask, int64_t response_length, const py::array& flat,
+         const py::array& offsets_obj, const py::array& fill) {
+        const int64_t s = mask.ndim() == 2 ? mask.shape(1) : 0;
+        if (response_length < 0 || response_length > s) {
+          throw py::value_error("response_length " + std::to_string(response_length) +
+                                ": not within the mask's " + std::to_string(s) + " columns");
+        }
+        const MaskRuns all = RunsOfPyMask(mask, 0, s, "attention_mask");
+        const MaskRuns resp = ClipRuns(all, s - response_length, response_length);
+        const int64_t b = resp.rows;
+        auto offsets = IntView1D<int64_t>(py::handle(offsets_obj), "offsets");
+        if (static_cast<int64_t>(offsets.size()) != b + 1) {
+          throw py::value_error("values: " + std::to_string(offsets.size()) +
+                                " offsets, the batch's " + std::to_string(b) + " rows need " +
+                                std::to_string(b + 1));
+        }
+        std::vector<int64_t> start(static_cast<size_t>(b));
+        for (int64_t r = 0; r < b; ++r) {
+          const int64_t n = offsets[static_cast<size_t>(r) + 1] - offsets[static_cast<size_t>(r)];
+          if (n != all.counts[static_cast<size_t>(r)]) {
+            throw py::value_error("values: sample " + std::to_string(r) + " has " +
+                                  std::to_string(n) + " entries, row " + std::to_string(r) +
+                                  " of the batch " + std::to_string(all.counts[r]) + " tokens");
+          }
+          start[static_cast<size_t>(r)] =
+              offsets[static_cast<size_t>(r) + 1] - resp.counts[static_cast<size_t>(r)];
+        }
+        if (flat.ndim() < 1 || !(flat.flags() & py::array::c_style) ||
+            (b > 0 && flat.shape(0) < offsets.back())) {
+          throw py::value_error("values: expected a C-contiguous [N, ...] array of at least " +
+                                std::to_string(b > 0 ? offsets.back() : 0) + " rows, got " +
+                                DescribeArray(flat));
+        }
+        size_t rb = static_cast<size_t>(flat.itemsize());
+        std::vector<py::ssize_t> shape = {static_cast<py::ssize_t>(b),
+                                          static_cast<py::ssize_t>(response_length)};
+        for (py::ssize_t d = 1; d < flat.ndim(); ++d) {
+          rb *= static_cast<size_t>(flat.shape(d));
+          shape.push_back(flat.shape(d));
+        }
+        if (fill.nbytes() != static_cast<py::ssize_t>(rb) || !fill.dtype().is(flat.dtype())) {
+          throw py::value_error("fill: expected one row of the values' dtype");
+        }
+        py::array out(flat.dtype(), shape);
+        auto* o = static_cast<std::byte*>(out.mutable_data());
+        const size_t total = static_cast<size_t>(out.nbytes());
+        if (total > 0) {  // the fill everywhere, by doubling copies of the first row
+          std::memcpy(o, fill.data(), rb);
+          for (size_t done = rb; done < total;) {
+            const size_t n = std::min(done, total - done);
+            std::memcpy(o + done, o, n);
+            done += n;
+          }
+        }
+        ScatterRuns(resp, static_cast<const std::byte*>(flat.data()), start, rb, o,
+                    response_length);
+        return out;
+      },
+      py::arg("mask"), py::arg("response_length"), py::arg("flat"), py::arg("offsets"),
+      py::arg("fill"),
+      R"doc(The inverse for per-token values (thdpack.torch.adapters.padded_from_unpacked): flat
+[N, ...] with offsets [B + 1] (row b's tokens in order) to [B, R, ...] over the last R columns of
+mask [B, S], each kept response entry its token's value, the others `fill` (one row of the
+values' dtype).)doc");
   m.def("microbatch_keys", [] {
     py::list out;
     for (std::string_view k : MicrobatchKeys()) out.append(std::string(k));

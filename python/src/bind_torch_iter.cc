@@ -78,6 +78,18 @@ Result<std::vector<Sample>> ToSamples(const py::handle& list, int loader, int64_
                                       std::vector<int64_t>* positions) {
   std::vector<Sample> out;
   positions->clear();
+  if (IsPyColumns(list)) {  // a SampleRows' columns: one conversion for every row
+    const std::string where =
+        "source of loader dp=" + std::to_string(loader) + ", step " + std::to_string(step);
+    try {
+      Result<std::vector<Sample>> rows =
+          SamplesFromPyColumns(fields, list.cast<py::tuple>(), where);
+      if (rows.ok()) positions->assign(rows->size(), FedShares::kNotGiven);
+      return rows;
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument(where + ": " + e.what());
+    }
+  }
   for (const py::handle& item : list) {
     auto pair = item.cast<py::tuple>();
     const std::string where = "source of loader dp=" + std::to_string(loader) + ", step " +
@@ -138,6 +150,11 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
     sent[py::str(std::string(PhaseName(p.phase)))] = p.bytes_sent;
   }
   d["bytes_sent"] = sent;
+  py::dict seconds;  // this rank's wall time per phase of the step, the same phases
+  for (const PhaseStats& p : step.phases) {
+    seconds[py::str(std::string(PhaseName(p.phase)))] = p.seconds;
+  }
+  d["phase_seconds"] = seconds;
   int64_t field_bytes = 0;
   for (const LocalMicrobatch& mb : step.microbatches) {
     for (const auto& f : mb.fields) field_bytes += static_cast<int64_t>(f.size());
@@ -580,10 +597,11 @@ class TorchStepSource {
   // shape). microbatches: the step's microbatch dicts (their CPU offsets, group and sample ids);
   // values: per microbatch this rank's (dtype name, shape, uint8 bytes) of [T/CP, *row], or
   // None; unpack: the step's (first id, samples, own lengths); fill: the number written at each
-  // sample's token 0. Returns (dtype name, row shape, [one uint8 array per own sample, in its
-  // order]; [] on a rank that read none). A rank's own error (a value that is no such tuple, an
-  // unknown dtype, a 0-d array, a count of values that is not the microbatches') goes to
-  // UnpackStep's agreement, so that every rank raises it.
+  // sample's token 0. Returns (dtype name, row shape, the own samples' rows one after another as
+  // one uint8 array, int64 offsets [samples + 1] in rows; [0] on a rank that read none). A
+  // rank's own error (a value that is no such tuple, an unknown dtype, a 0-d array, a count of
+  // values that is not the microbatches') goes to UnpackStep's agreement, so that every rank
+  // raises it.
   py::tuple Unpack(const py::list& microbatches, const py::list& values, const py::tuple& unpack,
                    const py::object& fill_obj, const std::string& label_format) {
     if (!world_) throw std::runtime_error("unpack: the iterator is closed");
@@ -642,14 +660,10 @@ class TorchStepSource {
       got.emplace(UnpackStep(*world_, job_->topology, RunnerOptions(*job_), mbs, args));
     }
     ThrowIfError(got->status());
-    py::list out;
-    for (std::vector<std::byte>& b : (*got)->samples) {
-      std::vector<uint8_t> bytes(b.size());
-      if (!b.empty()) std::memcpy(bytes.data(), b.data(), b.size());
-      out.append(ToNumpy(std::move(bytes)));
-    }
     return py::make_tuple(std::string(FieldDtypeName((*got)->dtype)),
-                          py::tuple(py::cast((*got)->row_shape)), out);
+                          py::tuple(py::cast((*got)->row_shape)),
+                          BytesToNumpy(std::move((*got)->values)),
+                          ToNumpy(std::move((*got)->offsets)));
   }
   // A step the caller has finished with: freed by the thread that makes the next step.
   void DropLater(py::object step) { dropped_->Add(std::move(step)); }

@@ -267,6 +267,15 @@ py::array_t<T> ToNumpy(std::vector<T>&& v) {
                         free_when_done);
 }
 
+// A 1-D uint8 NumPy array that takes ownership of the bytes `v` (no copy).
+inline py::array_t<uint8_t> BytesToNumpy(std::vector<std::byte>&& v) {
+  auto* owner = new std::vector<std::byte>(std::move(v));
+  py::capsule free_when_done(owner,
+                             [](void* p) { delete static_cast<std::vector<std::byte>*>(p); });
+  return py::array_t<uint8_t>({static_cast<py::ssize_t>(owner->size())}, {sizeof(uint8_t)},
+                              reinterpret_cast<const uint8_t*>(owner->data()), free_when_done);
+}
+
 // A new 1-D array of `n` elements of To converted from `v` (the widening the Python edge does,
 // e.g. int32 token ids to int64).
 template <typename To, typename From>

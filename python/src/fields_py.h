@@ -26,6 +26,17 @@ std::vector<FieldSpec> FieldSpecsFromPy(const py::handle& fields);
 Status FieldsFromPy(const std::vector<FieldSpec>& specs, const py::handle& values,
                     int64_t length, const std::string& where, Sample& out);
 
+// A loader's samples given as columns (thdpack.SampleRows' `_columns()`): the tuple
+// ("columns", tokens, offsets, mask or None, {name: column}), each column (dtype name, inner
+// shape, uint8 bytes, per_token) and offsets int64 [B + 1] shared by every per-token column.
+// The samples as SamplesFromColumns (thdpack/columns.h) makes them, its errors naming `where`.
+// Needs the GIL.
+Result<std::vector<Sample>> SamplesFromPyColumns(const std::vector<FieldSpec>& specs,
+                                                 const py::tuple& columns,
+                                                 const std::string& where);
+// Whether `obj` is such a tuple.
+bool IsPyColumns(const py::handle& obj);
+
 // A microbatch's field buffers (LocalMicrobatch::fields) as a dict name -> uint8 array (the
 // bytes of [rows, *shape] in the field's dtype) or None where this rank's stage holds none.
 py::dict FieldsToPy(const std::vector<FieldSpec>& specs,

@@ -67,6 +67,68 @@ def test_shapes_and_masks_are_refused_by_name():
         padded_from_unpacked([torch.zeros(3)] * 2, batch, 7)
 
 
+def test_random_masks_against_a_row_loop_both_ways():
+    """Any mask (holes, rows all kept, prompts of any length), fields of several dtypes and row
+    shapes: samples_from_padded equals a plain loop over each row's kept columns, and
+    padded_from_unpacked gives each kept response column its token's value back, from the list
+    and from the flat pair alike, the fill elsewhere."""
+    from thdpack.torch.adapters import padded_from_unpacked, samples_from_padded
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        b, p, r = int(rng.integers(1, 6)), int(rng.integers(0, 5)), int(rng.integers(1, 6))
+        s = p + r
+        mask = (rng.random((b, s)) < rng.choice([0.5, 0.9, 1.0])).astype(
+            rng.choice([np.int64, np.int32, np.uint8, np.bool_, np.int8]))
+        mask[:, -1] = 1  # every row keeps a token
+        ids = rng.integers(0, 1000, (b, s))
+        f32 = rng.standard_normal((b, r)).astype(np.float32)
+        i64 = rng.integers(-9, 9, (b, r, 2))
+        resp = rng.random((b, r)) < 0.7
+        batch = {"input_ids": ids, "attention_mask": mask, "response_mask": resp,
+                 "f32": f32, "i64": i64,
+                 "bf": torch.from_numpy(f32).to(torch.bfloat16)}
+        rows = samples_from_padded(batch, r, per_token=("f32", "i64"))
+        assert len(rows) == b
+        keep = mask != 0
+        for i in range(b):
+            x = rows[i]
+            assert np.array_equal(x["input_ids"], ids[i][keep[i]])
+            cols = np.flatnonzero(keep[i])
+            want_mask = [int(resp[i, c - p]) if c >= p else 0 for c in cols]
+            assert list(x["loss_mask"]) == want_mask, trial
+            want_f = [f32[i, c - p] if c >= p else 0 for c in cols]
+            assert np.array_equal(x["f32"], np.array(want_f, np.float32))
+            want_i = [i64[i, c - p] if c >= p else [0, 0] for c in cols]
+            assert np.array_equal(x["i64"], np.array(want_i).reshape(-1, 2))
+        # Back: one value per token (its position k + 100 in the row), three dtypes.
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            per = [torch.arange(100, 100 + len(rows[i]["input_ids"])).to(dtype)
+                   for i in range(b)]
+            back = padded_from_unpacked(per, batch, r, fill=-1)
+            flat = torch.cat(per)
+            offsets = torch.tensor([0] + [len(v) for v in per]).cumsum(0)
+            assert torch.equal(padded_from_unpacked((flat, offsets), batch, r, fill=-1), back)
+            want = torch.full((b, r), -1).to(dtype)
+            for i in range(b):
+                cols = np.flatnonzero(keep[i])
+                for k, c in enumerate(cols):
+                    if c >= p:
+                        want[i, c - p] = 100 + k
+            assert back.dtype == dtype and torch.equal(back, want), (trial, dtype)
+
+
+def test_sample_rows_slices_and_construction_errors():
+    from thdpack.torch import SampleRows
+    ids = np.array([1, 2, 3, 4, 5])
+    rows = SampleRows(ids, [0, 2, 5], loss_mask=np.array([0, 1, 2, 1, 1]))
+    assert len(rows) == 2 and np.array_equal(rows[1]["input_ids"], [3, 4, 5])
+    assert len(rows[1:]) == 1 and np.array_equal(rows[1:][0]["input_ids"], [3, 4, 5])
+    with pytest.raises(ValueError, match=r"offsets: expected \[B \+ 1\]"):
+        SampleRows(ids, np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="given twice"):
+        SampleRows(ids, [0, 5], token_fields={"a": ids}, sample_fields={"a": [1]})
+
+
 def worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     from thdpack.torch import pack_batch, token_logprobs
@@ -86,6 +148,31 @@ def worker(rank, port, out_dir):
         values.append(token_logprobs(table[mb["tokens"].long()], mb))
         old += float((mb["old_log_probs"] * mb["loss_mask"]).sum())
     back = padded_from_unpacked(step.unpack(values), batch, 7)
+    assert torch.equal(padded_from_unpacked(step.unpack(values, flat=True), batch, 7), back)
+    # The same samples as dicts: the same step, every tensor of every microbatch.
+    as_dicts = pack_batch(list(samples), groups, max_tokens_per_rank=64,
+                          fields=fields_of(("old_log_probs",), ("uid",), {"uid": "int64"}))
+    assert as_dicts.num_microbatches == step.num_microbatches
+    for a, b in zip(step, as_dicts):
+        assert a.keys() == b.keys()
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert torch.equal(a[k], b[k]), k
+    # Bad columns: named on every rank, with the column and the row.
+    bad = samples_from_padded(batch, 7, per_token=("old_log_probs",), per_sample=("uid",))
+    if rank == 1:
+        bad.loss_mask = bad.loss_mask.copy()
+        bad.loss_mask[bad.offsets[2] + 1] = 3
+    # The rank's own error a ValueError, the others' a RuntimeError naming it (pack_batch's rule).
+    with pytest.raises(ValueError if rank == 1 else RuntimeError,
+                       match="loader dp=1, step 0, row 2, token 1: loss_mask value 3 is not 0 "
+                       "or 1"):
+        pack_batch(bad, groups, max_tokens_per_rank=64,
+                   fields=fields_of(("old_log_probs",), ("uid",), {"uid": "int64"}))
+    with pytest.raises(ValueError, match=r"column 'uid' holds int64 rows of shape \[\], field "
+                       "'uid' is declared float32"):
+        pack_batch(samples, groups, max_tokens_per_rank=64,
+                   fields=fields_of(("old_log_probs",), ("uid",)))
     torch.save((back, old), f"{out_dir}/a{rank}.pt")
     dist.destroy_process_group()
 

@@ -330,13 +330,32 @@ GLOO_RUNS = [((1, 2, 2, 1, False, "tp0", "balanced"), {}, 1),
              ((1, 2, 2, 1, False, "tp0", "dynamic"), {}, 1)]
 
 
+def as_rows(items):
+    """The same samples as one SampleRows: each per-token field's rows concatenated in its
+    declared dtype, each sample field stacked."""
+    from thdpack.torch import SampleRows
+    specs = {name: (kind, dtype) for name, kind, dtype, _, _ in field_specs(FIELDS)}
+    lengths = [len(x["input_ids"]) for x in items]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    token, sample = {}, {}
+    for name, (kind, dtype) in specs.items():
+        if dtype == "bfloat16":
+            token[name] = torch.cat([x[name] for x in items])
+        elif kind == "sample":
+            sample[name] = np.stack([np.asarray(x[name], dtype=dtype) for x in items])
+        else:
+            token[name] = np.concatenate([np.asarray(x[name], dtype=dtype) for x in items])
+    return SampleRows(np.concatenate([x["input_ids"] for x in items]), offsets,
+                      np.concatenate([x["loss_mask"] for x in items]), token, sample)
+
+
 def gloo_worker(rank, world, port, out):
     from test_torch_iterator import join_gloo, make_groups, coords
     from thdpack.torch import PackedDataIterator
     join_gloo(rank, world, port)
     items = rollouts(GLOBAL_BATCH * STEPS)
     results = []
-    for topo, more, prefetch in GLOO_RUNS:
+    for run, (topo, more, prefetch) in enumerate(GLOO_RUNS):
         tp, cp, dp, pp = topo[:4]
         groups = make_groups(tp, cp, dp, pp)
         c = coords(rank, tp, cp, dp, pp)
@@ -344,7 +363,9 @@ def gloo_worker(rank, world, port, out):
         mine = [items[s * GLOBAL_BATCH + i] for s in range(STEPS)
                 for i in range(c["dp"], GLOBAL_BATCH, dp)] if loader else None
         opts = {k: v for k, v in options(*topo).items() if k not in ("tp", "cp", "dp", "pp")}
-        it = PackedDataIterator(mine, groups, fields=FIELDS, prefetch=prefetch, **opts, **more)
+        # The later runs feed the same samples as columns (SampleRows), read a share a step.
+        fed = as_rows(mine) if run > 0 and mine is not None else mine
+        it = PackedDataIterator(fed, groups, fields=FIELDS, prefetch=prefetch, **opts, **more)
         specs = it.fields
         for s, step in enumerate(it):
             for k, mb in enumerate(step):

@@ -268,15 +268,24 @@ Result<UnpackedValues> UnpackStep(ProcessGroup& world, const Topology& topology,
   THDPACK_RETURN_IF_ERROR(world.AllToAllV(sendbuf, sc, sd, recvbuf, rc, rd));
 
   // This loader's samples, filled from the runs.
-  std::vector<std::vector<std::byte>>& out = result.samples;
-  out.resize(static_cast<size_t>(my_count));
+  std::vector<int64_t>& offsets = result.offsets;
+  offsets.assign(static_cast<size_t>(my_count) + 1, 0);
   int64_t expected = 0, received = 0;
   for (int64_t k = 0; k < my_count; ++k) {
-    const int64_t length = args.own_lengths[static_cast<size_t>(k)];
-    auto& v = out[static_cast<size_t>(k)];
-    v.resize(static_cast<size_t>(std::max<int64_t>(length, 0)) * rb);
-    for (size_t at = 0; at < v.size(); at += rb) std::memcpy(v.data() + at, fill.data(), rb);
+    const int64_t length = std::max<int64_t>(args.own_lengths[static_cast<size_t>(k)], 0);
+    offsets[static_cast<size_t>(k) + 1] = offsets[static_cast<size_t>(k)] + length;
     expected += std::max<int64_t>(length - 1, 0);
+  }
+  // Every row the fill first (row 0 of each sample keeps it); the runs overwrite the rest.
+  std::vector<std::byte>& out = result.values;
+  out.resize(static_cast<size_t>(offsets.back()) * rb);
+  if (rb > 0 && !out.empty()) {
+    std::memcpy(out.data(), fill.data(), rb);
+    for (size_t done = rb; done < out.size();) {  // doubling copies of the filled prefix
+      const size_t n = std::min(done, out.size() - done);
+      std::memcpy(out.data() + done, out.data(), n);
+      done += n;
+    }
   }
   for (size_t at = 0; at < recvbuf.size() && local.ok();) {
     int64_t header[3];
@@ -297,7 +306,7 @@ Result<UnpackedValues> UnpackStep(ProcessGroup& world, const Topology& topology,
                                "samples (are the lengths those it gave, in its order?)");
       break;
     }
-    std::memcpy(out[static_cast<size_t>(k)].data() + static_cast<size_t>(first) * rb,
+    std::memcpy(out.data() + static_cast<size_t>(offsets[static_cast<size_t>(k)] + first) * rb,
                 recvbuf.data() + at, static_cast<size_t>(rows) * rb);
     at += static_cast<size_t>(rows) * rb;
     received += rows;

@@ -4,6 +4,7 @@
   thdpack.torch.loss        the CP-local token-mean loss and its topology-invariant statistics
   thdpack.torch.linear_loss the lm-head GEMM fused with the loss (never [T, V] logits)
   thdpack.torch.iterator    PackedDataIterator: the C++ distributed step over torch.distributed
+  thdpack.torch.rows        SampleRows: samples held as columns, made into the step's in one call
   thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
   thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
   thdpack.torch.calibrate   a cost profile measured by timing the user's step on packed microbatches
@@ -18,6 +19,7 @@ from .linear_loss import linear_loss
 from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions, pack_batch
 from .microbatch import micro_batch_indices, rearrange_micro_batches
 from .calibrate import calibrate
+from .rows import SampleRows
 from .logprobs import linear_token_logprobs, per_token, token_logprobs
 from .media import (media_microbatch, media_specs, mrope_microbatch, mrope_positions,
                     route_media)
@@ -29,7 +31,7 @@ __all__ = [
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
-__all__ += ["calibrate", "linear_loss"]
+__all__ += ["calibrate", "linear_loss", "SampleRows"]
 __all__ += ["linear_token_logprobs", "per_token", "token_logprobs"]
 __all__ += ["media_microbatch", "media_specs", "mrope_microbatch", "mrope_positions",
             "route_media"]

@@ -10,17 +10,20 @@ loss mask, its fields - and gives per-token outputs back per sample (``step.unpa
 verl's ``compute_log_prob`` returns [B, R].
 
 - ``samples_from_padded(batch, response_length, per_token=(), per_sample=())``: the B samples
-  (dicts for pack_batch / PackedDataIterator): ``input_ids`` the row's real tokens,
+  (a ``SampleRows`` for pack_batch / PackedDataIterator): ``input_ids`` the row's real tokens,
   ``loss_mask`` 1 on its response tokens that ``response_mask`` keeps, each per-token name a
   target field (the value of response token k on that token, 0 on the prompt), each per-sample
-  name a sample field. Vectorised: one boolean gather per tensor, and views of it per sample.
+  name a sample field. No object per sample.
 - ``padded_from_unpacked(values, batch, response_length, fill=0)``: ``step.unpack``'s per-sample
-  outputs (entry j: the value that predicted token j) as [B, R] - row b, column k: the value of
-  response token k, ``fill`` past the row's response - verl's layout.
+  outputs (entry j: the value that predicted token j; a list, or ``flat=True``'s pair) as
+  [B, R] - row b, column k: the value of response token k, ``fill`` past the row's response -
+  verl's layout. Both by one C++ pass over the mask's runs (thdpack/columns.h).
 - ``fields_of(per_token=(), per_sample=())``: the ``fields=`` declaration those samples need.
 """
 import numpy as np
 import torch
+
+from .. import _thdpack
 
 
 def _np(x, name):
@@ -32,6 +35,7 @@ def _np(x, name):
 
 
 def _layout(batch, response_length):
+    """(input_ids, the attention mask in a dtype the C++ reads, P, R), shapes checked."""
     ids = _np(batch["input_ids"], "input_ids")
     mask = _np(batch["attention_mask"], "attention_mask")
     if ids.ndim != 2 or mask.shape != ids.shape:
@@ -41,12 +45,16 @@ def _layout(batch, response_length):
     r = int(response_length)
     if not 0 < r <= s:
         raise ValueError(f"response_length = {response_length}: must be in [1, S = {s}]")
-    keep = mask.astype(bool)
-    lengths = keep.sum(1)
+    if mask.dtype.name not in ("bool", "uint8", "int32", "int64"):
+        mask = mask != 0
+    return ids, np.ascontiguousarray(mask), s - r, r
+
+
+def _check_rows(offsets):
+    lengths = np.diff(offsets)
     if (lengths == 0).any():
         row = int(np.argmax(lengths == 0))
         raise ValueError(f"attention_mask[{row}] keeps no token: a rollout needs at least one")
-    return ids, keep, lengths, s - r, r
 
 
 def fields_of(per_token=(), per_sample=(), dtype="float32"):
@@ -60,73 +68,61 @@ def fields_of(per_token=(), per_sample=(), dtype="float32"):
     return out
 
 
-def _response_positions(keep, lengths, p):
-    """(kept response positions of the [B, R] block, row-major; where each lands in the rows'
-    concatenated real tokens). O(B x R) in the mask, O(response tokens) in the rest."""
-    resp = keep[:, p:]
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) + keep[:, :p].sum(1)
-    where = np.flatnonzero(resp)
-    r = resp.shape[1]
-    rows, cols = where // r, where % r
-    return where, starts[rows] + cols
-
-
 def samples_from_padded(batch, response_length, per_token=(), per_sample=()):
-    """A padded batch's rows as thdpack samples, in row order (see the module's docstring).
-    ``batch``: a mapping with input_ids and attention_mask [B, S], optional response_mask
-    [B, R] (default: attention_mask's last R columns), and the named per-token [B, R] and
-    per-sample [B] tensors or arrays (their dtypes kept)."""
-    ids, keep, lengths, p, r = _layout(batch, response_length)
+    """A padded batch's rows as thdpack samples, in row order (see the module's docstring): a
+    ``SampleRows`` (columns, made into the step's samples in one C++ call; also a sequence of
+    sample dicts). ``batch``: a mapping with input_ids and attention_mask [B, S], optional
+    response_mask [B, R] (default: attention_mask's last R columns), and the named per-token
+    [B, R] and per-sample [B] tensors or arrays (their dtypes kept)."""
+    from .rows import SampleRows
+    ids, mask, p, r = _layout(batch, response_length)
     b, s = ids.shape
     resp = batch.get("response_mask")
-    resp = keep[:, p:] if resp is None else _np(resp, "response_mask").astype(bool)
+    resp = np.ones((b, r), np.uint8) if resp is None else _np(resp, "response_mask")
     if resp.shape != (b, r):
         raise ValueError(f"response_mask: expected [B, R] = [{b}, {r}], got {tuple(resp.shape)}")
-    split = np.cumsum(lengths)[:-1]
-    total = int(lengths.sum())
-    tokens = np.split(ids[keep], split)  # one gather; each sample a view of it
-    src, dst = _response_positions(keep, lengths, p)
-    loss = np.zeros(total, dtype=np.uint8)
-    loss[dst] = resp.reshape(-1)[src]
-    masks = np.split(loss, split)
-    fields = {}
+    values = []
     for name in per_token:
         v = _np(batch[name], name)
         if v.shape[:2] != (b, r):
             raise ValueError(f"{name}: expected [B, R] = [{b}, {r}], got {tuple(v.shape)}")
-        flat = np.zeros((total,) + v.shape[2:], dtype=v.dtype)
-        flat[dst] = v.reshape((b * r,) + v.shape[2:])[src]
-        fields[name] = np.split(flat, split)
-    out = []
-    for i in range(b):
-        x = {"input_ids": tokens[i], "loss_mask": masks[i]}
-        for name in per_token:
-            x[name] = fields[name][i]
-        out.append(x)
+        values.append(np.ascontiguousarray(v))
+    # One pass of the C++ over the mask's runs: each row's kept tokens, and its kept response
+    # columns' values at their tokens (0 on the prompt).
+    offsets, (tokens,), (loss, *flat) = _thdpack._flatten_padded(
+        mask, r, [np.ascontiguousarray(ids)], [np.ascontiguousarray(resp)] + values)
+    _check_rows(offsets)
+    sample_fields = {}
     for name in per_sample:
         v = _np(batch[name], name)
         if v.shape[:1] != (b,):
             raise ValueError(f"{name}: expected [B] = [{b}], got {tuple(v.shape)}")
-        for i in range(b):
-            out[i][name] = v[i]
-    return out
+        sample_fields[name] = v
+    return SampleRows(tokens, offsets, loss, dict(zip(per_token, flat)), sample_fields)
 
 
 def padded_from_unpacked(values, batch, response_length, fill=0):
-    """``step.unpack``'s per-sample values (one [L] or [L, *row] tensor per row of ``batch``, in
-    row order) as verl's [B, R] (or [B, R, *row]): each row's response values, ``fill`` past its
-    response."""
-    ids, keep, lengths, p, r = _layout(batch, response_length)
-    b, s = ids.shape
-    if len(values) != b:
-        raise ValueError(f"values: {len(values)} samples, the batch has {b} rows")
-    for i, v in enumerate(values):
-        if v.shape[0] != lengths[i]:
-            raise ValueError(f"values[{i}]: {v.shape[0]} entries, row {i} has {lengths[i]} "
-                             f"tokens")
-    flat = torch.cat([v.reshape(v.shape[0], -1) for v in values]) if b else torch.zeros(0, 1)
-    row = tuple(values[0].shape[1:]) if b else ()
-    src, dst = _response_positions(keep, lengths, p)
-    out = flat.new_full((b * r, flat.shape[1]), fill)
-    out[torch.from_numpy(src)] = flat[torch.from_numpy(dst)]
-    return out.reshape((b, r) + row)
+    """``step.unpack``'s per-sample values as verl's [B, R] (or [B, R, *row]): each row's
+    response values, ``fill`` past its response. ``values``: one [L] or [L, *row] tensor per
+    row of ``batch``, in row order, or ``step.unpack(..., flat=True)``'s ``(values, offsets)``
+    (no concatenation needed)."""
+    ids, mask, p, r = _layout(batch, response_length)
+    b = ids.shape[0]
+    if isinstance(values, tuple):
+        flat, offsets = values
+        offsets = _np(offsets, "offsets").astype(np.int64)
+    else:
+        if len(values) != b:
+            raise ValueError(f"values: {len(values)} samples, the batch has {b} rows")
+        offsets = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum([v.shape[0] for v in values], out=offsets[1:])
+        flat = torch.cat(list(values)) if b else torch.zeros(0)
+    if not isinstance(flat, torch.Tensor):
+        flat = torch.as_tensor(flat)
+    flat = flat.detach().cpu().contiguous()
+    bf16 = flat.dtype == torch.bfloat16  # NumPy has none: its bits as int16, the same bytes
+    raw = (flat.view(torch.int16) if bf16 else flat).numpy()
+    fill_row = torch.full(flat.shape[1:], fill, dtype=flat.dtype)
+    fill_row = (fill_row.view(torch.int16) if bf16 else fill_row).numpy()
+    out = torch.from_numpy(_thdpack._pad_flat(mask, r, raw, offsets, fill_row))
+    return out.view(torch.bfloat16) if bf16 else out

@@ -49,7 +49,8 @@ def pack_batch(samples, groups, fields=None, **options):
 
     Collective over ``groups``: each loader (the ranks PackedDataIterator reads on: tp = cp =
     pp = 0 with data_on="tp0") passes its own list of sample dicts (input_ids, loss_mask, the
-    ``fields``), None on the other ranks; loader d holds samples d, d + DP, d + 2 DP, ... of the
+    ``fields``) or a ``SampleRows`` (the same samples as columns, made into the step's in one
+    C++ call), None on the other ranks; loader d holds samples d, d + DP, d + 2 DP, ... of the
     batch (its share: the count is checked, on every rank together). The options are
     PackedDataIterator's (max_tokens_per_rank, scheduler, cost, sp, label_format, ...); the
     batch is one step of ``global_batch`` = every rank's samples together. What an RL trainer
@@ -59,6 +60,7 @@ def pack_batch(samples, groups, fields=None, **options):
     before the interpreter finalises).
     """
     from .iterator import PackedDataIterator  # which imports this module
+    from .rows import SampleRows
     if not isinstance(groups, Groups):
         raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
     error = None  # this rank's own, agreed over the world with the batch's size
@@ -68,7 +70,8 @@ def pack_batch(samples, groups, fields=None, **options):
             if key in options:
                 raise TypeError(f"pack_batch: {key} is the batch's own (one step of every "
                                 f"sample)")
-        held = None if samples is None else list(samples)
+        held = None if samples is None else \
+            samples if isinstance(samples, SampleRows) else list(samples)
     except (TypeError, ValueError) as e:
         error = e
     nccl = dist.get_backend(groups.world) == "nccl"

@@ -222,12 +222,29 @@ class _FedShares:
         self._fields = fields
         self._media = media
         self._it = None
+        self._rows = None  # a SampleRows source and the rows taken of it
+        self._taken = 0
         self.whole = False
 
     def start(self, source):
+        from .rows import SampleRows
+        self._rows, self._taken = None, 0
+        if isinstance(source, SampleRows):
+            if self._media:
+                raise ValueError("media: a SampleRows carries no media; give the samples of a "
+                                 "run with media as dicts")
+            self._rows, self._it = source, ()
+            return
         self._it = None if source is None else iter(source)
 
     def __call__(self, count):
+        if self._rows is not None:  # columns: the C++ makes every sample in one call
+            end = len(self._rows) if self.whole else min(self._taken + count,
+                                                         len(self._rows))
+            if count and end == self._taken and not self.whole:
+                return None
+            part, self._taken = self._rows[self._taken:end], end
+            return part._columns()
         if self._it is None:
             raise ValueError("source: this rank is a loader but was given None (give each "
                              "loader its iterable)")

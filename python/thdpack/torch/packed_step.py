@@ -36,7 +36,8 @@ class PackedStep:
     the global loss-token count: the loss denominator), n_loss_sequences (the step's sequences
     with at least one loss token, over every replica: a per-sequence mean's), bytes_sent (this
     rank's bytes sent per phase: read, lengths, plan, exchange, pack, deliver, agree),
-    field_bytes (the bytes of the fields this rank holds), seqlen_sum (global padded tokens),
+    phase_seconds (this rank's wall time in each of those phases), field_bytes (the bytes of
+    the fields this rank holds), seqlen_sum (global padded tokens),
     seqlen_squared_sum (sum of padded P^2 over the step), figures (``plan --json``'s step;
     per-replica detail on the ranks that planned only; a dynamic step adds groups_made,
     groups_reused, groups_evicted, groups_cached), microbatches (the list), dynamic,
@@ -50,6 +51,7 @@ class PackedStep:
         self.options = None  # the iterator's StepOptions, set as it hands the step out
         self.n_loss_sequences = raw["n_loss_sequences"]
         self.bytes_sent = dict(raw["bytes_sent"])  # this rank's, per phase of the step
+        self.phase_seconds = dict(raw["phase_seconds"])  # this rank's wall time, per phase
         self.field_bytes = raw["field_bytes"]      # the bytes of the fields this rank holds
         self.epoch = raw["epoch"]
         self.is_loader = raw["is_loader"]
@@ -79,7 +81,7 @@ class PackedStep:
         # __next__: a step the iterator's data thread frees must not keep the iterator alive).
         self._iterator = None
 
-    def unpack(self, values, fill=0):
+    def unpack(self, values, fill=0, flat=False):
         """The model's per-token outputs back to the samples, in each loader's order.
 
         Collective over the world. ``values``: one tensor per microbatch of this rank's outputs,
@@ -90,9 +92,13 @@ class PackedStep:
         elsewhere. Returns, on each rank that read samples, a list in the order it gave
         them of one tensor per sample, [L] or [L, *row] of the values' dtype, token-aligned like
         a target field: entry j (1 <= j < L) the value that predicted token j, entry 0 ``fill``;
-        on other ranks []. Only for samples fed by the caller (the iterator's iterables,
-        pack_batch). The values' dtype is one of the fields' (``_thdpack.field_dtypes()``:
-        float32, float64, bfloat16, int32, int64, uint8, bool, float16), the same with the same
+        on other ranks []. With ``flat=True``, the same as one tensor and its offsets,
+        ``(values [sum of L, *row], offsets int64 [samples + 1])`` (sample k: rows
+        offsets[k]:offsets[k+1]; the list's tensors are views of that one), which
+        ``adapters.padded_from_unpacked`` also takes. Only for samples fed by the caller (the
+        iterator's iterables, pack_batch). The values' dtype is one of the fields'
+        (``_thdpack.field_dtypes()``: float32, float64, bfloat16, int32, int64, uint8, bool,
+        float16), the same with the same
         row shape on every rank, and ``fill`` a value it holds exactly; the C++ agrees them over
         the world, so that a rank with values of another dtype or shape, or any other error of
         one rank, is a ValueError on every rank."""
@@ -103,10 +109,14 @@ class PackedStep:
         # Every check of the values (their count, dtypes and row shapes on every rank, the
         # fill) is UnpackStep's, agreed over the world: an error on one rank raises on all.
         raw = [None if v is None else _values_bytes(v) for v in values]
-        dtype, shape, out = it._src.unpack(self.microbatches, raw, self._unpack, fill,
-                                           self._label_format)
-        dtype = TORCH[dtype]
-        return [torch.from_numpy(b).view(dtype).reshape(-1, *shape) for b in out]
+        dtype, shape, out, offsets = it._src.unpack(self.microbatches, raw, self._unpack, fill,
+                                                    self._label_format)
+        rows = torch.from_numpy(out).view(TORCH[dtype]).reshape(-1, *shape) if out.size else \
+            torch.zeros((0, *shape), dtype=TORCH[dtype])
+        offsets = torch.from_numpy(offsets)
+        if flat:
+            return rows, offsets
+        return list(rows.split(offsets.diff().tolist())) if len(offsets) > 1 else []
 
     def state_dict(self):
         """The run's state once this step is done (the iterator's state_dict() after it)."""
