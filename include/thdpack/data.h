@@ -14,6 +14,9 @@
 //   jsonl:FILE          one JSON object per line: "input_ids", optional "loss_mask"
 //   megatron:PREFIX     Megatron-LM indexed dataset PREFIX.idx + PREFIX.bin (MMIDIDX v1)
 //   blend:FILE.json     a weighted mixture of sources (thdpack/blend.h); blend:{...} inline
+//   parquet:PATH        Parquet files (a file, a folder, a glob), through pyarrow (thdpack/arrow.h)
+//   arrow:PATH          Arrow IPC files or streams (a datasets.save_to_disk folder); arrow:@NAME
+//                       an in-memory Arrow producer (thdpack.arrow_source)
 //
 // Sample ids. The k-th sample a source returns since it was opened (k = 0, 1, ...) has id k:
 // ids keep counting across Reset(), so after full epochs the id of the sample at position i of
@@ -259,9 +262,11 @@ class SampleSource {
 
 // What a source is, as a value: the kind of its spec (its prefix, parsed once), or kFed for
 // samples the caller hands over (thdpack.torch's iterables: no spec, no identity).
-enum class SourceKind { kMock, kLengths, kHistogram, kJsonl, kMegatron, kBlend, kFed };
-// "mock", "lengths", "histogram", "jsonl", "megatron", "blend", "fed": the kind's name in a
-// run state and in messages.
+enum class SourceKind {
+  kMock, kLengths, kHistogram, kJsonl, kMegatron, kBlend, kFed, kParquet, kArrow
+};
+// "mock", "lengths", "histogram", "jsonl", "megatron", "blend", "fed", "parquet", "arrow": the
+// kind's name in a run state and in messages.
 std::string_view SourceKindName(SourceKind kind);
 // A kind by its name (the inverse); InvalidArgument naming the text otherwise.
 [[nodiscard]] Result<SourceKind> SourceKindFromName(std::string_view name);

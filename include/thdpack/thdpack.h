@@ -2,6 +2,7 @@
 #ifndef THDPACK_THDPACK_H_
 #define THDPACK_THDPACK_H_
 
+#include "thdpack/arrow.h"
 #include "thdpack/columns.h"
 #include "thdpack/comm.h"
 #include "thdpack/cost.h"

@@ -11,6 +11,8 @@ namespace thdpack::python {
 // common.h, as only the module registers it.
 void BindTorchIter(py::module_& m);
 void BindFields(py::module_& m);
+// Columnar sources: Arrow streams imported, the opener of parquet: and arrow: (bind_arrow.cc).
+void BindArrow(py::module_& m);
 // Media: items, mRoPE, routes (bind_media.cc).
 void BindMedia(py::module_& m);
 // The gradient buffers of thdpack.torch.local_loss (bind_grad_cache.cc).
@@ -190,5 +192,6 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindTopology(m);
   tp::BindTorchIter(m);
   tp::BindFields(m);
+  tp::BindArrow(m);
   tp::BindMedia(m);
 }

@@ -7,7 +7,8 @@ every sample of every epoch is trained exactly once; and every rank's tensors ar
 byte, those an uninterrupted run at the same topology hands that rank. Once with a shuffled
 mock source, once with a JSONL file, once with the mock source in steps counted in tokens
 (global_batch_tokens: the samples a step takes vary with their lengths), and once with its long
-samples cut into pieces (oversize "split": the pieces are the stream's samples).
+samples cut into pieces (oversize "split": the pieces are the stream's samples), and once with
+the JSONL file's samples in two Parquet files (thdpack/arrow.h, read through pyarrow).
 
 This file is also the worker: ``python test_resume_kill.py CONFIG_JSON`` under RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
@@ -173,18 +174,28 @@ def run_killed(tmp_path, source, kills, rng, tokens=0, split=False):
 # Not under the sanitizers: killed and restarted interpreters are the subject; the C++ of a
 # resume runs under ASan on threads (ResumeTest) and in test_resume.py's world.
 @pytest.mark.no_sanitizer
-@pytest.mark.parametrize("kind", ["mock", "jsonl", "mock-tokens", "mock-split"])
+@pytest.mark.parametrize("kind", ["mock", "jsonl", "parquet", "mock-tokens", "mock-split"])
 def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
     import thdpack
     from thdpack import _thdpack
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    if kind == "jsonl":
+    if kind in ("jsonl", "parquet"):
         from test_torch_iterator import write_samples
         path = str(tmp_path / "data.jsonl")
-        write_samples(path)  # 40 samples: the run crosses two epoch ends
+        rows = write_samples(path)  # 40 samples: the run crosses two epoch ends
         source = "jsonl:" + path
         epoch_size = 40
+        if kind == "parquet":  # the same samples in two Parquet files of row groups of 6
+            pa = pytest.importorskip("pyarrow")
+            import pyarrow.parquet as pq
+            table = pa.table({"input_ids": [t for t, _ in rows],
+                              "loss_mask": [m if m is not None else [1] * len(t)
+                                            for t, m in rows]})
+            (tmp_path / "pq").mkdir()
+            pq.write_table(table.slice(0, 25), tmp_path / "pq" / "a.parquet", row_group_size=6)
+            pq.write_table(table.slice(25), tmp_path / "pq" / "b.parquet", row_group_size=6)
+            source = f"parquet:{tmp_path / 'pq'}"
     else:
         config = tmp_path / "mock.json"  # short lengths: every sample fits 256 tokens a rank
         config.write_text(json.dumps({"mode": "distribution", "type": "lognormal",
@@ -198,7 +209,7 @@ def test_killed_and_resumed_run_trains_every_sample_once(tmp_path, kind):
         lengths = thdpack.read_lengths(source, shuffle=True, seed=5, mock_num_samples=20)
         epoch_size = sum(-(-int(n) // SPLIT_LONGEST) for n in lengths["lengths"])
         assert epoch_size > 20  # some samples were cut
-    log, used = run_killed(tmp_path, source, kills=2 if kind == "jsonl" else 3, rng=rng,
+    log, used = run_killed(tmp_path, source, kills=3 if kind.startswith("mock") else 2, rng=rng,
                            tokens=tokens, split=split)
     assert [e["step"] for e in log] == list(range(TOTAL)), f"seed {seed}"
     # The samples of every step are those of an uninterrupted run (any topology: the plan).

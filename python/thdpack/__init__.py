@@ -48,3 +48,10 @@ from ._thdpack import (  # noqa: F401
     unshard,
     write_run_state,
 )
+
+# Parquet and Arrow files are opened by pyarrow when the C++ first meets a parquet: or arrow:
+# spec in this process (thdpack/arrow.h); pyarrow is imported only then.
+from . import arrow as _arrow  # noqa: E402
+from .arrow import arrow_source  # noqa: E402,F401
+
+_thdpack._set_arrow_opener(_arrow._open)

@@ -15,6 +15,8 @@
 #include "data/data_internal.h"
 #include "data/data_test_util.h"
 #include "thdpack/data.h"
+#include "data/arrow_test_util.h"
+#include "thdpack/arrow.h"
 #include "thdpack/megatron_dataset.h"
 
 namespace thdpack {
@@ -196,6 +198,23 @@ TEST(SourceCursorTest, ComputedCursorsEqualReadOnesForEverySourceKind) {
         WriteText(path, jsonl);
         CheckSpec("jsonl:" + path, options, rng);
       }
+      // Arrow record batches (thdpack/arrow.h), in a few batches of any size.
+      std::vector<testing_util::TestBatch> batches;
+      for (int64_t left = size; left > 0;) {
+        const int64_t rows = std::min<int64_t>(left, 1 + static_cast<int64_t>(rng() % 40));
+        std::vector<int64_t> offsets = {0}, values;
+        for (int64_t r = 0; r < rows; ++r) {
+          for (uint64_t j = 1 + rng() % 9; j > 0; --j) values.push_back(rng() % 500);
+          offsets.push_back(static_cast<int64_t>(values.size()));
+        }
+        batches.push_back({rows, 0, {{"input_ids", "l", false, offsets, values, {}, {}, 0}}, {}});
+        left -= rows;
+      }
+      ArrowArrayStream stream = testing_util::MakeTestStream(batches);
+      auto rows = ImportArrowStream(&stream, "cursor test");
+      ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+      RegisterArrowRows("arrow:@cursor" + t, *rows);
+      CheckSpec("arrow:@cursor" + t, options, rng);
     }
   }
 }

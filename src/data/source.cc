@@ -1,6 +1,7 @@
 // OpenSource: the spec-string factory the command line uses; SampleSource's default batched
 // read.
 #include "data/data_internal.h"
+#include "thdpack/arrow.h"
 #include "thdpack/blend.h"
 #include "thdpack/data.h"
 
@@ -42,7 +43,8 @@ constexpr std::pair<SourceKind, std::string_view> kKindNames[] = {
     {SourceKind::kMock, "mock"},         {SourceKind::kLengths, "lengths"},
     {SourceKind::kHistogram, "histogram"}, {SourceKind::kJsonl, "jsonl"},
     {SourceKind::kMegatron, "megatron"}, {SourceKind::kBlend, "blend"},
-    {SourceKind::kFed, "fed"}};
+    {SourceKind::kFed, "fed"},           {SourceKind::kParquet, "parquet"},
+    {SourceKind::kArrow, "arrow"}};
 }  // namespace
 
 std::string_view SourceKindName(SourceKind kind) {
@@ -58,7 +60,7 @@ Result<SourceKind> SourceKindFromName(std::string_view name) {
   }
   return Status::InvalidArgument("source kind \"" + std::string(name) +
                                  "\": expected mock, lengths, histogram, jsonl, megatron, "
-                                 "blend or fed");
+                                 "blend, fed, parquet or arrow");
 }
 
 std::string_view SourcePathOf(std::string_view spec) {
@@ -74,8 +76,8 @@ Result<SourceKind> SourceKindOf(std::string_view spec) {
   if (!k.ok() || *k == SourceKind::kFed) {
     return Status::InvalidArgument("unknown data source \"" + std::string(spec) +
                                    "\" (expected mock, mock:FILE.json, lengths:FILE, "
-                                   "histogram:FILE, jsonl:FILE, megatron:PREFIX or "
-                                   "blend:FILE.json)");
+                                   "histogram:FILE, jsonl:FILE, megatron:PREFIX, "
+                                   "blend:FILE.json, parquet:PATH or arrow:PATH)");
   }
   if (SourcePathOf(spec).empty()) {
     return Status::InvalidArgument("data source \"" + std::string(spec) +
@@ -114,6 +116,9 @@ Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
     }
     case SourceKind::kMegatron:
       return OpenMegatronSource(path, options);
+    case SourceKind::kParquet:
+    case SourceKind::kArrow:
+      return OpenArrowSource(spec, options);
     case SourceKind::kFed:
       break;
   }
