@@ -159,7 +159,8 @@ TEST(ArrowSource, NamesEveryBadInput) {
   std::string e = ImportError({batch({Column("tokens", "i", false, ids, 0, 0)})});
   EXPECT_TRUE(has(e, "data.parquet: no column 'input_ids' (the columns: 'tokens')")) << e;
   e = ImportError({batch({Column("input_ids", "f", false, ids, 0, 0)})});
-  EXPECT_TRUE(has(e, "column 'input_ids' holds values of Arrow type 'f'; expected an integer"))
+  EXPECT_TRUE(has(e, "column 'input_ids' holds values of Arrow type 'f' (float32); expected an "
+                     "integer type"))
       << e;
   e = ImportError({batch({good, Column("loss_mask", "b", false, ids, 0, 0),
                           Column("labels", "l", false, ids, 0, 0)})});
