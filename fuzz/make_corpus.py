@@ -280,6 +280,26 @@ def media_seeds():
     return [(2 | (2 << 2), sample), (2 << 2, frame(body, 8)), (1 | (2 << 2), frame(body, 8))]
 
 
+def arrow_seeds():
+    """Seeds of arrow_columns (fuzz/arrow_columns_fuzz.cc): controls, batches, then per batch
+    rows, offset, null flags and per column a length byte a row and the values."""
+    def batch(rows, offset, nulls, columns):
+        out = bytes([rows, offset, nulls])
+        for lengths, values in columns:
+            out += bytes(lengths) + bytes(values)
+        return out
+    ids = ([3, 2], [5, 6, 7, 8, 9])
+    return [
+        bytes([2, 0]) + batch(2, 0, 0, [ids]),                              # int32, no targets
+        bytes([3 | 8 | 16, 1]) + batch(2, 1, 0, [([1, 3, 2], [4, 5, 6, 7, 8, 9]),
+                                                 ([1, 3, 2], [1, 0, 1, 1, 1, 0])]) * 2,
+        bytes([4 | 32, 0]) + batch(2, 0, 0, [ids, ([3, 2], [0, 1, 1, 1, 0])]),  # int8 mask
+        bytes([3 | 48, 0]) + batch(2, 0, 0, [ids, ([3, 2], [0x9c, 6, 7, 0x9c, 9])]),  # labels
+        bytes([2, 0]) + batch(2, 0, 1, [ids]),                              # a null row
+        bytes([2 | 128 | 64, 0]) + batch(3, 0, 2, [([1, 1, 255], [1, 2, 3])]),  # offsets back
+    ]
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "corpus")
     for seed in wire_seeds():
@@ -314,6 +334,8 @@ def main():
         write(out, "lengths_text", seed)
     for seed in megatron_seeds():
         write(out, "megatron_index", seed)
+    for seed in arrow_seeds():
+        write(out, "arrow_columns", seed)
 
 
 if __name__ == "__main__":
