@@ -95,6 +95,10 @@ class ArrowRows {
   std::vector<Batch> batches;
   std::vector<int64_t> starts;  // [batches + 1]: the first row of each batch
   std::vector<std::shared_ptr<const ArrowRows>> parts;  // a concatenation's, kept alive
+  // The identity line, computed by the first source that asks (a pass over every batch's
+  // offsets) and kept: every later open of the rows (each job, each resume) reuses it.
+  mutable std::once_flag identity_once;
+  mutable std::string identity;
   int64_t tokens = 0;
   bool has_mask = false, has_labels = false;
 
@@ -438,12 +442,18 @@ class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
   }
 
   Result<std::string> ComputeIdentity() const override {
+    std::call_once(rows_->identity_once, [this] { rows_->identity = IdentityOf(*rows_); });
+    return rows_->identity;
+  }
+
+ private:
+  static std::string IdentityOf(const ArrowRows& rows) {
     auto bytes = [](const std::vector<int64_t>& v) {
       return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 8);
     };
     uint64_t h = 0;
     constexpr int64_t kEdge = 64 * 1024 / 8;  // tokens at each end of a batch
-    for (const ArrowRows::Batch& b : rows_->batches) {
+    for (const ArrowRows::Batch& b : rows.batches) {
       const ListColumn& c = b.ids;
       if (b.rows == 0) continue;
       std::vector<int64_t> lengths(static_cast<size_t>(b.rows));
@@ -460,13 +470,12 @@ class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
     }
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-    const ArrowRowsInfo info = InfoOf(*rows_);
+    const ArrowRowsInfo info = InfoOf(rows);
     return std::string("arrow ") + Str(info.rows) + " rows, " + Str(info.tokens) + " tokens, " +
            Str(info.batches) + " batches" +
            (info.has_mask ? ", loss_mask" : info.has_labels ? ", labels" : "") + ", hash " + hex;
   }
 
- private:
   std::shared_ptr<const ArrowRows> rows_;
 };
 
