@@ -105,8 +105,8 @@ TOPOLOGIES = [dict(dp=2), dict(cp=2, dp=2), dict(tp=2, sp=True, pp=2, dp=1),
 
 
 def steps_of(spec, topo, steps=4, state=None, **more):
-    opts = dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=48, cost="llama2-7b", **topo,
-                **more)
+    opts = dict(dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=48, cost="llama2-7b"),
+                **topo, **more)
     return _thdpack._run_steps_on_threads(opts, steps, spec, None, state)
 
 
@@ -161,6 +161,23 @@ def test_shuffled_and_resumed_columnar_runs_agree(tmp_path):
     # A state of one data set is refused by another, by name.
     with pytest.raises(ValueError, match=r'saved with a source of kind "parquet"'):
         steps_of(specs["arrow-stream"], topo, steps=1, state=state, shuffle=True, seed=3)
+
+
+def test_token_batches_split_samples_and_blends_read_columns_as_files(tmp_path):
+    """Steps counted in tokens, long samples split into pieces, and a blend of a Parquet and a
+    JSONL source: the columnar source gives what the JSONL file of the same rows gives."""
+    specs = write_all(tmp_path, samples(8))
+    for more in (dict(global_batch_tokens=400), dict(oversize="split")):
+        opts = dict(max_tokens_per_rank=16, **more) if "oversize" in more else more
+        want = steps_of(specs["jsonl"], dict(dp=2), steps=3, **opts)
+        for name in ("parquet-folder", "arrow-stream", "table-memory"):
+            same(steps_of(specs[name], dict(dp=2), steps=3, **opts), want, f"{name} {more}")
+    blend = {"sources": [{"data": specs["parquet-glob"], "weight": 0.7},
+                         {"data": specs["jsonl"], "weight": 0.3}]}
+    other = {"sources": [{"data": specs["jsonl"], "weight": 0.7},
+                         {"data": specs["jsonl"], "weight": 0.3}]}
+    same(steps_of("blend:" + json.dumps(blend), dict(dp=2), steps=5),
+         steps_of("blend:" + json.dumps(other), dict(dp=2), steps=5), "blend")
 
 
 def test_read_lengths_and_the_identity_name_the_rows(tmp_path):
