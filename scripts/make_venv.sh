@@ -15,7 +15,16 @@ reqs=$here/python/requirements-current.txt
 stamp=$venv/.thdpack-requirements
 
 want=$(sha256sum "$reqs" | cut -d' ' -f1)
+# verl's wheel, kept (not installed: pure Python, its dependencies unwanted) for the tests that
+# run verl's own log-prob functions (python/tests/verl_code.py); without it they skip, saying so.
+verl=verl-0.6.1-py3-none-any.whl
+keep_verl() {
+  [ -f "$venv/wheels/$verl" ] && return 0
+  "$venv/bin/pip" download -q --no-deps --only-binary=:all: -d "$venv/wheels" verl==0.6.1 ||
+    echo "make_venv: verl's wheel not downloaded: test_logprobs_verl.py will skip" >&2
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import numpy, torch, pybind11, pytest, xdist" 2>/dev/null; then
+  keep_verl
   exit 0
 fi
 
@@ -35,4 +44,5 @@ print(f"make_venv: {sys.argv[1]}: Python {platform.python_version()}, " +
       ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
 echo "make_venv: made in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1) on disk" >&2
+keep_verl
 echo "$want" > "$stamp"

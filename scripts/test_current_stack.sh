@@ -84,7 +84,7 @@ t=$(clock)
 # In one process per core (pytest-xdist), as ctest runs it (python/CMakeLists.txt).
 markers=()
 if [ -n "${PYTEST_MARKERS:-}" ]; then markers=(-m "$PYTEST_MARKERS"); fi
-(cd "$out" && THDPACK_CLI="$build/thdpack" OMP_NUM_THREADS=1 \
+(cd "$out" && THDPACK_CLI="$build/thdpack" THDPACK_WHEELS="$venv/wheels" OMP_NUM_THREADS=1 \
   "$env_torch/bin/python" -m pytest -q -p no:cacheprovider -rs -n "$(nproc)" --dist loadgroup \
   "${markers[@]}" "$here/python/tests")
 echo "current stack: the Python suite${PYTEST_MARKERS:+ (-m $PYTEST_MARKERS)} on the installed wheel in $(since "$t")"

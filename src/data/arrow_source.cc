@@ -548,7 +548,7 @@ Result<std::unique_ptr<SampleSource>> OpenArrowSource(std::string_view spec_view
       return Status::InvalidArgument(
           "data source " + spec + ": Parquet and Arrow files are read by Apache Arrow's own " +
           "readers, which this program does not link; read them from Python (thdpack with " +
-          "pyarrow: pip install pyarrow), or convert them (thdpack.write_megatron)");
+          "pyarrow: pip install pyarrow), or convert them to a Megatron dataset");
     }
     THDPACK_ASSIGN_OR_RETURN(rows, opener(spec));
     RegisterArrowRows(spec, rows);

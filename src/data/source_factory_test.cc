@@ -12,7 +12,7 @@ using testing_util::TempDir;
 using testing_util::WriteText;
 
 TEST(SourceFactoryTest, UnknownSpecsAndMissingPathsNameTheSpec) {
-  for (const char* spec : {"", "parquet:x", "mocks", "Mock", "hist:a.csv"}) {
+  for (const char* spec : {"", "avro:x", "mocks", "Mock", "hist:a.csv"}) {
     auto s = OpenSource(spec);
     ASSERT_FALSE(s.ok()) << spec;
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
@@ -20,7 +20,8 @@ TEST(SourceFactoryTest, UnknownSpecsAndMissingPathsNameTheSpec) {
         << s.status().message();
     EXPECT_TRUE(Contains(s.status().message(), "megatron:PREFIX"));
   }
-  for (const char* spec : {"jsonl:", "mock:", "megatron:", "lengths:", "histogram:"}) {
+  for (const char* spec :
+       {"jsonl:", "mock:", "megatron:", "lengths:", "histogram:", "parquet:", "arrow:"}) {
     auto s = OpenSource(spec);
     ASSERT_FALSE(s.ok()) << spec;
     EXPECT_TRUE(Contains(s.status().message(), "needs a path")) << s.status().message();

@@ -414,7 +414,7 @@ Result<RunState> ParseRunState(std::string_view text, std::string_view where_tex
     d.source = *k;
   } else {
     return r.Bad("data.source", "= \"" + kind + "\" is not a source kind (mock, lengths, "
-                                "histogram, jsonl, megatron, blend or fed)");
+                                "histogram, jsonl, megatron, blend, fed, parquet or arrow)");
   }
   THDPACK_ASSIGN_OR_RETURN(d.spec, r.Str(*data, "data", "spec"));
   THDPACK_ASSIGN_OR_RETURN(d.identity, r.Str(*data, "data", "identity"));
