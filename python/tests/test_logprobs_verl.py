@@ -6,6 +6,7 @@ gradients of both outputs equal to 1e-12 on every target - except where Megatron
 cross-entropy computes in float32 whatever the logits' dtype (its first line casts them): the
 TP 2 log-probs and their gradient agree to float32 rounding (1e-5)."""
 import datetime
+import importlib.util
 import os
 
 import pytest
@@ -18,9 +19,17 @@ from worlds import spawn
 IGNORE = -100
 # On the current stack (transformers and megatron-core are there): the subject is the numerics
 # against verl's, not the C++ under the sanitizers.
-pytestmark = [pytest.mark.no_sanitizer, pytest.mark.skipif(
-    verl_code.wheel_path() is None,
-    reason="verl's wheel is not in the environment's wheels (scripts/make_venv.sh keeps it)")]
+def _missing():
+    if verl_code.wheel_path() is None:
+        return "verl's wheel is not in the environment's wheels (scripts/make_venv.sh keeps it)"
+    for name in ("transformers", "megatron.core"):  # verl's modules import them
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            return f"{name} is not installed (the current stack has it)"
+    return None
+
+
+pytestmark = [pytest.mark.no_sanitizer,
+              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
 
 def case(seed, t=29, v=24):
