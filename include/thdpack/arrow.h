@@ -122,10 +122,12 @@ struct ArrowRowsInfo {
 };
 ArrowRowsInfo InfoOf(const ArrowRows& rows);
 
-// Opens the `parquet:PATH` and `arrow:PATH` specs (PATH a file, a folder or a glob): set once
-// by a process that has Arrow's readers (the Python module, with pyarrow); none by default.
-using ArrowOpener =
-    std::function<Result<std::shared_ptr<const ArrowRows>>(std::string_view spec)>;
+// Opens the `parquet:PATH` and `arrow:PATH` specs (PATH a file, a folder or a glob), reading
+// at least `columns` (ArrowSourceColumns and the declared fields' names; a reader may keep more,
+// but need not read others): set once by a process that has Arrow's readers (the Python module,
+// with pyarrow); none by default.
+using ArrowOpener = std::function<Result<std::shared_ptr<const ArrowRows>>(
+    std::string_view spec, std::span<const std::string> columns)>;
 void SetArrowOpener(ArrowOpener opener);
 
 // Rows made available under `spec` in this process: an in-memory producer
@@ -135,7 +137,8 @@ void RegisterArrowRows(std::string spec, std::shared_ptr<const ArrowRows> rows);
 
 // The source of a `parquet:` or `arrow:` spec: the rows registered under it, else what the
 // opener makes of it (then registered, so that every later open of the spec in this process
-// reads the same rows); InvalidArgument naming the spec when neither (an `@NAME` not
+// reads the same rows; opened again, with the columns of both, when a later open declares a
+// field whose column the kept rows lack); InvalidArgument naming the spec when neither (an `@NAME` not
 // registered; a file spec in a process without an opener - the command line - saying that
 // pyarrow opens them). A source with random access, as a Megatron dataset: shuffling, epochs,
 // O(1) Seek and CursorAfter. Its identity: the rows, tokens and batches, and a hash of every

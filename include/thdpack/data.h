@@ -59,6 +59,19 @@ inline constexpr int64_t kDefaultMockNumSamples = 65536;
 // Lengths are int32 everywhere in thdpack (cu_seqlens are int32).
 inline constexpr int64_t kMaxSampleLength = 2147483647;
 
+// A declared field (thdpack/fields.h) as a columnar source reads it from the column of its name:
+// one row of `width` elements per token (per_token) or per sample, each element `elem_bytes`
+// bytes from values of Arrow format `arrow_format` ("f" float32, "g" float64, "e" float16, "i"
+// int32, "l" int64, "C" uint8, "b" bool, one byte each in the row). The step fills it from the
+// run's fields (the data area knows no field schema).
+struct SourceField {
+  std::string name;
+  bool per_token = true;
+  std::string arrow_format;
+  int64_t width = 1;
+  size_t elem_bytes = 0;
+};
+
 struct SourceOptions {
   // Vocabulary size V. 0 (default) = unknown: token ids read from files are only checked to be
   // in [0, 2^31), and mock tokens are drawn from [0, kDefaultMockVocab). When > 0, every token
@@ -74,6 +87,10 @@ struct SourceOptions {
   // Not available for `jsonl` (a streaming file has no random access): opening one with
   // shuffle = true is an error.
   bool shuffle = false;
+  // The run's declared fields, read into Sample::fields in this order by the columnar sources
+  // (parquet, arrow, and a blend of them); every other source refuses a non-empty list by name
+  // (its samples carry no fields). Not part of the source's identity.
+  std::vector<SourceField> fields;
 };
 
 // What planning needs of a sample.

@@ -79,10 +79,13 @@ void BindArrow(py::module_& m) {
       [](py::object opener) {
         // Kept for the life of the process (the interpreter's end may come first).
         auto* held = new py::object(std::move(opener));
-        SetArrowOpener([held](std::string_view spec) -> Result<std::shared_ptr<const ArrowRows>> {
+        SetArrowOpener([held](std::string_view spec, std::span<const std::string> columns)
+                           -> Result<std::shared_ptr<const ArrowRows>> {
           py::gil_scoped_acquire gil;
           try {
-            py::object got = (*held)(std::string(spec));
+            py::list names;
+            for (const std::string& c : columns) names.append(c);
+            py::object got = (*held)(std::string(spec), names);
             return got.cast<PyArrowRows&>().rows;
           } catch (py::error_already_set& e) {
             // thdpack's own errors (a ValueError of a Status) keep their text, not its type.
@@ -100,7 +103,8 @@ void BindArrow(py::module_& m) {
         });
       },
       py::arg("opener"),
-      "Sets what opens parquet: and arrow: specs: opener(spec) -> _ArrowRows (thdpack.arrow).");
+      "Sets what opens parquet: and arrow: specs: opener(spec, columns) -> _ArrowRows, reading "
+      "at least those columns (thdpack.arrow).");
 }
 
 }  // namespace thdpack::python

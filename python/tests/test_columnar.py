@@ -180,6 +180,68 @@ def test_token_batches_split_samples_and_blends_read_columns_as_files(tmp_path):
          steps_of("blend:" + json.dumps(other), dict(dp=2), steps=5), "blend")
 
 
+def test_declared_fields_come_from_their_columns(tmp_path):
+    """Fields read from columns (a per-token float32 list, an int64 and a fixed-size list of
+    two bools a sample) give the steps of the same samples fed with those fields, at DP 2 x CP 2
+    and TP 2 x PP 2; a column of another type, or a field no column holds, is named."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    from thdpack.torch.fed import _to_sample, field_specs
+    rows = samples(4)
+    rng = np.random.default_rng(4)
+    adv = [rng.standard_normal(len(ids)).astype(np.float32) for ids, _ in rows]
+    uid = np.arange(len(rows), dtype=np.int64) // 2
+    pair = [[bool(k % 2), bool(k % 3)] for k in range(len(rows))]
+    table = pa.table({
+        "input_ids": pa.array([ids for ids, _ in rows], pa.list_(pa.int64())),
+        "loss_mask": pa.array([m for _, m in rows], pa.list_(pa.int8())),
+        "adv": pa.array([a.tolist() for a in adv], pa.list_(pa.float32())),
+        "uid": pa.array(uid), "pair": pa.array(pair, pa.list_(pa.bool_(), 2)),
+        "note": pa.array(["text"] * len(rows))})
+    pq.write_table(table.slice(0, 30), tmp_path / "f0.parquet", row_group_size=7)
+    pq.write_table(table.slice(30), tmp_path / "f1.parquet", row_group_size=7)
+    fields = {"adv": "target", "uid": {"kind": "sample", "dtype": "int64"},
+              "pair": {"kind": "sample", "dtype": "bool", "shape": (2,)}}
+    specs = field_specs(fields)
+    # Opened first without fields (its files read for the rules' columns only), then with them:
+    # read again with the fields' columns.
+    assert len(thdpack.read_lengths(f"parquet:{tmp_path}")["lengths"]) == len(rows)
+    items = [{"input_ids": np.array(ids), "loss_mask": np.array(m, np.uint8), "adv": adv[k],
+              "uid": uid[k], "pair": np.array(pair[k])} for k, (ids, m) in enumerate(rows)]
+    steps = 4
+    for topo in (dict(dp=2, cp=2), dict(tp=2, pp=2, dp=1)):
+        dp = topo["dp"]
+        shares = [[_to_sample(items[s * GLOBAL_BATCH + i], "x", specs) for s in range(steps)
+                   for i in range(d, GLOBAL_BATCH, dp)] for d in range(dp)]
+        opts = dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=48, cost="llama2-7b", **topo)
+        fed = _thdpack._run_steps_on_threads(opts, steps, None, shares, None, specs)
+        for spec in (f"parquet:{tmp_path}", thdpack.arrow_source(table, name="fields")):
+            got = _thdpack._run_steps_on_threads(opts, steps, spec, None, None, specs)
+            same(got, fed, f"{spec} {topo}")
+            # The fields themselves, not only the arrays same() compares.
+            for rank_f, rank_g in zip(fed, got):
+                for a, b in zip(rank_f, rank_g):
+                    for u, v in zip(a["microbatches"], b["microbatches"]):
+                        for name in fields:
+                            x, y = u["fields"][name], v["fields"][name]
+                            assert (x is None) == (y is None) and (
+                                x is None or np.array_equal(x, y)), name
+    wrong = dict(fields, adv={"kind": "target", "dtype": "float64"})
+    with pytest.raises(ValueError, match=r"field 'adv': the column has Arrow type '\+l<f>', the "
+                                         r"field needs a list or large_list of 'g'"):
+        _thdpack._run_steps_on_threads(dict(global_batch=8, max_tokens_per_rank=48, dp=1), 1,
+                                       f"parquet:{tmp_path}", None, None, field_specs(wrong))
+    with pytest.raises(ValueError, match=r"field 'score' has no column of that name"):
+        _thdpack._run_steps_on_threads(dict(global_batch=8, max_tokens_per_rank=48, dp=1), 1,
+                                       f"parquet:{tmp_path}", None, None,
+                                       field_specs({"score": "sample"}))
+    with pytest.raises(ValueError, match=r"only a source fed by the caller or a columnar source"):
+        specs_j = write_all(tmp_path / "j" if (tmp_path / "j").mkdir() is None else None,
+                            samples(1))
+        _thdpack._run_steps_on_threads(dict(global_batch=8, max_tokens_per_rank=48, dp=1), 1,
+                                       specs_j["jsonl"], None, None, field_specs(fields))
+
+
 def test_read_lengths_and_the_identity_name_the_rows(tmp_path):
     rows = samples(2)
     specs = write_all(tmp_path, rows)

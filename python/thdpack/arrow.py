@@ -59,25 +59,32 @@ def _files(kind, path):
     return files
 
 
-def _select(pa, table):
-    """The columns the C++ reads (all of them when input_ids is missing: the C++ names them)."""
-    want = [c for c in _thdpack._arrow_columns() if c in table.column_names]
-    return table.select(want) if "input_ids" in want else table
+def _wanted(schema, columns):
+    """The columns to read: those asked for (the C++'s rules' and the declared fields') that the
+    file has; None (all) when input_ids is missing, so that the C++ names the columns."""
+    names = schema.names
+    if "input_ids" not in names:
+        return None
+    return [c for c in names if c in columns]
 
 
-def _open(spec):
-    """The rows of a ``parquet:`` or ``arrow:`` spec (the C++'s opener)."""
+def _select(table, columns):
+    want = _wanted(table.schema, columns)
+    return table if want is None else table.select(want)
+
+
+def _open(spec, columns):
+    """The rows of a ``parquet:`` or ``arrow:`` spec, with at least ``columns`` (the C++'s
+    opener)."""
     pa = _pyarrow()
     kind, path = spec.split(":", 1)
     parts = []
     for f in _files(kind, path):
         if kind == "parquet":
             pf = pa.parquet.ParquetFile(f, memory_map=True)
-            names = pf.schema_arrow.names
-            cols = [c for c in _thdpack._arrow_columns() if c in names]
+            cols = _wanted(pf.schema_arrow, columns)
             for g in range(pf.num_row_groups):
-                t = pf.read_row_group(g, columns=cols if "input_ids" in cols else None,
-                                      use_threads=False)
+                t = pf.read_row_group(g, columns=cols, use_threads=False)
                 parts.append(_thdpack._import_arrow(t, f"{f}, row group {g}"))
         else:
             source = pa.memory_map(f)
@@ -85,7 +92,7 @@ def _open(spec):
                 table = pa.ipc.open_file(source).read_all()  # zero-copy: mapped
             except pa.ArrowInvalid:
                 table = pa.ipc.open_stream(pa.memory_map(f)).read_all()
-            parts.append(_thdpack._import_arrow(_select(pa, table), f))
+            parts.append(_thdpack._import_arrow(_select(table, columns), f))
     return _thdpack._concat_arrow(parts, spec)
 
 
@@ -109,15 +116,8 @@ def arrow_source(obj, name=None):
     ``__arrow_c_stream__``; its record batches are imported zero-copy (a reader or a stream is
     read to its end, once). ``name``: the source's name on every rank (the job agrees the spec
     over them); default a hash of its rows', tokens' and batches' counts. Columns and errors:
-    thdpack/arrow.h."""
-    pa = None
-    try:
-        pa = _pyarrow()
-    except ImportError:
-        pass  # a producer that is not pyarrow's still works through its capsule
-    obj = _table_of(obj)
-    if pa is not None and isinstance(obj, pa.Table):
-        obj = _select(pa, obj)
+    thdpack/arrow.h. Every column is kept (zero-copy), for declared fields to come from."""
+    obj = _table_of(obj)  # any producer works through its capsule, pyarrow or not
     rows = _thdpack._import_arrow(obj, "arrow_source" if name is None else f"arrow:@{name}")
     if name is None:
         name = hashlib.sha1(f"{rows.rows} {rows.tokens} {rows.batches}".encode()).hexdigest()[:12]

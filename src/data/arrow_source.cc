@@ -74,6 +74,14 @@ struct ListColumn {
 
 bool BitSet(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) & 1; }
 
+// A record batch's columns as its schema gives them: name, Arrow format and, for a list or a
+// fixed-size list, its values' format. Fields (SourceField) are bound through it.
+struct ColumnInfo {
+  std::string name, format, values;
+  bool dictionary = false;
+};
+using SchemaInfo = std::vector<ColumnInfo>;
+
 }  // namespace
 
 class ArrowRows {
@@ -83,6 +91,8 @@ class ArrowRows {
     int64_t rows = 0;
     ListColumn ids, mask, labels;
     std::string name;  // for messages: "<where>, record batch k"
+    std::shared_ptr<const SchemaInfo> schema;  // its stream's columns (array.children order)
+    const ArrowArray* struct_array = nullptr;  // its columns' arrays (the owner's `array`)
   };
   ArrowRows() = default;
   ArrowRows(const ArrowRows&) = delete;
@@ -295,6 +305,17 @@ Result<std::shared_ptr<const ArrowRows>> ImportArrowStream(ArrowArrayStream* str
     return Status::InvalidArgument(where + ": column 'labels' must hold signed integers (-100 " +
                                    "where a token is no target)");
   }
+  auto info = std::make_shared<SchemaInfo>();
+  for (int64_t k = 0; k < schema.s.n_children; ++k) {
+    const ArrowSchema& c = *schema.s.children[k];
+    ColumnInfo col{c.name != nullptr ? c.name : "", c.format != nullptr ? c.format : "", "",
+                   c.dictionary != nullptr};
+    if (c.n_children == 1 && c.children[0] != nullptr && c.children[0]->format != nullptr) {
+      col.values = c.children[0]->format;
+      col.dictionary = col.dictionary || c.children[0]->dictionary != nullptr;
+    }
+    info->push_back(std::move(col));
+  }
   auto rows = std::make_shared<ArrowRows>();
   rows->has_mask = child[1] >= 0;
   rows->has_labels = child[2] >= 0;
@@ -309,6 +330,7 @@ Result<std::shared_ptr<const ArrowRows>> ImportArrowStream(ArrowArrayStream* str
     batch.array = array;  // owned from here: released with the rows
     const std::string at = where + ", record batch " + Str(b);
     batch.name = at;
+    batch.schema = info;
     if (array.n_children != schema.s.n_children) {
       return Status::InvalidArgument(at + ": " + Str(array.n_children) + " columns, the schema " +
                                      Str(schema.s.n_children));
@@ -346,10 +368,111 @@ Result<std::shared_ptr<const ArrowRows>> ImportArrowStream(ArrowArrayStream* str
     }
     rows->starts.push_back(rows->starts.back() + batch.rows);
   }
+  for (ArrowRows::Batch& b : rows->batches) b.struct_array = &b.array;  // the vector is final
   return std::shared_ptr<const ArrowRows>(std::move(rows));
 }
 
 namespace {
+
+// A declared field's column in one record batch: per token a list of primitives (its offsets
+// per row), per sample a primitive or a fixed-size list of `width` primitives.
+struct FieldColumn {
+  bool list = false, large = false, bits = false;
+  const void* offsets = nullptr;
+  int64_t first = 0;  // the struct's offset + the column array's
+  const uint8_t* values = nullptr;
+  int64_t value_first = 0;  // the values array's offset
+  int64_t Off(int64_t row) const {
+    const int64_t i = first + row;
+    return large ? static_cast<const int64_t*>(offsets)[i]
+                 : int64_t{static_cast<const int32_t*>(offsets)[i]};
+  }
+};
+
+// Field `f` bound to batch `b`: its column found by name and checked against the declared type
+// (InvalidArgument naming the batch, the column and both types; nulls and row lengths named by
+// row).
+Result<FieldColumn> BindField(const ArrowRows::Batch& b, const SourceField& f) {
+  const SchemaInfo& schema = *b.schema;
+  size_t k = 0;
+  while (k < schema.size() && schema[k].name != f.name) ++k;
+  const std::string at = b.name + ": field '" + f.name + "'";
+  if (k == schema.size()) {
+    std::string names;
+    for (const ColumnInfo& c : schema) names += (names.empty() ? "'" : ", '") + c.name + "'";
+    return Status::InvalidArgument(at + " has no column of that name (the columns: " + names +
+                                   ")");
+  }
+  const ColumnInfo& c = schema[k];
+  const std::string fixed = "+w:" + Str(f.width);
+  const bool list_ok = f.per_token && f.width == 1 && (c.format == "+l" || c.format == "+L");
+  const bool sample_ok = !f.per_token && ((f.width == 1 && c.format == f.arrow_format) ||
+                                          c.format == fixed);
+  const std::string want =
+      f.per_token ? (f.width == 1 ? "a list or large_list of '" + f.arrow_format + "'"
+                                  : "(a per-token field of " + Str(f.width) +
+                                        " values a token: not read from columns yet)")
+                  : (f.width == 1 ? "'" + f.arrow_format + "'"
+                                  : "a fixed_size_list '" + fixed + "' of '" + f.arrow_format +
+                                        "'");
+  const std::string values = (list_ok || c.format == fixed) ? c.values : c.format;
+  if (c.dictionary || !(list_ok || sample_ok) || values != f.arrow_format) {
+    return Status::InvalidArgument(at + ": the column has Arrow type '" + c.format +
+                                   (c.values.empty() ? "" : "<" + c.values + ">") +
+                                   "', the field needs " + want +
+                                   " (values are never cast)");
+  }
+  const ArrowArray& parent = *b.struct_array;
+  const ArrowArray* col = parent.children[k];
+  const bool nested = list_ok || c.format == fixed;
+  const ArrowArray* vals = nested ? (col->n_children == 1 ? col->children[0] : nullptr) : col;
+  if (vals == nullptr || vals->n_buffers < 2 || (nested && col->n_buffers < 1)) {
+    return Status::InvalidArgument(at + ": the column's arrays are incomplete");
+  }
+  FieldColumn out;
+  out.list = list_ok;
+  out.large = c.format == "+L";
+  out.bits = f.arrow_format == "b";
+  // Element j of row r: values[value_first + Off(r) + j] for a list, else
+  // values[value_first + (first + r) * width + j] (a primitive column is its own values).
+  out.first = parent.offset + (nested ? col->offset : 0);
+  out.values = static_cast<const uint8_t*>(vals->buffers[1]);
+  out.value_first = vals->offset;
+  if (list_ok) out.offsets = col->buffers[1];
+  const int64_t rows = b.rows;
+  if (nested) {
+    const auto* row_valid =
+        col->null_count != 0 ? static_cast<const uint8_t*>(col->buffers[0]) : nullptr;
+    if (const int64_t r = FirstNull(row_valid, parent.offset + col->offset, rows); r >= 0) {
+      return Status::InvalidArgument(b.name + ", row " + Str(r) + ": field '" + f.name +
+                                     "' is null");
+    }
+  }
+  int64_t lo = out.first * f.width, hi = (out.first + rows) * f.width;
+  if (list_ok) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = b.ids.Off(r + 1) - b.ids.Off(r);
+      if (out.Off(r + 1) - out.Off(r) != n || out.Off(r) < 0) {
+        return Status::InvalidArgument(b.name + ", row " + Str(r) + ": field '" + f.name +
+                                       "' has " + Str(out.Off(r + 1) - out.Off(r)) +
+                                       " values, input_ids " + Str(n) +
+                                       " (a per-token field has one a token)");
+      }
+    }
+    lo = rows > 0 ? out.Off(0) : 0;
+    hi = rows > 0 ? out.Off(rows) : 0;
+  }
+  if (hi > vals->length) {
+    return Status::InvalidArgument(at + ": the column's values end at " + Str(vals->length) +
+                                   ", its rows need " + Str(hi));
+  }
+  const auto* value_valid =
+      vals->null_count != 0 ? static_cast<const uint8_t*>(vals->buffers[0]) : nullptr;
+  if (const int64_t j = FirstNull(value_valid, out.value_first + lo, hi - lo); j >= 0) {
+    return Status::InvalidArgument(at + " holds a null value (value " + Str(lo + j) + ")");
+  }
+  return out;
+}
 
 std::mutex& RegistryMutex() {
   static std::mutex m;
@@ -366,9 +489,12 @@ ArrowOpener& Opener() {
 
 class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
  public:
+  // fields: [batch][field], options.fields bound to each batch (BindField).
   ArrowSource(std::string spec, std::shared_ptr<const ArrowRows> rows,
-              const SourceOptions& options)
-      : IndexedSource(std::move(spec), rows->rows(), options), rows_(std::move(rows)) {}
+              const SourceOptions& options, std::vector<std::vector<FieldColumn>> fields)
+      : IndexedSource(std::move(spec), rows->rows(), options),
+        rows_(std::move(rows)),
+        fields_(std::move(fields)) {}
 
  protected:
   Result<SampleLength> LengthAt(int64_t index) const override {
@@ -394,6 +520,7 @@ class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
     out->tokens.resize(static_cast<size_t>(n));
     out->target_mask.clear();
     const ListColumn& ids = b->ids;
+    FillFields(static_cast<size_t>(b - rows_->batches.data()), r, n, *out);
     auto bad_token = [&](int64_t j, int64_t v) {
       return Status::InvalidArgument(rows_->Where(spec(), index) + ", column 'input_ids', token " +
                                      Str(j) + ": id " + Str(v) + " is outside [0, " +
@@ -476,7 +603,33 @@ class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
            (info.has_mask ? ", loss_mask" : info.has_labels ? ", labels" : "") + ", hash " + hex;
   }
 
+  // Row r's rows of each field (n tokens), as bytes of the declared dtype: a copy, or bool bits
+  // made one byte each.
+  void FillFields(size_t batch, int64_t r, int64_t n, Sample& out) const {
+    const std::vector<SourceField>& specs = options().fields;
+    out.fields.resize(specs.size());
+    for (size_t f = 0; f < specs.size(); ++f) {
+      const SourceField& spec = specs[f];
+      const FieldColumn& c = fields_[batch][f];
+      const int64_t count = spec.per_token ? n * spec.width : spec.width;
+      const int64_t first = c.list ? c.Off(r) : (c.first + r) * spec.width;
+      std::vector<std::byte>& dst = out.fields[f];
+      dst.resize(static_cast<size_t>(count) * spec.elem_bytes);
+      if (c.bits) {
+        for (int64_t j = 0; j < count; ++j) {
+          dst[static_cast<size_t>(j)] =
+              static_cast<std::byte>(BitSet(c.values, c.value_first + first + j) ? 1 : 0);
+        }
+      } else if (count > 0) {
+        std::memcpy(dst.data(),
+                    c.values + static_cast<size_t>(c.value_first + first) * spec.elem_bytes,
+                    dst.size());
+      }
+    }
+  }
+
   std::shared_ptr<const ArrowRows> rows_;
+  std::vector<std::vector<FieldColumn>> fields_;
 };
 
 }  // namespace
@@ -508,6 +661,8 @@ Result<std::shared_ptr<const ArrowRows>> ConcatArrowRows(
       copy.mask = b.mask;
       copy.labels = b.labels;
       copy.name = b.name;  // copy.array stays released: the part owns its batch
+      copy.schema = b.schema;
+      copy.struct_array = b.struct_array;
       rows->starts.push_back(rows->starts.back() + b.rows);
     }
     rows->tokens += part.tokens;
@@ -537,8 +692,28 @@ Result<std::unique_ptr<SampleSource>> OpenArrowSource(std::string_view spec_view
     if (auto it = Registry().find(spec); it != Registry().end()) rows = it->second;
     opener = Opener();
   }
+  // The columns this open reads: the rules' and the fields'; kept rows that lack a field's
+  // column are read again from the files with it (an in-memory producer keeps all of its own).
+  std::vector<std::string> columns(kColumns, kColumns + 3);
+  for (const SourceField& f : options.fields) columns.push_back(f.name);
+  const std::string_view path = SourcePathOf(spec);
+  if (rows != nullptr && opener && !path.empty() && path[0] != '@' && !rows->batches.empty()) {
+    for (const SourceField& f : options.fields) {
+      const SchemaInfo& schema = *rows->batches[0].schema;
+      bool have = false;
+      for (const ColumnInfo& c : schema) have = have || c.name == f.name;
+      if (!have) {
+        for (const ColumnInfo& c : schema) {
+          if (std::find(columns.begin(), columns.end(), c.name) == columns.end()) {
+            columns.push_back(c.name);
+          }
+        }
+        rows = nullptr;
+        break;
+      }
+    }
+  }
   if (rows == nullptr) {
-    const std::string_view path = SourcePathOf(spec);
     if (!path.empty() && path[0] == '@') {
       return Status::InvalidArgument("data source " + spec + ": no Arrow data of that name in " +
                                      "this process (thdpack.arrow_source(obj, name=...) makes " +
@@ -550,13 +725,22 @@ Result<std::unique_ptr<SampleSource>> OpenArrowSource(std::string_view spec_view
           "readers, which this program does not link; read them from Python (thdpack with " +
           "pyarrow: pip install pyarrow), or convert them to a Megatron dataset");
     }
-    THDPACK_ASSIGN_OR_RETURN(rows, opener(spec));
+    THDPACK_ASSIGN_OR_RETURN(rows, opener(spec, columns));
     RegisterArrowRows(spec, rows);
   }
   if (rows->rows() == 0) {
     return Status::InvalidArgument("data source " + spec + ": no rows");
   }
-  return std::unique_ptr<SampleSource>(new ArrowSource(spec, std::move(rows), options));
+  std::vector<std::vector<FieldColumn>> fields(rows->batches.size());
+  for (size_t b = 0; b < rows->batches.size(); ++b) {
+    for (const SourceField& f : options.fields) {
+      Result<FieldColumn> c = BindField(rows->batches[b], f);
+      if (!c.ok()) return c.status().WithContext("data source " + spec);
+      fields[b].push_back(*c);
+    }
+  }
+  return std::unique_ptr<SampleSource>(
+      new ArrowSource(spec, std::move(rows), options, std::move(fields)));
 }
 
 }  // namespace thdpack

@@ -91,8 +91,15 @@ namespace {
 Result<std::unique_ptr<SampleSource>> OpenSourceUnguarded(std::string_view spec,
                                                           const SourceOptions& options) {
   const std::string spec_text(spec);
-  if (spec == "mock") return OpenMockSource(kDefaultMockConfig, options, spec_text);
   THDPACK_ASSIGN_OR_RETURN(const SourceKind kind, SourceKindOf(spec));
+  if (!options.fields.empty() && kind != SourceKind::kParquet && kind != SourceKind::kArrow &&
+      kind != SourceKind::kBlend) {
+    return Status::InvalidArgument(
+        "data source " + spec_text + ": field '" + options.fields[0].name + "' declared, but " +
+        std::string(SourceKindName(kind)) + " samples carry no fields (columnar sources - " +
+        "parquet:, arrow: - read them from their columns; or feed the samples)");
+  }
+  if (spec == "mock") return OpenMockSource(kDefaultMockConfig, options, spec_text);
   const std::string path(SourcePathOf(spec));
   switch (kind) {
     case SourceKind::kMock: {

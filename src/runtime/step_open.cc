@@ -19,6 +19,33 @@
 #include "thdpack/step_runner.h"
 
 namespace thdpack {
+namespace {
+
+// The run's fields as a columnar source reads them (SourceField, thdpack/data.h): each dtype's
+// Arrow format. bfloat16 has none in Arrow: refused by name.
+Result<std::vector<SourceField>> SourceFieldsOf(std::span<const FieldSpec> fields) {
+  std::vector<SourceField> out;
+  for (const FieldSpec& f : fields) {
+    std::string format;
+    switch (f.dtype) {
+      case FieldDtype::kFloat32: format = "f"; break;
+      case FieldDtype::kFloat64: format = "g"; break;
+      case FieldDtype::kFloat16: format = "e"; break;
+      case FieldDtype::kInt32: format = "i"; break;
+      case FieldDtype::kInt64: format = "l"; break;
+      case FieldDtype::kUInt8: format = "C"; break;
+      case FieldDtype::kBool: format = "b"; break;
+      case FieldDtype::kBFloat16:
+        return Status::InvalidArgument(
+            "field " + f.ToString() + ": Arrow has no bfloat16, so no column can hold it " +
+            "(store float32 and declare float32; or feed the samples)");
+    }
+    out.push_back({f.name, f.per_token(), format, f.width(), FieldDtypeSize(f.dtype)});
+  }
+  return out;
+}
+
+}  // namespace
 
 std::string_view DataOnName(DataOn mode) { return mode == DataOn::kAll ? "all" : "tp0"; }
 
@@ -81,11 +108,27 @@ Status StepRunner::Impl::Init() {
         "handing them over, or use 'truncate' or 'skip')");
   }
   if (local.ok()) local = ValidateFieldSpecs(opts_.fields).WithContext("StepRunner");
+  // Fields come from the caller's samples, or from a columnar source's columns (a blend's parts
+  // name their own kind); every rank refuses another source, and a field no column can hold.
   if (local.ok() && !opts_.fields.empty() && !opts_.read_share) {
-    local = Status::InvalidArgument("StepRunner: " + std::to_string(opts_.fields.size()) +
-                                    " field(s) declared (first " + opts_.fields[0].ToString() +
-                                    ") but the samples come from '" + opts_.data +
-                                    "': only a source fed by the caller carries fields");
+    const Result<SourceKind> kind = SourceKindOf(opts_.data);
+    if (kind.ok() && *kind != SourceKind::kParquet && *kind != SourceKind::kArrow &&
+        *kind != SourceKind::kBlend) {
+      local = Status::InvalidArgument(
+          "StepRunner: " + std::to_string(opts_.fields.size()) + " field(s) declared (first " +
+          opts_.fields[0].ToString() + ") but the samples come from '" + opts_.data +
+          "': only a source fed by the caller or a columnar source (parquet:, arrow:) carries "
+          "fields");
+    } else {
+      local = SourceFieldsOf(opts_.fields).status().WithContext("StepRunner");
+    }
+  }
+  if (local.ok() && !opts_.fields.empty() && !opts_.read_share &&
+      opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kSplit) {
+    local = Status::InvalidArgument(
+        "StepRunner: oversize 'split' with fields (first " + opts_.fields[0].ToString() +
+        "): a piece would need its share of each field's rows, which the split does not cut "
+        "(use 'truncate' or 'skip')");
   }
   for (size_t f = 0; f < opts_.fields.size(); ++f) {
     if (!opts_.fields[f].per_token()) sample_fields_.push_back(f);
@@ -113,7 +156,11 @@ Status StepRunner::Impl::Init() {
       reader_ = ReadsShare(coord_, opts_);
       head_ = dynamic_ && (all || (coord_.tp == 0 && coord_.pp == 0));
       if (reader_ && !opts_.read_share) {
-        auto src = OpenStepSource(opts_.data, opts_.source, opts_.schedule);
+        SourceOptions source_options = opts_.source;
+        Result<std::vector<SourceField>> columns = SourceFieldsOf(opts_.fields);
+        if (columns.ok()) source_options.fields = std::move(*columns);
+        auto src = columns.ok() ? OpenStepSource(opts_.data, source_options, opts_.schedule)
+                                : Result<std::unique_ptr<SampleSource>>(columns.status());
         if (src.ok()) {
           source_ = std::move(*src);
           auto tokens = TokenStepsFor(opts_.global_batch_tokens, opts_.schedule);

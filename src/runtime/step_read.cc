@@ -120,7 +120,7 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
     THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
     after_ = StepPosition{steps_->consumed(), source_->cursor()};
   }
-  if (opts_.read_share) {
+  if (opts_.read_share || !opts_.fields.empty()) {  // fed, or fields from a source's columns
     for (const Sample& x : share.samples) {
       const std::string where = "sample id " + std::to_string(x.id) + " (step " +
                                 std::to_string(step_) + ", read by loader dp=" +

@@ -173,10 +173,9 @@ class PackedDataIterator:
                                  f"label_format='megatron' (labels already shifted) with a "
                                  f"CP-aware model")
             self.label_format = label_format
+            # Fields come with fed samples, or from a columnar source's columns; the C++ names
+            # a source whose samples carry none.
             self.fields = field_specs(fields)
-            if self.fields and isinstance(source, str):
-                raise ValueError(f"fields: the samples of {source!r} carry none; fields come with "
-                                 f"samples fed by the caller (an iterable of dicts)")
             # Media (docs/media.md): the declaration as the C++ takes it; every rule is there.
             self.media = media
             media_arg = None
