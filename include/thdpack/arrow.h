@@ -13,7 +13,9 @@
 // Columns, by name (others are ignored): `input_ids` (list or large_list of any integer type:
 // the tokens), optional `loss_mask` (list or large_list of bool or integers, 0/1, token-aligned)
 // or `labels` (list or large_list of integers: -100 where the token is no target, the token
-// itself where it is - Hugging Face's unshifted labels). Each row one sample; no row, list or
+// itself where it is - Hugging Face's unshifted labels), and the run's declared fields
+// (SourceOptions::fields: a list of the field's type per token, a value or a fixed-size list
+// per sample). Each row one sample; no row, list or
 // value may be null; every row has at least one token.
 //
 // Rows keep their producer's order: the record batches in the stream's order (files in
@@ -138,8 +140,8 @@ void RegisterArrowRows(std::string spec, std::shared_ptr<const ArrowRows> rows);
 // The source of a `parquet:` or `arrow:` spec: the rows registered under it, else what the
 // opener makes of it (then registered, so that every later open of the spec in this process
 // reads the same rows; opened again, with the columns of both, when a later open declares a
-// field whose column the kept rows lack); InvalidArgument naming the spec when neither (an `@NAME` not
-// registered; a file spec in a process without an opener - the command line - saying that
+// field whose column the kept rows lack); InvalidArgument naming the spec when neither (an
+// `@NAME` not registered; a file spec in a process without an opener - the command line - saying that
 // pyarrow opens them). A source with random access, as a Megatron dataset: shuffling, epochs,
 // O(1) Seek and CursorAfter. Its identity: the rows, tokens and batches, and a hash of every
 // batch's offsets and the first and last 64 KiB of its tokens.
