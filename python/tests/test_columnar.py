@@ -181,8 +181,8 @@ def test_token_batches_split_samples_and_blends_read_columns_as_files(tmp_path):
 
 
 def test_declared_fields_come_from_their_columns(tmp_path):
-    """Fields read from columns (a per-token float32 list, an int64 and a fixed-size list of
-    two bools a sample) give the steps of the same samples fed with those fields, at DP 2 x CP 2
+    """Fields read from columns (a per-token float32 list, a per-token pair of float64 - a list
+    of fixed-size lists -, an int64 and a fixed-size list of two bools a sample) give the steps of the same samples fed with those fields, at DP 2 x CP 2
     and TP 2 x PP 2; a column of another type, or a field no column holds, is named."""
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -190,23 +190,27 @@ def test_declared_fields_come_from_their_columns(tmp_path):
     rows = samples(4)
     rng = np.random.default_rng(4)
     adv = [rng.standard_normal(len(ids)).astype(np.float32) for ids, _ in rows]
+    topk = [rng.standard_normal((len(ids), 2)) for ids, _ in rows]
     uid = np.arange(len(rows), dtype=np.int64) // 2
     pair = [[bool(k % 2), bool(k % 3)] for k in range(len(rows))]
     table = pa.table({
         "input_ids": pa.array([ids for ids, _ in rows], pa.list_(pa.int64())),
         "loss_mask": pa.array([m for _, m in rows], pa.list_(pa.int8())),
         "adv": pa.array([a.tolist() for a in adv], pa.list_(pa.float32())),
+        "topk": pa.array([t.tolist() for t in topk], pa.list_(pa.list_(pa.float64(), 2))),
         "uid": pa.array(uid), "pair": pa.array(pair, pa.list_(pa.bool_(), 2)),
         "note": pa.array(["text"] * len(rows))})
     pq.write_table(table.slice(0, 30), tmp_path / "f0.parquet", row_group_size=7)
     pq.write_table(table.slice(30), tmp_path / "f1.parquet", row_group_size=7)
     fields = {"adv": "target", "uid": {"kind": "sample", "dtype": "int64"},
+              "topk": {"kind": "target", "dtype": "float64", "shape": (2,)},
               "pair": {"kind": "sample", "dtype": "bool", "shape": (2,)}}
     specs = field_specs(fields)
     # Opened first without fields (its files read for the rules' columns only), then with them:
     # read again with the fields' columns.
     assert len(thdpack.read_lengths(f"parquet:{tmp_path}")["lengths"]) == len(rows)
     items = [{"input_ids": np.array(ids), "loss_mask": np.array(m, np.uint8), "adv": adv[k],
+              "topk": topk[k],
               "uid": uid[k], "pair": np.array(pair[k])} for k, (ids, m) in enumerate(rows)]
     steps = 4
     for topo in (dict(dp=2, cp=2), dict(tp=2, pp=2, dp=1)):
@@ -215,7 +219,10 @@ def test_declared_fields_come_from_their_columns(tmp_path):
                    for i in range(d, GLOBAL_BATCH, dp)] for d in range(dp)]
         opts = dict(global_batch=GLOBAL_BATCH, max_tokens_per_rank=48, cost="llama2-7b", **topo)
         fed = _thdpack._run_steps_on_threads(opts, steps, None, shares, None, specs)
-        for spec in (f"parquet:{tmp_path}", thdpack.arrow_source(table, name="fields")):
+        # Parquet files, the table, and the table as two slices (arrays with offsets).
+        sliced = pa.concat_tables([table.slice(0, 21), table.slice(21)])
+        for spec in (f"parquet:{tmp_path}", thdpack.arrow_source(table, name="fields"),
+                     thdpack.arrow_source(sliced, name="fields-sliced")):
             got = _thdpack._run_steps_on_threads(opts, steps, spec, None, None, specs)
             same(got, fed, f"{spec} {topo}")
             # The fields themselves, not only the arrays same() compares.

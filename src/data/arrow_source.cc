@@ -78,6 +78,7 @@ bool BitSet(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) &
 // fixed-size list, its values' format. Fields (SourceField) are bound through it.
 struct ColumnInfo {
   std::string name, format, values;
+  std::string inner;  // a list of fixed-size lists: the inner lists' values' format
   bool dictionary = false;
 };
 using SchemaInfo = std::vector<ColumnInfo>;
@@ -309,10 +310,15 @@ Result<std::shared_ptr<const ArrowRows>> ImportArrowStream(ArrowArrayStream* str
   for (int64_t k = 0; k < schema.s.n_children; ++k) {
     const ArrowSchema& c = *schema.s.children[k];
     ColumnInfo col{c.name != nullptr ? c.name : "", c.format != nullptr ? c.format : "", "",
-                   c.dictionary != nullptr};
+                   "", c.dictionary != nullptr};
     if (c.n_children == 1 && c.children[0] != nullptr && c.children[0]->format != nullptr) {
-      col.values = c.children[0]->format;
-      col.dictionary = col.dictionary || c.children[0]->dictionary != nullptr;
+      const ArrowSchema& v = *c.children[0];
+      col.values = v.format;
+      col.dictionary = col.dictionary || v.dictionary != nullptr;
+      if (v.n_children == 1 && v.children[0] != nullptr && v.children[0]->format != nullptr) {
+        col.inner = v.children[0]->format;
+        col.dictionary = col.dictionary || v.children[0]->dictionary != nullptr;
+      }
     }
     info->push_back(std::move(col));
   }
@@ -405,17 +411,21 @@ Result<FieldColumn> BindField(const ArrowRows::Batch& b, const SourceField& f) {
   }
   const ColumnInfo& c = schema[k];
   const std::string fixed = "+w:" + Str(f.width);
-  const bool list_ok = f.per_token && f.width == 1 && (c.format == "+l" || c.format == "+L");
+  const bool is_list = c.format == "+l" || c.format == "+L";
+  // Per token: a list of values, or (a row shape of `width`) a list of fixed-size lists.
+  const bool rows_of_lists = f.per_token && f.width > 1 && is_list && c.values == fixed;
+  const bool list_ok = f.per_token && is_list && (f.width == 1 || rows_of_lists);
   const bool sample_ok = !f.per_token && ((f.width == 1 && c.format == f.arrow_format) ||
                                           c.format == fixed);
   const std::string want =
       f.per_token ? (f.width == 1 ? "a list or large_list of '" + f.arrow_format + "'"
-                                  : "(a per-token field of " + Str(f.width) +
-                                        " values a token: not read from columns yet)")
+                                  : "a list or large_list of fixed_size_list '" + fixed +
+                                        "' of '" + f.arrow_format + "'")
                   : (f.width == 1 ? "'" + f.arrow_format + "'"
                                   : "a fixed_size_list '" + fixed + "' of '" + f.arrow_format +
                                         "'");
-  const std::string values = (list_ok || c.format == fixed) ? c.values : c.format;
+  const std::string values =
+      rows_of_lists ? c.inner : (list_ok || c.format == fixed) ? c.values : c.format;
   if (c.dictionary || !(list_ok || sample_ok) || values != f.arrow_format) {
     return Status::InvalidArgument(at + ": the column has Arrow type '" + c.format +
                                    (c.values.empty() ? "" : "<" + c.values + ">") +
@@ -426,6 +436,11 @@ Result<FieldColumn> BindField(const ArrowRows::Batch& b, const SourceField& f) {
   const ArrowArray* col = parent.children[k];
   const bool nested = list_ok || c.format == fixed;
   const ArrowArray* vals = nested ? (col->n_children == 1 ? col->children[0] : nullptr) : col;
+  const ArrowArray* inner = nullptr;  // rows_of_lists: the fixed-size lists (vals: their values)
+  if (rows_of_lists && vals != nullptr) {
+    inner = vals;
+    vals = inner->n_children == 1 ? inner->children[0] : nullptr;
+  }
   if (vals == nullptr || vals->n_buffers < 2 || (nested && col->n_buffers < 1)) {
     return Status::InvalidArgument(at + ": the column's arrays are incomplete");
   }
@@ -437,7 +452,9 @@ Result<FieldColumn> BindField(const ArrowRows::Batch& b, const SourceField& f) {
   // values[value_first + (first + r) * width + j] (a primitive column is its own values).
   out.first = parent.offset + (nested ? col->offset : 0);
   out.values = static_cast<const uint8_t*>(vals->buffers[1]);
-  out.value_first = vals->offset;
+  // A list of fixed-size lists: token t of a row is inner list (inner offset + t), its values
+  // `width` from (that) * width of the values.
+  out.value_first = vals->offset + (inner != nullptr ? inner->offset * f.width : 0);
   if (list_ok) out.offsets = col->buffers[1];
   const int64_t rows = b.rows;
   if (nested) {
@@ -459,8 +476,22 @@ Result<FieldColumn> BindField(const ArrowRows::Batch& b, const SourceField& f) {
                                        " (a per-token field has one a token)");
       }
     }
-    lo = rows > 0 ? out.Off(0) : 0;
-    hi = rows > 0 ? out.Off(rows) : 0;
+    lo = rows > 0 ? out.Off(0) * f.width : 0;
+    hi = rows > 0 ? out.Off(rows) * f.width : 0;
+    if (inner != nullptr) {
+      const auto* valid =
+          inner->null_count != 0 ? static_cast<const uint8_t*>(inner->buffers[0]) : nullptr;
+      if (const int64_t t = FirstNull(valid, inner->offset + lo / f.width, (hi - lo) / f.width);
+          t >= 0) {
+        return Status::InvalidArgument(at + " holds a null row of values (token " +
+                                       Str(lo / f.width + t) + " of the column)");
+      }
+      if (hi / f.width > inner->length) {
+        return Status::InvalidArgument(at + ": the column's rows end at " +
+                                       Str(inner->length) + ", its tokens need " +
+                                       Str(hi / f.width));
+      }
+    }
   }
   if (hi > vals->length) {
     return Status::InvalidArgument(at + ": the column's values end at " + Str(vals->length) +
@@ -612,7 +643,7 @@ class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
       const SourceField& spec = specs[f];
       const FieldColumn& c = fields_[batch][f];
       const int64_t count = spec.per_token ? n * spec.width : spec.width;
-      const int64_t first = c.list ? c.Off(r) : (c.first + r) * spec.width;
+      const int64_t first = (c.list ? c.Off(r) : c.first + r) * spec.width;
       std::vector<std::byte>& dst = out.fields[f];
       dst.resize(static_cast<size_t>(count) * spec.elem_bytes);
       if (c.bits) {
