@@ -111,6 +111,10 @@ def worker_main(config_path):
                 os.fsync(f.fileno())
             os.replace(tmp, cfg["checkpoint"])
         dist.barrier()
+    # The source's thread, which makes the step after the last one ahead of the loop, is
+    # stopped on every rank together before the process groups go (a thread still in a
+    # collective at exit aborted a rank once a peer had gone: -6, on torch 1.13).
+    it.close()
     dist.destroy_process_group()
 
 
