@@ -6,13 +6,15 @@
 //   byte 0   controls: bits 0-2 the input_ids value type (c s i l C S I L), bit 3 large_list,
 //            bits 4-5 targets (none, a bool loss_mask, an int8 loss_mask, int64 labels), bit 6
 //            shuffle, bit 7 a vocabulary of 300 (else none)
-//   byte 1   batches (1 + byte % 4)
+//   byte 1   bits 0-1 batches (1 + them), bit 2 a declared per-token int32 field 'adv' read
+//            from a list column of its own (its offsets from the input too)
 //   then, per batch: rows (byte % 16), the struct's offset (byte % 3), a byte of null flags
 //            (bit 0 a null row, bit 1 a null value), then per column (ids, and the targets'
 //            column when there is one) a length byte per row and rows + offset's values, each
 //            one byte (signed for labels: -100 where the byte is 0x9c)
 // Imported rows must give a source whose samples have 1 .. 2^31 - 1 tokens, the same length and
-// targets from NextLength and Next, tokens inside the vocabulary; errors must name the data.
+// targets from NextLength and Next, tokens inside the vocabulary, the field's row per token;
+// errors must name the data.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -43,7 +45,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string format = kFormats[controls & 7];
   const bool large = controls & 8;
   const int targets = (controls >> 4) & 3;
-  const int batches = 1 + in.Next() % 4;
+  const uint8_t shape = in.Next();
+  const int batches = 1 + (shape & 3);
+  const bool field = shape & 4;
   std::vector<TestBatch> all;
   for (int b = 0; b < batches; ++b) {
     TestBatch batch;
@@ -79,6 +83,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (targets == 1) batch.columns.push_back(column("loss_mask", "b", false));
       if (targets == 2) batch.columns.push_back(column("loss_mask", "c", true));
       if (targets == 3) batch.columns.push_back(column("labels", "l", false));
+      if (field) batch.columns.push_back(column("adv", "i", false));
     } else {
       batch.columns.push_back(TestListColumn{"input_ids", format, large, {0}, {}, {}, {}, 0});
       batch.rows = 0;
@@ -102,8 +107,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   thdpack::SourceOptions options;
   options.shuffle = controls & 64;
   options.vocab_size = (controls & 128) ? 300 : 0;
+  if (field) options.fields.push_back({"adv", true, "i", 1, 4});
   auto a = thdpack::OpenSource("arrow:@fuzz", options);
   auto b = thdpack::OpenSource("arrow:@fuzz", options);
+  if (field && !a.ok()) {  // a field column that does not fit its rows: named
+    FUZZ_CHECK(Describe(a.status()).find("field 'adv'") != std::string::npos,
+               Describe(a.status()));
+    return 0;
+  }
   FUZZ_CHECK(a.ok() && b.ok(), Describe(a.ok() ? b.status() : a.status()));
   for (int k = 0; k < 64; ++k) {
     auto length = (*a)->NextLength();
@@ -120,6 +131,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(!s.tokens.empty(), "an empty sample");
     FUZZ_CHECK((*length)->length == static_cast<int64_t>(s.tokens.size()), "lengths differ");
     FUZZ_CHECK((*length)->n_targets == thdpack::NumTargets(s), "targets differ");
+    FUZZ_CHECK(s.fields.size() == (field ? 1u : 0u) &&
+                   (!field || s.fields[0].size() == s.tokens.size() * 4),
+               "a field's row per token");
     for (thdpack::TokenId t : s.tokens) {
       FUZZ_CHECK(t >= 0 && (options.vocab_size == 0 || t < options.vocab_size), "a bad token");
     }

@@ -297,6 +297,8 @@ def arrow_seeds():
         bytes([3 | 48, 0]) + batch(2, 0, 0, [ids, ([3, 2], [0x9c, 6, 7, 0x9c, 9])]),  # labels
         bytes([2, 0]) + batch(2, 0, 1, [ids]),                              # a null row
         bytes([2 | 128 | 64, 0]) + batch(3, 0, 2, [([1, 1, 255], [1, 2, 3])]),  # offsets back
+        bytes([2, 4]) + batch(2, 0, 0, [ids, ([3, 2], [1, 2, 3, 4, 5])]),   # a field 'adv'
+        bytes([2, 4]) + batch(2, 0, 0, [ids, ([3, 1], [1, 2, 3, 4])]),      # its rows too short
     ]
 
 
