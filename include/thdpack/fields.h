@@ -102,6 +102,9 @@ std::span<const std::string_view> MicrobatchKeys();
 
 // The fill of `spec` as one row of bytes (row_bytes()).
 std::vector<std::byte> FillRow(const FieldSpec& spec);
+// `rows` copies of `row` one after another from `dst` (a zero row by one memset, any other by
+// doubling copies of the rows already written); nothing for rows <= 0 or an empty row.
+void FillRows(std::span<const std::byte> row, std::byte* dst, int64_t rows);
 
 // One sample's field buffers (Sample::fields) against the schema: one buffer per field, in
 // order, of L * row_bytes (per token) or row_bytes (sample) bytes. InvalidArgument naming

@@ -304,15 +304,8 @@ on its prompt). Returns (offsets int64 [B + 1], [whole flat], [response flat]), 
         }
         py::array out(flat.dtype(), shape);
         auto* o = static_cast<std::byte*>(out.mutable_data());
-        const size_t total = static_cast<size_t>(out.nbytes());
-        if (total > 0) {  // the fill everywhere, by doubling copies of the first row
-          std::memcpy(o, fill.data(), rb);
-          for (size_t done = rb; done < total;) {
-            const size_t n = std::min(done, total - done);
-            std::memcpy(o + done, o, n);
-            done += n;
-          }
-        }
+        FillRows(std::span<const std::byte>(static_cast<const std::byte*>(fill.data()), rb), o,
+                 b * response_length);  // the fill everywhere
         ScatterRuns(resp, static_cast<const std::byte*>(flat.data()), start, rb, o,
                     response_length);
         return out;

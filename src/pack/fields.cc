@@ -3,6 +3,7 @@
 // and one fill, the shape of WriteRange in pack.cc; PackFieldReference is the element-wise rule.
 #include "thdpack/fields.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -120,16 +121,6 @@ bool FillElement(FieldDtype dtype, double fill, std::byte* out) {
   return false;
 }
 
-void FillRows(std::span<const std::byte> row, std::byte* dst, int64_t rows) {
-  const size_t rb = row.size();
-  bool zero = true;
-  for (std::byte b : row) zero = zero && b == std::byte{0};
-  if (zero) {
-    std::memset(dst, 0, static_cast<size_t>(rows) * rb);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + static_cast<size_t>(r) * rb, row.data(), rb);
-}
 
 // Checks shared by the writers: a per-token spec, one buffer per sequence of L_i rows, and an
 // output of T/CP rows.
@@ -359,6 +350,24 @@ std::vector<std::byte> FillRow(const FieldSpec& spec) {
   Result<std::vector<std::byte>> row = ValueRow(spec.dtype, spec.width(), spec.fill);
   // Validated by ValidateFieldSpecs; else zeros.
   return row.ok() ? std::move(*row) : std::vector<std::byte>(spec.row_bytes());
+}
+
+void FillRows(std::span<const std::byte> row, std::byte* dst, int64_t rows) {
+  const size_t rb = row.size();
+  if (rows <= 0 || rb == 0) return;
+  const size_t total = static_cast<size_t>(rows) * rb;
+  bool zero = true;
+  for (std::byte b : row) zero = zero && b == std::byte{0};
+  if (zero) {
+    std::memset(dst, 0, total);
+    return;
+  }
+  std::memcpy(dst, row.data(), rb);
+  for (size_t done = rb; done < total;) {  // the rows written so far, copied after themselves
+    const size_t n = std::min(done, total - done);
+    std::memcpy(dst + done, dst, n);
+    done += n;
+  }
 }
 
 int64_t TruncateSample(Sample& x, std::span<const FieldSpec> fields, int64_t longest) {

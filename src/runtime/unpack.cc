@@ -279,14 +279,7 @@ Result<UnpackedValues> UnpackStep(ProcessGroup& world, const Topology& topology,
   // Every row the fill first (row 0 of each sample keeps it); the runs overwrite the rest.
   std::vector<std::byte>& out = result.values;
   out.resize(static_cast<size_t>(offsets.back()) * rb);
-  if (rb > 0 && !out.empty()) {
-    std::memcpy(out.data(), fill.data(), rb);
-    for (size_t done = rb; done < out.size();) {  // doubling copies of the filled prefix
-      const size_t n = std::min(done, out.size() - done);
-      std::memcpy(out.data() + done, out.data(), n);
-      done += n;
-    }
-  }
+  FillRows(fill, out.data(), offsets.back());
   for (size_t at = 0; at < recvbuf.size() && local.ok();) {
     int64_t header[3];
     if (recvbuf.size() - at < kRunHeader) {
