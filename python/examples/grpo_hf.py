@@ -24,7 +24,6 @@ finds a difference.
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 
@@ -33,8 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import thdpack.torch as tt
-from thdpack.torch import hf_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import thdpack.torch as tt  # noqa: E402
+from thdpack.torch import hf_attention  # noqa: E402
+from train_tiny import free_port, sgd_step  # noqa: E402 - the tiny example's, shared
 
 VOCAB, GROUP, LR = 64, 4, 0.1
 
@@ -112,14 +113,9 @@ def worker(rank, dp, cp, steps, batch, port, out_path):
             # The policy's mean NLL over the step's response tokens, logged and compared.
             total += tt.aggregate_loss(-logp.detach(), mb, step, "token-mean")
         dist.all_reduce(total)
-        grads = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(grads)  # the shares are designed for a sum over DP x CP
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p -= LR * grads[offset:offset + p.numel()].view_as(p)
-                p.grad = None
-                offset += p.numel()
+        sgd_step(params, None, LR)  # the shares are designed for a sum over DP x CP
+        for p in params:
+            p.grad = None
         losses.append(float(total))
     if rank == 0:
         with open(out_path, "w") as f:
@@ -157,11 +153,6 @@ def single_process(steps, batch):
         losses.append(nll / n)
     return {"nll": losses, "params": torch.cat([p.detach().reshape(-1) for p in params]).tolist()}
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

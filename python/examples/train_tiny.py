@@ -168,23 +168,6 @@ def causal_attention(q, k, v, q_pos, k_pos, q_seq, k_seq):
     return torch.softmax(scores, dim=-1) @ v
 
 
-class _GatherCp(torch.autograd.Function):
-    """All-gather over the CP group whose backward sums every rank's gradient of its part."""
-
-    @staticmethod
-    def forward(ctx, x, group, cp_size, cp_rank):
-        parts = [torch.empty_like(x) for _ in range(cp_size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.group, ctx.cp_rank = group, cp_rank
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.cp_rank], None, None, None
-
-
 STAGE_PARAMS = (("emb", "pos", "wq", "wk", "wv", "wo"), ("w1", "w2", "head"))
 
 
@@ -218,8 +201,8 @@ def run_microbatch(model, mb, place, loss_of):
 
         def attend(q, k, v):
             if c_size > 1:  # K/V of the whole microbatch, back in global order
-                k = tt.unshard(list(_GatherCp.apply(k, c_group, c_size, c_rank)), cup)
-                v = tt.unshard(list(_GatherCp.apply(v, c_group, c_size, c_rank)), cup)
+                k = tt.unshard(list(tt.gather_cp(k, c_group, c_size, c_rank)), cup)
+                v = tt.unshard(list(tt.gather_cp(v, c_group, c_size, c_rank)), cup)
             return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
 
         x = model.emb[mb["tokens"]] + model.pos[mb["position_ids"]]
@@ -301,15 +284,15 @@ def stage_params(model, place):
     return [getattr(model, n) for n in names]
 
 
-def sgd_step(params, dpcp_group):
+def sgd_step(params, dpcp_group, lr=LR):
     """The shares are designed for a SUM over DP x CP: the gradients summed over the stage's
-    DP x CP ranks, then one plain SGD step."""
+    DP x CP ranks (None: the world), then one plain SGD step of rate ``lr``."""
     grads = torch.cat([p.grad.reshape(-1) for p in params])
     dist.all_reduce(grads, group=dpcp_group)
     offset = 0
     with torch.no_grad():
         for p in params:
-            p -= LR * grads[offset:offset + p.numel()].view_as(p)
+            p -= lr * grads[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
 

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 
@@ -42,7 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import thdpack.torch as tt
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import thdpack.torch as tt  # noqa: E402
+from train_tiny import free_port, sgd_step  # noqa: E402 - the tiny example's, shared
 
 VOCAB, HIDDEN, VISION, PATCH, MERGE = 48, 16, 8, 6, 2
 IMAGE, VIDEO = 46, 47
@@ -124,23 +125,6 @@ def causal_attention(q, k, v, q_pos, k_pos, q_seq, k_seq):
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
 
-class _GatherCp(torch.autograd.Function):
-    """All-gather over the CP group whose backward sums every rank's gradient of its part."""
-
-    @staticmethod
-    def forward(ctx, x, group, cp_size, cp_rank):
-        parts = [torch.empty_like(x) for _ in range(cp_size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.group, ctx.cp_rank = group, cp_rank
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.cp_rank], None, None, None
-
-
 def worker(rank, dp, cp, steps, global_batch, port, out_path, colocated=True):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -186,22 +170,17 @@ def worker(rank, dp, cp, steps, global_batch, port, out_path, colocated=True):
 
             def attend(q, k, v):
                 if c_size > 1:
-                    k = tt.unshard(list(_GatherCp.apply(k, group, c_size, c_rank)), cup)
-                    v = tt.unshard(list(_GatherCp.apply(v, group, c_size, c_rank)), cup)
+                    k = tt.unshard(list(tt.gather_cp(k, group, c_size, c_rank)), cup)
+                    v = tt.unshard(list(tt.gather_cp(v, group, c_size, c_rank)), cup)
                 return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
 
             share_ = tt.local_loss(model.rest(x, attend), mb["labels"], mb["loss_mask"], n)
             share_.backward()
             total += share_.detach()
         dist.all_reduce(total)
-        grads = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(grads)  # the shares are designed for a sum over DP x CP
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p -= LR * grads[offset:offset + p.numel()].view_as(p)
-                p.grad = None
-                offset += p.numel()
+        sgd_step(params, None, LR)  # the shares are designed for a sum over DP x CP
+        for p in params:
+            p.grad = None
         losses.append(float(total))
     if rank == 0:
         with open(out_path, "w") as f:
@@ -242,11 +221,6 @@ def single_process(steps, global_batch):
         losses.append(float(total.detach()))
     return {"losses": losses, "param_sum": float(sum(p.detach().sum() for p in params))}
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -12,7 +12,7 @@
 
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
 """
-from .sharding import partition_indices, shard, sp_split, unshard
+from .sharding import gather_cp, partition_indices, shard, sp_split, unshard
 from .loss import (IGNORE_INDEX, LossStatistics, empty_grad_cache, grad_cache_info, local_loss,
                    set_grad_cache, token_statistics)
 from .linear_loss import linear_loss
@@ -26,7 +26,8 @@ from .media import (media_microbatch, media_specs, mrope_microbatch, mrope_posit
 from .seqloss import RLStatistics, aggregate_loss, sequence_means, sequence_sums
 
 __all__ = [
-    "IGNORE_INDEX", "LossStatistics", "local_loss", "micro_batch_indices", "partition_indices",
+    "IGNORE_INDEX", "LossStatistics", "gather_cp", "local_loss", "micro_batch_indices",
+    "partition_indices",
     "rearrange_micro_batches", "shard", "sp_split", "token_statistics", "unshard",
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]

@@ -22,29 +22,10 @@ The mask is [T/CP, T] booleans a layer: this is the path for tests and small mod
 reference for a fused one); each rank's attention work is that of its zigzag half-chunks.
 """
 import torch
-import torch.distributed as dist
 
-from .sharding import partition_indices, unshard
+from .sharding import gather_cp, partition_indices, unshard
 
 NAME = "thdpack_cp"
-
-
-class _GatherCp(torch.autograd.Function):
-    """All-gather of a [B, H, t, D] tensor over the CP group along t; backward sums every
-    rank's gradient of each part and gives each rank its own."""
-
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.group, ctx.rank = group, rank
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
 
 
 def _layout(mb, device):
@@ -79,7 +60,7 @@ def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     if size > 1:
         # [size, 1, H, t, D] -> each rank's shard back in packed order along t.
         def gather(x):
-            parts = _GatherCp.apply(x, group, size, rank)
+            parts = gather_cp(x, group, size, rank)
             flat = [p[0].transpose(0, 1) for p in parts]             # [t, H, D] each
             return unshard(flat, cup).transpose(0, 1)[None]          # [1, H, T, D]
         key, value = gather(key), gather(value)

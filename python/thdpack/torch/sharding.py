@@ -1,5 +1,7 @@
-"""thdpack.torch.sharding: zigzag CP shards and SP ranges of torch tensors, with thdpack's indices."""
+"""thdpack.torch.sharding: zigzag CP shards and SP ranges of torch tensors, with thdpack's indices,
+and the CP group's differentiable all-gather of them (gather_cp)."""
 import torch
+import torch.distributed as dist
 
 from .. import _thdpack
 
@@ -83,3 +85,26 @@ def sp_split(tensor, tp_size, tp_rank, dim=0):
     _dim_arg(_tensor_arg(tensor, "tensor"), dim, "tensor")
     offset, count = _thdpack.sp_range(tensor.shape[dim], tp_size, tp_rank)
     return tensor.narrow(dim, offset, count)
+
+
+class _GatherCp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cp_size, cp_rank):
+        parts = [torch.empty_like(x) for _ in range(cp_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.cp_rank = group, cp_rank
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.cp_rank], None, None, None
+
+
+def gather_cp(x, group, cp_size, cp_rank):
+    """Every CP rank's ``x`` (same shape on each), stacked in CP-rank order: [cp_size, *x.shape].
+    Collective over ``group``; differentiable: the backward sums the group's gradients of each
+    part and gives rank ``cp_rank`` those of its own (what attention over the gathered K/V of a
+    zigzag shard needs; ``unshard`` puts the parts back in packed order)."""
+    return _GatherCp.apply(x, group, int(cp_size), int(cp_rank))
