@@ -27,25 +27,16 @@
 
 namespace thdpack {
 
-// A column's row offsets: [B + 1] int64 (Arrow's large_list, NumPy's usual) or int32 (Arrow's
-// list), in rows of the column; row b is [at(b), at(b + 1)). They need not start at 0 (a slice
-// of a longer column keeps its offsets).
-struct ColumnOffsets {
-  std::span<const int64_t> i64;
-  std::span<const int32_t> i32;
-  size_t size() const { return i64.empty() ? i32.size() : i64.size(); }
-  bool empty() const { return size() == 0; }
-  int64_t at(size_t b) const { return i64.empty() ? int64_t{i32[b]} : i64[b]; }
-};
-
 // One column: `values` the bytes of [rows, *shape] elements of `dtype`; per-token columns give
-// `offsets` ([B + 1]), a per-sample column none (row b is row b of the values).
+// `offsets` ([B + 1] int64, in rows of the column: row b is [offsets[b], offsets[b + 1]); they
+// need not start at 0, as a slice of a longer column keeps its offsets), a per-sample column
+// none (row b is row b of the values).
 struct ColumnView {
   std::string name;
   FieldDtype dtype = FieldDtype::kInt32;
   std::vector<int64_t> shape;  // inner shape; {} for a scalar per row (tokens, mask)
   std::span<const std::byte> values;
-  ColumnOffsets offsets;
+  std::span<const int64_t> offsets;
 };
 
 // The columns of B samples: the tokens (int32, int64 or uint8), an optional target mask of 0/1

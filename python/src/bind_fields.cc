@@ -119,7 +119,7 @@ Result<std::vector<Sample>> SamplesFromPyColumns(const std::vector<FieldSpec>& s
   };
   auto offsets = IntView1D<int64_t>(py::handle(columns[2]), where + ": offsets");
   held.push_back(offsets.owner);
-  const ColumnOffsets off{offsets, {}};
+  const std::span<const int64_t> off = offsets;
   THDPACK_RETURN_IF_ERROR(column(columns[1], "input_ids", c.tokens, nullptr));
   c.tokens.offsets = off;
   if (!columns[3].is_none()) {

@@ -32,26 +32,26 @@ int64_t ValueRows(const ColumnView& c) {
 
 // The column's offsets against B rows and its values: [B + 1], non-decreasing, from >= 0 to at
 // most the values' rows.
-Status CheckOffsets(const ColumnView& c, const ColumnOffsets& off, int64_t b,
+Status CheckOffsets(const ColumnView& c, std::span<const int64_t> off, int64_t b,
                     std::string_view where) {
   const std::string at = std::string(where) + ": column '" + c.name + "'";
   if (static_cast<int64_t>(off.size()) != b + 1) {
     return Status::InvalidArgument(at + " has " + Str(static_cast<int64_t>(off.size())) +
                                    " offsets, the " + Str(b) + " rows need " + Str(b + 1));
   }
-  if (off.at(0) < 0) {
-    return Status::InvalidArgument(at + ": offsets[0] = " + Str(off.at(0)) + " is negative");
+  if (off[0] < 0) {
+    return Status::InvalidArgument(at + ": offsets[0] = " + Str(off[0]) + " is negative");
   }
   for (size_t i = 1; i < off.size(); ++i) {
-    if (off.at(i) < off.at(i - 1)) {
+    if (off[i] < off[i - 1]) {
       return Status::InvalidArgument(at + ": offsets[" + Str(static_cast<int64_t>(i)) + "] = " +
-                                     Str(off.at(i)) + " < offsets[" +
+                                     Str(off[i]) + " < offsets[" +
                                      Str(static_cast<int64_t>(i) - 1) + "] = " +
-                                     Str(off.at(i - 1)) + " (offsets never decrease)");
+                                     Str(off[i - 1]) + " (offsets never decrease)");
     }
   }
-  if (off.at(off.size() - 1) > ValueRows(c)) {
-    return Status::InvalidArgument(at + ": offsets reach row " + Str(off.at(off.size() - 1)) +
+  if (off[off.size() - 1] > ValueRows(c)) {
+    return Status::InvalidArgument(at + ": offsets reach row " + Str(off[off.size() - 1]) +
                                    ", its values hold " + Str(ValueRows(c)));
   }
   return Status::Ok();
@@ -199,7 +199,7 @@ Result<std::vector<Sample>> SamplesFromColumns(const SampleColumns& columns,
   const int64_t b = columns.rows();
   THDPACK_RETURN_IF_ERROR(CheckOffsets(tokens, tokens.offsets, b, where));
   const ColumnView& mask = columns.mask;
-  const ColumnOffsets& mask_off = mask.offsets.empty() ? tokens.offsets : mask.offsets;
+  const std::span<const int64_t> mask_off = mask.offsets.empty() ? tokens.offsets : mask.offsets;
   if (columns.has_mask) {
     if (!IsIntegral(mask.dtype) || !mask.shape.empty()) {
       return Status::InvalidArgument(w + ": column 'loss_mask' holds " +
@@ -215,13 +215,13 @@ Result<std::vector<Sample>> SamplesFromColumns(const SampleColumns& columns,
   for (int64_t r = 0; r < b; ++r) {
     Sample& s = out[static_cast<size_t>(r)];
     const std::string at = w + ", row " + Str(r);
-    const int64_t begin = tokens.offsets.at(static_cast<size_t>(r));
-    const int64_t n = tokens.offsets.at(static_cast<size_t>(r) + 1) - begin;
+    const int64_t begin = tokens.offsets[static_cast<size_t>(r)];
+    const int64_t n = tokens.offsets[static_cast<size_t>(r) + 1] - begin;
     if (n == 0) return Status::InvalidArgument(at + ": input_ids is empty");
     THDPACK_RETURN_IF_ERROR(CopyTokens(tokens, begin, n, s.tokens, at));
     if (columns.has_mask) {
-      const int64_t m0 = mask_off.at(static_cast<size_t>(r));
-      const int64_t mn = mask_off.at(static_cast<size_t>(r) + 1) - m0;
+      const int64_t m0 = mask_off[static_cast<size_t>(r)];
+      const int64_t mn = mask_off[static_cast<size_t>(r) + 1] - m0;
       if (mn != n) {
         return Status::InvalidArgument(at + ": loss_mask has " + Str(mn) + " values, input_ids " +
                                        Str(n) + " (the mask is token-aligned)");
@@ -234,8 +234,8 @@ Result<std::vector<Sample>> SamplesFromColumns(const SampleColumns& columns,
       const size_t rb = specs[f].row_bytes();
       int64_t first = r, rows = 1;
       if (specs[f].per_token()) {
-        first = c.offsets.at(static_cast<size_t>(r));
-        rows = c.offsets.at(static_cast<size_t>(r) + 1) - first;
+        first = c.offsets[static_cast<size_t>(r)];
+        rows = c.offsets[static_cast<size_t>(r) + 1] - first;
         if (rows != n) {
           return Status::InvalidArgument(at + ": field '" + specs[f].name + "' has " +
                                          Str(rows) + " rows, the row's " + Str(n) +
@@ -255,12 +255,12 @@ Sample SampleFromColumnsReference(const SampleColumns& columns, std::span<const 
   Sample s;
   const ColumnView& t = columns.tokens;
   const size_t r = static_cast<size_t>(row);
-  for (int64_t i = t.offsets.at(r); i < t.offsets.at(r + 1); ++i) {
+  for (int64_t i = t.offsets[r]; i < t.offsets[r + 1]; ++i) {
     s.tokens.push_back(static_cast<TokenId>(IntAt(t, i)));
   }
   if (columns.has_mask) {
-    const ColumnOffsets& off = columns.mask.offsets.empty() ? t.offsets : columns.mask.offsets;
-    for (int64_t i = off.at(r); i < off.at(r + 1); ++i) {
+    std::span<const int64_t> off = columns.mask.offsets.empty() ? t.offsets : columns.mask.offsets;
+    for (int64_t i = off[r]; i < off[r + 1]; ++i) {
       s.target_mask.push_back(static_cast<uint8_t>(IntAt(columns.mask, i)));
     }
   }
@@ -271,8 +271,8 @@ Sample SampleFromColumnsReference(const SampleColumns& columns, std::span<const 
     }
     const size_t rb = spec.row_bytes();
     std::vector<std::byte> v;
-    const int64_t first = spec.per_token() ? c->offsets.at(r) : row;
-    const int64_t last = spec.per_token() ? c->offsets.at(r + 1) : row + 1;
+    const int64_t first = spec.per_token() ? c->offsets[r] : row;
+    const int64_t last = spec.per_token() ? c->offsets[r + 1] : row + 1;
     for (int64_t i = first; i < last; ++i) {
       for (size_t k = 0; k < rb; ++k) v.push_back(c->values[static_cast<size_t>(i) * rb + k]);
     }

@@ -1,6 +1,6 @@
 // Samples from columns (thdpack/columns.h): the one-pass copy against the element-wise
-// reference on random columns (token and mask dtypes, int32 and int64 offsets, offsets that do
-// not start at 0, per-token and sample fields of several dtypes and shapes), and each error
+// reference on random columns (token and mask dtypes, offsets that do not start at 0, per-token
+// and sample fields of several dtypes and shapes), and each error
 // named with its column and row.
 #include "thdpack/columns.h"
 
@@ -32,7 +32,6 @@ struct Batch {
   std::vector<uint8_t> mask8;
   std::vector<int64_t> mask64;
   std::vector<int64_t> off64, fieldoff64;
-  std::vector<int32_t> off32;
   std::vector<float> adv;
   std::vector<double> emb;
   std::vector<int64_t> score;
@@ -57,17 +56,12 @@ void MakeBatch(std::mt19937_64& rng, Batch& x) {
     for (int k = 0; k < 3; ++k) x.emb.push_back(static_cast<double>(rng() % 1000) / 3.0);
   }
   for (int i = 0; i < 2 * b; ++i) x.score.push_back(static_cast<int64_t>(rng()));
-  for (int64_t o : x.off64) x.off32.push_back(static_cast<int32_t>(o));
   SampleColumns& c = x.columns;
-  const bool wide = rng() % 2, offs32 = rng() % 2;
+  const bool wide = rng() % 2;
   c.tokens.name = "input_ids";
   c.tokens.dtype = wide ? FieldDtype::kInt64 : FieldDtype::kInt32;
   c.tokens.values = wide ? Bytes(x.tok64) : Bytes(x.tok32);
-  if (offs32) {
-    c.tokens.offsets.i32 = x.off32;
-  } else {
-    c.tokens.offsets.i64 = x.off64;
-  }
+  c.tokens.offsets = x.off64;
   c.has_mask = rng() % 3 != 0;
   c.mask.name = "loss_mask";
   c.mask.dtype = rng() % 2 ? FieldDtype::kUInt8 : FieldDtype::kInt64;
@@ -75,8 +69,8 @@ void MakeBatch(std::mt19937_64& rng, Batch& x) {
   c.fields = {{"score", FieldDtype::kInt64, {2}, Bytes(x.score), {}},
               {"adv", FieldDtype::kFloat32, {}, Bytes(x.adv), {}},
               {"emb", FieldDtype::kFloat64, {3}, Bytes(x.emb), {}}};
-  c.fields[1].offsets.i64 = x.off64;
-  c.fields[2].offsets.i32 = x.off32;
+  c.fields[1].offsets = x.off64;
+  c.fields[2].offsets = x.off64;
 }
 
 TEST(SamplesFromColumns, EqualsTheReferenceOnRandomColumns) {
@@ -106,10 +100,10 @@ TEST(SamplesFromColumns, AWorkedExample) {
   const std::vector<float> adv = {9, 1.5f, 2.5f, 3.5f, 4.5f};
   const std::vector<int64_t> score = {10, 11, 20, 21};
   SampleColumns c;
-  c.tokens = {"input_ids", FieldDtype::kInt64, {}, Bytes(tokens), {off, {}}};
+  c.tokens = {"input_ids", FieldDtype::kInt64, {}, Bytes(tokens), off};
   c.has_mask = true;
   c.mask = {"loss_mask", FieldDtype::kUInt8, {}, Bytes(mask), {}};
-  c.fields = {{"adv", FieldDtype::kFloat32, {}, Bytes(adv), {off, {}}},
+  c.fields = {{"adv", FieldDtype::kFloat32, {}, Bytes(adv), off},
               {"score", FieldDtype::kInt64, {2}, Bytes(score), {}}};
   const std::vector<FieldSpec> specs = {kSpecs[0], kSpecs[2]};
   Result<std::vector<Sample>> got = SamplesFromColumns(c, specs, "b");
@@ -143,15 +137,15 @@ TEST(SamplesFromColumns, NamesEachBrokenRule) {
   const std::vector<FieldSpec> specs = {kSpecs[0]};
   const std::vector<int64_t> off3 = {0, 2, 3};
   SampleColumns c;
-  c.tokens = {"input_ids", FieldDtype::kInt64, {}, Bytes(tokens), {off, {}}};
-  c.fields = {{"adv", FieldDtype::kFloat32, {}, Bytes(adv), {off3, {}}}};
+  c.tokens = {"input_ids", FieldDtype::kInt64, {}, Bytes(tokens), off};
+  c.fields = {{"adv", FieldDtype::kFloat32, {}, Bytes(adv), off3}};
   EXPECT_NE(ErrorOf(c, specs).find("row 1, token 1: id -4 is outside [0, 2^31)"),
             std::string::npos) << ErrorOf(c, specs);
   c.tokens.values = Bytes(small);
   c.tokens.dtype = FieldDtype::kInt32;
   EXPECT_NE(ErrorOf(c, specs).find("row 1: field 'adv' has 1 rows, the row's 2 tokens"),
             std::string::npos) << ErrorOf(c, specs);
-  c.fields[0] = {"adv", FieldDtype::kFloat64, {}, Bytes(adv64), {off, {}}};
+  c.fields[0] = {"adv", FieldDtype::kFloat64, {}, Bytes(adv64), off};
   EXPECT_NE(ErrorOf(c, specs).find("column 'adv' holds float64 rows of shape [], field 'adv' "
                                     "is declared float32"),
             std::string::npos) << ErrorOf(c, specs);
@@ -165,15 +159,15 @@ TEST(SamplesFromColumns, NamesEachBrokenRule) {
   EXPECT_NE(ErrorOf(c, {}).find("row 0, token 1: loss_mask value 2 is not 0 or 1"),
             std::string::npos) << ErrorOf(c, {});
   c.has_mask = false;
-  c.tokens.offsets = {bad_off, {}};
+  c.tokens.offsets = bad_off;
   EXPECT_NE(ErrorOf(c, {}).find("offsets[2] = 2 < offsets[1] = 3"), std::string::npos);
   const std::vector<int64_t> past = {0, 2, 5};
-  c.tokens.offsets = {past, {}};
+  c.tokens.offsets = past;
   EXPECT_NE(ErrorOf(c, {}).find("offsets reach row 5, its values hold 4"), std::string::npos);
   const std::vector<int64_t> empty_row = {0, 0, 4};
-  c.tokens.offsets = {empty_row, {}};
+  c.tokens.offsets = empty_row;
   EXPECT_NE(ErrorOf(c, {}).find("row 0: input_ids is empty"), std::string::npos);
-  c.tokens.offsets = {off, {}};
+  c.tokens.offsets = off;
   c.tokens.dtype = FieldDtype::kFloat32;
   EXPECT_NE(ErrorOf(c, {}).find("column 'input_ids' holds float32"), std::string::npos);
   c.tokens.dtype = FieldDtype::kInt32;
