@@ -1,7 +1,16 @@
 """pytest setup: the module is imported from the build tree (PYTHONPATH=<build>/python, as
 ctest sets it); a clear error otherwise instead of a confusing ImportError deep in a test."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+
+# Decoded Parquet (thdpack/arrow.h, CachedParquet) goes to a folder of this session's, not the
+# user's cache; the processes the tests spawn inherit it.
+if not os.environ.get("THDPACK_CACHE"):
+    os.environ["THDPACK_CACHE"] = tempfile.mkdtemp(prefix="thdpack-cache-")
+    atexit.register(shutil.rmtree, os.environ["THDPACK_CACHE"], True)
 
 try:
     import thdpack  # noqa: F401

@@ -1,6 +1,7 @@
 """Columnar sources (thdpack/arrow.h, thdpack.arrow): the same tokens read from Parquet (several
 files, several row groups each), an Arrow IPC file, an Arrow IPC stream, a saved Hugging Face
-dataset (its folder of stream shards), an in-memory pyarrow Table and datasets.Dataset, with
+dataset (its folder of stream shards), an in-memory pyarrow Table, datasets.Dataset, polars
+frame and DuckDB relation, with
 targets as a loss_mask or as Hugging Face labels, give the same steps, byte for byte, as JSONL
 and Megatron files of those tokens - at several topologies, shuffled or not, resumed from a
 state or run whole - and bad files are named with the file, the row group, the row and the
@@ -97,6 +98,18 @@ def write_all(tmp, rows, masks=True):
         specs["hf-saved"] = f"arrow:{tmp / 'hf'}"
         specs["hf-memory"] = thdpack.arrow_source(ds, name=f"hf{masks}")
     specs["table-memory"] = thdpack.arrow_source(table, name=f"table{masks}")
+    # Producers other than pyarrow, through their own __arrow_c_stream__: a polars frame (large
+    # lists, string views) and a DuckDB relation (read once, in order).
+    try:
+        import polars
+        specs["polars"] = thdpack.arrow_source(polars.from_arrow(table), name=f"polars{masks}")
+    except ImportError:
+        pass
+    try:
+        import duckdb
+        specs["duckdb"] = thdpack.arrow_source(duckdb.from_arrow(table), name=f"duckdb{masks}")
+    except ImportError:
+        pass
     return specs
 
 
@@ -127,8 +140,8 @@ def same(a, b, where):
 
 def test_every_format_gives_the_steps_of_jsonl(tmp_path):
     specs = write_all(tmp_path, samples())
-    assert {"parquet-folder", "arrow-file", "arrow-stream", "parquet-labels",
-            "table-memory"} <= set(specs)
+    assert {"parquet-folder", "arrow-file", "arrow-stream", "parquet-labels", "table-memory",
+            "polars", "duckdb"} <= set(specs)  # the current stack has them all
     for topo in TOPOLOGIES:
         want = steps_of(specs["jsonl"], topo)
         for name, spec in specs.items():
@@ -261,16 +274,16 @@ def test_bad_files_are_named(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"tokens": pa.array([[1, 2]])}), tmp_path / "no_ids.parquet")
-    with pytest.raises(ValueError, match=r"no_ids.parquet, row group 0: no column 'input_ids' "
+    with pytest.raises(ValueError, match=r"no_ids.parquet: no column 'input_ids' "
                                          r"\(the columns: 'tokens'\)"):
         thdpack.read_lengths(f"parquet:{tmp_path / 'no_ids.parquet'}")
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2], None, [3]])}),
                    tmp_path / "null.parquet")
-    with pytest.raises(ValueError, match=r"null.parquet, row group 0, record batch 0, row 1: "
+    with pytest.raises(ValueError, match=r"null.parquet, row group 0, row 1: "
                                          r"column 'input_ids' is null"):
         thdpack.read_lengths(f"parquet:{tmp_path / 'null.parquet'}")
     pq.write_table(pa.table({"input_ids": pa.array([[1.5, 2.0]])}), tmp_path / "float.parquet")
-    with pytest.raises(ValueError, match=r"float.parquet, row group 0: column 'input_ids' "
+    with pytest.raises(ValueError, match=r"float.parquet: column 'input_ids' "
                        r"holds values of Arrow type 'g' \(float64\); expected an integer type"):
         thdpack.read_lengths(f"parquet:{tmp_path / 'float.parquet'}")
     pq.write_table(pa.table({"input_ids": pa.array([[1, 2], [3, 4, 5]]),
@@ -298,3 +311,93 @@ def test_without_pyarrow_a_columnar_spec_says_how_to_get_it(tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"PAR1")
     with pytest.raises(ValueError, match=r"needs pyarrow \(pip install pyarrow"):
         thdpack.read_lengths(f"parquet:{tmp_path / 'x.parquet'}")
+
+
+def _lengths_in_a_process(spec, env, pre=""):
+    """read_lengths of `spec` in a fresh interpreter (the registry of this one keeps the rows of
+    every spec it opened); `pre` runs first. Returns (returncode, lengths or stderr)."""
+    import subprocess
+    import sys
+    code = (f"import thdpack, json\n{pre}\n"
+            f"print(json.dumps(thdpack.read_lengths({spec!r})['lengths'].tolist()))")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    return p.returncode, (json.loads(p.stdout) if p.returncode == 0 else p.stderr)
+
+
+def test_parquet_is_decoded_once_into_the_cache_and_again_when_it_changes(tmp_path):
+    import os
+    import subprocess
+    import sys
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    env = dict(os.environ, THDPACK_CACHE=str(tmp_path / "cache"))
+    rows = samples(seed=3)
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"input_ids": [ids for ids, _ in rows],
+                             "attention_mask": [[1] * len(ids) for ids, _ in rows]}), f,
+                   row_group_size=16)
+    spec = f"parquet:{f}"
+    # Four processes at once: one decodes, the others wait for it and map what it wrote.
+    code = (f"import thdpack, json; "
+            f"print(json.dumps(thdpack.read_lengths({spec!r})['lengths'].tolist()))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0 and json.loads(out) == [len(ids) for ids, _ in rows]
+    cache = tmp_path / "cache" / "parquet"
+    arrows = sorted(cache.glob("*.arrow"))
+    assert [a.name.split("-")[0] for a in arrows] == ["d"], os.listdir(cache)
+    assert not list(cache.glob("*.tmp"))
+    # The cache file holds the columns read (not attention_mask), a row group a record batch.
+    with pa.ipc.open_file(pa.memory_map(str(arrows[0]))) as r:
+        assert r.schema.names == ["input_ids"] and r.num_record_batches == 5
+    before = arrows[0].stat()
+    assert _lengths_in_a_process(spec, env)[1] == [len(ids) for ids, _ in rows]
+    after = arrows[0].stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # The file changed: decoded again, its new rows read.
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), f)
+    assert _lengths_in_a_process(spec, env)[1] == [3, 1]
+    assert len(list(cache.glob("*.arrow"))) == 2
+
+
+def test_a_killed_decode_leaves_no_cache_file_and_the_next_open_decodes_whole(tmp_path):
+    import os
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    env = dict(os.environ, THDPACK_CACHE=str(tmp_path / "cache"))
+    rows = samples(seed=5)
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"input_ids": [ids for ids, _ in rows]}), f, row_group_size=8)
+    # A decode killed (SIGKILL) after writing part of its file.
+    killed = """
+import os, signal
+from thdpack import _thdpack, arrow
+def half(path, columns, out):
+    arrow._parquet_to_ipc(path, columns, out)
+    size = os.path.getsize(out)
+    os.truncate(out, size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+_thdpack._set_arrow_readers(arrow._parquet_columns, half, arrow._read_ipc)
+"""
+    rc, _ = _lengths_in_a_process(f"parquet:{f}", env, pre=killed)
+    assert rc == -9
+    cache = tmp_path / "cache" / "parquet"
+    assert not list(cache.glob("*.arrow")) and len(list(cache.glob("*.tmp"))) == 1
+    rc, got = _lengths_in_a_process(f"parquet:{f}", env)
+    assert rc == 0 and got == [len(ids) for ids, _ in rows]
+    assert len(list(cache.glob("*.arrow"))) == 1 and not list(cache.glob("*.tmp"))
+
+
+def test_an_unwritable_cache_is_named(tmp_path):
+    import os
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2]]}), f)
+    (tmp_path / "file").write_text("")
+    env = dict(os.environ, THDPACK_CACHE=str(tmp_path / "file" / "sub"))
+    rc, err = _lengths_in_a_process(f"parquet:{f}", env)
+    assert rc != 0 and "cannot create it" in err and "set THDPACK_CACHE" in err, err

@@ -54,4 +54,4 @@ from ._thdpack import (  # noqa: F401
 from . import arrow as _arrow  # noqa: E402
 from .arrow import arrow_source  # noqa: E402,F401
 
-_thdpack._set_arrow_opener(_arrow._open)
+_thdpack._set_arrow_readers(_arrow._parquet_columns, _arrow._parquet_to_ipc, _arrow._read_ipc)

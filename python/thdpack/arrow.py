@@ -10,17 +10,15 @@ cannot: files, with Apache Arrow's own readers (pyarrow), and Python objects.
   ``datasets.Dataset``, a polars or DuckDB result - anything with ``__arrow_c_stream__``) as the
   source ``arrow:@NAME`` of this process, returned; give it as ``source=`` (or in a blend) on
   every rank that reads.
-- ``parquet:PATH`` and ``arrow:PATH`` specs (a file, a folder, or a glob; files in
-  lexicographic order) open through ``_open`` when the C++ first meets them in this process
-  (``import thdpack`` sets it as the opener): Parquet row group by row group, Arrow IPC files
-  and streams memory-mapped (``datasets.Dataset.save_to_disk`` writes streams), a saved
-  dataset's folder by its ``data-*.arrow`` files.
+- ``parquet:PATH`` and ``arrow:PATH`` specs (a file, a folder, or a glob) are opened by the C++
+  (which files, their order, the columns, the cache of decoded Parquet: thdpack/arrow.h) with
+  the three readers here (``import thdpack`` sets them): a Parquet file's columns, a Parquet
+  file decoded row group by row group into an Arrow IPC file, an Arrow IPC file or stream
+  memory-mapped (``datasets.Dataset.save_to_disk`` writes streams).
 """
 from __future__ import annotations
 
-import glob as _glob
 import hashlib
-import os
 
 from . import _thdpack
 
@@ -41,59 +39,37 @@ def _pyarrow():
     return pyarrow
 
 
-def _files(kind, path):
-    """The files of a spec's PATH, sorted: the file itself, a folder's files of the kind (a
-    saved dataset's data-*.arrow), or a glob's matches."""
-    ext = {"parquet": (".parquet", ".pq"), "arrow": (".arrow", ".feather", ".ipc")}[kind]
-    if any(ch in path for ch in "*?["):
-        files = sorted(f for f in _glob.glob(path) if os.path.isfile(f))
-    elif os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                       if f.endswith(ext) and os.path.isfile(os.path.join(path, f)))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise FileNotFoundError(f"{path}: no such file or folder")
-    if not files:
-        raise FileNotFoundError(f"{path}: no {' or '.join(ext)} files in it")
-    return files
+def _parquet_columns(path):
+    """The names of the Parquet file's top-level columns (ArrowReaders.parquet_columns)."""
+    return _pyarrow().parquet.ParquetFile(path, memory_map=True).schema_arrow.names
 
 
-def _wanted(schema, columns):
-    """The columns to read: those asked for (the C++'s rules' and the declared fields') that the
-    file has; None (all) when input_ids is missing, so that the C++ names the columns."""
-    names = schema.names
-    if "input_ids" not in names:
-        return None
-    return [c for c in names if c in columns]
-
-
-def _select(table, columns):
-    want = _wanted(table.schema, columns)
-    return table if want is None else table.select(want)
-
-
-def _open(spec, columns):
-    """The rows of a ``parquet:`` or ``arrow:`` spec, with at least ``columns`` (the C++'s
-    opener)."""
+def _parquet_to_ipc(path, columns, out):
+    """``columns`` of the Parquet file at ``path`` decoded into a new Arrow IPC file ``out``,
+    record batch g = row group g (ArrowReaders.parquet_to_ipc); a row group in memory at a
+    time."""
     pa = _pyarrow()
-    kind, path = spec.split(":", 1)
-    parts = []
-    for f in _files(kind, path):
-        if kind == "parquet":
-            pf = pa.parquet.ParquetFile(f, memory_map=True)
-            cols = _wanted(pf.schema_arrow, columns)
-            for g in range(pf.num_row_groups):
-                t = pf.read_row_group(g, columns=cols, use_threads=False)
-                parts.append(_thdpack._import_arrow(t, f"{f}, row group {g}"))
-        else:
-            source = pa.memory_map(f)
-            try:
-                table = pa.ipc.open_file(source).read_all()  # zero-copy: mapped
-            except pa.ArrowInvalid:
-                table = pa.ipc.open_stream(pa.memory_map(f)).read_all()
-            parts.append(_thdpack._import_arrow(_select(table, columns), f))
-    return _thdpack._concat_arrow(parts, spec)
+    pf = pa.parquet.ParquetFile(path, memory_map=True)
+    schema = pa.schema([pf.schema_arrow.field(c) for c in columns])
+    with pa.OSFile(out, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for g in range(pf.num_row_groups):
+            t = pf.read_row_group(g, columns=list(columns))
+            writer.write_batch(pa.RecordBatch.from_arrays(
+                [t.column(c).combine_chunks() for c in columns], schema=schema))
+            del t
+    pa.default_memory_pool().release_unused()
+
+
+def _read_ipc(path):
+    """The record batches of the Arrow IPC file or stream at ``path``, memory-mapped
+    (ArrowReaders.read_ipc): every batch as written, an empty one too."""
+    pa = _pyarrow()
+    try:
+        f = pa.ipc.open_file(pa.memory_map(path))
+    except pa.ArrowInvalid:  # not a file: a stream (datasets' save_to_disk)
+        return pa.ipc.open_stream(pa.memory_map(path))
+    return pa.RecordBatchReader.from_batches(
+        f.schema, (f.get_batch(i) for i in range(f.num_record_batches)))
 
 
 def _table_of(obj):

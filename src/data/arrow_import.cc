@@ -140,7 +140,9 @@ ArrowRowsInfo InfoOf(const ArrowRows& rows) {
 }
 
 Result<std::shared_ptr<const ArrowRows>> ImportArrowStream(ArrowArrayStream* stream,
-                                                          std::string_view where_view) {
+                                                          std::string_view where_view,
+                                                          std::string_view unit_view) {
+  const std::string unit(unit_view);
   const std::string where(where_view);
   StreamGuard guard{stream};
   if (stream == nullptr || stream->release == nullptr) {
@@ -212,12 +214,12 @@ Result<std::shared_ptr<const ArrowRows>> ImportArrowStream(ArrowArrayStream* str
   for (int64_t b = 0;; ++b) {
     ArrowArray array{};
     if (stream->get_next(stream, &array) != 0) {
-      return last_error("reading record batch " + Str(b));
+      return last_error("reading " + unit + " " + Str(b));
     }
     if (array.release == nullptr) break;  // the end of the stream
     ArrowRows::Batch& batch = rows->batches.emplace_back();
     batch.array = array;  // owned from here: released with the rows
-    const std::string at = where + ", record batch " + Str(b);
+    const std::string at = where + ", " + unit + " " + Str(b);
     batch.name = at;
     batch.schema = info;
     if (array.n_children != schema.s.n_children) {

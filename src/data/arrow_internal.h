@@ -1,7 +1,8 @@
 // src/data/arrow_internal.h: what the columnar source's files share (not public API) - the
 // imported rows (ArrowRows: the record batches held, each read column's buffers as a
 // ListColumn) and the bit and null helpers. arrow_import.cc makes the rows (ImportArrowStream,
-// ConcatArrowRows); arrow_source.cc reads them (the source, the fields, the registry).
+// ConcatArrowRows); arrow_source.cc reads them (the source, the fields, the registry);
+// arrow_files.cc opens the file specs (their files, the Parquet cache).
 //
 // Thread-safety: an ArrowRows is immutable once made (its identity is computed once, guarded).
 #ifndef THDPACK_SRC_DATA_ARROW_INTERNAL_H_
@@ -12,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -96,6 +98,11 @@ inline int64_t FirstNull(const uint8_t* validity, int64_t first, int64_t n) {
   }
   return -1;
 }
+
+// The rows of the `parquet:` or `arrow:` file spec `spec` (OpenArrowSource), reading at least
+// `columns`, by `readers` (arrow_files.cc).
+[[nodiscard]] Result<std::shared_ptr<const ArrowRows>> OpenArrowFiles(
+    const std::string& spec, std::span<const std::string> columns, const ArrowReaders& readers);
 
 }  // namespace arrow_internal
 

@@ -1,6 +1,6 @@
 // Columnar sources (thdpack/arrow.h), read: the imported rows (arrow_import.cc) as a source with
 // random access (an IndexedSource), the declared fields bound to their columns, and the
-// registry and opener of the parquet: and arrow: specs.
+// registry of the parquet: and arrow: specs and the readers that open their files.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -160,9 +160,9 @@ std::map<std::string, std::shared_ptr<const ArrowRows>>& Registry() {
   static auto* r = new std::map<std::string, std::shared_ptr<const ArrowRows>>();
   return *r;
 }
-ArrowOpener& Opener() {
-  static auto* o = new ArrowOpener();
-  return *o;
+ArrowReaders& Readers() {
+  static auto* r = new ArrowReaders();
+  return *r;
 }
 
 class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
@@ -312,9 +312,9 @@ class ArrowSource final : public data_internal::IndexedSource<SampleSource> {
 
 }  // namespace
 
-void SetArrowOpener(ArrowOpener opener) {
+void SetArrowReaders(ArrowReaders readers) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  Opener() = std::move(opener);
+  Readers() = std::move(readers);
 }
 
 void RegisterArrowRows(std::string spec, std::shared_ptr<const ArrowRows> rows) {
@@ -327,18 +327,18 @@ Result<std::unique_ptr<SampleSource>> OpenArrowSource(std::string_view spec_view
   const std::string spec(spec_view);
   THDPACK_RETURN_IF_ERROR(data_internal::ValidateOptions(spec, options));
   std::shared_ptr<const ArrowRows> rows;
-  ArrowOpener opener;
+  ArrowReaders readers;
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     if (auto it = Registry().find(spec); it != Registry().end()) rows = it->second;
-    opener = Opener();
+    readers = Readers();
   }
   // The columns this open reads: the rules' and the fields'; kept rows that lack a field's
   // column are read again from the files with it (an in-memory producer keeps all of its own).
   std::vector<std::string> columns(kColumns, kColumns + 3);
   for (const SourceField& f : options.fields) columns.push_back(f.name);
   const std::string_view path = SourcePathOf(spec);
-  if (rows != nullptr && opener && !path.empty() && path[0] != '@' && !rows->batches.empty()) {
+  if (rows != nullptr && readers.ok() && !path.empty() && path[0] != '@' && !rows->batches.empty()) {
     for (const SourceField& f : options.fields) {
       const SchemaInfo& schema = *rows->batches[0].schema;
       bool have = false;
@@ -360,13 +360,14 @@ Result<std::unique_ptr<SampleSource>> OpenArrowSource(std::string_view spec_view
                                      "this process (thdpack.arrow_source(obj, name=...) makes " +
                                      "one, on every rank that reads)");
     }
-    if (!opener) {
+    if (!readers.ok()) {
       return Status::InvalidArgument(
           "data source " + spec + ": Parquet and Arrow files are read by Apache Arrow's own " +
-          "readers, which this program does not link; read them from Python (thdpack with " +
-          "pyarrow: pip install pyarrow), or convert them to a Megatron dataset");
+          "readers, which this program was built without; read them from Python (thdpack " +
+          "with pyarrow: pip install pyarrow), build the command line with Arrow C++ " +
+          "(docs/data_sources.md, \"Columnar sources\"), or convert them to a Megatron dataset");
     }
-    THDPACK_ASSIGN_OR_RETURN(rows, opener(spec, columns));
+    THDPACK_ASSIGN_OR_RETURN(rows, arrow_internal::OpenArrowFiles(spec, columns, readers));
     RegisterArrowRows(spec, rows);
   }
   if (rows->rows() == 0) {

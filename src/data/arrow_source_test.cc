@@ -200,7 +200,7 @@ TEST(ArrowSource, NamesEveryBadInput) {
   e = ReadError({batch({good, Column("labels", "l", false, {{-100, 2, 3}, {-100, 7}}, 0, 0)})},
                 "arrow:@bad_labels");
   EXPECT_TRUE(has(e, "column 'labels', token 1: label 7 is neither -100 nor the token (5)")) << e;
-  // Opening: a name never registered, a file spec in a process without an opener.
+  // Opening: a name never registered, a file spec in a process without readers.
   auto missing = OpenSource("arrow:@never");
   ASSERT_FALSE(missing.ok());
   EXPECT_TRUE(has(missing.status().ToString(), "no Arrow data of that name in this process"));
