@@ -11,7 +11,9 @@
 #      so 5 GB of torch are not copied): the wheel installed, the smoke test, then the Python
 #      suite against the installed package (THDPACK_CLI: the command line of BUILD) - the whole
 #      suite, or with PYTEST_MARKERS the tests of that marker expression (make test passes
-#      "no_sanitizer": the rest run on the same stack in the sanitized build, docs/testing.md).
+#      "no_sanitizer": the rest run on the same stack in the sanitized build, docs/testing.md);
+#   4. the command line built with that stack's pyarrow's Arrow C++ (build-arrow, beside BUILD),
+#      run on Parquet and Arrow files (tests/cli_columnar_test.py), before the suite.
 # Prints the time of each part and the wheel's size. Usage: test_current_stack.sh VENV BUILD [OUT]
 set -euo pipefail
 venv=$(realpath "${1:?usage: test_current_stack.sh VENV BUILD [OUT]}")
@@ -79,6 +81,31 @@ site=$("$env_torch/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()
 (cd "$out" && "$env_torch/bin/python" -I "$here/scripts/smoke_installed.py" "$version")
 (cd "$out" && "$env_torch/bin/python" -I -c "import thdpack, thdpack.torch")
 echo "current stack: torch environment made and checked in $(since "$t")"
+
+t=$(clock)
+# The command line with the Arrow C++ of the current stack's pyarrow (cmake/arrow_cli.cmake),
+# built beside BUILD at its depth with BUILD's compiler, flags and MPI (ccache then shares
+# every library object with BUILD), and run on columnar files (tests/cli_columnar_test.py).
+arrow_build=$(dirname "$build")/build-arrow
+cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt")
+generator=$(sed -n 's/^CMAKE_GENERATOR:[A-Z]*=//p' "$build/CMakeCache.txt")
+mpi=$(sed -n 's/^THDPACK_WITH_MPI:[A-Z]*=//p' "$build/CMakeCache.txt")
+cmake -S . -B "$arrow_build" ${generator:+-G "$generator"} -DCMAKE_BUILD_TYPE=Release \
+  ${cxx:+-DCMAKE_CXX_COMPILER="$cxx"} ${LAUNCHER:+-DCMAKE_CXX_COMPILER_LAUNCHER="$LAUNCHER"} \
+  ${RELEASE_FLAGS:+-DCMAKE_CXX_FLAGS_RELEASE="$RELEASE_FLAGS"} -DTHDPACK_BUILD_TESTS=OFF \
+  -DTHDPACK_BUILD_BENCH=OFF -DTHDPACK_BUILD_PYTHON=OFF -DTHDPACK_WITH_MPI="${mpi:-OFF}" \
+  -DTHDPACK_ARROW_PYTHON="$python" > "$out/build-arrow.log" 2>&1 \
+  || { cat "$out/build-arrow.log"; exit 1; }
+cmake --build "$arrow_build" -j "$(nproc)" --target thdpack_cli > "$out/build-arrow.log" 2>&1 \
+  || { cat "$out/build-arrow.log"; exit 1; }
+mpirun=()
+if [ "$mpi" = ON ] && command -v mpirun >/dev/null; then
+  mpirun=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
+fi
+OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_hwloc_base_binding_policy=none \
+  "$env_torch/bin/python" tests/cli_columnar_test.py "$arrow_build/thdpack" "$build/thdpack" \
+  "$out/cli-columnar" "${mpirun[@]}"
+echo "current stack: the command line with pyarrow's Arrow C++ built and run on columnar files in $(since "$t")"
 
 t=$(clock)
 # In one process per core (pytest-xdist), as ctest runs it (python/CMakeLists.txt).

@@ -13,7 +13,9 @@ void AddJobOptions(CLI::App* cmd, JobArgs* a) {
   a->app = cmd;
   cmd->add_option("--data", o.data,
                   "Data source: mock | mock:FILE.json | lengths:FILE | histogram:FILE | "
-                  "jsonl:FILE | megatron:PREFIX")
+                  "jsonl:FILE | megatron:PREFIX | blend:FILE.json | parquet:PATH | arrow:PATH "
+                  "(PATH a file, a folder or a glob; Parquet and Arrow need a build with "
+                  "Arrow C++)")
       ->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel size (replicas)")->capture_default_str();
   cmd->add_option("--cp", o.cp, "Context-parallel size")->capture_default_str();

@@ -10,6 +10,7 @@
 #include <malloc.h>
 #endif
 
+#include "arrow_readers.h"
 #include "commands.h"
 #include "exit_code.h"
 #include "thdpack/thdpack.h"
@@ -49,6 +50,7 @@ void KeepLargeBlocksInTheHeap() {
 
 int main(int argc, char** argv) {
   KeepLargeBlocksInTheHeap();
+  thdpack::tools::InstallArrowReaders();
   CLI::App app{
       "thdpack: the data plane of packed-sequence (THD) distributed training.\n"
       "Shows what your data does at a given topology, and runs it:\n"
