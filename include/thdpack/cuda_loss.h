@@ -118,6 +118,32 @@ bool CudaLossBuilt();
                                    int64_t vocab_size, int64_t ld, const float* factor,
                                    void* stream);
 
+// The backward of per-row log-probabilities and entropies (thdpack.torch.token_logprobs on
+// CUDA logits, docs/loss.md "Log-probs and entropy"): for each row r of logits x and every
+// column v, with z = x * inv_temp, lse[r] and entropy[r] the row's (the forward's, over the
+// whole vocabulary: with TP, of every rank's columns) and p_v = exp(z_v - lse[r]),
+//   grad[r][v] = inv_temp (g_logprob[r] ([v == target[r]] - p_v)
+//                          - g_entropy[r] p_v (z_v - lse[r] + entropy[r]))
+// in fp32, rounded once to the dtype (ce_row.h, LogprobEntropyGrad). target[r]: the column of
+// this rank's logits the row's target is, or -1 (no target, or on another TP rank's columns).
+// A row whose g_logprob and g_entropy are both 0 gets zeros, its logits unread. In place:
+// grad == logits. No error flag: the inputs are the forward's own.
+struct CudaLogprobGradArgs {
+  CudaDtype dtype = CudaDtype::kBFloat16;
+  const void* logits = nullptr;  // [T, ld] device
+  int64_t num_tokens = 0;        // T
+  int64_t vocab_size = 0;        // V: this rank's columns
+  int64_t ld = 0;                // row stride in elements, >= V (0: V)
+  const int64_t* target = nullptr;     // [T] device: a column in [0, V), or -1
+  const float* lse = nullptr;          // [T] device
+  const float* entropy = nullptr;      // [T] device
+  const float* g_logprob = nullptr;    // [T] device
+  const float* g_entropy = nullptr;    // [T] device
+  float inv_temp = 1;                  // 1 / temperature, finite and > 0
+  void* grad = nullptr;                // [T, ld] in dtype, device (== logits: in place)
+};
+[[nodiscard]] Status LogprobEntropyBackward(const CudaLogprobGradArgs& args, void* stream);
+
 // The Status of a nonzero error flag (0: OK), as the CPU kernel words it.
 [[nodiscard]] Status DecodeCudaLossError(unsigned long long flag, int64_t vocab_total);
 
@@ -132,6 +158,10 @@ bool CudaLossBuilt();
 // takes CudaLossOneReadPlan's) of block_threads simulated threads each.
 [[nodiscard]] Status CrossEntropyOneReadHost(const CudaLossArgs& args, int cluster,
                                              int block_threads);
+// LogprobEntropyBackward on the CPU (host pointers), with its kernel's column split over
+// `block_threads` simulated threads.
+[[nodiscard]] Status LogprobEntropyBackwardHost(const CudaLogprobGradArgs& args,
+                                                int block_threads);
 // ScaleGradient on the CPU (host pointers), with its kernel's column split over
 // `block_threads` simulated threads.
 [[nodiscard]] Status ScaleGradientHost(CudaDtype dtype, void* grad, int64_t num_tokens,

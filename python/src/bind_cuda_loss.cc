@@ -15,6 +15,12 @@
 //   thdpack._thdpack._cuda_combine_partials(gathered, tp, T, out, stream)
 //   thdpack._thdpack._cuda_loss_error(flag, vocab_total): ValueError naming the token for a
 //       nonzero device error flag, None for 0
+//   thdpack._thdpack._cuda_logprob_grad(dtype, logits, T, V, ld, target, lse, entropy,
+//       g_logprob, g_entropy, inv_temp, grad, stream): LogprobEntropyBackward (device pointers)
+//   thdpack._thdpack._cuda_logprob_grad_host(logits, target, lse, entropy, g_logprob,
+//       g_entropy, inv_temp, block_threads, dtype) -> grad: its arithmetic on the CPU
+//       (LogprobEntropyBackwardHost) on NumPy arrays - logits [T, V] float32, or the uint16
+//       bits of bfloat16 (dtype 1) or float16 (dtype 2) - checked here, for the tests
 //
 // The pointers are never dereferenced on the host: a wrong one is a CUDA error of the launch or
 // of the stream (RuntimeError), not a crash of the interpreter. The private functions are for
@@ -71,6 +77,58 @@ void CrossEntropyCall(const std::string& call, int dtype, uint64_t logits, int64
   ThrowIfError(s);
 }
 
+// LogprobEntropyBackwardHost on NumPy arrays, each checked (dtype, shape, contiguity) before
+// a pointer is taken: nothing the caller passes is read out of bounds.
+py::array LogprobGradHost(const py::array& logits, const py::array& target, const py::array& lse,
+                          const py::array& entropy, const py::array& g_logprob,
+                          const py::array& g_entropy, double inv_temp, int block_threads,
+                          int dtype) {
+  if (dtype < 0 || dtype > 2) throw py::value_error("dtype: expected 0, 1 or 2");
+  const bool f32 = dtype == 0;
+  if (logits.ndim() != 2 || !(logits.flags() & py::array::c_style) ||
+      (f32 ? !py::isinstance<py::array_t<float>>(logits)
+           : !py::isinstance<py::array_t<uint16_t>>(logits))) {
+    throw py::value_error(std::string("logits: expected a C-contiguous 2-d array of ") +
+                          (f32 ? "float32" : "uint16 (the bits of bfloat16 or float16)"));
+  }
+  const int64_t T = logits.shape(0), V = logits.shape(1);
+  auto check = [&](const py::array& a, const char* name, bool int64) {
+    const bool ok = int64 ? py::isinstance<py::array_t<int64_t>>(a)
+                          : py::isinstance<py::array_t<float>>(a);
+    if (!ok || a.ndim() != 1 || a.shape(0) != T || !(a.flags() & py::array::c_style)) {
+      throw py::value_error(std::string(name) + ": expected a contiguous [T] array of " +
+                            (int64 ? "int64" : "float32") + " (T = " + std::to_string(T) + ")");
+    }
+  };
+  check(target, "target", true);
+  check(lse, "lse", false);
+  check(entropy, "entropy", false);
+  check(g_logprob, "g_logprob", false);
+  check(g_entropy, "g_entropy", false);
+  const auto* tg = static_cast<const int64_t*>(target.data());
+  for (int64_t r = 0; r < T; ++r) {
+    if (tg[r] < -1 || tg[r] >= V) {
+      throw py::value_error("target[" + std::to_string(r) + "] = " + std::to_string(tg[r]) +
+                            ": expected -1 or a column in [0, " + std::to_string(V) + ")");
+    }
+  }
+  py::array grad(logits.dtype(), {T, V});
+  CudaLogprobGradArgs a;
+  a.dtype = static_cast<CudaDtype>(dtype);
+  a.logits = logits.data();
+  a.num_tokens = T;
+  a.vocab_size = V;
+  a.target = tg;
+  a.lse = static_cast<const float*>(lse.data());
+  a.entropy = static_cast<const float*>(entropy.data());
+  a.g_logprob = static_cast<const float*>(g_logprob.data());
+  a.g_entropy = static_cast<const float*>(g_entropy.data());
+  a.inv_temp = static_cast<float>(inv_temp);
+  a.grad = grad.mutable_data();
+  ThrowIfError(LogprobEntropyBackwardHost(a, block_threads));
+  return grad;
+}
+
 }  // namespace
 
 void BindCudaLoss(py::module_& m) {
@@ -107,6 +165,34 @@ void BindCudaLoss(py::module_& m) {
       },
       py::arg("gathered"), py::arg("tp"), py::arg("num_tokens"), py::arg("out"),
       py::arg("stream"));
+  m.def(
+      "_cuda_logprob_grad",
+      [](int dtype, uint64_t logits, int64_t T, int64_t V, int64_t ld, uint64_t target,
+         uint64_t lse, uint64_t entropy, uint64_t g_logprob, uint64_t g_entropy,
+         double inv_temp, uint64_t grad, uint64_t stream) {
+        if (dtype < 0 || dtype > 2) throw py::value_error("dtype: expected 0, 1 or 2");
+        CudaLogprobGradArgs a;
+        a.dtype = static_cast<CudaDtype>(dtype);
+        a.logits = Ptr(logits);
+        a.num_tokens = T;
+        a.vocab_size = V;
+        a.ld = ld;
+        a.target = static_cast<const int64_t*>(Ptr(target));
+        a.lse = static_cast<const float*>(Ptr(lse));
+        a.entropy = static_cast<const float*>(Ptr(entropy));
+        a.g_logprob = static_cast<const float*>(Ptr(g_logprob));
+        a.g_entropy = static_cast<const float*>(Ptr(g_entropy));
+        a.inv_temp = static_cast<float>(inv_temp);
+        a.grad = Ptr(grad);
+        ThrowIfError(LogprobEntropyBackward(a, Ptr(stream)));
+      },
+      py::arg("dtype"), py::arg("logits"), py::arg("num_tokens"), py::arg("vocab_size"),
+      py::arg("ld"), py::arg("target"), py::arg("lse"), py::arg("entropy"),
+      py::arg("g_logprob"), py::arg("g_entropy"), py::arg("inv_temp"), py::arg("grad"),
+      py::arg("stream"));
+  m.def("_cuda_logprob_grad_host", &LogprobGradHost, py::arg("logits"), py::arg("target"),
+        py::arg("lse"), py::arg("entropy"), py::arg("g_logprob"), py::arg("g_entropy"),
+        py::arg("inv_temp"), py::arg("block_threads"), py::arg("dtype"));
   m.def(
       "_cuda_loss_error",
       [](uint64_t flag, int64_t vocab_total) {

@@ -224,3 +224,71 @@ def test_on_a_steps_cp_shards_each_sample_gets_its_own_logprobs(tmp_path, world,
             assert torch.allclose(got, want, atol=1e-12)
             seen += 1
     assert seen == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cuda_backward_kernels_arithmetic_equals_autograd_on_the_cpu(dtype):
+    """LogprobEntropyBackward's arithmetic (the CUDA kernel's own code, run on the CPU by
+    LogprobEntropyBackwardHost with the kernel's column split) against torch's autograd of
+    g_lp * log p(target) + g_en * entropy in float64, on random rows: widths around the 16-byte
+    vectors and the block sizes, targets or none, rows with no incoming gradient, a
+    temperature."""
+    from thdpack import _thdpack
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    g = torch.Generator().manual_seed(7 + code)
+    for v, threads, inv_temp in [(1, 32, 1.0), (7, 32, 0.7), (64, 256, 1.0), (1031, 256, 1.3),
+                                 (4096, 1024, 1.0)]:
+        t = 23
+        x = (torch.randn(t, v, generator=g) * 3).to(dtype)
+        target = torch.randint(0, v, (t,), generator=g)
+        target[::5] = -1  # no target on this rank's columns
+        g_lp = torch.randn(t, generator=g, dtype=torch.float64)
+        g_en = torch.randn(t, generator=g, dtype=torch.float64)
+        g_lp[3] = g_en[3] = 0.0  # nothing comes back to this row: zeros, unread
+        g_en[4] = 0.0
+        g_lp[6] = 0.0
+        # A row without a target here has it on another TP rank's columns: the reference holds
+        # one more column (that rank's), whose row statistics the kernel is given.
+        other = (torch.randn(t, 1, generator=g) * 3).to(dtype)
+        xd = torch.cat([x, other], dim=1).to(torch.float64).requires_grad_(True)
+        logp = torch.log_softmax(xd * inv_temp, dim=1)
+        ent = -(logp.exp() * logp).sum(dim=1)
+        where = torch.where(target >= 0, target, torch.full_like(target, v))
+        picked = logp.gather(1, where[:, None])[:, 0]
+        (g_lp * picked + g_en * ent).sum().backward()
+        lse = torch.logsumexp(xd.detach() * inv_temp, dim=1)
+        bits = x.numpy() if dtype == torch.float32 else x.view(torch.int16).numpy().view(np.uint16)
+        got = _thdpack._cuda_logprob_grad_host(
+            bits, target.numpy(), lse.float().numpy(), ent.detach().float().numpy(),
+            g_lp.float().numpy(), g_en.float().numpy(), inv_temp, threads, code)
+        got = torch.from_numpy(got) if dtype == torch.float32 else \
+            torch.from_numpy(got.view(np.int16)).view(dtype)
+        want = xd.grad[:, :v]
+        assert torch.all(got[3] == 0), v
+        # fp32 arithmetic, one rounding to the dtype at the end.
+        rel = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        # Relative to the row's largest gradient, or (V = 1: every gradient 0 but fp32 noise)
+        # to the incoming gradients' size.
+        floor = ((g_lp.abs() + g_en.abs()) * inv_temp)[:, None]
+        scale = torch.maximum(want.abs().amax(dim=1, keepdim=True), floor).clamp(min=1e-30)
+        err = ((got.to(torch.float64) - want).abs() / scale).max().item()
+        assert err < rel, (dtype, v, err)
+
+
+def test_the_cuda_backward_needs_cuda_logits_and_names_why():
+    from thdpack.torch import _loss_cuda, token_logprobs
+    mb = {"labels": torch.tensor([1, 2, -100]), "label_format": "megatron"}
+    with pytest.raises(ValueError, match=r"backend='cuda': .*(no CUDA kernels|not a CUDA)"):
+        token_logprobs(torch.randn(3, 5), mb, backend="cuda")
+    with pytest.raises(ValueError, match=r"backend = 'gpu': expected"):
+        token_logprobs(torch.randn(3, 5), mb, backend="gpu")
+    from thdpack import _thdpack
+    with pytest.raises(ValueError, match=r"target\[0\] = 5: expected -1 or a column"):
+        _thdpack._cuda_logprob_grad_host(
+            np.zeros((1, 5), np.float32), np.array([5]), *(np.zeros(1, np.float32),) * 4, 1.0,
+            32, 0)
+    with pytest.raises(ValueError, match=r"lse: expected a contiguous \[T\] array of float32"):
+        _thdpack._cuda_logprob_grad_host(
+            np.zeros((2, 5), np.float32), np.array([0, 1]), np.zeros(3, np.float32),
+            *(np.zeros(2, np.float32),) * 3, 1.0, 32, 0)
+    assert _loss_cuda.CUDA_KERNEL_BY_DEFAULT is False  # "auto" keeps the chunked path

@@ -348,3 +348,35 @@ def test_one_read_kernel_equals_float64(dtype, t, v, version):
         assert bool((err <= bound).all()), (inplace, float((err - bound).max()))
         if inplace:
             assert grad.data_ptr() == x.data_ptr()
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hf", [False, True])
+def test_token_logprobs_backward_on_the_kernel_equals_the_chunked_path(dtype, hf):
+    """token_logprobs(backend="cuda"): the backward by LogprobEntropyBackward, values and
+    gradients against the chunked torch path on the same logits, a temperature, both label
+    formats, a strided row (a slice of wider logits)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, v = 301, 32003
+    wide = (torch.randn(t, v + 5, device="cuda", generator=g) * 3).to(dtype)
+    labels = torch.randint(0, v, (t,), device="cuda", generator=g)
+    labels[::7] = -100
+    if hf:
+        labels[0] = -100
+    mb = {"labels": labels, "label_format": "hf" if hf else "megatron"}
+    g_lp = torch.randn(t, device="cuda", generator=g)
+    g_en = torch.randn(t, device="cuda", generator=g)
+    out = {}
+    for backend in ("torch", "cuda"):
+        x = wide[:, :v].detach().clone() if backend == "torch" else wide[:, :v].detach()
+        x = x.requires_grad_(True)
+        lp, en = tt.token_logprobs(x, mb, temperature=0.8, entropy=True, backend=backend)
+        (lp * g_lp + en * g_en).sum().backward()
+        out[backend] = (lp.detach(), en.detach(), x.grad.float())
+    torch.testing.assert_close(out["cuda"][0], out["torch"][0], rtol=0, atol=0)
+    torch.testing.assert_close(out["cuda"][1], out["torch"][1], rtol=0, atol=0)
+    ref = out["torch"][2]
+    err = (out["cuda"][2] - ref).abs().max().item() / ref.abs().max().item()
+    assert err < {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]

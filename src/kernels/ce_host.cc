@@ -347,6 +347,48 @@ Status ScaleGradientHost(CudaDtype dtype, void* grad, int64_t num_tokens, int64_
   return Status::Ok();
 }
 
+Status LogprobEntropyBackwardHost(const CudaLogprobGradArgs& a, int block_threads) {
+  THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
+  THDPACK_RETURN_IF_ERROR(CheckLogprobGradArgs(a, "LogprobEntropyBackwardHost"));
+  auto rows = [&](auto bits_tag, auto to_float, auto from_float) {
+    using Bits = decltype(bits_tag);
+    constexpr int kN = 16 / sizeof(Bits);
+    const int64_t stride = a.ld > 0 ? a.ld : a.vocab_size;
+    for (int64_t r = 0; r < a.num_tokens; ++r) {
+      const Bits* x = static_cast<const Bits*>(a.logits) + r * stride;
+      Bits* g = static_cast<Bits*>(a.grad) + r * stride;
+      const float glp = a.g_logprob[r], gen = a.g_entropy[r];
+      const bool zero = glp == 0.0f && gen == 0.0f;
+      auto one = [&](int64_t v) {
+        g[v] = from_float(zero ? 0.0f
+                               : kernels::LogprobEntropyGrad(to_float(x[v]), a.inv_temp,
+                                                             a.lse[r], a.entropy[r],
+                                                             v == a.target[r], glp, gen));
+      };
+      for (int j = 0; j < block_threads; ++j) {
+        kernels::ForEachColumn(
+            j, block_threads, a.vocab_size, kN, Aligned16(x) && Aligned16(g),
+            [&](int64_t k) {
+              for (int e = 0; e < kN; ++e) one(k * kN + e);
+            },
+            one);
+      }
+    }
+  };
+  switch (a.dtype) {
+    case CudaDtype::kFloat32:
+      rows(float{}, Elem<kernels::kF32>::ToFloat, Elem<kernels::kF32>::FromFloat);
+      break;
+    case CudaDtype::kBFloat16:
+      rows(uint16_t{}, Elem<kernels::kBF16>::ToFloat, Elem<kernels::kBF16>::FromFloat);
+      break;
+    case CudaDtype::kFloat16:
+      rows(uint16_t{}, Elem<kernels::kF16>::ToFloat, Elem<kernels::kF16>::FromFloat);
+      break;
+  }
+  return Status::Ok();
+}
+
 Status CombinePartialsHost(const RowStats* gathered, int tp, int64_t num_tokens, RowStats* out) {
   for (int64_t r = 0; r < num_tokens; ++r) {
     RowState st = kernels::EmptyState();

@@ -533,6 +533,51 @@ __global__ void __launch_bounds__(kScaleThreads)
   }
 }
 
+// The backward of per-row (log-probability, entropy): a block per row (grid-strided), every
+// column's LogprobEntropyGrad, a row whose incoming gradients are both 0 written as zeros
+// without reading its logits. In place (grad == logits): each element read, then written, by
+// the thread that owns it.
+template <int kDtype>
+__global__ void __launch_bounds__(kScaleThreads)
+    LogprobGradKernel(CeLogprobGradArgs a) {
+  using Bits = typename Elem<kDtype>::Bits;
+  using VT = Vec<kDtype>;
+  const int64_t stride = a.ld > 0 ? a.ld : a.vocab_size;
+  for (int64_t r = blockIdx.x; r < a.num_tokens; r += gridDim.x) {
+    const Bits* x = static_cast<const Bits*>(a.logits) + r * stride;
+    Bits* g = static_cast<Bits*>(a.grad) + r * stride;
+    const bool vectors = Aligned16(x) && Aligned16(g);
+    const float glp = a.g_logprob[r], gen = a.g_entropy[r];
+    uint4* gp = reinterpret_cast<uint4*>(g);
+    if (glp == 0.0f && gen == 0.0f) {
+      ForEachColumn(
+          threadIdx.x, kScaleThreads, a.vocab_size, VT::kN, vectors,
+          [&](int64_t k) { gp[k] = make_uint4(0, 0, 0, 0); },
+          [&](int64_t v) { StoreOne<kDtype>(g + v, 0.0f); });
+      continue;
+    }
+    const float lse = a.lse[r], ent = a.entropy[r], t = a.inv_temp;
+    const int64_t y = a.target[r];
+    const uint4* xp = reinterpret_cast<const uint4*>(x);
+    ForEachColumn(
+        threadIdx.x, kScaleThreads, a.vocab_size, VT::kN, vectors,
+        [&](int64_t k) {
+          float z[VT::kN];
+          Unpack<kDtype>(xp[k], z);
+          const int lane = TargetLane(k, VT::kN, y);
+#pragma unroll
+          for (int e = 0; e < VT::kN; ++e) {
+            z[e] = LogprobEntropyGrad(z[e], t, lse, ent, e == lane, glp, gen);
+          }
+          gp[k] = Pack<kDtype>(z);
+        },
+        [&](int64_t v) {
+          StoreOne<kDtype>(g + v, LogprobEntropyGrad(LoadOne<kDtype>(x + v), t, lse, ent,
+                                                     v == y, glp, gen));
+        });
+  }
+}
+
 // A failed call leaves the runtime's last error set (cudaGetLastError returns it later), and
 // the next launcher, which reads it after its launch, would report it as its own: clear it on
 // every failure path. A sticky error (the context is lost) stays whatever is done here.
@@ -691,6 +736,20 @@ int CeScaleGrad(int dtype, void* grad, int64_t num_tokens, int64_t vocab_size, i
     case kF16: return LaunchScale<kF16>(grad, num_tokens, vocab_size, ld, factor, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int CeLogprobGrad(const CeLogprobGradArgs& a, void* stream) {
+  if (a.num_tokens == 0) return 0;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(static_cast<unsigned>(a.num_tokens < kScaleMaxBlocks ? a.num_tokens
+                                                                        : kScaleMaxBlocks));
+  switch (a.dtype) {
+    case kF32: LogprobGradKernel<kF32><<<grid, kScaleThreads, 0, s>>>(a); break;
+    case kBF16: LogprobGradKernel<kBF16><<<grid, kScaleThreads, 0, s>>>(a); break;
+    case kF16: LogprobGradKernel<kF16><<<grid, kScaleThreads, 0, s>>>(a); break;
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+  return LaunchStatus();
 }
 
 bool CeBuilt() { return true; }

@@ -45,6 +45,23 @@ int CeFinish(const CeArgs& a, int block_threads, void* stream);
 // grad [T, ld] (V columns of `dtype`) *= *factor (a device float), nothing written when it is 1.
 int CeScaleGrad(int dtype, void* grad, int64_t num_tokens, int64_t vocab_size, int64_t ld,
                 const float* factor, void* stream);
+// thdpack::CudaLogprobGradArgs, field for field.
+struct CeLogprobGradArgs {
+  int dtype;
+  const void* logits;
+  int64_t num_tokens;
+  int64_t vocab_size;
+  int64_t ld;
+  const int64_t* target;
+  const float* lse;
+  const float* entropy;
+  const float* g_logprob;
+  const float* g_entropy;
+  float inv_temp;
+  void* grad;
+};
+// The backward of per-row (log-probability, entropy) (LogprobEntropyGrad, ce_row.h).
+int CeLogprobGrad(const CeLogprobGradArgs& a, void* stream);
 const char* CeErrorString(int code);
 bool CeBuilt();
 

@@ -232,6 +232,17 @@ THDPACK_HD float LogitGrad(float z, float lse, bool is_target, float scale) {
   return (Exp(z - lse) - (is_target ? 1.0f : 0.0f)) * scale;
 }
 
+// The gradient of one logit x of a row's (log-probability, entropy) outputs, each with its
+// incoming gradient (g_lp, g_en; token_logprobs' backward): with z = x * inv_temp, lp = z - lse
+// and p = exp(lp), d logprob / dz = [target] - p and d entropy / dz = -p (lp + entropy), so
+//   dx = inv_temp ([target] g_lp - p (g_lp + g_en (lp + entropy))), in fp32.
+THDPACK_HD float LogprobEntropyGrad(float x, float inv_temp, float lse, float entropy,
+                                    bool is_target, float g_lp, float g_en) {
+  const float lp = x * inv_temp - lse;
+  const float p = Exp(lp);
+  return ((is_target ? g_lp : 0.0f) - p * (g_lp + g_en * (lp + entropy))) * inv_temp;
+}
+
 // ---- the columns one thread of a block visits ----
 //
 // Thread j of n visits the vectors of kVec consecutive columns k*kVec .. k*kVec + kVec - 1 for

@@ -10,6 +10,7 @@ int CeCombine(const void*, int, int64_t, void*, void*) { return kCeNotBuilt; }
 int CeFinish(const CeArgs&, int, void*) { return kCeNotBuilt; }
 int CeOneRead(const CeArgs&, int, int64_t, int, void*) { return kCeNotBuilt; }
 int CeScaleGrad(int, void*, int64_t, int64_t, int64_t, const float*, void*) { return kCeNotBuilt; }
+int CeLogprobGrad(const CeLogprobGradArgs&, void*) { return kCeNotBuilt; }
 const char* CeErrorString(int) { return "thdpack was built without CUDA"; }
 bool CeBuilt() { return false; }
 

@@ -3,6 +3,7 @@
 // and the words of the device error flag.
 #include "thdpack/cuda_loss.h"
 
+#include <limits>
 #include <string>
 
 #include "kernels/ce_launch.h"
@@ -100,6 +101,23 @@ Status CheckScaleGradientArgs(CudaDtype dtype, const void* grad, int64_t num_tok
   return Status::Ok();
 }
 
+Status CheckLogprobGradArgs(const CudaLogprobGradArgs& a, const char* call) {
+  THDPACK_RETURN_IF_ERROR(
+      CheckScaleGradientArgs(a.dtype, a.grad, a.num_tokens, a.vocab_size, a.ld, &a.inv_temp, call));
+  const std::string where = std::string(call) + ": ";
+  if (!(a.inv_temp > 0.0f) || a.inv_temp == std::numeric_limits<float>::infinity()) {
+    return Status::InvalidArgument(where + "inv_temp = " + std::to_string(a.inv_temp) +
+                                   " must be finite and > 0");
+  }
+  if (a.num_tokens > 0 && (a.logits == nullptr || a.target == nullptr || a.lse == nullptr ||
+                           a.entropy == nullptr || a.g_logprob == nullptr ||
+                           a.g_entropy == nullptr)) {
+    return Status::InvalidArgument(where + "logits, target, lse, entropy, g_logprob and "
+                                   "g_entropy are required");
+  }
+  return Status::Ok();
+}
+
 namespace {
 
 Status FromLaunch(int code, const char* call) {
@@ -172,6 +190,15 @@ Status CrossEntropyFinish(const CudaLossArgs& args, void* stream) {
   return FromLaunch(
       kernels::CeFinish(ToLaunch(args), CudaLossBlockThreads(args.vocab_size), stream),
       "CrossEntropyFinish");
+}
+
+Status LogprobEntropyBackward(const CudaLogprobGradArgs& a, void* stream) {
+  THDPACK_RETURN_IF_ERROR(CheckLogprobGradArgs(a, "LogprobEntropyBackward"));
+  const kernels::CeLogprobGradArgs k{static_cast<int>(a.dtype), a.logits, a.num_tokens,
+                                     a.vocab_size, a.ld > 0 ? a.ld : a.vocab_size, a.target,
+                                     a.lse, a.entropy, a.g_logprob, a.g_entropy, a.inv_temp,
+                                     a.grad};
+  return FromLaunch(kernels::CeLogprobGrad(k, stream), "LogprobEntropyBackward");
 }
 
 Status ScaleGradient(CudaDtype dtype, void* grad, int64_t num_tokens, int64_t vocab_size,

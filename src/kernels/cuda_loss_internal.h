@@ -20,6 +20,10 @@ namespace thdpack {
                                             int64_t num_tokens, int64_t vocab_size, int64_t ld,
                                             const float* factor, const char* call);
 
+// InvalidArgument naming `call` for LogprobEntropyBackward's arguments: an unknown dtype, T
+// outside [0, 2^31), V < 1, ld < V, an inv_temp not finite and > 0, a missing array.
+[[nodiscard]] Status CheckLogprobGradArgs(const CudaLogprobGradArgs& args, const char* call);
+
 }  // namespace thdpack
 
 #endif  // THDPACK_KERNELS_CUDA_LOSS_INTERNAL_H_

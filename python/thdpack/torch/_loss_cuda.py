@@ -139,3 +139,20 @@ def scale_grad(grad, factor):
         _thdpack._cuda_scale_grad(_DTYPES[grad.dtype], grad.data_ptr(), t, v, ld, f.data_ptr(),
                                   torch.cuda.current_stream(grad.device).cuda_stream)
     return grad
+
+
+def logprob_grad(logits, target, lse, entropy, g_logprob, g_entropy, inv_temp):
+    """The gradient of per-row (log-probability, entropy) with respect to ``logits`` (a tensor of
+    their dtype) by LogprobEntropyBackward (thdpack/cuda_loss.h): target [T] int64 (a column of
+    these logits or -1), lse, entropy, g_logprob, g_entropy [T] (made float32 here), on torch's
+    current stream."""
+    f32 = [x.to(torch.float32).contiguous() for x in (lse, entropy, g_logprob, g_entropy)]
+    target = target.to(torch.int64).contiguous()
+    t, v = logits.shape
+    ld = logits.stride(0) if t > 1 else v  # the kernel's one row stride, the gradient's too
+    grad = torch.empty_strided((t, v), (ld, 1), dtype=logits.dtype, device=logits.device)
+    _thdpack._cuda_logprob_grad(_DTYPES[logits.dtype], logits.data_ptr(), t, v, ld,
+                                target.data_ptr(), *(x.data_ptr() for x in f32),
+                                float(inv_temp), grad.data_ptr(),
+                                torch.cuda.current_stream(logits.device).cuda_stream)
+    return grad

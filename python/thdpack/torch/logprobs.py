@@ -134,6 +134,11 @@ class _TokenLogprobs(torch.autograd.Function):
         lab = labels - rank * v
         mine = counted & (lab >= 0) & (lab < v)
         lab_row[rows[mine]] = lab[mine]
+        if getattr(producer, "kernel", False):
+            # thdpack's kernel: each logit read once, its gradient written once (fp32 math).
+            lse = m + torch.log(s)
+            return (None,) * 7 + (producer.kernel_grad(
+                lab_row, lse, lse - mean_z, g_lp_row, g_en_row, inv_temp),)
         producer.begin_backward(inputs)
         for a in range(0, t, chunk):
             b = min(t, a + chunk)
@@ -150,12 +155,21 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 class _LogitsRows:
-    """Rows of a logits tensor, and its gradient written chunk by chunk."""
+    """Rows of a logits tensor, and its gradient written chunk by chunk (or, with ``kernel``,
+    by thdpack's CUDA kernel in one pass)."""
 
-    def __init__(self, logits):
+    def __init__(self, logits, kernel=False):
         self.logits = logits
         self.columns = logits.shape[1]
         self.acc = _accumulation_dtype(logits)
+        self.kernel = kernel
+
+    def kernel_grad(self, target, lse, entropy, g_lp, g_en, inv_temp):
+        """The logits' gradient by LogprobEntropyBackward (None when they need none)."""
+        if not self.logits.requires_grad:
+            return None
+        from ._loss_cuda import logprob_grad
+        return logprob_grad(self.logits, target, lse, entropy, g_lp, g_en, inv_temp)
 
     def logits_of(self, a, b):
         return self.logits[a:b]
@@ -207,7 +221,7 @@ def _check_temperature(temperature):
 
 
 def token_logprobs(logits, mb, temperature=1.0, entropy=False, *, tp_group=None,
-                   chunk_tokens=None):
+                   chunk_tokens=None, backend="auto"):
     """Per-token log-probability of each label of the microbatch's shard, label-aligned [T/CP]
     like ``mb["loss_mask"]`` (0 where a position has no target), of ``logits / temperature``;
     with ``entropy=True`` the tuple ``(logprobs, entropy)``, the entropy of the distribution that
@@ -219,8 +233,14 @@ def token_logprobs(logits, mb, temperature=1.0, entropy=False, *, tp_group=None,
     one all-reduce of three numbers a row and one of the picked logit, and the gradient is that
     of this rank's columns. With ``label_format="hf"`` the label at position o is predicted by
     row o - 1, as Hugging Face's models shift. ``chunk_tokens``: rows per chunk (default: about
-    64 MiB of the accumulation dtype a chunk)."""
+    64 MiB of the accumulation dtype a chunk). ``backend``: the backward's - "torch" (chunked),
+    "cuda" (thdpack's kernel, thdpack/cuda_loss.h LogprobEntropyBackward: each logit read once
+    and its gradient written once, for CUDA float32, bfloat16 or float16 logits; an error saying
+    why otherwise) or "auto" (the kernel where it takes the logits once it is the default, as the
+    loss's: docs/loss.md "On the GPU"; the chunked path until then)."""
     inv = _check_temperature(temperature)
+    if backend not in ("auto", "torch", "cuda"):
+        raise ValueError(f"backend = {backend!r}: expected 'auto', 'torch' or 'cuda'")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or \
             not logits.dtype.is_floating_point:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -230,8 +250,14 @@ def token_logprobs(logits, mb, temperature=1.0, entropy=False, *, tp_group=None,
     tp = _tp(tp_group)
     _check_vocab(labels, counted, logits.shape[1] * tp[2])
     chunk = _rows_per_chunk(logits.shape[0], logits.shape[1], logits.dtype, chunk_tokens)
-    lp, en = _TokenLogprobs.apply(_LogitsRows(logits), inv, labels, rows, counted, tp, chunk,
-                                  logits)
+    from . import _loss_cuda
+    takes = _loss_cuda.kernel_takes(logits)
+    if backend == "cuda" and not takes:
+        raise ValueError(f"backend='cuda': {_loss_cuda.why_not(logits)}")
+    kernel = backend == "cuda" or (backend == "auto" and takes
+                                   and _loss_cuda.CUDA_KERNEL_BY_DEFAULT)
+    lp, en = _TokenLogprobs.apply(_LogitsRows(logits, kernel), inv, labels, rows, counted, tp,
+                                  chunk, logits)
     return (lp, en) if entropy else lp
 
 
