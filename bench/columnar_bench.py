@@ -20,7 +20,12 @@ dataset (O(1) seek), and the memory a run over a large Arrow file holds.
    fresh process once the cache holds it (what every other rank, job and resume pays).
 3. Memory. After 200 steps over each large file: the process's anonymous resident memory
    (RssAnon) and its file-backed resident pages (RssFile), against the file's size; the cache
-   (--dir/cache, THDPACK_CACHE) on disk.
+   (--dir/cache, THDPACK_CACHE) on disk. With --cli (a command line built with Arrow C++:
+   build-arrow/thdpack) and --limit-mib N (default 256): `thdpack run` over every row of the
+   large Parquet file in order, and 3 shuffled steps, inside a memory cgroup of N MiB (v1 or v2;
+   skipped, saying why, where none can be made), with a cache of its own (it decodes the file first, so that the
+   cache file's pages are its cgroup's): its exit code, its largest RssAnon (sampled every
+   10 ms) and the cgroup's largest usage, page cache included.
 
 A benchmark, not a test: it prints figures and never fails on a time.
 
@@ -139,6 +144,8 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seek-rows", type=int, default=10_100_000)
     ap.add_argument("--dir", default="/tmp/thdpack-columnar-bench")
+    ap.add_argument("--cli", default=None, help="a command line built with Arrow C++")
+    ap.add_argument("--limit-mib", type=int, default=256)
     args = ap.parse_args()
     os.environ["THDPACK_CACHE"] = f"{args.dir}/cache"
     import thdpack  # noqa: F401 - sets the readers of parquet: and arrow:
@@ -240,6 +247,77 @@ def main():
           f"cache):")
     for line in memory:
         print(f"  {line}")
+    if args.cli:
+        batch = 65536
+        whole = -(-args.seek_rows // batch)
+        for shuffle, steps in ((False, whole), (True, 3)):
+            got = limited_run(args.cli, f"parquet:{big_pq}", args.limit_mib, steps, batch,
+                              f"{args.dir}/cache-limited", shuffle)
+            what = (f"{'3 shuffled steps' if shuffle else f'all {args.seek_rows:,} rows in order'} "
+                    f"({steps} steps of {batch:,})")
+            if isinstance(got, str):
+                print(f"\nlimited memory: skipped: {got}")
+                break
+            rc, anon, usage, seconds, err = got
+            print(f"\nlimited memory: `thdpack run` over the Parquet file, {what}, decoding it "
+                  f"into a cache of its own first, in a memory cgroup of {args.limit_mib} MiB "
+                  f"(the decoded file {cached / 2**20:.0f} MiB): exit {rc}, RssAnon at most "
+                  f"{anon} MiB, the cgroup's usage (page cache included) at most {usage} MiB, "
+                  f"{seconds:.1f} s{(': ' + err.strip()[-300:]) if rc else ''}")
+
+
+def limited_run(cli, spec, limit_mib, steps, batch, cache, shuffle):
+    """`cli run` over `spec` in a memory cgroup of limit_mib, with a cache folder of its own
+    (emptied first: it decodes the Parquet file itself, so that every page of the cache file is
+    its cgroup's, not this process's): (rc, peak RssAnon MiB, peak cgroup usage MiB, seconds,
+    stderr), or a string saying why it could not run."""
+    import shutil
+    import subprocess
+    shutil.rmtree(cache, ignore_errors=True)
+    name = f"thdpack-bench-{os.getpid()}"
+    v1 = "/sys/fs/cgroup/memory"
+    if os.path.isdir(v1):
+        group, limit_file, procs = f"{v1}/{name}", "memory.limit_in_bytes", "cgroup.procs"
+        peak_file = "memory.max_usage_in_bytes"
+    elif os.path.exists("/sys/fs/cgroup/cgroup.subtree_control"):
+        group, limit_file, procs, peak_file = f"/sys/fs/cgroup/{name}", "memory.max", \
+            "cgroup.procs", "memory.peak"
+    else:
+        return "no memory cgroup on this machine"
+    try:
+        os.mkdir(group)
+        with open(f"{group}/{limit_file}", "w") as f:
+            f.write(str(limit_mib << 20))
+    except OSError as e:
+        return f"cannot make a memory cgroup ({e})"
+    try:
+        args = [cli, "run", "--data", spec, "--dp", "2", "--cp", "1", "--global-batch",
+                str(batch), "--max-tokens-per-rank", "65536", "--steps", str(steps)]
+        if shuffle:
+            args.append("--shuffle")
+        t0 = time.perf_counter()
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=dict(os.environ, THDPACK_CACHE=cache),
+                             preexec_fn=lambda: open(f"{group}/{procs}", "w").write(
+                                 str(os.getpid())))
+        peak = 0
+        while p.poll() is None:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("RssAnon:"):
+                            peak = max(peak, int(line.split()[1]) // 1024)
+            except OSError:
+                pass
+            time.sleep(0.01)
+        seconds = time.perf_counter() - t0
+        err = p.stderr.read().decode()
+        with open(f"{group}/{peak_file}") as f:
+            usage = int(f.read()) >> 20
+        return p.returncode, peak, usage, seconds, err
+    finally:
+        os.rmdir(group)
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":
