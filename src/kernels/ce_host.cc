@@ -60,6 +60,30 @@ bool RowCounted(const CudaLossArgs& a, int64_t r) {
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Every column of a row once, each by one(v), in the order a block of `n` threads visits them
+// (ForEachColumn, thread by thread: its vectors of kN, element by element, then its tail).
+template <typename Visit>
+void ForEachColumnOfBlock(int n, int64_t V, int kN, bool vectors, Visit&& one) {
+  for (int j = 0; j < n; ++j) {
+    kernels::ForEachColumn(
+        j, n, V, kN, vectors,
+        [&](int64_t k) {
+          for (int e = 0; e < kN; ++e) one(k * kN + e);
+        },
+        one);
+  }
+}
+
+// f(Elem<kDtype>{}) for the dtype's element type and conversions.
+template <typename F>
+void WithElem(CudaDtype dtype, F&& f) {
+  switch (dtype) {
+    case CudaDtype::kFloat32: f(Elem<kernels::kF32>{}); break;
+    case CudaDtype::kBFloat16: f(Elem<kernels::kBF16>{}); break;
+    case CudaDtype::kFloat16: f(Elem<kernels::kF16>{}); break;
+  }
+}
+
 // The 16-byte loads a version-2 thread keeps in flight (ce_kernels.cu's kBatch): the order of
 // the visits does not depend on it, and ForEachColumnBatched covers every column whatever it is.
 constexpr int kBatch = 2;
@@ -114,16 +138,11 @@ void GradPass(const typename Elem<kDtype>::Bits* x, typename Elem<kDtype>::Bits*
                                   : 0.0f);
     }
   };
+  if (version == kernels::kVersionFirst) {
+    ForEachColumnOfBlock(n, V, kN, vectors, one);
+    return;
+  }
   for (int j = 0; j < n; ++j) {
-    if (version == kernels::kVersionFirst) {
-      kernels::ForEachColumn(
-          j, n, V, kN, vectors,
-          [&](int64_t k) {
-            for (int e = 0; e < kN; ++e) one(k * kN + e);
-          },
-          one);
-      continue;
-    }
     kernels::ForEachColumnBatched<kBatch>(
         j, n, V, kN, vectors,
         [&](int64_t k, int stride) {
@@ -316,42 +335,26 @@ Status ScaleGradientHost(CudaDtype dtype, void* grad, int64_t num_tokens, int64_
                                                  "ScaleGradientHost"));
   if (num_tokens == 0 || *factor == 1.0f) return Status::Ok();
   const float f = *factor;
-  auto rows = [&](auto bits_tag, auto to_float, auto from_float) {
-    using Bits = decltype(bits_tag);
-    constexpr int kN = 16 / sizeof(Bits);
+  WithElem(dtype, [&](auto elem) {
+    using E = decltype(elem);
+    constexpr int kN = 16 / sizeof(typename E::Bits);
     const int64_t stride = ld > 0 ? ld : vocab_size;
     for (int64_t r = 0; r < num_tokens; ++r) {
-      Bits* g = static_cast<Bits*>(grad) + r * stride;
-      auto one = [&](int64_t v) { g[v] = from_float(kernels::ScaledGrad(to_float(g[v]), f)); };
-      for (int j = 0; j < block_threads; ++j) {
-        kernels::ForEachColumn(
-            j, block_threads, vocab_size, kN, Aligned16(g),
-            [&](int64_t k) {
-              for (int e = 0; e < kN; ++e) one(k * kN + e);
-            },
-            one);
-      }
+      auto* g = static_cast<typename E::Bits*>(grad) + r * stride;
+      ForEachColumnOfBlock(block_threads, vocab_size, kN, Aligned16(g), [&](int64_t v) {
+        g[v] = E::FromFloat(kernels::ScaledGrad(E::ToFloat(g[v]), f));
+      });
     }
-  };
-  switch (dtype) {
-    case CudaDtype::kFloat32:
-      rows(float{}, Elem<kernels::kF32>::ToFloat, Elem<kernels::kF32>::FromFloat);
-      break;
-    case CudaDtype::kBFloat16:
-      rows(uint16_t{}, Elem<kernels::kBF16>::ToFloat, Elem<kernels::kBF16>::FromFloat);
-      break;
-    case CudaDtype::kFloat16:
-      rows(uint16_t{}, Elem<kernels::kF16>::ToFloat, Elem<kernels::kF16>::FromFloat);
-      break;
-  }
+  });
   return Status::Ok();
 }
 
 Status LogprobEntropyBackwardHost(const CudaLogprobGradArgs& a, int block_threads) {
   THDPACK_RETURN_IF_ERROR(CheckThreads(block_threads));
   THDPACK_RETURN_IF_ERROR(CheckLogprobGradArgs(a, "LogprobEntropyBackwardHost"));
-  auto rows = [&](auto bits_tag, auto to_float, auto from_float) {
-    using Bits = decltype(bits_tag);
+  WithElem(a.dtype, [&](auto elem) {
+    using E = decltype(elem);
+    using Bits = typename E::Bits;
     constexpr int kN = 16 / sizeof(Bits);
     const int64_t stride = a.ld > 0 ? a.ld : a.vocab_size;
     for (int64_t r = 0; r < a.num_tokens; ++r) {
@@ -359,33 +362,16 @@ Status LogprobEntropyBackwardHost(const CudaLogprobGradArgs& a, int block_thread
       Bits* g = static_cast<Bits*>(a.grad) + r * stride;
       const float glp = a.g_logprob[r], gen = a.g_entropy[r];
       const bool zero = glp == 0.0f && gen == 0.0f;
-      auto one = [&](int64_t v) {
-        g[v] = from_float(zero ? 0.0f
-                               : kernels::LogprobEntropyGrad(to_float(x[v]), a.inv_temp,
-                                                             a.lse[r], a.entropy[r],
-                                                             v == a.target[r], glp, gen));
-      };
-      for (int j = 0; j < block_threads; ++j) {
-        kernels::ForEachColumn(
-            j, block_threads, a.vocab_size, kN, Aligned16(x) && Aligned16(g),
-            [&](int64_t k) {
-              for (int e = 0; e < kN; ++e) one(k * kN + e);
-            },
-            one);
-      }
+      ForEachColumnOfBlock(block_threads, a.vocab_size, kN, Aligned16(x) && Aligned16(g),
+                           [&](int64_t v) {
+                             g[v] = E::FromFloat(
+                                 zero ? 0.0f
+                                      : kernels::LogprobEntropyGrad(
+                                            E::ToFloat(x[v]), a.inv_temp, a.lse[r],
+                                            a.entropy[r], v == a.target[r], glp, gen));
+                           });
     }
-  };
-  switch (a.dtype) {
-    case CudaDtype::kFloat32:
-      rows(float{}, Elem<kernels::kF32>::ToFloat, Elem<kernels::kF32>::FromFloat);
-      break;
-    case CudaDtype::kBFloat16:
-      rows(uint16_t{}, Elem<kernels::kBF16>::ToFloat, Elem<kernels::kBF16>::FromFloat);
-      break;
-    case CudaDtype::kFloat16:
-      rows(uint16_t{}, Elem<kernels::kF16>::ToFloat, Elem<kernels::kF16>::FromFloat);
-      break;
-  }
+  });
   return Status::Ok();
 }
 
