@@ -19,7 +19,6 @@ Usage: cli_columnar_test.py THDPACK_ARROW THDPACK_PLAIN WORK_DIR [MPIRUN...]
 """
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -30,44 +29,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import cli_steps
+from cli_steps import fail, figures, ids, run, seeded, steps_of
+
 THDPACK, PLAIN, WORK = sys.argv[1:4]
 MPIRUN = sys.argv[4:]
 shutil.rmtree(WORK, ignore_errors=True)
 os.makedirs(WORK)
-SEED = random.randrange(1 << 30)
-print(f"cli_columnar_test: seed {SEED}", flush=True)
-rng = random.Random(SEED)
-TIMING = ("bytes_sent", "time_", "groups_made", "groups_reused", "groups_evicted",
-          "groups_cached")
-
-
-def fail(message):
-    print(f"FAIL (seed {SEED}): {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
-def figures(step):
-    return {k: v for k, v in step.items() if not k.startswith(TIMING)}
-
-
-def ids(step):
-    return sorted(i for r in step["replicas"] for mb in r["microbatches"] for i in mb["samples"])
-
-
-def run(args, check=True, env=None):
-    p = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    if check and p.returncode != 0:
-        fail(f"{' '.join(args)} exited {p.returncode}:\n{p.stderr}")
-    return p
-
-
-def steps_of(text):
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+rng = seeded("cli_columnar_test")
 
 
 # 3,000 samples of 1-600 tokens with a loss mask, in every format.
 N = 3000
-g = np.random.default_rng(SEED)
+g = np.random.default_rng(cli_steps.SEED)
 rows = []
 for _ in range(N):
     n = int(g.integers(1, 600))

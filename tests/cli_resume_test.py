@@ -20,55 +20,19 @@ Usage: cli_resume_test.py THDPACK WORK_DIR [MPIRUN...]
 """
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
+
+from cli_steps import fail, figures, ids, run, seeded, steps_of
 
 THDPACK = sys.argv[1]
 WORK = sys.argv[2]
 MPIRUN = sys.argv[3:]
 os.makedirs(WORK, exist_ok=True)
 
-SEED = random.randrange(1 << 30)
-print(f"cli_resume_test: seed {SEED}", flush=True)
-rng = random.Random(SEED)
-
-# What legitimately differs between two runs of the same steps: timings, and the dynamic
-# scheduler's count of CP groups the process made or reused (a restarted process makes its
-# groups anew).
-TIMING = ("bytes_sent", "time_", "groups_made", "groups_reused", "groups_evicted",
-          "groups_cached")
-
-
-def fail(message):
-    print(f"FAIL (seed {SEED}): {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
-def figures(step):
-    """A step object without what legitimately differs between runs: timings and bytes."""
-    return {k: v for k, v in step.items() if not k.startswith(TIMING)}
-
-
-def ids(step):
-    """The sample ids of a step object, sorted (a dynamic step's from its groups)."""
-    if "groups" in step:
-        return sorted(i for mb in step["groups"] for g in mb for i in g["samples"])
-    return sorted(i for r in step["replicas"] for mb in r["microbatches"] for i in mb["samples"])
-
-
-def run(args, check=True):
-    p = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
-        fail(f"{' '.join(args)} exited {p.returncode}:\n{p.stderr}")
-    return p
-
-
-def steps_of(text):
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
+rng = seeded("cli_resume_test")
 
 # A shuffled mock of 20,000 samples an epoch, 2,048 a step: epochs end mid-step, and a step
 # takes tens of milliseconds, so a kill lands inside the run.
