@@ -125,26 +125,32 @@ if MPIRUN:
 
 # --- kill and resume -------------------------------------------------------------------------
 STEPS = 60  # 7,680 samples: 2.6 epochs of 3,000
-t0 = time.time()
-steps_of(run([THDPACK, "run", "--data", SPECS["parquet"], *COMMON, *TOPOLOGIES["C"],
-              "--steps", "20"]).stdout)
-step_seconds = (time.time() - t0) / 20
 state = f"{WORK}/state.json"
-printed, committed, attempt, topology = {}, 0, 0, "C"
+printed, committed, attempt, topology, kills = {}, 0, 0, "C", 0
 while committed < STEPS:
     args = [THDPACK, "run", "--data", SPECS["parquet"], *COMMON, *TOPOLOGIES[topology],
             "--steps", str(STEPS - committed), "--save-state", state]
     if committed:
         args += ["--resume", state]
-    with open(f"{WORK}/out{attempt}.txt", "w") as out:
+    out_path = f"{WORK}/out{attempt}.txt"
+    with open(out_path, "w") as out:
         p = subprocess.Popen(args, stdout=out, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
         killed = False
-        if attempt < 5:
-            time.sleep(rng.uniform(0.0, 0.8 * step_seconds * (STEPS - committed) + 0.05))
+        if attempt < 3 and STEPS - committed > 1:
+            # Killed once it has printed a random number of steps (fewer than it runs), then
+            # a random moment later: between steps or inside one, never after its end.
+            target = rng.randrange(STEPS - committed - 1)
+            while p.poll() is None:
+                with open(out_path) as f:
+                    if sum(1 for line in f if line.startswith("{")) >= target:
+                        break
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.002))
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 killed = True
+                kills += 1
         _, err = p.communicate(timeout=300)
     if not killed and p.returncode != 0:
         fail(f"{' '.join(args)} exited {p.returncode}:\n{err}")
@@ -160,6 +166,8 @@ while committed < STEPS:
           f"{'killed' if killed else 'done'}, committed {committed}", flush=True)
     attempt += 1
     topology = rng.choice(["A", "C"])
+if kills == 0:
+    fail("no run was killed: every attempt ended before its kill")
 if sorted(printed) != list(range(STEPS)):
     fail(f"steps printed over the attempts: {sorted(printed)}")
 full = {"C": reference, "A": steps_of(run([THDPACK, "run", "--data", SPECS["parquet"], *COMMON,
@@ -186,4 +194,4 @@ if p.returncode != 2 or "no_ids.parquet: no column 'input_ids' (the columns: 'to
 p = run([PLAIN, "plan", "--data", SPECS["parquet"]], check=False)
 if p.returncode != 2 or "which this program was built without" not in p.stderr:
     fail(f"the plain build on Parquet: exit {p.returncode}, {p.stderr}")
-print(f"cli_columnar_test: passed ({attempt} attempts)", flush=True)
+print(f"cli_columnar_test: passed ({attempt} attempts, {kills} killed)", flush=True)
