@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/hash64.h"
+#include "common/publish_file.h"
 #include "data/arrow_internal.h"
 
 namespace thdpack {
@@ -42,15 +43,6 @@ std::string Errno(int err) { return std::strerror(err); }
 bool EndsWith(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(),
                                                 suffix) == 0;
-}
-
-// The file's data and metadata on disk before the rename makes it visible.
-Status SyncFile(const std::string& path) {
-  Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (f.fd < 0 || ::fsync(f.fd) != 0) {
-    return Status::IOError(path + ": cannot sync: " + Errno(errno));
-  }
-  return Status::Ok();
 }
 
 }  // namespace
@@ -160,13 +152,8 @@ Result<std::string> CachedParquet(const std::string& file, std::span<const std::
     fs::remove(tmp, ec);
     return s;
   }
-  THDPACK_RETURN_IF_ERROR(SyncFile(tmp));
-  if (::rename(tmp.c_str(), out.c_str()) != 0) {
-    const int err = errno;
-    fs::remove(tmp, ec);
-    return Status::IOError(out + ": cannot move the decoded rows into place: " + Errno(err));
-  }
-  if (Fd d{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)}; d.fd >= 0) ::fsync(d.fd);
+  THDPACK_RETURN_IF_ERROR(
+      internal::PublishFile(tmp, out).WithContext("the decoded rows of " + file + ", " + out));
   return out;
 }
 

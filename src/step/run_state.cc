@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "common/hash64.h"
+#include "common/publish_file.h"
 
 namespace thdpack {
 namespace {
@@ -472,21 +472,8 @@ Status WriteRunStateFile(const std::string& path, const RunState& state) {
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    return fail("sync");
-  }
   if (::close(fd) != 0) return fail("close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename its temporary file over it");
-  // The rename itself survives a crash once the folder is synced.
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return Status::Ok();
+  return internal::PublishFile(tmp, path).WithContext("run state " + path);
 }
 
 Result<RunState> ReadRunStateFile(const std::string& path) {
