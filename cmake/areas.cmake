@@ -33,7 +33,7 @@ thdpack_area(wire     DEPS data HEADERS wire.h step_wire.h)
 thdpack_area(schedule DEPS data cost HEADERS schedule.h)
 thdpack_area(pack     DEPS shard HEADERS pack.h fields.h columns.h)
 thdpack_area(loss     DEPS pack shard HEADERS loss.h memory.h)
-thdpack_area(media    DEPS pack shard cost HEADERS media.h)
+thdpack_area(media    DEPS pack shard cost data HEADERS media.h)
 thdpack_area(step     DEPS data schedule HEADERS step.h figures.h run_state.h LIBS nlohmann_json::nlohmann_json)
 thdpack_area(runtime  DEPS comm topology schedule pack shard wire step loss media
                       HEADERS rank_step.h step_runner.h memory_report.h LIBS nlohmann_json::nlohmann_json)

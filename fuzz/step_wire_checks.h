@@ -102,13 +102,15 @@ inline void CheckLengthsFrame(Input in) {
                "an accepted lengths header re-encodes to other bytes");
     return;
   }
-  const RecordColumns columns{(in.control & 4) != 0, (in.control & 8) != 0};
+  const RecordColumns columns{(in.control & 4) != 0, (in.control & 8) != 0,
+                              (in.control & 16) != 0};
   std::vector<SampleRecord> records;
   const Status s = DecodeLengths(in.bytes, columns, 1000, &records);
   if (!s.ok()) return CheckError(s, "DecodeLengths");
   for (const SampleRecord& x : records) {
     FUZZ_CHECK(x.offset >= 0 && x.offset < 1000 && x.length >= 1 && x.n_targets >= 0 &&
-                   x.n_targets <= x.length - 1 && x.source >= 0,
+                   x.n_targets <= x.length - 1 && x.source >= 0 && x.encoder.patches >= 0 &&
+                   x.encoder.frame_sq >= 0,
                "an accepted record is out of its ranges");
   }
   std::vector<uint8_t> encoded;

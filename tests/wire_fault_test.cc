@@ -93,6 +93,9 @@ StepRunnerOptions Options(const FaultCase& k, const Topology& topo, const std::s
   if (k.media) {
     o.media = {MediaSpec{"image", kImage, false}};
     o.mrope = Mrope::kQwen2Vl;
+    // The 'tokens' cost: the encoder's term in tokens, a patch a token plus its frame's
+    // attention (the default is in FLOPs, refused with it).
+    o.media_cost = EncoderCost{1.0, 1e-3};
   }
   const int64_t n = o.global_batch;
   const int dp = k.dp;

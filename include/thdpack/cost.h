@@ -78,6 +78,23 @@ struct CostModel {
   }
 };
 
+// ---- The encoder's term (images and video: thdpack/media.h, docs/media.md). ----
+//
+// A vision encoder's cost of an item of t frames of h x w patches:
+//   per_patch * t*h*w + per_frame_sq * t * (h*w)^2
+// its layers, linear in patches, and its attention, full within each frame. In the unit of the
+// language model's cost (CostModel::unit): the schedulers add it to the sample's cost(P).
+struct EncoderCost {
+  double per_patch = 0;
+  double per_frame_sq = 0;
+  bool empty() const { return per_patch == 0 && per_frame_sq == 0; }
+};
+
+// The encoder term of `work` (of one sample or a group's sums).
+inline double EncoderTerm(const EncoderCost& cost, double patches, double frame_sq) {
+  return cost.per_patch * patches + cost.per_frame_sq * frame_sq;
+}
+
 // The FLOPs model of `dims` as a cost model (a, b = its FLOPs coefficients).
 [[nodiscard]] Result<CostModel> CostModelFromDims(const ModelDims& dims, std::string name = "");
 

@@ -101,6 +101,15 @@ struct SampleLength {
   int32_t source = 0;     // the blend's source index (thdpack/blend.h); 0 for other sources
 };
 
+// A sample's encoder work (images and video, thdpack/media.h): its items' sums, the integers
+// the encoder's cost (cost.h EncoderCost) is linear in, so a group's work is order-independent,
+// like sum P and sum P^2.
+struct EncoderWork {
+  int64_t patches = 0;   // sum of t*h*w
+  int64_t frame_sq = 0;  // sum of t*(h*w)^2
+  friend bool operator==(const EncoderWork&, const EncoderWork&) = default;
+};
+
 // Where a source's cursor stands: enough to continue reading exactly there (SampleSource::Seek)
 // in O(1), whatever came before. A plain value, the same on every rank that read the same source
 // through the same steps; a run's state (thdpack/run_state.h) keeps it.

@@ -85,6 +85,9 @@ struct StepFigures {
   bool dynamic = false;
   std::vector<std::pair<int, int64_t>> cp_degrees;
   std::vector<std::vector<CpGroup>> groups;
+  // With media: the plan's costs hold the encoder's term (JSON encoder_cost of the step, each
+  // replica and each microbatch; absent without media).
+  bool media = false;
   // A blend: [D] what the step took of each source (CountBySource); empty for other data.
   std::vector<SourceFigures> sources;
 };
@@ -96,10 +99,11 @@ struct StepFigures {
 
 // Figures of one scheduled step. `samples` and `options` are what `plan` was made from.
 // Errors: those of ComputePlanFigures (an invalid plan).
+// With `encoder` (one EncoderWork per sample, media), the costs hold options.encoder_cost's term.
 [[nodiscard]] Result<StepFigures> ComputeStepFigures(
     int64_t step, int64_t epoch, std::span<const SampleLength> samples,
     const ScheduleOptions& options, const Plan& plan,
-    const std::optional<FlopsCoefficients>& flops);
+    const std::optional<FlopsCoefficients>& flops, std::span<const EncoderWork> encoder = {});
 
 // The same from figures already computed for `plan` (ScheduleWithFigures, schedule.h):
 // no second pass over the plan. with_sample_ids false leaves sample_ids empty (for callers that

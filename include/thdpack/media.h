@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include "thdpack/cost.h"
+#include "thdpack/data.h"
 #include "thdpack/pack.h"
 #include "thdpack/sample.h"
 #include "thdpack/status.h"
@@ -91,18 +93,20 @@ struct MediaItem {
 
 // ---- The encoder's work, and where it runs. ----
 
-// cost(item) = per_patch * t*h*w + per_frame_sq * t * (h*w)^2: the encoder's layers linear in
-// its patches, and its attention, full within each frame (Qwen2-VL's vision tower attends frame
-// by frame). In training FLOPs, the unit of the built-in language-model costs (cost.h).
-struct EncoderCost {
-  double per_patch = 0;
-  double per_frame_sq = 0;
-};
+// The encoder's cost of an item is EncoderCost (thdpack/cost.h): per_patch * t*h*w +
+// per_frame_sq * t * (h*w)^2, its layers linear in its patches and its attention full within
+// each frame (Qwen2-VL's vision tower attends frame by frame).
 // The default term: Qwen2-VL's vision tower (32 layers, hidden 1280, MLP 5120, not gated):
 // per_patch = 3 * 2 * l * (4 h^2 + 2 h f) = 3,774,873,600; per_frame_sq = 3 * 4 * l * h =
 // 491,520 (QK^T and AV over the whole frame, forward and backward).
+// In training FLOPs, the unit of the built-in language-model costs (cost.h).
 EncoderCost DefaultEncoderCost();
 double ItemEncoderCost(const EncoderCost& cost, const MediaGrid& grid);
+// The encoder work of a sample's media (one part per modality; its grid rows [3k], checked by
+// CheckSampleMedia): the sums over its items of t*h*w and t*(h*w)^2. InvalidArgument naming
+// `where` when a sum exceeds 2^62 (no payload that fits in memory comes near).
+[[nodiscard]] Result<EncoderWork> SampleEncoderWork(std::span<const MediaPart> media,
+                                                    std::string_view where);
 
 // Whole items over `ranks` encoder ranks, balancing their cost: longest processing time first
 // (items by cost, descending, ties by index), each to the rank with the least cost so far (ties:

@@ -105,6 +105,10 @@ struct RankStep {
   // and the plan every loader computed from them - what the step figures are made of.
   std::vector<SampleLength> samples;
   Plan plan;
+  // With media (loaders only, as samples): each sample's encoder work, and the encoder's term
+  // the plan was balanced with (ScheduleOptions::encoder_cost) - what the figures charge.
+  std::vector<EncoderWork> encoder_work;
+  EncoderCost encoder_cost;
   // The dynamic scheduler: dynamic is true on every rank; dynamic_plan is set, with samples, on
   // the heads that plan (tp = 0, pp = 0 of every domain index), and `plan` stays empty.
   // groups_made / groups_reused: the CP process groups this step split from the world and took

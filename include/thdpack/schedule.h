@@ -120,6 +120,13 @@ struct ScheduleOptions {
   // time it gives; PlanStepTime / DynamicPlanStepTime report it for any plan. Unset (nullopt)
   // with the `tokens` and `A,B` costs, which have no model dimensions.
   std::optional<StepTimeModel> step_time;
+  // The encoder's term (images and video, thdpack/media.h), in the cost's unit: with it, a
+  // sample of EncoderWork w costs cost(P)/CP + EncoderTerm(w)/CP per rank (its items are
+  // placed whole over the replica's CP ranks), and the static schedulers balance the sum - the
+  // balanced one through its unit scheduler (scheduler_groups.cc), each sample a unit with its
+  // own cost. Default empty (0, 0): no encoder term, whatever work is given. The step-time
+  // model (step_time) and the dynamic scheduler leave it out (the dynamic one refuses it).
+  EncoderCost encoder_cost;
 };
 
 // "sequential" / "balanced" / "dynamic", "error" / "skip" / "truncate" / "split", "any" /
@@ -188,9 +195,13 @@ struct Plan {
 // the group (policy kError) or is skipped whole, every sample of it in Plan::skipped (kSkip):
 // a pair is never half trained. More errors: `groups` of the wrong length, or given with
 // kNone; fewer groups than microbatches (kMicrobatch) or than replicas (kReplica).
+//
+// Encoder work (`encoder`: one EncoderWork per sample, or empty for none): charged with
+// options.encoder_cost (above). Errors: a size other than the samples', a negative value.
 [[nodiscard]] Result<Plan> Schedule(std::span<const SampleLength> samples,
                                     const ScheduleOptions& options,
-                                    std::span<const int64_t> groups = {});
+                                    std::span<const int64_t> groups = {},
+                                    std::span<const EncoderWork> encoder = {});
 
 // Checks every invariant listed at the top of this file for `plan` against the inputs it was
 // made from (except determinism, which needs two runs). OK or the first violation found.
@@ -254,6 +265,7 @@ class SampleIdIndex {
 
 struct MicrobatchFigures {
   int64_t n_samples = 0;
+  double encoder_cost = 0;    // the encoder's part of `cost` (ScheduleOptions::encoder_cost)
   int64_t real_tokens = 0;    // sum L
   int64_t padded_tokens = 0;  // T, SP tail included
   int64_t sum_sq = 0;         // sum P^2, the last sequence's P including the SP tail
@@ -263,6 +275,7 @@ struct MicrobatchFigures {
 
 struct ReplicaFigures {
   double cost = 0;                            // sum of its microbatch costs: its step time
+  double encoder_cost = 0;                    // the encoder's part of it
   std::vector<MicrobatchFigures> microbatches;  // [M]
 };
 
@@ -275,11 +288,13 @@ struct PlanFigures {
   int64_t sum_sq = 0;
   int64_t n_loss_tokens = 0;
   double total_cost = 0;        // sum over replicas
+  double encoder_cost = 0;      // the encoder's part of total_cost
   double max_replica_cost = 0;  // the straggler
   // max(sum_i cost(P_i)/CP / DP, max_i cost(P_i)/CP) over the scheduled samples, with the
   // per-sequence padded lengths P_i (no SP tail: that depends on the plan). Under
   // pad_to_max_tokens, M * a * T / CP (the fixed shapes' linear work, on every replica) plus
   // the same bound over the rest of the cost (the P^2 and per-sequence terms).
+  // With encoder work, each sample's cost is cost(P_i)/CP + EncoderTerm(w_i)/CP.
   double lower_bound = 0;
   double imbalance = 0;         // max_replica_cost / lower_bound
   double pad_fraction = 0;      // 1 - real_tokens / padded_tokens
@@ -291,9 +306,11 @@ struct PlanFigures {
 
 // Figures of `plan`. REQUIRES: ValidatePlan(samples, options, plan) is OK (checked: its error
 // is returned otherwise). OutOfRange if sum_sq overflows int64.
+// `encoder`: the samples' encoder work, as Schedule takes it.
 [[nodiscard]] Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
                                                      const ScheduleOptions& options,
-                                                     const Plan& plan);
+                                                     const Plan& plan,
+                                                     std::span<const EncoderWork> encoder = {});
 
 // A plan and its figures.
 struct ScheduledPlan {
@@ -310,7 +327,8 @@ struct ScheduledPlan {
 // OutOfRange if sum_sq overflows int64 (as ComputePlanFigures).
 [[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
                                                         const ScheduleOptions& options,
-                                                        std::span<const int64_t> groups = {});
+                                                        std::span<const int64_t> groups = {},
+                                                        std::span<const EncoderWork> encoder = {});
 // The same, consuming `samples`: their memory is released as soon as the step is prepared (the
 // scheduler keeps its own arrays), so a large step does not hold both while it is scheduled.
 [[nodiscard]] Result<ScheduledPlan> ScheduleWithFigures(std::vector<SampleLength>&& samples,

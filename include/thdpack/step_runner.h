@@ -168,7 +168,14 @@ struct StepRunnerOptions {
   int64_t spatial_merge_size = 2;
   Mrope mrope = Mrope::kNone;          // needs media
   double mrope_tokens_per_second = 2;  // Qwen2.5-VL's vision_config.tokens_per_second
-  EncoderCost media_cost = DefaultEncoderCost();
+  // The encoder's cost of an item (thdpack/cost.h EncoderCost), in the unit of
+  // schedule.cost: where a microbatch's items are encoded (PlaceMicrobatchMedia) and, as
+  // schedule.encoder_cost (set by Create), the encoder's term that the static schedulers
+  // balance over the replicas with the language model's cost. Default (nullopt): Qwen2-VL's
+  // vision tower (DefaultEncoderCost) when the cost is in training FLOPs (a model preset or
+  // dimensions); with a cost in another unit ('tokens', 'A,B', a measured profile) it must be
+  // given (Create names the rule). Terms >= 0, finite, not both 0.
+  std::optional<EncoderCost> media_cost;
   // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
   // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with
   // every LocalMicrobatch's cp_group null, and the caller attaches them (AttachCpGroups) from

@@ -173,14 +173,17 @@ struct SampleRecord {
   int64_t n_targets = 0;  // [0, L - 1]
   int32_t source = 0;     // a blend's source, >= 0 (with RecordColumns::source)
   int64_t group = 0;      // keep_groups' group id, any int64 (with RecordColumns::group)
+  EncoderWork encoder;    // its media's encoder work, [0, 2^62) (with RecordColumns::media)
 
   friend bool operator==(const SampleRecord&, const SampleRecord&) = default;
 };
 struct RecordColumns {
   bool source = false;
   bool group = false;
+  bool media = false;
 };
-// Bytes of one record (12, +4 with sources, +8 with groups), and of a frame of `count`.
+// Bytes of one record (12, +4 with sources, +8 with groups, +16 with media), and of a frame of
+// `count`.
 size_t RecordBytes(RecordColumns columns);
 size_t LengthsFrameSize(int64_t count, RecordColumns columns);
 // Appends the frame of `records` to `out`.

@@ -59,6 +59,7 @@ void PutTotals(py::dict& d, const PlanFigures& f) {
   d["sum_sq"] = f.sum_sq;
   d["n_loss_tokens"] = f.n_loss_tokens;
   d["total_cost"] = f.total_cost;
+  d["encoder_cost"] = f.encoder_cost;
   d["max_replica_cost"] = f.max_replica_cost;
   d["lower_bound"] = f.lower_bound;
   d["imbalance"] = f.imbalance;
@@ -75,6 +76,7 @@ py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<dou
   for (size_t r = 0; r < f.replicas.size(); ++r) {
     py::dict rd;
     rd["cost"] = f.replicas[r].cost;
+    rd["encoder_cost"] = f.replicas[r].encoder_cost;
     py::list mbs;
     for (size_t m = 0; m < f.replicas[r].microbatches.size(); ++m) {
       const MicrobatchFigures& mf = f.replicas[r].microbatches[m];
@@ -87,6 +89,7 @@ py::dict FiguresToDict(const PlanFigures& f, const Plan& plan, std::optional<dou
       md["sum_sq"] = mf.sum_sq;
       md["n_loss_tokens"] = mf.n_loss_tokens;
       md["cost"] = mf.cost;
+      md["encoder_cost"] = mf.encoder_cost;
       mbs.append(md);
     }
     rd["microbatches"] = mbs;
@@ -221,8 +224,27 @@ void BindSchedule(py::module_& m) {
          int64_t max_tokens_per_rank, const std::string& scheduler, const std::string& cost,
          int microbatch_multiple, int num_microbatches, const std::string& oversize,
          const std::string& hw, const std::string& cp_sizes, const py::handle& groups_obj,
-         const std::string& keep_groups, int max_seqs, bool pad_to_max_tokens) -> py::object {
+         const std::string& keep_groups, int max_seqs, bool pad_to_max_tokens,
+         const py::handle& encoder_work_obj, const py::handle& encoder_cost_obj) -> py::object {
         const IntArrayView lengths(lengths_obj, "lengths");
+        // Encoder work: [n, 2] integers (sum of t*h*w, sum of t*(h*w)^2 of each sample's items).
+        std::vector<EncoderWork> encoder;
+        if (!encoder_work_obj.is_none()) {
+          py::array a = AsArray(encoder_work_obj, "encoder_work", false, true);
+          const char kind = a.dtype().kind();
+          if ((kind != 'i' && kind != 'u') || a.ndim() != 2 || a.shape(1) != 2 ||
+              static_cast<size_t>(a.shape(0)) != lengths.size()) {
+            throw py::value_error(
+                "encoder_work: expected an integer array [n, 2] (per sample: sum of t*h*w, sum "
+                "of t*(h*w)^2 of its media items) with n = " + std::to_string(lengths.size()) +
+                " (the lengths'); got dtype " + py::str(a.dtype()).cast<std::string>() +
+                ", " + std::to_string(a.ndim()) + " dims");
+          }
+          const auto w = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+          const int64_t* p = w.data();
+          encoder.resize(lengths.size());
+          for (size_t i = 0; i < encoder.size(); ++i) encoder[i] = {p[2 * i], p[2 * i + 1]};
+        }
         std::optional<IntArrayView> n_targets;
         if (!n_targets_obj.is_none()) {
           n_targets.emplace(n_targets_obj, "n_targets");
@@ -267,6 +289,13 @@ void BindSchedule(py::module_& m) {
         o.num_microbatches = num_microbatches;
         o.oversize = ValueOrThrow(ParseOversizePolicy(oversize));
         o.cp_sizes = ValueOrThrow(ParseCpSizes(cp_sizes));
+        if (!encoder_cost_obj.is_none()) {
+          const auto c = encoder_cost_obj.cast<std::pair<double, double>>();
+          o.encoder_cost = EncoderCost{c.first, c.second};
+        } else if (!encoder.empty()) {
+          throw py::value_error("encoder_work without encoder_cost: give the encoder's terms "
+                                "(per patch, per frame^2) in the cost's unit");
+        }
         // The one resolution of cost and hardware (profile.h), as plan and run do.
         ResolvedCost resolved = ValueOrThrow(ResolveCost(cost, hw));
         o.cost = std::move(resolved.cost);
@@ -311,7 +340,7 @@ void BindSchedule(py::module_& m) {
         Result<ScheduledPlan> scheduled = Status::Internal("not scheduled");
         {
           py::gil_scoped_release release;
-          scheduled = ScheduleWithFigures(samples, o, groups);
+          scheduled = ScheduleWithFigures(samples, o, groups, encoder);
         }
         ThrowIfError(scheduled.status());
         PyPlan out;
@@ -334,6 +363,7 @@ void BindSchedule(py::module_& m) {
       py::arg("hw") = kJob.hw, py::arg("cp_sizes") = kJob.cp_sizes,
       py::arg("groups") = py::none(), py::arg("keep_groups") = kJob.keep_groups,
       py::arg("max_seqs") = kJob.max_seqs, py::arg("pad_to_max_tokens") = kJob.pad_to_max_tokens,
+      py::arg("encoder_work") = py::none(), py::arg("encoder_cost") = py::none(),
       R"doc(Schedules one step: which sample goes to which DP replica and microbatch.
 
 lengths: [n] of any integer dtype (a NumPy array, CPU torch tensor or list), the real length
@@ -357,6 +387,11 @@ under the dynamic scheduler both keep a group in one CP group of one microbatch.
 large for its place is an error naming it, or skipped whole with oversize="skip".
 Static shapes (static schedulers): max_seqs at most that many sequences a microbatch (0: no
 cap), pad_to_max_tokens every microbatch's T = cp_size * max_tokens_per_rank (figures count it).
+Media (static schedulers): encoder_work [n, 2] integers, each sample's sum of t*h*w and of
+t*(h*w)^2 over its items, with encoder_cost (per_patch, per_frame_sq) in the cost's unit
+(the step's default, Qwen2-VL's tower in FLOPs: docs/media.md): each sample costs its
+language model's cost plus its encoder's, and the figures give the encoder's part
+(encoder_cost) of every total.
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_media import H, MEDIA, MERGE, encoder, make_samples, params
+from test_media import D, H, MEDIA, MERGE, encoder, make_samples, params
 from worlds import spawn
 
 N = 12  # samples in the batch
@@ -166,6 +166,8 @@ def error_worker(rank, port, out_dir):
     got["truncate"] = error_of(lambda: pack_batch(mine, groups, oversize="truncate", **kw))
     got["mrope alone"] = error_of(lambda: pack_batch(mine, groups, mrope="qwen2-vl",
                                                      max_tokens_per_rank=512))
+    got["cost unit"] = error_of(lambda: pack_batch(mine, groups, cost="tokens", **kw))
+    got["zero cost"] = error_of(lambda: pack_batch(mine, groups, media_cost=(0, 0), **kw))
     t = torch.ones(1)
     dist.all_reduce(t)  # the world still works
     torch.save((got, float(t)), f"{out_dir}/e{rank}.pt")
@@ -184,8 +186,89 @@ def test_bad_media_is_named_on_every_rank(tmp_path):
                            ("file source", "media: the samples of 'mock' carry none"),
                            ("dynamic", "with the dynamic scheduler: not yet"),
                            ("truncate", "oversize 'truncate'"),
-                           ("mrope alone", "mrope 'qwen2-vl' needs media")):
+                           ("mrope alone", "mrope 'qwen2-vl' needs media"),
+                           ("cost unit", "with cost 'tokens' (unit: tokens): the encoder's "
+                                         "default term"),
+                           ("zero cost", "not both 0")):
             assert got[case] is not None and text in got[case], (rank, case, got[case])
+
+
+# Qwen2-VL's vision tower in training FLOPs (docs/media.md): the step's default encoder term.
+QWEN2_VL_TOWER = (3 * 2 * 32 * (4 * 1280 ** 2 + 2 * 1280 * 5120), 3 * 4 * 32 * 1280)
+
+
+def balance_samples():
+    """Eight samples of 4,200 tokens; two (0 and 2) hold a 128 x 128-patch image (4,096
+    placeholders) in place of text: equal for the language model, not for the encoder."""
+    out = []
+    for i in range(8):
+        image = i in (0, 2)
+        n_img = 4096 if image else 0
+        ids = np.concatenate([np.full(38, 7), np.full(n_img, MEDIA["image"]["token_id"]),
+                              np.full(4200 - 38 - n_img, 8)]).astype(np.int64)
+        out.append({"input_ids": ids,
+                    "image_grid_thw": np.asarray([[1, 128, 128]] if image else [],
+                                                 dtype=np.int64).reshape(-1, 3),
+                    "video_grid_thw": np.zeros((0, 3), dtype=np.int64),
+                    "second_per_grid_ts": [],
+                    "pixel_values": torch.zeros((16384 if image else 0, D), dtype=torch.float64),
+                    "pixel_values_videos": torch.zeros((0, D), dtype=torch.float64)})
+    return out
+
+
+def balance_worker(rank, port, out_dir):
+    from test_torch_iterator import make_groups
+    from thdpack.torch import pack_batch
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    samples = balance_samples()
+    step = pack_batch(samples[rank::2], make_groups(1, 1, 2, 1), media=MEDIA,
+                      spatial_merge_size=MERGE, max_tokens_per_rank=8192)
+    torch.save(step.figures, f"{out_dir}/b{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_step_balances_the_encoder_over_replicas(tmp_path):
+    """The step's plan is the scheduler's with each sample's encoder work (its lengths frame's
+    media column) and Qwen2-VL's tower: the two image samples go to different replicas, where
+    the language model alone puts them on one; the figures carry the encoder's part."""
+    import thdpack
+    from test_torch_iterator import free_port
+    spawn(balance_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    figures = torch.load(f"{tmp_path}/b0.pt")
+    samples = balance_samples()
+    order = list(range(0, 8, 2)) + list(range(1, 8, 2))  # loader 0's samples, then loader 1's
+    lengths = [len(samples[i]["input_ids"]) for i in order]
+    work = np.asarray([[0, 0] if i not in (0, 2) else [16384, 16384 ** 2] for i in order])
+    aware = thdpack.schedule(lengths, ids=order, dp_size=2, max_tokens_per_rank=8192,
+                             encoder_work=work, encoder_cost=QWEN2_VL_TOWER)
+    blind = thdpack.schedule(lengths, ids=order, dp_size=2, max_tokens_per_rank=8192)
+    got = [[list(mb["samples"]) for mb in r["microbatches"]] for r in figures["replicas"]]
+    want = [[aware.microbatch(d, m).tolist() for m in range(aware.num_microbatches)]
+            for d in range(2)]
+    assert got == want
+
+    def replica(plan, sample):
+        return next(d for d in range(2) for m in range(plan.num_microbatches)
+                    if sample in plan.microbatch(d, m).tolist())
+    assert replica(aware, 0) != replica(aware, 2)
+    assert replica(blind, 0) == replica(blind, 2)  # what the encoder's term is for
+    # The encoder's part of each replica's cost, summed plainly from the formula.
+    image = QWEN2_VL_TOWER[0] * 16384 + QWEN2_VL_TOWER[1] * 16384 ** 2
+    for d, r in enumerate(figures["replicas"]):
+        ids = [i for mb in r["microbatches"] for i in mb["samples"]]
+        want_enc = image * sum(i in (0, 2) for i in ids)
+        assert r["encoder_cost"] == pytest.approx(want_enc, rel=1e-12)
+        assert all("encoder_cost" in mb for mb in r["microbatches"])
+    assert figures["encoder_cost"] == pytest.approx(2 * image, rel=1e-12)
+    assert figures["imbalance"] < 1.01
+    # Blind, the replica with both images carries their whole work on top of its half.
+    costs = [r["cost"] for r in blind.figures["replicas"]]
+    both = replica(blind, 0)
+    blind_max = max(costs[both] + 2 * image, costs[1 - both])
+    assert blind_max / figures["max_replica_cost"] > 1.15  # 1.22 by the formula
 
 
 def pp_worker(rank, port, out_dir):

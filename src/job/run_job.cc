@@ -43,8 +43,12 @@ Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool wi
     THDPACK_ASSIGN_OR_RETURN(out, DynamicStepFigures(job, step.step, step.epoch, step.samples,
                                                      step.dynamic_plan, /*sample_ids=*/true));
   } else {
-    THDPACK_ASSIGN_OR_RETURN(out.figures, ComputeStepFigures(step.step, step.epoch, step.samples,
-                                                             job.schedule, step.plan, job.flops));
+    // The step's own encoder term (media options live outside the job): what it was planned with.
+    ScheduleOptions schedule = job.schedule;
+    schedule.encoder_cost = step.encoder_cost;
+    THDPACK_ASSIGN_OR_RETURN(out.figures,
+                             ComputeStepFigures(step.step, step.epoch, step.samples, schedule,
+                                                step.plan, job.flops, step.encoder_work));
     if (job.schedule.step_time.has_value()) {
       THDPACK_ASSIGN_OR_RETURN(out.figures.sim_step_time,
                                PlanStepTime(step.samples, job.schedule, step.plan));

@@ -209,6 +209,32 @@ double ItemEncoderCost(const EncoderCost& cost, const MediaGrid& grid) {
          cost.per_frame_sq * static_cast<double>(grid.t) * frame * frame;
 }
 
+Result<EncoderWork> SampleEncoderWork(std::span<const MediaPart> media,
+                                      std::string_view where) {
+  __extension__ typedef unsigned __int128 Wide;
+  constexpr Wide kLimit = Wide{1} << 62;
+  Wide patches = 0, frame_sq = 0;
+  for (const MediaPart& p : media) {
+    for (size_t k = 0; k + 2 < p.grid.size(); k += 3) {
+      // Grid values are >= 1 (checked); each product below stays under 2^124.
+      const Wide t = static_cast<uint64_t>(p.grid[k]);
+      const Wide frame = static_cast<Wide>(static_cast<uint64_t>(p.grid[k + 1])) *
+                         static_cast<uint64_t>(p.grid[k + 2]);
+      const bool fits = t < kLimit && frame < (Wide{1} << 31);
+      if (fits) {
+        patches += t * frame;
+        frame_sq += t * frame * frame;
+      }
+      if (!fits || patches >= kLimit || frame_sq >= kLimit) {
+        return Status::InvalidArgument(
+            std::string(where) + ": its items' encoder work (sum of t*h*w, sum of t*(h*w)^2) "
+            "exceeds 2^62");
+      }
+    }
+  }
+  return EncoderWork{static_cast<int64_t>(patches), static_cast<int64_t>(frame_sq)};
+}
+
 std::vector<int32_t> PlaceMediaItems(std::span<const double> costs, int ranks) {
   std::vector<size_t> order(costs.size());
   std::iota(order.begin(), order.end(), size_t{0});

@@ -19,7 +19,8 @@ namespace {
 constexpr TokenId kImg = 900, kVid = 901;
 std::vector<MediaSpec> Specs() { return {{"image", kImg, false}, {"video", kVid, true}}; }
 
-std::string ErrorOf(const Result<std::vector<MediaItem>>& r) {
+template <typename T>
+std::string ErrorOf(const Result<T>& r) {
   return r.ok() ? std::string("OK") : r.status().message();
 }
 
@@ -109,6 +110,31 @@ TEST(MediaCost, DefaultIsTheVisionTowersFlops) {
   EXPECT_EQ(c.per_frame_sq, 3.0 * 4 * 32 * 1280);
   // Two frames of 4 x 2 patches: 16 patches, 2 frames of 8^2.
   EXPECT_EQ(ItemEncoderCost({1.0, 0.5}, MediaGrid{2, 4, 2}), 16.0 + 0.5 * 2 * 64);
+}
+
+// A sample's encoder work is the sum over its items, of every modality; the cost of that sum
+// is the sum of its items' costs (the schedulers charge it per sample).
+TEST(MediaCost, SampleWorkSumsItsItemsOfEveryModality) {
+  std::vector<MediaPart> media(2);
+  media[0].grid = {1, 4, 6, 1, 2, 2};  // two images: 24 and 4 patches
+  media[1].grid = {3, 4, 4};           // a video of 3 frames of 16 patches
+  const EncoderWork w = SampleEncoderWork(media, "s").value();
+  EXPECT_EQ(w.patches, 24 + 4 + 48);
+  EXPECT_EQ(w.frame_sq, 24 * 24 + 4 * 4 + 3 * 16 * 16);
+  const EncoderCost c = DefaultEncoderCost();
+  const double items = ItemEncoderCost(c, {1, 4, 6}) + ItemEncoderCost(c, {1, 2, 2}) +
+                       ItemEncoderCost(c, {3, 4, 4});
+  EXPECT_DOUBLE_EQ(EncoderTerm(c, static_cast<double>(w.patches),
+                               static_cast<double>(w.frame_sq)), items);
+  EXPECT_EQ(SampleEncoderWork({}, "s").value(), EncoderWork{});
+  // Past 2^62 (a frame of 2^31 patches, or sums that add up to it): named, not wrapped.
+  std::vector<MediaPart> huge(1);
+  huge[0].grid = {1, int64_t{1} << 16, int64_t{1} << 15};
+  EXPECT_NE(ErrorOf(SampleEncoderWork(huge, "samples[4]"))
+                .find("samples[4]: its items' encoder work"),
+            std::string::npos);
+  huge[0].grid = {int64_t{1} << 40, 1 << 12, 1 << 12};
+  EXPECT_NE(ErrorOf(SampleEncoderWork(huge, "s")).find("exceeds 2^62"), std::string::npos);
 }
 
 // The largest rank load of the best placement, by trying every one.

@@ -102,8 +102,10 @@ std::vector<JobEntry> StepJobEntries(const StepRunnerOptions& o, const Topology&
     e.emplace_back("spatial_merge_size", Num(o.spatial_merge_size));
     e.emplace_back("mrope", std::string(MropeName(o.mrope)));
     e.emplace_back("mrope_tokens_per_second", std::to_string(o.mrope_tokens_per_second));
-    e.emplace_back("media_cost", std::to_string(o.media_cost.per_patch) + "," +
-                                     std::to_string(o.media_cost.per_frame_sq));
+    e.emplace_back("media_cost", o.media_cost.has_value()
+                                     ? std::to_string(o.media_cost->per_patch) + "," +
+                                           std::to_string(o.media_cost->per_frame_sq)
+                                     : std::string("default"));
   }
   return e;
 }

@@ -87,7 +87,7 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     THDPACK_RETURN_IF_ERROR(g.BroadcastValues(std::span<uint8_t>(position_in), 0));
   }
   // Each member's lengths frame, gathered in loader order.
-  const RecordColumns columns{blend_, group_field_ >= 0};
+  const RecordColumns columns{blend_, group_field_ >= 0, !opts_.media.empty()};
   std::vector<int64_t> c(gs, 0), dsp(gs, 0);
   loader_offset_.assign(static_cast<size_t>(dp) + 1, 0);
   for (size_t j = 0; j < gs; ++j) {
@@ -107,6 +107,7 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     r.n_targets = NumTargets(x);
     r.source = x.source;
     if (group_field_ >= 0) r.group = GroupOf(x);
+    if (columns.media) r.encoder = own_work_[records.size()];
     records.push_back(r);
   }
   std::vector<uint8_t> send;
@@ -129,6 +130,8 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
   }
   out.samples.resize(static_cast<size_t>(n));
   step_groups_.assign(group_field_ >= 0 ? static_cast<size_t>(n) : 0, 0);
+  out.encoder_work.assign(columns.media ? static_cast<size_t>(n) : 0, EncoderWork{});
+  out.encoder_cost = opts_.schedule.encoder_cost;
   position_of_offset_.assign(static_cast<size_t>(id_span_), -1);
   for (int64_t p = 0; p < n; ++p) {
     const SampleRecord& x = records[static_cast<size_t>(p)];
@@ -140,6 +143,7 @@ Status StepRunner::Impl::ExchangeLengths(ProcessGroup& g, int loader_stride, Ran
     out.samples[static_cast<size_t>(p)] =
         SampleLength{first_id_ + x.offset, x.length, x.n_targets, blend_ ? x.source : 0};
     if (group_field_ >= 0) step_groups_[static_cast<size_t>(p)] = x.group;
+    if (columns.media) out.encoder_work[static_cast<size_t>(p)] = x.encoder;
   }
   return Status::Ok();
 }

@@ -13,6 +13,7 @@
 //     one kMedia frame, checked on arrival.
 // Depends on: step_exchange.cc (the exchange's pairs, refs_), step_plan.cc (replica_of_),
 // step_read.cc (own_).
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -68,8 +69,22 @@ Status StepRunner::Impl::CheckMediaOptions() const {
                                    std::to_string(opts_.mrope_tokens_per_second) +
                                    ": must be > 0");
   }
-  if (!(opts_.media_cost.per_patch >= 0) || !(opts_.media_cost.per_frame_sq >= 0)) {
-    return Status::InvalidArgument("StepRunner: the encoder's cost terms must be >= 0");
+  if (opts_.media_cost.has_value()) {
+    const EncoderCost& c = *opts_.media_cost;
+    if (!std::isfinite(c.per_patch) || !std::isfinite(c.per_frame_sq) || c.per_patch < 0 ||
+        c.per_frame_sq < 0 || c.empty()) {
+      return Status::InvalidArgument(
+          "StepRunner: media_cost (" + std::to_string(c.per_patch) + ", " +
+          std::to_string(c.per_frame_sq) + "): the encoder's terms (per patch, per frame^2) "
+          "must be finite, >= 0 and not both 0 (they place each microbatch's items)");
+    }
+  } else if (opts_.schedule.cost.unit != "FLOPs") {
+    return Status::InvalidArgument(
+        first + "with cost '" + opts_.schedule.cost.name + "' (unit: " +
+        (opts_.schedule.cost.unit.empty() ? std::string("its own") : opts_.schedule.cost.unit) +
+        "): the encoder's default term (Qwen2-VL's vision tower) is in training FLOPs; give "
+        "media_cost (per patch, per frame^2) in the cost's unit, or a model cost (llama2-7b, "
+        "dimensions)");
   }
   return Status::Ok();
 }
@@ -198,7 +213,7 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
     }
     mm.items.push_back(std::move(items));
   }
-  mm.encoder_rank = PlaceMicrobatchMedia(mm.items, cp, opts_.media_cost);
+  mm.encoder_rank = PlaceMicrobatchMedia(mm.items, cp, opts_.schedule.encoder_cost);
   // Each modality's payload dtype and width: that of the microbatch's first sample that gives a
   // payload of it; every other must match (a payload of another dtype or width is named).
   std::vector<const MediaPart*> like(nm, nullptr);

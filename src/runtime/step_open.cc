@@ -135,6 +135,11 @@ Status StepRunner::Impl::Init() {
   }
   if (local.ok()) local = FindGroupField();
   if (local.ok()) local = CheckMediaOptions();
+  if (local.ok() && !opts_.media.empty()) {
+    // One encoder term: where items are encoded, and what the schedulers balance.
+    if (!opts_.media_cost.has_value()) opts_.media_cost = DefaultEncoderCost();
+    opts_.schedule.encoder_cost = *opts_.media_cost;
+  }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
   if (!opts_.read_share) {
     const Result<SourceKind> kind = SourceKindOf(opts_.data);

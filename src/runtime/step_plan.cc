@@ -81,7 +81,8 @@ Status AgreeOnPlanHash(ProcessGroup& group, uint64_t h, const std::string& what,
 using namespace runner_internal;  // NOLINT: the runtime area's own helpers
 
 Status StepRunner::Impl::MakePlan(RankStep& out) {
-  THDPACK_ASSIGN_OR_RETURN(out.plan, Schedule(out.samples, opts_.schedule, step_groups_));
+  THDPACK_ASSIGN_OR_RETURN(out.plan,
+                           Schedule(out.samples, opts_.schedule, step_groups_, out.encoder_work));
   if (opts_.check_plan_hash) {
     THDPACK_RETURN_IF_ERROR(AgreeOnPlanHash(*loaders_, HashPlan(out.plan), "plan", step_));
   }

@@ -120,6 +120,7 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
     THDPACK_ASSIGN_OR_RETURN(share, steps_->NextShare(coord_.dp));
     after_ = StepPosition{steps_->consumed(), source_->cursor()};
   }
+  own_work_.clear();
   if (opts_.read_share || !opts_.fields.empty()) {  // fed, or fields from a source's columns
     for (const Sample& x : share.samples) {
       const std::string where = "sample id " + std::to_string(x.id) + " (step " +
@@ -131,6 +132,9 @@ Status StepRunner::Impl::ReadShare(RankStep& out) {
         THDPACK_RETURN_IF_ERROR(CheckSampleMedia(opts_.media, opts_.spatial_merge_size,
                                                  x.tokens, x.media, where)
                                     .status());
+        // Its encoder's work, told with its length (the schedulers' encoder term).
+        THDPACK_ASSIGN_OR_RETURN(EncoderWork w, SampleEncoderWork(x.media, where));
+        own_work_.push_back(w);
       }
     }
   }

@@ -332,6 +332,9 @@ class StepRunner::Impl {
   int group_field_ = -1;
   Truncation own_cut_;  // oversize 'truncate': what this loader cut of its share this step
   std::vector<int64_t> step_groups_;
+  // With media: the encoder work of each sample this loader read, in own_ order (the lengths'
+  // media column; every sample's arrives in RankStep::encoder_work).
+  std::vector<EncoderWork> own_work_;
   bool started_ = false;  // a step was run (Restore is refused then)
   Status restore_error_;  // a reader's failed seek, reported by the next read phase
 };

@@ -26,9 +26,6 @@ std::string TailName(const ParallelLayout& l) {
   return "rank-multiple tail";
 }
 
-// Passes over a plan look ids up this far ahead (SampleIdIndex::Prefetch).
-constexpr int64_t kPrefetchAhead = 16;
-
 // Sorted (id, index) pairs for id lookups without an unordered container.
 std::vector<std::pair<int64_t, int64_t>> SortedIds(std::span<const SampleLength> samples) {
   std::vector<std::pair<int64_t, int64_t>> v(samples.size());
@@ -157,6 +154,16 @@ Status ValidateOptions(const ScheduleOptions& o) {
                ", b = " + std::to_string(o.cost.b) + ", c = " + std::to_string(o.cost.c) +
                " must be finite, >= 0 and not all 0");
   }
+  if (!std::isfinite(o.encoder_cost.per_patch) || !std::isfinite(o.encoder_cost.per_frame_sq) ||
+      o.encoder_cost.per_patch < 0 || o.encoder_cost.per_frame_sq < 0) {
+    return bad("encoder_cost: per_patch = " + std::to_string(o.encoder_cost.per_patch) +
+               ", per_frame_sq = " + std::to_string(o.encoder_cost.per_frame_sq) +
+               " must be finite and >= 0");
+  }
+  if (o.scheduler == ScheduleOptions::Scheduler::kDynamic && !o.encoder_cost.empty()) {
+    return bad("encoder_cost with the dynamic scheduler: its CP groups have no encoder term "
+               "(balanced or sequential place media)");
+  }
   if (static_cast<int64_t>(o.dp_size) * o.microbatch_multiple > std::numeric_limits<int32_t>::max()) {
     return bad("dp_size * microbatch_multiple must fit int32");
   }
@@ -187,8 +194,27 @@ int64_t UsableCapacity(const ScheduleOptions& o) {
 }
 
 Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
-                                 const ScheduleOptions& o) {
+                                 const ScheduleOptions& o, std::span<const EncoderWork> encoder) {
   PreparedStep step;
+  if (!encoder.empty() && encoder.size() != samples.size()) {
+    return Status::InvalidArgument("schedule: " + std::to_string(encoder.size()) +
+                                   " encoder works for " + std::to_string(samples.size()) +
+                                   " samples (one a sample, or none)");
+  }
+  // The encoder term is charged when it has a cost and some sample has work.
+  bool charged = false;
+  if (!o.encoder_cost.empty()) {
+    for (size_t i = 0; i < encoder.size(); ++i) {
+      const EncoderWork& w = encoder[i];
+      if (w.patches < 0 || w.frame_sq < 0) {
+        return Status::InvalidArgument(
+            "schedule: sample id " + Str(samples[i].id) + " (position " + std::to_string(i) +
+            ") has encoder work (" + Str(w.patches) + " patches, " + Str(w.frame_sq) +
+            " frame^2); both must be >= 0");
+      }
+      charged = charged || w.patches > 0 || w.frame_sq > 0;
+    }
+  }
   step.capacity = UsableCapacity(o);
   const int64_t budget = MicrobatchBudget(o);
   const int64_t align = o.parallel.sequence_alignment();
@@ -204,6 +230,10 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
   step.n_targets.resize(n);
   step.padded.resize(n);
   step.cost.resize(n);
+  if (charged) {
+    step.enc_patches.resize(n);
+    step.enc_frame_sq.resize(n);
+  }
   const int cp_size = o.parallel.cp_size();
   const double cp = static_cast<double>(cp_size);
   // cost(P) / CP as a product when CP is a power of two: x * 2^-k is x / 2^k exactly.
@@ -249,7 +279,12 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
     step.length[kept] = static_cast<int32_t>(s.length);
     step.n_targets[kept] = static_cast<int32_t>(s.n_targets);
     step.padded[kept] = p;
-    const double c = cp_pow2 ? o.cost.SequenceCost(p) * inv_cp : o.cost.SequenceCost(p) / cp;
+    double c = cp_pow2 ? o.cost.SequenceCost(p) * inv_cp : o.cost.SequenceCost(p) / cp;
+    if (charged) {
+      step.enc_patches[kept] = encoder[i].patches;
+      step.enc_frame_sq[kept] = encoder[i].frame_sq;
+      c = SampleCostWithEncoder(o, p, encoder[i]);
+    }
     step.cost[kept] = c;
     ++kept;
     total_padded += p;
@@ -296,6 +331,10 @@ Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
     step.n_targets.resize(kept);
     step.padded.resize(kept);
     step.cost.resize(kept);
+    if (charged) {
+      step.enc_patches.resize(kept);
+      step.enc_frame_sq.resize(kept);
+    }
   }
   return step;
 }
@@ -338,8 +377,13 @@ MicrobatchCost CostOfSums(const GroupSums& g, const ScheduleOptions& o) {
   constexpr auto kMax = static_cast<GroupSums::Wide>(std::numeric_limits<int64_t>::max());
   r.overflow = sq > kMax;
   r.sum_sq = static_cast<int64_t>(std::min(sq, kMax));
-  r.cost = o.cost.Cost(g.n_samples, r.padded_tokens, static_cast<double>(sq)) /
-           static_cast<double>(o.parallel.cp_size());
+  const double cp = static_cast<double>(o.parallel.cp_size());
+  r.cost = o.cost.Cost(g.n_samples, r.padded_tokens, static_cast<double>(sq)) / cp;
+  if (g.enc_patches != 0 || g.enc_frame_sq != 0) {
+    r.encoder_cost = EncoderTerm(o.encoder_cost, static_cast<double>(g.enc_patches),
+                                 static_cast<double>(g.enc_frame_sq)) / cp;
+    r.cost += r.encoder_cost;
+  }
   return r;
 }
 
@@ -368,10 +412,6 @@ const std::vector<int32_t>& GroupOf(const Assignment& a, size_t n,
   return *scratch;
 }
 
-namespace {
-
-// The sums of every group of `a`, in one pass over the step in input order (sequential reads;
-// the writes go to the DP*M sums), plus each group's last P in plan order.
 std::vector<GroupSums> AssignmentSums(const PreparedStep& step, const Assignment& a) {
   const size_t groups = a.offsets.size() - 1;
   std::vector<GroupSums> sums(groups);
@@ -380,11 +420,16 @@ std::vector<GroupSums> AssignmentSums(const PreparedStep& step, const Assignment
   for (size_t i = 0; i < step.size(); ++i) {
     sums[static_cast<size_t>(group_of[i])].Add(step.length[i], step.n_targets[i], step.padded[i]);
   }
+  if (step.has_encoder()) {
+    for (size_t i = 0; i < step.size(); ++i) {
+      sums[static_cast<size_t>(group_of[i])].AddEncoder(step.enc_patches[i], step.enc_frame_sq[i],
+                                                        step.cost[i]);
+    }
+  }
   for (size_t g = 0; g < groups; ++g) sums[g].last_p = LastPadded(step, a, g);
   return sums;
 }
 
-}  // namespace
 
 AssignmentCost ComputeAssignmentCost(const PreparedStep& step, const ScheduleOptions& o,
                                      const Assignment& a) {
@@ -552,6 +597,7 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
                                                 internal::PreparedStep* step,
                                                 ScheduleOptions::Scheduler* who,
                                                 std::span<const int64_t> groups,
+                                                std::span<const EncoderWork> encoder,
                                                 PlanFigures* figures = nullptr,
                                                 std::vector<SampleLength>* release = nullptr) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
@@ -560,10 +606,12 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
         "schedule: the dynamic scheduler gives per-microbatch CP groups, not replicas: call "
         "ScheduleDynamic");
   }
-  THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options));
-  // Groups, or a sequence cap under the balanced scheduler: the unit scheduler (each sample
-  // its own unit without groups), which budgets sequences with tokens.
-  const bool capped = options.max_seqs_per_microbatch > 0 &&
+  THDPACK_ASSIGN_OR_RETURN(*step, internal::PrepareStep(samples, options, encoder));
+  // Groups, a sequence cap or encoder work under the balanced scheduler: the unit scheduler
+  // (each sample its own unit without groups), which budgets sequences with tokens and places
+  // units by their own cost (the plain balanced scheduler's fast paths take a sample's cost
+  // from its P alone).
+  const bool capped = (options.max_seqs_per_microbatch > 0 || step->has_encoder()) &&
                       options.scheduler == ScheduleOptions::Scheduler::kBalanced;
   if (options.keep_groups != ScheduleOptions::KeepGroups::kNone || !groups.empty() || capped) {
     THDPACK_RETURN_IF_ERROR(
@@ -602,11 +650,11 @@ Result<internal::Assignment> ScheduleAssignment(std::span<const SampleLength> sa
 }  // namespace
 
 Result<Plan> Schedule(std::span<const SampleLength> samples, const ScheduleOptions& options,
-                      std::span<const int64_t> groups) {
+                      std::span<const int64_t> groups, std::span<const EncoderWork> encoder) {
   internal::PreparedStep step;
   ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
   THDPACK_ASSIGN_OR_RETURN(internal::Assignment a,
-                           ScheduleAssignment(samples, options, &step, &who, groups));
+                           ScheduleAssignment(samples, options, &step, &who, groups, encoder));
   return internal::ToPlan(step, a, who);
 }
 
@@ -615,13 +663,14 @@ namespace {
 Result<ScheduledPlan> ScheduleWithFiguresImpl(std::span<const SampleLength> samples,
                                               const ScheduleOptions& options,
                                               std::span<const int64_t> groups,
+                                              std::span<const EncoderWork> encoder,
                                               std::vector<SampleLength>* release) {
   internal::PreparedStep step;
   ScheduleOptions::Scheduler who = ScheduleOptions::Scheduler::kBalanced;
   ScheduledPlan out;
   THDPACK_ASSIGN_OR_RETURN(
       internal::Assignment a,
-      ScheduleAssignment(samples, options, &step, &who, groups, &out.figures, release));
+      ScheduleAssignment(samples, options, &step, &who, groups, encoder, &out.figures, release));
   if (options.step_time.has_value()) {
     THDPACK_ASSIGN_OR_RETURN(out.sim_step_time, internal::AssignmentStepTime(step, options, a));
   }
@@ -633,22 +682,21 @@ Result<ScheduledPlan> ScheduleWithFiguresImpl(std::span<const SampleLength> samp
 
 Result<ScheduledPlan> ScheduleWithFigures(std::span<const SampleLength> samples,
                                           const ScheduleOptions& options,
-                                          std::span<const int64_t> groups) {
-  return ScheduleWithFiguresImpl(samples, options, groups, nullptr);
+                                          std::span<const int64_t> groups,
+                                          std::span<const EncoderWork> encoder) {
+  return ScheduleWithFiguresImpl(samples, options, groups, encoder, nullptr);
 }
 
 Result<ScheduledPlan> ScheduleWithFigures(std::vector<SampleLength>&& samples,
                                           const ScheduleOptions& options) {
-  return ScheduleWithFiguresImpl(samples, options, {}, &samples);
+  return ScheduleWithFiguresImpl(samples, options, {}, {}, &samples);
 }
 
 namespace internal {
-namespace {
 
-// ValidatePlan with the index of `samples` already built (ComputePlanFigures reuses it).
 Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const SampleIdIndex& index,
                              const ScheduleOptions& options, const Plan& plan,
-                             std::span<const int64_t> groups = {}) {
+                             std::span<const int64_t> groups) {
   THDPACK_RETURN_IF_ERROR(internal::ValidateOptions(options));
   auto bad = [](const std::string& what) { return Status::InvalidArgument("invalid plan: " + what); };
   const int64_t dp = options.dp_size;
@@ -754,120 +802,11 @@ Status ValidatePlanWithIndex(std::span<const SampleLength> samples, const Sample
                              [&](int32_t u) { return fit.fits[static_cast<size_t>(u)] != 0; });
 }
 
-}  // namespace
 }  // namespace internal
 
 Status ValidatePlan(std::span<const SampleLength> samples, const ScheduleOptions& options,
                     const Plan& plan, std::span<const int64_t> groups) {
   return internal::ValidatePlanWithIndex(samples, SampleIdIndex(samples), options, plan, groups);
-}
-
-namespace internal {
-namespace {
-
-// The figures of a plan from the sums of its groups, (d, m) at sums[d*M + m]. One code for
-// ComputePlanFigures (sums taken over the plan, ids looked up) and AssignmentFigures (sums
-// taken over the scheduler's arrays in input order): the same integer sums, so the same
-// figures.
-Result<PlanFigures> FiguresOfSums(const ScheduleOptions& options, int m_count,
-                                  std::span<const GroupSums> sums, int64_t n_skipped) {
-  PlanFigures f;
-  f.num_microbatches = m_count;
-  f.n_skipped = n_skipped;
-  f.replicas.resize(options.dp_size);
-  int64_t total_p = 0;
-  GroupSums::Wide total_sq = 0;
-  int64_t max_p = 0;
-  for (int d = 0; d < options.dp_size; ++d) {
-    ReplicaFigures& r = f.replicas[d];
-    r.microbatches.resize(m_count);
-    double lo = std::numeric_limits<double>::infinity();
-    double hi = 0;
-    for (int m = 0; m < m_count; ++m) {
-      MicrobatchFigures& mb = r.microbatches[m];
-      const GroupSums& g = sums[static_cast<size_t>(d) * m_count + m];
-      mb.n_samples = g.n_samples;
-      mb.real_tokens = g.real_tokens;
-      mb.n_loss_tokens = g.n_loss_tokens;
-      total_p += g.sum_p;
-      total_sq += g.sum_sq;
-      max_p = std::max(max_p, g.max_p);
-      const MicrobatchCost mc = CostOfSums(g, options);
-      if (mc.overflow || __builtin_add_overflow(f.sum_sq, mc.sum_sq, &f.sum_sq)) {
-        return Status::OutOfRange("plan figures: sum of P^2 overflows int64");
-      }
-      mb.padded_tokens = mc.padded_tokens;
-      mb.sum_sq = mc.sum_sq;
-      mb.cost = mc.cost;
-      r.cost += mb.cost;
-      lo = std::min(lo, mb.cost);
-      hi = std::max(hi, mb.cost);
-      f.n_samples += mb.n_samples;
-      f.real_tokens += mb.real_tokens;
-      f.padded_tokens += mb.padded_tokens;
-      f.n_loss_tokens += mb.n_loss_tokens;
-    }
-    f.total_cost += r.cost;
-    f.max_replica_cost = std::max(f.max_replica_cost, r.cost);
-    f.max_microbatch_spread = std::max(f.max_microbatch_spread, hi - lo);
-  }
-  // Every sequence once, without tails: sum of cost(P) / CP, and the costliest one.
-  const double cp = static_cast<double>(options.parallel.cp_size());
-  const double total_seq_cost =
-      options.cost.Cost(f.n_samples, total_p, static_cast<double>(total_sq)) / cp;
-  const double max_seq_cost = options.cost.SequenceCost(max_p) / cp;
-  f.lower_bound = std::max(total_seq_cost / static_cast<double>(options.dp_size), max_seq_cost);
-  if (options.pad_to_max_tokens) {
-    // Every replica runs the plan's M microbatches of T tokens: their linear work is on every
-    // replica whatever the assignment; the rest (P^2 and per-sequence terms) is what balances.
-    const double fixed = options.cost.a * static_cast<double>(m_count) *
-                         static_cast<double>(FixedMicrobatchTokens(options)) / cp;
-    const double rest = options.cost.Cost(f.n_samples, 0, static_cast<double>(total_sq)) / cp;
-    const double rest_max = options.cost.Cost(
-        1, 0, static_cast<double>(max_p) * static_cast<double>(max_p)) / cp;
-    f.lower_bound = fixed + std::max(rest / static_cast<double>(options.dp_size), rest_max);
-  }
-  f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;
-  f.pad_fraction = f.padded_tokens > 0
-                       ? 1.0 - static_cast<double>(f.real_tokens) / static_cast<double>(f.padded_tokens)
-                       : 0.0;
-  f.fill = static_cast<double>(f.padded_tokens) /
-           (static_cast<double>(m_count) * options.dp_size * static_cast<double>(MicrobatchBudget(options)));
-  return f;
-}
-
-}  // namespace
-
-Result<PlanFigures> AssignmentFigures(const PreparedStep& step, const ScheduleOptions& options,
-                                      const Assignment& a) {
-  const std::vector<GroupSums> sums = AssignmentSums(step, a);
-  return FiguresOfSums(options, a.num_microbatches, sums,
-                       static_cast<int64_t>(step.skipped.size()));
-}
-
-}  // namespace internal
-
-Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
-                                       const ScheduleOptions& options, const Plan& plan) {
-  const SampleIdIndex index(samples);
-  THDPACK_RETURN_IF_ERROR(internal::ValidatePlanWithIndex(samples, index, options, plan));
-  const int64_t total = static_cast<int64_t>(plan.sample_ids.size());
-  const size_t groups = plan.offsets.size() - 1;
-  std::vector<internal::GroupSums> sums(groups);
-  for (size_t g = 0; g < groups; ++g) {
-    for (int64_t k = plan.offsets[g]; k < plan.offsets[g + 1]; ++k) {
-      if (k + internal::kPrefetchAhead < total) {
-        index.Prefetch(plan.sample_ids[static_cast<size_t>(k + internal::kPrefetchAhead)]);
-      }
-      const int64_t slot = index.Slot(plan.sample_ids[static_cast<size_t>(k)]);
-      const int64_t length = index.Length(slot);
-      const int64_t p = options.parallel.PaddedLength(length);
-      sums[g].Add(length, index.NTargets(slot), p);
-      sums[g].last_p = p;
-    }
-  }
-  return internal::FiguresOfSums(options, plan.num_microbatches, sums,
-                                 static_cast<int64_t>(plan.skipped.size()));
 }
 
 }  // namespace thdpack

@@ -124,33 +124,6 @@ ScheduleOptions RandomOptions(std::mt19937_64& rng) {
   return o;
 }
 
-void ExpectSameFigures(const PlanFigures& a, const PlanFigures& b) {
-  testing_util::ExpectSameIntegerFigures(a, b);
-  // Exactly equal doubles: the same sums in the same order.
-  EXPECT_EQ(a.total_cost, b.total_cost);
-  EXPECT_EQ(a.max_replica_cost, b.max_replica_cost);
-  EXPECT_EQ(a.lower_bound, b.lower_bound);
-  EXPECT_EQ(a.imbalance, b.imbalance);
-  EXPECT_EQ(a.pad_fraction, b.pad_fraction);
-  EXPECT_EQ(a.fill, b.fill);
-  EXPECT_EQ(a.max_microbatch_spread, b.max_microbatch_spread);
-  ASSERT_EQ(a.replicas.size(), b.replicas.size());
-  for (size_t d = 0; d < a.replicas.size(); ++d) {
-    EXPECT_EQ(a.replicas[d].cost, b.replicas[d].cost);
-    ASSERT_EQ(a.replicas[d].microbatches.size(), b.replicas[d].microbatches.size());
-    for (size_t m = 0; m < a.replicas[d].microbatches.size(); ++m) {
-      const MicrobatchFigures& x = a.replicas[d].microbatches[m];
-      const MicrobatchFigures& y = b.replicas[d].microbatches[m];
-      EXPECT_EQ(x.n_samples, y.n_samples);
-      EXPECT_EQ(x.real_tokens, y.real_tokens);
-      EXPECT_EQ(x.padded_tokens, y.padded_tokens);
-      EXPECT_EQ(x.sum_sq, y.sum_sq);
-      EXPECT_EQ(x.n_loss_tokens, y.n_loss_tokens);
-      EXPECT_EQ(x.cost, y.cost);
-    }
-  }
-}
-
 TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps) {
   std::mt19937_64 rng(33);
   int scheduled = 0;
@@ -195,7 +168,7 @@ TEST(ScheduleWithFiguresTest, EqualsScheduleThenComputePlanFiguresOnRandomSteps)
     EXPECT_EQ(fast->plan.scheduler, plan->scheduler);
     Result<PlanFigures> reference = ComputePlanFigures(samples, o, *plan);
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
-    ExpectSameFigures(fast->figures, *reference);
+    testing_util::ExpectSameFigures(fast->figures, *reference);
     // The step time from the scheduler's arrays against PlanStepTime's validated re-read.
     ASSERT_EQ(fast->sim_step_time.has_value(), o.step_time.has_value());
     if (o.step_time.has_value()) {
@@ -230,7 +203,7 @@ TEST(ScheduleWithFiguresTest, ConsumingFormEqualsSpanForm) {
     EXPECT_EQ(consumed->plan.sample_ids, by_span->plan.sample_ids);
     EXPECT_EQ(consumed->plan.offsets, by_span->plan.offsets);
     EXPECT_EQ(consumed->plan.skipped, by_span->plan.skipped);
-    ExpectSameFigures(consumed->figures, by_span->figures);
+    testing_util::ExpectSameFigures(consumed->figures, by_span->figures);
   }
   EXPECT_GT(compared, 30);
 }
@@ -312,7 +285,7 @@ TEST(BalancedSequentialBoundTest, EqualsExactSequentialCostOnRandomSteps) {
     EXPECT_EQ(bound->num_microbatches, exact->num_microbatches);
     EXPECT_EQ(bound->offsets, exact->offsets);
     EXPECT_EQ(bound->items, exact->items);
-    ExpectSameFigures(f_bound, f_exact);
+    testing_util::ExpectSameFigures(f_bound, f_exact);
   }
   EXPECT_GT(compared, 150);
   EXPECT_GT(bounded, 150);

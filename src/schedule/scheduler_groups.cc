@@ -601,6 +601,10 @@ Result<std::vector<int32_t>> ApplyGroups(std::span<const SampleLength> samples,
     out.n_targets.push_back(step->n_targets[j]);
     out.padded.push_back(step->padded[j]);
     out.cost.push_back(step->cost[j]);
+    if (step->has_encoder()) {
+      out.enc_patches.push_back(step->enc_patches[j]);
+      out.enc_frame_sq.push_back(step->enc_frame_sq[j]);
+    }
     out.total_padded += step->padded[j];
     out.total_cost += step->cost[j];
     out.max_cost = std::max(out.max_cost, step->cost[j]);

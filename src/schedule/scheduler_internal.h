@@ -51,7 +51,12 @@ struct PreparedStep {
   StepArray<int32_t> length;     // [n] L
   StepArray<int32_t> n_targets;  // [n]
   StepArray<int64_t> padded;   // [n] P
-  StepArray<double> cost;      // [n] cost(P) / CP
+  StepArray<double> cost;      // [n] cost(P) / CP (+ EncoderTerm / CP with encoder work)
+  // With encoder work charged (ScheduleOptions::encoder_cost, some sample's work > 0): each
+  // kept sample's EncoderWork; empty otherwise.
+  StepArray<int64_t> enc_patches;   // [n]
+  StepArray<int64_t> enc_frame_sq;  // [n]
+  bool has_encoder() const { return !enc_patches.empty(); }
   std::vector<int64_t> skipped;  // oversize ids left out, input order
   // The largest sum of P one microbatch may hold: the budget, rounded down to a multiple of
   // CP*TP with SP (MicrobatchTokens(sum) <= budget  <=>  sum <= capacity).
@@ -77,8 +82,18 @@ inline int64_t SequenceCap(const ScheduleOptions& o) {
 
 // Validates the samples (ids unique, L >= 1, n_targets in [0, L]) and applies the oversize
 // policy. REQUIRES: ValidateOptions(options) is OK.
+// `encoder`: one EncoderWork per sample, or empty (checked: its size, values >= 0).
 [[nodiscard]] Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
-                                               const ScheduleOptions& options);
+                                               const ScheduleOptions& options,
+                                               std::span<const EncoderWork> encoder = {});
+
+// A sample's cost per rank with encoder work: (cost(P) + EncoderTerm(w)) / CP. One formula for
+// the scheduler's arrays and the figures' reference.
+inline double SampleCostWithEncoder(const ScheduleOptions& o, int64_t p, const EncoderWork& w) {
+  return (o.cost.SequenceCost(p) + EncoderTerm(o.encoder_cost, static_cast<double>(w.patches),
+                                               static_cast<double>(w.frame_sq))) /
+         static_cast<double>(o.parallel.cp_size());
+}
 
 // Whether two samples share an id (PrepareStep's check): a bitmap over dense ids, else
 // SampleIdIndex; compared with a std::map on random samples in the tests.
@@ -123,6 +138,7 @@ struct MicrobatchCost {
   int64_t padded_tokens = 0;
   int64_t sum_sq = 0;
   double cost = 0;
+  double encoder_cost = 0;  // the encoder's part of cost
   bool overflow = false;
 };
 MicrobatchCost ComputeMicrobatchCost(std::span<const int64_t> padded,
@@ -142,6 +158,15 @@ struct GroupSums {
   Wide sum_sq = 0;     // sum P^2 (P < 2^32: no overflow below 2^64 samples)
   int64_t max_p = 0;
   int64_t last_p = 0;  // P of the last sample in plan order
+  // With encoder work: its sums, and the costliest sample (SampleCostWithEncoder).
+  Wide enc_patches = 0;
+  Wide enc_frame_sq = 0;
+  double max_sample_cost = 0;
+  void AddEncoder(int64_t patches, int64_t frame_sq, double sample_cost) {
+    enc_patches += static_cast<Wide>(patches);
+    enc_frame_sq += static_cast<Wide>(frame_sq);
+    max_sample_cost = std::max(max_sample_cost, sample_cost);
+  }
   void Add(int64_t length, int64_t n_targets, int64_t p) {
     ++n_samples;
     real_tokens += length;
@@ -155,6 +180,19 @@ struct GroupSums {
 // T, sum P^2 and cost of a microbatch from its sums: the tail (T - sum P, with SP) added to the
 // last P, cost = (a T + b sum P^2) / CP (CostModel::Cost). overflow: sum P^2 exceeds int64.
 MicrobatchCost CostOfSums(const GroupSums& sums, const ScheduleOptions& options);
+
+// The sums of every group of `a`, in one pass over the step in input order (sequential reads;
+// the writes go to the DP*M sums), plus each group's last P in plan order.
+std::vector<GroupSums> AssignmentSums(const PreparedStep& step, const Assignment& a);
+
+// Passes over a plan look ids up this far ahead (SampleIdIndex::Prefetch).
+inline constexpr int64_t kPrefetchAhead = 16;
+
+// ValidatePlan with the index of `samples` already built (ComputePlanFigures reuses it).
+[[nodiscard]] Status ValidatePlanWithIndex(std::span<const SampleLength> samples,
+                                           const SampleIdIndex& index,
+                                           const ScheduleOptions& options, const Plan& plan,
+                                           std::span<const int64_t> groups = {});
 
 // group_of[i]: the group (d*M + m) of PreparedStep index i in `a` (n = the step's size).
 std::vector<int32_t> GroupOfItems(const Assignment& a, size_t n);

@@ -92,6 +92,38 @@ inline void ExpectSameIntegerFigures(const PlanFigures& a, const PlanFigures& b)
   EXPECT_EQ(a.n_loss_tokens, b.n_loss_tokens);
 }
 
+// Every figure of two plans, the doubles exactly: what the scheduler's own arrays give
+// (ScheduleWithFigures) against ComputePlanFigures, the same sums in the same order.
+inline void ExpectSameFigures(const PlanFigures& a, const PlanFigures& b) {
+  ExpectSameIntegerFigures(a, b);
+  // Exactly equal doubles: the same sums in the same order.
+  EXPECT_EQ(a.total_cost, b.total_cost);
+  EXPECT_EQ(a.encoder_cost, b.encoder_cost);
+  EXPECT_EQ(a.max_replica_cost, b.max_replica_cost);
+  EXPECT_EQ(a.lower_bound, b.lower_bound);
+  EXPECT_EQ(a.imbalance, b.imbalance);
+  EXPECT_EQ(a.pad_fraction, b.pad_fraction);
+  EXPECT_EQ(a.fill, b.fill);
+  EXPECT_EQ(a.max_microbatch_spread, b.max_microbatch_spread);
+  ASSERT_EQ(a.replicas.size(), b.replicas.size());
+  for (size_t d = 0; d < a.replicas.size(); ++d) {
+    EXPECT_EQ(a.replicas[d].cost, b.replicas[d].cost);
+    EXPECT_EQ(a.replicas[d].encoder_cost, b.replicas[d].encoder_cost);
+    ASSERT_EQ(a.replicas[d].microbatches.size(), b.replicas[d].microbatches.size());
+    for (size_t m = 0; m < a.replicas[d].microbatches.size(); ++m) {
+      const MicrobatchFigures& x = a.replicas[d].microbatches[m];
+      const MicrobatchFigures& y = b.replicas[d].microbatches[m];
+      EXPECT_EQ(x.n_samples, y.n_samples);
+      EXPECT_EQ(x.real_tokens, y.real_tokens);
+      EXPECT_EQ(x.padded_tokens, y.padded_tokens);
+      EXPECT_EQ(x.sum_sq, y.sum_sq);
+      EXPECT_EQ(x.n_loss_tokens, y.n_loss_tokens);
+      EXPECT_EQ(x.cost, y.cost);
+      EXPECT_EQ(x.encoder_cost, y.encoder_cost);
+    }
+  }
+}
+
 }  // namespace thdpack::testing_util
 
 #endif  // THDPACK_SCHEDULE_SCHEDULER_TEST_UTIL_H_

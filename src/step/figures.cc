@@ -72,9 +72,13 @@ Result<std::optional<FlopsCoefficients>> FlopsFromCostSpec(std::string_view spec
 Result<StepFigures> ComputeStepFigures(int64_t step, int64_t epoch,
                                        std::span<const SampleLength> samples,
                                        const ScheduleOptions& options, const Plan& plan,
-                                       const std::optional<FlopsCoefficients>& flops) {
-  THDPACK_ASSIGN_OR_RETURN(PlanFigures figures, ComputePlanFigures(samples, options, plan));
-  return MakeStepFigures(step, epoch, options, plan, std::move(figures), flops);
+                                       const std::optional<FlopsCoefficients>& flops,
+                                       std::span<const EncoderWork> encoder) {
+  THDPACK_ASSIGN_OR_RETURN(PlanFigures figures,
+                           ComputePlanFigures(samples, options, plan, encoder));
+  StepFigures f = MakeStepFigures(step, epoch, options, plan, std::move(figures), flops);
+  f.media = !encoder.empty();
+  return f;
 }
 
 StepFigures MakeStepFigures(int64_t step, int64_t epoch, const ScheduleOptions& options,
@@ -212,6 +216,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
   j["max_replica_cost"] = p.max_replica_cost;
   j["max_microbatch_spread"] = p.max_microbatch_spread;
   j["sim_step_time"] = f.sim_step_time.has_value() ? Json(*f.sim_step_time) : Json(nullptr);
+  if (f.media) j["encoder_cost"] = p.encoder_cost;
   if (f.dynamic) {
     Json degrees = Json::object();
     for (const auto& [c, count] : f.cp_degrees) degrees[std::to_string(c)] = count;
@@ -224,6 +229,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
       const ReplicaFigures& r = p.replicas[d];
       Json rj;
       rj["cost"] = r.cost;
+      if (f.media) rj["encoder_cost"] = r.encoder_cost;
       Json mbs = Json::array();
       for (size_t m = 0; m < r.microbatches.size(); ++m) {
         const MicrobatchFigures& mb = r.microbatches[m];
@@ -234,6 +240,7 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
         mj["real_tokens"] = mb.real_tokens;
         mj["padded_tokens"] = mb.padded_tokens;
         mj["cost"] = mb.cost;
+        if (f.media) mj["encoder_cost"] = mb.encoder_cost;
         mbs.push_back(std::move(mj));
       }
       rj["microbatches"] = std::move(mbs);

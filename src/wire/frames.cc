@@ -131,7 +131,7 @@ Result<LengthsHeader> DecodeLengthsHeader(std::span<const uint8_t> frame) {
 // ---- lengths ----
 
 size_t RecordBytes(RecordColumns columns) {
-  return 12 + (columns.source ? 4 : 0) + (columns.group ? 8 : 0);
+  return 12 + (columns.source ? 4 : 0) + (columns.group ? 8 : 0) + (columns.media ? 16 : 0);
 }
 
 size_t LengthsFrameSize(int64_t count, RecordColumns columns) {
@@ -157,6 +157,14 @@ void EncodeLengths(std::span<const SampleRecord> records, RecordColumns columns,
       wire::EncodeFixed32(p, static_cast<uint32_t>(g));
       wire::EncodeFixed32(p + 4, static_cast<uint32_t>(g >> 32));
       p += 8;
+    }
+    if (columns.media) {
+      for (const int64_t v : {x.encoder.patches, x.encoder.frame_sq}) {
+        const uint64_t u = static_cast<uint64_t>(v);
+        wire::EncodeFixed32(p, static_cast<uint32_t>(u));
+        wire::EncodeFixed32(p + 4, static_cast<uint32_t>(u >> 32));
+        p += 8;
+      }
     }
   }
   SealFrame(FrameKind::kLengths, std::span<uint8_t>(out->data() + start, out->size() - start));
@@ -198,6 +206,21 @@ Status DecodeLengths(std::span<const uint8_t> frame, RecordColumns columns, int6
       x.group = static_cast<int64_t>(
           static_cast<uint64_t>(wire::DecodeFixed32(p + g)) |
           (static_cast<uint64_t>(wire::DecodeFixed32(p + g + 4)) << 32));
+    }
+    if (columns.media) {
+      const uint8_t* q = p + 12 + (columns.source ? 4 : 0) + (columns.group ? 8 : 0);
+      auto get64 = [](const uint8_t* at) {
+        return static_cast<int64_t>(static_cast<uint64_t>(wire::DecodeFixed32(at)) |
+                                    (static_cast<uint64_t>(wire::DecodeFixed32(at + 4)) << 32));
+      };
+      x.encoder.patches = get64(q);
+      x.encoder.frame_sq = get64(q + 8);
+      constexpr int64_t kLimit = int64_t{1} << 62;  // SampleEncoderWork's bound
+      if (x.encoder.patches < 0 || x.encoder.patches >= kLimit || x.encoder.frame_sq < 0 ||
+          x.encoder.frame_sq >= kLimit) {
+        return Bad(kKind, at + ": encoder work (" + Num(x.encoder.patches) + " patches, " +
+                              Num(x.encoder.frame_sq) + " frame^2) is outside [0, 2^62)");
+      }
     }
     out->push_back(x);
   }

@@ -389,7 +389,7 @@ TEST(StepWireRoundTripTest, RandomMessagesAndFrames) {
                     static_cast<int64_t>(rng() >> 1), static_cast<int64_t>(rng() >> 1)};
     EXPECT_TRUE(DecodeLengthsHeader(EncodeLengthsHeader(h)).value() == h);
 
-    const RecordColumns columns{rng() % 2 == 0, rng() % 2 == 0};
+    const RecordColumns columns{rng() % 2 == 0, rng() % 2 == 0, rng() % 2 == 0};
     std::vector<SampleRecord> records(rng() % 20);
     for (SampleRecord& x : records) {
       x.offset = static_cast<int64_t>(rng() % 500);
@@ -397,6 +397,7 @@ TEST(StepWireRoundTripTest, RandomMessagesAndFrames) {
       x.n_targets = static_cast<int64_t>(rng() % static_cast<uint64_t>(x.length));
       x.source = columns.source ? static_cast<int32_t>(rng() % 9) : 0;
       x.group = columns.group ? static_cast<int64_t>(rng()) : 0;
+      if (columns.media) x.encoder = {static_cast<int64_t>(rng() >> 2), static_cast<int64_t>(rng() >> 2)};
     }
     std::vector<uint8_t> frame;
     EncodeLengths(records, columns, &frame);
@@ -551,6 +552,14 @@ TEST(StepWireCorruptionTest, RangesAreCheckedWithGoodChecksums) {
   EXPECT_TRUE(Contains(DecodeLengths(l, RecordColumns{}, 3, &out), "n_targets 5"));
   EXPECT_TRUE(Contains(DecodeLengths(kGoldenLengths, RecordColumns{true, false}, 3, &out),
                        "not whole records"));
+  // Encoder work outside [0, 2^62): negative, or past SampleEncoderWork's bound.
+  for (const EncoderWork bad : {EncoderWork{-1, 0}, EncoderWork{0, int64_t{1} << 62}}) {
+    SampleRecord r{0, 5, 4, 0, 0, bad};
+    std::vector<uint8_t> m;
+    EncodeLengths(std::span<const SampleRecord>(&r, 1), RecordColumns{false, false, true}, &m);
+    EXPECT_TRUE(Contains(DecodeLengths(m, RecordColumns{false, false, true}, 3, &out),
+                         "encoder work"));
+  }
   // Groups out of order, or outside the domain.
   std::vector<uint8_t> g = kGoldenGroups;
   g[3] = 0x00;  // (0, 2), (0, 2)

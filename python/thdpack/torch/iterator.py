@@ -112,7 +112,9 @@ class PackedDataIterator:
     (``pixel_values`` this rank encodes, ``grid_thw``, ``token_index`` and the route that
     ``route_media`` takes) and, with ``mrope`` ("qwen2-vl", "qwen2.5-vl"; its
     ``mrope_tokens_per_second``, 2), ``mb["mrope_position_ids"]`` [3, T/CP]. ``media_cost``:
-    (per_patch, per_frame_sq) of the encoder, placing items over CP (default: Qwen2-VL's tower).
+    (per_patch, per_frame_sq) of the encoder in the cost's unit: it places items over CP and
+    the schedulers balance it with the language model over the replicas (default: Qwen2-VL's
+    tower in training FLOPs, with a model cost; required with ``cost="tokens"`` or a profile).
 
     ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller by the C++
     step source (thdpack/step_runner.h, ``StepSource``) on a thread of each rank, over a gloo
