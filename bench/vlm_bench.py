@@ -18,7 +18,18 @@ rank, the bytes the step sent, and route_media's forward and backward of every m
 encoder output ([rows, 1280] float32, a Qwen2-VL tower's width), against the step's modelled time
 (llama2-7b's training FLOPs plus the default encoder term, over CP GPUs at --tflops each).
 
-Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200] [--step]
+Then the replicas (--replicas): global batches of --batch samples of the same mix over DP
+replicas (CP 2, 8,192 tokens a rank, llama2-7b's cost), each replica's step being its language
+model's cost plus its encoder's (the default term), under:
+  thdpack       the balanced scheduler with the encoder's term (encoder_work, encoder_cost);
+  tokens only   the same scheduler blind to the encoder (what balancing the language model gives);
+  sequential    Megatron-LM's dp_balanced order (thdpack's sequential scheduler), blind to it;
+  visual tokens samples to replicas longest-first by visual-token count (NeMo Automodel's
+                ordering, balancing the vision tower), each replica then packed by thdpack.
+Printed: the slowest replica's step over the mean (1.0 = perfect) and its encoder work over the
+mean encoder work, averaged over batches, and the encoder's share of the step's work.
+
+Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200] [--step] [--replicas]
 """
 import argparse
 import datetime
@@ -155,6 +166,65 @@ def step_figures(args):
               f"{(media + route) / model:>19.3f}")
 
 
+def replica_figures(args):
+    import thdpack
+    # The default term (Qwen2-VL's tower) from two items: (2 pp + 4 pf) - 2 (pp + pf) = 2 pf.
+    per_frame_sq = (_t.media_item_cost([1, 1, 2]) - 2 * _t.media_item_cost([1, 1, 1])) / 2
+    per_patch = _t.media_item_cost([1, 1, 1]) - per_frame_sq
+    enc = (per_patch, per_frame_sq)
+    kw = dict(cp_size=2, max_tokens_per_rank=8192, cost="llama2-7b")
+    print(f"\n{'DP':>3} {'rule':>14} {'step max/mean':>14} {'encoder max/mean':>17}")
+    for dp in (4, 8, 16):
+        rng = np.random.default_rng(args.seed + dp)
+        rows = {"thdpack": [], "tokens only": [], "sequential": [], "visual tokens": []}
+        share = []
+        for _ in range(args.batches):
+            batch = [sample(rng) for _ in range(args.batch)]
+            lengths = np.asarray([len(s["input_ids"]) for s in batch])
+            work = np.zeros((len(batch), 2), dtype=np.int64)
+            visual = np.zeros(len(batch), dtype=np.int64)
+            for i, s in enumerate(batch):
+                for g in (s["image_grid_thw"], s["video_grid_thw"]):
+                    for t, h, w in g:
+                        work[i] += (t * h * w, t * (h * w) ** 2)
+                        visual[i] += t * h * w // (MERGE * MERGE)
+            enc_of = work[:, 0] * enc[0] + work[:, 1] * enc[1]
+
+            def evaluate(replica_ids, lm_costs):
+                e = np.asarray([enc_of[ids].sum() / 2 for ids in replica_ids])  # over CP 2
+                step = np.asarray(lm_costs) + e
+                return step.max() / step.mean(), e.max() / e.mean()
+
+            def of_plan(plan):
+                ids = [np.concatenate([plan.microbatch(d, m) for m in range(plan.num_microbatches)])
+                       for d in range(dp)]
+                lm = [r["cost"] - r["encoder_cost"] for r in plan.figures["replicas"]]
+                return ids, lm
+
+            aware = thdpack.schedule(lengths, dp_size=dp, encoder_work=work, encoder_cost=enc, **kw)
+            rows["thdpack"].append(evaluate(*of_plan(aware)))
+            share.append(aware.figures["encoder_cost"] / aware.figures["total_cost"])
+            rows["tokens only"].append(evaluate(*of_plan(thdpack.schedule(lengths, dp_size=dp,
+                                                                          **kw))))
+            rows["sequential"].append(evaluate(*of_plan(thdpack.schedule(
+                lengths, dp_size=dp, scheduler="sequential", **kw))))
+            # Visual tokens, longest first, each sample to the replica with the fewest so far.
+            load, members = np.zeros(dp), [[] for _ in range(dp)]
+            for i in sorted(range(len(batch)), key=lambda i: (-visual[i], i)):
+                d = int(np.argmin(load))
+                load[d] += visual[i]
+                members[d].append(i)
+            lm = []
+            for ids in members:
+                p = thdpack.schedule(lengths[ids], ids=ids, dp_size=1, **kw)
+                lm.append(p.figures["replicas"][0]["cost"])
+            rows["visual tokens"].append(evaluate([np.asarray(m) for m in members], lm))
+        for rule, vals in rows.items():
+            a = np.asarray(vals)
+            print(f"{dp:>3} {rule:>14} {a[:, 0].mean():>14.3f} {a[:, 1].mean():>17.3f}")
+        print(f"    the encoder's share of the step's work: {np.mean(share):.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--microbatches", type=int, default=200)
@@ -163,6 +233,10 @@ def main():
     ap.add_argument("--step-samples", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tflops", type=float, default=400.0)
+    ap.add_argument("--replicas", action="store_true",
+                    help="also the replicas' balance of language model plus encoder")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", type=int, default=20)
     args = ap.parse_args()
     print(f"{'CP':>3} {'rule':>12} {'work max/mean':>14} {'payload/rank':>13} "
           f"{'embeds/rank':>12} {'ms/mb':>7}")
@@ -217,6 +291,8 @@ def main():
           "time per rank and microbatch")
     if args.step:
         step_figures(args)
+    if args.replicas:
+        replica_figures(args)
 
 
 if __name__ == "__main__":
