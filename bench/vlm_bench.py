@@ -102,6 +102,7 @@ def step_worker(rank, cp, port, args, out):
     text = [{"input_ids": s["input_ids"]} for s in samples]
     kw = dict(max_tokens_per_rank=8192, cost="llama2-7b")
     times = {"media": [], "text": [], "route": []}
+    phases = []
     # A first call of each makes the step's process groups (kept for the next calls): untimed.
     tt.pack_batch(samples if rank == 0 else None, groups, media=MEDIA, spatial_merge_size=MERGE,
                   **kw)
@@ -112,6 +113,7 @@ def step_worker(rank, cp, port, args, out):
         step = tt.pack_batch(samples if rank == 0 else None, groups, media=MEDIA,
                              spatial_merge_size=MERGE, mrope="qwen2-vl", **kw)
         times["media"].append(time.perf_counter() - t0)
+        phases.append(dict(step.phase_seconds))
         dist.barrier()
         t0 = time.perf_counter()
         tt.pack_batch(text if rank == 0 else None, groups, **kw)
@@ -127,6 +129,9 @@ def step_worker(rank, cp, port, args, out):
     t = torch.tensor([[statistics.median(times[k]) for k in ("media", "text", "route")]],
                      dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    names = sorted(phases[0])  # the loader's (rank 0's): the other ranks wait in theirs
+    ph = torch.tensor([[statistics.median(p[k] for p in phases) for k in names]],
+                      dtype=torch.float64)
     sent = torch.tensor([sum(step.bytes_sent.values())], dtype=torch.int64)
     dist.all_reduce(sent)
     if rank == 0:
@@ -140,7 +145,8 @@ def step_worker(rank, cp, port, args, out):
         lm = sum(c["a"] * n + c["b"] * n * n for n in lengths)
         torch.save({"t": t[0].tolist(), "sent": int(sent), "patches": patches,
                     "tokens": sum(lengths), "mbs": step.num_microbatches,
-                    "flops": flops + lm}, out)
+                    "flops": flops + lm,
+                    "phases": dict(zip(names, ph[0].tolist()))}, out)
     dist.destroy_process_group()
 
 
@@ -150,6 +156,7 @@ def step_figures(args):
           f"{args.repeats}; modelled at {args.tflops:.0f} TFLOP/s a GPU")
     print(f"{'CP':>3} {'mbs':>4} {'pack media ms':>14} {'pack text ms':>13} {'route ms':>9} "
           f"{'MB sent':>8} {'modelled ms':>12} {'(pack+route)/model':>19}")
+    phases = []
     for cp in (2, 4):
         out = f"/tmp/vlm_bench_step_{os.getpid()}.pt"
         with socket.socket() as sock:
@@ -164,6 +171,14 @@ def step_figures(args):
         print(f"{cp:>3} {r['mbs']:>4} {1e3 * media:>14.1f} {1e3 * text:>13.1f} "
               f"{1e3 * route:>9.1f} {r['sent'] / 1e6:>8.1f} {1e3 * model:>12.1f} "
               f"{(media + route) / model:>19.3f}")
+        phases.append((cp, r["phases"], media))
+    # Where pack_batch's time goes: the loader's phase clocks (median), and the rest of the
+    # call (the conversion of the fed samples, the dicts of the microbatches) on the slowest rank.
+    for cp, ph, media in phases:
+        inside = sum(ph.values())
+        text = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in ph.items() if v >= 5e-4)
+        print(f"  CP {cp} phases ms: {text}; outside the step (conversions) "
+              f"{1e3 * (media - inside):.1f}")
 
 
 def replica_figures(args):

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -254,6 +255,9 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
         }
         const size_t row_bytes =
             static_cast<size_t>(part.width) * FieldDtypeSize(static_cast<FieldDtype>(part.dtype));
+        // Sized once: growing by insert would copy (and fault in) the rows again at each doubling.
+        part.payload.reserve(static_cast<size_t>(route.payload_rows) * row_bytes);
+        part.grid.reserve(3 * route.encodes.size());
         for (const auto& [i, j] : route.encodes) {
           const MediaItem& x = mm.items[static_cast<size_t>(i)][static_cast<size_t>(j)];
           part.grid.insert(part.grid.end(), {x.grid.t, x.grid.h, x.grid.w});
@@ -293,6 +297,10 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
   std::vector<std::pair<int, std::vector<uint8_t>>> frames;  // (member, frame), the loader's
   Status sizes;
   std::vector<uint8_t> size(kSizeFrameSize);
+  // The frame's buffer, left uninitialised (the receive writes every byte; a zeroed vector
+  // would touch its pages twice).
+  std::unique_ptr<uint8_t[]> frame;
+  size_t frame_bytes = 0;
   const std::string from = "step " + Num(step_) + ": media received from " +
                            Sender(*replica_, 0, "the loader");
   if (loader) {
@@ -315,7 +323,8 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
     if (!bytes.ok()) {
       sizes = bytes.status().WithContext(from);
     } else {
-      size.assign(static_cast<size_t>(*bytes), 0);  // now the frame's buffer
+      frame_bytes = static_cast<size_t>(*bytes);
+      frame.reset(new uint8_t[frame_bytes]);
     }
   }
   THDPACK_RETURN_IF_ERROR(AgreeIn(*replica_, sizes, "the media sizes"));
@@ -329,8 +338,10 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
     return Status::Ok();
   }
   if (coord_.pp != 0) return Status::Ok();
-  THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(size), 0, kTagMedia));
-  auto shards = DecodeMediaFrame(size, opts_.media.size());
+  THDPACK_RETURN_IF_ERROR(
+      replica_->RecvValues(std::span<uint8_t>(frame.get(), frame_bytes), 0, kTagMedia));
+  auto shards = DecodeMediaFrame(std::span<const uint8_t>(frame.get(), frame_bytes),
+                                 opts_.media.size());
   if (!shards.ok()) return shards.status().WithContext(from);
   if (shards->size() != mbs) {
     return Status::Corruption(from + ": media of " + Num(static_cast<int64_t>(shards->size())) +
