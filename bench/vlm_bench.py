@@ -99,6 +99,9 @@ def step_worker(rank, cp, port, args, out):
     groups = tt.Groups(cp=dist.new_group(list(range(cp))))
     rng = np.random.default_rng(args.seed)
     samples = [sample(rng) for _ in range(args.step_samples)]
+    for s in samples:  # payloads as a processor gives them: contiguous (not the views above)
+        for key in ("pixel_values", "pixel_values_videos"):
+            s[key] = s[key].contiguous()
     text = [{"input_ids": s["input_ids"]} for s in samples]
     kw = dict(max_tokens_per_rank=8192, cost="llama2-7b")
     times = {"media": [], "text": [], "route": []}

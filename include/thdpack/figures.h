@@ -88,6 +88,12 @@ struct StepFigures {
   // With media: the plan's costs hold the encoder's term (JSON encoder_cost of the step, each
   // replica and each microbatch; absent without media).
   bool media = false;
+  // With media, on a loader: its replica (media_replica >= 0) and, for each of its microbatches,
+  // each CP rank's encoder cost and payload bytes (RankStep::media_rank_cost/bytes); JSON
+  // media_ranks (replica, encoder_cost, payload_bytes, encoder_max_over_mean per microbatch).
+  int media_replica = -1;
+  std::vector<std::vector<double>> media_rank_cost;
+  std::vector<std::vector<int64_t>> media_rank_bytes;
   // A blend: [D] what the step took of each source (CountBySource); empty for other data.
   std::vector<SourceFigures> sources;
 };

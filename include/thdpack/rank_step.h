@@ -109,6 +109,10 @@ struct RankStep {
   // the plan was balanced with (ScheduleOptions::encoder_cost) - what the figures charge.
   std::vector<EncoderWork> encoder_work;
   EncoderCost encoder_cost;
+  // With media, on the loader: for each microbatch of its replica, each CP rank's share - the
+  // encoder's cost of the items it encodes (encoder_cost's unit) and their payload bytes.
+  std::vector<std::vector<double>> media_rank_cost;    // [M][CP]
+  std::vector<std::vector<int64_t>> media_rank_bytes;  // [M][CP]
   // The dynamic scheduler: dynamic is true on every rank; dynamic_plan is set, with samples, on
   // the heads that plan (tp = 0, pp = 0 of every domain index), and `plan` stays empty.
   // groups_made / groups_reused: the CP process groups this step split from the world and took

@@ -271,6 +271,53 @@ def test_the_step_balances_the_encoder_over_replicas(tmp_path):
     assert blind_max / figures["max_replica_cost"] > 1.15  # 1.22 by the formula
 
 
+def ranks_worker(rank, port, out_dir):
+    from test_torch_iterator import make_groups
+    import thdpack._thdpack as _t
+    from thdpack.torch import pack_batch
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    samples = make_samples(21, n=N)
+    step = pack_batch(samples[rank // 2::2] if rank % 2 == 0 else None, make_groups(1, 2, 2, 1),
+                      media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512)
+    mine = []  # per microbatch: this rank's payload bytes and its items' encoder cost
+    for mb in step:
+        m = mb["media"]
+        mine.append((sum(m[n]["pixel_values"].numel() * m[n]["pixel_values"].element_size()
+                         for n in MEDIA),
+                     sum(_t.media_item_cost([int(v) for v in g]) for n in MEDIA
+                         for g in m[n]["grid_thw"])))
+    torch.save((step.figures, mine), f"{out_dir}/m{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.no_sanitizer
+def test_the_steps_figures_give_each_ranks_media(tmp_path):
+    """At DP 2 x CP 2, each loader's figures give, per microbatch of its replica, each CP rank's
+    encoder cost and payload bytes - what that rank was handed - and their balance."""
+    from test_torch_iterator import free_port
+    spawn(ranks_worker, args=(free_port(), str(tmp_path)), nprocs=4)
+    got = [torch.load(f"{tmp_path}/m{r}.pt") for r in range(4)]
+    for dp in range(2):
+        figures = got[2 * dp][0]
+        media = figures["media_ranks"]
+        assert media["replica"] == dp
+        for m in range(len(got[2 * dp][1])):
+            for cp in range(2):
+                nbytes, cost = got[2 * dp + cp][1][m]
+                assert media["payload_bytes"][m][cp] == nbytes
+                assert media["encoder_cost"][m][cp] == pytest.approx(cost, rel=1e-12)
+            c = media["encoder_cost"][m]
+            want = max(c) * 2 / sum(c) if sum(c) > 0 else 1.0
+            assert media["encoder_max_over_mean"][m] == pytest.approx(want)
+            # The replica's microbatch cost holds its encoder's part: the ranks' sum over CP.
+            part = figures["replicas"][dp]["microbatches"][m]["encoder_cost"]
+            assert part == pytest.approx(sum(c) / 2, rel=1e-9)
+    assert "media_ranks" not in got[1][0]  # a rank that did not plan has the summary only
+
+
 def pp_worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     from thdpack.torch import media_microbatch, mrope_microbatch, pack_batch

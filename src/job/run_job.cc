@@ -49,6 +49,11 @@ Result<PlannedStep> ReportRankStep(const Job& job, const RankStep& step, bool wi
     THDPACK_ASSIGN_OR_RETURN(out.figures,
                              ComputeStepFigures(step.step, step.epoch, step.samples, schedule,
                                                 step.plan, job.flops, step.encoder_work));
+    if (!step.media_rank_cost.empty()) {
+      out.figures.media_replica = step.coord.dp;
+      out.figures.media_rank_cost = step.media_rank_cost;
+      out.figures.media_rank_bytes = step.media_rank_bytes;
+    }
     if (job.schedule.step_time.has_value()) {
       THDPACK_ASSIGN_OR_RETURN(out.figures.sim_step_time,
                                PlanStepTime(step.samples, job.schedule, step.plan));

@@ -215,6 +215,17 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
     mm.items.push_back(std::move(items));
   }
   mm.encoder_rank = PlaceMicrobatchMedia(mm.items, cp, opts_.schedule.encoder_cost);
+  {  // each CP rank's encoder cost, for the step's figures
+    std::vector<double>& cost = out.media_rank_cost[m];
+    cost.assign(static_cast<size_t>(cp), 0.0);
+    size_t k = 0;
+    for (const auto& seq : mm.items) {
+      for (const MediaItem& x : seq) {
+        cost[static_cast<size_t>(mm.encoder_rank[k++])] +=
+            ItemEncoderCost(opts_.schedule.encoder_cost, x.grid);
+      }
+    }
+  }
   // Each modality's payload dtype and width: that of the microbatch's first sample that gives a
   // payload of it; every other must match (a payload of another dtype or width is named).
   std::vector<const MediaPart*> like(nm, nullptr);
@@ -283,6 +294,11 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
     for (int t = 1; !sp && t < tp; ++t) {  // without SP every TP rank gets TP rank 0's
       dest[static_cast<size_t>(c * tp + t)] = dest[static_cast<size_t>(c * tp)];
     }
+    int64_t bytes = 0;  // every TP rank of c encodes the same items: TP rank 0's payload
+    for (const MediaShardPart& part : dest[static_cast<size_t>(c * tp)].parts) {
+      bytes += static_cast<int64_t>(part.payload.size());
+    }
+    out.media_rank_bytes[m].push_back(bytes);
   }
   return Status::Ok();
 }

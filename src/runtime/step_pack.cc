@@ -38,6 +38,8 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
   mb_info_.assign(static_cast<size_t>(plan.num_microbatches), {});
   media_shards_.assign(opts_.media.empty() ? 0 : static_cast<size_t>(plan.num_microbatches), {});
+  out.media_rank_cost.assign(media_shards_.size(), {});
+  out.media_rank_bytes.assign(media_shards_.size(), {});
   std::vector<SampleView> views;
   std::vector<int64_t> lengths, ps;
   for (int m = 0; m < plan.num_microbatches; ++m) {

@@ -247,6 +247,23 @@ std::string StepFiguresJson(const StepFigures& f, bool summary_only,
       replicas.push_back(std::move(rj));
     }
     j["replicas"] = std::move(replicas);
+    if (f.media_replica >= 0) {
+      Json mr;
+      mr["replica"] = f.media_replica;
+      mr["encoder_cost"] = f.media_rank_cost;
+      mr["payload_bytes"] = f.media_rank_bytes;
+      Json balance = Json::array();  // the busiest CP rank's encoder cost over the mean
+      for (const std::vector<double>& c : f.media_rank_cost) {
+        double sum = 0, most = 0;
+        for (double x : c) {
+          sum += x;
+          most = std::max(most, x);
+        }
+        balance.push_back(sum > 0 ? most * static_cast<double>(c.size()) / sum : 1.0);
+      }
+      mr["encoder_max_over_mean"] = std::move(balance);
+      j["media_ranks"] = std::move(mr);
+    }
     if (f.dynamic) {
       Json microbatches = Json::array();
       for (const auto& groups : f.groups) {
