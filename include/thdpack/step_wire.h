@@ -262,6 +262,10 @@ struct MediaShard {
 };
 // One rank's media of a step, every microbatch's, as one kMedia frame.
 std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches);
+// The same into `out` of exactly MediaFrameBytes(microbatches) bytes, every one written (a
+// buffer need not be zeroed first: a payload's pages are then touched once).
+size_t MediaFrameBytes(std::span<const MediaShard> microbatches);
+void EncodeMediaFrameInto(std::span<const MediaShard> microbatches, std::span<uint8_t> out);
 // Corruption on a damaged frame, a count past the bytes, another number of modalities than
 // `modalities`, or bytes left over.
 [[nodiscard]] Result<std::vector<MediaShard>> DecodeMediaFrame(std::span<const uint8_t> frame,

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -310,7 +311,9 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
   const int tp = topo_.tp_size();
   media_local_.assign(mbs, MediaShard{});
   const bool loader = replica_->rank() == 0;
-  std::vector<std::pair<int, std::vector<uint8_t>>> frames;  // (member, frame), the loader's
+  // (member, frame, its bytes), the loader's; each frame written whole into an uninitialised
+  // buffer (EncodeMediaFrameInto), not a zeroed vector.
+  std::vector<std::tuple<int, std::unique_ptr<uint8_t[]>, size_t>> frames;
   Status sizes;
   std::vector<uint8_t> size(kSizeFrameSize);
   // The frame's buffer, left uninitialised (the receive writes every byte; a zeroed vector
@@ -327,8 +330,11 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
       for (size_t m = 0; m < mbs; ++m) {
         mine[m] = std::move(media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)]);
       }
-      frames.emplace_back(j, EncodeMediaFrame(mine));
-      const auto s = EncodeSizeFrame(static_cast<int64_t>(frames.back().second.size()));
+      const size_t n = MediaFrameBytes(mine);
+      std::unique_ptr<uint8_t[]> frame(new uint8_t[n]);
+      EncodeMediaFrameInto(mine, std::span<uint8_t>(frame.get(), n));
+      frames.emplace_back(j, std::move(frame), n);
+      const auto s = EncodeSizeFrame(static_cast<int64_t>(n));
       THDPACK_RETURN_IF_ERROR(
           replica_->SendValues(std::span<const uint8_t>(s.data(), s.size()), j, kTagMediaSize));
     }
@@ -345,9 +351,9 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
   }
   THDPACK_RETURN_IF_ERROR(AgreeIn(*replica_, sizes, "the media sizes"));
   if (loader) {
-    for (const auto& [j, frame] : frames) {
+    for (const auto& [j, frame, n] : frames) {
       THDPACK_RETURN_IF_ERROR(
-          replica_->SendValues(std::span<const uint8_t>(frame), j, kTagMedia));
+          replica_->SendValues(std::span<const uint8_t>(frame.get(), n), j, kTagMedia));
     }
     for (size_t m = 0; m < mbs; ++m) media_local_[m] = std::move(media_shards_[m][0]);
     media_shards_.clear();

@@ -112,6 +112,12 @@ TEST(MediaWire, MediaFrameRoundTripsAndEveryBitFlipIsNamed) {
     auto back = DecodeMediaFrame(frame, modalities);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(EncodeMediaFrame(*back), frame);
+    // Into a buffer of garbage (as the step's uninitialised one): every byte written, the
+    // payloads' padding included.
+    ASSERT_EQ(MediaFrameBytes(shards), frame.size());
+    std::vector<uint8_t> dirty(frame.size(), 0xAB);
+    EncodeMediaFrameInto(shards, dirty);
+    EXPECT_EQ(dirty, frame);
     for (size_t bit = 0; bit < frame.size() * 8; bit += 1 + rng() % 7) {
       std::vector<uint8_t> flipped = frame;
       flipped[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));

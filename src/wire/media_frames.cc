@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/check.h"
 #include "thdpack/step_wire.h"
 #include "wire/coding.h"
 
@@ -137,7 +138,7 @@ Result<std::vector<MediaPart>> DecodeSampleMedia(std::span<const uint8_t> bytes,
   return out;
 }
 
-std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches) {
+size_t MediaFrameBytes(std::span<const MediaShard> microbatches) {
   size_t n = 8;
   for (const MediaShard& s : microbatches) {
     n += 16 + s.mrope.size() * 8;
@@ -147,7 +148,11 @@ std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches) 
            Padded(p.payload.size());
     }
   }
-  std::vector<uint8_t> out(n + kFrameTrailerSize);
+  return n + kFrameTrailerSize;
+}
+
+void EncodeMediaFrameInto(std::span<const MediaShard> microbatches, std::span<uint8_t> out) {
+  THDPACK_DCHECK(out.size() == MediaFrameBytes(microbatches));
   uint8_t* dst = out.data();
   Put(dst, static_cast<int64_t>(microbatches.size()));
   for (const MediaShard& s : microbatches) {
@@ -173,6 +178,11 @@ std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches) 
     }
   }
   SealFrame(FrameKind::kMedia, out);
+}
+
+std::vector<uint8_t> EncodeMediaFrame(std::span<const MediaShard> microbatches) {
+  std::vector<uint8_t> out(MediaFrameBytes(microbatches));
+  EncodeMediaFrameInto(microbatches, out);
   return out;
 }
 
