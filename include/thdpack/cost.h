@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -53,31 +54,6 @@ struct FlopsCoefficients {
 };
 [[nodiscard]] Result<FlopsCoefficients> ComputeFlopsCoefficients(const ModelDims& dims);
 
-// The cost model. Defaults to `tokens` (a=1, b=0): balance padded tokens. A measured profile
-// (profile.h) adds c, a constant per sequence, and its unit is seconds.
-struct CostModel {
-  double a = 1.0;
-  double b = 0.0;
-  std::string name = "tokens";  // for reports: "tokens", "llama2-7b", "a,b", "profile:FILE", ...
-  double c = 0.0;               // per sequence (0 but for measured profiles)
-  // What a unit of cost is: "tokens" (the default), "FLOPs" (a model's training FLOPs), "seconds"
-  // (a measured profile), "" (a hand-given "A,B").
-  std::string unit = "tokens";
-
-  // Whether the cost was measured on the hardware (a profile) rather than derived.
-  bool measured() const { return unit == "seconds"; }
-
-  // cost(P) for one padded sequence on one replica (not divided by CP).
-  double SequenceCost(int64_t padded_length) const {
-    const double p = static_cast<double>(padded_length);
-    return a * p + b * p * p + c;
-  }
-  // Cost of `count` sequences given sum P and sum P^2.
-  double Cost(int64_t count, int64_t sum_p, double sum_p_sq) const {
-    return a * static_cast<double>(sum_p) + b * sum_p_sq + c * static_cast<double>(count);
-  }
-};
-
 // ---- The encoder's term (images and video: thdpack/media.h, docs/media.md). ----
 //
 // A vision encoder's cost of an item of t frames of h x w patches:
@@ -94,6 +70,34 @@ struct EncoderCost {
 inline double EncoderTerm(const EncoderCost& cost, double patches, double frame_sq) {
   return cost.per_patch * patches + cost.per_frame_sq * frame_sq;
 }
+
+// The cost model. Defaults to `tokens` (a=1, b=0): balance padded tokens. A measured profile
+// (profile.h) adds c, a constant per sequence, and its unit is seconds.
+struct CostModel {
+  double a = 1.0;
+  double b = 0.0;
+  std::string name = "tokens";  // for reports: "tokens", "llama2-7b", "a,b", "profile:FILE", ...
+  double c = 0.0;               // per sequence (0 but for measured profiles)
+  // What a unit of cost is: "tokens" (the default), "FLOPs" (a model's training FLOPs), "seconds"
+  // (a measured profile), "" (a hand-given "A,B").
+  std::string unit = "tokens";
+  // A measured profile's vision-encoder term, in its unit (profile.h EncoderProfile): the
+  // encoder cost of images and video when none is given. Unset otherwise.
+  std::optional<EncoderCost> encoder;
+
+  // Whether the cost was measured on the hardware (a profile) rather than derived.
+  bool measured() const { return unit == "seconds"; }
+
+  // cost(P) for one padded sequence on one replica (not divided by CP).
+  double SequenceCost(int64_t padded_length) const {
+    const double p = static_cast<double>(padded_length);
+    return a * p + b * p * p + c;
+  }
+  // Cost of `count` sequences given sum P and sum P^2.
+  double Cost(int64_t count, int64_t sum_p, double sum_p_sq) const {
+    return a * static_cast<double>(sum_p) + b * sum_p_sq + c * static_cast<double>(count);
+  }
+};
 
 // The FLOPs model of `dims` as a cost model (a, b = its FLOPs coefficients).
 [[nodiscard]] Result<CostModel> CostModelFromDims(const ModelDims& dims, std::string name = "");

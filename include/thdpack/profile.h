@@ -77,6 +77,33 @@ struct ProfileForm {
   double Predict(std::span<const int64_t> lengths) const;
 };
 
+// ---- The vision encoder's term (images and video, docs/media.md). ----
+//
+// One timed call of a vision encoder, forward and backward, on items whose sums are `patches`
+// (sum t*h*w) and `frame_sq` (sum t*(h*w)^2): cost.h's EncoderCost in seconds is fitted on them,
+// per_patch * patches + per_frame_sq * frame_sq, by non-negative least squares of the relative
+// error, as the language model's a, b, c.
+struct TimedEncoderCall {
+  double seconds = 0;
+  int64_t patches = 0;
+  int64_t frame_sq = 0;
+  bool held_out = false;  // not fitted on: the fit's error is reported on it
+};
+// A profile's encoder term (JSON "encoder": {"per_patch", "per_frame_sq", "model", "fit":
+// {"fit": errors, "held_out": errors}}; absent or null without one).
+struct EncoderProfile {
+  EncoderCost cost;   // seconds per patch, per squared frame
+  std::string model;  // free text: the encoder measured ("qwen2-vl vision tower", ...)
+  FitErrors fit;
+  FitErrors held_out;
+};
+// Fits the encoder's term on `timed`: each call with seconds > 0 and finite, patches >= 1,
+// frame_sq >= patches (t*(h*w)^2 >= t*h*w); at least 4 not held out, of more than one frame
+// size (otherwise the two terms cannot be told apart: named). InvalidArgument naming the call
+// and the rule.
+[[nodiscard]] Result<EncoderProfile> FitEncoderProfile(std::span<const TimedEncoderCall> timed,
+                                                       std::string model);
+
 struct CostProfile {
   ProfileForm abc;                     // a, b, c: the fields every reader can use
   std::optional<ProfileForm> refined;  // with m, when it predicts the held-out ones better
@@ -86,6 +113,9 @@ struct CostProfile {
   // use), in the order given.
   std::vector<TimedMicrobatch> held_out;
   std::string source;  // the file read, for messages ("" when fitted here)
+  // The vision encoder's term, measured beside the language model (FitEncoderProfile); the
+  // cost model of the profile carries it (CostModel::encoder).
+  std::optional<EncoderProfile> encoder;
 
   const ProfileForm& used() const { return use_refined ? *refined : abc; }
 };
@@ -115,7 +145,8 @@ struct FitOptions {
                                                                   int columns,
                                                                   std::span<const double> target);
 
-// The cost model a profile gives plans: its form in use (a, b, c), in seconds, named `name`.
+// The cost model a profile gives plans: its form in use (a, b, c), in seconds, named `name`,
+// with the profile's encoder term when it has one.
 CostModel CostModelOfProfile(const CostProfile& profile, std::string name);
 
 // The profile as its JSON text (the file format above; numbers round-trip exactly).

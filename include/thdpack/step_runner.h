@@ -171,10 +171,11 @@ struct StepRunnerOptions {
   // The encoder's cost of an item (thdpack/cost.h EncoderCost), in the unit of
   // schedule.cost: where a microbatch's items are encoded (PlaceMicrobatchMedia) and, as
   // schedule.encoder_cost (set by Create), the encoder's term that the static schedulers
-  // balance over the replicas with the language model's cost. Default (nullopt): Qwen2-VL's
+  // balance over the replicas with the language model's cost. Default (nullopt): a measured
+  // profile's encoder term (schedule.cost.encoder, profile.h EncoderProfile), else Qwen2-VL's
   // vision tower (DefaultEncoderCost) when the cost is in training FLOPs (a model preset or
-  // dimensions); with a cost in another unit ('tokens', 'A,B', a measured profile) it must be
-  // given (Create names the rule). Terms >= 0, finite, not both 0.
+  // dimensions); with a cost in another unit ('tokens', 'A,B', a profile without the term) it
+  // must be given (Create names the rule). Terms >= 0, finite, not both 0.
   std::optional<EncoderCost> media_cost;
   // The dynamic scheduler: leave the step's CP groups to the caller. Next() then splits no
   // group: each RankStep lists the groups its microbatches use (RankStep::cp_groups) with

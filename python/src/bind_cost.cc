@@ -19,6 +19,52 @@ py::object ProfileObject(const CostProfile& p) {
 
 void BindCost(py::module_& m) {
   m.def(
+      "fit_encoder_profile",
+      [](const py::handle& seconds_obj, const py::handle& patches_obj,
+         const py::handle& frame_sq_obj, const py::object& held_out, const std::string& model,
+         const std::string& profile, const py::object& out) {
+        std::vector<double> seconds;
+        try {
+          seconds = seconds_obj.cast<std::vector<double>>();
+        } catch (const py::cast_error&) {
+          throw py::value_error("seconds: expected a sequence of numbers, one per timed call");
+        }
+        const auto patches = IntView1D<int64_t>(patches_obj, "patches");
+        const auto frame_sq = IntView1D<int64_t>(frame_sq_obj, "frame_sq");
+        if (patches.size() != seconds.size() || frame_sq.size() != seconds.size()) {
+          throw py::value_error("seconds, patches, frame_sq: " + std::to_string(seconds.size()) +
+                                ", " + std::to_string(patches.size()) + " and " +
+                                std::to_string(frame_sq.size()) + " entries: one per call");
+        }
+        std::vector<TimedEncoderCall> rows(seconds.size());
+        for (size_t i = 0; i < rows.size(); ++i) {
+          rows[i] = TimedEncoderCall{seconds[i], patches[i], frame_sq[i], false};
+        }
+        if (!held_out.is_none()) {
+          auto flags = MaskView1D(held_out, "held_out");
+          if (flags.size() != rows.size()) {
+            throw py::value_error("held_out: has " + std::to_string(flags.size()) +
+                                  " entries, seconds has " + std::to_string(rows.size()));
+          }
+          for (size_t i = 0; i < rows.size(); ++i) rows[i].held_out = flags[i] != 0;
+        }
+        // The term joins the language model's profile: one file, one unit (seconds).
+        CostProfile p = ValueOrThrow(ReadCostProfile(profile));
+        p.encoder = ValueOrThrow(FitEncoderProfile(rows, model));
+        ThrowIfError(WriteCostProfile(p, out.is_none() ? profile
+                                                       : py::str(out).cast<std::string>()));
+        return ProfileObject(p);
+      },
+      py::arg("seconds"), py::arg("patches"), py::arg("frame_sq"),
+      py::arg("held_out") = py::none(), py::kw_only(), py::arg("model") = "",
+      py::arg("profile"), py::arg("out") = py::none(),
+      R"doc(Fits a vision encoder's term (thdpack/profile.h FitEncoderProfile): per_patch *
+sum t*h*w + per_frame_sq * sum t*(h*w)^2 seconds a call, by non-negative least squares of the
+relative error, and writes it into the cost profile `profile` (to `out` when given, else in
+place). seconds, patches, frame_sq: one entry per timed call; held_out: 0/1 per call, those not
+fitted on. Returns the profile as the file's JSON objects. ValueError naming the rule broken.)doc");
+
+  m.def(
       "fit_cost_profile",
       [](const py::sequence& timings, const py::object& held_out, const std::string& model,
          const std::string& device, const std::string& dtype, const std::string& attention,

@@ -147,3 +147,43 @@ def test_bad_profile_files_name_the_file_and_field(tmp_path):
         plan("not json")
     with pytest.raises(OSError, match="cannot open"):
         thdpack.read_cost_profile(str(tmp_path / "none.json"))
+
+
+PER_PATCH, PER_FRAME_SQ = 3e-8, 5e-13
+
+
+def test_calibrate_encoder_recovers_a_known_term(tmp_path):
+    """An encoder whose time is a known function of its item's grid: the fitted term equals it,
+    joins the language model's profile (written in place) and reads back; without two frame
+    sizes, or with a timer that does not advance, the error says why."""
+    clock = FakeClock()
+    tt.calibrate(clock.step, 8192, clock=clock, out=tmp_path / "p.json", warmup=0, repeats=1)
+    seen = []
+
+    def encoder(pixels, grid):
+        t, h, w = (int(v) for v in grid[0])
+        assert pixels.shape == (t * h * w, 16) and pixels.dtype == torch.float32
+        seen.append((t, h, w))
+        clock.now += PER_PATCH * t * h * w + PER_FRAME_SQ * t * (h * w) ** 2
+
+    profile = tt.calibrate_encoder(encoder, tmp_path / "p.json", width=16, dtype=torch.float32,
+                                   clock=clock, model="tiny tower", warmup=1, repeats=2)
+    enc = profile["encoder"]
+    assert enc["per_patch"] == pytest.approx(PER_PATCH, rel=1e-9)
+    assert enc["per_frame_sq"] == pytest.approx(PER_FRAME_SQ, rel=1e-9)
+    assert enc["model"] == "tiny tower"
+    assert enc["fit"]["held_out"]["n"] == 3 and enc["fit"]["held_out"]["max_rel_error"] < 1e-9
+    assert len(seen) == 12 * 3  # 6 sides x 2 frame counts, a warm-up and two timed calls each
+    assert thdpack.read_cost_profile(str(tmp_path / "p.json")) == profile
+    assert profile["a"] == pytest.approx(A, rel=0.02)  # the language model's term is kept
+    with pytest.raises(ValueError, match="one size"):
+        thdpack._thdpack.fit_encoder_profile([1.0, 2.0, 3.0, 4.0], [4, 8, 12, 16],
+                                             [16, 32, 48, 64], profile=str(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="does not advance"):
+        tt.calibrate_encoder(lambda p, g: None, tmp_path / "p.json", clock=lambda: 0.0,
+                             width=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="two different even sides"):
+        tt.calibrate_encoder(encoder, tmp_path / "p.json", sides=(16, 16), clock=clock)
+    with pytest.raises(ValueError, match="patches must be >= 1"):
+        thdpack._thdpack.fit_encoder_profile([1.0] * 4, [4, 0, 4, 4], [16, 16, 64, 64],
+                                             profile=str(tmp_path / "p.json"))

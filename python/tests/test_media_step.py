@@ -168,6 +168,11 @@ def error_worker(rank, port, out_dir):
                                                      max_tokens_per_rank=512))
     got["cost unit"] = error_of(lambda: pack_batch(mine, groups, cost="tokens", **kw))
     got["zero cost"] = error_of(lambda: pack_batch(mine, groups, media_cost=(0, 0), **kw))
+    # A measured profile: without an encoder term refused, with one its term is the default.
+    got["profile without encoder"] = error_of(
+        lambda: pack_batch(mine, groups, cost=f"profile:{out_dir}/lm.json", **kw))
+    step = pack_batch(mine, groups, cost=f"profile:{out_dir}/lm_enc.json", **kw)
+    got["profile encoder_cost"] = step.figures["encoder_cost"]
     t = torch.ones(1)
     dist.all_reduce(t)  # the world still works
     torch.save((got, float(t)), f"{out_dir}/e{rank}.pt")
@@ -175,7 +180,18 @@ def error_worker(rank, port, out_dir):
 
 
 def test_bad_media_is_named_on_every_rank(tmp_path):
+    import thdpack.torch as tt
+    from test_calibrate import FakeClock
     from test_torch_iterator import free_port
+    clock = FakeClock()  # a language model's profile, then one with a vision encoder's term
+    tt.calibrate(clock.step, 8192, clock=clock, out=tmp_path / "lm.json", warmup=0, repeats=1)
+
+    def tower(pixels, grid):
+        t, h, w = (int(v) for v in grid[0])
+        clock.now += 3e-8 * t * h * w + 5e-13 * t * (h * w) ** 2
+    enc = tt.calibrate_encoder(tower, tmp_path / "lm.json", out=tmp_path / "lm_enc.json",
+                               width=4, dtype=torch.float32, clock=clock, warmup=0,
+                               repeats=1)["encoder"]
     spawn(error_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         got, total = torch.load(f"{tmp_path}/e{rank}.pt")
@@ -189,8 +205,15 @@ def test_bad_media_is_named_on_every_rank(tmp_path):
                            ("mrope alone", "mrope 'qwen2-vl' needs media"),
                            ("cost unit", "with cost 'tokens' (unit: tokens): the encoder's "
                                          "default term"),
-                           ("zero cost", "not both 0")):
+                           ("zero cost", "not both 0"),
+                           ("profile without encoder", "a measured profile with an encoder term "
+                                                       "(thdpack.torch.calibrate_encoder)")):
             assert got[case] is not None and text in got[case], (rank, case, got[case])
+        # The step charged the profile's term: its encoder cost is the items' under it.
+        want = sum(enc["per_patch"] * t * h * w + enc["per_frame_sq"] * t * (h * w) ** 2
+                   for x in make_samples(21, n=4)
+                   for key in ("image_grid_thw", "video_grid_thw") for t, h, w in x[key])
+        assert want > 0 and got["profile encoder_cost"] == pytest.approx(want, rel=1e-12)
 
 
 # Qwen2-VL's vision tower in training FLOPs (docs/media.md): the step's default encoder term.

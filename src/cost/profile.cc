@@ -14,6 +14,7 @@
 #include <sstream>
 #include <utility>
 
+#include "cost/profile_internal.h"
 #include "thdpack/version.h"
 
 namespace thdpack {
@@ -153,30 +154,13 @@ void Features(std::span<const int64_t> lengths, double out[kColumns]) {
 }
 
 FitErrors ErrorsOf(const ProfileForm& form, std::span<const TimedMicrobatch> rows, bool held_out) {
-  FitErrors e;
-  std::vector<double> rel;
-  double sse = 0, sum = 0;
-  std::vector<double> seconds;
+  std::vector<double> predicted, measured;
   for (const TimedMicrobatch& r : rows) {
     if (r.held_out != held_out) continue;
-    const double p = form.Predict(r.lengths);
-    rel.push_back(std::abs(p - r.seconds) / r.seconds);
-    sse += (p - r.seconds) * (p - r.seconds);
-    sum += r.seconds;
-    seconds.push_back(r.seconds);
+    predicted.push_back(form.Predict(r.lengths));
+    measured.push_back(r.seconds);
   }
-  e.n = static_cast<int64_t>(rel.size());
-  if (rel.empty()) return e;
-  const double mean = sum / static_cast<double>(seconds.size());
-  double sst = 0;
-  for (double s : seconds) sst += (s - mean) * (s - mean);
-  e.r2 = sst > 0 ? 1.0 - sse / sst : (sse == 0 ? 1.0 : 0.0);
-  std::sort(rel.begin(), rel.end());
-  e.max_rel_error = rel.back();
-  const size_t rank = static_cast<size_t>(std::ceil(0.95 * static_cast<double>(rel.size())));
-  e.p95_rel_error = rel[std::max<size_t>(rank, 1) - 1];
-  e.mean_rel_error = std::accumulate(rel.begin(), rel.end(), 0.0) / static_cast<double>(rel.size());
-  return e;
+  return internal::RelativeErrors(predicted, measured);
 }
 
 const char* kColumnWhat[kColumns] = {"the tokens (a)", "the squared tokens (b)",
@@ -221,13 +205,7 @@ Result<ProfileForm> FitForm(std::span<const TimedMicrobatch> timed, int columns)
 
 // ---- JSON. ----
 
-Json ErrorsJson(const FitErrors& e) {
-  return Json{{"n", e.n},
-              {"r2", e.r2},
-              {"max_rel_error", e.max_rel_error},
-              {"p95_rel_error", e.p95_rel_error},
-              {"mean_rel_error", e.mean_rel_error}};
-}
+Json ErrorsJson(const FitErrors& e) { return internal::ErrorsToJson(e); }
 
 Json FormJson(const ProfileForm& f, bool with_m) {
   Json j{{"a", f.a}, {"b", f.b}, {"c", f.c}};
@@ -303,6 +281,42 @@ std::string_view Trim(std::string_view s) {
 }
 
 }  // namespace
+
+namespace internal {
+
+FitErrors RelativeErrors(std::span<const double> predicted, std::span<const double> measured) {
+  FitErrors e;
+  std::vector<double> rel;
+  double sse = 0, sum = 0;
+  for (size_t i = 0; i < measured.size(); ++i) {
+    const double p = predicted[i], s = measured[i];
+    rel.push_back(std::abs(p - s) / s);
+    sse += (p - s) * (p - s);
+    sum += s;
+  }
+  e.n = static_cast<int64_t>(rel.size());
+  if (rel.empty()) return e;
+  const double mean = sum / static_cast<double>(measured.size());
+  double sst = 0;
+  for (double s : measured) sst += (s - mean) * (s - mean);
+  e.r2 = sst > 0 ? 1.0 - sse / sst : (sse == 0 ? 1.0 : 0.0);
+  std::sort(rel.begin(), rel.end());
+  e.max_rel_error = rel.back();
+  const size_t rank = static_cast<size_t>(std::ceil(0.95 * static_cast<double>(rel.size())));
+  e.p95_rel_error = rel[std::max<size_t>(rank, 1) - 1];
+  e.mean_rel_error = std::accumulate(rel.begin(), rel.end(), 0.0) / static_cast<double>(rel.size());
+  return e;
+}
+
+Json ErrorsToJson(const FitErrors& e) {
+  return Json{{"n", e.n},
+              {"r2", e.r2},
+              {"max_rel_error", e.max_rel_error},
+              {"p95_rel_error", e.p95_rel_error},
+              {"mean_rel_error", e.mean_rel_error}};
+}
+
+}  // namespace internal
 
 double ProfileForm::Predict(std::span<const int64_t> lengths) const {
   double f[kColumns];
@@ -447,7 +461,9 @@ Result<CostProfile> FitCostProfile(std::span<const TimedMicrobatch> timed,
 
 CostModel CostModelOfProfile(const CostProfile& profile, std::string name) {
   const ProfileForm& used = profile.used();
-  return CostModel{used.a, used.b, std::move(name), used.c, "seconds"};
+  CostModel m{used.a, used.b, std::move(name), used.c, "seconds"};
+  if (profile.encoder) m.encoder = profile.encoder->cost;
+  return m;
 }
 
 std::string CostProfileJson(const CostProfile& p) {
@@ -491,6 +507,16 @@ std::string CostProfileJson(const CostProfile& p) {
                               {"cp_size", m.cp_size},
                               {"thdpack_version", m.thdpack_version}}},
          {"fit", fit}};
+  if (p.encoder) {
+    const EncoderProfile& e = *p.encoder;
+    j["encoder"] = Json{{"per_patch", e.cost.per_patch},
+                        {"per_frame_sq", e.cost.per_frame_sq},
+                        {"units", Json{{"per_patch", "seconds per patch (t*h*w)"},
+                                       {"per_frame_sq", "seconds per squared frame (t*(h*w)^2)"}}},
+                        {"model", e.model},
+                        {"fit", Json{{"fit", ErrorsJson(e.fit)},
+                                     {"held_out", ErrorsJson(e.held_out)}}}};
+  }
   return j.dump(2) + "\n";
 }
 
@@ -578,6 +604,25 @@ Result<CostProfile> ParseCostProfile(std::string_view text, std::string_view sou
                                      "\" must be an integer >= 1");
     }
     *out = static_cast<int>(m.at(key).get<int64_t>());
+  }
+  if (j.contains("encoder") && !j.at("encoder").is_null()) {
+    const Json& e = j.at("encoder");
+    const std::string ew = where + ": encoder";
+    if (!e.is_object()) return Status::InvalidArgument(ew + " must be an object or null");
+    EncoderProfile enc;
+    THDPACK_ASSIGN_OR_RETURN(enc.cost.per_patch, Coefficient(e, "per_patch", ew));
+    THDPACK_ASSIGN_OR_RETURN(enc.cost.per_frame_sq, Coefficient(e, "per_frame_sq", ew));
+    if (enc.cost.empty()) return Status::InvalidArgument(ew + ": per_patch and per_frame_sq are both 0");
+    if (e.contains("model")) {
+      if (!e.at("model").is_string()) return Status::InvalidArgument(ew + ": \"model\" must be a string");
+      enc.model = e.at("model").get<std::string>();
+    }
+    if (e.contains("fit") && e.at("fit").is_object()) {
+      const Json& f = e.at("fit");
+      if (f.contains("fit")) THDPACK_RETURN_IF_ERROR(ReadErrors(f.at("fit"), &enc.fit));
+      if (f.contains("held_out")) THDPACK_RETURN_IF_ERROR(ReadErrors(f.at("held_out"), &enc.held_out));
+    }
+    p.encoder = std::move(enc);
   }
   if (j.contains("fit") && j.at("fit").is_object()) {
     const Json& fit = j.at("fit");

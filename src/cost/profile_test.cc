@@ -216,6 +216,14 @@ TEST(CostProfileTest, BadFilesNameTheFileAndTheField) {
            "refined": {"a": 1, "b": 1, "c": 1}, "measured_on": {}})", "refined: missing field \"m\""},
       {R"({"format": "thdpack-cost-profile", "version": 1, "a": 1, "b": 1, "c": 1,
            "measured_on": {"cp_size": 0}})", "cp_size"},
+      {R"({"format": "thdpack-cost-profile", "version": 1, "a": 1, "b": 1, "c": 1,
+           "measured_on": {}, "encoder": {"per_patch": -1, "per_frame_sq": 1}})",
+       "encoder: field \"per_patch\" = -1"},
+      {R"({"format": "thdpack-cost-profile", "version": 1, "a": 1, "b": 1, "c": 1,
+           "measured_on": {}, "encoder": {"per_patch": 0, "per_frame_sq": 0}})",
+       "encoder: per_patch and per_frame_sq are both 0"},
+      {R"({"format": "thdpack-cost-profile", "version": 1, "a": 1, "b": 1, "c": 1,
+           "measured_on": {}, "encoder": [1, 2]})", "encoder must be an object or null"},
   };
   for (const Case& c : cases) {
     auto r = ParseCostProfile(c.text, "cost profile P.json");
@@ -227,6 +235,74 @@ TEST(CostProfileTest, BadFilesNameTheFileAndTheField) {
   auto missing = ReadCostProfile(TempPath("no_such_file.json"));
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kIOError);
+}
+
+// Encoder calls of items of several frame sizes and frame counts, every 4th held out.
+std::vector<TimedEncoderCall> EncoderDesign(double per_patch, double per_frame_sq, double noise,
+                                            uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> jitter(-noise, noise);
+  std::vector<TimedEncoderCall> out;
+  for (int64_t t : {1, 2, 4}) {
+    for (int64_t side : {8, 16, 32, 64}) {
+      TimedEncoderCall r;
+      r.patches = t * side * side;
+      r.frame_sq = t * side * side * side * side;
+      r.seconds = (per_patch * static_cast<double>(r.patches) +
+                   per_frame_sq * static_cast<double>(r.frame_sq)) * (1 + jitter(rng));
+      r.held_out = (out.size() + 1) % 4 == 0;
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+TEST(CostProfileTest, EncoderTermIsFittedWrittenAndCarriedByTheCostModel) {
+  auto exact = FitEncoderProfile(EncoderDesign(3e-8, 5e-13, 0, 1), "tower");
+  ASSERT_TRUE(exact.ok()) << exact.status().ToString();
+  EXPECT_NEAR(exact->cost.per_patch, 3e-8, 3e-8 * 1e-9);
+  EXPECT_NEAR(exact->cost.per_frame_sq, 5e-13, 5e-13 * 1e-9);
+  EXPECT_EQ(exact->held_out.n, 3);
+  auto noisy = FitEncoderProfile(EncoderDesign(3e-8, 5e-13, 0.02, 2), "tower");
+  ASSERT_TRUE(noisy.ok());
+  EXPECT_NEAR(noisy->cost.per_patch, 3e-8, 3e-8 * 0.05);
+  EXPECT_LT(noisy->held_out.max_rel_error, 0.05);
+  // Into a language model's profile: written, read back exactly, and the profile's cost model
+  // carries it (the step's media default).
+  auto p = FitCostProfile(Design(2e-6, 4e-11, 3e-5, 0, 0.0, 7), MeasuredOn{});
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(CostModelOfProfile(*p, "x").encoder.has_value());
+  p->encoder = *noisy;
+  const std::string path = TempPath("encoder.json");
+  ASSERT_TRUE(WriteCostProfile(*p, path).ok());
+  auto back = ReadCostProfile(path);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_TRUE(back->encoder.has_value());
+  EXPECT_EQ(back->encoder->cost.per_patch, noisy->cost.per_patch);
+  EXPECT_EQ(back->encoder->cost.per_frame_sq, noisy->cost.per_frame_sq);
+  EXPECT_EQ(back->encoder->model, "tower");
+  EXPECT_EQ(back->encoder->held_out.max_rel_error, noisy->held_out.max_rel_error);
+  const CostModel m = CostModelOfProfile(*back, "profile:" + path);
+  ASSERT_TRUE(m.encoder.has_value());
+  EXPECT_EQ(m.encoder->per_patch, noisy->cost.per_patch);
+  std::remove(path.c_str());
+}
+
+TEST(CostProfileTest, EncoderTimingsThatCannotBeFittedAreNamed) {
+  auto says = [](const std::vector<TimedEncoderCall>& rows, const std::string& part) {
+    auto r = FitEncoderProfile(rows, "");
+    return !r.ok() && r.status().message().find(part) != std::string::npos;
+  };
+  std::vector<TimedEncoderCall> rows = EncoderDesign(3e-8, 5e-13, 0, 3);
+  EXPECT_TRUE(says({rows.begin(), rows.begin() + 3}, "at least 4 are needed"));
+  std::vector<TimedEncoderCall> one_size;
+  for (int t = 1; t <= 5; ++t) one_size.push_back({0.1 * t, 256 * t, 256 * 256 * t, false});
+  EXPECT_TRUE(says(one_size, "frames of one size"));
+  rows[2].seconds = -1;
+  EXPECT_TRUE(says(rows, "call 2: seconds = -1"));
+  rows[2].seconds = 1;
+  rows[5].frame_sq = rows[5].patches - 1;
+  EXPECT_TRUE(says(rows, "call 5:"));
 }
 
 TEST(CostProfileTest, TimingsCsv) {

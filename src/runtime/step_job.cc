@@ -31,7 +31,11 @@ std::string Real(double v) {
 }
 
 std::string CostText(const CostModel& c) {
-  return c.name + " (a " + Real(c.a) + ", b " + Real(c.b) + ", c " + Real(c.c) + ")";
+  std::string text = c.name + " (a " + Real(c.a) + ", b " + Real(c.b) + ", c " + Real(c.c);
+  if (c.encoder) {
+    text += ", encoder " + Real(c.encoder->per_patch) + ", " + Real(c.encoder->per_frame_sq);
+  }
+  return text + ")";
 }
 
 std::string StepTimeText(const std::optional<StepTimeModel>& m) {
@@ -101,10 +105,10 @@ std::vector<JobEntry> StepJobEntries(const StepRunnerOptions& o, const Topology&
   if (!o.media.empty()) {
     e.emplace_back("spatial_merge_size", Num(o.spatial_merge_size));
     e.emplace_back("mrope", std::string(MropeName(o.mrope)));
-    e.emplace_back("mrope_tokens_per_second", std::to_string(o.mrope_tokens_per_second));
+    e.emplace_back("mrope_tokens_per_second", Real(o.mrope_tokens_per_second));
     e.emplace_back("media_cost", o.media_cost.has_value()
-                                     ? std::to_string(o.media_cost->per_patch) + "," +
-                                           std::to_string(o.media_cost->per_frame_sq)
+                                     ? Real(o.media_cost->per_patch) + "," +
+                                           Real(o.media_cost->per_frame_sq)
                                      : std::string("default"));
   }
   return e;

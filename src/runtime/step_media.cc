@@ -80,12 +80,13 @@ Status StepRunner::Impl::CheckMediaOptions() const {
           std::to_string(c.per_frame_sq) + "): the encoder's terms (per patch, per frame^2) "
           "must be finite, >= 0 and not both 0 (they place each microbatch's items)");
     }
-  } else if (opts_.schedule.cost.unit != "FLOPs") {
+  } else if (opts_.schedule.cost.unit != "FLOPs" && !opts_.schedule.cost.encoder.has_value()) {
     return Status::InvalidArgument(
         first + "with cost '" + opts_.schedule.cost.name + "' (unit: " +
         (opts_.schedule.cost.unit.empty() ? std::string("its own") : opts_.schedule.cost.unit) +
         "): the encoder's default term (Qwen2-VL's vision tower) is in training FLOPs; give "
-        "media_cost (per patch, per frame^2) in the cost's unit, or a model cost (llama2-7b, "
+        "media_cost (per patch, per frame^2) in the cost's unit, a measured profile with an "
+        "encoder term (thdpack.torch.calibrate_encoder), or a model cost (llama2-7b, "
         "dimensions)");
   }
   return Status::Ok();

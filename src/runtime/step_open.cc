@@ -136,8 +136,11 @@ Status StepRunner::Impl::Init() {
   if (local.ok()) local = FindGroupField();
   if (local.ok()) local = CheckMediaOptions();
   if (local.ok() && !opts_.media.empty()) {
-    // One encoder term: where items are encoded, and what the schedulers balance.
-    if (!opts_.media_cost.has_value()) opts_.media_cost = DefaultEncoderCost();
+    // One encoder term: where items are encoded, and what the schedulers balance. Not given: a
+    // measured profile's, else Qwen2-VL's tower in FLOPs (CheckMediaOptions refused the rest).
+    if (!opts_.media_cost.has_value()) {
+      opts_.media_cost = opts_.schedule.cost.encoder.value_or(DefaultEncoderCost());
+    }
     opts_.schedule.encoder_cost = *opts_.media_cost;
   }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;

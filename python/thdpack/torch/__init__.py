@@ -8,6 +8,7 @@
   thdpack.torch.megatron    Megatron-LM's sequence-packing entry points over the iterator
   thdpack.torch.microbatch  a batch split into microbatches under a token cap (verl style)
   thdpack.torch.calibrate   a cost profile measured by timing the user's step on packed microbatches
+                            (calibrate_encoder: a vision encoder's term added to it)
   thdpack.torch.seqloss     per-sequence sums over CP, post-training loss aggregation (verl's modes)
 
 The names below are re-exported so that ``import thdpack.torch as tt; tt.shard(...)`` works.
@@ -18,7 +19,7 @@ from .loss import (IGNORE_INDEX, LossStatistics, empty_grad_cache, grad_cache_in
 from .linear_loss import linear_loss
 from .iterator import Groups, PackedDataIterator, PackedStep, loader_positions, pack_batch
 from .microbatch import micro_batch_indices, rearrange_micro_batches
-from .calibrate import calibrate
+from .calibrate import calibrate, calibrate_encoder
 from .rows import SampleRows
 from .logprobs import linear_token_logprobs, per_token, token_logprobs
 from .media import (media_microbatch, media_specs, mrope_microbatch, mrope_positions,
@@ -32,7 +33,7 @@ __all__ = [
 ]
 __all__ += ["Groups", "PackedDataIterator", "PackedStep", "loader_positions", "pack_batch"]
 __all__ += ["empty_grad_cache", "grad_cache_info", "set_grad_cache"]
-__all__ += ["calibrate", "linear_loss", "SampleRows"]
+__all__ += ["calibrate", "calibrate_encoder", "linear_loss", "SampleRows"]
 __all__ += ["linear_token_logprobs", "per_token", "token_logprobs"]
 __all__ += ["media_microbatch", "media_specs", "mrope_microbatch", "mrope_positions",
             "route_media"]

@@ -173,3 +173,61 @@ def calibrate(step_fn, max_tokens, *, out=None, totals=None, short=256, warmup=1
         timings, np.array(held_out, dtype=bool), model=model, device=_device_name(device),
         dtype=dtype, attention=attention, tp_size=int(tp_size), cp_size=int(cp_size),
         refine=bool(refine), out=None if out is None else os.fspath(out))
+
+
+def calibrate_encoder(encoder_fn, profile, *, out=None, width=1176, dtype=torch.bfloat16,
+                      sides=(8, 16, 24, 32, 48, 64), frames=(1, 2), warmup=1, repeats=3,
+                      device=None, model="", seed=1234, clock=None, verbose=False):
+    """Measures a vision encoder and writes its term into a cost profile (docs/media.md).
+
+    encoder_fn(pixel_values, grid_thw): runs the encoder forward and backward on one item, as
+    the step hands a rank its media: pixel_values [t*h*w, width] of ``dtype`` and grid_thw
+    int64 [[t, h, w]], both on ``device``. Items of h = w = each of ``sides`` patches (even,
+    for a 2 x 2 merge) and t = each of ``frames`` are timed (``warmup`` calls, then the median
+    of ``repeats``; CUDA events on CUDA, time.perf_counter elsewhere, or ``clock``), every 4th
+    held out. thdpack's fit (FitEncoderProfile: per_patch * t*h*w + per_frame_sq * t*(h*w)^2
+    seconds, non-negative least squares of the relative error) is written into ``profile`` -
+    a file of ``calibrate`` (the language model's, measured on the same hardware: one unit) -
+    in place, or to ``out``. With it, ``cost="profile:FILE"`` gives media the encoder's
+    measured term when ``media_cost`` is not given. Returns the profile (its JSON objects).
+    ValueError for bad arguments or timings that cannot tell the two terms apart."""
+    if not callable(encoder_fn):
+        raise ValueError(f"encoder_fn: expected a callable, got {type(encoder_fn).__name__}")
+    sides, frames = [int(s) for s in sides], [int(t) for t in frames]
+    if len(set(sides)) < 2 or any(s < 2 or s % 2 for s in sides) or any(t < 1 for t in frames):
+        raise ValueError(f"sides = {sides}, frames = {frames}: at least two different even sides "
+                         f">= 2 (the fit tells the two terms apart by the frame size) and frames "
+                         f">= 1")
+    if int(warmup) < 0 or int(repeats) < 1:
+        raise ValueError(f"warmup = {warmup} must be >= 0 and repeats = {repeats} >= 1")
+    if int(width) < 1:
+        raise ValueError(f"width = {width} must be >= 1")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(int(seed))
+    timed = _timer(device, clock)
+    seconds, patches, frame_sq, held_out = [], [], [], []
+    for k, (t, side) in enumerate((t, s) for t in frames for s in sides):
+        n = t * side * side
+        pixels = torch.randn(n, int(width), generator=gen).to(dtype=dtype, device=device)
+        grid = torch.tensor([[t, side, side]], dtype=torch.int64, device=device)
+        for _ in range(int(warmup)):
+            encoder_fn(pixels, grid)
+        s = float(statistics.median(timed(lambda: encoder_fn(pixels, grid))
+                                    for _ in range(int(repeats))))
+        if not s > 0:
+            raise ValueError(f"the item of grid [{t}, {side}, {side}] took {s} s: a timer that "
+                             "does not advance (clock?)")
+        seconds.append(s)
+        patches.append(n)
+        frame_sq.append(t * (side * side) ** 2)
+        held_out.append(k % 4 == 3)
+        if verbose:
+            print(f"calibrate_encoder: grid [{t}, {side}, {side}] {n:7d} patches  {s:.6g} s"
+                  f"{'  (held out)' if held_out[-1] else ''}")
+    return _thdpack.fit_encoder_profile(
+        seconds, np.asarray(patches, dtype=np.int64), np.asarray(frame_sq, dtype=np.int64),
+        np.asarray(held_out, dtype=bool), model=model, profile=os.fspath(profile),
+        out=None if out is None else os.fspath(out))
