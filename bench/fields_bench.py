@@ -118,12 +118,17 @@ def gloo_worker(rank, world, port, args, out):
         step = tt.pack_batch(samples, groups, fields=fields, max_tokens_per_rank=args.max_tokens,
                              cost="llama2-7b")
         t2 = time.perf_counter()
+        # As above: each call timed from a barrier, so that one rank's wait for the other's
+        # pack (a training step's forward and backward stands there) is not counted twice, in
+        # the slowest pack and again in the other rank's unpack.
+        dist.barrier()
+        t2b = time.perf_counter()
         got = padded_from_unpacked(step.unpack([mb["old_logprobs"] for mb in step], flat=True),
                                    batch, r)
         t3 = time.perf_counter()
         assert got.shape == (len(mine), r)
-        ins.append(t1 - t0 + t2 - t1)
-        outs.append(t3 - t2)
+        ins.append(t2 - t0)
+        outs.append(t3 - t2b)
     # The slowest rank's time of each repeat; the bytes every rank sent, and held in fields.
     times = torch.tensor([packs, unpacks, ins, outs], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
