@@ -26,7 +26,12 @@ sample's items encoded, placed by masked_scatter (Megatron's alignment rule), it
 causal attention within the sample, cross-entropy over the step's loss tokens. Losses and
 parameters must agree to float64 rounding.
 
-  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 --steps 3 --check
+With --pp 2 the vision tower, the embeddings and the attention block are the first stage (the
+step hands media and mRoPE positions to it alone) and the MLP and head the second; they
+exchange activations and their gradients, and each stage's gradients are summed over its
+DP x CP ranks.
+
+  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 [--pp 2] --steps 3 --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
 """
 import argparse
@@ -43,7 +48,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import thdpack.torch as tt  # noqa: E402
-from train_tiny import free_port, sgd_step  # noqa: E402 - the tiny example's, shared
+from train_tiny import (free_port, join_world, param_sum,  # noqa: E402 - the tiny example's
+                        sgd_step)
 
 VOCAB, HIDDEN, VISION, PATCH, MERGE = 48, 16, 8, 6, 2
 IMAGE, VIDEO = 46, 47
@@ -113,10 +119,14 @@ class TinyVLM(torch.nn.Module):
             x = x + self.pos[r][mrope[r]]
         return x
 
+    def attend_block(self, x, attend):
+        return x + attend(x @ self.wq, x @ self.wk, x @ self.wv) @ self.wo
+
+    def mlp_head(self, x):
+        return (x + torch.tanh(x @ self.w1) @ self.w2) @ self.head
+
     def rest(self, x, attend):
-        x = x + attend(x @ self.wq, x @ self.wk, x @ self.wv) @ self.wo
-        x = x + torch.tanh(x @ self.w1) @ self.w2
-        return x @ self.head
+        return self.mlp_head(self.attend_block(x, attend))
 
 
 def causal_attention(q, k, v, q_pos, k_pos, q_seq, k_seq):
@@ -125,27 +135,30 @@ def causal_attention(q, k, v, q_pos, k_pos, q_seq, k_seq):
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
 
 
-def worker(rank, dp, cp, steps, global_batch, port, out_path, colocated=True):
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=dp * cp)
-    cp_rank, dp_rank = rank % cp, rank // cp
+# The two stages of --pp 2: the vision tower, the embeddings and the attention block first; the
+# MLP and the head last.
+STAGE_PARAMS = (("patch", "merge", "mix", "emb", "pos", "wq", "wk", "wv", "wo"),
+                ("w1", "w2", "head"))
 
-    def groups_of(lists):
-        mine = None
-        for ranks in lists:
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                mine = g
-        return mine
-    cp_group = groups_of([[d * cp + c for c in range(cp)] for d in range(dp)])
-    dp_group = groups_of([[d * cp + c for d in range(dp)] for c in range(cp)])
-    groups = tt.Groups(cp=cp_group, dp=dp_group)
+
+def stage_params(model, place):
+    """The parameters this rank's stage holds (every one without PP)."""
+    names = STAGE_PARAMS[0] + STAGE_PARAMS[1] if place.pp == 1 else STAGE_PARAMS[place.stage]
+    out = []
+    for name in names:
+        p = getattr(model, name)
+        out += list(p) if isinstance(p, torch.nn.ParameterList) else [p]
+    return out
+
+
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
+    place, groups, dpcp_group = join_world(rank, dp, cp, pp, port)
     model = TinyVLM()
-    params = list(model.parameters())
-    loader = cp_rank == 0
+    params = stage_params(model, place)
+    loader = place.first and place.cp_rank == 0
     # Loader d's share: stream positions d, d + DP, ... (a DistributedSampler's order).
-    share = (sample(i) for i in range(dp_rank, steps * global_batch, dp)) if loader else None
+    share = (sample(i) for i in range(place.dp_rank, steps * global_batch, dp)) if loader \
+        else None
     it = tt.PackedDataIterator(share, groups, global_batch=global_batch, steps=steps,
                                max_tokens_per_rank=48, media=MEDIA, spatial_merge_size=MERGE,
                                mrope="qwen2-vl", prefetch=1)
@@ -156,36 +169,53 @@ def worker(rank, dp, cp, steps, global_batch, port, out_path, colocated=True):
         for mb in step:
             cup = mb["cu_seqlens_padded"].numpy()
             c_size, c_rank, group = mb["cp_size"], mb["cp_rank"], mb["cp_group"]
-            x = model.emb[mb["tokens"].long()]
-            for name in MEDIA:  # every rank, every modality, in order
-                m = mb["media"][name]
-                rows = tt.route_media(model.vision(m["pixel_values"], m["grid_thw"]), mb, name)
-                x = x.index_put((m["token_index"],), rows)
-            mrope = mb["mrope_position_ids"]
-            for r in range(3):
-                x = x + model.pos[r][mrope[r]]
-            seq = torch.from_numpy(np.repeat(np.arange(len(cup) - 1), np.diff(cup)))
-            q_pos = tt.partition_indices(cup, c_size, c_rank)
-            k_pos = torch.arange(int(cup[-1]))
+            local = int(cup[-1]) // c_size
+            to = (place.cp_rank, place.dp_rank)
+            if place.first:  # media and mRoPE reach the first stage only
+                x = model.emb[mb["tokens"].long()]
+                for name in MEDIA:  # every rank, every modality, in order
+                    m = mb["media"][name]
+                    rows = tt.route_media(model.vision(m["pixel_values"], m["grid_thw"]), mb,
+                                          name)
+                    x = x.index_put((m["token_index"],), rows)
+                mrope = mb["mrope_position_ids"]
+                for r in range(3):
+                    x = x + model.pos[r][mrope[r]]
+                seq = torch.from_numpy(np.repeat(np.arange(len(cup) - 1), np.diff(cup)))
+                q_pos = tt.partition_indices(cup, c_size, c_rank)
+                k_pos = torch.arange(int(cup[-1]))
 
-            def attend(q, k, v):
-                if c_size > 1:
-                    k = tt.unshard(list(tt.gather_cp(k, group, c_size, c_rank)), cup)
-                    v = tt.unshard(list(tt.gather_cp(v, group, c_size, c_rank)), cup)
-                return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
+                def attend(q, k, v):
+                    if c_size > 1:
+                        k = tt.unshard(list(tt.gather_cp(k, group, c_size, c_rank)), cup)
+                        v = tt.unshard(list(tt.gather_cp(v, group, c_size, c_rank)), cup)
+                    return causal_attention(q, k, v, q_pos, k_pos, seq[q_pos], seq)
 
-            share_ = tt.local_loss(model.rest(x, attend), mb["labels"], mb["loss_mask"], n)
+                x = model.attend_block(x, attend)
+                if pp > 1:  # hand the activations on, take their gradient back
+                    dist.send(x.detach(), dst=place.at(*to, place.stage + 1))
+                    grad = torch.empty(local, HIDDEN, dtype=torch.float64)
+                    dist.recv(grad, src=place.at(*to, place.stage + 1))
+                    x.backward(grad)
+                    continue
+            else:  # the last stage starts from the first stage's activations
+                x = torch.empty(local, HIDDEN, dtype=torch.float64)
+                dist.recv(x, src=place.at(*to, place.stage - 1))
+                x.requires_grad_(True)
+            share_ = tt.local_loss(model.mlp_head(x), mb["labels"], mb["loss_mask"], n)
             share_.backward()
+            if pp > 1:
+                dist.send(x.grad, dst=place.at(*to, place.stage - 1))
             total += share_.detach()
-        dist.all_reduce(total)
-        sgd_step(params, None, LR)  # the shares are designed for a sum over DP x CP
+        dist.all_reduce(total)  # the last stage's shares, over DP x CP
+        sgd_step(params, dpcp_group, LR)  # the shares are designed for a sum over DP x CP
         for p in params:
             p.grad = None
         losses.append(float(total))
+    total_params = param_sum(params, place)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses,
-                       "param_sum": float(sum(p.detach().sum() for p in params))}, f)
+            json.dump({"losses": losses, "param_sum": total_params}, f)
     dist.destroy_process_group()
 
 
@@ -227,6 +257,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                    help="pipeline stages: 2 splits the model after the attention block")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--check", action="store_true",
@@ -240,12 +272,13 @@ def main():
                                             "thdpack.torch"])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.start_processes(worker, args=(args.dp, args.cp, args.steps, args.global_batch,
-                                         args.port or free_port(), out, True),
-                           nprocs=args.dp * args.cp, join=True, start_method="forkserver")
+        mp.start_processes(worker, args=(args.dp, args.cp, args.pp, args.steps,
+                                         args.global_batch, args.port or free_port(), out),
+                           nprocs=args.dp * args.cp * args.pp, join=True,
+                           start_method="forkserver")
         with open(out) as f:
             multi = json.load(f)
-    print(f"DP {args.dp} x CP {args.cp}: losses "
+    print(f"DP {args.dp} x CP {args.cp} x PP {args.pp}: losses "
           + ", ".join(f"{v:.6f}" for v in multi["losses"]))
     if not args.check:
         return 0

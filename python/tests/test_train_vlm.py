@@ -1,5 +1,5 @@
 """The VLM example (python/examples/train_vlm.py) trains a tiny vision-language model on packed
-batches with images and video over DP x CP gloo processes - media moved and placed by the step,
+batches with images and video over DP x CP (x PP) gloo processes - media moved and placed by the step,
 encoder rows routed by route_media, mRoPE positions from the step - and its losses and
 parameters equal one process's at every topology."""
 import os
@@ -14,11 +14,13 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_vlm.
 
 # Not under the sanitizers: the media path's C++ runs under ASan in test_media_step.py.
 @pytest.mark.no_sanitizer
-@pytest.mark.parametrize("dp,cp", [(2, 1), (1, 2), (2, 2), (1, 4)])
-def test_vlm_equals_one_process(dp, cp):
+@pytest.mark.parametrize("dp,cp,pp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 2, 2),
+                                      (2, 1, 2)])
+def test_vlm_equals_one_process(dp, cp, pp):
     from test_torch_iterator import free_port
     out = subprocess.run([sys.executable, str(EXAMPLE), "--port", str(free_port()),
-                          "--dp", str(dp), "--cp", str(cp), "--steps", "3", "--check"],
+                          "--dp", str(dp), "--cp", str(cp), "--pp", str(pp), "--steps", "3",
+                          "--check"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "check: equal to one process" in out.stdout, out.stdout
