@@ -167,6 +167,9 @@ def error_worker(rank, port, out_dir):
     got["mrope alone"] = error_of(lambda: pack_batch(mine, groups, mrope="qwen2-vl",
                                                      max_tokens_per_rank=512))
     got["cost unit"] = error_of(lambda: pack_batch(mine, groups, cost="tokens", **kw))
+    # Token batches need a source of the whole stream; media need one fed by the caller.
+    got["token batches"] = error_of(lambda: PackedDataIterator(
+        iter(mine), groups, global_batch_tokens=2048, prefetch=0, **kw))
     got["zero cost"] = error_of(lambda: pack_batch(mine, groups, media_cost=(0, 0), **kw))
     # A measured profile: without an encoder term refused, with one its term is the default.
     got["profile without encoder"] = error_of(
@@ -206,6 +209,7 @@ def test_bad_media_is_named_on_every_rank(tmp_path):
                            ("cost unit", "with cost 'tokens' (unit: tokens): the encoder's "
                                          "default term"),
                            ("zero cost", "not both 0"),
+                           ("token batches", "with a caller-fed source: a token step's size"),
                            ("profile without encoder", "a measured profile with an encoder term "
                                                        "(thdpack.torch.calibrate_encoder)")):
             assert got[case] is not None and text in got[case], (rank, case, got[case])
@@ -339,6 +343,83 @@ def test_the_steps_figures_give_each_ranks_media(tmp_path):
             part = figures["replicas"][dp]["microbatches"][m]["encoder_cost"]
             assert part == pytest.approx(sum(c) / 2, rel=1e-9)
     assert "media_ranks" not in got[1][0]  # a rank that did not plan has the summary only
+
+
+def stream_sample(i):
+    """Stream position i: a sample of text and media (make_samples' mix), its pair id."""
+    x = make_samples(3000 + i, n=1)[0]
+    x["uid"] = i // 2
+    return x
+
+
+def media_record(step):
+    """What a rank holds of a step's media: per microbatch its samples and, per modality, its
+    payload's sum, grids and token positions."""
+    out = []
+    for mb in step:
+        m = mb.get("media") or {}
+        out.append((mb["sample_ids"].tolist(),
+                    [(float(m[n]["pixel_values"].sum()), m[n]["grid_thw"].tolist(),
+                      m[n]["token_index"].tolist()) for n in MEDIA if n in m]))
+    return out
+
+
+def everywhere_worker(rank, port, out_dir):
+    from test_torch_iterator import make_groups
+    from thdpack.torch import PackedDataIterator, loader_positions
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = make_groups(1, 2, 2, 1)
+    cp_rank, dp_rank = rank % 2, rank // 2
+    G = 8
+    kw = dict(media=MEDIA, spatial_merge_size=MERGE, mrope="qwen2-vl", max_tokens_per_rank=512,
+              fields={"uid": {"kind": "sample", "dtype": "int64"}}, keep_groups="replica",
+              group_field="uid", global_batch=G)
+
+    def share(positions):
+        return (stream_sample(p) for p in positions) if cp_rank == 0 else None
+
+    # Uninterrupted: four steps, a step prepared ahead.
+    it = PackedDataIterator(share(loader_positions(0, G, 2, dp_rank)), groups, steps=4,
+                            prefetch=1, **kw)
+    whole = [media_record(step) for step in it]
+    # Two steps, the state saved, a new iterator resumed from it for the other two.
+    it = PackedDataIterator(share(loader_positions(0, G, 2, dp_rank)), groups, steps=2,
+                            prefetch=1, **kw)
+    first = [media_record(step) for step in it]
+    state = it.state_dict()
+    it = PackedDataIterator(share(loader_positions(state, G, 2, dp_rank)), groups, steps=2,
+                            prefetch=1, **kw)
+    it.load_state_dict(state)
+    resumed = [media_record(step) for step in it]
+    torch.save((whole, first + resumed), f"{out_dir}/w{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.no_sanitizer
+def test_media_under_groups_prefetch_and_resume(tmp_path):
+    """Media under keep_groups='replica' (a pair on one replica, its media with it), a step
+    prepared ahead, and a run stopped after two steps and resumed from its state: every rank's
+    microbatches and media equal the uninterrupted run's, and every sample of the four steps
+    is trained exactly once."""
+    from test_torch_iterator import free_port
+    spawn(everywhere_worker, args=(free_port(), str(tmp_path)), nprocs=4)
+    seen, replica_of = [], {}
+    for rank in range(4):
+        whole, again = torch.load(f"{tmp_path}/w{rank}.pt")
+        assert again == whole, rank
+        # The first stage holds items (grids) in some microbatch: the media are compared too.
+        assert any(grid for step in whole for _, parts in step for _, grid, _ in parts), rank
+        for step in whole:
+            for ids, _ in step:
+                if rank % 2 == 0:  # each sample once, on its CP rank 0
+                    seen += ids
+                for i in ids:
+                    replica_of.setdefault(i // 2, set()).add(rank // 2)
+    assert sorted(seen) == list(range(32))
+    assert all(len(r) == 1 for r in replica_of.values()), replica_of
 
 
 def pp_worker(rank, port, out_dir):
