@@ -332,9 +332,9 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
         mine[m] = std::move(media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)]);
       }
       const size_t n = MediaFrameBytes(mine);
-      std::unique_ptr<uint8_t[]> frame(new uint8_t[n]);
-      EncodeMediaFrameInto(mine, std::span<uint8_t>(frame.get(), n));
-      frames.emplace_back(j, std::move(frame), n);
+      std::unique_ptr<uint8_t[]> buffer(new uint8_t[n]);
+      EncodeMediaFrameInto(mine, std::span<uint8_t>(buffer.get(), n));
+      frames.emplace_back(j, std::move(buffer), n);
       const auto s = EncodeSizeFrame(static_cast<int64_t>(n));
       THDPACK_RETURN_IF_ERROR(
           replica_->SendValues(std::span<const uint8_t>(s.data(), s.size()), j, kTagMediaSize));
@@ -352,9 +352,9 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
   }
   THDPACK_RETURN_IF_ERROR(AgreeIn(*replica_, sizes, "the media sizes"));
   if (loader) {
-    for (const auto& [j, frame, n] : frames) {
+    for (const auto& [j, buffer, n] : frames) {
       THDPACK_RETURN_IF_ERROR(
-          replica_->SendValues(std::span<const uint8_t>(frame.get(), n), j, kTagMedia));
+          replica_->SendValues(std::span<const uint8_t>(buffer.get(), n), j, kTagMedia));
     }
     for (size_t m = 0; m < mbs; ++m) media_local_[m] = std::move(media_shards_[m][0]);
     media_shards_.clear();
