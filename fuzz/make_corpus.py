@@ -152,6 +152,8 @@ def step_wire_seeds():
     header = struct.pack("<8q", 2, 100, 3, 1, 0, 0, 0, 0)
     lengths = struct.pack("<6i", 0, 5, 4, 2, 3, 1)
     sourced = struct.pack("<4iII", 0, 9, 8, 3, 0xFFFFFFFF, 0x7FFFFFFF)  # source 3, group 2^63-1
+    # With media: 4,096 patches, frame^2 2^24 (one 64 x 64 image), each as two words.
+    media = struct.pack("<3i4I", 0, 5, 4, 4096, 0, 1 << 24, 0)
     return [
         ("step_message", golden),
         ("step_message", large_step_message()),
@@ -164,6 +166,7 @@ def step_wire_seeds():
         ("lengths_frame", frame(lengths, 2)),
         ("lengths_frame", frame(sourced, 2)),
         ("lengths_frame", frame(header, 1)),
+        ("lengths_frame", frame(media, 2)),
         ("groups_frame", frame(bytes([2, 0, 2, 2, 2]), 6)),
         ("groups_frame", frame(varint(2) + varint(2) + b"cp" + varint(1) + b"2" + varint(6)
                                + b"fields" + varint(11) + b"a:float32[]", 7)),
@@ -308,7 +311,7 @@ def main():
         write(out, "wire_decode", seed)
         write(out, "wire_decode_sealed", seed)
     # The control byte of the step's targets (fuzz/step_wire_checks.h): bit 0 reseals; for
-    # lengths_frame bit 1 picks the header and bits 2-3 the columns, for groups_frame bits 1-6
+    # lengths_frame bit 1 picks the header and bits 2-4 the columns (source, group, media), for groups_frame bits 1-6
     # the domain (3: 4 ranks) or with bit 7 the job frame, for size_frame bits 1-3 the kind
     # opened (4: 5, a size).
     controls = {"lengths_frame": {0: 0, 1: 0, 2: 2}, "groups_frame": 6, "size_frame": 8}
@@ -320,6 +323,8 @@ def main():
         c = c.get(k, 0) if isinstance(c, dict) else c
         if target == "lengths_frame" and k == 1:
             c = 4 | 8  # source and group columns
+        if target == "lengths_frame" and k == 3:
+            c = 16  # the media column
         if target == "groups_frame" and k == 1:
             c = 128  # the job frame
         if target == "size_frame" and k == 1:
