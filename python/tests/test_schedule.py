@@ -177,3 +177,26 @@ def test_static_shapes():
     with pytest.raises(ValueError, match="with the dynamic scheduler"):
         thdpack.schedule(lengths, dp_size=2, cp_size=2, max_tokens_per_rank=256, max_seqs=3,
                          scheduler="dynamic", cost="llama2-7b")
+
+
+def test_schedule_encoder_work_is_checked_and_charged():
+    """thdpack.schedule's encoder_work: [n, 2] integers with encoder_cost, charged in every
+    figure; anything else a ValueError naming the argument and the rule."""
+    lengths = [100, 200, 300, 400]
+    work = np.array([[0, 0], [64, 64 * 64], [0, 0], [16, 256]])
+    plan = thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=1024, cost="tokens",
+                            encoder_work=work, encoder_cost=(2.0, 0.5))
+    f = plan.figures
+    assert f["encoder_cost"] == 2.0 * 80 + 0.5 * (64 * 64 + 256)
+    assert sum(r["encoder_cost"] for r in f["replicas"]) == f["encoder_cost"]
+    plain = thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=1024, cost="tokens")
+    assert plain.figures["encoder_cost"] == 0
+    assert f["total_cost"] == plain.figures["total_cost"] + f["encoder_cost"]
+    for bad, says in ((work.astype(np.float64), "an integer array \\[n, 2\\]"),
+                      (work[:3], "with n = 4"), (work[:, :1], "an integer array \\[n, 2\\]"),
+                      (-work, "must be >= 0")):
+        with pytest.raises(ValueError, match=says):
+            thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=1024, cost="tokens",
+                             encoder_work=bad, encoder_cost=(2.0, 0.5))
+    with pytest.raises(ValueError, match="encoder_work without encoder_cost"):
+        thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=1024, encoder_work=work)
