@@ -47,6 +47,8 @@ const FaultCase kCases[] = {
     {"dynamic_cp2_dp2_jsonl", 1, 2, 2, 1, DataOn::kTp0, true, false},
     {"dynamic_tp2_cp2_fed_fields", 2, 2, 1, 1, DataOn::kTp0, true, true},
     {"static_cp2_dp2_fed_media", 1, 2, 2, 1, DataOn::kTp0, false, true, true},
+    {"dynamic_cp2_dp2_fed_media", 1, 2, 2, 1, DataOn::kTp0, true, true, true},
+    {"dynamic_tp2_cp2_fed_media", 2, 2, 1, 1, DataOn::kTp0, true, true, true},
 };
 
 constexpr TokenId kImage = 100000;

@@ -163,7 +163,8 @@ struct StepRunnerOptions {
   // whole on its CP ranks (PlaceMicrobatchMedia, by media_cost) and each first-stage rank gets
   // its MediaShard (LocalMicrobatch::media): the payload rows it encodes, the route of their
   // output rows and, with mrope, its shard's mRoPE positions. Needs a caller-fed source, data
-  // on tp0 and a static scheduler (Create names the rule broken). Default: none.
+  // on tp0 (Create names the rule broken); under the dynamic scheduler each group's head places
+  // its group's items (docs/media.md "Under the dynamic scheduler"). Default: none.
   std::vector<MediaSpec> media;
   int64_t spatial_merge_size = 2;
   Mrope mrope = Mrope::kNone;          // needs media

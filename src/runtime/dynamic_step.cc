@@ -78,34 +78,53 @@ Status StepRunner::Impl::MakeDynamicPlan(RankStep& out) {
 // All-to-all-v among the heads: the block from loader s (head s*CP) to head e holds the samples
 // s read whose group contains e (scheduling order): their tokens, then the masks of those that
 // send one, padded to a multiple of 4 bytes. A loader keeps what its own head holds.
-Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
+void StepRunner::Impl::HeadBlocks(std::vector<std::vector<int64_t>>* send_ps,
+                                   std::vector<std::vector<int64_t>>* recv_ps) const {
   const int cp = topo_.cp_size();
   const int me = DomainIndex();
   const size_t gs = static_cast<size_t>(heads_->size());
-  const auto& samples = out.samples;
-  auto holds = [&](int64_t p, int e) {
-    const auto [first, c] = group_of_[static_cast<size_t>(p)];
-    return c > 0 && e >= first && e < first + c;
-  };
   auto positions = [&](int s, int e) {  // loader s -> head e
     std::vector<int64_t> ps;
     for (int64_t p = loader_offset_[static_cast<size_t>(s)];
          p < loader_offset_[static_cast<size_t>(s) + 1]; ++p) {
-      if (holds(p, e)) ps.push_back(p);
+      if (HeadHolds(p, e)) ps.push_back(p);
     }
     return ps;
   };
-  std::vector<std::vector<int64_t>> send_ps(gs), recv_ps(gs);
-  const bool loader = reader_;
-  const int my_dp = coord_.dp;
+  send_ps->assign(gs, {});
+  recv_ps->assign(gs, {});
   for (int e = 0; e < static_cast<int>(gs); ++e) {
     if (e == me) continue;
-    if (loader) send_ps[static_cast<size_t>(e)] = positions(my_dp, e);
-    if (e % cp == 0) recv_ps[static_cast<size_t>(e)] = positions(e / cp, me);  // a loader's head
+    if (reader_) (*send_ps)[static_cast<size_t>(e)] = positions(coord_.dp, e);
+    if (e % cp == 0) (*recv_ps)[static_cast<size_t>(e)] = positions(e / cp, me);  // a loader
   }
-  const int64_t my_begin = loader ? loader_offset_[static_cast<size_t>(my_dp)] : 0;
-  return MoveSamples(*heads_, samples, send_ps, recv_ps, my_begin,
-                     [&](int64_t p) { return loader && holds(p, me); });
+}
+
+bool StepRunner::Impl::HeadHolds(int64_t p, int e) const {
+  const auto [first, c] = group_of_[static_cast<size_t>(p)];
+  return c > 0 && e >= first && e < first + c;
+}
+
+Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
+  const int me = DomainIndex();
+  std::vector<std::vector<int64_t>> send_ps, recv_ps;
+  HeadBlocks(&send_ps, &recv_ps);
+  const bool loader = reader_;
+  const int64_t my_begin = loader ? loader_offset_[static_cast<size_t>(coord_.dp)] : 0;
+  return MoveSamples(*heads_, out.samples, send_ps, recv_ps, my_begin,
+                     [&](int64_t p) { return loader && HeadHolds(p, me); });
+}
+
+// Each sample's media to every head of its group, as its tokens go (HeadBlocks): each head
+// places its group's items and keeps the payload of those it encodes.
+Status StepRunner::Impl::ExchangeMediaDynamic(RankStep& out) {
+  const int me = DomainIndex();
+  std::vector<std::vector<int64_t>> send_ps, recv_ps;
+  HeadBlocks(&send_ps, &recv_ps);
+  const bool loader = reader_;
+  return MoveMedia(*heads_, "head", send_ps, recv_ps,
+                   loader ? loader_offset_[static_cast<size_t>(coord_.dp)] : 0,
+                   [&](int64_t p) { return loader && HeadHolds(p, me); }, out);
 }
 
 // Each head: per microbatch, its group's sequences packed with the group's layout and its own
@@ -126,6 +145,8 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
   const bool first = coord_.pp == 0, last = coord_.pp == topo_.pp_size() - 1;
   shards_.assign(static_cast<size_t>(plan.num_microbatches), {});
   mb_info_.assign(static_cast<size_t>(plan.num_microbatches), {});
+  const bool media = !opts_.media.empty();
+  media_shards_.assign(media ? static_cast<size_t>(plan.num_microbatches) : 0, {});
   std::vector<SampleView> views;
   std::vector<int64_t> lengths, ps;
   for (int m = 0; m < plan.num_microbatches; ++m) {
@@ -176,6 +197,10 @@ Status StepRunner::Impl::PackDynamic(RankStep& out) {
                       PackBuffers{sh.tokens, sh.position_ids, sh.labels, sh.loss_mask}));
     THDPACK_RETURN_IF_ERROR(PackSequences(out, static_cast<size_t>(m), ps, layout,
                                           mine->num_ranks, shards));
+    if (media) {  // this head's CP rank of the group: its items, route and mRoPE shard
+      THDPACK_RETURN_IF_ERROR(PackMedia(out, static_cast<size_t>(m), ps, layout,
+                                        mine->num_ranks, sh.cp_rank));
+    }
     meta.groups.push_back(MicrobatchGroup{mine->first_rank, mine->num_ranks});
     AddMicrobatch(meta, std::move(layout), n_valid);
   }
@@ -359,20 +384,34 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
                                    [&] { return ExchangeLengths(*heads_, cp, out); }));
   THDPACK_RETURN_IF_ERROR(
       RunPhase(out, Phase::kPlan, head_, "plan", [&] { return MakeDynamicPlan(out); }));
-  THDPACK_RETURN_IF_ERROR(
-      RunPhase(out, Phase::kExchange, head_, "exchange",
-               [&] { return ExchangeTokensDynamic(out); }));
+  const bool media = !opts_.media.empty();
+  THDPACK_RETURN_IF_ERROR(RunPhase(out, Phase::kExchange, head_, "exchange", [&] {
+    const Status tokens = ExchangeTokensDynamic(out);
+    if (!media) return tokens;
+    // The media follow only where every head's tokens arrived whole.
+    THDPACK_RETURN_IF_ERROR(AgreeIn(*heads_, tokens, "exchange"));
+    return ExchangeMediaDynamic(out);
+  }));
   const Status packed =
       RunPhase(out, Phase::kPack, head_, "pack", [&] { return PackDynamic(out); });
   own_.clear();
   recv_buffer_.clear();
   refs_.clear();
+  media_recv_.clear();
+  media_of_.clear();
   THDPACK_RETURN_IF_ERROR(packed);
 
   THDPACK_RETURN_IF_ERROR(Deliver(out, column_.get(),
                                   "the head of domain rank " + std::to_string(DomainIndex()),
                                   [&] { return ReceiveShardsDynamic(out); },
                                   [&] {
+                                    // Agreed over the world before MakeGroups' collectives:
+                                    // a column whose media failed must not leave the others
+                                    // waiting in them.
+                                    if (media) {
+                                      THDPACK_RETURN_IF_ERROR(
+                                          Agree(DeliverMedia(out, *column_, true), "media"));
+                                    }
                                     FinishLocalDynamic(out);
                                     return MakeGroups(out);
                                   }));

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -58,10 +59,6 @@ Status StepRunner::Impl::CheckMediaOptions() const {
     return Status::InvalidArgument(first + "with data on every rank: media moves from the "
                                    "loaders, data_on must be tp0");
   }
-  if (opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic) {
-    return Status::InvalidArgument(first + "with the dynamic scheduler: not yet (a static "
-                                   "scheduler places the encoder's items over CP)");
-  }
   if (opts_.schedule.oversize == ScheduleOptions::OversizePolicy::kTruncate) {
     return Status::InvalidArgument(first + "with oversize 'truncate': cutting a sample would "
                                    "cut an item's placeholder tokens (use 'error' or 'skip')");
@@ -95,23 +92,34 @@ Status StepRunner::Impl::CheckMediaOptions() const {
 Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
   const int dp = topo_.dp_size();
   const int me = coord_.dp;
-  const size_t n = static_cast<size_t>(dp);
+  std::vector<std::vector<int64_t>> send_ps(static_cast<size_t>(dp)), recv_ps(send_ps);
+  for (int e = 0; e < dp; ++e) {
+    if (e == me) continue;
+    send_ps[static_cast<size_t>(e)] = LoaderBlock(me, e);
+    recv_ps[static_cast<size_t>(e)] = LoaderBlock(e, me);
+  }
+  return MoveMedia(*loaders_, "loader", send_ps, recv_ps,
+                   loader_offset_[static_cast<size_t>(me)],
+                   [&](int64_t p) { return replica_of_[static_cast<size_t>(p)] == me; }, out);
+}
+
+Status StepRunner::Impl::MoveMedia(ProcessGroup& g, const char* role,
+                                   const std::vector<std::vector<int64_t>>& send_ps,
+                                   const std::vector<std::vector<int64_t>>& recv_ps,
+                                   int64_t my_begin, const std::function<bool(int64_t)>& keeps,
+                                   RankStep& out) {
+  const size_t n = static_cast<size_t>(g.size());
   const auto& samples = out.samples;
-  const int64_t my_begin = loader_offset_[static_cast<size_t>(me)];
   // The blocks: each sample's media (EncodeSampleMedia) back to back, one kMedia frame a
   // receiver, encoded in place in the send buffer.
   std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
-  std::vector<std::vector<int64_t>> send_ps(n);
-  for (int e = 0; e < dp; ++e) {
-    if (e == me) continue;
-    const size_t ue = static_cast<size_t>(e);
-    send_ps[ue] = LoaderBlock(me, e);
-    if (send_ps[ue].empty()) continue;
+  for (size_t e = 0; e < n; ++e) {
+    if (send_ps[e].empty()) continue;
     size_t bytes = kFrameTrailerSize;
-    for (int64_t p : send_ps[ue]) {
+    for (int64_t p : send_ps[e]) {
       bytes += SampleMediaBytes(own_[static_cast<size_t>(p - my_begin)].media);
     }
-    sc[ue] = static_cast<int64_t>(bytes);
+    sc[e] = static_cast<int64_t>(bytes);
   }
   for (size_t j = 1; j < n; ++j) sd[j] = sd[j - 1] + sc[j - 1];
   std::vector<std::byte> send(static_cast<size_t>(sd[n - 1] + sc[n - 1]));
@@ -132,7 +140,7 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
     const auto frame = EncodeSizeFrame(sc[e]);
     std::memcpy(sizes_out.data() + at[e], frame.data(), kSizeFrameSize);
   }
-  THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(sizes_out, fixed, at, sizes_in, fixed, at));
+  THDPACK_RETURN_IF_ERROR(g.AllToAllV(sizes_out, fixed, at, sizes_in, fixed, at));
   Status sizes;
   for (size_t e = 0; e < n && sizes.ok(); ++e) {
     auto size = DecodeSizeFrame(
@@ -141,38 +149,35 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
         0, int64_t{1} << 40);
     if (!size.ok()) {
       sizes = size.status().WithContext("step " + Num(step_) + ": media sizes received from " +
-                                        Sender(*loaders_, static_cast<int>(e), "loader"));
+                                        Sender(g, static_cast<int>(e), role));
     } else {
-      rc[e] = static_cast<int>(e) == me ? 0 : *size;
+      rc[e] = static_cast<int>(e) == g.rank() ? 0 : *size;
     }
   }
-  // Nobody sizes the data by a damaged size: agreed over the loaders first.
-  THDPACK_RETURN_IF_ERROR(AgreeIn(*loaders_, sizes, "the media sizes"));
+  // Nobody sizes the data by a damaged size: agreed over the group first.
+  THDPACK_RETURN_IF_ERROR(AgreeIn(g, sizes, "the media sizes"));
   for (size_t j = 1; j < n; ++j) rd[j] = rd[j - 1] + rc[j - 1];
   std::vector<std::byte> recv(static_cast<size_t>(rd[n - 1] + rc[n - 1]));
-  THDPACK_RETURN_IF_ERROR(loaders_->AllToAllV(send, sc, sd, recv, rc, rd));
-  // Where each sample this loader packs has its media: its own, or decoded from a block.
+  THDPACK_RETURN_IF_ERROR(g.AllToAllV(send, sc, sd, recv, rc, rd));
+  // Where each sample this member packs has its media: its own, or decoded from a block.
   media_recv_.assign(samples.size(), {});
   media_of_.assign(samples.size(), nullptr);
   for (size_t k = 0; k < own_.size(); ++k) {
     const int64_t p = my_begin + static_cast<int64_t>(k);
-    if (replica_of_[static_cast<size_t>(p)] == me) {
-      media_of_[static_cast<size_t>(p)] = &own_[k].media;
-    }
+    if (keeps(p)) media_of_[static_cast<size_t>(p)] = &own_[k].media;
   }
-  for (int e = 0; e < dp; ++e) {
-    if (e == me) continue;
-    const std::vector<int64_t> ps = LoaderBlock(e, me);
-    const size_t ue = static_cast<size_t>(e);
+  for (size_t e = 0; e < n; ++e) {
+    if (static_cast<int>(e) == g.rank()) continue;
+    const std::vector<int64_t>& ps = recv_ps[e];
     const std::string from = "step " + Num(step_) + ": media received from " +
-                             Sender(*loaders_, e, "loader");
+                             Sender(g, static_cast<int>(e), role);
     if (ps.empty()) {
-      if (rc[ue] != 0) return Status::Corruption(from + ": " + Num(rc[ue]) + " bytes unasked");
+      if (rc[e] != 0) return Status::Corruption(from + ": " + Num(rc[e]) + " bytes unasked");
       continue;
     }
     auto body = OpenFrame(std::span<const uint8_t>(
-                              reinterpret_cast<const uint8_t*>(recv.data() + rd[ue]),
-                              static_cast<size_t>(rc[ue])),
+                              reinterpret_cast<const uint8_t*>(recv.data() + rd[e]),
+                              static_cast<size_t>(rc[e])),
                           FrameKind::kMedia);
     if (!body.ok()) return body.status().WithContext(from);
     size_t off = 0;
@@ -191,8 +196,10 @@ Status StepRunner::Impl::ExchangeMedia(RankStep& out) {
 }
 
 Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int64_t> ps,
-                                   const Layout& layout) {
-  const int cp = topo_.cp_size(), tp = topo_.tp_size();
+                                   const Layout& layout, int cp, int only_c) {
+  const int tp = topo_.tp_size();
+  // The figures' per-rank detail: a static step's loader makes every CP rank's part.
+  const bool figures = only_c < 0 && m < out.media_rank_cost.size();
   const bool sp = opts_.schedule.parallel.splits_over_tp();
   const size_t nm = opts_.media.size();
   MicrobatchMedia mm;
@@ -216,15 +223,17 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
     }
     mm.items.push_back(std::move(items));
   }
-  mm.encoder_rank = PlaceMicrobatchMedia(mm.items, cp, opts_.schedule.encoder_cost);
-  {  // each CP rank's encoder cost, for the step's figures
+  // The encoder's term that places (Create resolved it; under the dynamic scheduler it places
+  // only, the schedulers' term being refused there).
+  const EncoderCost& term = *opts_.media_cost;
+  mm.encoder_rank = PlaceMicrobatchMedia(mm.items, cp, term);
+  if (figures) {  // each CP rank's encoder cost, for the step's figures
     std::vector<double>& cost = out.media_rank_cost[m];
     cost.assign(static_cast<size_t>(cp), 0.0);
     size_t k = 0;
     for (const auto& seq : mm.items) {
       for (const MediaItem& x : seq) {
-        cost[static_cast<size_t>(mm.encoder_rank[k++])] +=
-            ItemEncoderCost(opts_.schedule.encoder_cost, x.grid);
+        cost[static_cast<size_t>(mm.encoder_rank[k++])] += ItemEncoderCost(term, x.grid);
       }
     }
   }
@@ -252,9 +261,11 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
       }
     }
   }
+  // Every CP rank's parts at [c * TP + t], or (only_c, a dynamic step's head) its own at [t].
   auto& dest = media_shards_[m];
-  dest.assign(static_cast<size_t>(cp * tp), MediaShard{});
-  for (int c = 0; c < cp; ++c) {
+  dest.assign(static_cast<size_t>((only_c < 0 ? cp : 1) * tp), MediaShard{});
+  for (int c = only_c < 0 ? 0 : only_c; c < (only_c < 0 ? cp : only_c + 1); ++c) {
+    const int row = only_c < 0 ? c : 0;
     for (int t = 0; t < (sp ? tp : 1); ++t) {
       MediaShard sh;
       for (size_t k = 0; k < nm; ++k) {
@@ -291,11 +302,12 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
       if (opts_.mrope != Mrope::kNone) {
         THDPACK_ASSIGN_OR_RETURN(sh.mrope, MropeShard(mrope, layout, cp, c));
       }
-      dest[static_cast<size_t>(c * tp + t)] = std::move(sh);
+      dest[static_cast<size_t>(row * tp + t)] = std::move(sh);
     }
     for (int t = 1; !sp && t < tp; ++t) {  // without SP every TP rank gets TP rank 0's
-      dest[static_cast<size_t>(c * tp + t)] = dest[static_cast<size_t>(c * tp)];
+      dest[static_cast<size_t>(row * tp + t)] = dest[static_cast<size_t>(row * tp)];
     }
+    if (!figures) continue;
     int64_t bytes = 0;  // every TP rank of c encodes the same items: TP rank 0's payload
     for (const MediaShardPart& part : dest[static_cast<size_t>(c * tp)].parts) {
       bytes += static_cast<int64_t>(part.payload.size());
@@ -305,13 +317,14 @@ Status StepRunner::Impl::PackMedia(RankStep& out, size_t m, std::span<const int6
   return Status::Ok();
 }
 
-Status StepRunner::Impl::DeliverMedia(RankStep& out) {
-  // Every rank of the world is here (Deliver's `then`), its shards good. The loader sends each
-  // first-stage member of its replica a size frame, agreed over the replica, then the frame.
+Status StepRunner::Impl::DeliverMedia(RankStep& out, ProcessGroup& g, bool column) {
+  // Every rank of the world is here (Deliver's `then`), its shards good. The loader (a dynamic
+  // step's head) sends each first-stage member of its replica (column) a size frame, agreed over
+  // the group, then the frame.
   const size_t mbs = out.meta.microbatches.size();
   const int tp = topo_.tp_size();
   media_local_.assign(mbs, MediaShard{});
-  const bool loader = replica_->rank() == 0;
+  const bool loader = g.rank() == 0;
   // (member, frame, its bytes), the loader's; each frame written whole into an uninitialised
   // buffer (EncodeMediaFrameInto), not a zeroed vector.
   std::vector<std::tuple<int, std::unique_ptr<uint8_t[]>, size_t>> frames;
@@ -322,14 +335,17 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
   std::unique_ptr<uint8_t[]> frame;
   size_t frame_bytes = 0;
   const std::string from = "step " + Num(step_) + ": media received from " +
-                           Sender(*replica_, 0, "the loader");
+                           Sender(g, 0, column ? "the head" : "the loader");
   if (loader) {
-    for (int j = 1; j < replica_->size(); ++j) {
-      THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(replica_->ranks()[static_cast<size_t>(j)]));
+    for (int j = 1; j < g.size(); ++j) {
+      THDPACK_ASSIGN_OR_RETURN(Coord c, topo_.CoordOf(g.ranks()[static_cast<size_t>(j)]));
       if (c.pp != 0) continue;
       std::vector<MediaShard> mine(mbs);  // each member's part is sent once: moved, not copied
+      // A static step's loader holds every CP rank's parts, a head its own CP rank's (none in
+      // a microbatch where it is idle).
+      const size_t at = static_cast<size_t>(column ? c.tp : c.cp * tp + c.tp);
       for (size_t m = 0; m < mbs; ++m) {
-        mine[m] = std::move(media_shards_[m][static_cast<size_t>(c.cp * tp + c.tp)]);
+        if (at < media_shards_[m].size()) mine[m] = std::move(media_shards_[m][at]);
       }
       const size_t n = MediaFrameBytes(mine);
       std::unique_ptr<uint8_t[]> buffer(new uint8_t[n]);
@@ -337,10 +353,10 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
       frames.emplace_back(j, std::move(buffer), n);
       const auto s = EncodeSizeFrame(static_cast<int64_t>(n));
       THDPACK_RETURN_IF_ERROR(
-          replica_->SendValues(std::span<const uint8_t>(s.data(), s.size()), j, kTagMediaSize));
+          g.SendValues(std::span<const uint8_t>(s.data(), s.size()), j, kTagMediaSize));
     }
   } else if (coord_.pp == 0) {
-    THDPACK_RETURN_IF_ERROR(replica_->RecvValues(std::span<uint8_t>(size), 0, kTagMediaSize));
+    THDPACK_RETURN_IF_ERROR(g.RecvValues(std::span<uint8_t>(size), 0, kTagMediaSize));
     auto bytes = DecodeSizeFrame(size, static_cast<int64_t>(8 + kFrameTrailerSize),
                                  int64_t{1} << 40);
     if (!bytes.ok()) {
@@ -350,19 +366,21 @@ Status StepRunner::Impl::DeliverMedia(RankStep& out) {
       frame.reset(new uint8_t[frame_bytes]);
     }
   }
-  THDPACK_RETURN_IF_ERROR(AgreeIn(*replica_, sizes, "the media sizes"));
+  THDPACK_RETURN_IF_ERROR(AgreeIn(g, sizes, "the media sizes"));
   if (loader) {
     for (const auto& [j, buffer, n] : frames) {
       THDPACK_RETURN_IF_ERROR(
-          replica_->SendValues(std::span<const uint8_t>(buffer.get(), n), j, kTagMedia));
+          g.SendValues(std::span<const uint8_t>(buffer.get(), n), j, kTagMedia));
     }
-    for (size_t m = 0; m < mbs; ++m) media_local_[m] = std::move(media_shards_[m][0]);
+    for (size_t m = 0; m < mbs; ++m) {
+      if (!media_shards_[m].empty()) media_local_[m] = std::move(media_shards_[m][0]);
+    }
     media_shards_.clear();
     return Status::Ok();
   }
   if (coord_.pp != 0) return Status::Ok();
   THDPACK_RETURN_IF_ERROR(
-      replica_->RecvValues(std::span<uint8_t>(frame.get(), frame_bytes), 0, kTagMedia));
+      g.RecvValues(std::span<uint8_t>(frame.get(), frame_bytes), 0, kTagMedia));
   auto shards = DecodeMediaFrame(std::span<const uint8_t>(frame.get(), frame_bytes),
                                  opts_.media.size());
   if (!shards.ok()) return shards.status().WithContext(from);

@@ -141,7 +141,10 @@ Status StepRunner::Impl::Init() {
     if (!opts_.media_cost.has_value()) {
       opts_.media_cost = opts_.schedule.cost.encoder.value_or(DefaultEncoderCost());
     }
-    opts_.schedule.encoder_cost = *opts_.media_cost;
+    // The dynamic scheduler's step-time model has no encoder term: there it only places.
+    if (opts_.schedule.scheduler != ScheduleOptions::Scheduler::kDynamic) {
+      opts_.schedule.encoder_cost = *opts_.media_cost;
+    }
   }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;
   if (!opts_.read_share) {

@@ -86,7 +86,7 @@ Status StepRunner::Impl::PackReplica(RankStep& out) {
     }
     THDPACK_RETURN_IF_ERROR(PackSequences(out, static_cast<size_t>(m), ps, layout, cp, shards));
     if (!opts_.media.empty()) {  // step_media.cc
-      THDPACK_RETURN_IF_ERROR(PackMedia(out, static_cast<size_t>(m), ps, layout));
+      THDPACK_RETURN_IF_ERROR(PackMedia(out, static_cast<size_t>(m), ps, layout, topo_.cp_size()));
     }
     AddMicrobatch(meta, std::move(layout), n_valid);
   }

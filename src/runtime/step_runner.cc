@@ -83,7 +83,8 @@ Result<RankStep> StepRunner::Impl::Next() {
       Deliver(out, tp0 ? replica_.get() : nullptr,
               "the loader of replica " + std::to_string(coord_.dp),
               [&] { return ReceiveShards(out); },
-              media ? std::function<Status()>([&] { return DeliverMedia(out); }) : nullptr));
+              media ? std::function<Status()>([&] { return DeliverMedia(out, *replica_, false); })
+                    : nullptr));
   // 6. Each rank's microbatches, the step's figures, and the run's position past the step.
   FinishLocal(out);
   out.phases.push_back(PhaseStats{Phase::kAgree, agree_seconds_, agree_bytes_});

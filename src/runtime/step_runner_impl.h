@@ -207,11 +207,28 @@ class StepRunner::Impl {
   Status CheckMediaOptions() const;
   // After the token exchange: each sample's media to the loader that packs it (media_of_).
   Status ExchangeMedia(RankStep& out);
-  // Microbatch m's media: its items checked and placed, each first-stage rank's MediaShard
-  // (media_shards_[m][cp * TP + tp]).
-  Status PackMedia(RankStep& out, size_t m, std::span<const int64_t> ps, const Layout& layout);
-  // After the shards: each first-stage member's MediaShards (media_local_ on every rank).
-  Status DeliverMedia(RankStep& out);
+  // The dynamic step's: each sample's media to every head of its group, as its tokens go.
+  Status ExchangeMediaDynamic(RankStep& out);
+  // The dynamic step's blocks among the heads (dynamic_step.cc): head e receives from loader
+  // head s the positions s read whose group holds e; and whether sample p's group holds e.
+  void HeadBlocks(std::vector<std::vector<int64_t>>* send_ps,
+                  std::vector<std::vector<int64_t>>* recv_ps) const;
+  bool HeadHolds(int64_t p, int e) const;
+  // The exchange of both: over `g` (members named `role` in errors), member e receiving the
+  // media of the positions send_ps[e] (this member's samples, own_ from my_begin) and sending
+  // recv_ps[e]'s to this one; `keeps(p)`: this member packs its own sample p.
+  Status MoveMedia(ProcessGroup& g, const char* role,
+                   const std::vector<std::vector<int64_t>>& send_ps,
+                   const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
+                   const std::function<bool(int64_t)>& keeps, RankStep& out);
+  // Microbatch m's media over a CP group of `cp` ranks: its items checked and placed, each
+  // first-stage rank's MediaShard (media_shards_[m][cp * TP + tp]); with only_c >= 0 (a dynamic
+  // step's head) that CP rank's alone (media_shards_[m][tp]).
+  Status PackMedia(RankStep& out, size_t m, std::span<const int64_t> ps, const Layout& layout,
+                   int cp, int only_c = -1);
+  // After the shards: each first-stage member's MediaShards (media_local_ on every rank), over
+  // the replica (a static step) or the head's column (column: a dynamic step).
+  Status DeliverMedia(RankStep& out, ProcessGroup& g, bool column);
 
   // step_deliver.cc - delivery.
   // A packed step's message: with a group to deliver to (tp0), the metadata, the position, the
