@@ -10,6 +10,19 @@ namespace thdpack::python {
 
 namespace {
 
+// held_out (0/1 per row, or None) onto the rows' held_out flags; `rows_name` names the rows'
+// argument in the error for a count that differs.
+template <typename Row>
+void MarkHeldOut(const py::object& held_out, std::vector<Row>& rows, const char* rows_name) {
+  if (held_out.is_none()) return;
+  auto flags = MaskView1D(held_out, "held_out");
+  if (flags.size() != rows.size()) {
+    throw py::value_error("held_out: has " + std::to_string(flags.size()) + " entries, " +
+                          rows_name + " has " + std::to_string(rows.size()));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) rows[i].held_out = flags[i] != 0;
+}
+
 // The profile as Python objects (json.loads of its file text).
 py::object ProfileObject(const CostProfile& p) {
   return py::module_::import("json").attr("loads")(CostProfileJson(p));
@@ -40,14 +53,7 @@ void BindCost(py::module_& m) {
         for (size_t i = 0; i < rows.size(); ++i) {
           rows[i] = TimedEncoderCall{seconds[i], patches[i], frame_sq[i], false};
         }
-        if (!held_out.is_none()) {
-          auto flags = MaskView1D(held_out, "held_out");
-          if (flags.size() != rows.size()) {
-            throw py::value_error("held_out: has " + std::to_string(flags.size()) +
-                                  " entries, seconds has " + std::to_string(rows.size()));
-          }
-          for (size_t i = 0; i < rows.size(); ++i) rows[i].held_out = flags[i] != 0;
-        }
+        MarkHeldOut(held_out, rows, "seconds");
         // The term joins the language model's profile: one file, one unit (seconds).
         CostProfile p = ValueOrThrow(ReadCostProfile(profile));
         p.encoder = ValueOrThrow(FitEncoderProfile(rows, model));
@@ -87,14 +93,7 @@ fitted on. Returns the profile as the file's JSON objects. ValueError naming the
           r.lengths.assign(lengths.begin(), lengths.end());
           rows.push_back(std::move(r));
         }
-        if (!held_out.is_none()) {
-          auto flags = MaskView1D(held_out, "held_out");
-          if (flags.size() != rows.size()) {
-            throw py::value_error("held_out: has " + std::to_string(flags.size()) +
-                                  " entries, timings has " + std::to_string(rows.size()));
-          }
-          for (size_t i = 0; i < rows.size(); ++i) rows[i].held_out = flags[i] != 0;
-        }
+        MarkHeldOut(held_out, rows, "timings");
         MeasuredOn on;
         on.model = model;
         on.device = device;

@@ -12,11 +12,6 @@
 namespace thdpack {
 namespace {
 
-std::string Num(double v) {
-  std::string s = std::to_string(v);
-  return s;
-}
-
 double Predict(const EncoderCost& c, const TimedEncoderCall& r) {
   return EncoderTerm(c, static_cast<double>(r.patches), static_cast<double>(r.frame_sq));
 }
@@ -42,10 +37,7 @@ Result<EncoderProfile> FitEncoderProfile(std::span<const TimedEncoderCall> timed
   for (size_t i = 0; i < timed.size(); ++i) {
     const TimedEncoderCall& r = timed[i];
     const std::string where = "encoder timings: call " + std::to_string(i);
-    if (!std::isfinite(r.seconds) || !(r.seconds > 0)) {
-      return Status::InvalidArgument(where + ": seconds = " + Num(r.seconds) +
-                                     " must be finite and > 0");
-    }
+    THDPACK_RETURN_IF_ERROR(internal::CheckTimedSeconds(r.seconds, where));
     if (r.patches < 1 || r.frame_sq < r.patches) {
       return Status::InvalidArgument(
           where + ": " + std::to_string(r.patches) + " patches and frame^2 " +

@@ -308,6 +308,12 @@ FitErrors RelativeErrors(std::span<const double> predicted, std::span<const doub
   return e;
 }
 
+Status CheckTimedSeconds(double seconds, const std::string& where) {
+  if (std::isfinite(seconds) && seconds > 0) return Status::Ok();
+  return Status::InvalidArgument(where + ": seconds = " + Num(seconds) +
+                                 " must be finite and > 0");
+}
+
 Json ErrorsToJson(const FitErrors& e) {
   return Json{{"n", e.n},
               {"r2", e.r2},
@@ -420,10 +426,7 @@ Result<CostProfile> FitCostProfile(std::span<const TimedMicrobatch> timed,
   for (size_t i = 0; i < timed.size(); ++i) {
     const TimedMicrobatch& r = timed[i];
     const std::string where = "timings: microbatch " + std::to_string(i);
-    if (!std::isfinite(r.seconds) || !(r.seconds > 0)) {
-      return Status::InvalidArgument(where + ": seconds = " + Num(r.seconds) +
-                                     " must be finite and > 0");
-    }
+    THDPACK_RETURN_IF_ERROR(internal::CheckTimedSeconds(r.seconds, where));
     if (r.lengths.empty()) return Status::InvalidArgument(where + ": has no sequence");
     for (int64_t p : r.lengths) {
       if (p < 1 || p > kMaxLength) {
