@@ -4,8 +4,6 @@ media_microbatch/mrope_microbatch computed from the whole samples - and a model 
 its items, routes the rows and places them trains with the loss and gradients of one process,
 at DP x CP, with SP, and with prefetch. The step's errors for bad media are named on every
 rank."""
-import datetime
-import os
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from test_media import D, H, MEDIA, MERGE, encoder, make_samples, params
+from test_torch_iterator import join_gloo
 from worlds import spawn
 
 N = 12  # samples in the batch
@@ -44,11 +43,8 @@ def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir, scheduler="balanced"):
     from test_torch_iterator import make_groups
     from thdpack.torch import (PackedDataIterator, media_microbatch, mrope_microbatch,
                                pack_batch, route_media)
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     world = tp * cp * dp
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, world, port, timeout=60)
     groups = make_groups(tp, cp, dp, 1)
     tp_rank, cp_rank, dp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
     samples = make_samples(21, n=N)
@@ -151,10 +147,7 @@ def error_worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     from thdpack.torch import PackedDataIterator, pack_batch
     from test_job_agreement import error_of
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, 2, port, timeout=60)
     groups = make_groups(1, 1, 2, 1)
     samples = make_samples(21, n=4)
     mine = samples[rank::2]
@@ -260,10 +253,7 @@ def balance_samples():
 def balance_worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     from thdpack.torch import pack_batch
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, 2, port, timeout=60)
     samples = balance_samples()
     step = pack_batch(samples[rank::2], make_groups(1, 1, 2, 1), media=MEDIA,
                       spatial_merge_size=MERGE, max_tokens_per_rank=8192)
@@ -316,10 +306,7 @@ def ranks_worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     import thdpack._thdpack as _t
     from thdpack.torch import pack_batch
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, 4, port, timeout=60)
     samples = make_samples(21, n=N)
     step = pack_batch(samples[rank // 2::2] if rank % 2 == 0 else None, make_groups(1, 2, 2, 1),
                       media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512)
@@ -381,10 +368,7 @@ def media_record(step):
 def everywhere_worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     from thdpack.torch import PackedDataIterator, loader_positions
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, 4, port, timeout=60)
     groups = make_groups(1, 2, 2, 1)
     cp_rank, dp_rank = rank % 2, rank // 2
     G = 8
@@ -439,10 +423,7 @@ def test_media_under_groups_prefetch_and_resume(tmp_path):
 def pp_worker(rank, port, out_dir):
     from test_torch_iterator import make_groups
     from thdpack.torch import media_microbatch, mrope_microbatch, pack_batch
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, 4, port, timeout=60)
     groups = make_groups(1, 2, 1, 2)  # CP 2 x PP 2: ranks 0, 1 the first stage
     cp_rank, stage = rank % 2, rank // 2
     samples = make_samples(21, n=N)

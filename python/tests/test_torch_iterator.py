@@ -9,6 +9,7 @@ One spawned world per world size runs every topology of that size (groups made o
 topology), to keep the suite within CI's time.
 """
 import dataclasses
+import datetime
 import json
 import os
 import pickle
@@ -174,11 +175,13 @@ class FailingShare:
             yield item
 
 
-def join_gloo(rank, world, port):
-    """A spawned worker's start: one thread, then a gloo world on localhost:port."""
+def join_gloo(rank, world, port, timeout=None):
+    """A spawned worker's start: one thread, then a gloo world on localhost:port (its
+    collectives' timeout `timeout` seconds, else torch's default)."""
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **kw)
 
 
 def read_samples(data_path):
