@@ -29,7 +29,12 @@ model's cost plus its encoder's (the default term), under:
 Printed: the slowest replica's step over the mean (1.0 = perfect) and its encoder work over the
 mean encoder work, averaged over batches, and the encoder's share of the step's work.
 
+Then the encoder ranks (--encoders): the items of each global microbatch (the i-th microbatch of
+DP replicas of CP 2) placed over E encoder ranks of their own (encoder_ranks), against the same
+items on the replicas' CP ranks.
+
 Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200] [--step] [--replicas]
+     [--encoders]
 """
 import argparse
 import datetime
@@ -243,6 +248,45 @@ def replica_figures(args):
         print(f"    the encoder's share of the step's work: {np.mean(share):.3f}")
 
 
+def encoder_rank_figures(args):
+    """--encoders: the encoder ranks' balance (thdpack.torch.encoders): each global microbatch -
+    the i-th microbatch of every replica, DP replicas of CP 2 - has its items placed over E
+    encoder ranks by place_media_items on the default term; the busiest encoder rank's work
+    over the mean, against the same items placed on the replicas' CP ranks (the colocated
+    path: DP x CP ranks encode), and the bound of whole items (the largest item over the mean,
+    where it exceeds 1)."""
+    print(f"\n{'DP':>3} {'E':>3} {'encoder ranks max/mean':>23} {'bound':>6} "
+          f"{'colocated DPxCP max/mean':>25}")
+    for dp in (2, 4, 8):
+        rng = np.random.default_rng(args.seed + 100 + dp)
+        mbs = microbatches(rng, 2, dp * min(args.microbatches, 100))
+        costs = []
+        for mb in mbs:
+            c = []
+            for s in mb:
+                for g in (s["image_grid_thw"], s["video_grid_thw"]):
+                    c += [_t.media_item_cost([int(v) for v in x]) for x in g]
+            costs.append(np.asarray(c))
+        globals_ = [costs[k:k + dp] for k in range(0, len(costs) - dp + 1, dp)]
+        colocated = []
+        for grp in globals_:  # each replica's items over its 2 CP ranks, as the step places
+            work = np.concatenate([np.bincount(_t.place_media_items(c, 2), weights=c,
+                                               minlength=2) if len(c) else np.zeros(2)
+                                   for c in grp])
+            colocated.append(work.max() / work.mean())
+        for e in (dp, 2 * dp, 4 * dp):
+            ratio, bound = [], []
+            for grp in globals_:
+                c = np.concatenate(grp)
+                if not len(c):
+                    continue
+                work = np.bincount(_t.place_media_items(c, e), weights=c, minlength=e)
+                ratio.append(work.max() / work.mean())
+                bound.append(max(1.0, c.max() / work.mean()))
+            print(f"{dp:>3} {e:>3} {np.mean(ratio):>23.3f} {np.mean(bound):>6.3f} "
+                  f"{np.mean(colocated):>25.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--microbatches", type=int, default=200)
@@ -253,6 +297,8 @@ def main():
     ap.add_argument("--tflops", type=float, default=400.0)
     ap.add_argument("--replicas", action="store_true",
                     help="also the replicas' balance of language model plus encoder")
+    ap.add_argument("--encoders", action="store_true",
+                    help="also the balance over encoder ranks of their own")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--batches", type=int, default=20)
     args = ap.parse_args()
@@ -311,6 +357,8 @@ def main():
         step_figures(args)
     if args.replicas:
         replica_figures(args)
+    if args.encoders:
+        encoder_rank_figures(args)
 
 
 if __name__ == "__main__":

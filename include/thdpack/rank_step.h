@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -113,6 +114,9 @@ struct RankStep {
   // encoder's cost of the items it encodes (encoder_cost's unit) and their payload bytes.
   std::vector<std::vector<double>> media_rank_cost;    // [M][CP]
   std::vector<std::vector<int64_t>> media_rank_bytes;  // [M][CP]
+  // With media, on every rank: the encoder's term that places items (StepRunnerOptions::
+  // media_cost as the runner resolved it) - what places them over encoder ranks of their own.
+  std::optional<EncoderCost> media_cost;
   // The dynamic scheduler: dynamic is true on every rank; dynamic_plan is set, with samples, on
   // the heads that plan (tp = 0, pp = 0 of every domain index), and `plan` stays empty.
   // groups_made / groups_reused: the CP process groups this step split from the world and took

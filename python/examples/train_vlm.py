@@ -31,7 +31,13 @@ step hands media and mRoPE positions to it alone) and the MLP and head the secon
 exchange activations and their gradients, and each stage's gradients are summed over its
 DP x CP ranks.
 
-  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 [--pp 2] --steps 3 --check
+With --encoders E the vision tower runs on E ranks of its own (world ranks DP*CP ..
+DP*CP+E-1, Megatron MIMO's non-colocated encoders): the language ranks' step hands each item to
+one of them (thdpack.torch.EncoderIterator there), placed by the encoder's cost; their output
+rows come back through route_media, their gradients return in its backward, and the tower's
+gradients are summed over the encoder ranks.
+
+  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 [--pp 2 | --encoders 2] --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
 """
 import argparse
@@ -48,8 +54,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import thdpack.torch as tt  # noqa: E402
-from train_tiny import (free_port, join_world, param_sum,  # noqa: E402 - the tiny example's
-                        sgd_step)
+from train_tiny import (Place, free_port, join_world, new_groups,  # noqa: E402 - the tiny
+                        param_sum, sgd_step)                       # example's
 
 VOCAB, HIDDEN, VISION, PATCH, MERGE = 48, 16, 8, 6, 2
 IMAGE, VIDEO = 46, 47
@@ -151,17 +157,76 @@ def stage_params(model, place):
     return out
 
 
-def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
-    place, groups, dpcp_group = join_world(rank, dp, cp, pp, port)
+VISION_PARAMS = ("patch", "merge", "mix")
+
+
+def join_with_encoders(rank, dp, cp, encoders, port):
+    """--encoders E: a gloo world of DP x CP language ranks (0 .. DP*CP-1, their own world for
+    the step) and E encoder ranks after them. Every rank makes every group, in one order.
+    Returns the Place (None on an encoder rank), the Groups (None there), the group over which
+    this rank's gradients are summed (the language ranks, or the encoder ranks) and the
+    encoder ranks."""
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    n = dp * cp
+    dist.init_process_group("gloo", rank=rank, world_size=n + encoders)
+    enc = list(range(n, n + encoders))
+    lm_world = dist.new_group(list(range(n)))
+    enc_group = dist.new_group(enc)
+    at = Place(0, dp, cp, 1).at
+    cp_group = new_groups([[at(c, d, 0) for c in range(cp)] for d in range(dp)])
+    dp_group = new_groups([[at(c, d, 0) for d in range(dp)] for c in range(cp)])
+    if rank in enc:
+        return None, None, enc_group, enc
+    groups = tt.Groups(cp=cp_group, dp=dp_group, world=lm_world)
+    return Place(rank, dp, cp, 1), groups, lm_world, enc
+
+
+def encoder_worker(rank, model, steps, sum_group, enc, out_path):
+    """An encoder rank: the vision tower on the items the bridge places here, each output row
+    sent to the language ranks (route_media), the gradients that come back summed over the
+    encoder ranks."""
+    params = [getattr(model, n) for n in VISION_PARAMS]
+    for step in tt.EncoderIterator(enc, MEDIA):
+        for mb in step:
+            rows = [tt.route_media(model.vision(m["pixel_values"], m["grid_thw"]), mb, name)
+                    for name, m in mb["media"].items()]
+            sum(r.sum() for r in rows).backward()
+        for p in params:  # an encoder rank without items this step
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sgd_step(params, sum_group, LR)
+        for p in params:
+            p.grad = None
+    vision = torch.zeros(1, dtype=torch.float64)
+    if rank == enc[0]:
+        vision[0] = float(sum(p.detach().sum() for p in params))
+    dist.all_reduce(vision)
+    lm = torch.zeros(1, dtype=torch.float64)
+    dist.all_reduce(lm)
+    dist.destroy_process_group()
+
+
+def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, encoders=0):
+    if encoders:
+        place, groups, dpcp_group, enc = join_with_encoders(rank, dp, cp, encoders, port)
+        if place is None:
+            return encoder_worker(rank, TinyVLM(), steps, dpcp_group, enc, out_path)
+    else:
+        place, groups, dpcp_group = join_world(rank, dp, cp, pp, port)
+        enc = None
     model = TinyVLM()
     params = stage_params(model, place)
+    if enc:  # the vision tower lives on the encoder ranks
+        params = [p for p in params
+                  if not any(p is getattr(model, n) for n in VISION_PARAMS)]
     loader = place.first and place.cp_rank == 0
     # Loader d's share: stream positions d, d + DP, ... (a DistributedSampler's order).
     share = (sample(i) for i in range(place.dp_rank, steps * global_batch, dp)) if loader \
         else None
     it = tt.PackedDataIterator(share, groups, global_batch=global_batch, steps=steps,
                                max_tokens_per_rank=48, media=MEDIA, spatial_merge_size=MERGE,
-                               mrope="qwen2-vl", prefetch=1)
+                               mrope="qwen2-vl", prefetch=1, encoder_ranks=enc)
     losses = []
     for step in it:
         n = step.n_loss_tokens
@@ -175,6 +240,7 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
                 x = model.emb[mb["tokens"].long()]
                 for name in MEDIA:  # every rank, every modality, in order
                     m = mb["media"][name]
+                    # (with --encoders no items here: [0, HIDDEN] in, the rows back)
                     rows = tt.route_media(model.vision(m["pixel_values"], m["grid_thw"]), mb,
                                           name)
                     x = x.index_put((m["token_index"],), rows)
@@ -207,12 +273,21 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path):
             if pp > 1:
                 dist.send(x.grad, dst=place.at(*to, place.stage - 1))
             total += share_.detach()
-        dist.all_reduce(total)  # the last stage's shares, over DP x CP
+        dist.all_reduce(total, group=dpcp_group if enc else None)  # the shares, over DP x CP
         sgd_step(params, dpcp_group, LR)  # the shares are designed for a sum over DP x CP
         for p in params:
             p.grad = None
         losses.append(float(total))
-    total_params = param_sum(params, place)
+    if enc:  # the vision tower's sum from the encoder ranks, the rest from rank 0
+        vision = torch.zeros(1, dtype=torch.float64)
+        dist.all_reduce(vision)
+        lm = torch.zeros(1, dtype=torch.float64)
+        if rank == 0:
+            lm[0] = float(sum(p.detach().sum() for p in params))
+        dist.all_reduce(lm)
+        total_params = float(vision[0] + lm[0])
+    else:
+        total_params = param_sum(params, place)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "param_sum": total_params}, f)
@@ -259,6 +334,9 @@ def main():
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
                     help="pipeline stages: 2 splits the model after the attention block")
+    ap.add_argument("--encoders", type=int, default=0,
+                    help="encoder ranks of their own (non-colocated; 0: each item is encoded "
+                         "on a CP rank of its replica)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--check", action="store_true",
@@ -267,18 +345,22 @@ def main():
     ap.add_argument("--port", type=int, default=0,
                     help="the gloo rendezvous port (default: one the OS finds free)")
     args = ap.parse_args()
+    if args.encoders and args.pp > 1:
+        ap.error("--encoders with --pp 2: not built (the bridge group is the first stage's)")
     import multiprocessing
     multiprocessing.set_forkserver_preload(["numpy", "torch", "torch.distributed", "thdpack",
                                             "thdpack.torch"])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.start_processes(worker, args=(args.dp, args.cp, args.pp, args.steps,
-                                         args.global_batch, args.port or free_port(), out),
-                           nprocs=args.dp * args.cp * args.pp, join=True,
+                                         args.global_batch, args.port or free_port(), out,
+                                         args.encoders),
+                           nprocs=args.dp * args.cp * args.pp + args.encoders, join=True,
                            start_method="forkserver")
         with open(out) as f:
             multi = json.load(f)
-    print(f"DP {args.dp} x CP {args.cp} x PP {args.pp}: losses "
+    enc = f" + {args.encoders} encoder ranks" if args.encoders else ""
+    print(f"DP {args.dp} x CP {args.cp} x PP {args.pp}{enc}: losses "
           + ", ".join(f"{v:.6f}" for v in multi["losses"]))
     if not args.check:
         return 0

@@ -336,8 +336,15 @@ class TorchProcessGroup final : public ProcessGroup {
           for (int r : groups[g]) {
             torch_ranks.append(options_->torch_ranks[static_cast<size_t>(r)]);
           }
-          made_all.append(dist_.attr("new_group")(py::arg("ranks") = torch_ranks,
-                                                  py::arg("backend") = options_->backend));
+          if (options_->local_sync) {
+            // Among the world's members alone, where it is part of the default group
+            // (thdpack.torch.groups.local_new_group: torch's group names stay in step).
+            made_all.append(py::module_::import("thdpack.torch.groups")
+                                .attr("local_new_group")(torch_ranks, options_->backend));
+          } else {
+            made_all.append(dist_.attr("new_group")(py::arg("ranks") = torch_ranks,
+                                                    py::arg("backend") = options_->backend));
+          }
         }
         if (keep) options_->kept_groups[py::str(key)] = made_all;
       }

@@ -166,6 +166,12 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
   d["first_stage"] = step.first_stage;
   d["last_stage"] = step.last_stage;
   d["dynamic"] = step.dynamic;
+  // The encoder's term that placed the step's items (None without media): what places them over
+  // encoder ranks of their own (thdpack.torch.encoders).
+  d["media_cost"] = step.media_cost
+                        ? py::object(py::make_tuple(step.media_cost->per_patch,
+                                                    step.media_cost->per_frame_sq))
+                        : py::object(py::none());
   d["n_loss_tokens"] = step.meta.n_loss_tokens;
   d["num_microbatches"] = static_cast<int64_t>(step.microbatches.size());
   d["replica_real_tokens"] = step.meta.real_tokens;
@@ -295,8 +301,17 @@ std::shared_ptr<TorchCommOptions> CommOptions(const py::object& world_group,
         KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
   }
   comm->cuda_device = std::move(device);
-  comm->backend = py::str(py::module_::import("torch.distributed").attr("get_backend")(world_group))
-                      .cast<std::string>();
+  py::module_ dist = py::module_::import("torch.distributed");
+  comm->backend = py::str(dist.attr("get_backend")(world_group)).cast<std::string>();
+  // A world smaller than the default group makes its groups among its members alone, where
+  // torch can (TorchCommOptions::local_sync; the iterator refuses encoder ranks where not).
+  if (dist.attr("get_world_size")().cast<int>() > static_cast<int>(comm->torch_ranks.size())) {
+    comm->local_sync = py::module_::import("inspect")
+                           .attr("signature")(dist.attr("new_group"))
+                           .attr("parameters")
+                           .attr("__contains__")("use_local_synchronization")
+                           .cast<bool>();
+  }
   return comm;
 }
 
@@ -522,9 +537,14 @@ class TorchStepSource {
       data->cuda_device = py::none();
       data->backend = "gloo";
       data->monitored_barrier_seconds = monitored_barrier_seconds;
-      py::object group = py::module_::import("torch.distributed")
-                             .attr("new_group")(py::arg("ranks") = torch_ranks,
-                                                py::arg("backend") = "gloo");
+      data->local_sync = comm->local_sync;
+      py::object group =
+          comm->local_sync
+              ? py::module_::import("thdpack.torch.groups")
+                    .attr("local_new_group")(torch_ranks, "gloo")
+              : py::module_::import("torch.distributed")
+                    .attr("new_group")(py::arg("ranks") = torch_ranks,
+                                       py::arg("backend") = "gloo");
       data_group_ = group;
       so.data_world = MakeTorchWorld(std::move(group), data, /*owned=*/true);
     }

@@ -55,6 +55,11 @@ struct TorchCommOptions {
   // new_group again. For a caller that makes the same step's groups again and again (pack_batch,
   // one step per call); every rank must keep the same dict through the same Splits.
   py::object kept_groups = py::none();
+  // The world is part of the default group (language ranks beside encoder ranks of their own,
+  // thdpack.torch.encoders) and torch can make a group among its members alone: every group
+  // this world makes is made with new_group(use_local_synchronization=True), which the other
+  // ranks of the default group need not call (torch >= 2.2).
+  bool local_sync = false;
 };
 
 // The world: `group` is the torch group whose positions are the topology's ranks (the default

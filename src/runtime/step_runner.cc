@@ -41,6 +41,7 @@ RankStep StepRunner::Impl::StartStep(bool is_loader) {
   out.dynamic = dynamic_;
   out.first_stage = coord_.pp == 0;
   out.last_stage = coord_.pp == topo_.pp_size() - 1;
+  if (!opts_.media.empty()) out.media_cost = opts_.media_cost;
   agree_seconds_ = 0;
   agree_bytes_ = 0;
   shards_.clear();

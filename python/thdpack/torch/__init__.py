@@ -24,6 +24,7 @@ from .rows import SampleRows
 from .logprobs import linear_token_logprobs, per_token, token_logprobs
 from .media import (media_microbatch, media_specs, mrope_microbatch, mrope_positions,
                     route_media)
+from .encoders import EncoderIterator, encoder_batch
 from .seqloss import RLStatistics, aggregate_loss, sequence_means, sequence_sums
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ += ["calibrate", "calibrate_encoder", "linear_loss", "SampleRows"]
 __all__ += ["linear_token_logprobs", "per_token", "token_logprobs"]
 __all__ += ["media_microbatch", "media_specs", "mrope_microbatch", "mrope_positions",
             "route_media"]
+__all__ += ["EncoderIterator", "encoder_batch"]
 __all__ += ["RLStatistics", "aggregate_loss", "sequence_means", "sequence_sums"]

@@ -102,5 +102,7 @@ def pack_batch(samples, groups, fields=None, **options):
                             prefetch=0, steps=1, fields=fields, _kept_groups=kept, **options)
     it._shares.whole = True  # a loader's list is its whole share: FedShares checks its count
     step = next(it)
+    if it._bridge is not None:  # one batch: the encoder ranks took one (encoder_batch)
+        it._bridge.closed = True
     step._batch_iterator = it  # the world step.unpack communicates over
     return step

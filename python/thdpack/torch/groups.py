@@ -7,8 +7,36 @@ sizes and rank order define (``thdpack.Topology``: the C++ rule of ranks and gro
 from __future__ import annotations
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from .. import _thdpack
+
+
+def local_new_group(ranks, backend):
+    """``dist.new_group(ranks, backend=backend, use_local_synchronization=True)`` on a member
+    of ``ranks``; on any other rank the group counter torch names groups by is advanced as a
+    member's is (torch >= 2.2 returns early there, and the next group's name would differ
+    between ranks that made different groups). For a world that is part of the default group
+    (language ranks beside encoder ranks of their own: encoders.py), whose ranks all make the
+    same groups, in one order; ``sync_group_counter`` brings every rank of the default group
+    back in step afterwards."""
+    if dist.get_rank() in ranks:
+        return dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=True)
+    c10d.__dict__["_world"].group_count += 1
+    return dist.GroupMember.NON_GROUP_MEMBER
+
+
+def group_counter():
+    """torch's count of the groups this process made (what it names the next one by); 0 on a
+    torch without local groups (nothing to keep in step there)."""
+    world = c10d.__dict__.get("_world")
+    return 0 if world is None else world.group_count
+
+
+def set_group_counter(value):
+    world = c10d.__dict__.get("_world")
+    if world is not None:
+        world.group_count = int(value)
 
 
 def _group_ranks(group, world_ranks):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import inspect
 import json
 import time
 import weakref
@@ -115,6 +116,13 @@ class PackedDataIterator:
     (per_patch, per_frame_sq) of the encoder in the cost's unit: it places items over CP and
     the schedulers balance it with the language model over the replicas (default: Qwen2-VL's
     tower in training FLOPs, with a model cost; required with ``cost="tokens"`` or a profile).
+    ``encoder_ranks`` (world ranks outside ``groups.world``): the vision tower runs there
+    instead of on the CP ranks (thdpack.torch.encoders): after each step the items go to those
+    ranks, placed over them by ``media_cost``, and each rank's ``mb["media"][name]`` holds no
+    ``pixel_values`` (pass ``route_media`` an empty ``[0, H]``) but the same ``token_index``;
+    the encoder ranks iterate ``EncoderIterator(encoder_ranks, media)``. ``encoder_group``:
+    the group of both (default: the default group, which must hold exactly these ranks).
+    Static schedulers, PP 1, torch >= 2.2 (others refused by name).
 
     ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller by the C++
     step source (thdpack/step_runner.h, ``StepSource``) on a thread of each rank, over a gloo
@@ -148,8 +156,56 @@ class PackedDataIterator:
                  scheduler=None, cost=None, sp=None, data_on=None, device=None, steps=None,
                  monitored_barrier_seconds=0.0, label_format="megatron", prefetch=None,
                  fields=None, media=None, spatial_merge_size=2, mrope=None,
-                 mrope_tokens_per_second=2.0, media_cost=None, _kept_groups=None, **options):
+                 mrope_tokens_per_second=2.0, media_cost=None, encoder_ranks=None,
+                 encoder_group=None, _kept_groups=None, **options):
         self._src = None
+        self._bridge = None
+        if encoder_ranks is None:
+            self._make(source, groups, global_batch, max_tokens_per_rank, scheduler, cost, sp,
+                       data_on, device, steps, monitored_barrier_seconds, label_format,
+                       prefetch, fields, media, spatial_merge_size, mrope,
+                       mrope_tokens_per_second, media_cost, _kept_groups, options)
+            return
+        # Encoders on ranks of their own (encoders.py): the step as above over the language
+        # ranks, then the bridge agreed with the encoder ranks - or this rank's failure, which
+        # every language rank shares (the step agrees it), sent to them.
+        try:
+            if media is None:
+                raise ValueError("encoder_ranks: without media (declare the modalities)")
+            if "use_local_synchronization" not in inspect.signature(dist.new_group).parameters:
+                raise ValueError(f"encoder_ranks: torch {torch.__version__} makes a group only "
+                                 f"with every rank of the default group, and the language "
+                                 f"ranks' step makes groups the encoder ranks do not (torch "
+                                 f">= 2.2: new_group(use_local_synchronization=True))")
+            if groups.sizes["pp"] > 1:
+                raise ValueError(f"encoder_ranks with PP = {groups.sizes['pp']}: not built (the "
+                                 f"bridge group is the first stage's; encode on the CP ranks)")
+            if options.get("scheduler", scheduler) == "dynamic":
+                raise ValueError("encoder_ranks under the dynamic scheduler: not built (a CP "
+                                 "group a microbatch; use a static scheduler or encode on the "
+                                 "CP ranks)")
+            self._make(source, groups, global_batch, max_tokens_per_rank, scheduler, cost, sp,
+                       data_on, device, steps, monitored_barrier_seconds, label_format,
+                       prefetch, fields, media, spatial_merge_size, mrope,
+                       mrope_tokens_per_second, media_cost, _kept_groups, options)
+        except BaseException as e:
+            from .encoders import make_bridge
+            try:
+                make_bridge(encoder_ranks, media if isinstance(media, dict) else {},
+                            encoder_group, groups.world_ranks, error=e)
+            except BaseException:  # noqa: BLE001 - this rank raises its own, below
+                pass
+            raise
+        from .encoders import make_bridge
+        self._bridge = make_bridge(encoder_ranks, media, encoder_group, groups.world_ranks)
+        topo = groups.topology
+        self._bridge_where = (groups.coord["tp"], self._bridge.group_ranks.index(
+            groups.world_ranks[topo.group_of("tp", groups.rank)[0]]), int(spatial_merge_size))
+
+    def _make(self, source, groups, global_batch, max_tokens_per_rank, scheduler, cost, sp,
+              data_on, device, steps, monitored_barrier_seconds, label_format, prefetch, fields,
+              media, spatial_merge_size, mrope, mrope_tokens_per_second, media_cost,
+              _kept_groups, options):
         if not isinstance(groups, Groups):
             raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
         # This rank's own checks, agreed over the world before it makes the step (a collective
@@ -267,8 +323,15 @@ class PackedDataIterator:
         t0 = time.perf_counter()
         try:
             payload, cp_groups, counts, _ = self._src.next()
-        except BaseException:
+        except StopIteration:
             self._finished = True
+            if self._bridge is not None:
+                self._bridge.stop()
+            raise
+        except BaseException as e:
+            self._finished = True
+            if self._bridge is not None:
+                self._bridge.fail(f"{type(e).__name__}: {e}")
             raise
         if isinstance(payload, PackedStep):  # made on the data plane's thread
             step = payload
@@ -284,6 +347,13 @@ class PackedDataIterator:
                               tuple(self.media) if self.media else ())
         if counts is not None:
             step.figures.update(counts)
+        if self._bridge is not None:  # the items to the encoder ranks (encoders.py)
+            tp_rank, staging, merge = self._bridge_where
+            try:
+                self._bridge.send_step(step, tp_rank, step.sp, staging, merge)
+            except BaseException:
+                self._finished = True
+                raise
         step._iterator = weakref.ref(self)
         step.options = self.options
         # The step before the last is the caller's no more (it let it go when it took the last
@@ -336,6 +406,8 @@ class PackedDataIterator:
         src, self._src = self._src, None
         if src is not None:
             src.close()
+        if self._bridge is not None:  # the encoder ranks' iteration ends with this one
+            self._bridge.stop()
 
 
 # How long the interpreter's exit waits for each data plane's thread to finish the steps it

@@ -230,8 +230,16 @@ def route_media(out, mb, name):
     if not isinstance(out, torch.Tensor) or out.dim() < 1:
         raise TypeError(f"route_media: out must be a tensor [rows, H], got {type(out).__name__}")
     if out.shape[0] != route["output_rows"]:
+        where = (" (the encoder ranks encode them: pass [0, H])" if "bridge_rows" in route
+                 else "")
         raise ValueError(f"route_media('{name}'): out has {out.shape[0]} rows, this rank's items "
-                         f"have {route['output_rows']} tokens (t*h*w / merge**2 each)")
+                         f"have {route['output_rows']} tokens (t*h*w / merge**2 each){where}")
+    bridge = route.get("bridge")
+    if bridge is not None:  # encoders on ranks of their own (encoders.py)
+        from .encoders import bridge_rows
+        out = bridge_rows(out, bridge)
+        if "send_index" not in route:  # an encoder rank: its rows have left
+            return out
     cp_group = mb.get("cp_group")
     dev = out.device
     # The backward is collective too: a rank whose rows need no gradient (no items here, so

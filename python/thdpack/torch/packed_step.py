@@ -64,6 +64,9 @@ class PackedStep:
         self.seqlen_squared_sum = self.figures["sum_sq"]
         self.skipped_ids = list(raw["skipped_ids"])
         self.dynamic = raw["dynamic"]
+        self.sp = bool(raw["sp"])  # activations split over TP (sequence parallelism)
+        # With media: the encoder's (per_patch, per_frame_sq) term that placed the items.
+        self.media_cost = raw["media_cost"]
         if copy_stream is not None:
             # Pinned host tensors to the device on a side stream; the caller's stream waits
             # for the copies before it uses them.

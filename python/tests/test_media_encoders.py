@@ -1,0 +1,237 @@
+"""Encoders on ranks of their own (``encoder_ranks``; thdpack.torch.encoders, docs/media.md):
+the language ranks' step hands each item to one encoder rank and routes its output rows back
+to the ranks whose shards hold its tokens. Every item is encoded exactly once, each language
+rank's token positions are the colocated path's, and a model trained that way has one
+process's loss and gradients - at DP x CP, CP 4, TP 2 with and without SP, through pack_batch
+and the iterator with prefetch. A language rank's failure, and each refusal, is raised on every
+rank, named."""
+import inspect
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_media import MEDIA, MERGE, encoder, make_samples, params
+from test_media_step import N, one_process, sample_weights
+from test_torch_iterator import join_gloo
+from worlds import spawn
+
+LOCAL = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
+needs_local = pytest.mark.skipif(not LOCAL, reason="torch without new_group("
+                                 "use_local_synchronization=True): encoder ranks are refused")
+
+
+def language_groups(tp, cp, dp):
+    """Every TP, CP, DP group of the language ranks 0 .. TP*CP*DP-1 (Megatron's order) and
+    their world, made on every rank of the default group (the encoder ranks too)."""
+    from thdpack.torch import Groups
+    n = tp * cp * dp
+    rank = dist.get_rank()
+    world = dist.new_group(list(range(n)))
+    stride = {"tp": 1, "cp": tp, "dp": tp * cp}
+    sizes = {"tp": tp, "cp": cp, "dp": dp}
+    mine = {}
+    for k in ("tp", "cp", "dp"):
+        seen = set()
+        for r in range(n):
+            c = {"tp": r % tp, "cp": (r // tp) % cp, "dp": r // (tp * cp)}[k]
+            ranks = tuple(r + (i - c) * stride[k] for i in range(sizes[k]))
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            g = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine[k] = g
+    return (Groups(world=world, **mine) if rank < n else None), world
+
+
+def worker(rank, port, tp, cp, dp, sp, n_enc, prefetch, out_dir):
+    from thdpack.torch import (EncoderIterator, PackedDataIterator, encoder_batch,
+                               media_microbatch, pack_batch, route_media)
+    n = tp * cp * dp
+    join_gloo(rank, n + n_enc, port, timeout=60)
+    groups, _ = language_groups(tp, cp, dp)
+    enc = list(range(n, n + n_enc))
+    samples = make_samples(21, n=N)
+    E, W, W2 = (p.requires_grad_() for p in params())
+    kw = dict(media=MEDIA, spatial_merge_size=MERGE, mrope="qwen2.5-vl", max_tokens_per_rank=512,
+              sp=sp, encoder_ranks=enc)
+    if rank in enc:  # the vision tower's rank: its items, encoded, the rows sent
+        steps = ([encoder_batch(enc, MEDIA)] if prefetch is None
+                 else list(EncoderIterator(enc, MEDIA)))
+        loss, items = 0, []
+        for mbs in steps:
+            for mb in mbs:
+                for name in MEDIA:
+                    m = mb["media"][name]
+                    at = 0
+                    for t, h, w in m["grid_thw"].tolist():
+                        rows = m["pixel_values"][at:at + t * h * w]
+                        at += t * h * w
+                        items.append((name, t, h, w, float(rows.sum()), rows[0].tolist()))
+                    assert at == m["pixel_values"].shape[0]
+                    rows = route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb,
+                                       name)
+                    assert rows.shape[0] == 0
+                    loss = loss + rows.sum()
+        loss.backward()
+        torch.save((0.0, None, W.grad, W2.grad, 0, items), f"{out_dir}/r{rank}.pt")
+        dist.destroy_process_group()
+        return
+    tp_rank, cp_rank, dp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
+    loader = tp_rank == 0 and cp_rank == 0
+    mine = samples[dp_rank::dp] if loader else None
+    if prefetch is None:
+        steps = [pack_batch(mine, groups, **kw)]
+    else:  # two steps of N/2
+        steps = list(PackedDataIterator(mine if loader else None, groups, global_batch=N // 2,
+                                        prefetch=prefetch, steps=2, **kw))
+    loss, checked = 0, 0
+    for step in steps:
+        for mb in step:
+            ids = mb["sample_ids"].tolist()
+            whole = [samples[i] for i in ids]
+            cu, cup = mb["cu_seqlens_cpu"].numpy(), mb["cu_seqlens_padded_cpu"].numpy()
+            sp_size, sp_rank = (tp, tp_rank) if sp else (1, 0)
+            want = media_microbatch(whole, MEDIA, cu, cup, cp, cp_rank, sp_size, sp_rank, MERGE)
+            lo, cnt = mb["sp_range"]
+            embeds = E[mb["tokens"].long()]
+            for name in MEDIA:
+                m = mb["media"][name]
+                # Nothing to encode here; the colocated path's token positions.
+                assert m["pixel_values"].shape[0] == 0 and m["grid_thw"].shape == (0, 3)
+                assert torch.equal(m["token_index"], want[name]["token_index"]), name
+                rows = route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, name)
+                assert rows.shape[0] == len(m["token_index"])
+                if sp:
+                    part = embeds[lo:lo + cnt].index_put((m["token_index"],), rows)
+                    embeds = torch.cat([embeds[:lo], part, embeds[lo + cnt:]])
+                else:
+                    embeds = embeds.index_put((m["token_index"],), rows)
+            checked += 1
+            seq, pos = mb["seq_index"].long(), mb["position_ids"].long()
+            weights = torch.zeros_like(embeds)
+            for k in range(len(seq)):
+                if seq[k] >= 0:
+                    sid = ids[int(seq[k])]
+                    weights[k] = sample_weights(sid, len(samples[sid]["input_ids"]))[pos[k]]
+            # Without SP every TP rank holds the whole shard: TP rank 0's term counts.
+            keep = slice(lo, lo + cnt) if sp else slice(None)
+            if sp or tp_rank == 0:
+                loss = loss + (embeds[keep] * weights[keep]).sum()
+            else:
+                loss = loss + 0 * embeds.sum()
+    loss.backward()
+    torch.save((float(loss.detach()), E.grad, W.grad, W2.grad, checked, None),
+               f"{out_dir}/r{rank}.pt")
+    dist.destroy_process_group()
+
+
+CONFIGS = [  # (tp, cp, dp, sp, encoder ranks, prefetch: None = pack_batch)
+    (1, 1, 2, False, 1, 0),
+    pytest.param(1, 2, 2, False, 2, None, marks=pytest.mark.no_sanitizer),
+    pytest.param(1, 4, 1, False, 3, 1, marks=pytest.mark.no_sanitizer),
+    pytest.param(2, 2, 1, True, 2, 1, marks=pytest.mark.no_sanitizer),
+    pytest.param(2, 1, 1, False, 1, None, marks=pytest.mark.no_sanitizer),
+]
+
+
+def items_of(samples):
+    out = []
+    for s in samples:
+        for name, spec in MEDIA.items():
+            at = 0
+            for t, h, w in s[spec["grid"]].tolist():
+                rows = s[spec["payload"]][at:at + t * h * w]
+                at += t * h * w
+                out.append((name, t, h, w, float(rows.sum()), rows[0].tolist()))
+    return sorted(out)
+
+
+@needs_local
+@pytest.mark.parametrize("tp,cp,dp,sp,n_enc,prefetch", CONFIGS)
+def test_encoder_ranks_train_as_one_process(tmp_path, tp, cp, dp, sp, n_enc, prefetch):
+    from test_torch_iterator import free_port
+    n = tp * cp * dp
+    spawn(worker, args=(free_port(), tp, cp, dp, sp, n_enc, prefetch, str(tmp_path)),
+          nprocs=n + n_enc)
+    got = [torch.load(f"{tmp_path}/r{r}.pt") for r in range(n + n_enc)]
+    assert all(g[4] > 0 for g in got[:n])
+    samples = make_samples(21, n=N)
+    # Every item of the batch encoded exactly once, over the encoder ranks.
+    encoded = sorted(x for g in got[n:] for x in g[5])
+    assert encoded == items_of(samples)
+    assert all(g[5] for g in got[n:]) or len(encoded) < n_enc  # each encoder rank had work
+    loss, gE, gW, gW2 = one_process(samples)
+    assert abs(sum(g[0] for g in got) - loss) <= 1e-11 * max(1.0, abs(loss))
+
+    def total(k):
+        return sum(g[k] for g in got if g[k] is not None)
+    for k, want in ((1, gE), (2, gW), (3, gW2)):
+        assert torch.allclose(total(k), want, rtol=1e-11, atol=1e-11), \
+            (k, (total(k) - want).abs().max())
+
+
+def error_worker(rank, port, case, out_dir):
+    from test_job_agreement import error_of
+    from thdpack.torch import EncoderIterator, PackedDataIterator
+    join_gloo(rank, 3, port, timeout=60)
+    pp = 2 if case == "pp" else 1
+    if pp == 2:  # DP 1 x PP 2 language ranks
+        world = dist.new_group([0, 1])
+        pp_group = dist.new_group([0, 1])
+        from thdpack.torch import Groups
+        groups = Groups(pp=pp_group, world=world) if rank < 2 else None
+    else:
+        groups, _ = language_groups(1, 1, 2)
+    enc = [2]
+    samples = make_samples(21, n=4)
+    kw = dict(media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512,
+              encoder_ranks=enc, prefetch=0, global_batch=2)
+    if case == "bad sample" and rank == 1:  # a payload with a row too few
+        k = next(i for i in range(1, 4, 2) if samples[i]["pixel_values"].shape[0] > 0)
+        samples[k] = dict(samples[k], pixel_values=samples[k]["pixel_values"][1:])
+    if case == "dynamic":
+        kw["scheduler"] = "dynamic"
+    if case == "lm rank as encoder":
+        kw["encoder_ranks"] = [1, 2]
+
+    def run():
+        if rank in enc:
+            for _ in EncoderIterator(enc, MEDIA):
+                pass
+            return
+        loader = pp == 1 or rank == 0
+        share = iter(samples[rank::2] if pp == 1 else samples) if loader else None
+        for _ in PackedDataIterator(share, groups, steps=2, **kw):
+            pass
+    torch.save(error_of(run), f"{out_dir}/r{rank}.pt")
+    dist.destroy_process_group()
+
+
+ERRORS = {  # case: what every rank's error names
+    "bad sample": "payload",
+    "dynamic": "dynamic scheduler",
+    "pp": "PP = 2",
+    "lm rank as encoder": "encoder_ranks",
+}
+
+
+@needs_local
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_a_language_ranks_failure_is_every_ranks(tmp_path, case):
+    from test_torch_iterator import free_port
+    spawn(error_worker, args=(free_port(), case, str(tmp_path)), nprocs=3)
+    got = [torch.load(f"{tmp_path}/r{r}.pt") for r in range(3)]
+    for r, e in enumerate(got):
+        assert e is not None and ERRORS[case] in e, (case, r, e)
+
+
+@pytest.mark.skipif(LOCAL, reason="refused only where torch cannot make a group of some ranks")
+def test_encoder_ranks_refused_where_torch_cannot(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(error_worker, args=(free_port(), "old torch", str(tmp_path)), nprocs=3)
+    got = [torch.load(f"{tmp_path}/r{r}.pt") for r in range(3)]
+    for r, e in enumerate(got):
+        assert e is not None and "use_local_synchronization" in e, (r, e)
