@@ -32,12 +32,13 @@ exchange activations and their gradients, and each stage's gradients are summed 
 DP x CP ranks.
 
 With --encoders E the vision tower runs on E ranks of its own (world ranks DP*CP ..
-DP*CP+E-1, Megatron MIMO's non-colocated encoders): the language ranks' step hands each item to
+DP*CP*PP+E-1, Megatron MIMO's non-colocated encoders): the language ranks' step hands each item to
 one of them (thdpack.torch.EncoderIterator there), placed by the encoder's cost; their output
 rows come back through route_media, their gradients return in its backward, and the tower's
-gradients are summed over the encoder ranks.
+gradients are summed over the encoder ranks. With --pp 2 too, the bridge group is the first
+stage's ranks and the encoder ranks (encoder_group).
 
-  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 [--pp 2 | --encoders 2] --check
+  /usr/bin/python3 python/examples/train_vlm.py --dp 2 --cp 2 [--pp 2] [--encoders 2] --check
 (with PYTHONPATH=<build>/python). Exit status 1 when --check finds a difference.
 """
 import argparse
@@ -160,34 +161,41 @@ def stage_params(model, place):
 VISION_PARAMS = ("patch", "merge", "mix")
 
 
-def join_with_encoders(rank, dp, cp, encoders, port):
-    """--encoders E: a gloo world of DP x CP language ranks (0 .. DP*CP-1, their own world for
-    the step) and E encoder ranks after them. Every rank makes every group, in one order.
-    Returns the Place (None on an encoder rank), the Groups (None there), the group over which
-    this rank's gradients are summed (the language ranks, or the encoder ranks) and the
-    encoder ranks."""
+def join_with_encoders(rank, dp, cp, pp, encoders, port):
+    """--encoders E: a gloo world of DP x CP x PP language ranks (0 .. DP*CP*PP-1, their own
+    world for the step) and E encoder ranks after them. Every rank makes every group, in one
+    order. Returns the Place (None on an encoder rank), the Groups (None there), the group over
+    which this rank's gradients are summed (its stage's DP x CP ranks, or the encoder ranks),
+    the language ranks' world, the encoder ranks and the bridge group (None without PP: the
+    default group; with PP the first stage's ranks and the encoder ranks)."""
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    n = dp * cp
+    n = dp * cp * pp
     dist.init_process_group("gloo", rank=rank, world_size=n + encoders)
     enc = list(range(n, n + encoders))
     lm_world = dist.new_group(list(range(n)))
     enc_group = dist.new_group(enc)
-    at = Place(0, dp, cp, 1).at
-    cp_group = new_groups([[at(c, d, 0) for c in range(cp)] for d in range(dp)])
-    dp_group = new_groups([[at(c, d, 0) for d in range(dp)] for c in range(cp)])
+    at = Place(0, dp, cp, pp).at
+    cp_group = new_groups([[at(c, d, s) for c in range(cp)] for s in range(pp) for d in range(dp)])
+    dp_group = new_groups([[at(c, d, s) for d in range(dp)] for s in range(pp) for c in range(cp)])
+    pp_group = new_groups([[at(c, d, s) for s in range(pp)] for d in range(dp) for c in range(cp)])
+    dpcp_group = new_groups([[at(c, d, s) for d in range(dp) for c in range(cp)]
+                             for s in range(pp)])
+    bridge = None
+    if pp > 1:
+        bridge = dist.new_group([at(c, d, 0) for d in range(dp) for c in range(cp)] + enc)
     if rank in enc:
-        return None, None, enc_group, enc
-    groups = tt.Groups(cp=cp_group, dp=dp_group, world=lm_world)
-    return Place(rank, dp, cp, 1), groups, lm_world, enc
+        return None, None, enc_group, lm_world, enc, bridge
+    groups = tt.Groups(cp=cp_group, dp=dp_group, pp=pp_group, world=lm_world)
+    return Place(rank, dp, cp, pp), groups, dpcp_group, lm_world, enc, bridge
 
 
-def encoder_worker(rank, model, steps, sum_group, enc, out_path):
+def encoder_worker(rank, model, sum_group, enc, bridge):
     """An encoder rank: the vision tower on the items the bridge places here, each output row
     sent to the language ranks (route_media), the gradients that come back summed over the
     encoder ranks."""
     params = [getattr(model, n) for n in VISION_PARAMS]
-    for step in tt.EncoderIterator(enc, MEDIA):
+    for step in tt.EncoderIterator(enc, MEDIA, group=bridge):
         for mb in step:
             rows = [tt.route_media(model.vision(m["pixel_values"], m["grid_thw"]), mb, name)
                     for name, m in mb["media"].items()]
@@ -209,12 +217,13 @@ def encoder_worker(rank, model, steps, sum_group, enc, out_path):
 
 def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, encoders=0):
     if encoders:
-        place, groups, dpcp_group, enc = join_with_encoders(rank, dp, cp, encoders, port)
+        place, groups, dpcp_group, lm_world, enc, bridge = join_with_encoders(
+            rank, dp, cp, pp, encoders, port)
         if place is None:
-            return encoder_worker(rank, TinyVLM(), steps, dpcp_group, enc, out_path)
+            return encoder_worker(rank, TinyVLM(), dpcp_group, enc, bridge)
     else:
         place, groups, dpcp_group = join_world(rank, dp, cp, pp, port)
-        enc = None
+        enc = lm_world = bridge = None
     model = TinyVLM()
     params = stage_params(model, place)
     if enc:  # the vision tower lives on the encoder ranks
@@ -226,7 +235,8 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, encoders=0):
         else None
     it = tt.PackedDataIterator(share, groups, global_batch=global_batch, steps=steps,
                                max_tokens_per_rank=48, media=MEDIA, spatial_merge_size=MERGE,
-                               mrope="qwen2-vl", prefetch=1, encoder_ranks=enc)
+                               mrope="qwen2-vl", prefetch=1, encoder_ranks=enc,
+                               encoder_group=bridge)
     losses = []
     for step in it:
         n = step.n_loss_tokens
@@ -273,16 +283,16 @@ def worker(rank, dp, cp, pp, steps, global_batch, port, out_path, encoders=0):
             if pp > 1:
                 dist.send(x.grad, dst=place.at(*to, place.stage - 1))
             total += share_.detach()
-        dist.all_reduce(total, group=dpcp_group if enc else None)  # the shares, over DP x CP
+        dist.all_reduce(total, group=lm_world)  # the last stage's shares, over DP x CP
         sgd_step(params, dpcp_group, LR)  # the shares are designed for a sum over DP x CP
         for p in params:
             p.grad = None
         losses.append(float(total))
-    if enc:  # the vision tower's sum from the encoder ranks, the rest from rank 0
+    if enc:  # the vision tower's sum from the encoder ranks, each stage's from one rank
         vision = torch.zeros(1, dtype=torch.float64)
         dist.all_reduce(vision)
         lm = torch.zeros(1, dtype=torch.float64)
-        if rank == 0:
+        if place.cp_rank == 0 and place.dp_rank == 0:
             lm[0] = float(sum(p.detach().sum() for p in params))
         dist.all_reduce(lm)
         total_params = float(vision[0] + lm[0])
@@ -345,8 +355,6 @@ def main():
     ap.add_argument("--port", type=int, default=0,
                     help="the gloo rendezvous port (default: one the OS finds free)")
     args = ap.parse_args()
-    if args.encoders and args.pp > 1:
-        ap.error("--encoders with --pp 2: not built (the bridge group is the first stage's)")
     import multiprocessing
     multiprocessing.set_forkserver_preload(["numpy", "torch", "torch.distributed", "thdpack",
                                             "thdpack.torch"])

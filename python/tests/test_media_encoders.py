@@ -213,7 +213,7 @@ def error_worker(rank, port, case, out_dir):
 ERRORS = {  # case: what every rank's error names
     "bad sample": "payload",
     "dynamic": "dynamic scheduler",
-    "pp": "PP = 2",
+    "pp": "encoder_group",
     "lm rank as encoder": "encoder_ranks",
 }
 

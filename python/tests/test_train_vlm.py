@@ -34,11 +34,12 @@ def test_vlm_equals_one_process(dp, cp, pp):
 @pytest.mark.skipif("use_local_synchronization" not in
                     inspect.signature(dist.new_group).parameters,
                     reason="torch without new_group(use_local_synchronization=True)")
-@pytest.mark.parametrize("dp,cp,encoders", [(2, 2, 2), (1, 4, 1)])
-def test_vlm_with_encoder_ranks_equals_one_process(dp, cp, encoders):
+@pytest.mark.parametrize("dp,cp,pp,encoders", [(2, 2, 1, 2), (1, 4, 1, 1), (1, 2, 2, 1)])
+def test_vlm_with_encoder_ranks_equals_one_process(dp, cp, pp, encoders):
     from test_torch_iterator import free_port
     out = subprocess.run([sys.executable, str(EXAMPLE), "--port", str(free_port()),
-                          "--dp", str(dp), "--cp", str(cp), "--encoders", str(encoders),
+                          "--dp", str(dp), "--cp", str(cp), "--pp", str(pp),
+                          "--encoders", str(encoders),
                           "--steps", "3", "--check"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -44,8 +44,9 @@ microbatch, in order, and runs the backward of each (the encoder ranks on the su
 The step's failure reaches the encoder ranks: a language rank's error (agreed over the
 language ranks by the step) is sent in the next header and raised on every encoder rank, named;
 the end of the iterator (its steps, its data, ``close()``) ends the encoder ranks' iteration.
-Built for a static scheduler without PP (the bridge group is the first stage's); the dynamic
-scheduler and PP > 1 are refused by name.
+With PP the media reach the first stage alone: the bridge group is then ``encoder_group``, of
+the first stage's ranks and the encoder ranks (the later stages take no part). Built for the
+static schedulers; the dynamic scheduler is refused by name.
 """
 import hashlib
 
@@ -116,10 +117,10 @@ class _Bridge:
             lm = sorted(int(r) for r in language_ranks)
             want = sorted(r for r in self.group_ranks if r not in self.encoder_ranks)
             if lm != want:
-                raise ValueError(f"encoder_ranks: the language model's world holds ranks {lm}; "
-                                 f"with encoder ranks {self.encoder_ranks} the bridge group "
-                                 f"{self.group_ranks} leaves {want} to it (every other rank "
-                                 f"of the bridge group, once)")
+                raise ValueError(f"encoder_ranks: the language model's first stage holds ranks "
+                                 f"{lm}; with encoder ranks {self.encoder_ranks} the bridge "
+                                 f"group {self.group_ranks} leaves {want} to it (the bridge "
+                                 f"group: the first stage's ranks and the encoder ranks)")
         self.step = 0
         self.closed = False
         self._device_of_group()

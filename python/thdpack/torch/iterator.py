@@ -121,8 +121,11 @@ class PackedDataIterator:
     ranks, placed over them by ``media_cost``, and each rank's ``mb["media"][name]`` holds no
     ``pixel_values`` (pass ``route_media`` an empty ``[0, H]``) but the same ``token_index``;
     the encoder ranks iterate ``EncoderIterator(encoder_ranks, media)``. ``encoder_group``:
-    the group of both (default: the default group, which must hold exactly these ranks).
-    Static schedulers, PP 1, torch >= 2.2 (others refused by name).
+    the group of both (default: the default group, which must hold exactly these ranks and
+    the language ranks).
+    With PP the media reach the first stage alone: ``encoder_group`` is then required, of the
+    first stage's ranks and the encoder ranks. Static schedulers, torch >= 2.2 (others refused
+    by name).
 
     ``prefetch`` (default DEFAULT_PREFETCH = 1): steps prepared ahead of the caller by the C++
     step source (thdpack/step_runner.h, ``StepSource``) on a thread of each rank, over a gloo
@@ -177,9 +180,10 @@ class PackedDataIterator:
                                  f"with every rank of the default group, and the language "
                                  f"ranks' step makes groups the encoder ranks do not (torch "
                                  f">= 2.2: new_group(use_local_synchronization=True))")
-            if groups.sizes["pp"] > 1:
-                raise ValueError(f"encoder_ranks with PP = {groups.sizes['pp']}: not built (the "
-                                 f"bridge group is the first stage's; encode on the CP ranks)")
+            if groups.sizes["pp"] > 1 and encoder_group is None:
+                raise ValueError(f"encoder_ranks with PP = {groups.sizes['pp']}: give "
+                                 f"encoder_group, a group of the first stage's ranks and the "
+                                 f"encoder ranks (the media reach the first stage alone)")
             if options.get("scheduler", scheduler) == "dynamic":
                 raise ValueError("encoder_ranks under the dynamic scheduler: not built (a CP "
                                  "group a microbatch; use a static scheduler or encode on the "
@@ -190,15 +194,24 @@ class PackedDataIterator:
                        mrope_tokens_per_second, media_cost, _kept_groups, options)
         except BaseException as e:
             from .encoders import make_bridge
+            # The bridge group's language ranks (every one of the default group, or the first
+            # stage's in encoder_group) send it; the others are not in it.
+            in_bridge = (encoder_group is None or dist.get_rank() in
+                         dist.get_process_group_ranks(encoder_group))
             try:
-                make_bridge(encoder_ranks, media if isinstance(media, dict) else {},
-                            encoder_group, groups.world_ranks, error=e)
+                if in_bridge:
+                    make_bridge(encoder_ranks, media if isinstance(media, dict) else {},
+                                encoder_group, None, error=e)
             except BaseException:  # noqa: BLE001 - this rank raises its own, below
                 pass
             raise
+        if groups.coord["pp"] != 0:  # the media reach the first stage alone
+            return
         from .encoders import make_bridge
-        self._bridge = make_bridge(encoder_ranks, media, encoder_group, groups.world_ranks)
         topo = groups.topology
+        first_stage = [groups.world_ranks[r] for r in range(topo.world_size)
+                       if topo.coord_of(r)["pp"] == 0]
+        self._bridge = make_bridge(encoder_ranks, media, encoder_group, first_stage)
         self._bridge_where = (groups.coord["tp"], self._bridge.group_ranks.index(
             groups.world_ranks[topo.group_of("tp", groups.rank)[0]]), int(spatial_merge_size))
 
