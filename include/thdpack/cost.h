@@ -165,6 +165,12 @@ struct StepTimeCoefficients {
   double kv_bytes_per_token = 0;       // 0: the exchange is not modelled
   double link_bytes_per_second = 0;    // B (> 0 when kv_bytes_per_token > 0)
   std::string name;                    // for reports: "llama2-7b on h100-ib", "profile:FILE"
+  // The vision encoder's term in seconds (per patch, per frame^2; docs/media.md): a sequence's
+  // encoder work E(w) costs each rank of its group E(w) / c, beside t(P, c). Empty: none.
+  EncoderCost encoder;
+  // R of a model's preset (FLOP/s): what makes a term in training FLOPs seconds
+  // (EncoderTermSeconds); 0 for a measured profile.
+  double flops_per_second = 0;
 };
 
 // K and V bytes of one token over all layers in bf16: l * 4*h*n_kv/n_h (the exchange of CP).
@@ -200,6 +206,17 @@ class StepTimeModel {
     const double compute = SequenceCompute(padded_length) / static_cast<double>(c);
     return std::max(compute, ExchangeSeconds(padded_length, c));
   }
+  // E(w): the encoder seconds of a sequence's media (sums of t*h*w and t*(h*w)^2 over its
+  // items), on one rank; its group's ranks take E(w) / c each. 0 without an encoder term.
+  double EncoderSeconds(double patches, double frame_sq) const {
+    return EncoderTerm(k_.encoder, patches, frame_sq);
+  }
+  // The same model with the encoder term `seconds` (REQUIRES finite, >= 0).
+  StepTimeModel WithEncoder(const EncoderCost& seconds) const {
+    StepTimeModel m = *this;
+    m.k_.encoder = seconds;
+    return m;
+  }
   // Whether t(P, c) is the exchange X(P, c) rather than the compute (never for c = 1).
   bool ExchangeBound(int64_t padded_length, int64_t c) const {
     if (c <= 1) return false;
@@ -228,6 +245,13 @@ class StepTimeModel {
  private:
   StepTimeCoefficients k_;
 };
+
+// The encoder's term `term`, given in the unit of `cost`, in seconds for `model`: a measured
+// profile's (unit seconds) as it is, a model cost's training FLOPs at the model's R
+// (StepTimeCoefficients::flops_per_second); nullopt where no conversion is known (a cost in
+// tokens or "A,B", or a FLOPs cost beside a model without R).
+std::optional<EncoderCost> EncoderTermSeconds(const CostModel& cost, const StepTimeModel& model,
+                                              const EncoderCost& term);
 
 // One group's microbatch in a step: ranks [first_rank, first_rank + num_ranks) of the domain
 // together, for `seconds` (its slowest member's time).

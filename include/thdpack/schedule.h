@@ -419,9 +419,16 @@ int64_t MinStepSamples(const ScheduleOptions& options);
 // Groups (options.keep_groups): as Schedule's, each group in one CP group of one microbatch
 // whatever the mode, its samples adjacent in input order; list scheduling then moves groups
 // as moldable units (sum of the members' t(P, c)).
+// Encoder work (`encoder`: one EncoderWork per sample, or empty): with the step-time model's
+// encoder term (StepTimeCoefficients::encoder, seconds), a sequence costs each rank of its
+// group t(P, c) + E(w) / c - the items are spread whole over the group's ranks - so the
+// groups balance the language model plus the encoder. Without a term, or without work, every
+// plan is what it was. ScheduleOptions::encoder_cost (the static schedulers' term, in the
+// cost's unit) stays refused here. Errors: a size other than the samples', negative work.
 [[nodiscard]] Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
                                                   const ScheduleOptions& options,
-                                                  std::span<const int64_t> groups = {});
+                                                  std::span<const int64_t> groups = {},
+                                                  std::span<const EncoderWork> encoder = {});
 
 // Checks the invariants above for `plan` against its inputs (except determinism and
 // step_time). OK or the first violation found.
@@ -430,11 +437,13 @@ int64_t MinStepSamples(const ScheduleOptions& options);
                                          std::span<const int64_t> groups = {});
 
 // The modelled step time of a dynamic plan: each group's microbatch takes the sum of t(P, c)
-// over its sequences (P in the group's layout, the SP tail on the last), SimulateStepTime the
-// step. REQUIRES: ValidateDynamicPlan OK (checked) and options.step_time set.
+// over its sequences (P in the group's layout, the SP tail on the last) and of their encoder
+// seconds over c (`encoder`, as ScheduleDynamic takes it), SimulateStepTime the step.
+// REQUIRES: ValidateDynamicPlan OK (checked) and options.step_time set.
 [[nodiscard]] Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,
                                                  const ScheduleOptions& options,
-                                                 const DynamicPlan& plan);
+                                                 const DynamicPlan& plan,
+                                                 std::span<const EncoderWork> encoder = {});
 
 // The figures of a dynamic plan, with the domain's ranks in place of replicas: `replicas`
 // has D entries; rank r's microbatch m holds the figures of its group in m (zeros when idle),

@@ -1,5 +1,6 @@
 // python/src/bind_schedule.cc: thdpack.schedule (schedule.h) and the plan with its figures
 // (docs/design.md section 10).
+#include <cmath>
 #include <optional>
 #include <span>
 #include <string>
@@ -317,11 +318,32 @@ void BindSchedule(py::module_& m) {
           for (size_t i = 0; i < samples.size(); ++i) samples[i].n_targets = (*n_targets)[i];
         }
         if (o.scheduler == ScheduleOptions::Scheduler::kDynamic) {
+          // The encoder's term in seconds, the step-time model's (as the step makes it): a
+          // profile's as given, a model cost's FLOPs at the hardware's R.
+          if (!o.encoder_cost.empty()) {
+            const EncoderCost& c = o.encoder_cost;
+            if (!std::isfinite(c.per_patch) || !std::isfinite(c.per_frame_sq) ||
+                c.per_patch < 0 || c.per_frame_sq < 0) {
+              throw py::value_error("encoder_cost: (" + std::to_string(c.per_patch) + ", " +
+                                    std::to_string(c.per_frame_sq) +
+                                    ") must be finite and >= 0");
+            }
+            const std::optional<EncoderCost> seconds =
+                o.step_time ? EncoderTermSeconds(o.cost, *o.step_time, o.encoder_cost)
+                            : std::nullopt;
+            if (!seconds) {
+              throw py::value_error("encoder_cost under the dynamic scheduler: the cost '" +
+                                    o.cost.name + "' has no known seconds (a model cost in "
+                                    "FLOPs at the hardware's R, or a measured profile)");
+            }
+            o.step_time = o.step_time->WithEncoder(*seconds);
+            o.encoder_cost = EncoderCost{};
+          }
           PyDynamicPlan out;
           Status status;
           {
             py::gil_scoped_release release;
-            Result<DynamicPlan> plan = ScheduleDynamic(samples, o, groups);
+            Result<DynamicPlan> plan = ScheduleDynamic(samples, o, groups, encoder);
             status = plan.status();
             if (plan.ok()) {
               out.plan = std::move(*plan);
@@ -387,11 +409,13 @@ under the dynamic scheduler both keep a group in one CP group of one microbatch.
 large for its place is an error naming it, or skipped whole with oversize="skip".
 Static shapes (static schedulers): max_seqs at most that many sequences a microbatch (0: no
 cap), pad_to_max_tokens every microbatch's T = cp_size * max_tokens_per_rank (figures count it).
-Media (static schedulers): encoder_work [n, 2] integers, each sample's sum of t*h*w and of
+Media: encoder_work [n, 2] integers, each sample's sum of t*h*w and of
 t*(h*w)^2 over its items, with encoder_cost (per_patch, per_frame_sq) in the cost's unit
 (the step's default, Qwen2-VL's tower in FLOPs: docs/media.md): each sample costs its
 language model's cost plus its encoder's, and the figures give the encoder's part
-(encoder_cost) of every total.
+(encoder_cost) of every total. Under the dynamic scheduler the same term goes into its
+step-time model in seconds (FLOPs at the hardware's R, a profile's as given): a sequence costs
+each rank of its CP group t(P, c) + its encoder seconds / c, and plan.step_time charges it.
 Returns a Plan (num_microbatches, microbatch(replica, m), figures). ValueError on bad input.)doc");
 }
 

@@ -200,3 +200,32 @@ def test_schedule_encoder_work_is_checked_and_charged():
                              encoder_work=bad, encoder_cost=(2.0, 0.5))
     with pytest.raises(ValueError, match="encoder_work without encoder_cost"):
         thdpack.schedule(lengths, dp_size=2, max_tokens_per_rank=1024, encoder_work=work)
+
+
+def test_dynamic_schedule_charges_the_encoder_in_seconds():
+    """Under the dynamic scheduler encoder_work goes into the step-time model: encoder_cost in
+    FLOPs becomes seconds at the hardware's R (h100-ib: 400 TFLOP/s), each sequence costing its
+    group's ranks its encoder seconds over c; the plan's modelled time holds it, never above
+    the time of the plan made blind to it; a cost without seconds is named."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(200, 4000, 64)
+    work = np.zeros((64, 2), dtype=np.int64)
+    for i in range(0, 64, 3):  # an image of 32 x 32 ... 64 x 64 patches on every third sample
+        hw = int(rng.integers(32, 65)) ** 2
+        work[i] = (hw, hw * hw)
+    term = (3.77e9, 4.9e5)  # Qwen2-VL's tower, training FLOPs
+    kw = dict(dp_size=2, cp_size=2, max_tokens_per_rank=8192, scheduler="dynamic",
+              cost="llama2-7b")
+    blind = thdpack.schedule(lengths, **kw)
+    aware = thdpack.schedule(lengths, encoder_work=work, encoder_cost=term, **kw)
+    # The encoder's seconds over the domain's 4 ranks, at best spread evenly: a lower bound on
+    # what the plan adds.
+    encoder = float((work[:, 0] * term[0] + work[:, 1] * term[1]).sum()) / 400e12
+    assert aware.sim_step_time >= blind.sim_step_time + encoder / 4 * (1 - 1e-9)
+    assert aware.sim_step_time <= blind.sim_step_time + encoder  # never all on one rank's path
+    zero = thdpack.schedule(lengths, encoder_work=np.zeros_like(work), encoder_cost=term, **kw)
+    assert zero.sim_step_time == blind.sim_step_time
+    with pytest.raises(ValueError, match="has no known seconds"):
+        thdpack.schedule(lengths, dp_size=2, cp_size=2, max_tokens_per_rank=8192,
+                         scheduler="dynamic", cost="1,0.001", encoder_work=work,
+                         encoder_cost=term)

@@ -159,7 +159,7 @@ Result<CostModel> ParseCostSpec(std::string_view spec) {
       return Status::InvalidArgument("cost spec \"" + std::string(spec) +
                                      "\": a and b must be >= 0 and not both 0");
     }
-    return CostModel{a, b, std::string(spec), 0.0, ""};
+    return CostModel{a, b, std::string(spec), 0.0, "", std::nullopt};
   }
   return Status::InvalidArgument(
       "cost spec \"" + std::string(spec) +

@@ -464,7 +464,7 @@ Result<CostProfile> FitCostProfile(std::span<const TimedMicrobatch> timed,
 
 CostModel CostModelOfProfile(const CostProfile& profile, std::string name) {
   const ProfileForm& used = profile.used();
-  CostModel m{used.a, used.b, std::move(name), used.c, "seconds"};
+  CostModel m{used.a, used.b, std::move(name), used.c, "seconds", std::nullopt};
   if (profile.encoder) m.encoder = profile.encoder->cost;
   return m;
 }

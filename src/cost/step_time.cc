@@ -2,6 +2,7 @@
 // simulation of a step's groups.
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,7 +46,10 @@ Result<StepTimeModel> StepTimeModel::Create(const StepTimeCoefficients& k) {
       {"seconds per sequence", k.seconds_per_sequence},
       {"seconds per microbatch", k.seconds_per_microbatch},
       {"K/V bytes per token", k.kv_bytes_per_token},
-      {"link bytes per second", k.link_bytes_per_second}};
+      {"link bytes per second", k.link_bytes_per_second},
+      {"encoder seconds per patch", k.encoder.per_patch},
+      {"encoder seconds per frame^2", k.encoder.per_frame_sq},
+      {"FLOP/s", k.flops_per_second}};
   for (const auto& [what, v] : fields) {
     if (!std::isfinite(v) || v < 0) {
       return Status::InvalidArgument("step-time model \"" + k.name + "\": " + what + " = " +
@@ -79,7 +83,18 @@ Result<StepTimeModel> StepTimeModel::Create(const ModelDims& dims, const Hardwar
   k.kv_bytes_per_token = KvBytesPerToken(dims);
   k.link_bytes_per_second = hardware.link_bytes_per_second;
   k.name = "FLOPs at " + hardware.name;
+  k.flops_per_second = hardware.flops_per_second;
   return Create(k);
+}
+
+std::optional<EncoderCost> EncoderTermSeconds(const CostModel& cost, const StepTimeModel& model,
+                                              const EncoderCost& term) {
+  if (cost.unit == "seconds") return term;
+  const double r = model.coefficients().flops_per_second;
+  if (cost.unit == "FLOPs" && r > 0) {
+    return EncoderCost{term.per_patch / r, term.per_frame_sq / r};
+  }
+  return std::nullopt;
 }
 
 double KvBytesPerToken(const ModelDims& dims) {

@@ -53,7 +53,8 @@ Status StepRunner::Impl::InitDynamic() {
 
 Status StepRunner::Impl::MakeDynamicPlan(RankStep& out) {
   THDPACK_ASSIGN_OR_RETURN(out.dynamic_plan,
-                           ScheduleDynamic(out.samples, opts_.schedule, step_groups_));
+                           ScheduleDynamic(out.samples, opts_.schedule, step_groups_,
+                                           out.encoder_work));
   if (opts_.check_plan_hash) {
     THDPACK_RETURN_IF_ERROR(
         AgreeOnPlanHash(*heads_, HashPlan(out.dynamic_plan), "dynamic plan", step_));

@@ -9,6 +9,7 @@
 // Sends: the job's agreement (AgreeOnJob, step_job.cc), one agreement of the checks over the
 // world, the start state (ShareStart), the splits of the groups. Depends on: step_job.cc,
 // step_read.cc (StartReading, ShareStart), step_keep_groups.cc (FindGroupField).
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -141,9 +142,17 @@ Status StepRunner::Impl::Init() {
     if (!opts_.media_cost.has_value()) {
       opts_.media_cost = opts_.schedule.cost.encoder.value_or(DefaultEncoderCost());
     }
-    // The dynamic scheduler's step-time model has no encoder term: there it only places.
+    // The static schedulers add the term in the cost's unit; the dynamic scheduler's
+    // step-time model takes it in seconds (a profile's as it is, a model cost's FLOPs at its
+    // R), and where no conversion is known (a cost in tokens or "A,B") only places.
     if (opts_.schedule.scheduler != ScheduleOptions::Scheduler::kDynamic) {
       opts_.schedule.encoder_cost = *opts_.media_cost;
+    } else if (opts_.schedule.step_time.has_value()) {
+      const std::optional<EncoderCost> seconds =
+          EncoderTermSeconds(opts_.schedule.cost, *opts_.schedule.step_time, *opts_.media_cost);
+      if (seconds.has_value()) {
+        opts_.schedule.step_time = opts_.schedule.step_time->WithEncoder(*seconds);
+      }
     }
   }
   dynamic_ = opts_.schedule.scheduler == ScheduleOptions::Scheduler::kDynamic;

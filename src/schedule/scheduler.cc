@@ -161,8 +161,9 @@ Status ValidateOptions(const ScheduleOptions& o) {
                " must be finite and >= 0");
   }
   if (o.scheduler == ScheduleOptions::Scheduler::kDynamic && !o.encoder_cost.empty()) {
-    return bad("encoder_cost with the dynamic scheduler: its CP groups have no encoder term "
-               "(balanced or sequential place media)");
+    return bad("encoder_cost with the dynamic scheduler: it charges the encoder in seconds, "
+               "the step-time model's term (StepTimeCoefficients::encoder), not in the cost's "
+               "unit");
   }
   if (static_cast<int64_t>(o.dp_size) * o.microbatch_multiple > std::numeric_limits<int32_t>::max()) {
     return bad("dp_size * microbatch_multiple must fit int32");

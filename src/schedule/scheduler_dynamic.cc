@@ -16,6 +16,9 @@
 //   2. The balanced scheduler at every static CP size c that divides D (DP' = D / c), its
 //      replicas as groups: so the dynamic plan is never slower in the model than the best
 //      static one.
+// With encoder work (the step-time model's encoder term), a sequence costs t(P, c) + E(w) / c
+// on each rank of its group; candidates 1 are then made with it and without it (all timed
+// with it), so the plan never loses to the one blind to the encoder.
 // Time: O(passes x n x |sizes| x D) for the list passes plus the balanced candidates.
 #include <algorithm>
 #include <cmath>
@@ -53,7 +56,13 @@ struct DynStep {
   std::vector<int64_t> kept_groups;  // group id of each kept sequence; empty without groups
   std::vector<int32_t> unit_first;   // [U + 1]: unit u's members are
   std::vector<int32_t> unit_members; //   unit_members[unit_first[u] .. unit_first[u + 1])
+  // E(w) of each kept sequence, seconds on one rank (StepTimeModel::EncoderSeconds); empty
+  // without encoder work.
+  std::vector<double> kept_encoder;
   int32_t num_units() const { return static_cast<int32_t>(unit_first.size()) - 1; }
+  double Encoder(int32_t k) const {
+    return kept_encoder.empty() ? 0.0 : kept_encoder[static_cast<size_t>(k)];
+  }
 };
 
 Status ValidateDynamicOptions(const ScheduleOptions& o) {
@@ -215,13 +224,14 @@ Result<DynStep> PrepareDynamic(std::span<const SampleLength> samples, const Sche
 }
 
 // Seconds of one group's microbatch: t(P, c) summed over its sequences (lengths in order), the
-// SP tail on the last, plus the microbatch constant. Also its T.
+// SP tail on the last, their encoder seconds (sum of E(w), `encoder`) over c, plus the
+// microbatch constant. Also its T.
 struct GroupCost {
   double seconds = 0;
   int64_t padded_tokens = 0;
 };
 GroupCost CostOfGroup(const StepTimeModel& model, const ParallelLayout& layout, int c,
-                      std::span<const int64_t> lengths) {
+                      std::span<const int64_t> lengths, double encoder = 0) {
   GroupCost g;
   int64_t sum = 0;
   for (int64_t l : lengths) sum += layout.PaddedLength(l);
@@ -231,6 +241,7 @@ GroupCost CostOfGroup(const StepTimeModel& model, const ParallelLayout& layout, 
     const int64_t p = layout.PaddedLength(lengths[j]) + (j + 1 == lengths.size() ? tail : 0);
     g.seconds += model.SequenceSeconds(p, c);
   }
+  g.seconds += encoder / static_cast<double>(c);
   if (!lengths.empty()) g.seconds += model.coefficients().seconds_per_microbatch;
   return g;
 }
@@ -291,18 +302,24 @@ class StaticGroupTime {
   int64_t last_p_ = 0;
 };
 
-// The modelled time of a plan whose ids are all in `index` (checked by the caller).
+// The modelled time of a plan whose ids are all in `index` (checked by the caller);
+// `encoder`: E(w) of each slot of the index, or empty.
 Result<double> TimeOfPlan(const SampleIdIndex& index, const ScheduleOptions& o,
-                          const DynamicPlan& plan) {
+                          const DynamicPlan& plan, std::span<const double> encoder = {}) {
   std::vector<GroupTask> tasks;
   std::vector<int64_t> lengths;
   for (const auto& groups : plan.microbatches) {
     for (const CpGroup& g : groups) {
       THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayout(o, g.num_ranks));
       lengths.clear();
-      for (int64_t id : g.sample_ids) lengths.push_back(index.Length(index.Slot(id)));
+      double e = 0;
+      for (int64_t id : g.sample_ids) {
+        const int64_t slot = index.Slot(id);
+        lengths.push_back(index.Length(slot));
+        if (!encoder.empty()) e += encoder[static_cast<size_t>(slot)];
+      }
       tasks.push_back({g.first_rank, g.num_ranks,
-                       CostOfGroup(*o.step_time, layout, g.num_ranks, lengths).seconds});
+                       CostOfGroup(*o.step_time, layout, g.num_ranks, lengths, e).seconds});
     }
   }
   return SimulateStepTime(plan.domain_size, tasks);
@@ -324,7 +341,7 @@ struct Moldable {
   struct Option {
     int32_t size;  // index into sizes
     int64_t padded;
-    double seconds;       // t(P, c)
+    double seconds;       // t(P, c) + E(w) / c
     double rank_seconds;  // c * t(P, c)
   };
   std::vector<int64_t> first;   // [n + 1]: sequence i's options are [first[i], first[i+1])
@@ -348,10 +365,10 @@ Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
       double t = 0;
       for (int32_t k = step.unit_first[static_cast<size_t>(i)];
            k < step.unit_first[static_cast<size_t>(i) + 1]; ++k) {
-        const int64_t pk = z.layout.PaddedLength(
-            step.kept[static_cast<size_t>(step.unit_members[static_cast<size_t>(k)])].length);
+        const int32_t member = step.unit_members[static_cast<size_t>(k)];
+        const int64_t pk = z.layout.PaddedLength(step.kept[static_cast<size_t>(member)].length);
         p += pk;
-        t += model.SequenceSeconds(pk, z.c);
+        t += model.SequenceSeconds(pk, z.c) + step.Encoder(member) / static_cast<double>(z.c);
       }
       if (p > z.capacity) continue;
       m.options.push_back({s, p, t, t * z.c});
@@ -580,24 +597,89 @@ Result<int64_t> LongestKept(const ScheduleOptions& o) {
 
 Result<DynamicPlan> ScheduleDynamic(std::span<const SampleLength> samples,
                                     const ScheduleOptions& options,
-                                    std::span<const int64_t> groups) {
-  return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false, groups);
+                                    std::span<const int64_t> groups,
+                                    std::span<const EncoderWork> encoder) {
+  return internal::ScheduleDynamicImpl(samples, options, /*plain=*/false, groups, encoder);
 }
+
+namespace {
+
+// E(w) of each sample, seconds on one rank, by the slot of `index` (empty when no sample has
+// work or the model has no encoder term); InvalidArgument for a size other than the samples'
+// or negative work, naming the sample.
+Result<std::vector<double>> EncoderSecondsBySlot(std::span<const SampleLength> samples,
+                                                 const SampleIdIndex& index,
+                                                 const StepTimeModel& model,
+                                                 std::span<const EncoderWork> encoder) {
+  std::vector<double> out;
+  if (encoder.empty()) return out;
+  if (encoder.size() != samples.size()) {
+    return Status::InvalidArgument("schedule: " + Str(static_cast<int64_t>(encoder.size())) +
+                                   " encoder works for " +
+                                   Str(static_cast<int64_t>(samples.size())) +
+                                   " samples (one a sample, or none)");
+  }
+  bool any = false;
+  for (size_t i = 0; i < encoder.size(); ++i) {
+    const EncoderWork& w = encoder[i];
+    if (w.patches < 0 || w.frame_sq < 0) {
+      return Status::InvalidArgument(
+          "schedule: sample id " + Str(samples[i].id) + " (position " +
+          Str(static_cast<int64_t>(i)) + ") has encoder work (" + Str(w.patches) +
+          " patches, " + Str(w.frame_sq) + " frame^2); both must be >= 0");
+    }
+    any = any || w.patches > 0 || w.frame_sq > 0;
+  }
+  if (!any || model.coefficients().encoder.empty()) return out;
+  out.assign(static_cast<size_t>(index.num_slots()), 0.0);
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const int64_t slot = index.Slot(samples[i].id);
+    if (slot >= 0) {
+      out[static_cast<size_t>(slot)] =
+          model.EncoderSeconds(static_cast<double>(encoder[i].patches),
+                               static_cast<double>(encoder[i].frame_sq));
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 namespace internal {
 
 Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
                                         const ScheduleOptions& options, bool plain,
-                                        std::span<const int64_t> groups) {
+                                        std::span<const int64_t> groups,
+                                        std::span<const EncoderWork> encoder) {
   THDPACK_RETURN_IF_ERROR(ValidateDynamicOptions(options));
   const int domain = options.dp_size * options.parallel.cp_size();
   THDPACK_ASSIGN_OR_RETURN(std::vector<Size> sizes, AllowedSizes(options, domain));
+  // Each sample's encoder seconds (the step-time model's term), before PrepareDynamic drops
+  // the oversize ones: by the input's id index, then by the kept samples'.
+  std::vector<double> input_encoder;
+  std::optional<SampleIdIndex> input_index;
+  if (!encoder.empty()) {
+    input_index.emplace(samples);
+    THDPACK_ASSIGN_OR_RETURN(
+        input_encoder, EncoderSecondsBySlot(samples, *input_index, *options.step_time, encoder));
+  }
   THDPACK_ASSIGN_OR_RETURN(DynStep step, PrepareDynamic(samples, options, sizes, groups));
   const SampleIdIndex index(step.kept);
+  std::vector<double> kept_encoder;  // by the kept index's slot
+  if (!input_encoder.empty()) {
+    kept_encoder.assign(static_cast<size_t>(index.num_slots()), 0.0);
+    step.kept_encoder.resize(step.kept.size());
+    for (size_t k = 0; k < step.kept.size(); ++k) {
+      const double e = input_encoder[static_cast<size_t>(input_index->Slot(step.kept[k].id))];
+      step.kept_encoder[k] = e;
+      kept_encoder[static_cast<size_t>(index.Slot(step.kept[k].id))] = e;
+    }
+  }
   std::optional<DynamicPlan> best;
   auto consider = [&](std::optional<DynamicPlan> candidate) -> Status {
     if (!candidate.has_value()) return Status::Ok();
-    THDPACK_ASSIGN_OR_RETURN(candidate->step_time, TimeOfPlan(index, options, *candidate));
+    THDPACK_ASSIGN_OR_RETURN(candidate->step_time,
+                             TimeOfPlan(index, options, *candidate, kept_encoder));
     if (!best.has_value() || candidate->step_time < best->step_time) best = std::move(candidate);
     return Status::Ok();
   };
@@ -605,6 +687,17 @@ Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
   for (double eps : kSlacks) {
     THDPACK_RETURN_IF_ERROR(
         consider(ListSchedule(step, options, sizes, mold, domain, eps, plain)));
+  }
+  if (!step.kept_encoder.empty()) {
+    // The list schedules blind to the encoder too, timed with it: list scheduling is a
+    // heuristic, and so the plan is never slower in the model than the one that ignores it.
+    DynStep blind = step;
+    blind.kept_encoder.clear();
+    const Moldable blind_mold = MakeMoldable(blind, options, sizes);
+    for (double eps : kSlacks) {
+      THDPACK_RETURN_IF_ERROR(
+          consider(ListSchedule(blind, options, sizes, blind_mold, domain, eps, plain)));
+    }
   }
   for (const Size& size : sizes) {
     if (domain % size.c != 0) continue;
@@ -719,12 +812,16 @@ Status ValidateDynamicPlan(std::span<const SampleLength> samples, const Schedule
 }
 
 Result<double> DynamicPlanStepTime(std::span<const SampleLength> samples,
-                                   const ScheduleOptions& options, const DynamicPlan& plan) {
+                                   const ScheduleOptions& options, const DynamicPlan& plan,
+                                   std::span<const EncoderWork> encoder) {
   if (!options.step_time.has_value()) {
     return Status::InvalidArgument("DynamicPlanStepTime: no step-time model in the options");
   }
   THDPACK_RETURN_IF_ERROR(ValidateDynamicPlan(samples, options, plan));
-  return TimeOfPlan(SampleIdIndex(samples), options, plan);
+  const SampleIdIndex index(samples);
+  THDPACK_ASSIGN_OR_RETURN(std::vector<double> seconds,
+                           EncoderSecondsBySlot(samples, index, *options.step_time, encoder));
+  return TimeOfPlan(index, options, plan, seconds);
 }
 
 namespace internal {

@@ -265,7 +265,8 @@ int64_t BestFitDecreasingBins(const PreparedStep& step);
 // maximum computed in full and no window search skipped, which must give the same plan.
 [[nodiscard]] Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
                                                       const ScheduleOptions& options, bool plain,
-                                                      std::span<const int64_t> groups = {});
+                                                      std::span<const int64_t> groups = {},
+                                                      std::span<const EncoderWork> encoder = {});
 
 // ---- Groups kept together (scheduler_groups.cc; ScheduleOptions::keep_groups). ----
 
