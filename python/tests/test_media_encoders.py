@@ -235,3 +235,56 @@ def test_encoder_ranks_refused_where_torch_cannot(tmp_path):
     got = [torch.load(f"{tmp_path}/r{r}.pt") for r in range(3)]
     for r, e in enumerate(got):
         assert e is not None and "use_local_synchronization" in e, (r, e)
+
+
+def killed_worker(rank, port, out_dir):
+    """DP 2 + 1 encoder rank, whose process is killed (SIGKILL) as it holds its first step."""
+    import os
+    import signal
+    import time
+    from thdpack.torch import EncoderIterator, PackedDataIterator, route_media
+    join_gloo(rank, 3, port, timeout=60)
+    groups, _ = language_groups(1, 1, 2)
+    samples = make_samples(21, n=N)
+    E, W, W2 = (p.requires_grad_() for p in params())
+    if rank == 2:
+        for _ in EncoderIterator([2], MEDIA):
+            os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    error = None
+    try:
+        for step in PackedDataIterator(samples[rank::2], groups, global_batch=N // 2, steps=2,
+                                       media=MEDIA, spatial_merge_size=MERGE, prefetch=1,
+                                       max_tokens_per_rank=512, encoder_ranks=[2]):
+            for mb in step:
+                for name in MEDIA:
+                    m = mb["media"][name]
+                    route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, name)
+    except Exception as e:  # noqa: BLE001 - what a rank sees when its peer dies
+        error = f"{type(e).__name__}: {e}"
+    torch.save((error, time.monotonic() - t0), f"{out_dir}/r{rank}.pt")
+    os._exit(0)  # the dead peer leaves gloo's teardown nothing to agree with
+
+
+@needs_local
+@pytest.mark.no_sanitizer
+def test_a_killed_encoder_rank_fails_the_language_ranks_promptly(tmp_path):
+    """No language rank waits for an encoder rank that died: each raises within seconds (not
+    the group's 60 s timeout)."""
+    import multiprocessing
+    from test_torch_iterator import free_port
+    ctx = multiprocessing.get_context("forkserver")
+    port = free_port()
+    procs = [ctx.Process(target=killed_worker, args=(r, port, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert procs[2].exitcode == -9
+    for r in range(2):
+        error, seconds = torch.load(f"{tmp_path}/r{r}.pt")
+        assert error is not None and "over the encoder bridge" in error, (r, error)
+        assert seconds < 30, (r, seconds, error)

@@ -174,8 +174,8 @@ class _Bridge:
     def _headers(self, mine, error=None):
         every = [torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
                  for _ in range(self.size)]
-        dist.all_gather(every, torch.tensor(mine, dtype=torch.int64, device=self.device),
-                        group=self.group)
+        _named(f"step {self.step}'s header", self.group, lambda: dist.all_gather(
+            every, torch.tensor(mine, dtype=torch.int64, device=self.device), group=self.group))
         h = torch.stack(every).cpu().numpy()
         failed = [r for r in range(self.size) if h[r, 0] == _FAIL]
         if failed:
@@ -279,7 +279,8 @@ class _Bridge:
             buf[:len(records)] = torch.tensor(np.asarray(records, dtype=np.int64))
         every = [torch.zeros((longest, _RECORD), dtype=torch.int64, device=self.device)
                  for _ in range(self.size)]
-        dist.all_gather(every, buf.to(self.device), group=self.group)
+        _named(f"step {self.step}'s items", self.group,
+               lambda: dist.all_gather(every, buf.to(self.device), group=self.group))
         rec = [every[r][:int(h[r, 2])].cpu().numpy() for r in range(self.size)]
         staging = {r: int(h[r, 5]) for r in lm}
         stagers = [r for r in lm if int(h[r, 3]) == 0]
@@ -300,10 +301,12 @@ class _Bridge:
             place = _thdpack.place_media_items(costs, E)
             for (r, k), e in zip(keys, place):
                 enc_of[r][k] = int(e)
-        self.step += 1
         if microbatches is not None:
-            return self._language(h, rec, enc_of, staging, payload, microbatches, merge)
-        return self._encoder(h, rec, enc_of, stagers, lm, n_mb, merge)
+            out = self._language(h, rec, enc_of, staging, payload, microbatches, merge)
+        else:
+            out = self._encoder(h, rec, enc_of, stagers, lm, n_mb, merge)
+        self.step += 1
+        return out
 
     @staticmethod
     def _row_bytes(r):
@@ -313,7 +316,8 @@ class _Bridge:
         send = (torch.cat([p.reshape(-1).to(self.device) for p in send_parts]) if send_parts
                 else torch.zeros(0, dtype=torch.uint8, device=self.device))
         recv = torch.empty(sum(recv_counts), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts), group=self.group)
+        _named(f"step {self.step}'s payloads", self.group, lambda: dist.all_to_all_single(
+            recv, send, list(recv_counts), list(send_counts), group=self.group))
         return recv
 
     def _language(self, h, rec, enc_of, staging, payload, microbatches, merge):
@@ -450,6 +454,17 @@ class _Bridge:
         return out
 
 
+def _named(what, group, fn):
+    """fn(), a collective over the bridge group; its failure (a peer gone: gloo's reset
+    connection, NCCL's abort) raised naming the bridge and the step's part."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        ranks = dist.get_process_group_ranks(group)
+        raise RuntimeError(f"{what} over the encoder bridge (world ranks {ranks}) failed - a "
+                           f"language or encoder rank left or failed: {e}") from e
+
+
 class _BridgeRows(torch.autograd.Function):
     """The bridge's all-to-all of output rows (an encoder rank's rows to the language ranks that
     staged their items) and its reverse for the gradients."""
@@ -460,8 +475,9 @@ class _BridgeRows(torch.autograd.Function):
         ctx.out_rows = out.shape[0]
         send = out.index_select(0, b["send_index"].to(out.device))
         recv = send.new_empty((sum(b["recv_counts"]),) + tuple(out.shape[1:]))
-        dist.all_to_all_single(recv, send.contiguous(), list(b["recv_counts"]),
-                               list(b["send_counts"]), group=b["group"])
+        _named("route_media", b["group"], lambda: dist.all_to_all_single(
+            recv, send.contiguous(), list(b["recv_counts"]), list(b["send_counts"]),
+            group=b["group"]))
         result = out.new_zeros((b["result_rows"],) + tuple(out.shape[1:]))
         return result.index_copy_(0, b["recv_order"].to(out.device), recv)
 
@@ -472,8 +488,9 @@ class _BridgeRows(torch.autograd.Function):
         send = grad.index_select(0, order) if sum(b["back_send_counts"]) else \
             grad.new_zeros((0,) + tuple(grad.shape[1:]))
         recv = grad.new_empty((sum(b["back_recv_counts"]),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(recv, send.contiguous(), list(b["back_recv_counts"]),
-                               list(b["back_send_counts"]), group=b["group"])
+        _named("route_media's backward", b["group"], lambda: dist.all_to_all_single(
+            recv, send.contiguous(), list(b["back_recv_counts"]), list(b["back_send_counts"]),
+            group=b["group"]))
         g_out = grad.new_zeros((ctx.out_rows,) + tuple(grad.shape[1:]))
         g_out.index_add_(0, b["back_recv_index"].to(grad.device), recv)
         return g_out, None, None
