@@ -19,6 +19,7 @@
 // under 50 ms).
 //
 // Usage: dynamic_cp_bench [DATA_DIR] [STEPS]   (defaults: data/ of the source tree, 8 steps)
+//        dynamic_cp_bench --media [DATA_DIR] [STEPS]: the encoder's term (MediaFigures below)
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -26,12 +27,14 @@
 #include <cstdlib>
 #include <ctime>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "bench_data.h"
 #include "thdpack/cost.h"
 #include "thdpack/data.h"
+#include "thdpack/media.h"
 #include "thdpack/schedule.h"
 #include "thdpack/step.h"
 
@@ -180,7 +183,85 @@ struct Line {
 
 }  // namespace
 
+// Media (--media): each sample of the step given images and video, seeded - one in three
+// 1-4 images of 256-1,600 patches, one in ten a video of 2-8 frames of 16x16 to 24x24 patches
+// (vlm_bench.py's mix) - charged with Qwen2-VL's tower (media.h DefaultEncoderCost) at the
+// hardware's R; the modelled step time of the dynamic plan that sees the encoder against the
+// plan made blind to it, both timed with it (DynamicPlanStepTime), and the encoder's share.
+int MediaFigures(const std::string& dir, int max_steps) {
+  std::printf("\nMedia: dynamic plans with the encoder's term against plans blind to it (both "
+              "timed with it), wlbllm, llama2-7b, h100-ib, 32768 tokens per rank\n");
+  std::printf("%5s %3s | %-12s %-12s %-10s %-14s\n", "gbs", "D", "aware (s)", "blind (s)",
+              "blind/aware", "encoder share");
+  for (int gbs : {512, 2048}) {
+    for (int domain : {16, 64}) {
+      auto source = thdpack::OpenSource("lengths:" + dir + "/wlbllm_doc_lengths.txt");
+      if (!source.ok()) {
+        std::fprintf(stderr, "%s\n", source.status().message().c_str());
+        return 1;
+      }
+      auto reader = thdpack::StepReader::Create(source->get(), gbs, 1);
+      ScheduleOptions blind_o = Options(domain, 1, "llama2-7b", "h100-ib");
+      ScheduleOptions o = blind_o;
+      const auto seconds = thdpack::EncoderTermSeconds(o.cost, *o.step_time,
+                                                       thdpack::DefaultEncoderCost());
+      o.step_time = o.step_time->WithEncoder(*seconds);
+      std::mt19937_64 rng(20261207 + static_cast<uint64_t>(gbs * domain));
+      double aware = 0, blind = 0, share = 0;
+      int steps = 0;
+      for (; steps < max_steps; ++steps) {
+        auto read = reader->Next();
+        if (!read.ok() || read->epoch > 0) break;
+        const std::vector<SampleLength>& samples = read->samples;
+        std::vector<thdpack::EncoderWork> work(samples.size());
+        double encoder_seconds = 0;
+        for (thdpack::EncoderWork& w : work) {
+          if (rng() % 3 == 0) {
+            for (int k = 1 + static_cast<int>(rng() % 4); k > 0; --k) {
+              int64_t h, wd;
+              do {
+                h = 2 * (8 + static_cast<int64_t>(rng() % 13));
+                wd = 2 * (8 + static_cast<int64_t>(rng() % 13));
+              } while (h * wd < 256 || h * wd > 1600);
+              w.patches += h * wd;
+              w.frame_sq += h * wd * h * wd;
+            }
+          }
+          if (rng() % 10 == 0) {
+            const int64_t t = 2 + static_cast<int64_t>(rng() % 7);
+            const int64_t side = 2 * (8 + static_cast<int64_t>(rng() % 5));
+            w.patches += t * side * side;
+            w.frame_sq += t * side * side * side * side;
+          }
+          encoder_seconds += o.step_time->EncoderSeconds(static_cast<double>(w.patches),
+                                                         static_cast<double>(w.frame_sq));
+        }
+        auto a = thdpack::ScheduleDynamic(samples, o, {}, work);
+        auto b = thdpack::ScheduleDynamic(samples, blind_o);
+        if (!a.ok() || !b.ok()) {
+          std::fprintf(stderr, "dynamic: %s\n",
+                       (a.ok() ? b.status() : a.status()).message().c_str());
+          return 1;
+        }
+        auto bt = thdpack::DynamicPlanStepTime(samples, o, *b, work);
+        if (!bt.ok()) return 1;
+        aware += a->step_time;
+        blind += *bt;
+        share += encoder_seconds / (encoder_seconds + b->step_time * domain);
+      }
+      if (steps == 0) continue;
+      std::printf("%5d %3d | %-12.3f %-12.3f %-10.4f %-14.3f\n", gbs, domain, aware / steps,
+                  blind / steps, blind / aware, share / steps);
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--media") {
+    return MediaFigures(argc > 2 ? argv[2] : thdpack_bench::DataDir(),
+                        argc > 3 ? std::atoi(argv[3]) : 8);
+  }
   const std::string dir = argc > 1 ? argv[1] : thdpack_bench::DataDir();
   const int max_steps = argc > 2 ? std::atoi(argv[2]) : 8;
   std::printf("Modelled step time (s, mean over the first %d steps), 32768 tokens per rank; "

@@ -1,6 +1,6 @@
 // The figures of a plan (schedule.h ComputePlanFigures) and of an assignment (AssignmentFigures),
 // from one function of its groups' sums (FiguresOfSums), the language model's cost and the
-// encoder's term alike.
+// encoder's term alike; and those of a dynamic plan (ComputeDynamicPlanFigures).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -147,6 +147,71 @@ Result<PlanFigures> ComputePlanFigures(std::span<const SampleLength> samples,
   }
   return internal::FiguresOfSums(options, plan.num_microbatches, sums,
                                  static_cast<int64_t>(plan.skipped.size()));
+}
+
+// The figures of a dynamic plan: each group's microbatch figures on every rank of it (its
+// layout's padding and cost), the domain's ranks in place of replicas.
+Result<PlanFigures> ComputeDynamicPlanFigures(std::span<const SampleLength> samples,
+                                              const ScheduleOptions& o, const DynamicPlan& plan) {
+  THDPACK_RETURN_IF_ERROR(ValidateDynamicPlan(samples, o, plan));
+  const SampleIdIndex index(samples);
+  PlanFigures f;
+  const int m_count = plan.num_microbatches;
+  f.num_microbatches = m_count;
+  f.n_skipped = static_cast<int64_t>(plan.skipped.size());
+  f.replicas.resize(static_cast<size_t>(plan.domain_size));
+  for (ReplicaFigures& r : f.replicas) r.microbatches.resize(static_cast<size_t>(m_count));
+  std::vector<int64_t> padded;
+  for (int m = 0; m < m_count; ++m) {
+    for (const CpGroup& g : plan.microbatches[static_cast<size_t>(m)]) {
+      THDPACK_ASSIGN_OR_RETURN(ParallelLayout layout, GroupLayout(o, g.num_ranks));
+      MicrobatchFigures mb;
+      padded.clear();
+      for (int64_t id : g.sample_ids) {
+        const int64_t i = index.Slot(id);
+        padded.push_back(layout.PaddedLength(index.Length(i)));
+        mb.real_tokens += index.Length(i);
+        mb.n_loss_tokens += index.NTargets(i);
+      }
+      ScheduleOptions group_options = o;
+      group_options.parallel = layout;
+      const internal::MicrobatchCost mc = internal::ComputeMicrobatchCost(padded, group_options);
+      if (mc.overflow || __builtin_add_overflow(f.sum_sq, mc.sum_sq, &f.sum_sq)) {
+        return Status::OutOfRange("plan figures: sum of P^2 overflows int64");
+      }
+      mb.n_samples = static_cast<int64_t>(padded.size());
+      mb.padded_tokens = mc.padded_tokens;
+      mb.sum_sq = mc.sum_sq;
+      mb.cost = mc.cost;
+      f.n_samples += mb.n_samples;
+      f.real_tokens += mb.real_tokens;
+      f.padded_tokens += mb.padded_tokens;
+      f.n_loss_tokens += mb.n_loss_tokens;
+      f.total_cost += mb.cost * g.num_ranks;
+      for (int r = g.first_rank; r < g.first_rank + g.num_ranks; ++r) {
+        f.replicas[static_cast<size_t>(r)].microbatches[static_cast<size_t>(m)] = mb;
+      }
+    }
+  }
+  for (ReplicaFigures& r : f.replicas) {
+    double lo = std::numeric_limits<double>::infinity(), hi = 0;
+    for (const MicrobatchFigures& mb : r.microbatches) {
+      r.cost += mb.cost;
+      lo = std::min(lo, mb.cost);
+      hi = std::max(hi, mb.cost);
+    }
+    f.max_replica_cost = std::max(f.max_replica_cost, r.cost);
+    f.max_microbatch_spread = std::max(f.max_microbatch_spread, hi - lo);
+  }
+  f.lower_bound = f.total_cost / static_cast<double>(plan.domain_size);
+  f.imbalance = f.lower_bound > 0 ? f.max_replica_cost / f.lower_bound : 1.0;
+  f.pad_fraction = f.padded_tokens > 0 ? 1.0 - static_cast<double>(f.real_tokens) /
+                                                   static_cast<double>(f.padded_tokens)
+                                       : 0.0;
+  f.fill = static_cast<double>(f.padded_tokens) /
+           (static_cast<double>(m_count) * plan.domain_size *
+            static_cast<double>(o.max_tokens_per_rank));
+  return f;
 }
 
 }  // namespace thdpack
