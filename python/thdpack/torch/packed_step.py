@@ -42,7 +42,9 @@ class PackedStep:
     per-replica detail on the ranks that planned only; a dynamic step adds groups_made,
     groups_reused, groups_evicted, groups_cached), microbatches (the list), dynamic,
     is_loader, first_stage, last_stage, options (the job's effective options, ``StepOptions``:
-    ``options.defaulted`` names those not given).
+    ``options.defaulted`` names those not given), sp (activations split over TP), media_cost
+    (with media: the encoder's (per_patch, per_frame_sq) term that placed the items; None
+    without).
     """
 
     def __init__(self, raw, device, cp_group=None, copy_stream=None,
