@@ -288,3 +288,89 @@ def test_a_killed_encoder_rank_fails_the_language_ranks_promptly(tmp_path):
         error, seconds = torch.load(f"{tmp_path}/r{r}.pt")
         assert error is not None and "over the encoder bridge" in error, (r, error)
         assert seconds < 30, (r, seconds, error)
+
+
+def resume_worker(rank, port, out_dir):
+    """DP 2 x CP 2 + 1 encoder rank: four steps uninterrupted, then two steps, the state saved,
+    both sides' iterators closed, and two more resumed from the state (a new EncoderIterator
+    beside them). What each rank holds and routes, and what the encoder encodes, per step."""
+    from test_media_step import stream_sample
+    from thdpack.torch import EncoderIterator, PackedDataIterator, loader_positions, route_media
+    join_gloo(rank, 5, port, timeout=60)
+    groups, _ = language_groups(1, 2, 2)
+    E, W, W2 = params()
+    G = 8
+    kw = dict(media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512, global_batch=G,
+              prefetch=1, encoder_ranks=[4])
+
+    def encode(steps):  # the encoder rank: per step its items (grid, payload sum)
+        out = []
+        for mbs in steps:
+            got = []
+            for mb in mbs:
+                for name in MEDIA:
+                    m = mb["media"][name]
+                    got += [(name, g, round(float(m["pixel_values"].sum()), 9))
+                            for g in m["grid_thw"].tolist()] if len(m["grid_thw"]) else []
+                    route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, name)
+            out.append(sorted(got))
+        return out
+
+    def train(it):  # a language rank: per step its samples and the rows it was routed
+        out = []
+        for step in it:
+            got = []
+            for mb in step:
+                rows = [route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, n)
+                        for n, m in mb["media"].items()]
+                got.append((mb["sample_ids"].tolist(),
+                            [round(float(r.sum()), 9) for r in rows],
+                            [mb["media"][n]["token_index"].tolist() for n in MEDIA]))
+            out.append(got)
+        return out
+
+    if rank == 4:
+        whole = encode(EncoderIterator([4], MEDIA))
+        again = encode(EncoderIterator([4], MEDIA)) + encode(EncoderIterator([4], MEDIA))
+    else:
+        dp_rank, cp_rank = rank // 2, rank % 2
+
+        def sample(p):
+            x = stream_sample(p)
+            x.pop("uid")  # a field this run does not declare
+            return x
+
+        def share(positions):
+            return (sample(p) for p in positions) if cp_rank == 0 else None
+        whole = train(PackedDataIterator(share(loader_positions(0, G, 2, dp_rank)), groups,
+                                         steps=4, **kw))
+        it = PackedDataIterator(share(loader_positions(0, G, 2, dp_rank)), groups, steps=2, **kw)
+        first = train(it)
+        state = it.state_dict()
+        it.close()
+        it = PackedDataIterator(share(loader_positions(state, G, 2, dp_rank)), groups, steps=2,
+                                **kw)
+        it.load_state_dict(state)
+        again = first + train(it)
+    torch.save((whole, again), f"{out_dir}/r{rank}.pt")
+    dist.destroy_process_group()
+
+
+@needs_local
+@pytest.mark.no_sanitizer
+def test_encoder_ranks_stop_and_resume_as_the_uninterrupted_run(tmp_path):
+    """A run with an encoder rank stopped after two steps and resumed from its state hands
+    every language rank the uninterrupted run's samples, token positions and routed rows, and
+    the encoder rank the same items, each sample of the four steps once."""
+    from test_torch_iterator import free_port
+    spawn(resume_worker, args=(free_port(), str(tmp_path)), nprocs=5)
+    seen = []
+    for rank in range(5):
+        whole, again = torch.load(f"{tmp_path}/r{rank}.pt")
+        assert again == whole, rank
+        assert len(whole) == 4
+        if rank == 4:
+            assert any(whole), "the encoder rank encoded nothing"
+        elif rank % 2 == 0:
+            seen += [i for step in whole for ids, _, _ in step for i in ids]
+    assert sorted(seen) == list(range(32))
