@@ -339,10 +339,13 @@ struct ScheduledPlan {
 // The modelled step time (seconds) of a static plan: replica d is the group of the CP
 // contiguous domain ranks d*CP .. d*CP + CP - 1 in every microbatch, each sequence costs
 // t(P, CP) with P its padded length (the SP tail on a microbatch's last sequence, as packed),
-// and SimulateStepTime gives the step. REQUIRES: ValidatePlan OK (checked) and
-// options.step_time set (InvalidArgument otherwise).
+// and SimulateStepTime gives the step. With encoder work (`encoder`, one EncoderWork per
+// sample, or empty) and the model's encoder term (StepTimeCoefficients::encoder), each
+// microbatch also takes its samples' encoder seconds over CP. REQUIRES: ValidatePlan OK
+// (checked) and options.step_time set (InvalidArgument otherwise).
 [[nodiscard]] Result<double> PlanStepTime(std::span<const SampleLength> samples,
-                                          const ScheduleOptions& options, const Plan& plan);
+                                          const ScheduleOptions& options, const Plan& plan,
+                                          std::span<const EncoderWork> encoder = {});
 
 // ---- The dynamic scheduler (scheduler_dynamic.cc; docs/scheduling.md "Dynamic CP"). ----
 //

@@ -317,6 +317,14 @@ void BindSchedule(py::module_& m) {
         if (n_targets) {
           for (size_t i = 0; i < samples.size(); ++i) samples[i].n_targets = (*n_targets)[i];
         }
+        // The static plans' sim_step_time charges the encoder too, where its term converts
+        // to seconds (as the step's does).
+        if (o.scheduler != ScheduleOptions::Scheduler::kDynamic && !o.encoder_cost.empty() &&
+            o.step_time.has_value()) {
+          const std::optional<EncoderCost> seconds =
+              EncoderTermSeconds(o.cost, *o.step_time, o.encoder_cost);
+          if (seconds) o.step_time = o.step_time->WithEncoder(*seconds);
+        }
         if (o.scheduler == ScheduleOptions::Scheduler::kDynamic) {
           // The encoder's term in seconds, the step-time model's (as the step makes it): a
           // profile's as given, a model cost's FLOPs at the hardware's R.

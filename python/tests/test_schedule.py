@@ -203,7 +203,8 @@ def test_schedule_encoder_work_is_checked_and_charged():
 
 
 def test_dynamic_schedule_charges_the_encoder_in_seconds():
-    """Under the dynamic scheduler encoder_work goes into the step-time model: encoder_cost in
+    """Under the dynamic scheduler (and in a static plan's sim_step_time) encoder_work goes into
+    the step-time model: encoder_cost in
     FLOPs becomes seconds at the hardware's R (h100-ib: 400 TFLOP/s), each sequence costing its
     group's ranks its encoder seconds over c; the plan's modelled time holds it, never above
     the time of the plan made blind to it; a cost without seconds is named."""
@@ -225,6 +226,13 @@ def test_dynamic_schedule_charges_the_encoder_in_seconds():
     assert aware.sim_step_time <= blind.sim_step_time + encoder  # never all on one rank's path
     zero = thdpack.schedule(lengths, encoder_work=np.zeros_like(work), encoder_cost=term, **kw)
     assert zero.sim_step_time == blind.sim_step_time
+    # A static plan's modelled time charges it too, each replica's share over its CP ranks:
+    # on one replica (its step the sum of its microbatches, the language model's the same
+    # however they are packed, without SP or a per-microbatch constant) exactly E / CP more.
+    static = dict(kw, scheduler="balanced", dp_size=1)
+    text = thdpack.schedule(lengths, **static).sim_step_time
+    both = thdpack.schedule(lengths, encoder_work=work, encoder_cost=term, **static)
+    assert both.sim_step_time == pytest.approx(text + encoder / 2, rel=1e-9)
     with pytest.raises(ValueError, match="has no known seconds"):
         thdpack.schedule(lengths, dp_size=2, cp_size=2, max_tokens_per_rank=8192,
                          scheduler="dynamic", cost="1,0.001", encoder_work=work,

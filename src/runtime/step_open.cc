@@ -147,7 +147,10 @@ Status StepRunner::Impl::Init() {
     // R), and where no conversion is known (a cost in tokens or "A,B") only places.
     if (opts_.schedule.scheduler != ScheduleOptions::Scheduler::kDynamic) {
       opts_.schedule.encoder_cost = *opts_.media_cost;
-    } else if (opts_.schedule.step_time.has_value()) {
+    }
+    // The step-time model (the dynamic scheduler's yardstick, every plan's sim_step_time)
+    // charges it too, where the term converts to seconds.
+    if (opts_.schedule.step_time.has_value()) {
       const std::optional<EncoderCost> seconds =
           EncoderTermSeconds(opts_.schedule.cost, *opts_.schedule.step_time, *opts_.media_cost);
       if (seconds.has_value()) {

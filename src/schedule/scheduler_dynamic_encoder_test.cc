@@ -1,8 +1,9 @@
-// The encoder's term under the dynamic scheduler (ScheduleDynamic's encoder work with the
-// step-time model's term in seconds): the modelled time against a plain sum over the plan's
+// The encoder's term in the step-time model (seconds): under the dynamic scheduler
+// (ScheduleDynamic's encoder work) the modelled time against a plain sum over the plan's
 // groups, the plain reference of the list schedule, plans unchanged without a term or work,
-// the plan that sees the encoder against the one blind to it, the conversion of a term into
-// seconds (EncoderTermSeconds), and the inputs refused.
+// the plan that sees the encoder against the one blind to it; a static plan's sim_step_time
+// against PlanStepTime and the same plain sum; the conversion of a term into seconds
+// (EncoderTermSeconds), and the inputs refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -155,6 +156,48 @@ TEST(DynamicEncoder, TheImagesAreSpread) {
   EXPECT_LE(aware->step_time, blind_time);
   EXPECT_LE(aware->step_time, e + text);
   EXPECT_LT(aware->step_time, 1.5 * e);
+}
+
+// A static plan's sim_step_time charges the term too: each replica's microbatch takes its
+// samples' encoder seconds over CP. The scheduler's value from its arrays equals PlanStepTime's
+// over the plan exactly, and the plain sum over the plan's groups.
+TEST(DynamicEncoder, StaticPlansChargeItInTheirStepTime) {
+  std::mt19937_64 rng(4242);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int dp = 1 + static_cast<int>(rng() % 3), cp = 1 + static_cast<int>(rng() % 2);
+    ScheduleOptions o = Options(dp, cp, 256, EncoderCost{});
+    o.scheduler = trial % 3 == 0 ? ScheduleOptions::Scheduler::kSequential
+                                 : ScheduleOptions::Scheduler::kBalanced;
+    o.encoder_cost = EncoderCost{4e3, 4.0};  // training FLOPs, R = 1000: 4 s a patch
+    o.step_time = o.step_time->WithEncoder(*EncoderTermSeconds(o.cost, *o.step_time,
+                                                               o.encoder_cost));
+    const std::vector<SampleLength> samples =
+        WithIds(RandomLengths(rng, 8 + rng() % 40, 256 * cp), rng());
+    const std::vector<EncoderWork> w = RandomWork(rng, samples.size());
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    Result<ScheduledPlan> got = ScheduleWithFigures(samples, o, {}, w);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_TRUE(got->sim_step_time.has_value());
+    Result<double> t = PlanStepTime(samples, o, got->plan, w);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_EQ(*got->sim_step_time, *t);
+    DynamicPlan as_groups;  // the static plan as groups, for the plain sum
+    as_groups.domain_size = dp * cp;
+    as_groups.microbatches.resize(static_cast<size_t>(got->plan.num_microbatches));
+    for (int m = 0; m < got->plan.num_microbatches; ++m) {
+      for (int d = 0; d < dp; ++d) {
+        std::span<const int64_t> ids = got->plan.Microbatch(d, m);
+        if (ids.empty()) continue;
+        as_groups.microbatches[static_cast<size_t>(m)].push_back(
+            CpGroup{d * cp, cp, std::vector<int64_t>(ids.begin(), ids.end())});
+      }
+    }
+    const double plain = PlainStepTime(samples, w, o, as_groups);
+    EXPECT_NEAR(*t, plain, 1e-9 * plain);
+    Result<double> text = PlanStepTime(samples, o, got->plan);  // without the work
+    ASSERT_TRUE(text.ok());
+    EXPECT_LE(*text, *t);
+  }
 }
 
 TEST(DynamicEncoder, ATermInTheCostsUnitBecomesSeconds) {

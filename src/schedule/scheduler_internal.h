@@ -268,6 +268,13 @@ int64_t BestFitDecreasingBins(const PreparedStep& step);
                                                       std::span<const int64_t> groups = {},
                                                       std::span<const EncoderWork> encoder = {});
 
+// E(w) of each sample (StepTimeModel::EncoderSeconds), seconds on one rank, by the slot of
+// `index` over `samples`; empty when no sample has work or the model has no encoder term.
+// InvalidArgument for a size other than the samples' or negative work, naming the sample.
+[[nodiscard]] Result<std::vector<double>> EncoderSecondsBySlot(
+    std::span<const SampleLength> samples, const SampleIdIndex& index,
+    const StepTimeModel& model, std::span<const EncoderWork> encoder);
+
 // ---- Groups kept together (scheduler_groups.cc; ScheduleOptions::keep_groups). ----
 
 // The groups of a step's samples as units, numbered by their first sample in input order.
