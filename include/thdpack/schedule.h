@@ -125,7 +125,8 @@ struct ScheduleOptions {
   // placed whole over the replica's CP ranks), and the static schedulers balance the sum - the
   // balanced one through its unit scheduler (scheduler_groups.cc), each sample a unit with its
   // own cost. Default empty (0, 0): no encoder term, whatever work is given. The step-time
-  // model (step_time) and the dynamic scheduler leave it out (the dynamic one refuses it).
+  // model takes the term in seconds instead (StepTimeCoefficients::encoder: the dynamic
+  // scheduler's cost and every plan's modelled time); the dynamic scheduler refuses this one.
   EncoderCost encoder_cost;
 };
 
