@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from test_media import MEDIA, MERGE, encoder, make_samples, params
-from test_media_step import N, one_process, sample_weights
-from test_torch_iterator import join_gloo
+from test_media_step import N, one_process, place_rows, weighted_sum
+from test_torch_iterator import join_gloo, make_groups
 from worlds import spawn
 
 LOCAL = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
@@ -22,36 +22,12 @@ needs_local = pytest.mark.skipif(not LOCAL, reason="torch without new_group("
                                  "use_local_synchronization=True): encoder ranks are refused")
 
 
-def language_groups(tp, cp, dp):
-    """Every TP, CP, DP group of the language ranks 0 .. TP*CP*DP-1 (Megatron's order) and
-    their world, made on every rank of the default group (the encoder ranks too)."""
-    from thdpack.torch import Groups
-    n = tp * cp * dp
-    rank = dist.get_rank()
-    world = dist.new_group(list(range(n)))
-    stride = {"tp": 1, "cp": tp, "dp": tp * cp}
-    sizes = {"tp": tp, "cp": cp, "dp": dp}
-    mine = {}
-    for k in ("tp", "cp", "dp"):
-        seen = set()
-        for r in range(n):
-            c = {"tp": r % tp, "cp": (r // tp) % cp, "dp": r // (tp * cp)}[k]
-            ranks = tuple(r + (i - c) * stride[k] for i in range(sizes[k]))
-            if ranks in seen:
-                continue
-            seen.add(ranks)
-            g = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine[k] = g
-    return (Groups(world=world, **mine) if rank < n else None), world
-
-
 def worker(rank, port, tp, cp, dp, sp, n_enc, prefetch, out_dir):
     from thdpack.torch import (EncoderIterator, PackedDataIterator, encoder_batch,
                                media_microbatch, pack_batch, route_media)
     n = tp * cp * dp
     join_gloo(rank, n + n_enc, port, timeout=60)
-    groups, _ = language_groups(tp, cp, dp)
+    groups = make_groups(tp, cp, dp, 1, world=tp * cp * dp)
     enc = list(range(n, n + n_enc))
     samples = make_samples(21, n=N)
     E, W, W2 = (p.requires_grad_() for p in params())
@@ -104,22 +80,12 @@ def worker(rank, port, tp, cp, dp, sp, n_enc, prefetch, out_dir):
                 assert torch.equal(m["token_index"], want[name]["token_index"]), name
                 rows = route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, name)
                 assert rows.shape[0] == len(m["token_index"])
-                if sp:
-                    part = embeds[lo:lo + cnt].index_put((m["token_index"],), rows)
-                    embeds = torch.cat([embeds[:lo], part, embeds[lo + cnt:]])
-                else:
-                    embeds = embeds.index_put((m["token_index"],), rows)
+                embeds = place_rows(embeds, m, rows, sp, (lo, cnt))
             checked += 1
-            seq, pos = mb["seq_index"].long(), mb["position_ids"].long()
-            weights = torch.zeros_like(embeds)
-            for k in range(len(seq)):
-                if seq[k] >= 0:
-                    sid = ids[int(seq[k])]
-                    weights[k] = sample_weights(sid, len(samples[sid]["input_ids"]))[pos[k]]
             # Without SP every TP rank holds the whole shard: TP rank 0's term counts.
-            keep = slice(lo, lo + cnt) if sp else slice(None)
             if sp or tp_rank == 0:
-                loss = loss + (embeds[keep] * weights[keep]).sum()
+                keep = slice(lo, lo + cnt) if sp else slice(None)
+                loss = loss + weighted_sum(embeds, mb, samples, keep)
             else:
                 loss = loss + 0 * embeds.sum()
     loss.backward()
@@ -184,7 +150,7 @@ def error_worker(rank, port, case, out_dir):
         from thdpack.torch import Groups
         groups = Groups(pp=pp_group, world=world) if rank < 2 else None
     else:
-        groups, _ = language_groups(1, 1, 2)
+        groups = make_groups(1, 1, 2, 1, world=2)
     enc = [2]
     samples = make_samples(21, n=4)
     kw = dict(media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512,
@@ -244,7 +210,7 @@ def killed_worker(rank, port, out_dir):
     import time
     from thdpack.torch import EncoderIterator, PackedDataIterator, route_media
     join_gloo(rank, 3, port, timeout=60)
-    groups, _ = language_groups(1, 1, 2)
+    groups = make_groups(1, 1, 2, 1, world=2)
     samples = make_samples(21, n=N)
     E, W, W2 = (p.requires_grad_() for p in params())
     if rank == 2:
@@ -297,7 +263,7 @@ def resume_worker(rank, port, out_dir):
     from test_media_step import stream_sample
     from thdpack.torch import EncoderIterator, PackedDataIterator, loader_positions, route_media
     join_gloo(rank, 5, port, timeout=60)
-    groups, _ = language_groups(1, 2, 2)
+    groups = make_groups(1, 2, 2, 1, world=4)
     E, W, W2 = params()
     G = 8
     kw = dict(media=MEDIA, spatial_merge_size=MERGE, max_tokens_per_rank=512, global_batch=G,

@@ -39,6 +39,29 @@ def one_process(samples):
     return float(loss.detach()), E.grad, W.grad, W2.grad
 
 
+def place_rows(embeds, m, rows, sp, sp_range):
+    """embeds with one modality's routed rows at its token_index; with SP the positions are
+    local to this TP rank's part (sp_range)."""
+    if not sp:
+        return embeds.index_put((m["token_index"],), rows)
+    lo, n = sp_range
+    part = embeds[lo:lo + n].index_put((m["token_index"],), rows)
+    return torch.cat([embeds[:lo], part, embeds[lo + n:]])
+
+
+def weighted_sum(embeds, mb, samples, keep):
+    """sum(embeds * sample_weights) over the rows `keep`: each token's weight row of its sample
+    (stream position mb["sample_ids"][seq]) at its position, 0 on padding."""
+    ids = mb["sample_ids"].tolist()
+    seq, pos = mb["seq_index"].long(), mb["position_ids"].long()
+    weights = torch.zeros_like(embeds)
+    for k in range(len(seq)):
+        if seq[k] >= 0:
+            sid = ids[int(seq[k])]
+            weights[k] = sample_weights(sid, len(samples[sid]["input_ids"]))[pos[k]]
+    return (embeds[keep] * weights[keep]).sum()
+
+
 def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir, scheduler="balanced"):
     from test_torch_iterator import make_groups
     from thdpack.torch import (PackedDataIterator, media_microbatch, mrope_microbatch,
@@ -94,19 +117,9 @@ def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir, scheduler="balanced"):
             for name in MEDIA:
                 m = mb["media"][name]
                 rows = route_media(encoder(m["pixel_values"], m["grid_thw"], W, W2), mb, name)
-                if sp:  # this TP rank's SP part: its token_index is local to the part
-                    part = embeds[lo:lo + n].index_put((m["token_index"],), rows)
-                    embeds = torch.cat([embeds[:lo], part, embeds[lo + n:]])
-                else:
-                    embeds = embeds.index_put((m["token_index"],), rows)
-            seq, pos = mb["seq_index"].long(), mb["position_ids"].long()
-            weights = torch.zeros_like(embeds)
-            for k in range(len(seq)):
-                if seq[k] >= 0:
-                    sid = ids[int(seq[k])]
-                    weights[k] = sample_weights(sid, len(samples[sid]["input_ids"]))[pos[k]]
+                embeds = place_rows(embeds, m, rows, sp, (lo, n))
             keep = slice(lo, lo + n) if sp else slice(None)
-            loss = loss + (embeds[keep] * weights[keep]).sum()
+            loss = loss + weighted_sum(embeds, mb, samples, keep)
     loss.backward()
     torch.save((float(loss.detach()), E.grad, W.grad, W2.grad, checked, sorted(sizes)),
                f"{out_dir}/r{rank}.pt")

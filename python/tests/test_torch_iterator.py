@@ -98,10 +98,17 @@ def coords(rank, tp, cp, dp, pp):
             "pp": rank // (tp * cp * dp)}
 
 
-def make_groups(tp, cp, dp, pp):
-    """Every TP, CP, DP, PP group of the world (Megatron's order), made on every rank."""
+def make_groups(tp, cp, dp, pp, world=None):
+    """Every TP, CP, DP, PP group of the world (Megatron's order), made on every rank. With
+    ``world`` (a number of ranks below the default group's), of ranks 0 .. world-1 and their
+    own world group (the other ranks, encoder ranks of their own, make them too and get None)."""
     from thdpack.torch import Groups
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world_group = None
+    if world is None:
+        world = dist.get_world_size()
+    else:
+        world_group = dist.new_group(list(range(world)))
     sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     stride = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": tp * cp * dp}
     mine = {}
@@ -116,6 +123,8 @@ def make_groups(tp, cp, dp, pp):
             g = dist.new_group(list(ranks))
             if rank in ranks:
                 mine[k] = g
+    if world_group is not None:
+        return Groups(world=world_group, **mine) if rank < world else None
     return Groups(**mine)
 
 

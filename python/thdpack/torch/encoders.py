@@ -1,4 +1,4 @@
-"""Encoders on ranks of their own (non-colocated media; docs/media.md "Encoders on their own ranks").
+"""Encoders on ranks of their own (non-colocated; docs/media.md "Encoders on their own ranks").
 
 By default each item of a microbatch is encoded on one CP rank of the replica that trains it
 (colocated). With ``encoder_ranks`` the vision tower runs on ranks of its own instead, as
