@@ -74,6 +74,13 @@ def _dtype_code(dtype, where):
                         f"{[str(d) for d in _DTYPES]})") from None
 
 
+def _tokens(grids, merge):
+    """Each item's placeholder tokens, t * (h / merge) * (w / merge) (media.h MediaGrid::tokens)
+    of grid rows [k, 3] the step checked."""
+    grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    return grids[:, 0] * (grids[:, 1] // merge) * (grids[:, 2] // merge)
+
+
 def _check_encoder_ranks(encoder_ranks, group_ranks):
     """The encoder ranks as a list of distinct world ranks of the bridge group, or ValueError /
     TypeError naming the rule."""
@@ -103,16 +110,33 @@ def _check_encoder_ranks(encoder_ranks, group_ranks):
 class _Bridge:
     """One rank's side of the bridge: the group, who encodes, and the step's exchanges."""
 
-    def __init__(self, encoder_ranks, media, group, language_ranks=None):
+    def __init__(self, group):
+        """The bridge group alone (None: the default group); declare() says who encodes."""
         self.group = dist.group.WORLD if group is None else group
         self.group_ranks = list(dist.get_process_group_ranks(self.group))
         self.rank = dist.get_rank(self.group)
         self.size = len(self.group_ranks)
+        self.names = self.encoder_ranks = None
+        self.step = 0
+        self.closed = False
+        # The bridge's own tensors (headers, records, payload bytes) live where its group's
+        # collectives take them: the current CUDA device under NCCL, the CPU otherwise.
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if nccl
+                       else torch.device("cpu"))
+
+    def declare(self, encoder_ranks, media, language_ranks=None, encoder=None):
+        """The encoder ranks and the modalities, checked: ``language_ranks`` (global ranks)
+        must be the bridge group's others; ``encoder`` True: this rank must be an encoder rank.
+        TypeError/ValueError naming the rule."""
         self.names = list(media)
         self.encoder_ranks = _check_encoder_ranks(encoder_ranks, self.group_ranks)
         # Bridge-group positions of the encoder ranks, encoder index e = their order here.
         self.encoders = [self.group_ranks.index(r) for r in self.encoder_ranks]
         self.is_encoder = self.group_ranks[self.rank] in self.encoder_ranks
+        if encoder and not self.is_encoder:
+            raise ValueError(f"EncoderIterator: rank {self.group_ranks[self.rank]} is not one of "
+                             f"the encoder ranks {self.encoder_ranks}")
         if language_ranks is not None:
             lm = sorted(int(r) for r in language_ranks)
             want = sorted(r for r in self.group_ranks if r not in self.encoder_ranks)
@@ -121,16 +145,6 @@ class _Bridge:
                                  f"{lm}; with encoder ranks {self.encoder_ranks} the bridge "
                                  f"group {self.group_ranks} leaves {want} to it (the bridge "
                                  f"group: the first stage's ranks and the encoder ranks)")
-        self.step = 0
-        self.closed = False
-        self._device_of_group()
-
-    def _device_of_group(self):
-        # The bridge's own tensors (headers, records, payload bytes) live where its group's
-        # collectives take them: the current CUDA device under NCCL, the CPU otherwise.
-        nccl = dist.get_backend(self.group) == "nccl"
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if nccl
-                       else torch.device("cpu"))
 
     def agree(self, error=None):
         """The bridge's first collective: every rank's view of the encoder ranks and its own
@@ -213,11 +227,7 @@ class _Bridge:
         try:
             records, payload = self._records(step)
         except (TypeError, ValueError) as e:
-            self.closed = True
-            try:
-                self._headers([_FAIL, 0, 0, 0, 0, 0, 0], f"{type(e).__name__}: {e}")
-            except RuntimeError:
-                pass
+            self.fail(f"{type(e).__name__}: {e}")
             raise
         mine = [_STEP, len(step.microbatches), len(records), tp_rank, int(sp), staging, merge]
         return self._exchange(mine, records, payload, step.microbatches)
@@ -346,8 +356,7 @@ class _Bridge:
         for i, mb in enumerate(microbatches):
             for m, name in enumerate(self.names):
                 ks = np.nonzero((mine[:, 0] == i) & (mine[:, 1] == m))[0]
-                tokens = (mine[ks, 2] * (mine[ks, 3] // merge) * (mine[ks, 4] // merge)
-                          if len(ks) else np.zeros(0, dtype=np.int64))
+                tokens = _tokens(mine[ks, 2:5], merge)
                 first = np.concatenate([[0], np.cumsum(tokens)])
                 recv_counts = [0] * self.size
                 order = []
@@ -369,7 +378,6 @@ class _Bridge:
                     "back_send_counts": back, "back_recv_counts": [0] * self.size,
                     "back_recv_index": torch.zeros(0, dtype=torch.int64),
                 }
-                route["bridge_rows"] = route["output_rows"]
                 route["output_rows"] = 0
         return microbatches
 
@@ -378,24 +386,21 @@ class _Bridge:
         # The payloads this encoder rank receives: from each staging rank, in bridge order,
         # its items placed here, in record order.
         recv_counts = [0] * self.size
-        got = []  # (staging rank, record index), in arrival order
+        got = []  # (staging rank, record index, payload bytes), in arrival order
         for r in stagers:
             for k in np.nonzero(enc_of[r] == e)[0]:
                 x = rec[r][k]
-                recv_counts[r] += int(x[2] * x[3] * x[4]) * self._row_bytes(x)
-                got.append((r, int(k)))
+                n = int(x[2] * x[3] * x[4]) * self._row_bytes(x)
+                recv_counts[r] += n
+                got.append((r, int(k), n))
         raw = self._payload_exchange([], [0] * self.size, recv_counts)
         at = 0
         rows_of = {}
-        for r, k in got:
+        for r, k, n in got:
             x = rec[r][k]
-            n = int(x[2] * x[3] * x[4]) * self._row_bytes(x)
             rows_of[(r, k)] = raw[at:at + n].view(_DTYPES[int(x[7])]).reshape(-1, int(x[6]))
             at += n
-        # Who takes an item's output rows: every TP rank of the CP position that staged it
-        # (their tables above), each in its own record order; the gradient back from TP rank 0
-        # without SP, from every TP rank with it.
-        takers = {r: [q for q in lm if int(h[q, 5]) == r] for r in stagers}
+        got = [(r, k) for r, k, _ in got]
         out = []
         for i in range(n_mb):
             mb = {"microbatch": i, "media": {}}
@@ -403,15 +408,16 @@ class _Bridge:
                 items = [(r, k) for r, k in got if rec[r][k, 0] == i and rec[r][k, 1] == m]
                 grids = np.array([rec[r][k, 2:5] for r, k in items],
                                  dtype=np.int64).reshape(-1, 3)
-                tokens = grids[:, 0] * (grids[:, 1] // merge) * (grids[:, 2] // merge)
+                tokens = _tokens(grids, merge)
                 first = np.concatenate([[0], np.cumsum(tokens)])
                 where = {key: j for j, key in enumerate(items)}
                 send_index, send_counts = [], [0] * self.size
                 back_index, back_counts = [], [0] * self.size
-                for q in range(self.size):  # destinations in bridge order
-                    r = int(h[q, 5]) if q in lm else -1
-                    if r < 0 or r not in takers:
-                        continue
+                # Who takes an item's output rows: every TP rank of the CP position that staged
+                # it (each language rank's staging rank, checked in _exchange), in its record
+                # order; the gradient back from TP rank 0 without SP, from every TP rank with it.
+                for q in lm:  # destinations in bridge order
+                    r = int(h[q, 5])
                     ks = np.nonzero((rec[r][:, 0] == i) & (rec[r][:, 1] == m))[0]
                     for k in ks:
                         j = where.get((r, int(k)))
@@ -503,23 +509,17 @@ def bridge_rows(out, bridge):
     return _BridgeRows.apply(out, anchor, bridge)
 
 
-def make_bridge(encoder_ranks, media, group=None, language_ranks=None, error=None):
+def make_bridge(encoder_ranks, media, group=None, language_ranks=None, error=None,
+                encoder=None):
     """This rank's bridge, agreed over the bridge group (collective): ``error``, this rank's
-    own failure before it (an exception), or one of the bridge's checks fails every rank, each
-    naming it. Returns the _Bridge."""
-    bridge = None
+    own failure before it (an exception), or one of the bridge's checks (_Bridge.declare)
+    fails every rank, each naming it. Returns the _Bridge."""
+    bridge = _Bridge(group)
     if error is None:
         try:
-            bridge = _Bridge(encoder_ranks, media, group, language_ranks)
+            bridge.declare(encoder_ranks, media, language_ranks, encoder)
         except (TypeError, ValueError) as e:
-            error = e
-    if bridge is None:  # still agree, so that every rank raises
-        bridge = object.__new__(_Bridge)
-        bridge.group = dist.group.WORLD if group is None else group
-        bridge.group_ranks = list(dist.get_process_group_ranks(bridge.group))
-        bridge.size, bridge.rank = len(bridge.group_ranks), dist.get_rank(bridge.group)
-        bridge.encoder_ranks, bridge.names = None, None
-        bridge._device_of_group()
+            error = e  # still agreed, so that every rank raises
     bridge.agree(error)
     return bridge
 
@@ -537,15 +537,9 @@ class EncoderIterator:
         error = None
         try:
             media_specs(media)
-            group_ = dist.group.WORLD if group is None else group
-            me = dist.get_process_group_ranks(group_)[dist.get_rank(group_)]
-            if not isinstance(encoder_ranks, (str, bytes)) and hasattr(encoder_ranks, "__iter__") \
-                    and me not in list(encoder_ranks):
-                raise ValueError(f"EncoderIterator: rank {me} is not one of the encoder ranks "
-                                 f"{list(encoder_ranks)}")
         except (TypeError, ValueError) as e:
             error = e
-        self._bridge = make_bridge(encoder_ranks, media, group, error=error)
+        self._bridge = make_bridge(encoder_ranks, media, group, error=error, encoder=True)
 
     def __iter__(self):
         return self

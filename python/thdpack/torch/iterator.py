@@ -163,36 +163,20 @@ class PackedDataIterator:
                  encoder_group=None, _kept_groups=None, **options):
         self._src = None
         self._bridge = None
-        if encoder_ranks is None:
-            self._make(source, groups, global_batch, max_tokens_per_rank, scheduler, cost, sp,
-                       data_on, device, steps, monitored_barrier_seconds, label_format,
-                       prefetch, fields, media, spatial_merge_size, mrope,
-                       mrope_tokens_per_second, media_cost, _kept_groups, options)
-            return
-        # Encoders on ranks of their own (encoders.py): the step as above over the language
-        # ranks, then the bridge agreed with the encoder ranks - or this rank's failure, which
-        # every language rank shares (the step agrees it), sent to them.
+        # Encoders on ranks of their own (encoders.py): the step over the language ranks, then
+        # the bridge agreed with the encoder ranks - or this rank's failure, which every
+        # language rank shares (the step agrees it), sent to them.
         try:
-            if media is None:
-                raise ValueError("encoder_ranks: without media (declare the modalities)")
-            if "use_local_synchronization" not in inspect.signature(dist.new_group).parameters:
-                raise ValueError(f"encoder_ranks: torch {torch.__version__} makes a group only "
-                                 f"with every rank of the default group, and the language "
-                                 f"ranks' step makes groups the encoder ranks do not (torch "
-                                 f">= 2.2: new_group(use_local_synchronization=True))")
-            if groups.sizes["pp"] > 1 and encoder_group is None:
-                raise ValueError(f"encoder_ranks with PP = {groups.sizes['pp']}: give "
-                                 f"encoder_group, a group of the first stage's ranks and the "
-                                 f"encoder ranks (the media reach the first stage alone)")
-            if options.get("scheduler", scheduler) == "dynamic":
-                raise ValueError("encoder_ranks under the dynamic scheduler: not built (a CP "
-                                 "group a microbatch; use a static scheduler or encode on the "
-                                 "CP ranks)")
+            if encoder_ranks is not None:
+                _check_encoder_options(groups, media, encoder_group,
+                                       options.get("scheduler", scheduler))
             self._make(source, groups, global_batch, max_tokens_per_rank, scheduler, cost, sp,
                        data_on, device, steps, monitored_barrier_seconds, label_format,
                        prefetch, fields, media, spatial_merge_size, mrope,
                        mrope_tokens_per_second, media_cost, _kept_groups, options)
         except BaseException as e:
+            if encoder_ranks is None:
+                raise
             from .encoders import make_bridge
             # The bridge group's language ranks (every one of the default group, or the first
             # stage's in encoder_group) send it; the others are not in it.
@@ -205,7 +189,7 @@ class PackedDataIterator:
             except BaseException:  # noqa: BLE001 - this rank raises its own, below
                 pass
             raise
-        if groups.coord["pp"] != 0:  # the media reach the first stage alone
+        if encoder_ranks is None or groups.coord["pp"] != 0:  # media: the first stage alone
             return
         from .encoders import make_bridge
         topo = groups.topology
@@ -421,6 +405,26 @@ class PackedDataIterator:
             src.close()
         if self._bridge is not None:  # the encoder ranks' iteration ends with this one
             self._bridge.stop()
+
+
+def _check_encoder_options(groups, media, encoder_group, scheduler):
+    """What encoder ranks of their own need of the language ranks' step (ValueError naming
+    the rule otherwise)."""
+    if media is None:
+        raise ValueError("encoder_ranks: without media (declare the modalities)")
+    if "use_local_synchronization" not in inspect.signature(dist.new_group).parameters:
+        raise ValueError(f"encoder_ranks: torch {torch.__version__} makes a group only "
+                         f"with every rank of the default group, and the language "
+                         f"ranks' step makes groups the encoder ranks do not (torch "
+                         f">= 2.2: new_group(use_local_synchronization=True))")
+    if groups.sizes["pp"] > 1 and encoder_group is None:
+        raise ValueError(f"encoder_ranks with PP = {groups.sizes['pp']}: give "
+                         f"encoder_group, a group of the first stage's ranks and the "
+                         f"encoder ranks (the media reach the first stage alone)")
+    if scheduler == "dynamic":
+        raise ValueError("encoder_ranks under the dynamic scheduler: not built (a CP "
+                         "group a microbatch; use a static scheduler or encode on the "
+                         "CP ranks)")
 
 
 # How long the interpreter's exit waits for each data plane's thread to finish the steps it

@@ -230,8 +230,9 @@ def route_media(out, mb, name):
     if not isinstance(out, torch.Tensor) or out.dim() < 1:
         raise TypeError(f"route_media: out must be a tensor [rows, H], got {type(out).__name__}")
     if out.shape[0] != route["output_rows"]:
-        where = (" (the encoder ranks encode them: pass [0, H])" if "bridge_rows" in route
-                 else "")
+        # A language rank beside encoder ranks: a bridge and the colocated route's tables.
+        where = (" (the encoder ranks encode them: pass [0, H])"
+                 if "bridge" in route and "send_index" in route else "")
         raise ValueError(f"route_media('{name}'): out has {out.shape[0]} rows, this rank's items "
                          f"have {route['output_rows']} tokens (t*h*w / merge**2 each){where}")
     bridge = route.get("bridge")
