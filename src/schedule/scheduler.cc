@@ -194,28 +194,33 @@ int64_t UsableCapacity(const ScheduleOptions& o) {
   return o.parallel.UsableBudget(MicrobatchBudget(o));
 }
 
-Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
-                                 const ScheduleOptions& o, std::span<const EncoderWork> encoder) {
-  PreparedStep step;
+Result<bool> CheckEncoderWork(std::span<const SampleLength> samples,
+                              std::span<const EncoderWork> encoder, bool values) {
   if (!encoder.empty() && encoder.size() != samples.size()) {
     return Status::InvalidArgument("schedule: " + std::to_string(encoder.size()) +
                                    " encoder works for " + std::to_string(samples.size()) +
                                    " samples (one a sample, or none)");
   }
-  // The encoder term is charged when it has a cost and some sample has work.
-  bool charged = false;
-  if (!o.encoder_cost.empty()) {
-    for (size_t i = 0; i < encoder.size(); ++i) {
-      const EncoderWork& w = encoder[i];
-      if (w.patches < 0 || w.frame_sq < 0) {
-        return Status::InvalidArgument(
-            "schedule: sample id " + Str(samples[i].id) + " (position " + std::to_string(i) +
-            ") has encoder work (" + Str(w.patches) + " patches, " + Str(w.frame_sq) +
-            " frame^2); both must be >= 0");
-      }
-      charged = charged || w.patches > 0 || w.frame_sq > 0;
+  bool any = false;
+  for (size_t i = 0; values && i < encoder.size(); ++i) {
+    const EncoderWork& w = encoder[i];
+    if (w.patches < 0 || w.frame_sq < 0) {
+      return Status::InvalidArgument(
+          "schedule: sample id " + Str(samples[i].id) + " (position " + std::to_string(i) +
+          ") has encoder work (" + Str(w.patches) + " patches, " + Str(w.frame_sq) +
+          " frame^2); both must be >= 0");
     }
+    any = any || w.patches > 0 || w.frame_sq > 0;
   }
+  return any;
+}
+
+Result<PreparedStep> PrepareStep(std::span<const SampleLength> samples,
+                                 const ScheduleOptions& o, std::span<const EncoderWork> encoder) {
+  PreparedStep step;
+  // The encoder term is charged when it has a cost and some sample has work.
+  THDPACK_ASSIGN_OR_RETURN(const bool charged,
+                           CheckEncoderWork(samples, encoder, !o.encoder_cost.empty()));
   step.capacity = UsableCapacity(o);
   const int64_t budget = MicrobatchBudget(o);
   const int64_t align = o.parallel.sequence_alignment();

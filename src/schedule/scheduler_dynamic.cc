@@ -295,8 +295,9 @@ struct Moldable {
   std::vector<int32_t> order;   // w_min decreasing, ties by id
 };
 
+// `encoder`: each sequence's E(w) / c in its times (false: blind to it).
 Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
-                      const std::vector<Size>& sizes) {
+                      const std::vector<Size>& sizes, bool encoder = true) {
   const StepTimeModel& model = *o.step_time;
   const int32_t n = step.num_units();
   Moldable m;
@@ -313,7 +314,8 @@ Moldable MakeMoldable(const DynStep& step, const ScheduleOptions& o,
         const int32_t member = step.unit_members[static_cast<size_t>(k)];
         const int64_t pk = z.layout.PaddedLength(step.kept[static_cast<size_t>(member)].length);
         p += pk;
-        t += model.SequenceSeconds(pk, z.c) + step.Encoder(member) / static_cast<double>(z.c);
+        t += model.SequenceSeconds(pk, z.c);
+        if (encoder) t += step.Encoder(member) / static_cast<double>(z.c);
       }
       if (p > z.capacity) continue;
       m.options.push_back({s, p, t, t * z.c});
@@ -557,24 +559,7 @@ Result<std::vector<double>> EncoderSecondsBySlot(std::span<const SampleLength> s
                                                  const StepTimeModel& model,
                                                  std::span<const EncoderWork> encoder) {
   std::vector<double> out;
-  if (encoder.empty()) return out;
-  if (encoder.size() != samples.size()) {
-    return Status::InvalidArgument("schedule: " + Str(static_cast<int64_t>(encoder.size())) +
-                                   " encoder works for " +
-                                   Str(static_cast<int64_t>(samples.size())) +
-                                   " samples (one a sample, or none)");
-  }
-  bool any = false;
-  for (size_t i = 0; i < encoder.size(); ++i) {
-    const EncoderWork& w = encoder[i];
-    if (w.patches < 0 || w.frame_sq < 0) {
-      return Status::InvalidArgument(
-          "schedule: sample id " + Str(samples[i].id) + " (position " +
-          Str(static_cast<int64_t>(i)) + ") has encoder work (" + Str(w.patches) +
-          " patches, " + Str(w.frame_sq) + " frame^2); both must be >= 0");
-    }
-    any = any || w.patches > 0 || w.frame_sq > 0;
-  }
+  THDPACK_ASSIGN_OR_RETURN(const bool any, CheckEncoderWork(samples, encoder));
   if (!any || model.coefficients().encoder.empty()) return out;
   out.assign(static_cast<size_t>(index.num_slots()), 0.0);
   for (size_t i = 0; i < samples.size(); ++i) {
@@ -636,12 +621,10 @@ Result<DynamicPlan> ScheduleDynamicImpl(std::span<const SampleLength> samples,
   if (!step.kept_encoder.empty()) {
     // The list schedules blind to the encoder too, timed with it: list scheduling is a
     // heuristic, and so the plan is never slower in the model than the one that ignores it.
-    DynStep blind = step;
-    blind.kept_encoder.clear();
-    const Moldable blind_mold = MakeMoldable(blind, options, sizes);
+    const Moldable blind = MakeMoldable(step, options, sizes, /*encoder=*/false);
     for (double eps : kSlacks) {
       THDPACK_RETURN_IF_ERROR(
-          consider(ListSchedule(blind, options, sizes, blind_mold, domain, eps, plain)));
+          consider(ListSchedule(step, options, sizes, blind, domain, eps, plain)));
     }
   }
   for (const Size& size : sizes) {

@@ -268,9 +268,16 @@ int64_t BestFitDecreasingBins(const PreparedStep& step);
                                                       std::span<const int64_t> groups = {},
                                                       std::span<const EncoderWork> encoder = {});
 
+// Encoder work as the schedulers take it: one EncoderWork a sample, or none (InvalidArgument
+// naming both counts otherwise); with `values`, each sum >= 0 (InvalidArgument naming the
+// sample). Returns whether some sample has work (false without `values`).
+[[nodiscard]] Result<bool> CheckEncoderWork(std::span<const SampleLength> samples,
+                                            std::span<const EncoderWork> encoder,
+                                            bool values = true);
+
 // E(w) of each sample (StepTimeModel::EncoderSeconds), seconds on one rank, by the slot of
 // `index` over `samples`; empty when no sample has work or the model has no encoder term.
-// InvalidArgument for a size other than the samples' or negative work, naming the sample.
+// Errors: CheckEncoderWork's.
 [[nodiscard]] Result<std::vector<double>> EncoderSecondsBySlot(
     std::span<const SampleLength> samples, const SampleIdIndex& index,
     const StepTimeModel& model, std::span<const EncoderWork> encoder);

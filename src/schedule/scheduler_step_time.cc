@@ -128,12 +128,10 @@ Result<double> PlanStepTime(std::span<const SampleLength> samples, const Schedul
   }
   THDPACK_RETURN_IF_ERROR(ValidatePlan(samples, options, plan));
   const SampleIdIndex index(samples);
-  // Each sample's work by the index's slot (validated as ScheduleDynamic validates it).
+  // Each sample's work by the index's slot.
   std::vector<EncoderWork> work;
+  THDPACK_RETURN_IF_ERROR(internal::CheckEncoderWork(samples, encoder).status());
   if (!encoder.empty()) {
-    THDPACK_ASSIGN_OR_RETURN(std::vector<double> checked,
-                             internal::EncoderSecondsBySlot(samples, index, *options.step_time, encoder));
-    (void)checked;
     work.assign(static_cast<size_t>(index.num_slots()), EncoderWork{});
     for (size_t i = 0; i < samples.size(); ++i) {
       work[static_cast<size_t>(index.Slot(samples[i].id))] = encoder[i];
