@@ -23,7 +23,7 @@
 
 thdpack_area(common   HEADERS status.h sample.h version.h parallel_layout.h SHARED)
 thdpack_area(topology DEPS common HEADERS topology.h)
-thdpack_area(comm     DEPS common HEADERS comm.h)
+thdpack_area(comm     DEPS common HEADERS comm.h comm_checks.h)
 thdpack_area(data     DEPS common HEADERS data.h megatron_dataset.h blend.h arrow.h
              LIBS nlohmann_json::nlohmann_json)
 thdpack_area(cost     DEPS common HEADERS cost.h profile.h LIBS nlohmann_json::nlohmann_json)

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "comm_checks.h"
+#include "thdpack/comm_checks.h"
 #include "thdpack/comm.h"
 #include "thdpack/topology.h"
 

@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "comm_checks.h"
+#include "thdpack/comm_checks.h"
 #include "dynamic_checks.h"
 #include "fields_checks.h"
 #include "step_checks.h"

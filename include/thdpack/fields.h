@@ -161,6 +161,10 @@ int64_t FieldBytes(std::span<const FieldSpec> fields, int64_t length);
 [[nodiscard]] Result<std::vector<int32_t>> ShardSequenceIndex(
     std::span<const int32_t> cu_seqlens, std::span<const int32_t> cu_seqlens_padded,
     int cp_size, int cp_rank);
+// Same, written into out (out.size() must be T/CP, 0 for an idle microbatch).
+[[nodiscard]] Status ShardSequenceIndexInto(std::span<const int32_t> cu_seqlens,
+                                            std::span<const int32_t> cu_seqlens_padded,
+                                            int cp_size, int cp_rank, std::span<int32_t> out);
 
 }  // namespace thdpack
 

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iterator>
 #include <ranges>
 #include <span>
@@ -72,6 +73,19 @@ namespace thdpack {
 [[nodiscard]] Result<std::vector<uint8_t>> ShardPaddingMask(
     std::span<const int32_t> cu_seqlens, std::span<const int32_t> cu_seqlens_padded, int cp_size,
     int cp_rank);
+// Same, written into out (out.size() must be T/CP, 0 for an idle microbatch).
+[[nodiscard]] Status ShardPaddingMaskInto(std::span<const int32_t> cu_seqlens,
+                                          std::span<const int32_t> cu_seqlens_padded,
+                                          int cp_size, int cp_rank, std::span<uint8_t> out);
+
+// CP rank cp_rank's shard as runs, what ShardPaddingMask and ShardSequenceIndex write: for
+// each sequence i in order, each of its chunks on this rank (one when CP = 1, two otherwise)
+// as run(i, at, real, pad) - `real` real tokens then `pad` padding tokens at local offset `at`.
+// Returns T/CP (0 for an idle microbatch, with no run). The same checks and errors as
+// ShardPaddingMask.
+[[nodiscard]] Result<int64_t> ForEachShardRun(
+    std::span<const int32_t> cu_seqlens, std::span<const int32_t> cu_seqlens_padded, int cp_size,
+    int cp_rank, const std::function<void(size_t i, int64_t at, int64_t real, int64_t pad)>& run);
 
 // Local sequence boundaries of every CP rank's shard: cu_seqlens_padded / CP, [n+1]. For the
 // loss and unsharding; attention (TransformerEngine) takes the GLOBAL cu_seqlens_padded.

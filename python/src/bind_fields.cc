@@ -143,10 +143,8 @@ py::dict FieldsToPy(const std::vector<FieldSpec>& specs,
       d[py::str(specs[i].name)] = py::none();
       continue;
     }
-    std::vector<uint8_t> b(buffers[i].size());
-    std::memcpy(b.data(), buffers[i].data(), b.size());
-    std::vector<std::byte>().swap(buffers[i]);
-    d[py::str(specs[i].name)] = ToNumpy(std::move(b));
+    // The buffer itself, moved into the array (no copy: a step's fields are most of its bytes).
+    d[py::str(specs[i].name)] = BytesToNumpy(std::exchange(buffers[i], {}));
   }
   return d;
 }

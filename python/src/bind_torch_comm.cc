@@ -1,12 +1,21 @@
-// python/src/bind_torch_comm.cc: the ProcessGroup over torch.distributed (torch_comm.h).
+// python/src/bind_torch_comm.cc: the ProcessGroup over torch.distributed (torch_comm.h), the
+// options a torch world is made with (CommOptions), and two bindings over a torch group:
+//   thdpack._thdpack._agree_checks(group, error, entries, what): a collective entry point's
+//       local checks and alike-values agreed over the group before its collective;
+//   thdpack._thdpack._check_process_group(group): the checks every backend passes
+//       (thdpack/comm_checks.h) on this one.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "thdpack/comm_checks.h"
+#include "thdpack/job.h"
 #include "torch_comm.h"
 
 namespace thdpack::python {
@@ -124,6 +133,10 @@ class TorchProcessGroup final : public ProcessGroup {
     }
     ReleaseLater(std::move(held_));
     held_.clear();
+    // Sends never waited for (a failed step): let go of, not waited on (a dead peer would hold
+    // the wait until torch's timeout).
+    ReleaseLater(std::move(sending_));
+    sending_.clear();
     group_ = py::object();
     device_ = py::object();
     dist_ = py::object();
@@ -139,6 +152,7 @@ class TorchProcessGroup final : public ProcessGroup {
 
   Status Broadcast(std::span<std::byte> data, int root) override {
     THDPACK_RETURN_IF_ERROR(CheckRoot("Broadcast", root));
+    if (size() == 1) return Status::Ok();  // a group of one: nothing to move (no torch call)
     return Call("broadcast", [&] {
       py::object t = ToDevice(Bytes(data));
       dist_.attr("broadcast")(t, py::arg("src") = TorchRank(root), py::arg("group") = group_);
@@ -152,6 +166,10 @@ class TorchProcessGroup final : public ProcessGroup {
       return Status::InvalidArgument("AllGather on " + Describe() + ": recv has " +
                                      std::to_string(recv.size()) + " bytes, expected size() * " +
                                      std::to_string(send.size()));
+    }
+    if (size() == 1) {
+      if (!send.empty()) std::memcpy(recv.data(), send.data(), send.size());
+      return Status::Ok();
     }
     return Call("all_gather", [&] {
       py::object out = ToDevice(Bytes(recv));
@@ -176,6 +194,10 @@ class TorchProcessGroup final : public ProcessGroup {
                                      "] = " + std::to_string(counts[static_cast<size_t>(rank())]) +
                                      " but send has " + std::to_string(send.size()) + " bytes");
     }
+    if (size() == 1) {
+      if (!send.empty()) std::memcpy(recv.data() + displs[0], send.data(), send.size());
+      return Status::Ok();
+    }
     const int64_t most = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
     std::vector<std::byte> padded(static_cast<size_t>(most), std::byte{0});
     if (!send.empty()) std::memcpy(padded.data(), send.data(), send.size());
@@ -199,6 +221,7 @@ class TorchProcessGroup final : public ProcessGroup {
   }
 
   Status AllReduce(std::span<std::byte> data, ReduceType type, ReduceOp op) override {
+    if (size() == 1) return Status::Ok();
     return Call("all_reduce", [&] {
       py::object t = ToDevice(Typed(data, type));
       py::object ops = dist_.attr("ReduceOp");
@@ -221,22 +244,58 @@ class TorchProcessGroup final : public ProcessGroup {
         CheckVector("AllToAllV", "send", send_counts, send_displs, send.size()));
     THDPACK_RETURN_IF_ERROR(
         CheckVector("AllToAllV", "recv", recv_counts, recv_displs, recv.size()));
+    if (size() == 1) {
+      if (send_counts[0] != recv_counts[0]) {
+        return Status::InvalidArgument("AllToAllV on " + Describe() + ": a group of one sends " +
+                                       std::to_string(send_counts[0]) + " bytes to itself but " +
+                                       "receives " + std::to_string(recv_counts[0]));
+      }
+      if (send_counts[0]) {
+        std::memcpy(recv.data() + recv_displs[0], send.data() + send_displs[0], send_counts[0]);
+      }
+      return Status::Ok();
+    }
     const size_t n = static_cast<size_t>(size());
+    // Torch takes blocks packed in its group-rank order. Where the caller's blocks already are
+    // (member order is torch's, each block right after the one before it: every step's
+    // exchange), the caller's buffers go to torch as they are; otherwise they are packed into
+    // copies and unpacked after.
+    auto in_order = [&](std::span<const int64_t> counts, std::span<const int64_t> displs) {
+      int64_t at = 0;
+      for (size_t t = 0; t < n; ++t) {
+        const size_t j = static_cast<size_t>(MemberAt(static_cast<int>(t)));
+        if (counts[j] != 0 && displs[j] != at) return false;
+        at += counts[j];
+      }
+      return true;
+    };
     auto packed_size = [&](std::span<const int64_t> c) {
       int64_t t = 0;
       for (int64_t v : c) t += v;
       return t;
     };
-    std::vector<std::byte> in(static_cast<size_t>(packed_size(send_counts)));
-    std::vector<std::byte> out(static_cast<size_t>(packed_size(recv_counts)));
-    // Packed in torch's group-rank order: block t is member member_at_[t]'s.
-    int64_t at = 0, sent = 0;
-    for (size_t t = 0; t < n; ++t) {
-      const size_t j = static_cast<size_t>(MemberAt(static_cast<int>(t)));
-      if (send_counts[j]) std::memcpy(in.data() + at, send.data() + send_displs[j], send_counts[j]);
-      at += send_counts[j];
+    const bool send_direct = in_order(send_counts, send_displs);
+    const bool recv_direct = in_order(recv_counts, recv_displs);
+    std::vector<std::byte> in(send_direct ? 0 : static_cast<size_t>(packed_size(send_counts)));
+    std::vector<std::byte> out(recv_direct ? 0 : static_cast<size_t>(packed_size(recv_counts)));
+    int64_t sent = 0;
+    for (size_t j = 0; j < n; ++j) {
       if (static_cast<int>(j) != rank()) sent += send_counts[j];
     }
+    if (!send_direct) {  // packed in torch's group-rank order: block t is member member_at_[t]'s
+      int64_t at = 0;
+      for (size_t t = 0; t < n; ++t) {
+        const size_t j = static_cast<size_t>(MemberAt(static_cast<int>(t)));
+        if (send_counts[j]) std::memcpy(in.data() + at, send.data() + send_displs[j], send_counts[j]);
+        at += send_counts[j];
+      }
+    }
+    const std::span<const std::byte> in_bytes =
+        send_direct ? send.first(static_cast<size_t>(packed_size(send_counts)))
+                    : std::span<const std::byte>(in);
+    const std::span<std::byte> out_bytes =
+        recv_direct ? recv.first(static_cast<size_t>(packed_size(recv_counts)))
+                    : std::span<std::byte>(out);
     return Call("all_to_all_single", [&] {
       py::list in_splits, out_splits;
       for (size_t t = 0; t < n; ++t) {
@@ -244,16 +303,18 @@ class TorchProcessGroup final : public ProcessGroup {
         in_splits.append(send_counts[j]);
         out_splits.append(recv_counts[j]);
       }
-      py::object o = ToDevice(Bytes(std::span<std::byte>(out)));
-      dist_.attr("all_to_all_single")(o, ToDevice(Bytes(std::span<std::byte>(in))), out_splits,
-                                      in_splits, py::arg("group") = group_);
-      FromDevice(o, std::span<std::byte>(out));
-      int64_t from = 0;
-      for (size_t t = 0; t < n; ++t) {
-        const size_t i = static_cast<size_t>(MemberAt(static_cast<int>(t)));
-        if (recv_counts[i])
-          std::memcpy(recv.data() + recv_displs[i], out.data() + from, recv_counts[i]);
-        from += recv_counts[i];
+      py::object o = ToDevice(Bytes(out_bytes));
+      dist_.attr("all_to_all_single")(o, ToDevice(Bytes(in_bytes)), out_splits, in_splits,
+                                      py::arg("group") = group_);
+      FromDevice(o, out_bytes);
+      if (!recv_direct) {
+        int64_t from = 0;
+        for (size_t t = 0; t < n; ++t) {
+          const size_t i = static_cast<size_t>(MemberAt(static_cast<int>(t)));
+          if (recv_counts[i])
+            std::memcpy(recv.data() + recv_displs[i], out.data() + from, recv_counts[i]);
+          from += recv_counts[i];
+        }
       }
       AddBytesSent(sent);
     });
@@ -261,16 +322,44 @@ class TorchProcessGroup final : public ProcessGroup {
 
   Status Send(std::span<const std::byte> data, int dst, int tag) override {
     THDPACK_RETURN_IF_ERROR(CheckPeer("Send", dst, tag));
+    if (dst == rank()) {  // to itself: kept here for its Recv (torch's gloo send to self crashes)
+      to_self_.emplace_back(tag, std::vector<std::byte>(data.begin(), data.end()));
+      return Status::Ok();
+    }
+    // Buffered, as the thread backend's (comm.h: Send may return before the message is
+    // received): torch's gloo send waits for the receiver, so a ring whose members receive in
+    // another order than they sent would hang. An isend of a copy (the caller's bytes may go
+    // once Send returns), waited for before this group's next collective (FinishSends).
     return Call("send", [&] {
       py::object t = ToDevice(Bytes(data));
-      dist_.attr("send")(t, py::arg("dst") = TorchRank(dst), py::arg("group") = group_,
-                         py::arg("tag") = tag);
+      if (device_.is_none()) t = t.attr("clone")();
+      py::object work = dist_.attr("isend")(t, py::arg("dst") = TorchRank(dst),
+                                            py::arg("group") = group_, py::arg("tag") = tag);
+      sending_.push_back(std::move(work));
+      sending_.push_back(std::move(t));
       AddBytesSent(static_cast<int64_t>(data.size()));
     });
   }
 
   Status Recv(std::span<std::byte> data, int src, int tag) override {
     THDPACK_RETURN_IF_ERROR(CheckPeer("Recv", src, tag));
+    if (src == rank()) {  // the first message this rank sent itself under `tag`
+      auto it = std::find_if(to_self_.begin(), to_self_.end(),
+                             [&](const auto& m) { return m.first == tag; });
+      if (it == to_self_.end()) {
+        return Status::InvalidArgument("Recv on " + Describe() + ": from itself with tag " +
+                                       std::to_string(tag) + ", but it sent itself none");
+      }
+      if (it->second.size() != data.size()) {
+        return Status::InvalidArgument(
+            "Recv on " + Describe() + ": from itself with tag " + std::to_string(tag) + ": " +
+            std::to_string(data.size()) + " bytes expected, " +
+            std::to_string(it->second.size()) + " sent");
+      }
+      if (!data.empty()) std::memcpy(data.data(), it->second.data(), data.size());
+      to_self_.erase(it);
+      return Status::Ok();
+    }
     return Call("recv", [&] {
       py::object t = ToDevice(Bytes(data));
       dist_.attr("recv")(t, py::arg("src") = TorchRank(src), py::arg("group") = group_,
@@ -280,6 +369,7 @@ class TorchProcessGroup final : public ProcessGroup {
   }
 
   Status Barrier() override {
+    if (size() == 1) return Status::Ok();
     return Call("barrier", [&] {
       const bool gloo = py::str(dist_.attr("get_backend")(group_)).cast<std::string>() == "gloo";
       if (gloo && options_->monitored_barrier_seconds > 0) {
@@ -386,6 +476,7 @@ class TorchProcessGroup final : public ProcessGroup {
   Status Call(std::string_view op, F&& fn) {
     py::gil_scoped_acquire gil;
     ReleaseDue();
+    if (op != "send" && op != "recv") THDPACK_RETURN_IF_ERROR(FinishSends());
     struct Retire {
       TorchProcessGroup* self;
       ~Retire() { ReleaseLater(std::move(self->held_)); self->held_.clear(); }
@@ -437,6 +528,29 @@ class TorchProcessGroup final : public ProcessGroup {
   py::object group_;
   std::vector<int> member_at_;  // torch group rank -> member (this group's position)
   std::vector<py::object> held_;  // the tensors of the call running (Call)
+  std::deque<std::pair<int, std::vector<std::byte>>> to_self_;  // (tag, bytes) sent to itself
+  std::vector<py::object> sending_;  // the isends not yet waited for: (work, tensor) pairs
+
+  // Waits for this group's isends (Send), under the GIL: the next collective starts after them,
+  // so that a failed send is reported there, naming it.
+  Status FinishSends() {
+    if (sending_.empty()) return Status::Ok();
+    std::vector<py::object> pending = std::move(sending_);
+    sending_.clear();
+    Status s = Status::Ok();
+    for (size_t i = 0; i < pending.size(); i += 2) {
+      try {
+        pending[i].attr("wait")();
+      } catch (py::error_already_set& e) {
+        if (s.ok()) {
+          s = Status::Aborted("torch.distributed.isend on " + Describe() + " (rank " +
+                              std::to_string(global_rank()) + "): " + PyErrorText(e));
+        }
+      }
+    }
+    ReleaseLater(std::move(pending));
+    return s;
+  }
   bool owned_ = false;
   std::shared_ptr<const TorchCommOptions> options_;
   py::object device_;  // None: CPU tensors
@@ -463,6 +577,80 @@ std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
                                                    std::move(options));
   if (owned) world->set_owned();
   return world;
+}
+
+
+// How a torch world communicates (torch_comm.h): its ranks, the caller's known groups, the CUDA
+// device of its NCCL groups and the world's own backend.
+std::shared_ptr<TorchCommOptions> CommOptions(const py::object& world_group,
+                                              std::vector<int> torch_ranks, const py::list& known,
+                                              py::object device) {
+  auto comm = std::make_shared<TorchCommOptions>();
+  comm->torch_ranks = std::move(torch_ranks);
+  for (const py::handle& k : known) {
+    auto t = k.cast<py::tuple>();
+    comm->known.push_back(
+        KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
+  }
+  comm->cuda_device = std::move(device);
+  py::module_ dist = py::module_::import("torch.distributed");
+  comm->backend = py::str(dist.attr("get_backend")(world_group)).cast<std::string>();
+  // A world smaller than the default group makes its groups among its members alone, where
+  // torch can (TorchCommOptions::local_sync; the iterator refuses encoder ranks where not).
+  if (dist.attr("get_world_size")().cast<int>() > static_cast<int>(comm->torch_ranks.size())) {
+    comm->local_sync = py::module_::import("inspect")
+                           .attr("signature")(dist.attr("new_group"))
+                           .attr("parameters")
+                           .attr("__contains__")("use_local_synchronization")
+                           .cast<bool>();
+  }
+  return comm;
+}
+
+namespace {
+
+// A torch group as the step's ProcessGroup (its members in torch's order, NCCL's on the current
+// CUDA device).
+std::unique_ptr<ProcessGroup> TorchWorldOf(const py::object& group) {
+  auto dist = py::module_::import("torch.distributed");
+  auto ranks = dist.attr("get_process_group_ranks")(group).cast<std::vector<int>>();
+  py::object cuda = py::none();
+  if (dist.attr("get_backend")(group).cast<std::string>() == "nccl") {
+    auto cuda_mod = py::module_::import("torch").attr("cuda");
+    cuda = py::module_::import("torch").attr("device")("cuda", cuda_mod.attr("current_device")());
+  }
+  return MakeTorchWorld(group, CommOptions(group, std::move(ranks), py::list(), cuda));
+}
+
+void AgreeChecks(py::object group, py::object error, std::optional<std::vector<JobEntry>> entries,
+                 const std::string& what) {
+  std::unique_ptr<ProcessGroup> world = TorchWorldOf(group);
+  const Status local =
+      error.is_none() ? Status::Ok() : Status::InvalidArgument(error.cast<std::string>());
+  ThrowIfError(AgreeOnStatus(*world, local, what));
+  if (entries) ThrowIfError(AgreeOnEntries(*world, *entries, what));
+}
+
+}  // namespace
+
+void BindTorchComm(py::module_& m) {
+  m.def("_agree_checks", &AgreeChecks, py::arg("group"), py::arg("error"), py::arg("entries"),
+        py::arg("what"),
+        "A collective entry point's local checks and the values every member must give alike, "
+        "agreed over a torch group before its collective: ValueError (the failing member) or "
+        "RuntimeError (the others) naming the member and the rule, on every member.");
+  m.def(
+      "_check_process_group",
+      [](py::object group) {
+        std::unique_ptr<ProcessGroup> world = TorchWorldOf(group);
+        ThrowIfError(testing::CheckProcessGroup(*world));
+        ThrowIfError(testing::CheckAgreement(*world));
+      },
+      py::arg("group"),
+      "The process-group checks every backend passes (thdpack/comm_checks.h: each collective "
+      "with uneven sizes, gaps and groups listed out of rank order, Split, bytes_sent, the "
+      "status agreement) on the torch backend over `group`, collective over it; RuntimeError "
+      "naming the rank, the operation and the first wrong value.");
 }
 
 }  // namespace thdpack::python

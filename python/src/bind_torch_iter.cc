@@ -211,15 +211,21 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
     py::dict m;
     // Padding flags of this rank's shard, from the metadata alone (every stage), with the
     // microbatch's own CP group.
-    std::vector<uint8_t> pad = ValueOrThrow(
-        ShardPaddingMask(mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank));
-    py::array_t<bool> padding(static_cast<py::ssize_t>(pad.size()));
-    std::copy(pad.begin(), pad.end(), padding.mutable_data());
+    // Written into the arrays themselves (both [T/CP], 0 for an idle microbatch).
+    const py::ssize_t local = mb.local_tokens;
+    py::array_t<bool> padding(local);
+    ThrowIfError(ShardPaddingMaskInto(
+        mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank,
+        std::span<uint8_t>(reinterpret_cast<uint8_t*>(padding.mutable_data()),
+                           static_cast<size_t>(local))));
     m["padding_mask"] = padding;
     // Where each local token comes from: its packed sequence (-1 on padding), and each
     // sequence's sample id and loss-token count.
-    m["seq_index"] = ToNumpy(ValueOrThrow(
-        ShardSequenceIndex(mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank)));
+    py::array_t<int32_t> seq_index(local);
+    ThrowIfError(ShardSequenceIndexInto(
+        mb.cu_seqlens, mb.cu_seqlens_padded, mb.cp_size, mb.cp_rank,
+        std::span<int32_t>(seq_index.mutable_data(), static_cast<size_t>(local))));
+    m["seq_index"] = seq_index;
     m["sample_ids"] = ToNumpy(std::vector<int64_t>(mb.sample_ids));
     m["seq_n_targets"] = ToNumpy(std::vector<int64_t>(mb.seq_n_targets));
     m["fields"] = FieldsToPy(fields, mb.fields);
@@ -288,32 +294,6 @@ py::dict StepToPython(RankStep& step, const Topology& topo, bool sp,
   return d;
 }
 
-// How a torch world communicates (torch_comm.h): its ranks, the caller's known groups, the CUDA
-// device of its NCCL groups and the world's own backend.
-std::shared_ptr<TorchCommOptions> CommOptions(const py::object& world_group,
-                                              std::vector<int> torch_ranks, const py::list& known,
-                                              py::object device) {
-  auto comm = std::make_shared<TorchCommOptions>();
-  comm->torch_ranks = std::move(torch_ranks);
-  for (const py::handle& k : known) {
-    auto t = k.cast<py::tuple>();
-    comm->known.push_back(
-        KnownGroup{t[0].cast<std::string>(), t[1].cast<std::vector<int>>(), t[2]});
-  }
-  comm->cuda_device = std::move(device);
-  py::module_ dist = py::module_::import("torch.distributed");
-  comm->backend = py::str(dist.attr("get_backend")(world_group)).cast<std::string>();
-  // A world smaller than the default group makes its groups among its members alone, where
-  // torch can (TorchCommOptions::local_sync; the iterator refuses encoder ranks where not).
-  if (dist.attr("get_world_size")().cast<int>() > static_cast<int>(comm->torch_ranks.size())) {
-    comm->local_sync = py::module_::import("inspect")
-                           .attr("signature")(dist.attr("new_group"))
-                           .attr("parameters")
-                           .attr("__contains__")("use_local_synchronization")
-                           .cast<bool>();
-  }
-  return comm;
-}
 
 // A Python object that any thread may drop: its reference goes under the GIL, and is leaked
 // once the interpreter is gone (a thread that outlived a timed-out close).
@@ -816,31 +796,10 @@ py::list RunStepsOnThreads(py::dict options, int64_t steps, py::object source, p
 // on every member, named, instead of leaving the others waiting in the collective.
 // AgreeOnStatus, then AgreeOnEntries (thdpack/step_runner.h): one all-reduce of 8 bytes and one
 // of 16 when all is well.
-void AgreeChecks(py::object group, py::object error, std::optional<std::vector<JobEntry>> entries,
-                 const std::string& what) {
-  auto dist = py::module_::import("torch.distributed");
-  auto ranks = dist.attr("get_process_group_ranks")(group).cast<std::vector<int>>();
-  py::object cuda = py::none();
-  if (dist.attr("get_backend")(group).cast<std::string>() == "nccl") {
-    auto cuda_mod = py::module_::import("torch").attr("cuda");
-    cuda = py::module_::import("torch").attr("device")("cuda", cuda_mod.attr("current_device")());
-  }
-  auto comm = CommOptions(group, std::move(ranks), py::list(), cuda);
-  std::unique_ptr<ProcessGroup> world = MakeTorchWorld(group, comm);
-  const Status local =
-      error.is_none() ? Status::Ok() : Status::InvalidArgument(error.cast<std::string>());
-  ThrowIfError(AgreeOnStatus(*world, local, what));
-  if (entries) ThrowIfError(AgreeOnEntries(*world, *entries, what));
-}
 
 }  // namespace
 
 void BindTorchIter(py::module_& m) {
-  m.def("_agree_checks", &AgreeChecks, py::arg("group"), py::arg("error"), py::arg("entries"),
-        py::arg("what"),
-        "A collective entry point's local checks and the values every member must give alike, "
-        "agreed over a torch group before its collective: ValueError (the failing member) or "
-        "RuntimeError (the others) naming the member and the rule, on every member.");
   py::class_<TorchStepSource>(m, "_TorchStepSource")
       .def(py::init<py::object, std::vector<int>, py::list, py::dict, py::object, py::object,
                     py::object, py::object, double, int, py::object, py::object,

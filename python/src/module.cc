@@ -10,6 +10,7 @@ namespace thdpack::python {
 // The iterator over torch.distributed (bind_torch_iter.cc); declared here rather than in
 // common.h, as only the module registers it.
 void BindTorchIter(py::module_& m);
+void BindTorchComm(py::module_& m);
 void BindFields(py::module_& m);
 // Columnar sources: Arrow streams imported, the opener of parquet: and arrow: (bind_arrow.cc).
 void BindArrow(py::module_& m);
@@ -191,6 +192,7 @@ PYBIND11_MODULE(_thdpack, m) {
   tp::BindJob(m);
   tp::BindTopology(m);
   tp::BindTorchIter(m);
+  tp::BindTorchComm(m);
   tp::BindFields(m);
   tp::BindArrow(m);
   tp::BindMedia(m);

@@ -69,6 +69,13 @@ std::unique_ptr<ProcessGroup> MakeTorchWorld(py::object group,
                                              std::shared_ptr<const TorchCommOptions> options,
                                              bool owned = false);
 
+// How a torch world communicates: its ranks (torch_ranks), the caller's known groups (tuples of
+// name, ranks, group), the CUDA device of its NCCL groups (None: CPU) and the world's own
+// backend. REQUIRES the GIL.
+std::shared_ptr<TorchCommOptions> CommOptions(const py::object& world_group,
+                                              std::vector<int> torch_ranks, const py::list& known,
+                                              py::object device);
+
 // The torch ProcessGroup behind a group of MakeTorchWorld's (or Split from it); None for any
 // other ProcessGroup (threads, MPI) or null. REQUIRES the GIL.
 py::object TorchGroupOf(const ProcessGroup* group);

@@ -7,7 +7,7 @@
 #include <string>
 #include <thread>
 
-#include "comm_checks.h"
+#include "thdpack/comm_checks.h"
 #include "thdpack/comm.h"
 
 namespace thdpack {

@@ -502,19 +502,31 @@ Status ToHfField(const FieldSpec& spec, std::span<const std::byte> in,
   return Status::Ok();
 }
 
+Status ShardSequenceIndexInto(std::span<const int32_t> cu, std::span<const int32_t> cup,
+                              int cp_size, int cp_rank, std::span<int32_t> out) {
+  // Checked whole (and sized) before anything is written (ShardPaddingMask's checks).
+  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
+                                                            [](size_t, int64_t, int64_t, int64_t) {}));
+  if (static_cast<int64_t>(out.size()) != n) {
+    return Status::InvalidArgument("ShardSequenceIndex: out has " + Str(int64_t(out.size())) +
+                                   " elements: it must hold T/CP = " + Str(n));
+  }
+  return ForEachShardRun(cu, cup, cp_size, cp_rank,
+                         [&](size_t i, int64_t at, int64_t real, int64_t pad) {
+                           int32_t* dst = out.data() + at;
+                           std::fill(dst, dst + real, static_cast<int32_t>(i));
+                           std::fill(dst + real, dst + real + pad, int32_t{-1});
+                         })
+      .status();
+}
+
 Result<std::vector<int32_t>> ShardSequenceIndex(std::span<const int32_t> cu,
                                                 std::span<const int32_t> cup, int cp_size,
                                                 int cp_rank) {
-  THDPACK_ASSIGN_OR_RETURN(std::vector<uint8_t> pad,
-                           ShardPaddingMask(cu, cup, cp_size, cp_rank));
-  std::vector<int32_t> out(pad.size(), -1);
-  if (pad.empty()) return out;
-  // Sequence i occupies local positions [cup[i]/CP, cup[i+1]/CP) of every rank's shard.
-  for (size_t i = 0; i + 1 < cup.size(); ++i) {
-    for (int64_t k = cup[i] / cp_size; k < cup[i + 1] / cp_size; ++k) {
-      if (pad[static_cast<size_t>(k)] == 0) out[static_cast<size_t>(k)] = static_cast<int32_t>(i);
-    }
-  }
+  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
+                                                            [](size_t, int64_t, int64_t, int64_t) {}));
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  THDPACK_RETURN_IF_ERROR(ShardSequenceIndexInto(cu, cup, cp_size, cp_rank, out));
   return out;
 }
 

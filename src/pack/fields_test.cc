@@ -203,6 +203,16 @@ TEST(FieldsTest, SequenceIndexMatchesThePartitionIndices) {
       }
     }
   }
+  // Into a caller's buffer: its size is T/CP, checked before anything is written.
+  std::vector<int32_t> out(5, 9);
+  const std::vector<int32_t> cu = {0, 3, 5}, cup = {0, 4, 8};
+  Status wrong = ShardSequenceIndexInto(cu, cup, 2, 0, out);
+  EXPECT_NE(wrong.message().find("out has 5 elements: it must hold T/CP = 4"), std::string::npos)
+      << wrong.ToString();
+  EXPECT_EQ(out, std::vector<int32_t>(5, 9));
+  out.assign(4, 9);
+  ASSERT_TRUE(ShardSequenceIndexInto(cu, cup, 2, 1, out).ok());
+  EXPECT_EQ(out, (std::vector<int32_t>{0, 0, 1, -1}));  // chunks 1 and 2 of each sequence
 }
 
 TEST(FieldsTest, SchemaErrorsNameTheFieldAndTheRule) {

@@ -8,6 +8,7 @@
 // refs_ points at every sample this rank packs (its own, or in recv_buffer_). Depends on:
 // step_read.cc (own_), step_lengths.cc (out.samples, loader_offset_), step_plan.cc
 // (replica_of_).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -62,7 +63,9 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
     sd[j] = sd[j - 1] + sc[j - 1];
     rd[j] = rd[j - 1] + rc[j - 1];
   }
-  std::vector<std::byte> send(static_cast<size_t>(sd[n - 1] + sc[n - 1]), std::byte{0});
+  // Every byte of a block is written below (its pad to 4 bytes zeroed, the trailer sealed), so
+  // neither buffer is zeroed when sized.
+  RawBytes send(static_cast<size_t>(sd[n - 1] + sc[n - 1]));
   for (size_t e = 0; e < n; ++e) {
     std::byte* dst = send.data() + sd[e];
     for (int64_t p : send_ps[e]) {
@@ -84,12 +87,14 @@ Status StepRunner::Impl::MoveSamples(ProcessGroup& group, const std::vector<Samp
       }
     }
     if (sc[e] > 0) {
+      std::byte* end = send.data() + sd[e] + sc[e] - kFrameTrailerSize;
+      std::fill(dst, end, std::byte{0});
       SealFrame(FrameKind::kSamples,
                 std::span<uint8_t>(reinterpret_cast<uint8_t*>(send.data() + sd[e]),
                                    static_cast<size_t>(sc[e])));
     }
   }
-  recv_buffer_.assign(static_cast<size_t>(rd[n - 1] + rc[n - 1]), std::byte{0});
+  recv_buffer_.resize(static_cast<size_t>(rd[n - 1] + rc[n - 1]));
   THDPACK_RETURN_IF_ERROR(group.AllToAllV(send, sc, sd, recv_buffer_, rc, rd));
   // Each block checked before anything reads it.
   for (size_t e = 0; e < n; ++e) {

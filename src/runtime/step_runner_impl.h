@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/default_init.h"
 #include "thdpack/run_state.h"
 #include "thdpack/shard.h"
 #include "thdpack/step.h"
@@ -313,7 +314,7 @@ class StepRunner::Impl {
   int64_t id_span_ = 0;  // the step's ids lie in [first_id_, first_id_ + id_span_)
   // [id_span_]: id - first_id -> scheduling position (-1: the id of an empty document)
   std::vector<int64_t> position_of_offset_;
-  std::vector<std::byte> recv_buffer_;
+  RawBytes recv_buffer_;  // filled whole by the exchange: not zeroed when sized
   std::vector<SampleRef> refs_;         // [n]: where each of this replica's samples lives
   // Loader's packed shards: [M][CP].
   std::vector<std::vector<PackedShard>> shards_;

@@ -3,6 +3,7 @@
 // definition they are tested against.
 #include "thdpack/shard.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -170,16 +171,17 @@ Result<std::vector<int32_t>> CpPartitionIndices(std::span<const int32_t> cu, int
   return out;
 }
 
-Result<std::vector<uint8_t>> ShardPaddingMask(std::span<const int32_t> cu,
-                                              std::span<const int32_t> cup, int cp_size,
-                                              int cp_rank) {
+Result<int64_t> ForEachShardRun(
+    std::span<const int32_t> cu, std::span<const int32_t> cup, int cp_size, int cp_rank,
+    const std::function<void(size_t i, int64_t at, int64_t real, int64_t pad)>& run) {
   if (cu.size() != cup.size()) {
     return Status::InvalidArgument("ShardPaddingMask: cu_seqlens has " +
                                    std::to_string(cu.size()) + " entries, cu_seqlens_padded " +
                                    std::to_string(cup.size()));
   }
-  if (cup.size() == 1 && cup[0] == 0 && cu[0] == 0) return std::vector<uint8_t>();  // idle
-  THDPACK_ASSIGN_OR_RETURN(std::vector<int32_t> idx, CpPartitionIndices(cup, cp_size, cp_rank));
+  if (cup.size() == 1 && cup[0] == 0 && cu[0] == 0) return int64_t{0};  // idle
+  THDPACK_RETURN_IF_ERROR(ValidateCuSeqlensPadded(cup, cp_size));
+  THDPACK_RETURN_IF_ERROR(CheckCpRank("CpPartitionIndices", cp_size, cp_rank));
   for (size_t i = 0; i + 1 < cu.size(); ++i) {
     if (cu[i + 1] - cu[i] < 0 || cu[i + 1] - cu[i] > cup[i + 1] - cup[i]) {
       return Status::InvalidArgument("ShardPaddingMask: sequence " + std::to_string(i) +
@@ -187,13 +189,45 @@ Result<std::vector<uint8_t>> ShardPaddingMask(std::span<const int32_t> cu,
                                      ", padded " + std::to_string(cup[i + 1] - cup[i]));
     }
   }
-  std::vector<uint8_t> pad(idx.size());
-  size_t s = 0;
-  for (size_t k = 0; k < idx.size(); ++k) {
-    const int32_t g = idx[k];
-    while (g >= cup[s + 1]) ++s;  // the shard visits sequences in order
-    pad[k] = g - cup[s] >= cu[s + 1] - cu[s] ? 1 : 0;
+  // A chunk [start, start + n) of a sequence with `real` real tokens: those before `real` are.
+  auto chunk = [&](size_t i, int64_t at, int64_t start, int64_t n, int64_t real) {
+    if (n == 0) return;
+    const int64_t r = std::clamp<int64_t>(real - start, 0, n);
+    run(i, at, r, n - r);
+  };
+  for (size_t i = 0; i + 1 < cup.size(); ++i) {
+    const Chunks k = ChunksOf(int64_t{cup[i + 1]} - cup[i], cp_size, cp_rank);
+    const int64_t at = cup[i] / cp_size, real = int64_t{cu[i + 1]} - cu[i];
+    chunk(i, at, k.first_offset, k.chunk, real);
+    chunk(i, at + k.chunk, k.second_offset, k.second_len, real);
   }
+  return int64_t{cup.back() / cp_size};
+}
+
+Status ShardPaddingMaskInto(std::span<const int32_t> cu, std::span<const int32_t> cup,
+                            int cp_size, int cp_rank, std::span<uint8_t> out) {
+  // Checked whole (and sized) before anything is written.
+  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
+                                                            [](size_t, int64_t, int64_t, int64_t) {}));
+  if (static_cast<int64_t>(out.size()) != n) {
+    return Status::InvalidArgument("ShardPaddingMask: out has " + Str(int64_t(out.size())) +
+                                   " elements: it must hold T/CP = " + Str(n));
+  }
+  return ForEachShardRun(cu, cup, cp_size, cp_rank,
+                         [&](size_t, int64_t at, int64_t real, int64_t pad) {
+                           std::memset(out.data() + at, 0, static_cast<size_t>(real));
+                           std::memset(out.data() + at + real, 1, static_cast<size_t>(pad));
+                         })
+      .status();
+}
+
+Result<std::vector<uint8_t>> ShardPaddingMask(std::span<const int32_t> cu,
+                                              std::span<const int32_t> cup, int cp_size,
+                                              int cp_rank) {
+  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
+                                                            [](size_t, int64_t, int64_t, int64_t) {}));
+  std::vector<uint8_t> pad(static_cast<size_t>(n));
+  THDPACK_RETURN_IF_ERROR(ShardPaddingMaskInto(cu, cup, cp_size, cp_rank, pad));
   return pad;
 }
 

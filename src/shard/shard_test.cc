@@ -229,6 +229,15 @@ TEST(ShardTest, PaddingMaskOfAnIdleMicrobatchIsEmptyAndBadInputIsNamed) {
   EXPECT_NE(longer.status().message().find("sequence 0 has real length 5, padded 4"),
             std::string::npos);
   EXPECT_FALSE(ShardPaddingMask(Ints{0, 3}, Ints{0, 4}, 2, 2).ok());  // cp_rank out of range
+  // Into a caller's buffer: its size is T/CP, checked before anything is written.
+  std::vector<uint8_t> out(3, 7);
+  Status wrong = ShardPaddingMaskInto(Ints{0, 3}, Ints{0, 4}, 1, 0, out);
+  EXPECT_NE(wrong.message().find("out has 3 elements: it must hold T/CP = 4"), std::string::npos)
+      << wrong.ToString();
+  EXPECT_EQ(out, (std::vector<uint8_t>{7, 7, 7}));
+  out.assign(2, 7);
+  ASSERT_TRUE(ShardPaddingMaskInto(Ints{0, 2}, Ints{0, 4}, 2, 1, out).ok());
+  EXPECT_EQ(out, (std::vector<uint8_t>{0, 1}));  // chunks 1 and 2 of [a b pad pad]
 }
 
 TEST(ShardTest, MatchesReferenceAndRoundTripsUint8) { CheckShardAgainstReference<uint8_t>(1); }

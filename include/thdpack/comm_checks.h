@@ -1,10 +1,12 @@
-// Checks of the process-group interface that every backend must pass, written once and run on
-// the thread backend (src/comm/comm_test.cc, world sizes 1..8) and under mpirun
-// (tests/mpi_check.cc). Each returns OK or an error naming the rank, the operation and the
-// first wrong value. Expected values are closed-form functions of the ranks, worked out here
-// independently of the backends.
-#ifndef THDPACK_TESTS_COMM_CHECKS_H_
-#define THDPACK_TESTS_COMM_CHECKS_H_
+// Checks of the process-group interface (thdpack/comm.h) that every backend must pass: written
+// once and run on the thread backend (src/comm/comm_test.cc, world sizes 1..8), under mpirun
+// (tests/mpi_check.cc) and on the torch.distributed backend of the bindings
+// (thdpack._thdpack._check_process_group, python/tests/test_torch_comm.py) - and on a backend of
+// a user's own. Each returns OK or an error naming the rank, the operation and the first wrong
+// value. Expected values are closed-form functions of the ranks, worked out here independently
+// of the backends.
+#ifndef THDPACK_COMM_CHECKS_H_
+#define THDPACK_COMM_CHECKS_H_
 
 #include <cstdint>
 #include <string>
@@ -216,4 +218,4 @@ inline Status CheckAgreement(ProcessGroup& world) {
 
 }  // namespace thdpack::testing
 
-#endif  // THDPACK_TESTS_COMM_CHECKS_H_
+#endif  // THDPACK_COMM_CHECKS_H_
