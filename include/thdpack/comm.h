@@ -126,7 +126,8 @@ class ProcessGroup {
 
   // Point to point, addressed by position in this group. Messages between one pair with one tag
   // arrive in the order sent; the receiver gives the exact size. Send may return before the
-  // message is received (threads: always; MPI: for small messages). tag in [0, 32767].
+  // message is received (threads: always; MPI and torch: for small messages, torch's up to 64
+  // KiB). tag in [0, 32767].
   [[nodiscard]] virtual Status Send(std::span<const std::byte> data, int dst, int tag) = 0;
   [[nodiscard]] virtual Status Recv(std::span<std::byte> data, int src, int tag) = 0;
 

@@ -21,6 +21,10 @@
 namespace thdpack::python {
 namespace {
 
+// The largest message Send buffers (returns before its receiver takes it): MPI's usual eager
+// limit.
+constexpr int64_t kEagerSendBytes = 64 * 1024;
+
 // A non-empty address for empty spans (NumPy wants a pointer even for zero elements).
 std::byte g_empty[8];
 
@@ -326,17 +330,25 @@ class TorchProcessGroup final : public ProcessGroup {
       to_self_.emplace_back(tag, std::vector<std::byte>(data.begin(), data.end()));
       return Status::Ok();
     }
-    // Buffered, as the thread backend's (comm.h: Send may return before the message is
-    // received): torch's gloo send waits for the receiver, so a ring whose members receive in
-    // another order than they sent would hang. An isend of a copy (the caller's bytes may go
-    // once Send returns), waited for before this group's next collective (FinishSends).
+    // A small message is buffered, as MPI's eager sends are (comm.h: Send may return before
+    // the message is received): torch's gloo send waits for the receiver, so a ring whose
+    // members receive in another order than they sent would hang. It goes as an isend of a copy
+    // (the caller's bytes may go once Send returns), waited for before this group's next
+    // collective (FinishSends). A large one waits for its receiver, as MPI's do: a copy of a
+    // step's payload would cost more than the wait.
+    const bool eager = static_cast<int64_t>(data.size()) <= kEagerSendBytes;
     return Call("send", [&] {
       py::object t = ToDevice(Bytes(data));
-      if (device_.is_none()) t = t.attr("clone")();
-      py::object work = dist_.attr("isend")(t, py::arg("dst") = TorchRank(dst),
-                                            py::arg("group") = group_, py::arg("tag") = tag);
-      sending_.push_back(std::move(work));
-      sending_.push_back(std::move(t));
+      if (!eager) {
+        dist_.attr("send")(t, py::arg("dst") = TorchRank(dst), py::arg("group") = group_,
+                           py::arg("tag") = tag);
+      } else {
+        if (device_.is_none()) t = t.attr("clone")();
+        py::object work = dist_.attr("isend")(t, py::arg("dst") = TorchRank(dst),
+                                              py::arg("group") = group_, py::arg("tag") = tag);
+        sending_.push_back(std::move(work));
+        sending_.push_back(std::move(t));
+      }
       AddBytesSent(static_cast<int64_t>(data.size()));
     });
   }
