@@ -45,8 +45,12 @@ The step's failure reaches the encoder ranks: a language rank's error (agreed ov
 language ranks by the step) is sent in the next header and raised on every encoder rank, named;
 the end of the iterator (its steps, its data, ``close()``) ends the encoder ranks' iteration.
 With PP the media reach the first stage alone: the bridge group is then ``encoder_group``, of
-the first stage's ranks and the encoder ranks (the later stages take no part). Built for the
-static schedulers; the dynamic scheduler is refused by name.
+the first stage's ranks and the encoder ranks (the later stages take no part). Under the
+dynamic scheduler a language rank in no CP group of a microbatch (``mb["idle"]``) still takes
+part in that microbatch's bridge: its ``mb["media"]`` holds each modality with no items and no
+tokens, and it calls ``route_media`` there too (``[0, H]`` in, ``[0, H]`` out, its result in
+the loss as ``0 * rows.sum()``), since the bridge's all-to-all is over every rank of the bridge
+group.
 """
 import hashlib
 
@@ -235,6 +239,8 @@ class _Bridge:
     def _records(self, step):
         records, payload = [], []
         for i, mb in enumerate(step.microbatches):
+            if mb.get("idle"):  # the dynamic scheduler: no group of this microbatch here
+                continue
             for m, name in enumerate(self.names):
                 part = mb["media"][name]
                 pv = part["pixel_values"]
@@ -354,6 +360,9 @@ class _Bridge:
         # outputs come back as (O, its items' tokens in item order), from each encoder rank in
         # record order; the colocated route then takes O as the encoder's output.
         for i, mb in enumerate(microbatches):
+            if mb.get("idle"):  # no items, no tokens: the bridge's all-to-all alone
+                mb["media"] = {name: self._idle_part() for name in self.names}
+                continue
             for m, name in enumerate(self.names):
                 ks = np.nonzero((mine[:, 0] == i) & (mine[:, 1] == m))[0]
                 tokens = _tokens(mine[ks, 2:5], merge)
@@ -380,6 +389,20 @@ class _Bridge:
                 }
                 route["output_rows"] = 0
         return microbatches
+
+    def _idle_part(self):
+        """A modality of a microbatch in which this language rank is in no CP group (the
+        dynamic scheduler): nothing to encode, no token to fill, and the bridge's tables with
+        nothing to send or receive - route_media there takes [0, H] and returns [0, H]."""
+        zeros = [0] * self.size
+        empty = torch.zeros(0, dtype=torch.int64)
+        return {"pixel_values": torch.zeros((0, 0)),
+                "grid_thw": torch.zeros((0, 3), dtype=torch.int64), "token_index": empty,
+                "route": {"output_rows": 0, "bridge": {
+                    "group": self.group, "out_rows": 0, "result_rows": 0, "send_index": empty,
+                    "send_counts": zeros, "recv_counts": zeros, "recv_order": empty,
+                    "back_send_counts": zeros, "back_recv_counts": zeros,
+                    "back_recv_index": empty}}}
 
     def _encoder(self, h, rec, enc_of, stagers, lm, n_mb, merge):
         e = self.encoders.index(self.rank)

@@ -168,8 +168,7 @@ class PackedDataIterator:
         # language rank shares (the step agrees it), sent to them.
         try:
             if encoder_ranks is not None:
-                _check_encoder_options(groups, media, encoder_group,
-                                       options.get("scheduler", scheduler))
+                _check_encoder_options(groups, media, encoder_group)
             self._make(source, groups, global_batch, max_tokens_per_rank, scheduler, cost, sp,
                        data_on, device, steps, monitored_barrier_seconds, label_format,
                        prefetch, fields, media, spatial_merge_size, mrope,
@@ -407,7 +406,7 @@ class PackedDataIterator:
             self._bridge.stop()
 
 
-def _check_encoder_options(groups, media, encoder_group, scheduler):
+def _check_encoder_options(groups, media, encoder_group):
     """What encoder ranks of their own need of the language ranks' step (ValueError naming
     the rule otherwise)."""
     if media is None:
@@ -421,10 +420,6 @@ def _check_encoder_options(groups, media, encoder_group, scheduler):
         raise ValueError(f"encoder_ranks with PP = {groups.sizes['pp']}: give "
                          f"encoder_group, a group of the first stage's ranks and the "
                          f"encoder ranks (the media reach the first stage alone)")
-    if scheduler == "dynamic":
-        raise ValueError("encoder_ranks under the dynamic scheduler: not built (a CP "
-                         "group a microbatch; use a static scheduler or encode on the "
-                         "CP ranks)")
 
 
 # How long the interpreter's exit waits for each data plane's thread to finish the steps it
