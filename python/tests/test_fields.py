@@ -523,3 +523,90 @@ def test_fields_through_the_iterator_over_gloo(tmp_path):
     spawn(gloo_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
     for r in range(4):
         assert len(torch.load(tmp_path / f"rank{r}.pt")) == len(GLOO_RUNS) * STEPS
+
+
+ALIKE_FIELDS = {"old_logp": "target", "mrope": {"kind": "input", "dtype": "int32", "shape": (3,)},
+                "reward": {"kind": "sample", "dtype": "float64"}}
+
+
+def alike(n, seed=5):
+    """Sample dicts a trainer holds: every value an array (or CPU tensor) of one dtype a key."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        L = int(rng.integers(1, 60))
+        out.append({"input_ids": rng.integers(0, 1000, L),
+                    "loss_mask": torch.from_numpy((np.arange(L) >= L // 3).astype(np.uint8)),
+                    "old_logp": rng.normal(size=L).astype(np.float32),
+                    "mrope": rng.integers(-5, 500, (L, 3)).astype(np.int32),
+                    "reward": np.float64(rng.normal())})
+    return out
+
+
+def test_alike_dicts_become_columns_and_unalike_ones_do_not():
+    from thdpack.torch.rows import rows_of_dicts
+    items = alike(9)
+    rows = rows_of_dicts(items, ALIKE_FIELDS)
+    assert rows is not None and len(rows) == len(items)
+    for x, y in zip(items, rows):  # the same samples, value for value
+        assert set(x) == set(y)
+        for k in x:
+            a, b = np.asarray(x[k]), np.asarray(y[k])
+            assert a.dtype == b.dtype and np.array_equal(a, b), k
+
+    def variant(k, **change):
+        out = [dict(x) for x in items]
+        out[k].update(change)
+        return out
+    unalike = {
+        "a list": variant(3, old_logp=list(items[3]["old_logp"])),
+        "another dtype": variant(4, old_logp=items[4]["old_logp"].astype(np.float64)),
+        "big-endian": variant(2, mrope=items[2]["mrope"].astype(">i4")),
+        "bfloat16": variant(1, old_logp=torch.from_numpy(items[1]["old_logp"]).bfloat16()),
+        "a position": [dict(x, position=i) for i, x in enumerate(items)],
+        "a float mask": [dict(x, loss_mask=x["loss_mask"].float()) for x in items],
+        "2-D input_ids": variant(0, input_ids=items[0]["input_ids"][None]),
+        "an undeclared key": [dict(x, extra=np.zeros(1)) for x in items],
+        "a key missing": [x if i else {k: v for k, v in x.items() if k != "reward"}
+                          for i, x in enumerate(items)],
+        "a short field": variant(5, old_logp=items[5]["old_logp"][:-1]),
+        "empty input_ids": variant(6, input_ids=items[6]["input_ids"][:0]),
+    }
+    for what, case in unalike.items():
+        assert rows_of_dicts(case, ALIKE_FIELDS) is None, what
+
+
+def alike_worker(rank, world, port, out):
+    from test_torch_iterator import join_gloo, make_groups
+    from thdpack.torch import pack_batch
+    join_gloo(rank, world, port)
+    items = alike(40)
+    mine = items[rank::world]
+    # The same samples with one value a list: the dicts then go one by one.
+    one_by_one = [dict(x) for x in mine]
+    one_by_one[0]["old_logp"] = one_by_one[0]["old_logp"].tolist()
+    from thdpack.torch.rows import rows_of_dicts
+    assert rows_of_dicts(mine, ALIKE_FIELDS) is not None
+    assert rows_of_dicts(one_by_one, ALIKE_FIELDS) is None
+    got = []
+    for share in (mine, one_by_one):
+        step = pack_batch(share, make_groups(1, 1, world, 1), fields=ALIKE_FIELDS,
+                          max_tokens_per_rank=MAX_TOKENS)
+        got.append([{k: v.clone() for k, v in mb.items() if isinstance(v, torch.Tensor)}
+                    for mb in step] + [step.unpack([mb["labels"].double() for mb in step])])
+    torch.save(got, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_pack_batch_of_alike_dicts_equals_the_dicts_one_by_one(tmp_path):
+    from test_torch_iterator import free_port
+    spawn(alike_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    for r in range(2):
+        columns, dicts = torch.load(f"{tmp_path}/rank{r}.pt")
+        assert len(columns) == len(dicts) and len(columns) > 2
+        for a, b in zip(columns[:-1], dicts[:-1]):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        for a, b in zip(columns[-1], dicts[-1]):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))

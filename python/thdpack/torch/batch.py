@@ -60,7 +60,7 @@ def pack_batch(samples, groups, fields=None, **options):
     before the interpreter finalises).
     """
     from .iterator import PackedDataIterator  # which imports this module
-    from .rows import SampleRows
+    from .rows import SampleRows, rows_of_dicts
     if not isinstance(groups, Groups):
         raise TypeError(f"groups: expected thdpack.torch.Groups, got {type(groups).__name__}")
     error = None  # this rank's own, agreed over the world with the batch's size
@@ -72,6 +72,9 @@ def pack_batch(samples, groups, fields=None, **options):
                                 f"sample)")
         held = None if samples is None else \
             samples if isinstance(samples, SampleRows) else list(samples)
+        if isinstance(held, list) and options.get("media") is None:
+            # Alike dicts as columns: one C++ call makes the step's samples (rows.py).
+            held = rows_of_dicts(held, fields) or held
     except (TypeError, ValueError) as e:
         error = e
     nccl = dist.get_backend(groups.world) == "nccl"

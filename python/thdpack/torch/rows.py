@@ -11,8 +11,9 @@ as for dicts, named with the column and the row). It is also a sequence of sampl
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from .fed import _as_array, _field_value
+from .fed import _as_array, _field_value, field_specs
 
 _TOKEN_DTYPES = ("int32", "int64", "uint8")
 _MASK_DTYPES = ("bool", "uint8", "int32", "int64")
@@ -104,6 +105,69 @@ class SampleRows:
                                                           "loss_mask")
         return ("columns", column(self.input_ids, _TOKEN_DTYPES, "input_ids"), self.offsets,
                 mask, fields)
+
+
+def rows_of_dicts(items, fields=None):
+    """A list of sample dicts as one SampleRows, where they are alike: every dict with the same
+    keys (input_ids, an optional loss_mask, declared fields; no position), each key's values
+    NumPy arrays, NumPy scalars or CPU tensors of one dtype in the machine's byte order (bfloat16 and tensors
+    that need a gradient aside), input_ids 1-D of int32, int64 or uint8, a mask of bool or an
+    integer dtype, each token field as long as its input_ids. Else None, and the dicts go one
+    by one, where whatever breaks a rule is named by its sample. The same samples either way:
+    only the cost differs (one C++ call over the columns instead of a conversion a dict)."""
+    if not isinstance(items, list) or not items or type(items[0]) is not dict:
+        return None
+    keys = items[0].keys()
+    kinds = {f[0]: f[1] for f in field_specs(fields)}
+    if "input_ids" not in keys or any(k not in kinds and k not in ("input_ids", "loss_mask")
+                                      for k in keys):
+        return None
+    cols = {}
+    for k in keys:
+        arrays, dtype = [], None
+        for x in items:
+            if type(x) is not dict or x.keys() != keys:
+                return None
+            v = x[k]
+            if isinstance(v, torch.Tensor):
+                if v.device.type != "cpu" or v.dtype == torch.bfloat16 or v.requires_grad:
+                    return None
+                v = v.numpy()
+            elif isinstance(v, np.generic):  # a NumPy scalar: a sample field's value
+                v = np.asarray(v)
+            elif type(v) is not np.ndarray:
+                return None
+            if dtype is None:
+                dtype = v.dtype
+            elif v.dtype != dtype:
+                return None
+            arrays.append(v)
+        if dtype.byteorder not in "=|":
+            return None
+        cols[k] = arrays
+    ids = cols["input_ids"]
+    if ids[0].dtype.name not in _TOKEN_DTYPES or any(a.ndim != 1 or a.size == 0 for a in ids):
+        return None
+    if "loss_mask" in cols and (cols["loss_mask"][0].dtype.kind not in "biu" or
+                                any(a.ndim != 1 for a in cols["loss_mask"])):
+        return None
+    lengths = [a.shape[0] for a in ids]
+    token_fields, sample_fields = {}, {}
+    for k, arrays in cols.items():
+        if k == "input_ids":
+            continue
+        inner = arrays[0].shape[1:] if arrays[0].ndim else None
+        if any(a.shape[1:] != inner if a.ndim else inner is not None for a in arrays):
+            return None
+        if kinds.get(k) == "sample":
+            sample_fields[k] = np.stack(arrays)
+            continue
+        if inner is None or any(a.shape[0] != n for a, n in zip(arrays, lengths)):
+            return None
+        token_fields[k] = np.concatenate(arrays)
+    mask = token_fields.pop("loss_mask", None)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return SampleRows(np.concatenate(ids), offsets, mask, token_fields, sample_fields)
 
 
 __all__ = ["SampleRows"]
