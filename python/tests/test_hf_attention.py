@@ -98,5 +98,65 @@ def test_attention_choices_and_their_errors():
         hf_attention.varlen_reference(cpu[0].transpose(0, 1), cpu[0].transpose(0, 1),
                                       cpu[0].transpose(0, 1), [0, 4], [0, 4], 4, 4,
                                       dropout_p=0.1)
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        with pytest.raises(ValueError, match="attention='torch' needs a CUDA query"):
+            hf_attention._kernel("torch", cpu)
+    except ImportError:
+        with pytest.raises(ValueError, match="needs torch's varlen_attn"):
+            hf_attention._kernel("torch", cpu)
     kw = hf_attention.model_kwargs({"position_ids": torch.arange(4)}, attention="sdpa")
     assert kw["thdpack_attention"] == "sdpa" and kw["position_ids"].shape == (1, 4)
+
+
+def gpu_kernels():
+    """The fused varlen kernels this machine can run: torch's and flash-attn's."""
+    out = []
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        out.append("torch")
+    except ImportError:
+        pass
+    try:
+        import flash_attn  # noqa: F401
+        out.append("flash")
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_fused_varlen_kernels_equal_the_float64_reference(cp):
+    """On a GPU: each fused kernel through the varlen path, bfloat16, against the sdpa path in
+    float64 on the same values - outputs and the gradients of Q, K and V (the bottom-right
+    causal alignment of each kernel is what this checks)."""
+    kernels = gpu_kernels()
+    if not kernels:
+        pytest.skip("neither torch's varlen_attn nor flash-attn here")
+    rng = np.random.default_rng(20 + cp)
+    gen = torch.Generator().manual_seed(cp)
+    hq, hkv, d = 8, 2, 64
+    for trial in range(3):
+        cup = random_layout(rng, cp) * 8  # longer sequences, the same divisibility
+        total = int(cup[-1])
+        key = torch.randn(1, hkv, total, d, generator=gen)
+        value = torch.randn(1, hkv, total, d, generator=gen)
+        for r in range(cp):
+            query = torch.randn(1, hq, total // cp, d, generator=gen)
+            grad = torch.randn(1, total // cp, hq, d, generator=gen)
+            mb = {"cu_seqlens_padded": torch.from_numpy(cup), "cp_size": cp, "cp_rank": r}
+            q, k, v = (x.double().requires_grad_() for x in (query, key, value))
+            ref = hf_attention._attend_sdpa(q, k, v, dict(mb), 0.0, None)
+            (ref * grad.double()).sum().backward()
+            want = (ref.detach(), q.grad, k.grad, v.grad)
+            for name in kernels:
+                q, k, v = (x.cuda().bfloat16().requires_grad_() for x in (query, key, value))
+                out = hf_attention._attend_varlen(q, k, v, dict(mb), 0.0, None,
+                                                  hf_attention._kernel(name, q))
+                (out.float() * grad.cuda()).sum().backward()
+                for what, a, b in zip(("out", "dq", "dk", "dv"),
+                                      (out.detach(), q.grad, k.grad, v.grad), want):
+                    err = (a.double().cpu() - b).abs().max().item()
+                    assert err < 0.05 * max(1.0, b.abs().max().item()), (name, what, trial, r, err)

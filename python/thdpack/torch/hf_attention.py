@@ -25,6 +25,9 @@ How each rank attends (``model_kwargs(mb, attention=...)``):
   shard's queries are one segment a chunk (one a sequence at CP 1, two at CP > 1: the zigzag's
   half-chunks), each against the keys of its sequence up to the chunk's end, causal aligned to
   the bottom right (flash-attn >= 2.1's rule, which is exactly "at or before its position");
+- ``"torch"``: the same segments through torch's own ``torch.nn.attention.varlen.varlen_attn``
+  (CUDA, float16 or bfloat16; no install beyond torch), causal as its window (-1, 0), without
+  dropout - asked for by name only until a GPU has checked its alignment (the ``cuda`` test);
 - a callable with flash_attn_varlen_func's signature (FA3's, or ``varlen_reference``): the same
   segments through it;
 - ``"auto"`` (default): ``"flash"`` where flash-attn imports and the query is CUDA in float16 or
@@ -109,17 +112,41 @@ def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return torch.cat(out)
 
 
+def _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  dropout_p=0.0, softmax_scale=None, causal=True):
+    """torch's varlen_attn under flash_attn_varlen_func's signature: causal is the window
+    (-1, 0), GQA where the key/value heads are fewer."""
+    from torch.nn.attention.varlen import varlen_attn
+    if dropout_p:
+        raise ValueError(f"attention '{NAME}': attention='torch' has no dropout (torch's "
+                         f"varlen_attn takes none); dropout_p = {dropout_p}")
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       scale=softmax_scale, window_size=(-1, 0) if causal else (-1, -1),
+                       enable_gqa=q.shape[1] != k.shape[1])
+
+
 def _kernel(attention, query):
     """The varlen kernel `attention` names for this query, or None for the sdpa mask path."""
     if callable(attention):
         return attention
-    if attention not in ("auto", "sdpa", "flash"):
+    if attention not in ("auto", "sdpa", "flash", "torch"):
         raise ValueError(f"attention '{NAME}': attention={attention!r}: expected 'auto', "
-                         f"'sdpa', 'flash' or a varlen kernel (flash_attn_varlen_func's "
+                         f"'sdpa', 'flash', 'torch' or a varlen kernel (flash_attn_varlen_func's "
                          f"signature)")
     if attention == "sdpa":
         return None
     half = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    if attention == "torch":
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            raise ValueError(f"attention '{NAME}': attention='torch' needs torch's varlen_attn "
+                             f"(torch.nn.attention.varlen), which torch {torch.__version__} "
+                             f"has not") from None
+        if not half:
+            raise ValueError(f"attention '{NAME}': attention='torch' needs a CUDA query in "
+                             f"float16 or bfloat16, got {query.dtype} on {query.device}")
+        return _torch_varlen
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
