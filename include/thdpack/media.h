@@ -80,6 +80,15 @@ struct MediaItem {
     std::span<const std::vector<MediaGrid>> grids, std::span<const std::vector<double>> seconds,
     std::string_view where);
 
+// The items of one sample's media (one part per spec: its grid rows [3k] and seconds; the
+// payload is not looked at), as SampleMediaItems gives them. InvalidArgument naming `where`
+// when the parts are not one per spec, a grid is not [k, 3], or SampleMediaItems' rules.
+[[nodiscard]] Result<std::vector<MediaItem>> MediaItemsOf(std::span<const MediaSpec> specs,
+                                                          int64_t merge,
+                                                          std::span<const TokenId> tokens,
+                                                          std::span<const MediaPart> media,
+                                                          std::string_view where);
+
 // One sample's media as a caller feeds it (Sample::media, thdpack/sample.h): one part per
 // spec, its grid rows [3k] and seconds tied to the tokens by SampleMediaItems, and a payload of
 // exactly sum(t*h*w) rows of `width` >= 1 elements of its dtype (none: width 0, no bytes, no

@@ -271,6 +271,16 @@ void EncodeMediaFrameInto(std::span<const MediaShard> microbatches, std::span<ui
 [[nodiscard]] Result<std::vector<MediaShard>> DecodeMediaFrame(std::span<const uint8_t> frame,
                                                                size_t modalities);
 
+// A dynamic step's media placement: a loader's samples' items' encoder costs, all-gathered over
+// the heads so that each head places every group's items before the exchange (docs/media.md,
+// "Under the dynamic scheduler"). One kMedia frame: the sample count, then per sample k (its
+// items, in MediaItemsOf's order) and k float64 costs (IEEE-754 bits).
+std::vector<uint8_t> EncodeMediaCostsFrame(std::span<const std::vector<double>> costs);
+// Corruption on a damaged frame, another sample count than `samples`, a count past the bytes,
+// a cost that is not finite or is negative, or bytes left over.
+[[nodiscard]] Result<std::vector<std::vector<double>>> DecodeMediaCostsFrame(
+    std::span<const uint8_t> frame, int64_t samples);
+
 }  // namespace thdpack
 
 #endif  // THDPACK_STEP_WIRE_H_

@@ -85,13 +85,15 @@ def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir, scheduler="balanced"):
                                 prefetch=prefetch, steps=2, **kw)
         steps = list(it)
     E, W, W2 = (p.requires_grad_() for p in params())
-    loss, checked, sizes = 0, 0, set()
+    loss, checked, sizes, group_of = 0, 0, set(), {}
     for step in steps:
         for mb in step:
             if mb.get("idle"):  # a dynamic step's rank in no group of this microbatch
                 assert "media" not in mb
                 continue
             sizes.add(mb["cp_size"])
+            for i in mb["sample_ids"].tolist():  # each sample's group size
+                group_of[i] = mb["cp_size"]
             ids = mb["sample_ids"].tolist()  # stream positions: indices into samples
             whole = [samples[i] for i in ids]
             cu, cup = mb["cu_seqlens_cpu"].numpy(), mb["cu_seqlens_padded_cpu"].numpy()
@@ -121,8 +123,9 @@ def worker(rank, port, tp, cp, dp, sp, prefetch, out_dir, scheduler="balanced"):
             keep = slice(lo, lo + n) if sp else slice(None)
             loss = loss + weighted_sum(embeds, mb, samples, keep)
     loss.backward()
-    torch.save((float(loss.detach()), E.grad, W.grad, W2.grad, checked, sorted(sizes)),
-               f"{out_dir}/r{rank}.pt")
+    sent = sum(step.bytes_sent["exchange"] for step in steps)
+    torch.save((float(loss.detach()), E.grad, W.grad, W2.grad, checked, sorted(sizes), sent,
+                group_of, len(steps)), f"{out_dir}/r{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -149,6 +152,21 @@ def test_the_steps_media_train_as_one_process(tmp_path, tp, cp, dp, sp, prefetch
     assert all(g[4] > 0 for g in got)
     if scheduler == "dynamic":  # groups of one rank and of more, both with media
         assert {1, 2} <= set().union(*(g[5] for g in got)), [g[5] for g in got]
+        # Each payload row crosses the exchange at most once (to the head that encodes its
+        # item), whatever its group's size: the exchange's bytes stay under the payload's plus,
+        # for every head of each sample's group, its tokens (int32 and a mask byte) and its
+        # media's headers (5 words a modality, 4 an item), and 64 bytes of frames a pair of
+        # heads a step. Sending each payload to every head of its group breaks it.
+        samples = make_samples(21, n=N)
+        group = {i: c for g in got for i, c in g[7].items()}
+        payload, each = 0, 0
+        for i, s in enumerate(samples):
+            keys = ("pixel_values", "pixel_values_videos")
+            payload += sum(s[k].numel() * s[k].element_size() for k in keys)
+            items = len(s["image_grid_thw"]) + len(s["video_grid_thw"])
+            each += group[i] * (5 * len(s["input_ids"]) + 80 + 32 * items)
+        bound = payload + each + 64 * world * world * got[0][8]
+        assert sum(g[6] for g in got) <= bound, (sum(g[6] for g in got), payload, bound)
     loss, gE, gW, gW2 = one_process(make_samples(21, n=N))
     assert abs(sum(g[0] for g in got) - loss) <= 1e-11 * max(1.0, abs(loss))
     for k, want in ((1, gE), (2, gW), (3, gW2)):

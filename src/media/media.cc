@@ -145,10 +145,10 @@ Result<std::vector<MediaItem>> SampleMediaItems(std::span<const MediaSpec> specs
   return items;
 }
 
-Result<std::vector<MediaItem>> CheckSampleMedia(std::span<const MediaSpec> specs,
-                                                int64_t merge, std::span<const TokenId> tokens,
-                                                std::span<const MediaPart> media,
-                                                std::string_view where) {
+Result<std::vector<MediaItem>> MediaItemsOf(std::span<const MediaSpec> specs, int64_t merge,
+                                            std::span<const TokenId> tokens,
+                                            std::span<const MediaPart> media,
+                                            std::string_view where) {
   const std::string w(where);
   if (media.size() != specs.size()) {
     return Status::InvalidArgument(w + ": media for " + Str(static_cast<int64_t>(media.size())) +
@@ -169,12 +169,22 @@ Result<std::vector<MediaItem>> CheckSampleMedia(std::span<const MediaSpec> specs
     }
     seconds[m] = p.seconds;
   }
+  return SampleMediaItems(specs, merge, tokens, grids, seconds, where);
+}
+
+Result<std::vector<MediaItem>> CheckSampleMedia(std::span<const MediaSpec> specs,
+                                                int64_t merge, std::span<const TokenId> tokens,
+                                                std::span<const MediaPart> media,
+                                                std::string_view where) {
+  const std::string w(where);
   THDPACK_ASSIGN_OR_RETURN(std::vector<MediaItem> items,
-                           SampleMediaItems(specs, merge, tokens, grids, seconds, where));
+                           MediaItemsOf(specs, merge, tokens, media, where));
   for (size_t m = 0; m < specs.size(); ++m) {
     const MediaPart& p = media[m];
     int64_t rows = 0;
-    for (const MediaGrid& g : grids[m]) rows += g.patches();
+    for (size_t k = 0; k + 2 < p.grid.size(); k += 3) {
+      rows += MediaGrid{p.grid[k], p.grid[k + 1], p.grid[k + 2]}.patches();
+    }
     const std::string name = "'" + specs[m].name + "'";
     if (p.dtype >= AllFieldDtypes().size()) {
       return Status::InvalidArgument(w + ": " + name + " payload dtype code " + Str(p.dtype) +

@@ -116,18 +116,6 @@ Status StepRunner::Impl::ExchangeTokensDynamic(RankStep& out) {
                      [&](int64_t p) { return loader && HeadHolds(p, me); });
 }
 
-// Each sample's media to every head of its group, as its tokens go (HeadBlocks): each head
-// places its group's items and keeps the payload of those it encodes.
-Status StepRunner::Impl::ExchangeMediaDynamic(RankStep& out) {
-  const int me = DomainIndex();
-  std::vector<std::vector<int64_t>> send_ps, recv_ps;
-  HeadBlocks(&send_ps, &recv_ps);
-  const bool loader = reader_;
-  return MoveMedia(*heads_, "head", send_ps, recv_ps,
-                   loader ? loader_offset_[static_cast<size_t>(coord_.dp)] : 0,
-                   [&](int64_t p) { return loader && HeadHolds(p, me); }, out);
-}
-
 // Each head: per microbatch, its group's sequences packed with the group's layout and its own
 // zigzag shard (every array: the column's first and last stages take theirs), and the
 // metadata of its domain index (with groups), sealed into its step message (SealMeta).

@@ -107,18 +107,20 @@ Status StepRunner::Impl::MoveMedia(ProcessGroup& g, const char* role,
                                    const std::vector<std::vector<int64_t>>& send_ps,
                                    const std::vector<std::vector<int64_t>>& recv_ps,
                                    int64_t my_begin, const std::function<bool(int64_t)>& keeps,
-                                   RankStep& out) {
+                                   RankStep& out, const PartsOf& parts_of) {
   const size_t n = static_cast<size_t>(g.size());
   const auto& samples = out.samples;
+  auto parts = [&](int64_t p, size_t e) -> std::span<const MediaPart> {
+    return parts_of ? parts_of(p, e) : std::span<const MediaPart>(
+                                           own_[static_cast<size_t>(p - my_begin)].media);
+  };
   // The blocks: each sample's media (EncodeSampleMedia) back to back, one kMedia frame a
   // receiver, encoded in place in the send buffer.
   std::vector<int64_t> sc(n, 0), sd(n, 0), rc(n, 0), rd(n, 0);
   for (size_t e = 0; e < n; ++e) {
     if (send_ps[e].empty()) continue;
     size_t bytes = kFrameTrailerSize;
-    for (int64_t p : send_ps[e]) {
-      bytes += SampleMediaBytes(own_[static_cast<size_t>(p - my_begin)].media);
-    }
+    for (int64_t p : send_ps[e]) bytes += SampleMediaBytes(parts(p, e));
     sc[e] = static_cast<int64_t>(bytes);
   }
   for (size_t j = 1; j < n; ++j) sd[j] = sd[j - 1] + sc[j - 1];
@@ -127,9 +129,7 @@ Status StepRunner::Impl::MoveMedia(ProcessGroup& g, const char* role,
     if (sc[e] == 0) continue;
     auto* block = reinterpret_cast<uint8_t*>(send.data() + sd[e]);
     uint8_t* dst = block;
-    for (int64_t p : send_ps[e]) {
-      dst = EncodeSampleMedia(own_[static_cast<size_t>(p - my_begin)].media, dst);
-    }
+    for (int64_t p : send_ps[e]) dst = EncodeSampleMedia(parts(p, e), dst);
     SealFrame(FrameKind::kMedia, std::span<uint8_t>(block, static_cast<size_t>(sc[e])));
   }
   // Their sizes first, each in a size frame, so that every receiver knows what comes.

@@ -208,20 +208,34 @@ class StepRunner::Impl {
   Status CheckMediaOptions() const;
   // After the token exchange: each sample's media to the loader that packs it (media_of_).
   Status ExchangeMedia(RankStep& out);
-  // The dynamic step's: each sample's media to every head of its group, as its tokens go.
+  // The dynamic step's (dynamic_media.cc): each sample's media to every head of its group, as
+  // its tokens go - its grids to each, each payload row only to the head that encodes its item
+  // (PlaceDynamicMedia), expanded there to the whole payload's size (ExpandPlacedPayload).
   Status ExchangeMediaDynamic(RankStep& out);
+  // Every head's placement of every group's items before the exchange: the loaders' samples'
+  // item costs all-gathered over the heads (a kMedia frame each), then each microbatch group's
+  // items placed over its ranks by PlaceMediaItems - as PackMedia will place them - into
+  // item_head_ (the domain index of the head that encodes each item of each position).
+  Status PlaceDynamicMedia(RankStep& out);
+  // A received sample's parts (position p, payload rows of the items placed on this head
+  // alone) made whole-sized, those rows at their items' places; Corruption naming `from` when
+  // the rows are not those of the items placed here.
+  Status ExpandPlacedPayload(int64_t p, std::vector<MediaPart>& parts, const std::string& from);
   // The dynamic step's blocks among the heads (dynamic_step.cc): head e receives from loader
   // head s the positions s read whose group holds e; and whether sample p's group holds e.
   void HeadBlocks(std::vector<std::vector<int64_t>>* send_ps,
                   std::vector<std::vector<int64_t>>* recv_ps) const;
   bool HeadHolds(int64_t p, int e) const;
   // The exchange of both: over `g` (members named `role` in errors), member e receiving the
-  // media of the positions send_ps[e] (this member's samples, own_ from my_begin) and sending
-  // recv_ps[e]'s to this one; `keeps(p)`: this member packs its own sample p.
+  // media of the positions send_ps[e] (this member's samples, own_ from my_begin: the parts
+  // parts_of(p, e) gives, all of its own by default) and sending recv_ps[e]'s to this one;
+  // `keeps(p)`: this member packs its own sample p.
+  using PartsOf = std::function<std::span<const MediaPart>(int64_t p, size_t e)>;
   Status MoveMedia(ProcessGroup& g, const char* role,
                    const std::vector<std::vector<int64_t>>& send_ps,
                    const std::vector<std::vector<int64_t>>& recv_ps, int64_t my_begin,
-                   const std::function<bool(int64_t)>& keeps, RankStep& out);
+                   const std::function<bool(int64_t)>& keeps, RankStep& out,
+                   const PartsOf& parts_of = nullptr);
   // Microbatch m's media over a CP group of `cp` ranks: its items checked and placed, each
   // first-stage rank's MediaShard (media_shards_[m][cp * TP + tp]); with only_c >= 0 (a dynamic
   // step's head) that CP rank's alone (media_shards_[m][tp]).
@@ -323,6 +337,8 @@ class StepRunner::Impl {
   // (the loader), and this rank's, per microbatch.
   std::vector<std::vector<MediaPart>> media_recv_;
   std::vector<const std::vector<MediaPart>*> media_of_;
+  // A dynamic step's placement (PlaceDynamicMedia): [n][items] the encoding head's domain index.
+  std::vector<std::vector<int32_t>> item_head_;
   std::vector<std::vector<MediaShard>> media_shards_;
   std::vector<MediaShard> media_local_;
   std::vector<uint8_t> meta_bytes_;  // the encoded step message

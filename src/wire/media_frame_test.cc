@@ -3,7 +3,9 @@
 // bytes, another number of modalities and a bad dtype are refused by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -143,6 +145,38 @@ TEST(MediaWire, RefusalsNameTheRule) {
   auto bad = DecodeSampleMedia(bytes, 1, &off);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("dtype 9 is not one of fields.h's"), std::string::npos);
+}
+
+TEST(MediaWire, CostsFrameIsItsBytesAndRefusesWhatCannotBePlaced) {
+  // Two samples: one item of cost 1.5, none. Worked out by hand from wire_format.md.
+  const std::vector<std::vector<double>> costs = {{1.5}, {}};
+  const std::vector<uint8_t> frame = EncodeMediaCostsFrame(costs);
+  const std::vector<uint8_t> body = {2, 0, 0, 0, 0, 0, 0, 0,           // samples
+                                     1, 0, 0, 0, 0, 0, 0, 0,           // k
+                                     0, 0, 0, 0, 0, 0, 0xF8, 0x3F,     // 1.5
+                                     0, 0, 0, 0, 0, 0, 0, 0};          // k
+  ASSERT_EQ(frame.size(), body.size() + kFrameTrailerSize);
+  EXPECT_TRUE(std::equal(body.begin(), body.end(), frame.begin()));
+  auto back = DecodeMediaCostsFrame(frame, 2);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, costs);
+  auto count = DecodeMediaCostsFrame(frame, 3);
+  ASSERT_FALSE(count.ok());
+  EXPECT_NE(count.status().message().find("2 samples, the sender reads 3"), std::string::npos);
+  for (double bad : {-1.0, std::numeric_limits<double>::infinity(),
+                     std::numeric_limits<double>::quiet_NaN()}) {
+    const std::vector<std::vector<double>> one = {{bad}};
+    auto b = DecodeMediaCostsFrame(EncodeMediaCostsFrame(one), 1);
+    ASSERT_FALSE(b.ok());
+    EXPECT_NE(b.status().message().find("a cost is finite and >= 0"), std::string::npos);
+  }
+  for (size_t bit = 0; bit < frame.size() * 8; ++bit) {
+    std::vector<uint8_t> flipped = frame;
+    flipped[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+    auto b = DecodeMediaCostsFrame(flipped, 2);
+    ASSERT_FALSE(b.ok()) << "bit " << bit;
+    EXPECT_EQ(b.status().code(), StatusCode::kCorruption);
+  }
 }
 
 }  // namespace

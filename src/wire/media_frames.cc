@@ -2,6 +2,7 @@
 // token exchange's media blocks, and a rank's media of a step in one kMedia frame. Every count
 // is checked against the bytes left before anything is allocated or read.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -228,6 +229,55 @@ Result<std::vector<MediaShard>> DecodeMediaFrame(std::span<const uint8_t> frame,
       THDPACK_RETURN_IF_ERROR(r.Words(&p.send_counts, cp, pat + " send counts"));
       THDPACK_RETURN_IF_ERROR(r.Words(&p.recv_counts, cp, pat + " receive counts"));
       THDPACK_RETURN_IF_ERROR(r.Bytes(&p.payload, payload, pat + " payload"));
+    }
+  }
+  if (r.left() != 0) return r.Bad(Num(int64_t(r.left())) + " bytes left over");
+  return out;
+}
+
+std::vector<uint8_t> EncodeMediaCostsFrame(std::span<const std::vector<double>> costs) {
+  size_t n = 8;
+  for (const std::vector<double>& c : costs) n += 8 * (1 + c.size());
+  std::vector<uint8_t> out(n + kFrameTrailerSize);
+  uint8_t* dst = out.data();
+  Put(dst, static_cast<int64_t>(costs.size()));
+  for (const std::vector<double>& c : costs) {
+    Put(dst, static_cast<int64_t>(c.size()));
+    for (double x : c) {
+      int64_t bits;
+      std::memcpy(&bits, &x, 8);
+      Put(dst, bits);
+    }
+  }
+  SealFrame(FrameKind::kMedia, out);
+  return out;
+}
+
+Result<std::vector<std::vector<double>>> DecodeMediaCostsFrame(std::span<const uint8_t> frame,
+                                                               int64_t samples) {
+  THDPACK_ASSIGN_OR_RETURN(std::span<const uint8_t> body, OpenFrame(frame, FrameKind::kMedia));
+  Reader r(body, 0, "media costs: ");
+  int64_t count;
+  THDPACK_RETURN_IF_ERROR(r.Count(&count, "samples", 8));
+  if (count != samples) {
+    return r.Bad(Num(count) + " samples, the sender reads " + Num(samples));
+  }
+  std::vector<std::vector<double>> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t k;
+    THDPACK_RETURN_IF_ERROR(r.Count(&k, "sample " + Num(i) + " items", 8));
+    std::vector<double>& c = out[static_cast<size_t>(i)];
+    c.resize(static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t bits;
+      THDPACK_RETURN_IF_ERROR(r.Word(&bits, "sample " + Num(i) + " item " + Num(j) + " cost"));
+      double x;
+      std::memcpy(&x, &bits, 8);
+      if (!std::isfinite(x) || x < 0) {
+        return r.Bad("sample " + Num(i) + " item " + Num(j) + ": cost " + std::to_string(x) +
+                     " (a cost is finite and >= 0)");
+      }
+      c[static_cast<size_t>(j)] = x;
     }
   }
   if (r.left() != 0) return r.Bad(Num(int64_t(r.left())) + " bytes left over");
