@@ -41,16 +41,23 @@ Status StepRunner::Impl::PlaceDynamicMedia(RankStep& out) {
   const int cp = topo_.cp_size();
   const size_t gs = static_cast<size_t>(g.size());
   const std::string where = "step " + Num(step_) + ": ";
-  // This loader's samples' item costs (their media passed CheckSampleMedia as they were read).
+  // This loader's samples' items and their costs (their media passed CheckSampleMedia as they
+  // were read; a failure here still takes part in the sizes' all-gather, and is agreed there).
   std::vector<std::vector<double>> mine;
+  Status local;
+  own_items_.clear();
   if (reader_) {
     for (const Sample& x : own_) {
-      THDPACK_ASSIGN_OR_RETURN(
-          std::vector<MediaItem> items,
-          MediaItemsOf(opts_.media, opts_.spatial_merge_size, x.tokens, x.media,
-                       "sample id " + Num(x.id)));
+      auto items = MediaItemsOf(opts_.media, opts_.spatial_merge_size, x.tokens, x.media,
+                                "sample id " + Num(x.id));
+      if (!items.ok()) {
+        local = items.status();
+        mine.clear();
+        break;
+      }
       std::vector<double>& c = mine.emplace_back();
-      for (const MediaItem& it : items) c.push_back(ItemEncoderCost(*opts_.media_cost, it.grid));
+      for (const MediaItem& it : *items) c.push_back(ItemEncoderCost(*opts_.media_cost, it.grid));
+      own_items_.push_back(std::move(*items));
     }
   }
   // Every head's frame: its size first (a size frame each), then the frames.
@@ -60,7 +67,6 @@ Status StepRunner::Impl::PlaceDynamicMedia(RankStep& out) {
   THDPACK_RETURN_IF_ERROR(
       g.AllGatherValues(std::span<const uint8_t>(size), std::span<uint8_t>(sizes)));
   std::vector<int64_t> c(gs, 0), dsp(gs, 0);
-  Status local;
   for (size_t j = 0; j < gs && local.ok(); ++j) {
     auto got = DecodeSizeFrame(std::span<const uint8_t>(sizes).subspan(j * kSizeFrameSize,
                                                                        kSizeFrameSize),
@@ -137,10 +143,7 @@ Status StepRunner::Impl::ExchangeMediaDynamic(RankStep& out) {
   for (size_t e = 0; e < send_ps.size(); ++e) {
     for (int64_t p : send_ps[e]) {
       const Sample& x = own_[static_cast<size_t>(p - my_begin)];
-      THDPACK_ASSIGN_OR_RETURN(
-          std::vector<MediaItem> items,
-          MediaItemsOf(opts_.media, opts_.spatial_merge_size, x.tokens, x.media,
-                       "sample id " + Num(x.id)));
+      const std::vector<MediaItem>& items = own_items_[static_cast<size_t>(p - my_begin)];
       std::vector<MediaPart>& parts = sent.emplace_back();
       for (const MediaPart& part : x.media) {
         parts.push_back(MediaPart{part.grid, part.seconds, part.dtype, part.width, {}});

@@ -387,6 +387,8 @@ Result<RankStep> StepRunner::Impl::NextDynamic() {
   recv_buffer_.clear();
   refs_.clear();
   media_recv_.clear();
+  item_head_.clear();
+  own_items_.clear();
   media_of_.clear();
   THDPACK_RETURN_IF_ERROR(packed);
 

@@ -337,8 +337,10 @@ class StepRunner::Impl {
   // (the loader), and this rank's, per microbatch.
   std::vector<std::vector<MediaPart>> media_recv_;
   std::vector<const std::vector<MediaPart>*> media_of_;
-  // A dynamic step's placement (PlaceDynamicMedia): [n][items] the encoding head's domain index.
+  // A dynamic step's placement (PlaceDynamicMedia): [n][items] the encoding head's domain index,
+  // and this loader's samples' items (own_ order).
   std::vector<std::vector<int32_t>> item_head_;
+  std::vector<std::vector<MediaItem>> own_items_;
   std::vector<std::vector<MediaShard>> media_shards_;
   std::vector<MediaShard> media_local_;
   std::vector<uint8_t> meta_bytes_;  // the encoded step message
