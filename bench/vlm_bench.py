@@ -33,6 +33,9 @@ Then the encoder ranks (--encoders): the items of each global microbatch (the i-
 DP replicas of CP 2) placed over E encoder ranks of their own (encoder_ranks), against the same
 items on the replicas' CP ranks.
 
+With --step-scheduler dynamic the step runs under the dynamic scheduler (a CP group a
+microbatch and sequence), and its exchange MB shows each payload row crossing it at most once.
+
 Run: PYTHONPATH=build/python python3 bench/vlm_bench.py [--microbatches 200] [--step] [--replicas]
      [--encoders]
 """
@@ -108,7 +111,7 @@ def step_worker(rank, cp, port, args, out):
         for key in ("pixel_values", "pixel_values_videos"):
             s[key] = s[key].contiguous()
     text = [{"input_ids": s["input_ids"]} for s in samples]
-    kw = dict(max_tokens_per_rank=8192, cost="llama2-7b")
+    kw = dict(max_tokens_per_rank=8192, cost="llama2-7b", scheduler=args.step_scheduler)
     times = {"media": [], "text": [], "route": []}
     phases = []
     # A first call of each makes the step's process groups (kept for the next calls): untimed.
@@ -140,7 +143,8 @@ def step_worker(rank, cp, port, args, out):
     names = sorted(phases[0])  # the loader's (rank 0's): the other ranks wait in theirs
     ph = torch.tensor([[statistics.median(p[k] for p in phases) for k in names]],
                       dtype=torch.float64)
-    sent = torch.tensor([sum(step.bytes_sent.values())], dtype=torch.int64)
+    sent = torch.tensor([sum(step.bytes_sent.values()), step.bytes_sent["exchange"]],
+                        dtype=torch.int64)
     dist.all_reduce(sent)
     if rank == 0:
         patches = sum(int(s["pixel_values"].shape[0] + s["pixel_values_videos"].shape[0])
@@ -151,7 +155,10 @@ def step_worker(rank, cp, port, args, out):
         lengths = [len(s["input_ids"]) for s in samples]
         c = _t.cost_model("llama2-7b")  # cost(L) = a L + b L^2 in training FLOPs
         lm = sum(c["a"] * n + c["b"] * n * n for n in lengths)
-        torch.save({"t": t[0].tolist(), "sent": int(sent), "patches": patches,
+        payload = sum(s[k].numel() * s[k].element_size() for s in samples
+                      for k in ("pixel_values", "pixel_values_videos"))
+        torch.save({"t": t[0].tolist(), "sent": int(sent[0]), "exchange": int(sent[1]),
+                    "payload": payload, "patches": patches,
                     "tokens": sum(lengths), "mbs": step.num_microbatches,
                     "flops": flops + lm,
                     "phases": dict(zip(names, ph[0].tolist()))}, out)
@@ -160,10 +167,13 @@ def step_worker(rank, cp, port, args, out):
 
 def step_figures(args):
     import torch.multiprocessing as mp
-    print(f"\none step of {args.step_samples} samples through pack_batch (gloo, DP 1), median of "
-          f"{args.repeats}; modelled at {args.tflops:.0f} TFLOP/s a GPU")
+    print(f"\none step of {args.step_samples} samples through pack_batch (gloo, DP 1, the "
+          f"{args.step_scheduler} scheduler), median of {args.repeats}; modelled at "
+          f"{args.tflops:.0f} TFLOP/s a GPU; exchange MB: the exchange phase's bytes over every "
+          f"rank, beside the payload's")
     print(f"{'CP':>3} {'mbs':>4} {'pack media ms':>14} {'pack text ms':>13} {'route ms':>9} "
-          f"{'MB sent':>8} {'modelled ms':>12} {'(pack+route)/model':>19}")
+          f"{'MB sent':>8} {'exchange MB':>12} {'payload MB':>11} {'modelled ms':>12} "
+          f"{'(pack+route)/model':>19}")
     phases = []
     for cp in (2, 4):
         out = f"/tmp/vlm_bench_step_{os.getpid()}.pt"
@@ -177,7 +187,8 @@ def step_figures(args):
         media, text, route = r["t"]
         model = r["flops"] / (cp * args.tflops * 1e12)
         print(f"{cp:>3} {r['mbs']:>4} {1e3 * media:>14.1f} {1e3 * text:>13.1f} "
-              f"{1e3 * route:>9.1f} {r['sent'] / 1e6:>8.1f} {1e3 * model:>12.1f} "
+              f"{1e3 * route:>9.1f} {r['sent'] / 1e6:>8.1f} {r['exchange'] / 1e6:>12.1f} "
+              f"{r['payload'] / 1e6:>11.1f} {1e3 * model:>12.1f} "
               f"{(media + route) / model:>19.3f}")
         phases.append((cp, r["phases"], media))
     # Where pack_batch's time goes: the loader's phase clocks (median), and the rest of the
@@ -293,6 +304,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step", action="store_true", help="also one step through pack_batch")
     ap.add_argument("--step-samples", type=int, default=24)
+    ap.add_argument("--step-scheduler", default="balanced", choices=("balanced", "dynamic"),
+                    help="the step's scheduler (dynamic: a CP group a microbatch and sequence)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tflops", type=float, default=400.0)
     ap.add_argument("--replicas", action="store_true",
