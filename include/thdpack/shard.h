@@ -29,6 +29,7 @@
 #include <ranges>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -86,6 +87,33 @@ namespace thdpack {
 [[nodiscard]] Result<int64_t> ForEachShardRun(
     std::span<const int32_t> cu_seqlens, std::span<const int32_t> cu_seqlens_padded, int cp_size,
     int cp_rank, const std::function<void(size_t i, int64_t at, int64_t real, int64_t pad)>& run);
+// T/CP of rank cp_rank's shard (0 for an idle microbatch) after ForEachShardRun's checks.
+[[nodiscard]] Result<int64_t> ShardRunsSize(std::span<const int32_t> cu_seqlens,
+                                            std::span<const int32_t> cu_seqlens_padded,
+                                            int cp_size, int cp_rank);
+// Rank cp_rank's shard [T/CP] written into out run by run: value(i) on the real tokens of
+// sequence i, `pad` on padding (ShardPaddingMaskInto, ShardSequenceIndexInto). Checked whole
+// and sized before anything is written; `what` names the caller in the size's error.
+template <typename T, typename Value>
+[[nodiscard]] Status FillShardRuns(std::span<const int32_t> cu_seqlens,
+                                   std::span<const int32_t> cu_seqlens_padded, int cp_size,
+                                   int cp_rank, std::span<T> out, Value value, T pad,
+                                   std::string_view what) {
+  Result<int64_t> n = ShardRunsSize(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank);
+  if (!n.ok()) return n.status();
+  if (static_cast<int64_t>(out.size()) != *n) {
+    return Status::InvalidArgument(std::string(what) + ": out has " +
+                                   std::to_string(out.size()) +
+                                   " elements: it must hold T/CP = " + std::to_string(*n));
+  }
+  return ForEachShardRun(cu_seqlens, cu_seqlens_padded, cp_size, cp_rank,
+                         [&](size_t i, int64_t at, int64_t real, int64_t padding) {
+                           T* dst = out.data() + at;
+                           std::fill(dst, dst + real, static_cast<T>(value(i)));
+                           std::fill(dst + real, dst + real + padding, pad);
+                         })
+      .status();
+}
 
 // Local sequence boundaries of every CP rank's shard: cu_seqlens_padded / CP, [n+1]. For the
 // loss and unsharding; attention (TransformerEngine) takes the GLOBAL cu_seqlens_padded.

@@ -280,8 +280,10 @@ class TorchProcessGroup final : public ProcessGroup {
     };
     const bool send_direct = in_order(send_counts, send_displs);
     const bool recv_direct = in_order(recv_counts, recv_displs);
-    std::vector<std::byte> in(send_direct ? 0 : static_cast<size_t>(packed_size(send_counts)));
-    std::vector<std::byte> out(recv_direct ? 0 : static_cast<size_t>(packed_size(recv_counts)));
+    const size_t send_total = static_cast<size_t>(packed_size(send_counts));
+    const size_t recv_total = static_cast<size_t>(packed_size(recv_counts));
+    std::vector<std::byte> in(send_direct ? 0 : send_total);
+    std::vector<std::byte> out(recv_direct ? 0 : recv_total);
     int64_t sent = 0;
     for (size_t j = 0; j < n; ++j) {
       if (static_cast<int>(j) != rank()) sent += send_counts[j];
@@ -295,11 +297,9 @@ class TorchProcessGroup final : public ProcessGroup {
       }
     }
     const std::span<const std::byte> in_bytes =
-        send_direct ? send.first(static_cast<size_t>(packed_size(send_counts)))
-                    : std::span<const std::byte>(in);
+        send_direct ? send.first(send_total) : std::span<const std::byte>(in);
     const std::span<std::byte> out_bytes =
-        recv_direct ? recv.first(static_cast<size_t>(packed_size(recv_counts)))
-                    : std::span<std::byte>(out);
+        recv_direct ? recv.first(recv_total) : std::span<std::byte>(out);
     return Call("all_to_all_single", [&] {
       py::list in_splits, out_splits;
       for (size_t t = 0; t < n; ++t) {

@@ -504,27 +504,15 @@ Status ToHfField(const FieldSpec& spec, std::span<const std::byte> in,
 
 Status ShardSequenceIndexInto(std::span<const int32_t> cu, std::span<const int32_t> cup,
                               int cp_size, int cp_rank, std::span<int32_t> out) {
-  // Checked whole (and sized) before anything is written (ShardPaddingMask's checks).
-  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
-                                                            [](size_t, int64_t, int64_t, int64_t) {}));
-  if (static_cast<int64_t>(out.size()) != n) {
-    return Status::InvalidArgument("ShardSequenceIndex: out has " + Str(int64_t(out.size())) +
-                                   " elements: it must hold T/CP = " + Str(n));
-  }
-  return ForEachShardRun(cu, cup, cp_size, cp_rank,
-                         [&](size_t i, int64_t at, int64_t real, int64_t pad) {
-                           int32_t* dst = out.data() + at;
-                           std::fill(dst, dst + real, static_cast<int32_t>(i));
-                           std::fill(dst + real, dst + real + pad, int32_t{-1});
-                         })
-      .status();
+  return FillShardRuns(cu, cup, cp_size, cp_rank, out,
+                       [](size_t i) { return static_cast<int32_t>(i); }, int32_t{-1},
+                       "ShardSequenceIndex");
 }
 
 Result<std::vector<int32_t>> ShardSequenceIndex(std::span<const int32_t> cu,
                                                 std::span<const int32_t> cup, int cp_size,
                                                 int cp_rank) {
-  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
-                                                            [](size_t, int64_t, int64_t, int64_t) {}));
+  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ShardRunsSize(cu, cup, cp_size, cp_rank));
   std::vector<int32_t> out(static_cast<size_t>(n));
   THDPACK_RETURN_IF_ERROR(ShardSequenceIndexInto(cu, cup, cp_size, cp_rank, out));
   return out;

@@ -204,28 +204,21 @@ Result<int64_t> ForEachShardRun(
   return int64_t{cup.back() / cp_size};
 }
 
+Result<int64_t> ShardRunsSize(std::span<const int32_t> cu, std::span<const int32_t> cup,
+                              int cp_size, int cp_rank) {
+  return ForEachShardRun(cu, cup, cp_size, cp_rank, [](size_t, int64_t, int64_t, int64_t) {});
+}
+
 Status ShardPaddingMaskInto(std::span<const int32_t> cu, std::span<const int32_t> cup,
                             int cp_size, int cp_rank, std::span<uint8_t> out) {
-  // Checked whole (and sized) before anything is written.
-  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
-                                                            [](size_t, int64_t, int64_t, int64_t) {}));
-  if (static_cast<int64_t>(out.size()) != n) {
-    return Status::InvalidArgument("ShardPaddingMask: out has " + Str(int64_t(out.size())) +
-                                   " elements: it must hold T/CP = " + Str(n));
-  }
-  return ForEachShardRun(cu, cup, cp_size, cp_rank,
-                         [&](size_t, int64_t at, int64_t real, int64_t pad) {
-                           std::memset(out.data() + at, 0, static_cast<size_t>(real));
-                           std::memset(out.data() + at + real, 1, static_cast<size_t>(pad));
-                         })
-      .status();
+  return FillShardRuns(cu, cup, cp_size, cp_rank, out, [](size_t) { return uint8_t{0}; },
+                       uint8_t{1}, "ShardPaddingMask");
 }
 
 Result<std::vector<uint8_t>> ShardPaddingMask(std::span<const int32_t> cu,
                                               std::span<const int32_t> cup, int cp_size,
                                               int cp_rank) {
-  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ForEachShardRun(cu, cup, cp_size, cp_rank,
-                                                            [](size_t, int64_t, int64_t, int64_t) {}));
+  THDPACK_ASSIGN_OR_RETURN(const int64_t n, ShardRunsSize(cu, cup, cp_size, cp_rank));
   std::vector<uint8_t> pad(static_cast<size_t>(n));
   THDPACK_RETURN_IF_ERROR(ShardPaddingMaskInto(cu, cup, cp_size, cp_rank, pad));
   return pad;
