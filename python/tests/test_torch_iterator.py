@@ -387,16 +387,33 @@ def same_array(a, b, where):
 _PORTS = os.path.join(tempfile.gettempdir(), f"thdpack-test-ports-{os.getuid()}")
 
 
+def _below_ephemeral():
+    """The ports below the kernel's ephemeral range (ip_local_port_range), from 10000: a port
+    the OS hands an outgoing connection is never one of them."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, max(low, 11000))
+
+
 def free_port():
     """A free port for a world's rendezvous that no other test process was given in the last
-    10 minutes: the OS picks a free one, and a claim file (created exclusively) keeps two
+    10 minutes: one below the ephemeral range that binds now (a port the OS picked from that
+    range could be given to another world's outgoing gloo connection before the store listens
+    on it: the store's EADDRINUSE), and a claim file (created exclusively) keeps two
     pytest-xdist workers from starting worlds on one port, where the ranks of one world would
     join the other's store."""
     os.makedirs(_PORTS, exist_ok=True)
+    ports = _below_ephemeral()
     while True:
+        port = ports[int.from_bytes(os.urandom(4), "little") % len(ports)]
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (a service, a world's store, TIME_WAIT): another
+                continue
         claim = os.path.join(_PORTS, str(port))
         try:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
